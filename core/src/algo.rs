@@ -1,0 +1,140 @@
+//! The all-reduce algorithm family and the vendors anyccl knows.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+/// An all-reduce algorithm. Which ones a backend offers, and when each is eligible, the backend says; which one
+/// runs, the [`crate::Selector`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Algorithm {
+    /// The vendor collective library's own all-reduce (NCCL or RCCL).
+    Ccl,
+    /// The vendor library's all-reduce on symmetric-memory windows (`ncclCommWindowRegister`).
+    CclSymmetric,
+    /// One step: every rank reads every peer's whole input and reduces it (custom IPC kernel; host threads).
+    OneShot,
+    /// Two steps: reduce-scatter then all-gather, each rank reducing its own 1/N (custom IPC kernel; host).
+    TwoShot,
+    /// Ring reduce-scatter then ring all-gather between neighbours (host backend; the host's baseline).
+    Ring,
+    /// NVLS multicast, reducing straight from the user buffers (`multimem.ld_reduce`).
+    NvlsZeroCopy,
+    /// NVLS multicast through staging buffers, pipelined per warp.
+    NvlsWarpPipeline,
+    /// NVLS multicast through staging buffers, pipelined per block.
+    NvlsBlockPipeline,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 8] = [
+        Algorithm::Ccl,
+        Algorithm::CclSymmetric,
+        Algorithm::OneShot,
+        Algorithm::TwoShot,
+        Algorithm::Ring,
+        Algorithm::NvlsZeroCopy,
+        Algorithm::NvlsWarpPipeline,
+        Algorithm::NvlsBlockPipeline,
+    ];
+
+    /// The stable kebab-case name used in `ANYCCL_ALLREDUCE_ALGO`, table files and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ccl => "ccl",
+            Algorithm::CclSymmetric => "ccl-symmetric",
+            Algorithm::OneShot => "one-shot",
+            Algorithm::TwoShot => "two-shot",
+            Algorithm::Ring => "ring",
+            Algorithm::NvlsZeroCopy => "nvls-zero-copy",
+            Algorithm::NvlsWarpPipeline => "nvls-warp-pipeline",
+            Algorithm::NvlsBlockPipeline => "nvls-block-pipeline",
+        }
+    }
+
+    /// The comma-separated list of all names, for error messages.
+    pub fn all_names() -> String {
+        Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let norm = s.trim().to_ascii_lowercase().replace('_', "-");
+        Algorithm::ALL.into_iter().find(|a| a.name() == norm).ok_or_else(|| Error::Parse {
+            what: "all-reduce algorithm",
+            input: s.to_owned(),
+            expected: Algorithm::all_names(),
+        })
+    }
+}
+
+/// Who made the accelerator a backend drives (the host backend is its own vendor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Vendor {
+    /// Host memory, threads as ranks.
+    Host,
+    /// NVIDIA (CUDA, NCCL).
+    Nvidia,
+    /// AMD (HIP, RCCL).
+    Amd,
+}
+
+impl Vendor {
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Vendor::Host => "host",
+            Vendor::Nvidia => "nvidia",
+            Vendor::Amd => "amd",
+        }
+    }
+}
+
+impl fmt::Display for Vendor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Vendor {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "host" | "cpu" => Ok(Vendor::Host),
+            "nvidia" | "cuda" => Ok(Vendor::Nvidia),
+            "amd" | "rocm" | "hip" => Ok(Vendor::Amd),
+            _ => Err(Error::Parse { what: "vendor", input: s.to_owned(), expected: "host, nvidia, amd".to_owned() }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>().ok(), Some(a));
+        }
+        assert_eq!("ONE_SHOT".parse::<Algorithm>().ok(), Some(Algorithm::OneShot));
+        let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
+        assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
+    }
+}

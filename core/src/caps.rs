@@ -1,0 +1,408 @@
+//! The capability model: what this machine's libraries and hardware allow, and for each thing they do not, why.
+
+use std::fmt;
+
+use serde::ser::SerializeStruct;
+use serde::{Serialize, Serializer};
+
+use crate::error::{Error, Result};
+
+bitflags::bitflags! {
+    /// Features anyccl can use when the libraries and hardware present provide them.
+    ///
+    /// Each flag's documentation says what provides it. A [`CapabilityReport`] says, per flag, whether it is enabled
+    /// and, if not, the concrete [`Reason`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub struct Capabilities: u32 {
+        /// Host backend: ranks as threads over host memory. Provided by the `host` cargo feature (on by default).
+        const HOST_BACKEND = 1 << 0;
+        /// CUDA runtime: the `cuda` feature compiled in, `libcuda.so.1` loadable, at least one NVIDIA device.
+        const CUDA_RUNTIME = 1 << 1;
+        /// HIP runtime: the `rocm` feature compiled in, `libamdhip64.so` loadable, at least one AMD device.
+        const HIP_RUNTIME = 1 << 2;
+        /// A collective library (NCCL or RCCL) loaded with every required `nccl*` symbol.
+        const CCL = 1 << 3;
+        /// Communicator split: `ncclCommSplit` (NCCL ≥ 2.18, RCCL from ROCm 6.0).
+        const COMM_SPLIT = 1 << 4;
+        /// User-buffer registration: `ncclCommRegister`/`ncclCommDeregister` (NCCL ≥ 2.19, RCCL from ROCm 6.2).
+        const BUFFER_REGISTRATION = 1 << 5;
+        /// Library-allocated memory suitable for registration: `ncclMemAlloc`/`ncclMemFree` (NCCL ≥ 2.19).
+        const CCL_MEM_ALLOC = 1 << 6;
+        /// Symmetric memory windows: `ncclCommWindowRegister`/`Deregister` (NCCL ≥ 2.27; on RCCL also
+        /// `NCCL_CUMEM_ENABLE=1`, since RCCL's default allocation is not capture-safe).
+        const SYMMETRIC_WINDOWS = 1 << 7;
+        /// Communicator shrink: `ncclCommShrink` (NCCL ≥ 2.27).
+        const COMM_SHRINK = 1 << 8;
+        /// The device-side API: `ncclDevCommCreate` (NCCL ≥ 2.28).
+        const DEVICE_API = 1 << 9;
+        /// bf16 reductions in the collective library (`ncclBfloat16`, NCCL ≥ 2.10).
+        const BF16 = 1 << 10;
+        /// The `avg` operator in the collective library (`ncclAvg`, NCCL ≥ 2.10).
+        const AVG = 1 << 11;
+        /// fp8 reductions in the collective library (`ncclFloat8e4m3`/`e5m2`, NCCL ≥ 2.24; RCCL from ROCm 6.2).
+        const FP8 = 1 << 12;
+        /// Pre-multiplied sum: `ncclRedOpCreatePreMulSum` (NCCL ≥ 2.11).
+        const PRE_MUL_SUM = 1 << 13;
+        /// The library's last-error text: `ncclGetLastError` (NCCL ≥ 2.13).
+        const LAST_ERROR = 1 << 14;
+        /// Peer-to-peer access between every pair of devices of the communicator (`cuDeviceCanAccessPeer`,
+        /// `hipDeviceCanAccessPeer`); required by the custom IPC kernels.
+        const P2P_ALL_PAIRS = 1 << 15;
+        /// Inter-process memory handles (`cuIpcGetMemHandle`, `hipIpcGetMemHandle`).
+        const IPC = 1 << 16;
+        /// NVLink multicast (NVLS): `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`, a CUDA ≥ 12.1 driver, and
+        /// `NCCL_NVLS_ENABLE` not set to 0.
+        const MULTICAST = 1 << 17;
+        /// Custom all-reduce kernels compiled into this build (nvcc or hipcc found at build time).
+        const CUSTOM_KERNELS = 1 << 18;
+        /// Collectives may be captured into CUDA/HIP graphs (the runtime reports capture status).
+        const GRAPH_CAPTURE = 1 << 19;
+    }
+}
+
+/// Name and provider of every capability, in display order.
+const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
+    (Capabilities::HOST_BACKEND, "host-backend", "cargo feature `host`"),
+    (Capabilities::CUDA_RUNTIME, "cuda-runtime", "cargo feature `cuda` + libcuda.so.1 + an NVIDIA device"),
+    (Capabilities::HIP_RUNTIME, "hip-runtime", "cargo feature `rocm` + libamdhip64.so + an AMD device"),
+    (Capabilities::CCL, "ccl", "libnccl.so.2 / librccl.so.1 with all required symbols"),
+    (Capabilities::COMM_SPLIT, "comm-split", "ncclCommSplit (NCCL >= 2.18)"),
+    (Capabilities::BUFFER_REGISTRATION, "buffer-registration", "ncclCommRegister (NCCL >= 2.19)"),
+    (Capabilities::CCL_MEM_ALLOC, "ccl-mem-alloc", "ncclMemAlloc (NCCL >= 2.19)"),
+    (Capabilities::SYMMETRIC_WINDOWS, "symmetric-windows", "ncclCommWindowRegister (NCCL >= 2.27)"),
+    (Capabilities::COMM_SHRINK, "comm-shrink", "ncclCommShrink (NCCL >= 2.27)"),
+    (Capabilities::DEVICE_API, "device-api", "ncclDevCommCreate (NCCL >= 2.28)"),
+    (Capabilities::BF16, "bf16", "ncclBfloat16 (NCCL >= 2.10)"),
+    (Capabilities::AVG, "avg", "ncclAvg (NCCL >= 2.10)"),
+    (Capabilities::FP8, "fp8", "ncclFloat8e4m3/e5m2 (NCCL >= 2.24)"),
+    (Capabilities::PRE_MUL_SUM, "pre-mul-sum", "ncclRedOpCreatePreMulSum"),
+    (Capabilities::LAST_ERROR, "last-error", "ncclGetLastError"),
+    (Capabilities::P2P_ALL_PAIRS, "p2p-all-pairs", "peer access between every pair of devices"),
+    (Capabilities::IPC, "ipc", "cuIpc*/hipIpc* memory handles"),
+    (Capabilities::MULTICAST, "multicast", "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED + driver >= 12.1"),
+    (Capabilities::CUSTOM_KERNELS, "custom-kernels", "kernels compiled at build time (nvcc/hipcc)"),
+    (Capabilities::GRAPH_CAPTURE, "graph-capture", "stream capture status from the runtime"),
+];
+
+impl Capabilities {
+    /// The capability's stable kebab-case name (`"symmetric-windows"`), for `anyccl probe` and `ANYCCL_DISABLE`.
+    /// Returns `None` for a value that is not a single flag.
+    pub fn name(self) -> Option<&'static str> {
+        CAPABILITY_INFO.iter().find(|(c, _, _)| *c == self).map(|(_, n, _)| *n)
+    }
+
+    /// What provides the capability, in a few words.
+    pub fn provider(self) -> Option<&'static str> {
+        CAPABILITY_INFO.iter().find(|(c, _, _)| *c == self).map(|(_, _, p)| *p)
+    }
+
+    /// Looks a single capability up by its kebab-case name.
+    pub fn from_kebab_name(name: &str) -> Option<Capabilities> {
+        let name = name.trim().to_ascii_lowercase().replace('_', "-");
+        CAPABILITY_INFO.iter().find(|(_, n, _)| *n == name).map(|(c, _, _)| *c)
+    }
+
+    /// Every single flag, in display order.
+    pub fn each() -> impl Iterator<Item = Capabilities> {
+        CAPABILITY_INFO.iter().map(|(c, _, _)| *c)
+    }
+}
+
+/// Why a capability is disabled: always a concrete cause a user can act on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum Reason {
+    /// The library does not export a symbol the capability needs.
+    MissingSymbol {
+        /// The symbol (`ncclCommWindowRegister`).
+        symbol: String,
+        /// The library file that was loaded.
+        library: String,
+        /// The library's vendor and version (`RCCL 2.26.6`), where known.
+        version: Option<String>,
+    },
+    /// A component is older than the capability needs.
+    VersionTooOld {
+        /// What is too old (`"NCCL at /usr/lib/libnccl.so.2"`).
+        component: String,
+        /// The version found.
+        found: String,
+        /// The oldest version that works.
+        required: String,
+    },
+    /// The device lacks a hardware attribute.
+    DeviceAttribute {
+        /// The device (`"device 0 (NVIDIA H200)"`).
+        device: String,
+        /// The attribute and the value read (`"CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0"`).
+        attribute: String,
+    },
+    /// An environment variable turned it off.
+    EnvVar {
+        /// The variable.
+        var: String,
+        /// Its value.
+        value: String,
+    },
+    /// This build does not contain it.
+    NotCompiledIn {
+        /// What is missing (`"cargo feature cuda"`, `"CUDA kernels"`).
+        what: String,
+        /// Why (`"nvcc not found at build time"`).
+        detail: String,
+    },
+    /// A library, driver or device it needs is not present.
+    Unavailable {
+        /// What is missing (`"libcuda.so.1"`).
+        component: String,
+        /// Details (`"not found by the dynamic loader"`).
+        detail: String,
+    },
+    /// It does not apply to this backend at all (for example NCCL symbols on the host backend).
+    NotApplicable {
+        /// Why.
+        detail: String,
+    },
+    /// It needs another capability that is disabled.
+    Requires {
+        /// The capability it needs.
+        capability: String,
+        /// Why that one is disabled.
+        because: Box<Reason>,
+    },
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::MissingSymbol { symbol, library, version: Some(v) } => {
+                write!(f, "{library} ({v}) does not export {symbol}")
+            }
+            Reason::MissingSymbol { symbol, library, version: None } => {
+                write!(f, "{library} does not export {symbol}")
+            }
+            Reason::VersionTooOld { component, found, required } => {
+                write!(f, "{component} is version {found}; {required} or newer is required")
+            }
+            Reason::DeviceAttribute { device, attribute } => write!(f, "{device} reports {attribute}"),
+            Reason::EnvVar { var, value } => write!(f, "turned off by {var}={value}"),
+            Reason::NotCompiledIn { what, detail } => write!(f, "{what} not compiled in: {detail}"),
+            Reason::Unavailable { component, detail } => write!(f, "{component} unavailable: {detail}"),
+            Reason::NotApplicable { detail } => write!(f, "not applicable: {detail}"),
+            Reason::Requires { capability, because } => write!(f, "requires {capability}, which is off: {because}"),
+        }
+    }
+}
+
+/// Whether one capability is on, and if not, why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CapabilityState {
+    /// Usable.
+    Enabled,
+    /// Not usable, for this reason.
+    Disabled(Reason),
+}
+
+impl CapabilityState {
+    /// True when enabled.
+    pub fn is_enabled(&self) -> bool {
+        matches!(self, CapabilityState::Enabled)
+    }
+}
+
+/// For every [`Capabilities`] flag: enabled, or disabled with a [`Reason`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapabilityReport {
+    states: Vec<(Capabilities, CapabilityState)>,
+}
+
+impl CapabilityReport {
+    /// A report where every capability is disabled for the reason `reason_for` gives.
+    pub fn all_disabled(mut reason_for: impl FnMut(Capabilities) -> Reason) -> Self {
+        let states = Capabilities::each().map(|c| (c, CapabilityState::Disabled(reason_for(c)))).collect();
+        CapabilityReport { states }
+    }
+
+    /// Marks `caps` (one or more flags) enabled.
+    pub fn enable(&mut self, caps: Capabilities) {
+        for (c, s) in &mut self.states {
+            if caps.contains(*c) {
+                *s = CapabilityState::Enabled;
+            }
+        }
+    }
+
+    /// Marks `caps` (one or more flags) disabled for `reason`.
+    pub fn disable(&mut self, caps: Capabilities, reason: Reason) {
+        for (c, s) in &mut self.states {
+            if caps.contains(*c) {
+                *s = CapabilityState::Disabled(reason.clone());
+            }
+        }
+    }
+
+    /// The state of one flag.
+    pub fn state(&self, cap: Capabilities) -> &CapabilityState {
+        // Every single flag is in `states` by construction (`all_disabled` walks `Capabilities::each`); a
+        // multi-flag value finds nothing and reads as not applicable.
+        static MULTI: CapabilityState =
+            CapabilityState::Disabled(Reason::NotApplicable { detail: String::new() });
+        self.states.iter().find(|(c, _)| *c == cap).map(|(_, s)| s).unwrap_or(&MULTI)
+    }
+
+    /// The set of enabled flags.
+    pub fn enabled(&self) -> Capabilities {
+        self.states
+            .iter()
+            .filter(|(_, s)| s.is_enabled())
+            .fold(Capabilities::empty(), |acc, (c, _)| acc | *c)
+    }
+
+    /// Whether `cap` is enabled.
+    pub fn has(&self, cap: Capabilities) -> bool {
+        self.enabled().contains(cap)
+    }
+
+    /// `Ok` when `cap` is enabled, else [`Error::Unsupported`] with the reason.
+    pub fn require(&self, cap: Capabilities) -> Result<()> {
+        match self.state(cap) {
+            CapabilityState::Enabled => Ok(()),
+            CapabilityState::Disabled(reason) => Err(Error::Unsupported {
+                capability: cap.name().unwrap_or("capability").to_owned(),
+                reason: reason.clone(),
+            }),
+        }
+    }
+
+    /// Applies `ANYCCL_DISABLE` (a comma-separated list of capability names): each named capability is disabled
+    /// with the variable as its reason. An unknown name is an error naming it.
+    pub fn apply_disable_list(&mut self, var: &str, value: &str) -> Result<()> {
+        for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let Some(cap) = Capabilities::from_kebab_name(name) else {
+                let known: Vec<_> = Capabilities::each().filter_map(Capabilities::name).collect();
+                return Err(Error::Config {
+                    source_name: var.to_owned(),
+                    line: None,
+                    message: format!("unknown capability '{name}' (known: {})", known.join(", ")),
+                });
+            };
+            self.disable(cap, Reason::EnvVar { var: var.to_owned(), value: value.to_owned() });
+        }
+        Ok(())
+    }
+
+    /// Reads `ANYCCL_DISABLE` from the environment and applies it (see [`Self::apply_disable_list`]).
+    pub fn apply_env(&mut self) -> Result<()> {
+        match std::env::var("ANYCCL_DISABLE") {
+            Ok(v) => self.apply_disable_list("ANYCCL_DISABLE", &v),
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Every flag with its state, in display order.
+    pub fn iter(&self) -> impl Iterator<Item = (Capabilities, &CapabilityState)> {
+        self.states.iter().map(|(c, s)| (*c, s))
+    }
+}
+
+/// JSON form: a list of `{ "name", "enabled", "provider", "reason", "reason_detail" }` objects.
+impl Serialize for CapabilityReport {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        struct Entry<'a>(Capabilities, &'a CapabilityState);
+        impl Serialize for Entry<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+                let mut s = serializer.serialize_struct("Capability", 5)?;
+                s.serialize_field("name", &self.0.name())?;
+                s.serialize_field("enabled", &self.1.is_enabled())?;
+                s.serialize_field("provider", &self.0.provider())?;
+                match self.1 {
+                    CapabilityState::Enabled => {
+                        s.serialize_field("reason", &Option::<String>::None)?;
+                        s.serialize_field("reason_detail", &Option::<Reason>::None)?;
+                    }
+                    CapabilityState::Disabled(r) => {
+                        s.serialize_field("reason", &r.to_string())?;
+                        s.serialize_field("reason_detail", r)?;
+                    }
+                }
+                s.end()
+            }
+        }
+        serializer.collect_seq(self.states.iter().map(|(c, s)| Entry(*c, s)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> CapabilityReport {
+        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "test".into() })
+    }
+
+    #[test]
+    fn every_flag_has_a_unique_name() {
+        let names: Vec<_> = Capabilities::each().map(|c| c.name().expect("named")).collect();
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(names.len(), sorted.len());
+        assert_eq!(Capabilities::each().fold(Capabilities::empty(), |a, c| a | c), Capabilities::all());
+    }
+
+    #[test]
+    fn enable_disable_require() {
+        let mut r = report();
+        assert!(r.require(Capabilities::CCL).is_err());
+        r.enable(Capabilities::CCL | Capabilities::BF16);
+        assert!(r.require(Capabilities::CCL).is_ok());
+        assert_eq!(r.enabled(), Capabilities::CCL | Capabilities::BF16);
+        r.disable(
+            Capabilities::BF16,
+            Reason::VersionTooOld { component: "NCCL".into(), found: "2.9.9".into(), required: "2.10.0".into() },
+        );
+        let err = r.require(Capabilities::BF16).expect_err("disabled");
+        assert_eq!(err.to_string(), "bf16 is not available: NCCL is version 2.9.9; 2.10.0 or newer is required");
+    }
+
+    #[test]
+    fn disable_list_names_the_variable_and_rejects_unknown_names() {
+        let mut r = report();
+        r.enable(Capabilities::all());
+        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-windows, multicast").expect("valid list");
+        assert!(!r.has(Capabilities::SYMMETRIC_WINDOWS));
+        assert!(!r.has(Capabilities::MULTICAST));
+        assert!(r.has(Capabilities::CCL));
+        assert_eq!(
+            r.state(Capabilities::MULTICAST),
+            &CapabilityState::Disabled(Reason::EnvVar {
+                var: "ANYCCL_DISABLE".into(),
+                value: "symmetric-windows, multicast".into()
+            })
+        );
+        let err = r.apply_disable_list("ANYCCL_DISABLE", "symetric").expect_err("typo");
+        assert!(matches!(err, Error::Config { .. }));
+        assert!(err.to_string().contains("unknown capability 'symetric'"));
+    }
+
+    #[test]
+    fn reasons_read_as_sentences() {
+        let r = Reason::MissingSymbol {
+            symbol: "ncclCommWindowRegister".into(),
+            library: "/opt/rocm/lib/librccl.so.1".into(),
+            version: Some("RCCL 2.26.6".into()),
+        };
+        assert_eq!(r.to_string(), "/opt/rocm/lib/librccl.so.1 (RCCL 2.26.6) does not export ncclCommWindowRegister");
+    }
+
+    #[test]
+    fn json_lists_every_flag() {
+        let r = report();
+        let v = serde_json::to_value(&r).expect("serializes");
+        let arr = v.as_array().expect("array");
+        assert_eq!(arr.len(), Capabilities::each().count());
+        assert_eq!(arr[0]["enabled"], false);
+        assert_eq!(arr[0]["reason_detail"]["kind"], "not-applicable");
+    }
+}

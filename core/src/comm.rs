@@ -1,0 +1,375 @@
+//! The communicator: the trait a backend implements ([`CommBackend`]) and the front-end every call goes through
+//! ([`Communicator`]), which validates arguments, picks the all-reduce algorithm, logs the choice, and only then
+//! hands the call to the backend.
+
+use std::sync::Arc;
+
+use crate::algo::{Algorithm, Vendor};
+use crate::caps::CapabilityReport;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{Error, Result};
+use crate::runtime::{BufferLike, MemoryRuntime};
+use crate::selector::{Selection, SelectionQuery, Selector};
+use crate::validate::{self, CallShape, InOutDesc};
+
+/// The buffer type of a backend's runtime.
+pub type BufOf<B> = <<B as CommBackend>::Runtime as MemoryRuntime>::Buffer;
+/// The stream type of a backend's runtime.
+pub type StreamOf<B> = <<B as CommBackend>::Runtime as MemoryRuntime>::Stream;
+
+/// Input and output of a collective: one buffer used in place, or two distinct ones.
+///
+/// Rust's borrow rules make the two forms explicit: an in-place call lends one buffer mutably; an out-of-place call
+/// lends the input shared and the output mutably, so they cannot alias.
+pub enum InOut<'a, B: ?Sized> {
+    /// One buffer is input and output, in the collective's in-place layout.
+    InPlace(&'a mut B),
+    /// Distinct input and output buffers.
+    Separate {
+        /// The input.
+        send: &'a B,
+        /// The output.
+        recv: &'a mut B,
+    },
+}
+
+impl<B: ?Sized + BufferLike> InOut<'_, B> {
+    /// The descriptors the validation front-end checks.
+    pub fn desc(&self) -> InOutDesc {
+        match self {
+            InOut::InPlace(b) => InOutDesc::InPlace(b.desc()),
+            InOut::Separate { send, recv } => InOutDesc::Separate { send: send.desc(), recv: recv.desc() },
+        }
+    }
+
+    /// True for the in-place form.
+    pub fn is_in_place(&self) -> bool {
+        matches!(self, InOut::InPlace(_))
+    }
+}
+
+/// What an all-reduce call looks like to a backend deciding which algorithms can run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllReduceCall {
+    /// Element count.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Operator.
+    pub op: ReduceOp,
+    /// Message size in bytes.
+    pub bytes: usize,
+    /// Whether the call is in place.
+    pub in_place: bool,
+    /// Whether the stream is being captured.
+    pub capturing: bool,
+}
+
+/// What a backend implements for one rank. Arguments reach it already validated by [`Communicator`]; the
+/// backend still returns errors for what only it can detect (vendor failures, peers that leave, timeouts).
+pub trait CommBackend: Send {
+    /// The memory runtime the backend's buffers and streams come from.
+    type Runtime: MemoryRuntime;
+
+    /// The runtime.
+    fn runtime(&self) -> &Self::Runtime;
+    /// Short backend name (`"host"`, `"cuda"`, `"rocm"`).
+    fn name(&self) -> &'static str;
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The vendor, for algorithm selection.
+    fn vendor(&self) -> Vendor;
+    /// The architecture name, for algorithm selection (`"sm_90"`, `"gfx942"`, `"host"`).
+    fn arch(&self) -> &str;
+    /// What this backend can do here, and why not where it cannot.
+    fn capabilities(&self) -> &CapabilityReport;
+    /// The all-reduce algorithms this backend implements, eligible or not.
+    fn allreduce_algorithms(&self) -> &[Algorithm];
+    /// Whether `algorithm` can run `call` (`Err` says why not).
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String>;
+    /// Reductions this backend refuses beyond core's rules (for example fp8 on an old NCCL).
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+        let _ = (dtype, op);
+        Ok(())
+    }
+
+    /// All-reduce with the given algorithm.
+    fn all_reduce(
+        &mut self,
+        algorithm: Algorithm,
+        bufs: InOut<'_, BufOf<Self>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<Self>,
+    ) -> Result<()>;
+    /// All-gather of `count` elements per rank.
+    fn all_gather(&mut self, bufs: InOut<'_, BufOf<Self>>, count: usize, dtype: DataType, stream: &StreamOf<Self>)
+        -> Result<()>;
+    /// Reduce-scatter to `count` elements per rank.
+    fn reduce_scatter(
+        &mut self,
+        bufs: InOut<'_, BufOf<Self>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<Self>,
+    ) -> Result<()>;
+    /// Broadcast from `root`.
+    fn broadcast(
+        &mut self,
+        bufs: InOut<'_, BufOf<Self>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &StreamOf<Self>,
+    ) -> Result<()>;
+    /// Reduce to `root`.
+    fn reduce(
+        &mut self,
+        bufs: InOut<'_, BufOf<Self>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: &StreamOf<Self>,
+    ) -> Result<()>;
+    /// Send `count` elements to `peer`.
+    fn send(&mut self, buf: &BufOf<Self>, count: usize, dtype: DataType, peer: usize, stream: &StreamOf<Self>)
+        -> Result<()>;
+    /// Receive `count` elements from `peer`.
+    fn recv(&mut self, buf: &mut BufOf<Self>, count: usize, dtype: DataType, peer: usize, stream: &StreamOf<Self>)
+        -> Result<()>;
+    /// Wait until every rank has reached the barrier.
+    fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
+}
+
+/// One rank's communicator: the validation and selection front-end over a backend.
+///
+/// Every collective is validated first ([`crate::validate`]); a bad call returns
+/// [`Error::InvalidArgument`] and the backend never sees it. All-reduce then asks the [`Selector`] which algorithm
+/// runs, logs the choice and the rule behind it at `debug` level, and returns it.
+///
+/// Thread-safety: a `Communicator` is `Send` when its backend is; it is used from one thread at a time (`&mut`).
+pub struct Communicator<B: CommBackend> {
+    backend: B,
+    selector: Arc<Selector>,
+}
+
+impl<B: CommBackend> Communicator<B> {
+    /// Wraps a backend communicator with `selector`.
+    pub fn new(backend: B, selector: Arc<Selector>) -> Self {
+        Communicator { backend, selector }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.backend.rank()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.backend.world_size()
+    }
+
+    /// What this backend can do here, with reasons for what it cannot.
+    pub fn capabilities(&self) -> &CapabilityReport {
+        self.backend.capabilities()
+    }
+
+    /// The selector in use.
+    pub fn selector(&self) -> &Selector {
+        &self.selector
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend's memory runtime (allocation, copies, streams).
+    pub fn runtime(&self) -> &B::Runtime {
+        self.backend.runtime()
+    }
+
+    fn shape(&self) -> CallShape {
+        CallShape { rank: self.backend.rank(), world: self.backend.world_size(), location: self.runtime().location() }
+    }
+
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+        crate::dtype::check_reduction(dtype, op)?;
+        self.backend.check_reduction(dtype, op)
+    }
+
+    /// The algorithm an all-reduce of this shape would use now, without running it.
+    pub fn select_all_reduce(&self, call: &AllReduceCall) -> Result<Selection> {
+        let q = SelectionQuery {
+            vendor: self.backend.vendor(),
+            arch: self.backend.arch().to_owned(),
+            world: self.backend.world_size(),
+            bytes: call.bytes as u64,
+            dtype: call.dtype,
+            capturing: call.capturing,
+        };
+        let algos = self.backend.allreduce_algorithms();
+        self.selector.select(&q, |a| {
+            if !algos.contains(&a) {
+                return Err(format!("not implemented by the {} backend", self.backend.name()));
+            }
+            self.backend.allreduce_eligible(a, call)
+        })
+    }
+
+    /// Whether `algorithm` could run `call` here (`Err` with the reason if not).
+    pub fn check_algorithm(&self, algorithm: Algorithm, call: &AllReduceCall) -> Result<()> {
+        if !self.backend.allreduce_algorithms().contains(&algorithm) {
+            return Err(Error::AlgorithmNotEligible {
+                algorithm,
+                why: format!("not implemented by the {} backend", self.backend.name()),
+            });
+        }
+        self.backend.allreduce_eligible(algorithm, call).map_err(|why| Error::AlgorithmNotEligible { algorithm, why })
+    }
+
+    fn prepare_all_reduce(
+        &self,
+        bufs: &InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+    ) -> Result<AllReduceCall> {
+        self.check_reduction(dtype, op)?;
+        let bytes = validate::all_reduce(&self.shape(), &bufs.desc(), count, dtype, op)?;
+        let capturing = self.runtime().is_capturing(stream)?;
+        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing })
+    }
+
+    /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.
+    pub fn all_reduce(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+    ) -> Result<Selection> {
+        let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
+        let sel = self.select_all_reduce(&call)?;
+        tracing::debug!(
+            rank = self.rank(),
+            world = self.world_size(),
+            bytes = call.bytes,
+            dtype = %dtype,
+            op = %op,
+            capturing = call.capturing,
+            algorithm = %sel.algorithm,
+            rule = %sel.why,
+            "all-reduce"
+        );
+        self.backend.all_reduce(sel.algorithm, bufs, count, dtype, op, stream)?;
+        Ok(sel)
+    }
+
+    /// All-reduce with an explicit algorithm (for benchmarks and tests); an ineligible one is an error.
+    pub fn all_reduce_with(
+        &mut self,
+        algorithm: Algorithm,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
+        self.check_algorithm(algorithm, &call)?;
+        self.backend.all_reduce(algorithm, bufs, count, dtype, op, stream)
+    }
+
+    /// All-gather: every rank contributes `count` elements; the output holds `world × count`.
+    pub fn all_gather(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        validate::all_gather(&self.shape(), &bufs.desc(), count, dtype)?;
+        self.backend.all_gather(bufs, count, dtype, stream)
+    }
+
+    /// Reduce-scatter: the input holds `world × count` elements; each rank gets its reduced `count`.
+    pub fn reduce_scatter(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        self.check_reduction(dtype, op)?;
+        validate::reduce_scatter(&self.shape(), &bufs.desc(), count, dtype, op)?;
+        self.backend.reduce_scatter(bufs, count, dtype, op, stream)
+    }
+
+    /// Broadcast `count` elements from `root`.
+    pub fn broadcast(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        validate::broadcast(&self.shape(), &bufs.desc(), count, dtype, root)?;
+        self.backend.broadcast(bufs, count, dtype, root, stream)
+    }
+
+    /// Reduce `count` elements to `root` (the output is written on the root only).
+    pub fn reduce(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        self.check_reduction(dtype, op)?;
+        validate::reduce(&self.shape(), &bufs.desc(), count, dtype, op, root)?;
+        self.backend.reduce(bufs, count, dtype, op, root, stream)
+    }
+
+    /// Send `count` elements to `peer`.
+    pub fn send(
+        &mut self,
+        buf: &BufOf<B>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        validate::point_to_point(&self.shape(), "send", &buf.desc(), count, dtype, peer)?;
+        self.backend.send(buf, count, dtype, peer, stream)
+    }
+
+    /// Receive `count` elements from `peer`.
+    pub fn recv(
+        &mut self,
+        buf: &mut BufOf<B>,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        validate::point_to_point(&self.shape(), "recv", &buf.desc(), count, dtype, peer)?;
+        self.backend.recv(buf, count, dtype, peer, stream)
+    }
+
+    /// Wait until every rank reaches the barrier.
+    pub fn barrier(&mut self, stream: &StreamOf<B>) -> Result<()> {
+        self.backend.barrier(stream)
+    }
+}

@@ -1,0 +1,285 @@
+//! Element types, reduction operators, and which pairs of them are valid.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, InvalidArgument};
+
+/// The element type of a collective's buffers.
+///
+/// The set matches the `ncclDataType_t` enumeration of NCCL ≥ 2.24 (RCCL names the fp8 types differently; the
+/// backends map them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataType {
+    /// Signed 8-bit integer.
+    I8,
+    /// Unsigned 8-bit integer.
+    U8,
+    /// Signed 32-bit integer.
+    I32,
+    /// Unsigned 32-bit integer.
+    U32,
+    /// Signed 64-bit integer.
+    I64,
+    /// Unsigned 64-bit integer.
+    U64,
+    /// IEEE 754 binary16.
+    F16,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    Bf16,
+    /// IEEE 754 binary32.
+    F32,
+    /// IEEE 754 binary64.
+    F64,
+    /// OCP fp8 E4M3 (finite-only, max 448).
+    #[serde(rename = "fp8e4m3")]
+    Fp8E4M3,
+    /// OCP fp8 E5M2 (max 57344).
+    #[serde(rename = "fp8e5m2")]
+    Fp8E5M2,
+}
+
+impl DataType {
+    /// Every data type, in `ncclDataType_t` order.
+    pub const ALL: [DataType; 12] = [
+        DataType::I8,
+        DataType::U8,
+        DataType::I32,
+        DataType::U32,
+        DataType::I64,
+        DataType::U64,
+        DataType::F16,
+        DataType::Bf16,
+        DataType::F32,
+        DataType::F64,
+        DataType::Fp8E4M3,
+        DataType::Fp8E5M2,
+    ];
+
+    /// Size of one element in bytes (also its required alignment).
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            DataType::I8 | DataType::U8 | DataType::Fp8E4M3 | DataType::Fp8E5M2 => 1,
+            DataType::F16 | DataType::Bf16 => 2,
+            DataType::I32 | DataType::U32 | DataType::F32 => 4,
+            DataType::I64 | DataType::U64 | DataType::F64 => 8,
+        }
+    }
+
+    /// The canonical short name (`"bf16"`, `"fp8e4m3"`, …), as used on the command line and in table files.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DataType::I8 => "i8",
+            DataType::U8 => "u8",
+            DataType::I32 => "i32",
+            DataType::U32 => "u32",
+            DataType::I64 => "i64",
+            DataType::U64 => "u64",
+            DataType::F16 => "f16",
+            DataType::Bf16 => "bf16",
+            DataType::F32 => "f32",
+            DataType::F64 => "f64",
+            DataType::Fp8E4M3 => "fp8e4m3",
+            DataType::Fp8E5M2 => "fp8e5m2",
+        }
+    }
+
+    /// True for the floating-point types (including fp8 and bf16).
+    pub const fn is_float(self) -> bool {
+        matches!(
+            self,
+            DataType::F16
+                | DataType::Bf16
+                | DataType::F32
+                | DataType::F64
+                | DataType::Fp8E4M3
+                | DataType::Fp8E5M2
+        )
+    }
+
+    /// True for the fp8 types.
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DataType::Fp8E4M3 | DataType::Fp8E5M2)
+    }
+}
+
+impl fmt::Display for DataType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DataType {
+    type Err = Error;
+
+    /// Accepts the canonical names and the usual aliases (`float32`, `half`, `bfloat16`, `e4m3`, …).
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let t = match s.trim().to_ascii_lowercase().as_str() {
+            "i8" | "int8" => DataType::I8,
+            "u8" | "uint8" => DataType::U8,
+            "i32" | "int32" | "int" => DataType::I32,
+            "u32" | "uint32" => DataType::U32,
+            "i64" | "int64" => DataType::I64,
+            "u64" | "uint64" => DataType::U64,
+            "f16" | "fp16" | "float16" | "half" => DataType::F16,
+            "bf16" | "bfloat16" => DataType::Bf16,
+            "f32" | "fp32" | "float32" | "float" => DataType::F32,
+            "f64" | "fp64" | "float64" | "double" => DataType::F64,
+            "fp8e4m3" | "f8e4m3" | "e4m3" | "float8_e4m3fn" => DataType::Fp8E4M3,
+            "fp8e5m2" | "f8e5m2" | "e5m2" | "float8_e5m2" => DataType::Fp8E5M2,
+            _ => {
+                return Err(Error::Parse {
+                    what: "data type",
+                    input: s.to_owned(),
+                    expected: DataType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", "),
+                })
+            }
+        };
+        Ok(t)
+    }
+}
+
+/// The reduction operator of all-reduce, reduce and reduce-scatter (`ncclRedOp_t` order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    /// Sum (integers wrap on overflow, as in NCCL).
+    Sum,
+    /// Product (integers wrap on overflow).
+    Prod,
+    /// Minimum.
+    Min,
+    /// Maximum.
+    Max,
+    /// Mean over the ranks (the sum divided by the world size). Floating-point types only.
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operator.
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+    /// The canonical lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ReduceOp {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "sum" => Ok(ReduceOp::Sum),
+            "prod" | "product" => Ok(ReduceOp::Prod),
+            "min" => Ok(ReduceOp::Min),
+            "max" => Ok(ReduceOp::Max),
+            "avg" | "mean" => Ok(ReduceOp::Avg),
+            _ => Err(Error::Parse {
+                what: "reduce op",
+                input: s.to_owned(),
+                expected: "sum, prod, min, max, avg".to_owned(),
+            }),
+        }
+    }
+}
+
+/// Whether `op` is defined on `dtype` in anyccl, independent of any backend.
+///
+/// Every operator is defined on every type except `avg` on integers: vendors disagree on how an integer mean rounds
+/// (NCCL divides after a wrapping sum), so anyccl refuses it rather than give results that differ between backends.
+/// Backends may refuse more pairs (for example fp8 on NCCL < 2.24); they say so through their capability report.
+pub fn check_reduction(dtype: DataType, op: ReduceOp) -> Result<(), InvalidArgument> {
+    if op == ReduceOp::Avg && !dtype.is_float() {
+        return Err(InvalidArgument::UnsupportedReduction {
+            dtype,
+            op,
+            why: "avg is defined on floating-point types only (integer means round differently between vendors)"
+                .to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// A Rust type that is one of anyccl's [`DataType`]s, for the typed APIs.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// The anyccl data type this Rust type is.
+    const DTYPE: DataType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),* $(,)?) => {
+        $(impl Element for $t { const DTYPE: DataType = DataType::$d; })*
+    };
+}
+
+element!(
+    i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
+    half::f16 => F16, half::bf16 => Bf16, f32 => F32, f64 => F64,
+    float8::F8E4M3 => Fp8E4M3, float8::F8E5M2 => Fp8E5M2,
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_match_rust_types() {
+        fn size_of<T: Element>() -> (DataType, usize) {
+            (T::DTYPE, std::mem::size_of::<T>())
+        }
+        for (d, s) in [
+            size_of::<i8>(),
+            size_of::<u8>(),
+            size_of::<i32>(),
+            size_of::<u32>(),
+            size_of::<i64>(),
+            size_of::<u64>(),
+            size_of::<half::f16>(),
+            size_of::<half::bf16>(),
+            size_of::<f32>(),
+            size_of::<f64>(),
+            size_of::<float8::F8E4M3>(),
+            size_of::<float8::F8E5M2>(),
+        ] {
+            assert_eq!(d.size_bytes(), s, "{d}");
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for d in DataType::ALL {
+            assert_eq!(d.name().parse::<DataType>().ok(), Some(d));
+        }
+        for op in ReduceOp::ALL {
+            assert_eq!(op.name().parse::<ReduceOp>().ok(), Some(op));
+        }
+        assert!(matches!("float128".parse::<DataType>(), Err(Error::Parse { .. })));
+        assert!(matches!("xor".parse::<ReduceOp>(), Err(Error::Parse { .. })));
+    }
+
+    #[test]
+    fn avg_only_on_floats() {
+        for d in DataType::ALL {
+            for op in ReduceOp::ALL {
+                let ok = check_reduction(d, op).is_ok();
+                assert_eq!(ok, op != ReduceOp::Avg || d.is_float(), "{d} {op}");
+            }
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! Error types shared by every anyccl crate.
+
+use std::time::Duration;
+
+use crate::algo::Algorithm;
+use crate::caps::Reason;
+use crate::dtype::{DataType, ReduceOp};
+use crate::runtime::Location;
+
+/// Result with anyccl's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every error anyccl returns.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The caller passed something invalid; nothing was sent and no buffer was touched.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(#[from] InvalidArgument),
+
+    /// A capability the call needs is disabled here; `reason` says why.
+    #[error("{capability} is not available: {reason}")]
+    Unsupported {
+        /// The capability's name (as in `anyccl probe`).
+        capability: String,
+        /// Why it is disabled.
+        reason: Reason,
+    },
+
+    /// An algorithm was asked for (forced or explicitly) that cannot run this call.
+    #[error("all-reduce algorithm '{algorithm}' cannot run this call: {why}")]
+    AlgorithmNotEligible {
+        /// The algorithm asked for.
+        algorithm: Algorithm,
+        /// Why it is not eligible.
+        why: String,
+    },
+
+    /// No all-reduce algorithm of this backend can run the call.
+    #[error("no all-reduce algorithm can run this call: {why}")]
+    NoEligibleAlgorithm {
+        /// The reasons, one per algorithm.
+        why: String,
+    },
+
+    /// A vendor library or runtime call failed; `message` is the vendor's own text.
+    #[error("{backend}: {call} failed{}: {message}", code.map(|c| format!(" with code {c}")).unwrap_or_default())]
+    Backend {
+        /// The backend or library (`"nccl"`, `"cuda"`, `"host"`, …).
+        backend: String,
+        /// The call that failed.
+        call: String,
+        /// The vendor's status code, where it has one.
+        code: Option<i64>,
+        /// The vendor's error string (and last-error text where available).
+        message: String,
+    },
+
+    /// A configuration input (table file, environment variable) is malformed.
+    #[error("{source_name}{}: {message}", line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Config {
+        /// The file path or variable name.
+        source_name: String,
+        /// The 1-based line the problem is on, where known.
+        line: Option<usize>,
+        /// What is wrong, and what was expected.
+        message: String,
+    },
+
+    /// A value on the command line or in the environment could not be parsed.
+    #[error("cannot parse '{input}' as a {what} (expected {expected})")]
+    Parse {
+        /// What was being parsed.
+        what: &'static str,
+        /// The text given.
+        input: String,
+        /// What is accepted.
+        expected: String,
+    },
+
+    /// Another rank of the communicator failed or left; this rank cannot complete the collective.
+    #[error("peer failure: {0}")]
+    PeerFailure(String),
+
+    /// A wait exceeded its limit.
+    #[error("timed out after {after:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The limit.
+        after: Duration,
+    },
+}
+
+impl Error {
+    /// A hint for the user, where one helps (printed by the CLI below the error).
+    pub fn hint(&self) -> Option<&'static str> {
+        match self {
+            Error::Config { .. } => Some("fix the file or unset ANYCCL_TUNE_FILE; see docs in the README"),
+            Error::AlgorithmNotEligible { .. } => {
+                Some("unset ANYCCL_ALLREDUCE_ALGO or choose an algorithm that `anyccl probe` lists as eligible")
+            }
+            Error::Unsupported { .. } => Some("`anyccl probe` shows every capability and why it is off"),
+            _ => None,
+        }
+    }
+}
+
+/// The classes of bad input, each its own variant so callers (and tests) can match on them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidArgument {
+    /// A buffer is shorter than the call needs.
+    #[error("{which} buffer holds {have} bytes, but {count} × {dtype} needs {need}")]
+    BufferTooSmall {
+        /// `"send"`, `"recv"` or `"buffer"`.
+        which: &'static str,
+        /// Bytes available.
+        have: usize,
+        /// Bytes needed.
+        need: usize,
+        /// Element count of the call.
+        count: usize,
+        /// Element type of the call.
+        dtype: DataType,
+    },
+
+    /// The element count times the element size (times the world size, where it applies) overflows.
+    #[error("element count {count} × {dtype} (× world {world}) overflows the address space")]
+    CountOverflow {
+        /// Element count of the call.
+        count: usize,
+        /// Element type.
+        dtype: DataType,
+        /// World size factor applied.
+        world: usize,
+    },
+
+    /// A buffer's address is not a multiple of the element size.
+    #[error("{which} buffer at {addr:#x} is not aligned to {align} bytes, as {dtype} requires")]
+    Misaligned {
+        /// Which buffer.
+        which: &'static str,
+        /// Its address.
+        addr: usize,
+        /// Alignment required.
+        align: usize,
+        /// Element type.
+        dtype: DataType,
+    },
+
+    /// A buffer lives on another device (or on the host when device memory is required).
+    #[error("{which} buffer lives on {found}, but this communicator works on {expected}")]
+    WrongDevice {
+        /// Which buffer.
+        which: &'static str,
+        /// Where it is.
+        found: Location,
+        /// Where it must be.
+        expected: Location,
+    },
+
+    /// The operator is not defined on the element type.
+    #[error("{op} is not supported on {dtype}: {why}")]
+    UnsupportedReduction {
+        /// Element type.
+        dtype: DataType,
+        /// Operator.
+        op: ReduceOp,
+        /// Why not.
+        why: String,
+    },
+
+    /// A root or peer rank outside `0..world`.
+    #[error("{what} rank {rank} is out of range for a communicator of {world} ranks")]
+    RankOutOfRange {
+        /// `"root"` or `"peer"`.
+        what: &'static str,
+        /// The rank given.
+        rank: usize,
+        /// The world size.
+        world: usize,
+    },
+
+    /// A point-to-point call named the calling rank itself as its peer.
+    #[error("rank {rank} cannot send to or receive from itself")]
+    SelfPeer {
+        /// The rank.
+        rank: usize,
+    },
+
+    /// Separate send and receive buffers overlap; only the exact in-place layout may alias.
+    #[error(
+        "send [{send_addr:#x}, +{send_len}) and recv [{recv_addr:#x}, +{recv_len}) overlap; \
+         pass the in-place form instead ({layout})"
+    )]
+    Overlap {
+        /// Send buffer address.
+        send_addr: usize,
+        /// Send buffer length in bytes.
+        send_len: usize,
+        /// Receive buffer address.
+        recv_addr: usize,
+        /// Receive buffer length in bytes.
+        recv_len: usize,
+        /// The in-place layout this collective allows.
+        layout: &'static str,
+    },
+
+    /// A world size or rank that cannot form a communicator.
+    #[error("invalid communicator shape: {0}")]
+    BadWorld(String),
+
+    /// A point-to-point message did not match what the receiver posted.
+    #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
+    MessageMismatch {
+        /// The sender.
+        peer: usize,
+        /// Bytes sent.
+        got: usize,
+        /// Bytes expected.
+        expected: usize,
+    },
+}

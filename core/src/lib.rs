@@ -1,0 +1,32 @@
+//! anyccl-core: the vendor-neutral heart of anyccl.
+//!
+//! Everything that does not depend on a vendor lives here and is written once:
+//! - [`DataType`], [`ReduceOp`] and which pairs are valid ([`dtype`]);
+//! - the capability model: [`Capabilities`] and a [`CapabilityReport`] that says, for every flag, whether it is
+//!   enabled and, if not, the concrete [`Reason`] ([`caps`]);
+//! - the error types ([`Error`], [`InvalidArgument`]);
+//! - the traits a backend implements ([`CommBackend`], [`MemoryRuntime`]) and the [`Communicator`] front-end that
+//!   validates every call and picks the all-reduce algorithm before the backend sees it ([`comm`], [`validate`]);
+//! - the all-reduce algorithm family and its selector ([`algo`], [`selector`]);
+//! - with the `conformance` feature, the conformance suite every backend runs ([`conformance`]).
+#![forbid(unsafe_code)]
+
+pub mod algo;
+pub mod caps;
+pub mod comm;
+#[cfg(feature = "conformance")]
+pub mod conformance;
+pub mod dtype;
+pub mod error;
+pub mod runtime;
+pub mod selector;
+pub mod units;
+pub mod validate;
+
+pub use algo::{Algorithm, Vendor};
+pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
+pub use comm::{CommBackend, Communicator, InOut};
+pub use dtype::{DataType, Element, ReduceOp};
+pub use error::{Error, InvalidArgument, Result};
+pub use runtime::{BufferDesc, Location, MemoryRuntime};
+pub use selector::{Selection, SelectionQuery, Selector, SelectorTable};

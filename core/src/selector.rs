@@ -1,0 +1,604 @@
+//! Choosing the all-reduce algorithm: (vendor, arch, world, bytes, dtype, capturing) → algorithm.
+//!
+//! A [`SelectorTable`] is an ordered list of [`Rule`]s. The first rule that matches the call names the algorithms
+//! to try in order; the first one the backend finds eligible runs. Rules from a table file (`ANYCCL_TUNE_FILE`, or
+//! the table `anyccl tune` writes) come before the defaults, so they override them. `ANYCCL_ALLREDUCE_ALGO` forces
+//! one algorithm: if it cannot run a call, that call fails with a clear error rather than silently falling back.
+//!
+//! # Table file format (TOML)
+//!
+//! ```toml
+//! version = 1                      # optional; 1 is the only version
+//!
+//! [[rule]]
+//! vendor = ["nvidia"]              # optional: host, nvidia, amd (a string or a list)
+//! arch = "sm_90"                   # optional: the backend's architecture name
+//! world = "2-8"                    # optional: 4, "2-8" or "4-" (inclusive)
+//! bytes = "0-512KiB"               # optional: "[min]-[max]", min inclusive, max exclusive
+//! dtype = ["bf16", "f16"]          # optional
+//! capturing = true                 # optional: only inside (true) or outside (false) graph capture
+//! algorithms = ["one-shot", "two-shot"]   # required, tried in order
+//! ```
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::algo::{Algorithm, Vendor};
+use crate::dtype::DataType;
+use crate::error::{Error, Result};
+use crate::units::{format_bytes, parse_bytes};
+
+/// The environment variable that forces one all-reduce algorithm.
+pub const ENV_FORCE_ALGO: &str = "ANYCCL_ALLREDUCE_ALGO";
+/// The environment variable naming a selector table file.
+pub const ENV_TABLE_FILE: &str = "ANYCCL_TUNE_FILE";
+
+/// What the selector knows about one all-reduce call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SelectionQuery {
+    /// The backend's vendor.
+    pub vendor: Vendor,
+    /// The backend's architecture name (`"sm_90"`, `"gfx942"`, `"host"`).
+    pub arch: String,
+    /// Number of ranks.
+    pub world: usize,
+    /// Message size in bytes (count × element size).
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DataType,
+    /// Whether the stream is being captured into a graph.
+    pub capturing: bool,
+}
+
+/// The outcome of a selection: which algorithm, and the rule (or override) that chose it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Selection {
+    /// The algorithm that runs.
+    pub algorithm: Algorithm,
+    /// Why: the rule and its origin, or the override.
+    pub why: String,
+}
+
+/// One row of a selector table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Rule {
+    /// Vendors the rule applies to (empty: any).
+    pub vendors: Vec<Vendor>,
+    /// Architecture the rule applies to (`None`: any).
+    pub arch: Option<String>,
+    /// Smallest world size (inclusive).
+    pub world_min: usize,
+    /// Largest world size (inclusive).
+    pub world_max: usize,
+    /// Smallest message in bytes (inclusive).
+    pub bytes_min: u64,
+    /// Message bound in bytes (exclusive; `None`: unbounded).
+    pub bytes_max: Option<u64>,
+    /// Element types (empty: any).
+    pub dtypes: Vec<DataType>,
+    /// Capture state (`None`: either).
+    pub capturing: Option<bool>,
+    /// Algorithms to try, in order.
+    pub algorithms: Vec<Algorithm>,
+    /// Where the rule came from (`"defaults #3"`, `"tune.toml:12"`).
+    pub origin: String,
+}
+
+impl Rule {
+    /// Whether the rule applies to `q`.
+    pub fn matches(&self, q: &SelectionQuery) -> bool {
+        (self.vendors.is_empty() || self.vendors.contains(&q.vendor))
+            && self.arch.as_deref().is_none_or(|a| a.eq_ignore_ascii_case(&q.arch))
+            && (self.world_min..=self.world_max).contains(&q.world)
+            && q.bytes >= self.bytes_min
+            && self.bytes_max.is_none_or(|m| q.bytes < m)
+            && (self.dtypes.is_empty() || self.dtypes.contains(&q.dtype))
+            && self.capturing.is_none_or(|c| c == q.capturing)
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.origin)?;
+        if !self.vendors.is_empty() {
+            let v: Vec<_> = self.vendors.iter().map(|v| v.name()).collect();
+            write!(f, "vendor {} ", v.join("|"))?;
+        }
+        if let Some(a) = &self.arch {
+            write!(f, "arch {a} ")?;
+        }
+        if self.world_min == self.world_max {
+            write!(f, "world {} ", self.world_min)?;
+        } else if self.world_max == usize::MAX {
+            write!(f, "world >= {} ", self.world_min)?;
+        } else {
+            write!(f, "world {}-{} ", self.world_min, self.world_max)?;
+        }
+        match self.bytes_max {
+            Some(m) => write!(f, "bytes [{}, {}) ", format_bytes(self.bytes_min), format_bytes(m))?,
+            None if self.bytes_min > 0 => write!(f, "bytes >= {} ", format_bytes(self.bytes_min))?,
+            None => {}
+        }
+        if !self.dtypes.is_empty() {
+            let d: Vec<_> = self.dtypes.iter().map(|d| d.name()).collect();
+            write!(f, "dtype {} ", d.join("|"))?;
+        }
+        if let Some(c) = self.capturing {
+            write!(f, "{}", if c { "capturing " } else { "eager " })?;
+        }
+        let a: Vec<_> = self.algorithms.iter().map(|a| a.name()).collect();
+        write!(f, "-> {}", a.join(", "))
+    }
+}
+
+/// Where a selector's table came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum TableSource {
+    /// Built-in defaults only.
+    Defaults,
+    /// A table file, then the defaults.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// How it was named (`ANYCCL_TUNE_FILE` or a flag).
+        via: String,
+    },
+}
+
+/// An ordered list of rules.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SelectorTable {
+    /// The rules, first match wins.
+    pub rules: Vec<Rule>,
+}
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+impl SelectorTable {
+    /// The built-in defaults.
+    ///
+    /// GPU rows follow the thresholds public engines use on H100-class nodes (see `vendor-facts.md`): custom
+    /// one-shot always at world 2 (up to 8 MiB), below 512 KiB at world ≤ 4 and below 256 KiB at world ≤ 8;
+    /// two-shot above that up to 8 MiB; NVLS multicast at world 4–8 on sm_90 between those; symmetric windows at
+    /// world ≥ 4 for large messages; the vendor library otherwise. Host rows come from `anyccl bench` on the
+    /// 2-core build machine (docs/benchmarks.md).
+    pub fn defaults() -> Self {
+        use Algorithm::*;
+        let gpu = vec![Vendor::Nvidia, Vendor::Amd];
+        let mut rules = Vec::new();
+        let mut add = |vendors: Vec<Vendor>,
+                       arch: Option<&str>,
+                       world: (usize, usize),
+                       bytes: (u64, Option<u64>),
+                       algorithms: Vec<Algorithm>| {
+            let n = rules.len() + 1;
+            rules.push(Rule {
+                vendors,
+                arch: arch.map(str::to_owned),
+                world_min: world.0,
+                world_max: world.1,
+                bytes_min: bytes.0,
+                bytes_max: bytes.1,
+                dtypes: Vec::new(),
+                capturing: None,
+                algorithms,
+                origin: format!("defaults #{n}"),
+            });
+        };
+        // Host: one rank needs no exchange; small messages are bound by synchronisation (one-shot has the
+        // fewest barriers); large ones by memory traffic (two-shot reads each input once per rank).
+        add(vec![Vendor::Host], None, (1, 1), (0, None), vec![OneShot, TwoShot, Ring]);
+        add(vec![Vendor::Host], None, (2, usize::MAX), (0, Some(64 * KIB)), vec![OneShot, TwoShot, Ring]);
+        add(vec![Vendor::Host], None, (2, usize::MAX), (64 * KIB, None), vec![TwoShot, Ring, OneShot]);
+        // GPUs.
+        add(gpu.clone(), None, (2, 2), (0, Some(8 * MIB)), vec![OneShot, Ccl]);
+        add(gpu.clone(), None, (3, 4), (0, Some(512 * KIB)), vec![OneShot, TwoShot, Ccl]);
+        add(gpu.clone(), None, (5, 8), (0, Some(256 * KIB)), vec![OneShot, TwoShot, Ccl]);
+        add(vec![Vendor::Nvidia], Some("sm_90"), (4, 8), (256 * KIB, Some(4 * MIB)), vec![NvlsBlockPipeline, TwoShot]);
+        add(gpu.clone(), None, (3, 8), (0, Some(8 * MIB)), vec![TwoShot, CclSymmetric, Ccl]);
+        add(vec![Vendor::Nvidia], None, (4, usize::MAX), (8 * MIB, None), vec![CclSymmetric, Ccl]);
+        add(gpu, None, (1, usize::MAX), (0, None), vec![Ccl]);
+        SelectorTable { rules }
+    }
+
+    /// Parses a table file's text. `source_name` (the path) is used in error messages, which name the line.
+    pub fn parse(text: &str, source_name: &str) -> Result<Self> {
+        let line_of = |offset: usize| text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1;
+        let err = |line: Option<usize>, message: String| Error::Config {
+            source_name: source_name.to_owned(),
+            line,
+            message,
+        };
+        let file: RawFile = toml::from_str(text).map_err(|e| {
+            let line = e.span().map(|s| line_of(s.start));
+            err(line, e.message().trim().to_owned())
+        })?;
+        if let Some(v) = &file.version {
+            if *v.get_ref() != 1 {
+                return Err(err(Some(line_of(v.span().start)), format!("unsupported version {} (expected 1)", v.get_ref())));
+            }
+        }
+        let mut rules = Vec::with_capacity(file.rule.len());
+        for raw in file.rule {
+            let rule_line = line_of(raw.algorithms.span().start);
+            let at = |span: std::ops::Range<usize>| Some(line_of(span.start));
+
+            let vendors = match raw.vendor {
+                None => Vec::new(),
+                Some(v) => {
+                    let line = at(v.span());
+                    v.into_inner()
+                        .into_vec()
+                        .iter()
+                        .map(|s| s.parse::<Vendor>().map_err(|e| err(line, e.to_string())))
+                        .collect::<Result<_>>()?
+                }
+            };
+            let (world_min, world_max) = match raw.world {
+                None => (1, usize::MAX),
+                Some(w) => {
+                    let line = at(w.span());
+                    parse_world(w.get_ref()).map_err(|m| err(line, m))?
+                }
+            };
+            let (bytes_min, bytes_max) = match raw.bytes {
+                None => (0, None),
+                Some(b) => {
+                    let line = at(b.span());
+                    parse_byte_range(b.get_ref()).map_err(|m| err(line, m))?
+                }
+            };
+            let dtypes = match raw.dtype {
+                None => Vec::new(),
+                Some(d) => {
+                    let line = at(d.span());
+                    d.into_inner()
+                        .into_vec()
+                        .iter()
+                        .map(|s| s.parse::<DataType>().map_err(|e| err(line, e.to_string())))
+                        .collect::<Result<_>>()?
+                }
+            };
+            let algo_line = at(raw.algorithms.span());
+            let algorithms: Vec<Algorithm> = raw
+                .algorithms
+                .into_inner()
+                .iter()
+                .map(|s| s.parse::<Algorithm>().map_err(|e| err(algo_line, e.to_string())))
+                .collect::<Result<_>>()?;
+            if algorithms.is_empty() {
+                return Err(err(algo_line, "`algorithms` must name at least one algorithm".to_owned()));
+            }
+            rules.push(Rule {
+                vendors,
+                arch: raw.arch,
+                world_min,
+                world_max,
+                bytes_min,
+                bytes_max,
+                dtypes,
+                capturing: raw.capturing,
+                algorithms,
+                origin: format!("{source_name}:{rule_line}"),
+            });
+        }
+        Ok(SelectorTable { rules })
+    }
+
+    /// Reads and parses a table file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            source_name: path.display().to_string(),
+            line: None,
+            message: format!("cannot read the table file: {e}"),
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+}
+
+fn parse_world(w: &WorldSpec) -> std::result::Result<(usize, usize), String> {
+    let bad = |s: &str| format!("bad world '{s}' (expected a number, \"MIN-MAX\" or \"MIN-\")");
+    let (lo, hi) = match w {
+        WorldSpec::One(n) => {
+            let n = usize::try_from(*n).map_err(|_| bad(&n.to_string()))?;
+            (n, n)
+        }
+        WorldSpec::Range(s) => {
+            let t = s.trim();
+            if let Some((a, b)) = t.split_once('-') {
+                let lo = a.trim().parse::<usize>().map_err(|_| bad(s))?;
+                let hi = if b.trim().is_empty() { usize::MAX } else { b.trim().parse::<usize>().map_err(|_| bad(s))? };
+                (lo, hi)
+            } else {
+                let n = t.parse::<usize>().map_err(|_| bad(s))?;
+                (n, n)
+            }
+        }
+    };
+    if lo == 0 || lo > hi {
+        return Err(format!("bad world range {lo}-{hi} (world sizes start at 1 and MIN <= MAX)"));
+    }
+    Ok((lo, hi))
+}
+
+fn parse_byte_range(s: &str) -> std::result::Result<(u64, Option<u64>), String> {
+    let Some((a, b)) = s.split_once('-') else {
+        return Err(format!("bad bytes '{s}' (expected \"[MIN]-[MAX]\", e.g. \"0-512KiB\" or \"8MiB-\")"));
+    };
+    let lo = if a.trim().is_empty() { 0 } else { parse_bytes(a).map_err(|e| e.to_string())? };
+    let hi = if b.trim().is_empty() { None } else { Some(parse_bytes(b).map_err(|e| e.to_string())?) };
+    if let Some(h) = hi {
+        if h <= lo {
+            return Err(format!("bad bytes range '{s}': the upper bound must exceed the lower"));
+        }
+    }
+    Ok((lo, hi))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    version: Option<toml::Spanned<i64>>,
+    #[serde(default)]
+    rule: Vec<RawRule>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    vendor: Option<toml::Spanned<OneOrMany>>,
+    arch: Option<String>,
+    world: Option<toml::Spanned<WorldSpec>>,
+    bytes: Option<toml::Spanned<String>>,
+    dtype: Option<toml::Spanned<OneOrMany>>,
+    capturing: Option<bool>,
+    algorithms: toml::Spanned<Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WorldSpec {
+    One(i64),
+    Range(String),
+}
+
+/// Picks the all-reduce algorithm for each call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selector {
+    table: SelectorTable,
+    source: TableSource,
+    forced: Option<Algorithm>,
+}
+
+impl Default for Selector {
+    fn default() -> Self {
+        Selector { table: SelectorTable::defaults(), source: TableSource::Defaults, forced: None }
+    }
+}
+
+impl Selector {
+    /// The defaults, no file, no override.
+    pub fn defaults() -> Self {
+        Self::default()
+    }
+
+    /// Reads `ANYCCL_ALLREDUCE_ALGO` and `ANYCCL_TUNE_FILE`. A bad value of either is an error naming it.
+    pub fn from_env() -> Result<Self> {
+        let mut s = Self::default();
+        if let Some(path) = std::env::var_os(ENV_TABLE_FILE).filter(|p| !p.is_empty()) {
+            s = s.with_table_file(Path::new(&path), ENV_TABLE_FILE)?;
+        }
+        if let Ok(v) = std::env::var(ENV_FORCE_ALGO) {
+            if !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("auto") {
+                let a = v.parse::<Algorithm>().map_err(|e| Error::Config {
+                    source_name: ENV_FORCE_ALGO.to_owned(),
+                    line: None,
+                    message: e.to_string(),
+                })?;
+                s.forced = Some(a);
+            }
+        }
+        Ok(s)
+    }
+
+    /// Puts the rules of the table file at `path` before the defaults. `via` says how it was named.
+    pub fn with_table_file(mut self, path: &Path, via: &str) -> Result<Self> {
+        let file = SelectorTable::load(path)?;
+        let mut rules = file.rules;
+        rules.extend(SelectorTable::defaults().rules);
+        self.table = SelectorTable { rules };
+        self.source = TableSource::File { path: path.to_owned(), via: via.to_owned() };
+        Ok(self)
+    }
+
+    /// Forces (or with `None`, stops forcing) one algorithm.
+    pub fn with_forced(mut self, algorithm: Option<Algorithm>) -> Self {
+        self.forced = algorithm;
+        self
+    }
+
+    /// The forced algorithm, if any.
+    pub fn forced(&self) -> Option<Algorithm> {
+        self.forced
+    }
+
+    /// The active table.
+    pub fn table(&self) -> &SelectorTable {
+        &self.table
+    }
+
+    /// Where the active table came from.
+    pub fn source(&self) -> &TableSource {
+        &self.source
+    }
+
+    /// Chooses the algorithm for `q`. `eligible` is the backend's verdict on one algorithm for this call (`Err`
+    /// carries why not). A forced algorithm that is not eligible is an error; otherwise the first eligible
+    /// algorithm of the first matching rule wins, and if no rule yields one, the first eligible algorithm at all.
+    pub fn select(
+        &self,
+        q: &SelectionQuery,
+        mut eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
+    ) -> Result<Selection> {
+        if let Some(a) = self.forced {
+            return match eligible(a) {
+                Ok(()) => Ok(Selection { algorithm: a, why: format!("forced by {ENV_FORCE_ALGO}") }),
+                Err(why) => Err(Error::AlgorithmNotEligible { algorithm: a, why }),
+            };
+        }
+        let mut refused: Vec<(Algorithm, String)> = Vec::new();
+        for rule in self.table.rules.iter().filter(|r| r.matches(q)) {
+            for &a in &rule.algorithms {
+                if refused.iter().any(|(r, _)| *r == a) {
+                    continue;
+                }
+                match eligible(a) {
+                    Ok(()) => return Ok(Selection { algorithm: a, why: rule.to_string() }),
+                    Err(why) => refused.push((a, why)),
+                }
+            }
+        }
+        for a in Algorithm::ALL {
+            if refused.iter().any(|(r, _)| *r == a) {
+                continue;
+            }
+            match eligible(a) {
+                Ok(()) => {
+                    return Ok(Selection { algorithm: a, why: "no rule matched; first eligible algorithm".to_owned() })
+                }
+                Err(why) => refused.push((a, why)),
+            }
+        }
+        let why = refused.iter().map(|(a, w)| format!("{a}: {w}")).collect::<Vec<_>>().join("; ");
+        Err(Error::NoEligibleAlgorithm { why })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(vendor: Vendor, world: usize, bytes: u64) -> SelectionQuery {
+        SelectionQuery { vendor, arch: "sm_90".into(), world, bytes, dtype: DataType::Bf16, capturing: false }
+    }
+
+    fn all_ok(_: Algorithm) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    #[test]
+    fn defaults_follow_published_thresholds() {
+        let s = Selector::defaults();
+        let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
+        assert_eq!(pick(Vendor::Nvidia, 2, 4 * MIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
+        assert_eq!(pick(Vendor::Amd, 8, 256 * KIB), Algorithm::TwoShot);
+        assert_eq!(pick(Vendor::Nvidia, 8, 64 * MIB), Algorithm::CclSymmetric);
+        assert_eq!(pick(Vendor::Amd, 2, 64 * MIB), Algorithm::Ccl);
+    }
+
+    #[test]
+    fn falls_through_ineligible_algorithms() {
+        let s = Selector::defaults();
+        let sel = s
+            .select(&q(Vendor::Nvidia, 8, 64 * MIB), |a| match a {
+                Algorithm::CclSymmetric => Err("no windows".into()),
+                _ => Ok(()),
+            })
+            .expect("selects");
+        assert_eq!(sel.algorithm, Algorithm::Ccl);
+        assert!(sel.why.starts_with("defaults #"), "{}", sel.why);
+    }
+
+    #[test]
+    fn forced_ineligible_is_an_error() {
+        let s = Selector::defaults().with_forced(Some(Algorithm::NvlsZeroCopy));
+        let err = s
+            .select(&q(Vendor::Nvidia, 8, MIB), |a| {
+                if a == Algorithm::NvlsZeroCopy {
+                    Err("multicast is off".into())
+                } else {
+                    Ok(())
+                }
+            })
+            .expect_err("not eligible");
+        assert_eq!(
+            err,
+            Error::AlgorithmNotEligible { algorithm: Algorithm::NvlsZeroCopy, why: "multicast is off".into() }
+        );
+        let ok = s.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible");
+        assert_eq!(ok.algorithm, Algorithm::NvlsZeroCopy);
+    }
+
+    #[test]
+    fn nothing_eligible_lists_every_reason() {
+        let err = Selector::defaults()
+            .select(&q(Vendor::Host, 2, 10), |a| Err(format!("no {a}")))
+            .expect_err("none eligible");
+        let Error::NoEligibleAlgorithm { why } = err else { panic!("wrong error {err:?}") };
+        for a in Algorithm::ALL {
+            assert!(why.contains(&format!("no {a}")), "{why}");
+        }
+    }
+
+    #[test]
+    fn file_rules_override_defaults() {
+        let t = SelectorTable::parse(
+            "version = 1\n[[rule]]\nvendor = \"nvidia\"\nworld = \"2-8\"\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n",
+            "t.toml",
+        )
+        .expect("valid");
+        assert_eq!(t.rules.len(), 1);
+        let r = &t.rules[0];
+        assert_eq!((r.world_min, r.world_max, r.bytes_min, r.bytes_max), (2, 8, 0, Some(MIB)));
+        assert_eq!(r.origin, "t.toml:6");
+        assert!(r.matches(&q(Vendor::Nvidia, 4, 1000)));
+        assert!(!r.matches(&q(Vendor::Nvidia, 4, MIB)));
+        assert!(!r.matches(&q(Vendor::Amd, 4, 1000)));
+    }
+
+    #[test]
+    fn malformed_files_name_the_line() {
+        let cases: &[(&str, usize, &str)] = &[
+            ("[[rule]]\nalgorithms = [\"warp-drive\"]\n", 2, "warp-drive"),
+            ("[[rule]]\nbytes = \"0-12 parsecs\"\nalgorithms = [\"ccl\"]\n", 2, "parsecs"),
+            ("[[rule]]\nworld = \"8-2\"\nalgorithms = [\"ccl\"]\n", 2, "world"),
+            ("[[rule]]\n\nspeed = 3\nalgorithms = [\"ccl\"]\n", 3, "speed"),
+            ("[[rule]]\nalgorithms = [\"ccl\"\n", 2, ""),
+            ("[[rule]]\nvendor = \"intel\"\nalgorithms = [\"ccl\"]\n", 2, "intel"),
+            ("[[rule]]\ndtype = [\"f128\"]\nalgorithms = [\"ccl\"]\n", 2, "f128"),
+            ("version = 7\n", 1, "version"),
+            ("[[rule]]\nalgorithms = []\n", 2, "at least one"),
+            ("[[rule]]\nworld = 2\n", 1, "algorithms"),
+        ];
+        for (text, line, needle) in cases {
+            let err = SelectorTable::parse(text, "bad.toml").expect_err(text);
+            let Error::Config { source_name, line: got, message } = &err else { panic!("{err:?}") };
+            assert_eq!(source_name, "bad.toml");
+            assert_eq!(*got, Some(*line), "{text:?}: {message}");
+            assert!(message.contains(needle), "{text:?}: {message}");
+            assert!(!err.to_string().contains('\n'), "one line: {err}");
+        }
+    }
+}
