@@ -134,7 +134,11 @@ impl FromStr for DataType {
                 return Err(Error::Parse {
                     what: "data type",
                     input: s.to_owned(),
-                    expected: DataType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", "),
+                    expected: DataType::ALL
+                        .iter()
+                        .map(|d| d.name())
+                        .collect::<Vec<_>>()
+                        .join(", "),
                 })
             }
         };
@@ -160,7 +164,13 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+    ];
 
     /// The canonical lower-case name.
     pub const fn name(self) -> &'static str {
@@ -269,8 +279,14 @@ mod tests {
         for op in ReduceOp::ALL {
             assert_eq!(op.name().parse::<ReduceOp>().ok(), Some(op));
         }
-        assert!(matches!("float128".parse::<DataType>(), Err(Error::Parse { .. })));
-        assert!(matches!("xor".parse::<ReduceOp>(), Err(Error::Parse { .. })));
+        assert!(matches!(
+            "float128".parse::<DataType>(),
+            Err(Error::Parse { .. })
+        ));
+        assert!(matches!(
+            "xor".parse::<ReduceOp>(),
+            Err(Error::Parse { .. })
+        ));
     }
 
     #[test]

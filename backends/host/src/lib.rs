@@ -1,1 +1,696 @@
-//! x
+//! anyccl-host: N ranks as threads over host memory.
+//!
+//! The embedded default backend — what `anyccl bench` runs when no GPU backend is available — and the reference
+//! the GPU backends are tested against. It implements every collective for every data type and operator, and the
+//! all-reduce algorithms one-shot, two-shot (reduce-scatter + all-gather) and ring.
+//!
+//! Ranks exchange data the way the custom GPU kernels do over IPC: each rank copies its input into its own
+//! staging buffer, which peers then read after a barrier. Every reduction visits the ranks' contributions in one
+//! fixed order per element, so all ranks get bitwise identical results. 8- and 16-bit floats accumulate in f32.
+//!
+//! ```
+//! use anyccl_core::{InOut, ReduceOp};
+//! use anyccl_host::{communicators, HostBuffer, HostOptions};
+//!
+//! let comms = communicators(4, HostOptions::default()).unwrap();
+//! let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+//!     let handles: Vec<_> = comms
+//!         .into_iter()
+//!         .map(|mut comm| {
+//!             s.spawn(move || {
+//!                 let rank = comm.rank() as f32;
+//!                 let mut buf = HostBuffer::from_elems(&[rank, 1.0, 2.0]);
+//!                 comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 3, anyccl_core::DataType::F32, ReduceOp::Sum, &())
+//!                     .unwrap();
+//!                 buf.to_vec::<f32>()
+//!             })
+//!         })
+//!         .collect();
+//!     handles.into_iter().map(|h| h.join().unwrap()).collect()
+//! });
+//! assert!(results.iter().all(|r| r == &[6.0, 4.0, 8.0]));
+//! ```
+#![forbid(unsafe_code)]
+
+mod reduce;
+mod sync;
+
+use std::borrow::{Borrow, BorrowMut};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
+
+use anyccl_core::comm::AllReduceCall;
+use anyccl_core::{
+    Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error,
+    InOut, InvalidArgument, Location, MemoryRuntime, Reason, ReduceOp, Result, Selector, Vendor,
+};
+use bytemuck::Zeroable;
+
+use crate::reduce::{
+    cast, cast_mut, combine_acc, load_acc, reduce_into, store_acc, with_type, Reducible,
+};
+use crate::sync::GroupSync;
+
+/// The all-reduce algorithms of the host backend.
+pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
+
+/// Options of a host communicator group.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// How long a rank waits for its peers at a barrier or for a message before it gives up with
+    /// [`Error::Timeout`] (the group is then broken for every rank).
+    pub timeout: Duration,
+    /// The algorithm selector (defaults, a table file, a forced algorithm).
+    pub selector: Arc<Selector>,
+}
+
+impl Default for HostOptions {
+    fn default() -> Self {
+        HostOptions {
+            timeout: Duration::from_secs(120),
+            selector: Arc::new(Selector::defaults()),
+        }
+    }
+}
+
+/// Host memory, 8-byte aligned (enough for every [`DataType`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostBuffer {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl HostBuffer {
+    /// `len` zero bytes.
+    pub fn zeroed(len: usize) -> Self {
+        HostBuffer {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    /// A copy of `elems`.
+    pub fn from_elems<T: Element>(elems: &[T]) -> Self {
+        let bytes: &[u8] = bytemuck::cast_slice(elems);
+        let mut b = Self::zeroed(bytes.len());
+        b.as_bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+
+    /// The contents as elements (a trailing partial element is dropped).
+    pub fn to_vec<T: Element>(&self) -> Vec<T> {
+        let n = self.len / std::mem::size_of::<T>();
+        bytemuck::cast_slice::<u8, T>(&self.as_bytes()[..n * std::mem::size_of::<T>()]).to_vec()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Borrow<[u8]> for HostBuffer {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl BorrowMut<[u8]> for HostBuffer {
+    fn borrow_mut(&mut self) -> &mut [u8] {
+        self.as_bytes_mut()
+    }
+}
+
+/// The host memory runtime: buffers are byte slices, streams are `()`, nothing is ever captured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostRuntime;
+
+impl MemoryRuntime for HostRuntime {
+    type Buffer = [u8];
+    type OwnedBuffer = HostBuffer;
+    type Stream = ();
+
+    fn location(&self) -> Location {
+        Location::Host
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<HostBuffer> {
+        Ok(HostBuffer::zeroed(bytes))
+    }
+
+    fn upload(&self, dst: &mut [u8], src: &[u8], _stream: &()) -> Result<()> {
+        let have = dst.len();
+        let d = dst
+            .get_mut(..src.len())
+            .ok_or_else(|| short_copy("upload", src.len(), have))?;
+        d.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, src: &[u8], dst: &mut [u8], _stream: &()) -> Result<()> {
+        let s = src
+            .get(..dst.len())
+            .ok_or_else(|| short_copy("download", dst.len(), src.len()))?;
+        dst.copy_from_slice(s);
+        Ok(())
+    }
+
+    fn synchronize(&self, _stream: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn is_capturing(&self, _stream: &()) -> Result<bool> {
+        Ok(false)
+    }
+}
+
+fn short_copy(what: &'static str, need: usize, have: usize) -> Error {
+    Error::InvalidArgument(InvalidArgument::BufferTooSmall {
+        which: what,
+        have,
+        need,
+        count: need,
+        dtype: DataType::U8,
+    })
+}
+
+/// The capability report of the host backend: the backend itself, and nothing that needs a vendor library.
+pub fn host_capabilities() -> CapabilityReport {
+    let mut r = CapabilityReport::all_disabled(|c| {
+        let detail = if c == Capabilities::GRAPH_CAPTURE {
+            "the host backend has no streams to capture"
+        } else {
+            "the host backend uses no vendor library or accelerator"
+        };
+        Reason::NotApplicable {
+            detail: detail.to_owned(),
+        }
+    });
+    r.enable(Capabilities::HOST_BACKEND);
+    r
+}
+
+/// Two staging buffers per rank, written only by their owner and read by peers after a barrier.
+type Staging = [RwLock<Vec<u64>>; 2];
+
+struct Shared {
+    world: usize,
+    sync: GroupSync,
+    staging: Vec<Staging>,
+    /// Point-to-point mailboxes, index `src * world + dst`.
+    mail: Vec<Mutex<VecDeque<Vec<u8>>>>,
+    caps: CapabilityReport,
+}
+
+/// One rank of a host communicator group. Create a group with [`create_group`] or [`communicators`], move each
+/// rank to its own thread, and call the collectives through [`Communicator`].
+///
+/// Dropping a rank tells its peers: their next (or current) wait fails with [`Error::PeerFailure`] instead of
+/// hanging.
+pub struct HostComm {
+    rank: usize,
+    shared: Arc<Shared>,
+    runtime: HostRuntime,
+    timeout: Duration,
+}
+
+/// Creates the backends of a group of `world` ranks (index = rank).
+pub fn create_group(world: usize, timeout: Duration) -> Result<Vec<HostComm>> {
+    if world == 0 {
+        return Err(
+            InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into(),
+        );
+    }
+    let shared = Arc::new(Shared {
+        world,
+        sync: GroupSync::new(world),
+        staging: (0..world)
+            .map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())])
+            .collect(),
+        mail: (0..world * world)
+            .map(|_| Mutex::new(VecDeque::new()))
+            .collect(),
+        caps: host_capabilities(),
+    });
+    Ok((0..world)
+        .map(|rank| HostComm {
+            rank,
+            shared: shared.clone(),
+            runtime: HostRuntime,
+            timeout,
+        })
+        .collect())
+}
+
+/// Creates a group of `world` ranks wrapped in the validating [`Communicator`] front-end (index = rank).
+pub fn communicators(world: usize, options: HostOptions) -> Result<Vec<Communicator<HostComm>>> {
+    Ok(create_group(world, options.timeout)?
+        .into_iter()
+        .map(|b| Communicator::new(b, options.selector.clone()))
+        .collect())
+}
+
+impl Drop for HostComm {
+    fn drop(&mut self) {
+        self.shared.sync.leave(self.rank);
+    }
+}
+
+fn read_lock(l: &RwLock<Vec<u64>>) -> RwLockReadGuard<'_, Vec<u64>> {
+    // A poisoned lock only means another rank's thread panicked while holding it; the data is still bytes.
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write_lock(l: &RwLock<Vec<u64>>) -> RwLockWriteGuard<'_, Vec<u64>> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn bytes_of(words: &[u64], len: usize) -> &[u8] {
+    &bytemuck::cast_slice(words)[..len]
+}
+
+/// Element range `[start, end)` of chunk `i` when `count` elements are split into `n` near-equal chunks.
+fn chunk(count: usize, n: usize, i: usize) -> (usize, usize) {
+    (i * count / n, (i + 1) * count / n)
+}
+
+impl HostComm {
+    fn barrier_wait(&self) -> Result<()> {
+        self.shared.sync.wait(self.rank, self.timeout)
+    }
+
+    /// Copies `src` into this rank's staging buffer `which`.
+    fn publish(&self, which: usize, src: &[u8]) {
+        let mut g = write_lock(&self.shared.staging[self.rank][which]);
+        let words = src.len().div_ceil(8);
+        if g.len() < words {
+            g.resize(words, 0);
+        }
+        bytemuck::cast_slice_mut::<u64, u8>(&mut g)[..src.len()].copy_from_slice(src);
+    }
+
+    fn staged(&self, rank: usize, which: usize) -> RwLockReadGuard<'_, Vec<u64>> {
+        read_lock(&self.shared.staging[rank][which])
+    }
+
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    fn one_shot<T: Reducible>(
+        &self,
+        input: Option<&[u8]>,
+        buf: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let len = buf.len();
+        self.publish(0, input.unwrap_or(buf));
+        self.barrier_wait()?;
+        {
+            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
+            let ins: Vec<&[T]> = guards
+                .iter()
+                .map(|g| cast::<T>(bytes_of(g, len)))
+                .collect::<Result<_>>()?;
+            reduce_into(&ins, cast_mut::<T>(buf)?, op, self.world());
+        }
+        self.barrier_wait()
+    }
+
+    fn two_shot<T: Reducible>(
+        &self,
+        input: Option<&[u8]>,
+        buf: &mut [u8],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let esz = std::mem::size_of::<T>();
+        let count = buf.len() / esz;
+        let world = self.world();
+        self.publish(0, input.unwrap_or(buf));
+        self.barrier_wait()?;
+        let (s, e) = chunk(count, world, self.rank);
+        {
+            let guards: Vec<_> = (0..world).map(|q| self.staged(q, 0)).collect();
+            let ins: Vec<&[T]> = guards
+                .iter()
+                .map(|g| cast::<T>(&bytes_of(g, buf.len())[s * esz..e * esz]))
+                .collect::<Result<_>>()?;
+            let mine = &mut cast_mut::<T>(buf)?[s..e];
+            reduce_into(&ins, mine, op, world);
+        }
+        self.publish(1, &buf[s * esz..e * esz]);
+        self.barrier_wait()?;
+        for q in (0..world).filter(|q| *q != self.rank) {
+            let (qs, qe) = chunk(count, world, q);
+            let g = self.staged(q, 1);
+            buf[qs * esz..qe * esz].copy_from_slice(bytes_of(&g, (qe - qs) * esz));
+        }
+        self.barrier_wait()
+    }
+
+    /// Ring reduce-scatter then ring all-gather. Step `k` publishes into staging buffer `k % 2` and reads the
+    /// predecessor's; the barrier between steps keeps a buffer from being rewritten before its reader is done.
+    fn ring<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
+        if let Some(src) = input {
+            buf.copy_from_slice(src);
+        }
+        let world = self.world();
+        let rank = self.rank;
+        let esz = std::mem::size_of::<T>();
+        let asz = std::mem::size_of::<T::Acc>();
+        let count = buf.len() / esz;
+        let pred = (rank + world - 1) % world;
+        let max_chunk = count.div_ceil(world);
+        let mut acc = vec![T::Acc::zeroed(); max_chunk];
+        let mut next = vec![T::Acc::zeroed(); max_chunk];
+
+        let (s0, e0) = chunk(count, world, rank);
+        load_acc::<T>(&cast::<T>(buf)?[s0..e0], &mut acc[..e0 - s0]);
+        let mut acc_len = e0 - s0;
+        let mut k = 0usize;
+        for s in 1..world {
+            k += 1;
+            self.publish(k % 2, bytemuck::cast_slice(&acc[..acc_len]));
+            self.barrier_wait()?;
+            let c = (rank + world - s) % world;
+            let (cs, ce) = chunk(count, world, c);
+            {
+                let g = self.staged(pred, k % 2);
+                let theirs = cast::<T::Acc>(bytes_of(&g, (ce - cs) * asz))?;
+                combine_acc::<T>(theirs, &cast::<T>(buf)?[cs..ce], &mut next[..ce - cs], op);
+            }
+            std::mem::swap(&mut acc, &mut next);
+            acc_len = ce - cs;
+        }
+        let fin = (rank + 1) % world;
+        let (fs, fe) = chunk(count, world, fin);
+        store_acc::<T>(&acc[..acc_len], &mut cast_mut::<T>(buf)?[fs..fe], op, world);
+
+        let mut held = fin;
+        for t in 1..world {
+            k += 1;
+            let (hs, he) = chunk(count, world, held);
+            let out = buf[hs * esz..he * esz].to_vec();
+            self.publish(k % 2, &out);
+            self.barrier_wait()?;
+            let c = (rank + world + 1 - t) % world;
+            let (cs, ce) = chunk(count, world, c);
+            let g = self.staged(pred, k % 2);
+            buf[cs * esz..ce * esz].copy_from_slice(bytes_of(&g, (ce - cs) * esz));
+            held = c;
+        }
+        self.barrier_wait()
+    }
+}
+
+fn split_io<'a>(bufs: InOut<'a, [u8]>) -> (Option<&'a [u8]>, &'a mut [u8]) {
+    match bufs {
+        InOut::InPlace(b) => (None, b),
+        InOut::Separate { send, recv } => (Some(send), recv),
+    }
+}
+
+impl CommBackend for HostComm {
+    type Runtime = HostRuntime;
+
+    fn runtime(&self) -> &HostRuntime {
+        &self.runtime
+    }
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn vendor(&self) -> Vendor {
+        Vendor::Host
+    }
+
+    fn arch(&self) -> &str {
+        "host"
+    }
+
+    fn capabilities(&self) -> &CapabilityReport {
+        &self.shared.caps
+    }
+
+    fn allreduce_algorithms(&self) -> &[Algorithm] {
+        &ALGORITHMS
+    }
+
+    fn allreduce_eligible(
+        &self,
+        algorithm: Algorithm,
+        _call: &AllReduceCall,
+    ) -> std::result::Result<(), String> {
+        if ALGORITHMS.contains(&algorithm) {
+            Ok(())
+        } else {
+            Err("not implemented by the host backend".to_owned())
+        }
+    }
+
+    fn all_reduce(
+        &mut self,
+        algorithm: Algorithm,
+        bufs: InOut<'_, [u8]>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        _stream: &(),
+    ) -> Result<()> {
+        let (input, buf) = split_io(bufs);
+        let bytes = count * dtype.size_bytes();
+        let input = input.map(|i| &i[..bytes]);
+        let buf = &mut buf[..bytes];
+        with_type!(dtype, T => match algorithm {
+            Algorithm::OneShot => self.one_shot::<T>(input, buf, op),
+            Algorithm::TwoShot => self.two_shot::<T>(input, buf, op),
+            Algorithm::Ring => self.ring::<T>(input, buf, op),
+            other => Err(Error::AlgorithmNotEligible {
+                algorithm: other,
+                why: "not implemented by the host backend".into(),
+            }),
+        })
+    }
+
+    fn all_gather(
+        &mut self,
+        bufs: InOut<'_, [u8]>,
+        count: usize,
+        dtype: DataType,
+        _stream: &(),
+    ) -> Result<()> {
+        let part = count * dtype.size_bytes();
+        let (input, buf) = split_io(bufs);
+        let own = self.rank * part..(self.rank + 1) * part;
+        match input {
+            Some(i) => {
+                self.publish(0, &i[..part]);
+                buf[own].copy_from_slice(&i[..part]);
+            }
+            None => self.publish(0, &buf[own]),
+        }
+        self.barrier_wait()?;
+        for q in (0..self.world()).filter(|q| *q != self.rank) {
+            let g = self.staged(q, 0);
+            buf[q * part..(q + 1) * part].copy_from_slice(bytes_of(&g, part));
+        }
+        self.barrier_wait()
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        bufs: InOut<'_, [u8]>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        _stream: &(),
+    ) -> Result<()> {
+        let part = count * dtype.size_bytes();
+        let total = part * self.world();
+        let (input, buf) = split_io(bufs);
+        let src = match input {
+            Some(i) => &i[..total],
+            None => &buf[..total],
+        };
+        self.publish(0, src);
+        self.barrier_wait()?;
+        let mine = self.rank * part..(self.rank + 1) * part;
+        let out = if input.is_some() {
+            &mut buf[..part]
+        } else {
+            &mut buf[mine.clone()]
+        };
+        {
+            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
+            with_type!(dtype, T => {
+                let ins: Vec<&[T]> = guards
+                    .iter()
+                    .map(|g| cast::<T>(&bytes_of(g, total)[mine.clone()]))
+                    .collect::<Result<_>>()?;
+                reduce_into(&ins, cast_mut::<T>(out)?, op, self.world());
+            });
+        }
+        self.barrier_wait()
+    }
+
+    fn broadcast(
+        &mut self,
+        bufs: InOut<'_, [u8]>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        _s: &(),
+    ) -> Result<()> {
+        let bytes = count * dtype.size_bytes();
+        let (input, buf) = split_io(bufs);
+        if self.rank == root {
+            let src = input.map_or(&buf[..bytes], |i| &i[..bytes]);
+            self.publish(0, src);
+            if let Some(i) = input {
+                buf[..bytes].copy_from_slice(&i[..bytes]);
+            }
+        }
+        self.barrier_wait()?;
+        if self.rank != root {
+            let g = self.staged(root, 0);
+            buf[..bytes].copy_from_slice(bytes_of(&g, bytes));
+        }
+        self.barrier_wait()
+    }
+
+    fn reduce(
+        &mut self,
+        bufs: InOut<'_, [u8]>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        _stream: &(),
+    ) -> Result<()> {
+        let bytes = count * dtype.size_bytes();
+        let (input, buf) = split_io(bufs);
+        self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]));
+        self.barrier_wait()?;
+        if self.rank == root {
+            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
+            with_type!(dtype, T => {
+                let ins: Vec<&[T]> = guards.iter().map(|g| cast::<T>(bytes_of(g, bytes))).collect::<Result<_>>()?;
+                reduce_into(&ins, cast_mut::<T>(&mut buf[..bytes])?, op, self.world());
+            });
+        }
+        self.barrier_wait()
+    }
+
+    fn send(
+        &mut self,
+        buf: &[u8],
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        _stream: &(),
+    ) -> Result<()> {
+        let bytes = count * dtype.size_bytes();
+        let idx = self.rank * self.world() + peer;
+        self.shared.mail[idx]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(buf[..bytes].to_vec());
+        self.shared.sync.notify_all();
+        Ok(())
+    }
+
+    fn recv(
+        &mut self,
+        buf: &mut [u8],
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        _stream: &(),
+    ) -> Result<()> {
+        let bytes = count * dtype.size_bytes();
+        let idx = peer * self.world() + self.rank;
+        let msg = self
+            .shared
+            .sync
+            .wait_for(self.rank, peer, self.timeout, || {
+                self.shared.mail[idx]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .pop_front()
+            })?;
+        if msg.len() != bytes {
+            let got = msg.len();
+            // Put it back: a mismatched receive loses nothing.
+            self.shared.mail[idx]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_front(msg);
+            return Err(InvalidArgument::MessageMismatch {
+                peer,
+                got,
+                expected: bytes,
+            }
+            .into());
+        }
+        buf[..bytes].copy_from_slice(&msg);
+        Ok(())
+    }
+
+    fn barrier(&mut self, _stream: &()) -> Result<()> {
+        self.barrier_wait()
+    }
+}
+
+/// Checks the chunking used by two-shot and ring covers `[0, count)` exactly.
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_partition_the_range() {
+        for count in [0usize, 1, 5, 7, 1037] {
+            for n in 1..=8 {
+                let mut next = 0;
+                for i in 0..n {
+                    let (s, e) = chunk(count, n, i);
+                    assert_eq!(s, next);
+                    next = e;
+                }
+                assert_eq!(next, count);
+            }
+        }
+    }
+
+    #[test]
+    fn world_zero_is_rejected() {
+        assert!(matches!(
+            create_group(0, Duration::from_secs(1)),
+            Err(Error::InvalidArgument(InvalidArgument::BadWorld(_)))
+        ));
+    }
+}
