@@ -1,1 +1,44 @@
-//! placeholder
+//! anyccl: one API for GPU collectives on NVIDIA and AMD, with runtime capability probing.
+//!
+//! This facade re-exports the vendor-neutral core ([`core`]) and the backends compiled in: the host backend
+//! ([`host`], feature `host`, on by default) today; CUDA (`cuda`) and ROCm (`rocm`) are placeholders that report
+//! themselves as not implemented. The `anyccl` binary (`probe`, `bench`) is built from [`probe`] and [`bench`].
+//!
+//! ```
+//! use anyccl::core::{DataType, InOut, ReduceOp};
+//! use anyccl::host::{communicators, HostBuffer, HostOptions};
+//!
+//! // Two ranks on two threads; each all-reduces its buffer in place.
+//! let comms = communicators(2, HostOptions::default()).unwrap();
+//! std::thread::scope(|s| {
+//!     for mut comm in comms {
+//!         s.spawn(move || {
+//!             let mut buf = HostBuffer::from_elems(&[anyccl::half::bf16::from_f32(1.5); 8]);
+//!             let chosen = comm
+//!                 .all_reduce(InOut::InPlace(buf.as_bytes_mut()), 8, DataType::Bf16, ReduceOp::Sum, &())
+//!                 .unwrap();
+//!             assert_eq!(buf.to_vec::<anyccl::half::bf16>()[0].to_f32(), 3.0);
+//!             println!("rank {} used {} because {}", comm.rank(), chosen.algorithm, chosen.why);
+//!         });
+//!     }
+//! });
+//! ```
+
+pub use anyccl_core as core;
+pub use anyccl_core::{
+    Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, Selector,
+};
+#[cfg(feature = "host")]
+pub use anyccl_host as host;
+/// The fp8 element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) the typed APIs take.
+pub use float8;
+/// The 16-bit float element types ([`half::f16`], [`half::bf16`]) the typed APIs take.
+pub use half;
+
+pub mod bench;
+pub mod probe;
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

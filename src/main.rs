@@ -1,1 +1,281 @@
-fn main() {}
+//! The `anyccl` command: `probe` and `bench`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyccl::core::units::parse_bytes;
+use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// One API for GPU collectives: probe what this machine offers, benchmark all-reduce.
+#[derive(Parser, Debug)]
+#[command(name = "anyccl", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show the backends compiled in, the GPU and vendor libraries found, and every capability with its reason.
+    Probe {
+        /// Print the report as JSON (schema documented in the README).
+        #[arg(long)]
+        json: bool,
+        /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
+        #[arg(long, value_name = "FILE")]
+        table: Option<PathBuf>,
+    },
+    /// Measure all-reduce latency and bandwidth per size and algorithm.
+    Bench(BenchArgs),
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Host,
+    Cuda,
+    Rocm,
+}
+
+#[derive(clap::Args, Debug)]
+struct BenchArgs {
+    /// Backend to run on (default: the best available; the host backend when there is no GPU backend).
+    #[arg(long, value_enum)]
+    backend: Option<BackendArg>,
+    /// Number of ranks.
+    #[arg(long, default_value_t = default_world(), value_parser = clap::value_parser!(u16).range(1..=64))]
+    world: u16,
+    /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    dtype: DataType,
+    /// Reduction operator.
+    #[arg(long, default_value = "sum", value_parser = parse_op)]
+    op: ReduceOp,
+    /// Message sizes, comma-separated (4KiB,1MiB,…). Default: 4 KiB to 16 MiB in steps of 4x.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<u64>>,
+    /// Algorithms to measure, comma-separated (default: every one the backend implements).
+    #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
+    algos: Option<Vec<Algorithm>>,
+    /// Timed calls per cell (the median is reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Untimed warm-up calls per cell.
+    #[arg(long, default_value_t = 5)]
+    warmup: u32,
+    /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
+    #[arg(long, value_name = "FILE")]
+    table: Option<PathBuf>,
+    /// Print JSON instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    csv: bool,
+}
+
+fn default_world() -> u16 {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8) as u16)
+}
+
+fn parse_dtype(s: &str) -> Result<DataType, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_op(s: &str) -> Result<ReduceOp, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
+
+fn parse_algo(s: &str) -> Result<Algorithm, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+/// An error for the user: one line, and a hint where one helps.
+struct CliError {
+    message: String,
+    hint: Option<String>,
+}
+
+impl From<Error> for CliError {
+    fn from(e: Error) -> Self {
+        CliError { hint: e.hint().map(str::to_owned), message: e.to_string() }
+    }
+}
+
+fn selector(table: Option<&PathBuf>) -> Result<Selector, CliError> {
+    let s = Selector::from_env()?;
+    Ok(match table {
+        Some(p) => s.with_table_file(p, "--table")?,
+        None => s,
+    })
+}
+
+fn probe(json: bool, table: Option<&PathBuf>) -> Result<(), CliError> {
+    let report = anyccl::probe::probe(&selector(table)?);
+    let out = if json {
+        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+    } else {
+        anyccl::probe::render_text(&report)
+    };
+    print_out(&out)
+}
+
+fn print_out(s: &str) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
+        // A closed pipe (`anyccl probe | head`) is not an error worth reporting.
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError { message: format!("cannot write to stdout: {e}"), hint: None })
+        }
+        _ => Ok(()),
+    }
+}
+
+fn bench(args: BenchArgs) -> Result<(), CliError> {
+    match args.backend {
+        Some(BackendArg::Cuda) | Some(BackendArg::Rocm) => {
+            let (name, compiled) = match args.backend {
+                Some(BackendArg::Cuda) => ("cuda", cfg!(feature = "cuda")),
+                _ => ("rocm", cfg!(feature = "rocm")),
+            };
+            return Err(CliError {
+                message: if compiled {
+                    format!("the {name} backend is compiled in but not implemented yet")
+                } else {
+                    format!("the {name} backend is not compiled into this build")
+                },
+                hint: Some(if compiled {
+                    "run `anyccl bench --backend host`; `anyccl probe` shows what this build can do".into()
+                } else {
+                    format!("rebuild with `--features {name}`, or use `--backend host`")
+                }),
+            });
+        }
+        Some(BackendArg::Host) | None => {}
+    }
+    if !cfg!(feature = "host") {
+        return Err(CliError {
+            message: "no backend is available in this build".into(),
+            hint: Some("rebuild with the default `host` feature".into()),
+        });
+    }
+    let selector = Arc::new(selector(args.table.as_ref())?);
+    let cfg = anyccl::bench::BenchConfig {
+        world: usize::from(args.world),
+        dtype: args.dtype,
+        op: args.op,
+        sizes: args.sizes.unwrap_or_else(anyccl::bench::default_host_sizes),
+        algorithms: args.algos,
+        iters: args.iters as usize,
+        warmup: args.warmup as usize,
+        selector,
+    };
+    let report = run_with_progress(&cfg)?;
+    if args.backend.is_none() && !(args.json || args.csv) {
+        eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
+    }
+    let out = if args.json {
+        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+    } else if args.csv {
+        anyccl::bench::render_csv(&report)
+    } else {
+        anyccl::bench::render_table(&report)
+    };
+    print_out(&out)
+}
+
+#[cfg(feature = "host")]
+fn run_with_progress(cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench::BenchReport, CliError> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    use std::sync::Mutex;
+    let start = std::time::Instant::now();
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+    if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cells") {
+        bar.set_style(style);
+    }
+    let shown = Mutex::new(false);
+    let tty = std::io::stderr().is_terminal();
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+        let mut s = shown.lock().unwrap_or_else(|e| e.into_inner());
+        if tty && !*s && start.elapsed() >= anyccl::bench::PROGRESS_AFTER && done < total {
+            bar.set_draw_target(ProgressDrawTarget::stderr());
+            *s = true;
+        }
+    };
+    let r = anyccl::bench::run_host(cfg, &progress);
+    bar.finish_and_clear();
+    Ok(r?)
+}
+
+#[cfg(not(feature = "host"))]
+fn run_with_progress(_cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench::BenchReport, CliError> {
+    Err(CliError { message: "no backend is available in this build".into(), hint: None })
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("ANYCCL_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                let _ = e.print();
+                return ExitCode::from(2);
+            }
+            // One clear line instead of clap's multi-line block, then a hint.
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments").trim();
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("error: {first}");
+            eprintln!("hint: run `anyccl --help` (or `anyccl <command> --help`) for the accepted flags");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match cli.command {
+        Command::Probe { json, table } => probe(json, table.as_ref()),
+        Command::Bench(args) => bench(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", e.message);
+            if let Some(h) = e.hint {
+                eprintln!("hint: {h}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

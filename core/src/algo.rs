@@ -59,11 +59,7 @@ impl Algorithm {
 
     /// The comma-separated list of all names, for error messages.
     pub fn all_names() -> String {
-        Algorithm::ALL
-            .iter()
-            .map(|a| a.name())
-            .collect::<Vec<_>>()
-            .join(", ")
+        Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
     }
 }
 
@@ -78,14 +74,11 @@ impl FromStr for Algorithm {
 
     fn from_str(s: &str) -> Result<Self, Error> {
         let norm = s.trim().to_ascii_lowercase().replace('_', "-");
-        Algorithm::ALL
-            .into_iter()
-            .find(|a| a.name() == norm)
-            .ok_or_else(|| Error::Parse {
-                what: "all-reduce algorithm",
-                input: s.to_owned(),
-                expected: Algorithm::all_names(),
-            })
+        Algorithm::ALL.into_iter().find(|a| a.name() == norm).ok_or_else(|| Error::Parse {
+            what: "all-reduce algorithm",
+            input: s.to_owned(),
+            expected: Algorithm::all_names(),
+        })
     }
 }
 
@@ -126,11 +119,7 @@ impl FromStr for Vendor {
             "host" | "cpu" => Ok(Vendor::Host),
             "nvidia" | "cuda" => Ok(Vendor::Nvidia),
             "amd" | "rocm" | "hip" => Ok(Vendor::Amd),
-            _ => Err(Error::Parse {
-                what: "vendor",
-                input: s.to_owned(),
-                expected: "host, nvidia, amd".to_owned(),
-            }),
+            _ => Err(Error::Parse { what: "vendor", input: s.to_owned(), expected: "host, nvidia, amd".to_owned() }),
         }
     }
 }
@@ -144,10 +133,7 @@ mod tests {
         for a in Algorithm::ALL {
             assert_eq!(a.name().parse::<Algorithm>().ok(), Some(a));
         }
-        assert_eq!(
-            "ONE_SHOT".parse::<Algorithm>().ok(),
-            Some(Algorithm::OneShot)
-        );
+        assert_eq!("ONE_SHOT".parse::<Algorithm>().ok(), Some(Algorithm::OneShot));
         let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
         assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
     }

@@ -62,117 +62,44 @@ bitflags::bitflags! {
 
 /// Name and provider of every capability, in display order.
 const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
-    (
-        Capabilities::HOST_BACKEND,
-        "host-backend",
-        "cargo feature `host`",
-    ),
-    (
-        Capabilities::CUDA_RUNTIME,
-        "cuda-runtime",
-        "cargo feature `cuda` + libcuda.so.1 + an NVIDIA device",
-    ),
-    (
-        Capabilities::HIP_RUNTIME,
-        "hip-runtime",
-        "cargo feature `rocm` + libamdhip64.so + an AMD device",
-    ),
-    (
-        Capabilities::CCL,
-        "ccl",
-        "libnccl.so.2 / librccl.so.1 with all required symbols",
-    ),
-    (
-        Capabilities::COMM_SPLIT,
-        "comm-split",
-        "ncclCommSplit (NCCL >= 2.18)",
-    ),
-    (
-        Capabilities::BUFFER_REGISTRATION,
-        "buffer-registration",
-        "ncclCommRegister (NCCL >= 2.19)",
-    ),
-    (
-        Capabilities::CCL_MEM_ALLOC,
-        "ccl-mem-alloc",
-        "ncclMemAlloc (NCCL >= 2.19)",
-    ),
-    (
-        Capabilities::SYMMETRIC_WINDOWS,
-        "symmetric-windows",
-        "ncclCommWindowRegister (NCCL >= 2.27)",
-    ),
-    (
-        Capabilities::COMM_SHRINK,
-        "comm-shrink",
-        "ncclCommShrink (NCCL >= 2.27)",
-    ),
-    (
-        Capabilities::DEVICE_API,
-        "device-api",
-        "ncclDevCommCreate (NCCL >= 2.28)",
-    ),
+    (Capabilities::HOST_BACKEND, "host-backend", "cargo feature `host`"),
+    (Capabilities::CUDA_RUNTIME, "cuda-runtime", "cargo feature `cuda` + libcuda.so.1 + an NVIDIA device"),
+    (Capabilities::HIP_RUNTIME, "hip-runtime", "cargo feature `rocm` + libamdhip64.so + an AMD device"),
+    (Capabilities::CCL, "ccl", "libnccl.so.2 / librccl.so.1 with all required symbols"),
+    (Capabilities::COMM_SPLIT, "comm-split", "ncclCommSplit (NCCL >= 2.18)"),
+    (Capabilities::BUFFER_REGISTRATION, "buffer-registration", "ncclCommRegister (NCCL >= 2.19)"),
+    (Capabilities::CCL_MEM_ALLOC, "ccl-mem-alloc", "ncclMemAlloc (NCCL >= 2.19)"),
+    (Capabilities::SYMMETRIC_WINDOWS, "symmetric-windows", "ncclCommWindowRegister (NCCL >= 2.27)"),
+    (Capabilities::COMM_SHRINK, "comm-shrink", "ncclCommShrink (NCCL >= 2.27)"),
+    (Capabilities::DEVICE_API, "device-api", "ncclDevCommCreate (NCCL >= 2.28)"),
     (Capabilities::BF16, "bf16", "ncclBfloat16 (NCCL >= 2.10)"),
     (Capabilities::AVG, "avg", "ncclAvg (NCCL >= 2.10)"),
-    (
-        Capabilities::FP8,
-        "fp8",
-        "ncclFloat8e4m3/e5m2 (NCCL >= 2.24)",
-    ),
-    (
-        Capabilities::PRE_MUL_SUM,
-        "pre-mul-sum",
-        "ncclRedOpCreatePreMulSum",
-    ),
+    (Capabilities::FP8, "fp8", "ncclFloat8e4m3/e5m2 (NCCL >= 2.24)"),
+    (Capabilities::PRE_MUL_SUM, "pre-mul-sum", "ncclRedOpCreatePreMulSum"),
     (Capabilities::LAST_ERROR, "last-error", "ncclGetLastError"),
-    (
-        Capabilities::P2P_ALL_PAIRS,
-        "p2p-all-pairs",
-        "peer access between every pair of devices",
-    ),
+    (Capabilities::P2P_ALL_PAIRS, "p2p-all-pairs", "peer access between every pair of devices"),
     (Capabilities::IPC, "ipc", "cuIpc*/hipIpc* memory handles"),
-    (
-        Capabilities::MULTICAST,
-        "multicast",
-        "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED + driver >= 12.1",
-    ),
-    (
-        Capabilities::CUSTOM_KERNELS,
-        "custom-kernels",
-        "kernels compiled at build time (nvcc/hipcc)",
-    ),
-    (
-        Capabilities::GRAPH_CAPTURE,
-        "graph-capture",
-        "stream capture status from the runtime",
-    ),
+    (Capabilities::MULTICAST, "multicast", "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED + driver >= 12.1"),
+    (Capabilities::CUSTOM_KERNELS, "custom-kernels", "kernels compiled at build time (nvcc/hipcc)"),
+    (Capabilities::GRAPH_CAPTURE, "graph-capture", "stream capture status from the runtime"),
 ];
 
 impl Capabilities {
     /// The capability's stable kebab-case name (`"symmetric-windows"`), for `anyccl probe` and `ANYCCL_DISABLE`.
     /// Returns `None` for a value that is not a single flag.
     pub fn name(self) -> Option<&'static str> {
-        CAPABILITY_INFO
-            .iter()
-            .find(|(c, _, _)| *c == self)
-            .map(|(_, n, _)| *n)
+        CAPABILITY_INFO.iter().find(|(c, _, _)| *c == self).map(|(_, n, _)| *n)
     }
 
     /// What provides the capability, in a few words.
     pub fn provider(self) -> Option<&'static str> {
-        CAPABILITY_INFO
-            .iter()
-            .find(|(c, _, _)| *c == self)
-            .map(|(_, _, p)| *p)
+        CAPABILITY_INFO.iter().find(|(c, _, _)| *c == self).map(|(_, _, p)| *p)
     }
 
     /// Looks a single capability up by its kebab-case name.
     pub fn from_kebab_name(name: &str) -> Option<Capabilities> {
         let name = name.trim().to_ascii_lowercase().replace('_', "-");
-        CAPABILITY_INFO
-            .iter()
-            .find(|(_, n, _)| *n == name)
-            .map(|(c, _, _)| *c)
+        CAPABILITY_INFO.iter().find(|(_, n, _)| *n == name).map(|(c, _, _)| *c)
     }
 
     /// Every single flag, in display order.
@@ -249,29 +176,14 @@ pub enum Reason {
 impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Reason::MissingSymbol {
-                symbol,
-                library,
-                version: Some(v),
-            } => {
+            Reason::MissingSymbol { symbol, library, version: Some(v) } => {
                 write!(f, "{library} ({v}) does not export {symbol}")
             }
-            Reason::MissingSymbol {
-                symbol,
-                library,
-                version: None,
-            } => {
+            Reason::MissingSymbol { symbol, library, version: None } => {
                 write!(f, "{library} does not export {symbol}")
             }
-            Reason::VersionTooOld {
-                component,
-                found,
-                required,
-            } => {
-                write!(
-                    f,
-                    "{component} is version {found}; {required} or newer is required"
-                )
+            Reason::VersionTooOld { component, found, required } => {
+                write!(f, "{component} is version {found}; {required} or newer is required")
             }
             Reason::DeviceAttribute { device, attribute } => {
                 write!(f, "{device} reports {attribute}")
@@ -282,10 +194,7 @@ impl fmt::Display for Reason {
                 write!(f, "{component} unavailable: {detail}")
             }
             Reason::NotApplicable { detail } => write!(f, "not applicable: {detail}"),
-            Reason::Requires {
-                capability,
-                because,
-            } => write!(f, "requires {capability}, which is off: {because}"),
+            Reason::Requires { capability, because } => write!(f, "requires {capability}, which is off: {because}"),
         }
     }
 }
@@ -315,9 +224,7 @@ pub struct CapabilityReport {
 impl CapabilityReport {
     /// A report where every capability is disabled for the reason `reason_for` gives.
     pub fn all_disabled(mut reason_for: impl FnMut(Capabilities) -> Reason) -> Self {
-        let states = Capabilities::each()
-            .map(|c| (c, CapabilityState::Disabled(reason_for(c))))
-            .collect();
+        let states = Capabilities::each().map(|c| (c, CapabilityState::Disabled(reason_for(c)))).collect();
         CapabilityReport { states }
     }
 
@@ -343,22 +250,13 @@ impl CapabilityReport {
     pub fn state(&self, cap: Capabilities) -> &CapabilityState {
         // Every single flag is in `states` by construction (`all_disabled` walks `Capabilities::each`); a
         // multi-flag value finds nothing and reads as not applicable.
-        static MULTI: CapabilityState = CapabilityState::Disabled(Reason::NotApplicable {
-            detail: String::new(),
-        });
-        self.states
-            .iter()
-            .find(|(c, _)| *c == cap)
-            .map(|(_, s)| s)
-            .unwrap_or(&MULTI)
+        static MULTI: CapabilityState = CapabilityState::Disabled(Reason::NotApplicable { detail: String::new() });
+        self.states.iter().find(|(c, _)| *c == cap).map(|(_, s)| s).unwrap_or(&MULTI)
     }
 
     /// The set of enabled flags.
     pub fn enabled(&self) -> Capabilities {
-        self.states
-            .iter()
-            .filter(|(_, s)| s.is_enabled())
-            .fold(Capabilities::empty(), |acc, (c, _)| acc | *c)
+        self.states.iter().filter(|(_, s)| s.is_enabled()).fold(Capabilities::empty(), |acc, (c, _)| acc | *c)
     }
 
     /// Whether `cap` is enabled.
@@ -382,22 +280,14 @@ impl CapabilityReport {
     pub fn apply_disable_list(&mut self, var: &str, value: &str) -> Result<()> {
         for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             let Some(cap) = Capabilities::from_kebab_name(name) else {
-                let known: Vec<_> = Capabilities::each()
-                    .filter_map(Capabilities::name)
-                    .collect();
+                let known: Vec<_> = Capabilities::each().filter_map(Capabilities::name).collect();
                 return Err(Error::Config {
                     source_name: var.to_owned(),
                     line: None,
                     message: format!("unknown capability '{name}' (known: {})", known.join(", ")),
                 });
             };
-            self.disable(
-                cap,
-                Reason::EnvVar {
-                    var: var.to_owned(),
-                    value: value.to_owned(),
-                },
-            );
+            self.disable(cap, Reason::EnvVar { var: var.to_owned(), value: value.to_owned() });
         }
         Ok(())
     }
@@ -421,10 +311,7 @@ impl Serialize for CapabilityReport {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         struct Entry<'a>(Capabilities, &'a CapabilityState);
         impl Serialize for Entry<'_> {
-            fn serialize<S: Serializer>(
-                &self,
-                serializer: S,
-            ) -> std::result::Result<S::Ok, S::Error> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
                 let mut s = serializer.serialize_struct("Capability", 5)?;
                 s.serialize_field("name", &self.0.name())?;
                 s.serialize_field("enabled", &self.1.is_enabled())?;
@@ -451,24 +338,17 @@ mod tests {
     use super::*;
 
     fn report() -> CapabilityReport {
-        CapabilityReport::all_disabled(|_| Reason::NotApplicable {
-            detail: "test".into(),
-        })
+        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "test".into() })
     }
 
     #[test]
     fn every_flag_has_a_unique_name() {
-        let names: Vec<_> = Capabilities::each()
-            .map(|c| c.name().expect("named"))
-            .collect();
+        let names: Vec<_> = Capabilities::each().map(|c| c.name().expect("named")).collect();
         let mut sorted = names.clone();
         sorted.sort_unstable();
         sorted.dedup();
         assert_eq!(names.len(), sorted.len());
-        assert_eq!(
-            Capabilities::each().fold(Capabilities::empty(), |a, c| a | c),
-            Capabilities::all()
-        );
+        assert_eq!(Capabilities::each().fold(Capabilities::empty(), |a, c| a | c), Capabilities::all());
     }
 
     #[test]
@@ -480,25 +360,17 @@ mod tests {
         assert_eq!(r.enabled(), Capabilities::CCL | Capabilities::BF16);
         r.disable(
             Capabilities::BF16,
-            Reason::VersionTooOld {
-                component: "NCCL".into(),
-                found: "2.9.9".into(),
-                required: "2.10.0".into(),
-            },
+            Reason::VersionTooOld { component: "NCCL".into(), found: "2.9.9".into(), required: "2.10.0".into() },
         );
         let err = r.require(Capabilities::BF16).expect_err("disabled");
-        assert_eq!(
-            err.to_string(),
-            "bf16 is not available: NCCL is version 2.9.9; 2.10.0 or newer is required"
-        );
+        assert_eq!(err.to_string(), "bf16 is not available: NCCL is version 2.9.9; 2.10.0 or newer is required");
     }
 
     #[test]
     fn disable_list_names_the_variable_and_rejects_unknown_names() {
         let mut r = report();
         r.enable(Capabilities::all());
-        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-windows, multicast")
-            .expect("valid list");
+        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-windows, multicast").expect("valid list");
         assert!(!r.has(Capabilities::SYMMETRIC_WINDOWS));
         assert!(!r.has(Capabilities::MULTICAST));
         assert!(r.has(Capabilities::CCL));
@@ -509,9 +381,7 @@ mod tests {
                 value: "symmetric-windows, multicast".into()
             })
         );
-        let err = r
-            .apply_disable_list("ANYCCL_DISABLE", "symetric")
-            .expect_err("typo");
+        let err = r.apply_disable_list("ANYCCL_DISABLE", "symetric").expect_err("typo");
         assert!(matches!(err, Error::Config { .. }));
         assert!(err.to_string().contains("unknown capability 'symetric'"));
     }
@@ -523,10 +393,7 @@ mod tests {
             library: "/opt/rocm/lib/librccl.so.1".into(),
             version: Some("RCCL 2.26.6".into()),
         };
-        assert_eq!(
-            r.to_string(),
-            "/opt/rocm/lib/librccl.so.1 (RCCL 2.26.6) does not export ncclCommWindowRegister"
-        );
+        assert_eq!(r.to_string(), "/opt/rocm/lib/librccl.so.1 (RCCL 2.26.6) does not export ncclCommWindowRegister");
     }
 
     #[test]

@@ -38,10 +38,7 @@ impl<B: ?Sized + BufferLike> InOut<'_, B> {
     pub fn desc(&self) -> InOutDesc {
         match self {
             InOut::InPlace(b) => InOutDesc::InPlace(b.desc()),
-            InOut::Separate { send, recv } => InOutDesc::Separate {
-                send: send.desc(),
-                recv: recv.desc(),
-            },
+            InOut::Separate { send, recv } => InOutDesc::Separate { send: send.desc(), recv: recv.desc() },
         }
     }
 
@@ -91,11 +88,7 @@ pub trait CommBackend: Send {
     /// The all-reduce algorithms this backend implements, eligible or not.
     fn allreduce_algorithms(&self) -> &[Algorithm];
     /// Whether `algorithm` can run `call` (`Err` says why not).
-    fn allreduce_eligible(
-        &self,
-        algorithm: Algorithm,
-        call: &AllReduceCall,
-    ) -> std::result::Result<(), String>;
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String>;
     /// Reductions this backend refuses beyond core's rules (for example fp8 on an old NCCL).
     fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
         let _ = (dtype, op);
@@ -219,11 +212,7 @@ impl<B: CommBackend> Communicator<B> {
     }
 
     fn shape(&self) -> CallShape {
-        CallShape {
-            rank: self.backend.rank(),
-            world: self.backend.world_size(),
-            location: self.runtime().location(),
-        }
+        CallShape { rank: self.backend.rank(), world: self.backend.world_size(), location: self.runtime().location() }
     }
 
     fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
@@ -244,10 +233,7 @@ impl<B: CommBackend> Communicator<B> {
         let algos = self.backend.allreduce_algorithms();
         self.selector.select(&q, |a| {
             if !algos.contains(&a) {
-                return Err(format!(
-                    "not implemented by the {} backend",
-                    self.backend.name()
-                ));
+                return Err(format!("not implemented by the {} backend", self.backend.name()));
             }
             self.backend.allreduce_eligible(a, call)
         })
@@ -261,9 +247,7 @@ impl<B: CommBackend> Communicator<B> {
                 why: format!("not implemented by the {} backend", self.backend.name()),
             });
         }
-        self.backend
-            .allreduce_eligible(algorithm, call)
-            .map_err(|why| Error::AlgorithmNotEligible { algorithm, why })
+        self.backend.allreduce_eligible(algorithm, call).map_err(|why| Error::AlgorithmNotEligible { algorithm, why })
     }
 
     fn prepare_all_reduce(
@@ -277,14 +261,7 @@ impl<B: CommBackend> Communicator<B> {
         self.check_reduction(dtype, op)?;
         let bytes = validate::all_reduce(&self.shape(), &bufs.desc(), count, dtype, op)?;
         let capturing = self.runtime().is_capturing(stream)?;
-        Ok(AllReduceCall {
-            count,
-            dtype,
-            op,
-            bytes,
-            in_place: bufs.is_in_place(),
-            capturing,
-        })
+        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing })
     }
 
     /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.
@@ -309,8 +286,7 @@ impl<B: CommBackend> Communicator<B> {
             rule = %sel.why,
             "all-reduce"
         );
-        self.backend
-            .all_reduce(sel.algorithm, bufs, count, dtype, op, stream)?;
+        self.backend.all_reduce(sel.algorithm, bufs, count, dtype, op, stream)?;
         Ok(sel)
     }
 
@@ -326,8 +302,7 @@ impl<B: CommBackend> Communicator<B> {
     ) -> Result<()> {
         let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
         self.check_algorithm(algorithm, &call)?;
-        self.backend
-            .all_reduce(algorithm, bufs, count, dtype, op, stream)
+        self.backend.all_reduce(algorithm, bufs, count, dtype, op, stream)
     }
 
     /// All-gather: every rank contributes `count` elements; the output holds `world × count`.

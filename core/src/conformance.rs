@@ -56,12 +56,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            worlds: (1..=8).collect(),
-            counts: vec![0, 1, 5, 1037],
-            dtypes: DataType::ALL.to_vec(),
-            seed: 0x5eed,
-        }
+        Config { worlds: (1..=8).collect(), counts: vec![0, 1, 5, 1037], dtypes: DataType::ALL.to_vec(), seed: 0x5eed }
     }
 }
 
@@ -82,12 +77,7 @@ impl Summary {
         assert!(self.checks > 0, "the conformance suite checked nothing");
         if !self.failures.is_empty() {
             let shown: Vec<_> = self.failures.iter().take(40).cloned().collect();
-            panic!(
-                "{} conformance failures (first {}):\n{}",
-                self.failures.len(),
-                shown.len(),
-                shown.join("\n")
-            );
+            panic!("{} conformance failures (first {}):\n{}", self.failures.len(), shown.len(), shown.join("\n"));
         }
     }
 }
@@ -115,14 +105,7 @@ struct Case {
 fn cases(world: usize, algos: &[Algorithm], cfg: &Config) -> Vec<Case> {
     let mut out = Vec::new();
     let mut push = |coll, dtype, op, count, in_place| {
-        out.push(Case {
-            id: out.len() as u64,
-            coll,
-            dtype,
-            op,
-            count,
-            in_place,
-        });
+        out.push(Case { id: out.len() as u64, coll, dtype, op, count, in_place });
     };
     for &dtype in &cfg.dtypes {
         for &count in &cfg.counts {
@@ -138,13 +121,7 @@ fn cases(world: usize, algos: &[Algorithm], cfg: &Config) -> Vec<Case> {
                     }
                 }
                 push(Coll::AllGather, dtype, ReduceOp::Sum, count, in_place);
-                push(
-                    Coll::Broadcast(world - 1),
-                    dtype,
-                    ReduceOp::Sum,
-                    count,
-                    in_place,
-                );
+                push(Coll::Broadcast(world - 1), dtype, ReduceOp::Sum, count, in_place);
                 if world > 1 && !in_place {
                     push(Coll::SendRecv, dtype, ReduceOp::Sum, count, false);
                 }
@@ -200,9 +177,7 @@ fn encode(dtype: DataType, vals: &[Val]) -> Vec<u8> {
             DataType::I32 | DataType::U32 => out.extend_from_slice(&(i as u32).to_le_bytes()),
             DataType::I64 | DataType::U64 => out.extend_from_slice(&(i as u64).to_le_bytes()),
             DataType::F16 => out.extend_from_slice(&half::f16::from_f64(f).to_bits().to_le_bytes()),
-            DataType::Bf16 => {
-                out.extend_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes())
-            }
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes()),
             DataType::F32 => out.extend_from_slice(&(f as f32).to_bits().to_le_bytes()),
             DataType::F64 => out.extend_from_slice(&f.to_bits().to_le_bytes()),
             DataType::Fp8E4M3 => out.push(float8::F8E4M3::from_f64(f).to_bits()),
@@ -214,9 +189,7 @@ fn encode(dtype: DataType, vals: &[Val]) -> Vec<u8> {
 
 /// Random inputs of `n` elements for `rank`, already representable in `dtype`.
 fn inputs(seed: u64, case: &Case, rank: usize, n: usize) -> Vec<u8> {
-    let mut rng = StdRng::seed_from_u64(
-        seed ^ (case.id << 8) ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15),
-    );
+    let mut rng = StdRng::seed_from_u64(seed ^ (case.id << 8) ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     let signed = matches!(case.dtype, DataType::I8 | DataType::I32 | DataType::I64);
     let vals: Vec<Val> = (0..n)
         .map(|_| match (case.dtype.is_float(), case.op, signed) {
@@ -254,9 +227,7 @@ fn reference(dtype: DataType, op: ReduceOp, rows: &[Vec<Val>]) -> Vec<(Val, f64)
         .map(|i| {
             let col = rows.iter().map(|r| r[i]);
             if dtype.is_float() {
-                let xs: Vec<f64> = col
-                    .map(|v| if let Val::F(f) = v { f } else { f64::NAN })
-                    .collect();
+                let xs: Vec<f64> = col.map(|v| if let Val::F(f) = v { f } else { f64::NAN }).collect();
                 let abs: f64 = xs.iter().map(|x| x.abs()).sum();
                 let (r, err) = match op {
                     ReduceOp::Sum => {
@@ -278,9 +249,7 @@ fn reference(dtype: DataType, op: ReduceOp, rows: &[Vec<Val>]) -> Vec<(Val, f64)
             } else {
                 let xs: Vec<i128> = col.map(|v| if let Val::I(x) = v { x } else { 0 }).collect();
                 let r = match op {
-                    ReduceOp::Sum | ReduceOp::Avg => {
-                        xs.iter().fold(0i128, |a, b| a.wrapping_add(*b))
-                    }
+                    ReduceOp::Sum | ReduceOp::Avg => xs.iter().fold(0i128, |a, b| a.wrapping_add(*b)),
                     ReduceOp::Prod => xs.iter().fold(1i128, |a, b| a.wrapping_mul(*b)),
                     ReduceOp::Min => xs.iter().copied().min().unwrap_or(0),
                     ReduceOp::Max => xs.iter().copied().max().unwrap_or(0),
@@ -301,9 +270,7 @@ fn compare(what: &str, dtype: DataType, got: &[u8], want: &[(Val, f64)]) -> Opti
             _ => false,
         };
         if !ok {
-            return Some(format!(
-                "{what}: element {i} is {g:?}, expected {w:?} (tolerance {tol:e})"
-            ));
+            return Some(format!("{what}: element {i} is {g:?}, expected {w:?} (tolerance {tol:e})"));
         }
     }
     None
@@ -327,18 +294,12 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
         let comms = match target.create(world) {
             Ok(c) => c,
             Err(e) => {
-                summary.failures.push(format!(
-                    "{}: world {world}: cannot create communicators: {e}",
-                    target.name()
-                ));
+                summary.failures.push(format!("{}: world {world}: cannot create communicators: {e}", target.name()));
                 continue;
             }
         };
         let results: Vec<RankResult> = std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|c| s.spawn(move || run_rank(target, c, world, cfg)))
-                .collect();
+            let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || run_rank(target, c, world, cfg))).collect();
             handles
                 .into_iter()
                 .enumerate()
@@ -367,11 +328,7 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
         for r in results {
             summary.checks += r.checks;
             summary.expected_errors += r.expected_errors;
-            summary.failures.extend(
-                r.failures
-                    .into_iter()
-                    .map(|f| format!("{}: world {world}: {f}", target.name())),
-            );
+            summary.failures.extend(r.failures.into_iter().map(|f| format!("{}: world {world}: {f}", target.name())));
         }
     }
     summary
@@ -384,17 +341,11 @@ fn run_rank<T: ConformanceTarget>(
     cfg: &Config,
 ) -> RankResult {
     let rank = comm.rank();
-    let mut res = RankResult {
-        checks: 0,
-        expected_errors: 0,
-        failures: Vec::new(),
-        hashes: HashMap::new(),
-    };
+    let mut res = RankResult { checks: 0, expected_errors: 0, failures: Vec::new(), hashes: HashMap::new() };
     let stream = match target.stream(&comm) {
         Ok(s) => s,
         Err(e) => {
-            res.failures
-                .push(format!("rank {rank}: cannot create a stream: {e}"));
+            res.failures.push(format!("rank {rank}: cannot create a stream: {e}"));
             return res;
         }
     };
@@ -424,10 +375,7 @@ fn run_rank<T: ConformanceTarget>(
 }
 
 enum Outcome {
-    Checked {
-        failure: Option<String>,
-        hash: Option<u64>,
-    },
+    Checked { failure: Option<String>, hash: Option<u64> },
     ExpectedError,
     Skipped,
 }
@@ -456,10 +404,7 @@ fn read<B: CommBackend>(
 }
 
 fn guard_failure(what: &str, full: &[u8], bytes: usize) -> Option<String> {
-    full[bytes..]
-        .iter()
-        .any(|b| *b != POISON)
-        .then(|| format!("{what}: bytes past the output were written"))
+    full[bytes..].iter().any(|b| *b != POISON).then(|| format!("{what}: bytes past the output were written"))
 }
 
 fn hash_of(bytes: &[u8]) -> u64 {
@@ -481,21 +426,14 @@ fn run_case<B: CommBackend>(
     let n = case.count;
     let part = n * esz;
     let op = case.op;
-    let rows =
-        |len: usize| -> Vec<Vec<u8>> { (0..world).map(|r| inputs(seed, case, r, len)).collect() };
+    let rows = |len: usize| -> Vec<Vec<u8>> { (0..world).map(|r| inputs(seed, case, r, len)).collect() };
 
     let expect_err = check_reduction(dtype, op).is_err();
     match case.coll {
         Coll::AllReduce(algo) => {
             if let Some(a) = algo {
-                let call = AllReduceCall {
-                    count: n,
-                    dtype,
-                    op,
-                    bytes: part,
-                    in_place: case.in_place,
-                    capturing: false,
-                };
+                let call =
+                    AllReduceCall { count: n, dtype, op, bytes: part, in_place: case.in_place, capturing: false };
                 if comm.check_algorithm(a, &call).is_err() {
                     return Ok(Outcome::Skipped);
                 }
@@ -503,8 +441,7 @@ fn run_case<B: CommBackend>(
             let ins = rows(n);
             let mut out = alloc_poisoned(comm, part, stream)?;
             let r = if case.in_place {
-                comm.runtime()
-                    .upload(out.borrow_mut(), &ins[rank], stream)?;
+                comm.runtime().upload(out.borrow_mut(), &ins[rank], stream)?;
                 let bufs = InOut::InPlace(out.borrow_mut());
                 match algo {
                     Some(a) => comm.all_reduce_with(a, bufs, n, dtype, op, stream),
@@ -512,12 +449,8 @@ fn run_case<B: CommBackend>(
                 }
             } else {
                 let mut inp = comm.runtime().alloc(part)?;
-                comm.runtime()
-                    .upload(inp.borrow_mut(), &ins[rank], stream)?;
-                let bufs = InOut::Separate {
-                    send: std::borrow::Borrow::borrow(&inp),
-                    recv: out.borrow_mut(),
-                };
+                comm.runtime().upload(inp.borrow_mut(), &ins[rank], stream)?;
+                let bufs = InOut::Separate { send: std::borrow::Borrow::borrow(&inp), recv: out.borrow_mut() };
                 match algo {
                     Some(a) => comm.all_reduce_with(a, bufs, n, dtype, op, stream),
                     None => comm.all_reduce(bufs, n, dtype, op, stream).map(|_| ()),
@@ -528,39 +461,23 @@ fn run_case<B: CommBackend>(
             }
             r?;
             let got = read(comm, &out, part, stream)?;
-            let want = reference(
-                dtype,
-                op,
-                &ins.iter().map(|b| decode(dtype, b)).collect::<Vec<_>>(),
-            );
-            let failure = compare("all-reduce", dtype, &got[..part], &want)
-                .or_else(|| guard_failure("all-reduce", &got, part));
-            Ok(Outcome::Checked {
-                failure,
-                hash: Some(hash_of(&got[..part])),
-            })
+            let want = reference(dtype, op, &ins.iter().map(|b| decode(dtype, b)).collect::<Vec<_>>());
+            let failure =
+                compare("all-reduce", dtype, &got[..part], &want).or_else(|| guard_failure("all-reduce", &got, part));
+            Ok(Outcome::Checked { failure, hash: Some(hash_of(&got[..part])) })
         }
         Coll::ReduceScatter => {
             let total = part * world;
             let ins = rows(n * world);
             let (r, out, at) = if case.in_place {
                 let mut buf = alloc_poisoned(comm, total, stream)?;
-                comm.runtime()
-                    .upload(buf.borrow_mut(), &ins[rank], stream)?;
-                (
-                    comm.reduce_scatter(InOut::InPlace(buf.borrow_mut()), n, dtype, op, stream),
-                    buf,
-                    rank * part,
-                )
+                comm.runtime().upload(buf.borrow_mut(), &ins[rank], stream)?;
+                (comm.reduce_scatter(InOut::InPlace(buf.borrow_mut()), n, dtype, op, stream), buf, rank * part)
             } else {
                 let mut inp = comm.runtime().alloc(total)?;
-                comm.runtime()
-                    .upload(inp.borrow_mut(), &ins[rank], stream)?;
+                comm.runtime().upload(inp.borrow_mut(), &ins[rank], stream)?;
                 let mut out = alloc_poisoned(comm, part, stream)?;
-                let bufs = InOut::Separate {
-                    send: std::borrow::Borrow::borrow(&inp),
-                    recv: out.borrow_mut(),
-                };
+                let bufs = InOut::Separate { send: std::borrow::Borrow::borrow(&inp), recv: out.borrow_mut() };
                 (comm.reduce_scatter(bufs, n, dtype, op, stream), out, 0)
             };
             if expect_err {
@@ -569,33 +486,22 @@ fn run_case<B: CommBackend>(
             r?;
             let len = if case.in_place { total } else { part };
             let got = read(comm, &out, len, stream)?;
-            let mine: Vec<Vec<Val>> = ins
-                .iter()
-                .map(|b| decode(dtype, &b[rank * part..(rank + 1) * part]))
-                .collect();
+            let mine: Vec<Vec<Val>> = ins.iter().map(|b| decode(dtype, &b[rank * part..(rank + 1) * part])).collect();
             let want = reference(dtype, op, &mine);
             let failure = compare("reduce-scatter", dtype, &got[at..at + part], &want)
                 .or_else(|| guard_failure("reduce-scatter", &got, len));
-            Ok(Outcome::Checked {
-                failure,
-                hash: None,
-            })
+            Ok(Outcome::Checked { failure, hash: None })
         }
         Coll::Reduce(root) => {
             let ins = rows(n);
             let mut out = alloc_poisoned(comm, part, stream)?;
             let r = if case.in_place {
-                comm.runtime()
-                    .upload(out.borrow_mut(), &ins[rank], stream)?;
+                comm.runtime().upload(out.borrow_mut(), &ins[rank], stream)?;
                 comm.reduce(InOut::InPlace(out.borrow_mut()), n, dtype, op, root, stream)
             } else {
                 let mut inp = comm.runtime().alloc(part)?;
-                comm.runtime()
-                    .upload(inp.borrow_mut(), &ins[rank], stream)?;
-                let bufs = InOut::Separate {
-                    send: std::borrow::Borrow::borrow(&inp),
-                    recv: out.borrow_mut(),
-                };
+                comm.runtime().upload(inp.borrow_mut(), &ins[rank], stream)?;
+                let bufs = InOut::Separate { send: std::borrow::Borrow::borrow(&inp), recv: out.borrow_mut() };
                 comm.reduce(bufs, n, dtype, op, root, stream)
             };
             if expect_err {
@@ -604,25 +510,13 @@ fn run_case<B: CommBackend>(
             r?;
             let got = read(comm, &out, part, stream)?;
             let failure = if rank == root {
-                let want = reference(
-                    dtype,
-                    op,
-                    &ins.iter().map(|b| decode(dtype, b)).collect::<Vec<_>>(),
-                );
+                let want = reference(dtype, op, &ins.iter().map(|b| decode(dtype, b)).collect::<Vec<_>>());
                 compare("reduce (root)", dtype, &got[..part], &want)
             } else {
-                let untouched: &[u8] = if case.in_place {
-                    &ins[rank]
-                } else {
-                    &vec![POISON; part]
-                };
-                (got[..part] != *untouched)
-                    .then(|| "reduce: a non-root output was modified".to_owned())
+                let untouched: &[u8] = if case.in_place { &ins[rank] } else { &vec![POISON; part] };
+                (got[..part] != *untouched).then(|| "reduce: a non-root output was modified".to_owned())
             };
-            Ok(Outcome::Checked {
-                failure: failure.or_else(|| guard_failure("reduce", &got, part)),
-                hash: None,
-            })
+            Ok(Outcome::Checked { failure: failure.or_else(|| guard_failure("reduce", &got, part)), hash: None })
         }
         Coll::AllGather => {
             let ins = rows(n);
@@ -635,12 +529,8 @@ fn run_case<B: CommBackend>(
                 comm.all_gather(InOut::InPlace(out.borrow_mut()), n, dtype, stream)?;
             } else {
                 let mut inp = comm.runtime().alloc(part)?;
-                comm.runtime()
-                    .upload(inp.borrow_mut(), &ins[rank], stream)?;
-                let bufs = InOut::Separate {
-                    send: std::borrow::Borrow::borrow(&inp),
-                    recv: out.borrow_mut(),
-                };
+                comm.runtime().upload(inp.borrow_mut(), &ins[rank], stream)?;
+                let bufs = InOut::Separate { send: std::borrow::Borrow::borrow(&inp), recv: out.borrow_mut() };
                 comm.all_gather(bufs, n, dtype, stream)?;
             }
             let got = read(comm, &out, total, stream)?;
@@ -648,10 +538,7 @@ fn run_case<B: CommBackend>(
             let failure = (got[..total] != want[..])
                 .then(|| "all-gather: output differs from the concatenated inputs".to_owned())
                 .or_else(|| guard_failure("all-gather", &got, total));
-            Ok(Outcome::Checked {
-                failure,
-                hash: Some(hash_of(&got[..total])),
-            })
+            Ok(Outcome::Checked { failure, hash: Some(hash_of(&got[..total])) })
         }
         Coll::Broadcast(root) => {
             let data = inputs(seed, case, root, n);
@@ -666,20 +553,14 @@ fn run_case<B: CommBackend>(
                 if rank == root {
                     comm.runtime().upload(inp.borrow_mut(), &data, stream)?;
                 }
-                let bufs = InOut::Separate {
-                    send: std::borrow::Borrow::borrow(&inp),
-                    recv: out.borrow_mut(),
-                };
+                let bufs = InOut::Separate { send: std::borrow::Borrow::borrow(&inp), recv: out.borrow_mut() };
                 comm.broadcast(bufs, n, dtype, root, stream)?;
             }
             let got = read(comm, &out, part, stream)?;
             let failure = (got[..part] != data[..])
                 .then(|| "broadcast: output differs from the root's input".to_owned())
                 .or_else(|| guard_failure("broadcast", &got, part));
-            Ok(Outcome::Checked {
-                failure,
-                hash: None,
-            })
+            Ok(Outcome::Checked { failure, hash: None })
         }
         Coll::SendRecv => {
             // A ring: even ranks send first, odd ranks receive first, so blocking backends cannot deadlock.
@@ -702,27 +583,18 @@ fn run_case<B: CommBackend>(
                 .then(|| format!("send/recv: data from rank {prev} differs"))
                 .or_else(|| guard_failure("recv", &got, part));
             comm.barrier(stream)?;
-            Ok(Outcome::Checked {
-                failure,
-                hash: None,
-            })
+            Ok(Outcome::Checked { failure, hash: None })
         }
     }
 }
 
 fn expect_unsupported(r: Result<()>) -> Result<Outcome> {
     match r {
-        Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction { .. })) => {
-            Ok(Outcome::ExpectedError)
+        Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction { .. })) => Ok(Outcome::ExpectedError),
+        Err(e) => Ok(Outcome::Checked { failure: Some(format!("expected UnsupportedReduction, got {e}")), hash: None }),
+        Ok(()) => {
+            Ok(Outcome::Checked { failure: Some("an invalid dtype/op pair was accepted".to_owned()), hash: None })
         }
-        Err(e) => Ok(Outcome::Checked {
-            failure: Some(format!("expected UnsupportedReduction, got {e}")),
-            hash: None,
-        }),
-        Ok(()) => Ok(Outcome::Checked {
-            failure: Some("an invalid dtype/op pair was accepted".to_owned()),
-            hash: None,
-        }),
     }
 }
 
@@ -733,14 +605,7 @@ mod tests {
     #[test]
     fn codecs_round_trip_representable_values() {
         for d in DataType::ALL {
-            let case = Case {
-                id: 3,
-                coll: Coll::AllGather,
-                dtype: d,
-                op: ReduceOp::Sum,
-                count: 64,
-                in_place: false,
-            };
+            let case = Case { id: 3, coll: Coll::AllGather, dtype: d, op: ReduceOp::Sum, count: 64, in_place: false };
             let bytes = inputs(1, &case, 0, 64);
             assert_eq!(bytes.len(), 64 * d.size_bytes());
             assert_eq!(encode(d, &decode(d, &bytes)), bytes, "{d}");
@@ -750,14 +615,8 @@ mod tests {
     #[test]
     fn reference_wraps_integers_and_bounds_floats() {
         let rows = vec![vec![Val::I(100)], vec![Val::I(100)]];
-        assert_eq!(
-            reference(DataType::I8, ReduceOp::Sum, &rows)[0].0,
-            Val::I(-56)
-        );
-        assert_eq!(
-            reference(DataType::U8, ReduceOp::Prod, &rows)[0].0,
-            Val::I(16)
-        );
+        assert_eq!(reference(DataType::I8, ReduceOp::Sum, &rows)[0].0, Val::I(-56));
+        assert_eq!(reference(DataType::U8, ReduceOp::Prod, &rows)[0].0, Val::I(16));
         let rows = vec![vec![Val::F(0.5)], vec![Val::F(0.25)]];
         let (v, tol) = reference(DataType::Bf16, ReduceOp::Avg, &rows)[0];
         assert_eq!(v, Val::F(0.375));

@@ -91,12 +91,7 @@ impl DataType {
     pub const fn is_float(self) -> bool {
         matches!(
             self,
-            DataType::F16
-                | DataType::Bf16
-                | DataType::F32
-                | DataType::F64
-                | DataType::Fp8E4M3
-                | DataType::Fp8E5M2
+            DataType::F16 | DataType::Bf16 | DataType::F32 | DataType::F64 | DataType::Fp8E4M3 | DataType::Fp8E5M2
         )
     }
 
@@ -134,11 +129,7 @@ impl FromStr for DataType {
                 return Err(Error::Parse {
                     what: "data type",
                     input: s.to_owned(),
-                    expected: DataType::ALL
-                        .iter()
-                        .map(|d| d.name())
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    expected: DataType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>().join(", "),
                 })
             }
         };
@@ -164,13 +155,7 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 5] = [
-        ReduceOp::Sum,
-        ReduceOp::Prod,
-        ReduceOp::Min,
-        ReduceOp::Max,
-        ReduceOp::Avg,
-    ];
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 
     /// The canonical lower-case name.
     pub const fn name(self) -> &'static str {
@@ -279,14 +264,8 @@ mod tests {
         for op in ReduceOp::ALL {
             assert_eq!(op.name().parse::<ReduceOp>().ok(), Some(op));
         }
-        assert!(matches!(
-            "float128".parse::<DataType>(),
-            Err(Error::Parse { .. })
-        ));
-        assert!(matches!(
-            "xor".parse::<ReduceOp>(),
-            Err(Error::Parse { .. })
-        ));
+        assert!(matches!("float128".parse::<DataType>(), Err(Error::Parse { .. })));
+        assert!(matches!("xor".parse::<ReduceOp>(), Err(Error::Parse { .. })));
     }
 
     #[test]

@@ -62,11 +62,7 @@ pub trait BufferLike {
 
 impl BufferLike for [u8] {
     fn desc(&self) -> BufferDesc {
-        BufferDesc {
-            addr: self.as_ptr() as usize,
-            len: self.len(),
-            location: Location::Host,
-        }
+        BufferDesc { addr: self.as_ptr() as usize, len: self.len(), location: Location::Host }
     }
 }
 

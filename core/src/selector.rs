@@ -90,10 +90,7 @@ impl Rule {
     /// Whether the rule applies to `q`.
     pub fn matches(&self, q: &SelectionQuery) -> bool {
         (self.vendors.is_empty() || self.vendors.contains(&q.vendor))
-            && self
-                .arch
-                .as_deref()
-                .is_none_or(|a| a.eq_ignore_ascii_case(&q.arch))
+            && self.arch.as_deref().is_none_or(|a| a.eq_ignore_ascii_case(&q.arch))
             && (self.world_min..=self.world_max).contains(&q.world)
             && q.bytes >= self.bytes_min
             && self.bytes_max.is_none_or(|m| q.bytes < m)
@@ -120,12 +117,7 @@ impl fmt::Display for Rule {
             write!(f, "world {}-{} ", self.world_min, self.world_max)?;
         }
         match self.bytes_max {
-            Some(m) => write!(
-                f,
-                "bytes [{}, {}) ",
-                format_bytes(self.bytes_min),
-                format_bytes(m)
-            )?,
+            Some(m) => write!(f, "bytes [{}, {}) ", format_bytes(self.bytes_min), format_bytes(m))?,
             None if self.bytes_min > 0 => write!(f, "bytes >= {} ", format_bytes(self.bytes_min))?,
             None => {}
         }
@@ -198,89 +190,27 @@ impl SelectorTable {
             });
         };
         // Host: one rank needs no exchange; small messages are bound by synchronisation (one-shot has the
-        // fewest barriers); large ones by memory traffic (two-shot reads each input once per rank).
-        add(
-            vec![Vendor::Host],
-            None,
-            (1, 1),
-            (0, None),
-            vec![OneShot, TwoShot, Ring],
-        );
-        add(
-            vec![Vendor::Host],
-            None,
-            (2, usize::MAX),
-            (0, Some(64 * KIB)),
-            vec![OneShot, TwoShot, Ring],
-        );
-        add(
-            vec![Vendor::Host],
-            None,
-            (2, usize::MAX),
-            (64 * KIB, None),
-            vec![TwoShot, Ring, OneShot],
-        );
+        // fewest barriers); from 8 KiB on, memory traffic dominates and two-shot (each rank reduces 1/N) won
+        // nearly every size at world 2 and 4 in `anyccl bench` on the 2-core build machine (docs/benchmarks.md).
+        add(vec![Vendor::Host], None, (1, 1), (0, None), vec![OneShot, TwoShot, Ring]);
+        add(vec![Vendor::Host], None, (2, usize::MAX), (0, Some(8 * KIB)), vec![OneShot, TwoShot, Ring]);
+        add(vec![Vendor::Host], None, (2, usize::MAX), (8 * KIB, None), vec![TwoShot, Ring, OneShot]);
         // GPUs.
-        add(
-            gpu.clone(),
-            None,
-            (2, 2),
-            (0, Some(8 * MIB)),
-            vec![OneShot, Ccl],
-        );
-        add(
-            gpu.clone(),
-            None,
-            (3, 4),
-            (0, Some(512 * KIB)),
-            vec![OneShot, TwoShot, Ccl],
-        );
-        add(
-            gpu.clone(),
-            None,
-            (5, 8),
-            (0, Some(256 * KIB)),
-            vec![OneShot, TwoShot, Ccl],
-        );
-        add(
-            vec![Vendor::Nvidia],
-            Some("sm_90"),
-            (4, 8),
-            (256 * KIB, Some(4 * MIB)),
-            vec![NvlsBlockPipeline, TwoShot],
-        );
-        add(
-            gpu.clone(),
-            None,
-            (3, 8),
-            (0, Some(8 * MIB)),
-            vec![TwoShot, CclSymmetric, Ccl],
-        );
-        add(
-            vec![Vendor::Nvidia],
-            None,
-            (4, usize::MAX),
-            (8 * MIB, None),
-            vec![CclSymmetric, Ccl],
-        );
+        add(gpu.clone(), None, (2, 2), (0, Some(8 * MIB)), vec![OneShot, Ccl]);
+        add(gpu.clone(), None, (3, 4), (0, Some(512 * KIB)), vec![OneShot, TwoShot, Ccl]);
+        add(gpu.clone(), None, (5, 8), (0, Some(256 * KIB)), vec![OneShot, TwoShot, Ccl]);
+        add(vec![Vendor::Nvidia], Some("sm_90"), (4, 8), (256 * KIB, Some(4 * MIB)), vec![NvlsBlockPipeline, TwoShot]);
+        add(gpu.clone(), None, (3, 8), (0, Some(8 * MIB)), vec![TwoShot, CclSymmetric, Ccl]);
+        add(vec![Vendor::Nvidia], None, (4, usize::MAX), (8 * MIB, None), vec![CclSymmetric, Ccl]);
         add(gpu, None, (1, usize::MAX), (0, None), vec![Ccl]);
         SelectorTable { rules }
     }
 
     /// Parses a table file's text. `source_name` (the path) is used in error messages, which name the line.
     pub fn parse(text: &str, source_name: &str) -> Result<Self> {
-        let line_of = |offset: usize| {
-            text[..offset.min(text.len())]
-                .bytes()
-                .filter(|b| *b == b'\n')
-                .count()
-                + 1
-        };
-        let err = |line: Option<usize>, message: String| Error::Config {
-            source_name: source_name.to_owned(),
-            line,
-            message,
-        };
+        let line_of = |offset: usize| text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1;
+        let err =
+            |line: Option<usize>, message: String| Error::Config { source_name: source_name.to_owned(), line, message };
         let file: RawFile = toml::from_str(text).map_err(|e| {
             let line = e.span().map(|s| line_of(s.start));
             err(line, e.message().trim().to_owned())
@@ -339,16 +269,10 @@ impl SelectorTable {
                 .algorithms
                 .into_inner()
                 .iter()
-                .map(|s| {
-                    s.parse::<Algorithm>()
-                        .map_err(|e| err(algo_line, e.to_string()))
-                })
+                .map(|s| s.parse::<Algorithm>().map_err(|e| err(algo_line, e.to_string())))
                 .collect::<Result<_>>()?;
             if algorithms.is_empty() {
-                return Err(err(
-                    algo_line,
-                    "`algorithms` must name at least one algorithm".to_owned(),
-                ));
+                return Err(err(algo_line, "`algorithms` must name at least one algorithm".to_owned()));
             }
             rules.push(Rule {
                 vendors,
@@ -388,11 +312,8 @@ fn parse_world(w: &WorldSpec) -> std::result::Result<(usize, usize), String> {
             let t = s.trim();
             if let Some((a, b)) = t.split_once('-') {
                 let lo = a.trim().parse::<usize>().map_err(|_| bad(s))?;
-                let hi = if b.trim().is_empty() {
-                    usize::MAX
-                } else {
-                    b.trim().parse::<usize>().map_err(|_| bad(s))?
-                };
+                let hi =
+                    if b.trim().is_empty() { usize::MAX } else { b.trim().parse::<usize>().map_err(|_| bad(s))? };
                 (lo, hi)
             } else {
                 let n = t.parse::<usize>().map_err(|_| bad(s))?;
@@ -401,34 +322,20 @@ fn parse_world(w: &WorldSpec) -> std::result::Result<(usize, usize), String> {
         }
     };
     if lo == 0 || lo > hi {
-        return Err(format!(
-            "bad world range {lo}-{hi} (world sizes start at 1 and MIN <= MAX)"
-        ));
+        return Err(format!("bad world range {lo}-{hi} (world sizes start at 1 and MIN <= MAX)"));
     }
     Ok((lo, hi))
 }
 
 fn parse_byte_range(s: &str) -> std::result::Result<(u64, Option<u64>), String> {
     let Some((a, b)) = s.split_once('-') else {
-        return Err(format!(
-            "bad bytes '{s}' (expected \"[MIN]-[MAX]\", e.g. \"0-512KiB\" or \"8MiB-\")"
-        ));
+        return Err(format!("bad bytes '{s}' (expected \"[MIN]-[MAX]\", e.g. \"0-512KiB\" or \"8MiB-\")"));
     };
-    let lo = if a.trim().is_empty() {
-        0
-    } else {
-        parse_bytes(a).map_err(|e| e.to_string())?
-    };
-    let hi = if b.trim().is_empty() {
-        None
-    } else {
-        Some(parse_bytes(b).map_err(|e| e.to_string())?)
-    };
+    let lo = if a.trim().is_empty() { 0 } else { parse_bytes(a).map_err(|e| e.to_string())? };
+    let hi = if b.trim().is_empty() { None } else { Some(parse_bytes(b).map_err(|e| e.to_string())?) };
     if let Some(h) = hi {
         if h <= lo {
-            return Err(format!(
-                "bad bytes range '{s}': the upper bound must exceed the lower"
-            ));
+            return Err(format!("bad bytes range '{s}': the upper bound must exceed the lower"));
         }
     }
     Ok((lo, hi))
@@ -487,11 +394,7 @@ pub struct Selector {
 
 impl Default for Selector {
     fn default() -> Self {
-        Selector {
-            table: SelectorTable::defaults(),
-            source: TableSource::Defaults,
-            forced: None,
-        }
+        Selector { table: SelectorTable::defaults(), source: TableSource::Defaults, forced: None }
     }
 }
 
@@ -526,10 +429,7 @@ impl Selector {
         let mut rules = file.rules;
         rules.extend(SelectorTable::defaults().rules);
         self.table = SelectorTable { rules };
-        self.source = TableSource::File {
-            path: path.to_owned(),
-            via: via.to_owned(),
-        };
+        self.source = TableSource::File { path: path.to_owned(), via: via.to_owned() };
         Ok(self)
     }
 
@@ -564,10 +464,7 @@ impl Selector {
     ) -> Result<Selection> {
         if let Some(a) = self.forced {
             return match eligible(a) {
-                Ok(()) => Ok(Selection {
-                    algorithm: a,
-                    why: format!("forced by {ENV_FORCE_ALGO}"),
-                }),
+                Ok(()) => Ok(Selection { algorithm: a, why: format!("forced by {ENV_FORCE_ALGO}") }),
                 Err(why) => Err(Error::AlgorithmNotEligible { algorithm: a, why }),
             };
         }
@@ -578,12 +475,7 @@ impl Selector {
                     continue;
                 }
                 match eligible(a) {
-                    Ok(()) => {
-                        return Ok(Selection {
-                            algorithm: a,
-                            why: rule.to_string(),
-                        })
-                    }
+                    Ok(()) => return Ok(Selection { algorithm: a, why: rule.to_string() }),
                     Err(why) => refused.push((a, why)),
                 }
             }
@@ -594,19 +486,12 @@ impl Selector {
             }
             match eligible(a) {
                 Ok(()) => {
-                    return Ok(Selection {
-                        algorithm: a,
-                        why: "no rule matched; first eligible algorithm".to_owned(),
-                    })
+                    return Ok(Selection { algorithm: a, why: "no rule matched; first eligible algorithm".to_owned() })
                 }
                 Err(why) => refused.push((a, why)),
             }
         }
-        let why = refused
-            .iter()
-            .map(|(a, w)| format!("{a}: {w}"))
-            .collect::<Vec<_>>()
-            .join("; ");
+        let why = refused.iter().map(|(a, w)| format!("{a}: {w}")).collect::<Vec<_>>().join("; ");
         Err(Error::NoEligibleAlgorithm { why })
     }
 }
@@ -616,14 +501,7 @@ mod tests {
     use super::*;
 
     fn q(vendor: Vendor, world: usize, bytes: u64) -> SelectionQuery {
-        SelectionQuery {
-            vendor,
-            arch: "sm_90".into(),
-            world,
-            bytes,
-            dtype: DataType::Bf16,
-            capturing: false,
-        }
+        SelectionQuery { vendor, arch: "sm_90".into(), world, bytes, dtype: DataType::Bf16, capturing: false }
     }
 
     fn all_ok(_: Algorithm) -> std::result::Result<(), String> {
@@ -636,10 +514,7 @@ mod tests {
         let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
         assert_eq!(pick(Vendor::Nvidia, 2, 4 * MIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShot);
-        assert_eq!(
-            pick(Vendor::Nvidia, 8, 256 * KIB),
-            Algorithm::NvlsBlockPipeline
-        );
+        assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
         assert_eq!(pick(Vendor::Amd, 8, 256 * KIB), Algorithm::TwoShot);
         assert_eq!(pick(Vendor::Nvidia, 8, 64 * MIB), Algorithm::CclSymmetric);
         assert_eq!(pick(Vendor::Amd, 2, 64 * MIB), Algorithm::Ccl);
@@ -672,14 +547,9 @@ mod tests {
             .expect_err("not eligible");
         assert_eq!(
             err,
-            Error::AlgorithmNotEligible {
-                algorithm: Algorithm::NvlsZeroCopy,
-                why: "multicast is off".into()
-            }
+            Error::AlgorithmNotEligible { algorithm: Algorithm::NvlsZeroCopy, why: "multicast is off".into() }
         );
-        let ok = s
-            .select(&q(Vendor::Nvidia, 8, MIB), all_ok)
-            .expect("eligible");
+        let ok = s.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible");
         assert_eq!(ok.algorithm, Algorithm::NvlsZeroCopy);
     }
 
@@ -688,9 +558,7 @@ mod tests {
         let err = Selector::defaults()
             .select(&q(Vendor::Host, 2, 10), |a| Err(format!("no {a}")))
             .expect_err("none eligible");
-        let Error::NoEligibleAlgorithm { why } = err else {
-            panic!("wrong error {err:?}")
-        };
+        let Error::NoEligibleAlgorithm { why } = err else { panic!("wrong error {err:?}") };
         for a in Algorithm::ALL {
             assert!(why.contains(&format!("no {a}")), "{why}");
         }
@@ -705,10 +573,7 @@ mod tests {
         .expect("valid");
         assert_eq!(t.rules.len(), 1);
         let r = &t.rules[0];
-        assert_eq!(
-            (r.world_min, r.world_max, r.bytes_min, r.bytes_max),
-            (2, 8, 0, Some(MIB))
-        );
+        assert_eq!((r.world_min, r.world_max, r.bytes_min, r.bytes_max), (2, 8, 0, Some(MIB)));
         assert_eq!(r.origin, "t.toml:6");
         assert!(r.matches(&q(Vendor::Nvidia, 4, 1000)));
         assert!(!r.matches(&q(Vendor::Nvidia, 4, MIB)));
@@ -719,46 +584,19 @@ mod tests {
     fn malformed_files_name_the_line() {
         let cases: &[(&str, usize, &str)] = &[
             ("[[rule]]\nalgorithms = [\"warp-drive\"]\n", 2, "warp-drive"),
-            (
-                "[[rule]]\nbytes = \"0-12 parsecs\"\nalgorithms = [\"ccl\"]\n",
-                2,
-                "parsecs",
-            ),
-            (
-                "[[rule]]\nworld = \"8-2\"\nalgorithms = [\"ccl\"]\n",
-                2,
-                "world",
-            ),
-            (
-                "[[rule]]\n\nspeed = 3\nalgorithms = [\"ccl\"]\n",
-                3,
-                "speed",
-            ),
+            ("[[rule]]\nbytes = \"0-12 parsecs\"\nalgorithms = [\"ccl\"]\n", 2, "parsecs"),
+            ("[[rule]]\nworld = \"8-2\"\nalgorithms = [\"ccl\"]\n", 2, "world"),
+            ("[[rule]]\n\nspeed = 3\nalgorithms = [\"ccl\"]\n", 3, "speed"),
             ("[[rule]]\nalgorithms = [\"ccl\"\n", 2, ""),
-            (
-                "[[rule]]\nvendor = \"intel\"\nalgorithms = [\"ccl\"]\n",
-                2,
-                "intel",
-            ),
-            (
-                "[[rule]]\ndtype = [\"f128\"]\nalgorithms = [\"ccl\"]\n",
-                2,
-                "f128",
-            ),
+            ("[[rule]]\nvendor = \"intel\"\nalgorithms = [\"ccl\"]\n", 2, "intel"),
+            ("[[rule]]\ndtype = [\"f128\"]\nalgorithms = [\"ccl\"]\n", 2, "f128"),
             ("version = 7\n", 1, "version"),
             ("[[rule]]\nalgorithms = []\n", 2, "at least one"),
             ("[[rule]]\nworld = 2\n", 1, "algorithms"),
         ];
         for (text, line, needle) in cases {
             let err = SelectorTable::parse(text, "bad.toml").expect_err(text);
-            let Error::Config {
-                source_name,
-                line: got,
-                message,
-            } = &err
-            else {
-                panic!("{err:?}")
-            };
+            let Error::Config { source_name, line: got, message } = &err else { panic!("{err:?}") };
             assert_eq!(source_name, "bad.toml");
             assert_eq!(*got, Some(*line), "{text:?}: {message}");
             assert!(message.contains(needle), "{text:?}: {message}");

@@ -21,23 +21,16 @@ pub fn parse_bytes(s: &str) -> Result<u64, Error> {
     let bad = || Error::Parse {
         what: "byte size",
         input: s.to_owned(),
-        expected: "a number with an optional unit: B, KiB, MiB, GiB (or K, M, G), KB, MB, GB"
-            .to_owned(),
+        expected: "a number with an optional unit: B, KiB, MiB, GiB (or K, M, G), KB, MB, GB".to_owned(),
     };
     let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     if num.is_empty() {
         return Err(bad());
     }
     let unit = unit.trim().to_ascii_lowercase();
-    let mult = if unit.is_empty() {
-        1
-    } else {
-        UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(bad)?.1
-    };
+    let mult = if unit.is_empty() { 1 } else { UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(bad)?.1 };
     if let Ok(n) = num.parse::<u64>() {
         return n.checked_mul(mult).ok_or_else(bad);
     }
@@ -55,11 +48,7 @@ pub fn format_bytes(n: u64) -> String {
     for (u, m) in STEPS {
         if n >= m {
             let v = n as f64 / m as f64;
-            return if n % m == 0 {
-                format!("{} {u}", n / m)
-            } else {
-                format!("{v:.2} {u}")
-            };
+            return if n % m == 0 { format!("{} {u}", n / m) } else { format!("{v:.2} {u}") };
         }
     }
     format!("{n} B")
@@ -76,14 +65,7 @@ mod tests {
         assert_eq!(parse_bytes("8 MiB").ok(), Some(8 << 20));
         assert_eq!(parse_bytes("1.5M").ok(), Some(3 << 19));
         assert_eq!(parse_bytes("2GB").ok(), Some(2_000_000_000));
-        for bad in [
-            "",
-            "MiB",
-            "12 parsecs",
-            "1.3 B",
-            "-4",
-            "99999999999999999999",
-        ] {
+        for bad in ["", "MiB", "12 parsecs", "1.3 B", "-4", "99999999999999999999"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
     }

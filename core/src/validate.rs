@@ -32,14 +32,11 @@ pub struct CallShape {
 
 /// `count × dtype × factor` in bytes, or [`InvalidArgument::CountOverflow`].
 pub fn bytes_for(count: usize, dtype: DataType, factor: usize) -> Result<usize, InvalidArgument> {
-    count
-        .checked_mul(dtype.size_bytes())
-        .and_then(|b| b.checked_mul(factor))
-        .ok_or(InvalidArgument::CountOverflow {
-            count,
-            dtype,
-            world: factor,
-        })
+    count.checked_mul(dtype.size_bytes()).and_then(|b| b.checked_mul(factor)).ok_or(InvalidArgument::CountOverflow {
+        count,
+        dtype,
+        world: factor,
+    })
 }
 
 /// Checks one buffer: location, alignment, length.
@@ -52,29 +49,14 @@ pub fn check_buffer(
     shape: &CallShape,
 ) -> Result<(), InvalidArgument> {
     if desc.location != shape.location {
-        return Err(InvalidArgument::WrongDevice {
-            which,
-            found: desc.location,
-            expected: shape.location,
-        });
+        return Err(InvalidArgument::WrongDevice { which, found: desc.location, expected: shape.location });
     }
     let align = dtype.size_bytes();
     if desc.addr % align != 0 {
-        return Err(InvalidArgument::Misaligned {
-            which,
-            addr: desc.addr,
-            align,
-            dtype,
-        });
+        return Err(InvalidArgument::Misaligned { which, addr: desc.addr, align, dtype });
     }
     if desc.len < need {
-        return Err(InvalidArgument::BufferTooSmall {
-            which,
-            have: desc.len,
-            need,
-            count,
-            dtype,
-        });
+        return Err(InvalidArgument::BufferTooSmall { which, have: desc.len, need, count, dtype });
     }
     Ok(())
 }
@@ -89,21 +71,13 @@ fn check_pair(
     layout: &'static str,
 ) -> Result<(), InvalidArgument> {
     match bufs {
-        InOutDesc::InPlace(b) => {
-            check_buffer("buffer", b, send_need.max(recv_need), count, dtype, shape)
-        }
+        InOutDesc::InPlace(b) => check_buffer("buffer", b, send_need.max(recv_need), count, dtype, shape),
         InOutDesc::Separate { send, recv } => {
             check_buffer("send", send, send_need, count, dtype, shape)?;
             check_buffer("recv", recv, recv_need, count, dtype, shape)?;
             // Only the bytes the call touches matter: a larger allocation may share an allocation's tail.
-            let s = BufferDesc {
-                len: send_need,
-                ..*send
-            };
-            let r = BufferDesc {
-                len: recv_need,
-                ..*recv
-            };
+            let s = BufferDesc { len: send_need, ..*send };
+            let r = BufferDesc { len: recv_need, ..*recv };
             if s.overlaps(&r) {
                 return Err(InvalidArgument::Overlap {
                     send_addr: send.addr,
@@ -120,11 +94,7 @@ fn check_pair(
 
 fn check_rank(what: &'static str, rank: usize, shape: &CallShape) -> Result<(), InvalidArgument> {
     if rank >= shape.world {
-        return Err(InvalidArgument::RankOutOfRange {
-            what,
-            rank,
-            world: shape.world,
-        });
+        return Err(InvalidArgument::RankOutOfRange { what, rank, world: shape.world });
     }
     Ok(())
 }
@@ -139,15 +109,7 @@ pub fn all_reduce(
 ) -> Result<usize, InvalidArgument> {
     check_reduction(dtype, op)?;
     let bytes = bytes_for(count, dtype, 1)?;
-    check_pair(
-        bufs,
-        bytes,
-        bytes,
-        count,
-        dtype,
-        shape,
-        "in-place all-reduce: one buffer is input and output",
-    )?;
+    check_pair(bufs, bytes, bytes, count, dtype, shape, "in-place all-reduce: one buffer is input and output")?;
     Ok(bytes)
 }
 
@@ -207,15 +169,7 @@ pub fn broadcast(
 ) -> Result<usize, InvalidArgument> {
     check_rank("root", root, shape)?;
     let bytes = bytes_for(count, dtype, 1)?;
-    check_pair(
-        bufs,
-        bytes,
-        bytes,
-        count,
-        dtype,
-        shape,
-        "in-place broadcast: one buffer is input and output",
-    )?;
+    check_pair(bufs, bytes, bytes, count, dtype, shape, "in-place broadcast: one buffer is input and output")?;
     Ok(bytes)
 }
 
@@ -231,15 +185,7 @@ pub fn reduce(
     check_reduction(dtype, op)?;
     check_rank("root", root, shape)?;
     let bytes = bytes_for(count, dtype, 1)?;
-    check_pair(
-        bufs,
-        bytes,
-        bytes,
-        count,
-        dtype,
-        shape,
-        "in-place reduce: one buffer is input and output",
-    )?;
+    check_pair(bufs, bytes, bytes, count, dtype, shape, "in-place reduce: one buffer is input and output")?;
     Ok(bytes)
 }
 
@@ -265,164 +211,50 @@ pub fn point_to_point(
 mod tests {
     use super::*;
 
-    const SHAPE: CallShape = CallShape {
-        rank: 1,
-        world: 4,
-        location: Location::Device { ordinal: 0 },
-    };
+    const SHAPE: CallShape = CallShape { rank: 1, world: 4, location: Location::Device { ordinal: 0 } };
 
     fn dev(addr: usize, len: usize) -> BufferDesc {
-        BufferDesc {
-            addr,
-            len,
-            location: Location::Device { ordinal: 0 },
-        }
+        BufferDesc { addr, len, location: Location::Device { ordinal: 0 } }
     }
 
     #[test]
     fn accepts_valid_calls() {
-        let sep = InOutDesc::Separate {
-            send: dev(0x1000, 64),
-            recv: dev(0x2000, 256),
-        };
-        assert_eq!(
-            all_reduce(&SHAPE, &sep, 16, DataType::F32, ReduceOp::Sum),
-            Ok(64)
-        );
+        let sep = InOutDesc::Separate { send: dev(0x1000, 64), recv: dev(0x2000, 256) };
+        assert_eq!(all_reduce(&SHAPE, &sep, 16, DataType::F32, ReduceOp::Sum), Ok(64));
         assert_eq!(all_gather(&SHAPE, &sep, 16, DataType::F32), Ok(256));
-        assert_eq!(
-            all_reduce(
-                &SHAPE,
-                &InOutDesc::InPlace(dev(0x1000, 64)),
-                0,
-                DataType::F16,
-                ReduceOp::Avg
-            ),
-            Ok(0)
-        );
+        assert_eq!(all_reduce(&SHAPE, &InOutDesc::InPlace(dev(0x1000, 64)), 0, DataType::F16, ReduceOp::Avg), Ok(0));
     }
 
     #[test]
     fn each_class_of_bad_input_has_its_error() {
         let sep = |s, r| InOutDesc::Separate { send: s, recv: r };
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1000, 60), dev(0x2000, 64)),
-            16,
-            DataType::F32,
-            ReduceOp::Sum,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::BufferTooSmall {
-                which: "send",
-                have: 60,
-                need: 64,
-                ..
-            })
-        ));
-        let e = all_gather(
-            &SHAPE,
-            &sep(dev(0x1000, 64), dev(0x2000, 64)),
-            16,
-            DataType::F32,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::BufferTooSmall {
-                which: "recv",
-                need: 256,
-                ..
-            })
-        ));
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1002, 64), dev(0x2000, 64)),
-            16,
-            DataType::F32,
-            ReduceOp::Sum,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::Misaligned {
-                which: "send",
-                align: 4,
-                ..
-            })
-        ));
-        let foreign = BufferDesc {
-            addr: 0x2000,
-            len: 64,
-            location: Location::Device { ordinal: 3 },
-        };
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1000, 64), foreign),
-            16,
-            DataType::F32,
-            ReduceOp::Sum,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::WrongDevice { which: "recv", .. })
-        ));
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1000, 64), dev(0x2000, 64)),
-            16,
-            DataType::I32,
-            ReduceOp::Avg,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::UnsupportedReduction { .. })
-        ));
-        let e = broadcast(
-            &SHAPE,
-            &sep(dev(0x1000, 64), dev(0x2000, 64)),
-            16,
-            DataType::F32,
-            4,
-        );
-        assert!(matches!(
-            e,
-            Err(InvalidArgument::RankOutOfRange {
-                what: "root",
-                rank: 4,
-                world: 4
-            })
-        ));
+        let e = all_reduce(&SHAPE, &sep(dev(0x1000, 60), dev(0x2000, 64)), 16, DataType::F32, ReduceOp::Sum);
+        assert!(matches!(e, Err(InvalidArgument::BufferTooSmall { which: "send", have: 60, need: 64, .. })));
+        let e = all_gather(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), 16, DataType::F32);
+        assert!(matches!(e, Err(InvalidArgument::BufferTooSmall { which: "recv", need: 256, .. })));
+        let e = all_reduce(&SHAPE, &sep(dev(0x1002, 64), dev(0x2000, 64)), 16, DataType::F32, ReduceOp::Sum);
+        assert!(matches!(e, Err(InvalidArgument::Misaligned { which: "send", align: 4, .. })));
+        let foreign = BufferDesc { addr: 0x2000, len: 64, location: Location::Device { ordinal: 3 } };
+        let e = all_reduce(&SHAPE, &sep(dev(0x1000, 64), foreign), 16, DataType::F32, ReduceOp::Sum);
+        assert!(matches!(e, Err(InvalidArgument::WrongDevice { which: "recv", .. })));
+        let e = all_reduce(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), 16, DataType::I32, ReduceOp::Avg);
+        assert!(matches!(e, Err(InvalidArgument::UnsupportedReduction { .. })));
+        let e = broadcast(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), 16, DataType::F32, 4);
+        assert!(matches!(e, Err(InvalidArgument::RankOutOfRange { what: "root", rank: 4, world: 4 })));
         let e = point_to_point(&SHAPE, "send", &dev(0x1000, 64), 16, DataType::F32, 1);
         assert!(matches!(e, Err(InvalidArgument::SelfPeer { rank: 1 })));
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1000, 64), dev(0x1020, 64)),
-            16,
-            DataType::F32,
-            ReduceOp::Sum,
-        );
+        let e = all_reduce(&SHAPE, &sep(dev(0x1000, 64), dev(0x1020, 64)), 16, DataType::F32, ReduceOp::Sum);
         assert!(matches!(e, Err(InvalidArgument::Overlap { .. })));
-        let e = all_reduce(
-            &SHAPE,
-            &sep(dev(0x1000, 64), dev(0x2000, 64)),
-            usize::MAX / 2,
-            DataType::F32,
-            ReduceOp::Sum,
-        );
+        let e =
+            all_reduce(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), usize::MAX / 2, DataType::F32, ReduceOp::Sum);
         assert!(matches!(e, Err(InvalidArgument::CountOverflow { .. })));
     }
 
     #[test]
     fn overlap_counts_only_touched_bytes() {
         // recv starts right after the 64 bytes the call reads from a larger send allocation.
-        let sep = InOutDesc::Separate {
-            send: dev(0x1000, 4096),
-            recv: dev(0x1040, 64),
-        };
-        assert_eq!(
-            all_reduce(&SHAPE, &sep, 16, DataType::F32, ReduceOp::Sum),
-            Ok(64)
-        );
+        let sep = InOutDesc::Separate { send: dev(0x1000, 4096), recv: dev(0x1040, 64) };
+        assert_eq!(all_reduce(&SHAPE, &sep, 16, DataType::F32, ReduceOp::Sum), Ok(64));
     }
 
     proptest::proptest! {
@@ -439,7 +271,7 @@ mod tests {
             let need = count * dtype.size_bytes();
             let sz = dtype.size_bytes();
             let overlap = need > 0 && saddr < raddr + need && raddr < saddr + need;
-            let ok = !(op == ReduceOp::Avg && !dtype.is_float())
+            let ok = (op != ReduceOp::Avg || dtype.is_float())
                 && saddr % sz == 0 && raddr % sz == 0 && slen >= need && rlen >= need && !overlap;
             proptest::prop_assert_eq!(got.is_ok(), ok, "{:?}", got);
         }

@@ -42,14 +42,12 @@ use std::time::Duration;
 
 use anyccl_core::comm::AllReduceCall;
 use anyccl_core::{
-    Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error,
-    InOut, InvalidArgument, Location, MemoryRuntime, Reason, ReduceOp, Result, Selector, Vendor,
+    Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error, InOut,
+    InvalidArgument, Location, MemoryRuntime, Reason, ReduceOp, Result, Selector, Vendor,
 };
 use bytemuck::Zeroable;
 
-use crate::reduce::{
-    cast, cast_mut, combine_acc, load_acc, reduce_into, store_acc, with_type, Reducible,
-};
+use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, store_acc, with_type, Reducible};
 use crate::sync::GroupSync;
 
 /// The all-reduce algorithms of the host backend.
@@ -67,10 +65,7 @@ pub struct HostOptions {
 
 impl Default for HostOptions {
     fn default() -> Self {
-        HostOptions {
-            timeout: Duration::from_secs(120),
-            selector: Arc::new(Selector::defaults()),
-        }
+        HostOptions { timeout: Duration::from_secs(120), selector: Arc::new(Selector::defaults()) }
     }
 }
 
@@ -84,10 +79,7 @@ pub struct HostBuffer {
 impl HostBuffer {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> Self {
-        HostBuffer {
-            words: vec![0; len.div_ceil(8)],
-            len,
-        }
+        HostBuffer { words: vec![0; len.div_ceil(8)], len }
     }
 
     /// A copy of `elems`.
@@ -156,17 +148,13 @@ impl MemoryRuntime for HostRuntime {
 
     fn upload(&self, dst: &mut [u8], src: &[u8], _stream: &()) -> Result<()> {
         let have = dst.len();
-        let d = dst
-            .get_mut(..src.len())
-            .ok_or_else(|| short_copy("upload", src.len(), have))?;
+        let d = dst.get_mut(..src.len()).ok_or_else(|| short_copy("upload", src.len(), have))?;
         d.copy_from_slice(src);
         Ok(())
     }
 
     fn download(&self, src: &[u8], dst: &mut [u8], _stream: &()) -> Result<()> {
-        let s = src
-            .get(..dst.len())
-            .ok_or_else(|| short_copy("download", dst.len(), src.len()))?;
+        let s = src.get(..dst.len()).ok_or_else(|| short_copy("download", dst.len(), src.len()))?;
         dst.copy_from_slice(s);
         Ok(())
     }
@@ -198,9 +186,7 @@ pub fn host_capabilities() -> CapabilityReport {
         } else {
             "the host backend uses no vendor library or accelerator"
         };
-        Reason::NotApplicable {
-            detail: detail.to_owned(),
-        }
+        Reason::NotApplicable { detail: detail.to_owned() }
     });
     r.enable(Capabilities::HOST_BACKEND);
     r
@@ -233,29 +219,16 @@ pub struct HostComm {
 /// Creates the backends of a group of `world` ranks (index = rank).
 pub fn create_group(world: usize, timeout: Duration) -> Result<Vec<HostComm>> {
     if world == 0 {
-        return Err(
-            InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into(),
-        );
+        return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
     }
     let shared = Arc::new(Shared {
         world,
         sync: GroupSync::new(world),
-        staging: (0..world)
-            .map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())])
-            .collect(),
-        mail: (0..world * world)
-            .map(|_| Mutex::new(VecDeque::new()))
-            .collect(),
+        staging: (0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]).collect(),
+        mail: (0..world * world).map(|_| Mutex::new(VecDeque::new())).collect(),
         caps: host_capabilities(),
     });
-    Ok((0..world)
-        .map(|rank| HostComm {
-            rank,
-            shared: shared.clone(),
-            runtime: HostRuntime,
-            timeout,
-        })
-        .collect())
+    Ok((0..world).map(|rank| HostComm { rank, shared: shared.clone(), runtime: HostRuntime, timeout }).collect())
 }
 
 /// Creates a group of `world` ranks wrapped in the validating [`Communicator`] front-end (index = rank).
@@ -313,32 +286,19 @@ impl HostComm {
         self.shared.world
     }
 
-    fn one_shot<T: Reducible>(
-        &self,
-        input: Option<&[u8]>,
-        buf: &mut [u8],
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn one_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
         let len = buf.len();
         self.publish(0, input.unwrap_or(buf));
         self.barrier_wait()?;
         {
             let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
-            let ins: Vec<&[T]> = guards
-                .iter()
-                .map(|g| cast::<T>(bytes_of(g, len)))
-                .collect::<Result<_>>()?;
+            let ins: Vec<&[T]> = guards.iter().map(|g| cast::<T>(bytes_of(g, len))).collect::<Result<_>>()?;
             reduce_into(&ins, cast_mut::<T>(buf)?, op, self.world());
         }
         self.barrier_wait()
     }
 
-    fn two_shot<T: Reducible>(
-        &self,
-        input: Option<&[u8]>,
-        buf: &mut [u8],
-        op: ReduceOp,
-    ) -> Result<()> {
+    fn two_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
         let esz = std::mem::size_of::<T>();
         let count = buf.len() / esz;
         let world = self.world();
@@ -347,10 +307,8 @@ impl HostComm {
         let (s, e) = chunk(count, world, self.rank);
         {
             let guards: Vec<_> = (0..world).map(|q| self.staged(q, 0)).collect();
-            let ins: Vec<&[T]> = guards
-                .iter()
-                .map(|g| cast::<T>(&bytes_of(g, buf.len())[s * esz..e * esz]))
-                .collect::<Result<_>>()?;
+            let ins: Vec<&[T]> =
+                guards.iter().map(|g| cast::<T>(&bytes_of(g, buf.len())[s * esz..e * esz])).collect::<Result<_>>()?;
             let mine = &mut cast_mut::<T>(buf)?[s..e];
             reduce_into(&ins, mine, op, world);
         }
@@ -461,11 +419,7 @@ impl CommBackend for HostComm {
         &ALGORITHMS
     }
 
-    fn allreduce_eligible(
-        &self,
-        algorithm: Algorithm,
-        _call: &AllReduceCall,
-    ) -> std::result::Result<(), String> {
+    fn allreduce_eligible(&self, algorithm: Algorithm, _call: &AllReduceCall) -> std::result::Result<(), String> {
         if ALGORITHMS.contains(&algorithm) {
             Ok(())
         } else {
@@ -497,13 +451,7 @@ impl CommBackend for HostComm {
         })
     }
 
-    fn all_gather(
-        &mut self,
-        bufs: InOut<'_, [u8]>,
-        count: usize,
-        dtype: DataType,
-        _stream: &(),
-    ) -> Result<()> {
+    fn all_gather(&mut self, bufs: InOut<'_, [u8]>, count: usize, dtype: DataType, _stream: &()) -> Result<()> {
         let part = count * dtype.size_bytes();
         let (input, buf) = split_io(bufs);
         let own = self.rank * part..(self.rank + 1) * part;
@@ -540,11 +488,7 @@ impl CommBackend for HostComm {
         self.publish(0, src);
         self.barrier_wait()?;
         let mine = self.rank * part..(self.rank + 1) * part;
-        let out = if input.is_some() {
-            &mut buf[..part]
-        } else {
-            &mut buf[mine.clone()]
-        };
+        let out = if input.is_some() { &mut buf[..part] } else { &mut buf[mine.clone()] };
         {
             let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
             with_type!(dtype, T => {
@@ -558,14 +502,7 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn broadcast(
-        &mut self,
-        bufs: InOut<'_, [u8]>,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        _s: &(),
-    ) -> Result<()> {
+    fn broadcast(&mut self, bufs: InOut<'_, [u8]>, count: usize, dtype: DataType, root: usize, _s: &()) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         let (input, buf) = split_io(bufs);
         if self.rank == root {
@@ -606,56 +543,25 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn send(
-        &mut self,
-        buf: &[u8],
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        _stream: &(),
-    ) -> Result<()> {
+    fn send(&mut self, buf: &[u8], count: usize, dtype: DataType, peer: usize, _stream: &()) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         let idx = self.rank * self.world() + peer;
-        self.shared.mail[idx]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(buf[..bytes].to_vec());
+        self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_back(buf[..bytes].to_vec());
         self.shared.sync.notify_all();
         Ok(())
     }
 
-    fn recv(
-        &mut self,
-        buf: &mut [u8],
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        _stream: &(),
-    ) -> Result<()> {
+    fn recv(&mut self, buf: &mut [u8], count: usize, dtype: DataType, peer: usize, _stream: &()) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         let idx = peer * self.world() + self.rank;
-        let msg = self
-            .shared
-            .sync
-            .wait_for(self.rank, peer, self.timeout, || {
-                self.shared.mail[idx]
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .pop_front()
-            })?;
+        let msg = self.shared.sync.wait_for(self.rank, peer, self.timeout, || {
+            self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).pop_front()
+        })?;
         if msg.len() != bytes {
             let got = msg.len();
             // Put it back: a mismatched receive loses nothing.
-            self.shared.mail[idx]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push_front(msg);
-            return Err(InvalidArgument::MessageMismatch {
-                peer,
-                got,
-                expected: bytes,
-            }
-            .into());
+            self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_front(msg);
+            return Err(InvalidArgument::MessageMismatch { peer, got, expected: bytes }.into());
         }
         buf[..bytes].copy_from_slice(&msg);
         Ok(())

@@ -152,35 +152,23 @@ pub(crate) use with_type;
 /// Views bytes as elements. Validation guarantees alignment and whole elements; a violation is reported as a
 /// backend error rather than a panic.
 pub(crate) fn cast<T: Pod>(bytes: &[u8]) -> Result<&[T]> {
-    bytemuck::try_cast_slice(bytes)
-        .map_err(|e| internal(format!("cannot view bytes as elements: {e}")))
+    bytemuck::try_cast_slice(bytes).map_err(|e| internal(format!("cannot view bytes as elements: {e}")))
 }
 
 /// Mutable form of [`cast`].
 pub(crate) fn cast_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
-    bytemuck::try_cast_slice_mut(bytes)
-        .map_err(|e| internal(format!("cannot view bytes as elements: {e}")))
+    bytemuck::try_cast_slice_mut(bytes).map_err(|e| internal(format!("cannot view bytes as elements: {e}")))
 }
 
 pub(crate) fn internal(message: String) -> Error {
-    Error::Backend {
-        backend: "host".into(),
-        call: "collective".into(),
-        code: None,
-        message,
-    }
+    Error::Backend { backend: "host".into(), call: "collective".into(), code: None, message }
 }
 
 const BLOCK: usize = 2048;
 
 /// `out[i] = finish(x_0[i] ∘ x_1[i] ∘ … )` over `inputs` in order, so every rank computing the same reduction
 /// gets bitwise the same result.
-pub(crate) fn reduce_into<T: Reducible>(
-    inputs: &[&[T]],
-    out: &mut [T],
-    op: ReduceOp,
-    world: usize,
-) {
+pub(crate) fn reduce_into<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: ReduceOp, world: usize) {
     let n = out.len();
     let mut acc = vec![T::Acc::zeroed(); BLOCK.min(n)];
     let mut start = 0;
@@ -212,12 +200,7 @@ pub(crate) fn load_acc<T: Reducible>(src: &[T], dst: &mut [T::Acc]) {
 }
 
 /// `acc[i] = acc_in[i] ∘ load(x[i])`.
-pub(crate) fn combine_acc<T: Reducible>(
-    acc_in: &[T::Acc],
-    x: &[T],
-    out: &mut [T::Acc],
-    op: ReduceOp,
-) {
+pub(crate) fn combine_acc<T: Reducible>(acc_in: &[T::Acc], x: &[T], out: &mut [T::Acc], op: ReduceOp) {
     for ((o, a), x) in out.iter_mut().zip(acc_in).zip(x) {
         *o = T::combine(*a, x.load(), op);
     }

@@ -24,15 +24,7 @@ pub(crate) struct GroupSync {
 
 impl GroupSync {
     pub(crate) fn new(world: usize) -> Self {
-        GroupSync {
-            world,
-            state: Mutex::new(State {
-                arrived: 0,
-                generation: 0,
-                broken: None,
-            }),
-            cv: Condvar::new(),
-        }
+        GroupSync { world, state: Mutex::new(State { arrived: 0, generation: 0, broken: None }), cv: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -65,20 +57,11 @@ impl GroupSync {
             }
             let now = Instant::now();
             if now >= deadline {
-                st.broken = Some(format!(
-                    "rank {rank} timed out after {timeout:?} at a barrier"
-                ));
+                st.broken = Some(format!("rank {rank} timed out after {timeout:?} at a barrier"));
                 self.cv.notify_all();
-                return Err(Error::Timeout {
-                    what: format!("rank {rank}'s peers at a barrier"),
-                    after: timeout,
-                });
+                return Err(Error::Timeout { what: format!("rank {rank}'s peers at a barrier"), after: timeout });
             }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
         }
     }
 
@@ -101,16 +84,9 @@ impl GroupSync {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(Error::Timeout {
-                    what: format!("rank {rank}'s message from rank {peer}"),
-                    after: timeout,
-                });
+                return Err(Error::Timeout { what: format!("rank {rank}'s message from rank {peer}"), after: timeout });
             }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
         }
     }
 

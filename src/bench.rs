@@ -1,0 +1,419 @@
+//! `anyccl bench`: all-reduce latency per message size and algorithm, the selector's choice, and the best.
+//!
+//! Method (host backend): one thread per rank; for each size and algorithm, `warmup` untimed calls, then `iters`
+//! timed ones. Each timed call starts after a barrier and ends when every rank has finished (a second barrier), as
+//! measured on rank 0; the median is reported. `algbw = bytes / time`; `busbw = algbw × 2(n−1)/n` (nccl-tests).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::core::units::format_bytes;
+use crate::core::{Algorithm, DataType, ReduceOp, Selector};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Number of ranks.
+    pub world: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Operator.
+    pub op: ReduceOp,
+    /// Message sizes in bytes.
+    pub sizes: Vec<u64>,
+    /// Algorithms to measure (`None`: every one the backend implements).
+    pub algorithms: Option<Vec<Algorithm>>,
+    /// Timed calls per cell.
+    pub iters: usize,
+    /// Untimed calls before them.
+    pub warmup: usize,
+    /// The selector `auto` uses.
+    pub selector: Arc<Selector>,
+}
+
+/// The default host sweep: 4 KiB to 16 MiB in steps of 4×.
+pub fn default_host_sizes() -> Vec<u64> {
+    (0..7).map(|i| 4096u64 << (2 * i)).collect()
+}
+
+/// One measured cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Median latency in microseconds.
+    pub median_us: f64,
+    /// Fastest call in microseconds.
+    pub min_us: f64,
+    /// Algorithm bandwidth, GB/s (10⁹ bytes per second).
+    pub algbw_gbps: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw_gbps: f64,
+}
+
+/// One message size.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Message size in bytes.
+    pub bytes: u64,
+    /// Elements per rank.
+    pub count: usize,
+    /// One cell per measured algorithm, in column order.
+    pub cells: Vec<Cell>,
+    /// The selector's choice, measured through the normal (auto) path.
+    pub auto: Cell,
+    /// Why the selector chose it.
+    pub auto_rule: String,
+    /// The fastest measured algorithm.
+    pub best: Algorithm,
+    /// Baseline median over the best's median.
+    pub best_speedup_vs_baseline: Option<f64>,
+}
+
+/// An algorithm that was asked for but cannot run here.
+#[derive(Debug, Clone, Serialize)]
+pub struct Ineligible {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Why.
+    pub reason: String,
+}
+
+/// A whole sweep.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// Backend name.
+    pub backend: String,
+    /// Number of ranks.
+    pub world: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// Operator.
+    pub op: ReduceOp,
+    /// Timed calls per cell.
+    pub iters: usize,
+    /// Untimed calls per cell.
+    pub warmup: usize,
+    /// The vendor-library baseline the speedup is measured against (`ring` on the host).
+    pub baseline: Algorithm,
+    /// Measured algorithms, in column order.
+    pub algorithms: Vec<Algorithm>,
+    /// Algorithms asked for that cannot run.
+    pub ineligible: Vec<Ineligible>,
+    /// One row per size.
+    pub rows: Vec<Row>,
+    /// How it was measured.
+    pub method: String,
+}
+
+#[cfg(feature = "host")]
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(feature = "host")]
+fn cell(algorithm: Algorithm, samples: &mut [f64], bytes: u64, world: usize) -> Cell {
+    let med = median(samples);
+    let min = samples.first().copied().unwrap_or(f64::NAN);
+    let algbw = bytes as f64 / (med * 1e-6) / 1e9;
+    let factor = if world > 1 { 2.0 * (world - 1) as f64 / world as f64 } else { 0.0 };
+    Cell { algorithm, median_us: med, min_us: min, algbw_gbps: algbw, busbw_gbps: algbw * factor }
+}
+
+/// Progress reporting hook: called with (cells done, cells total).
+pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
+
+/// Runs the sweep on the host backend.
+#[cfg(feature = "host")]
+pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Result<BenchReport> {
+    use std::time::Instant;
+
+    use crate::core::{Communicator, Error, InOut, Result};
+    use crate::host::{communicators, HostBuffer, HostComm, HostOptions, ALGORITHMS};
+
+    if cfg.iters == 0 {
+        return Err(Error::Parse { what: "iteration count", input: "0".into(), expected: "at least 1".into() });
+    }
+    let esz = cfg.dtype.size_bytes() as u64;
+    for &b in &cfg.sizes {
+        if b == 0 || b % esz != 0 {
+            return Err(Error::Parse {
+                what: "message size",
+                input: format_bytes(b),
+                expected: format!("a positive multiple of the {} element size ({esz} B)", cfg.dtype),
+            });
+        }
+    }
+    let requested = cfg.algorithms.clone().unwrap_or_else(|| ALGORITHMS.to_vec());
+    let (algorithms, ineligible): (Vec<_>, Vec<_>) = requested.into_iter().partition(|a| ALGORITHMS.contains(a));
+    let ineligible: Vec<Ineligible> = ineligible
+        .into_iter()
+        .map(|a| Ineligible { algorithm: a, reason: "not implemented by the host backend".into() })
+        .collect();
+
+    let comms = communicators(cfg.world, HostOptions { selector: cfg.selector.clone(), ..HostOptions::default() })?;
+    let total = (cfg.sizes.len() * (algorithms.len() + 1)) as u64;
+
+    type RankOut = Result<Vec<(Vec<Vec<f64>>, Vec<f64>, String)>>;
+    let run_rank = |mut c: Communicator<HostComm>| -> RankOut {
+        let rank = c.rank();
+        let mut out = Vec::new();
+        let mut done = 0u64;
+        for &bytes in &cfg.sizes {
+            let count = (bytes / esz) as usize;
+            // Non-trivial inputs (zeros can hide wrong indexing and run faster than real data).
+            let seed: Vec<u8> = (0..bytes as usize).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f).collect();
+            let mut buf = HostBuffer::zeroed(bytes as usize);
+            let mut per_algo = Vec::new();
+            let mut time = |c: &mut Communicator<HostComm>, algo: Option<Algorithm>| -> Result<(Vec<f64>, String)> {
+                let mut samples = Vec::with_capacity(cfg.iters);
+                let mut why = String::new();
+                for i in 0..cfg.warmup + cfg.iters {
+                    buf.as_bytes_mut().copy_from_slice(&seed);
+                    c.barrier(&())?;
+                    let t0 = Instant::now();
+                    let bufs = InOut::InPlace(buf.as_bytes_mut());
+                    match algo {
+                        Some(a) => c.all_reduce_with(a, bufs, count, cfg.dtype, cfg.op, &())?,
+                        None => why = c.all_reduce(bufs, count, cfg.dtype, cfg.op, &())?.why,
+                    }
+                    c.barrier(&())?;
+                    if i >= cfg.warmup {
+                        samples.push(t0.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+                Ok((samples, why))
+            };
+            for &a in &algorithms {
+                per_algo.push(time(&mut c, Some(a))?.0);
+                done += 1;
+                if rank == 0 {
+                    progress(done, total);
+                }
+            }
+            let (auto, why) = time(&mut c, None)?;
+            done += 1;
+            if rank == 0 {
+                progress(done, total);
+            }
+            out.push((per_algo, auto, why));
+        }
+        Ok(out)
+    };
+
+    let results: Vec<RankOut> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| run_rank(c))).collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
+            .collect()
+    });
+    let mut rank0 = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        let r = r?;
+        if rank == 0 {
+            rank0 = Some(r);
+        }
+    }
+    let rank0 = rank0.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))?;
+
+    let baseline = Algorithm::Ring;
+    let mut rows = Vec::new();
+    for (&bytes, (per_algo, mut auto, auto_rule)) in cfg.sizes.iter().zip(rank0) {
+        let cells: Vec<Cell> =
+            algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
+        let auto_algo = cfg
+            .selector
+            .select(
+                &crate::core::SelectionQuery {
+                    vendor: crate::core::Vendor::Host,
+                    arch: "host".into(),
+                    world: cfg.world,
+                    bytes,
+                    dtype: cfg.dtype,
+                    capturing: false,
+                },
+                |a| if ALGORITHMS.contains(&a) { Ok(()) } else { Err(String::new()) },
+            )
+            .map(|s| s.algorithm)?;
+        let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
+        let best = cells
+            .iter()
+            .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
+            .map(|c| (c.algorithm, c.median_us))
+            .unwrap_or((auto_algo, auto.median_us));
+        let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
+        rows.push(Row {
+            bytes,
+            count: (bytes / esz) as usize,
+            cells,
+            auto,
+            auto_rule,
+            best: best.0,
+            best_speedup_vs_baseline: base.map(|b| b / best.1),
+        });
+    }
+    Ok(BenchReport {
+        backend: "host".into(),
+        world: cfg.world,
+        dtype: cfg.dtype,
+        op: cfg.op,
+        iters: cfg.iters,
+        warmup: cfg.warmup,
+        baseline,
+        algorithms,
+        ineligible,
+        rows,
+        method: "host threads; per call: barrier, all-reduce, barrier, timed on rank 0; median of the timed calls"
+            .into(),
+    })
+}
+
+fn fmt_us(us: f64) -> String {
+    if us >= 10_000.0 {
+        format!("{:.1} ms", us / 1000.0)
+    } else if us >= 100.0 {
+        format!("{us:.0} us")
+    } else {
+        format!("{us:.1} us")
+    }
+}
+
+/// The human-readable table.
+pub fn render_table(r: &BenchReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "anyccl bench: all-reduce, backend {}, world {}, {} {}, median of {} calls after {} warm-up",
+        r.backend, r.world, r.dtype, r.op, r.iters, r.warmup
+    );
+    let _ = writeln!(
+        s,
+        "cells: median latency / bus bandwidth (GB/s); best: fastest, with its speedup over {}",
+        r.baseline
+    );
+    let w = 22;
+    let _ = write!(s, "\n{:>10} {:>9}", "size", "count");
+    for a in &r.algorithms {
+        let _ = write!(s, " {:>w$}", a.name());
+    }
+    let _ = writeln!(s, " {:>w$}  best", "auto");
+    for row in &r.rows {
+        let _ = write!(s, "{:>10} {:>9}", format_bytes(row.bytes), row.count);
+        for c in &row.cells {
+            let _ = write!(s, " {:>w$}", format!("{} / {:.2}", fmt_us(c.median_us), c.busbw_gbps));
+        }
+        let _ = write!(s, " {:>w$}", format!("{} {}", row.auto.algorithm, fmt_us(row.auto.median_us)));
+        match row.best_speedup_vs_baseline {
+            Some(x) => {
+                let _ = writeln!(s, "  {} ({x:.2}x)", row.best);
+            }
+            None => {
+                let _ = writeln!(s, "  {}", row.best);
+            }
+        }
+    }
+    for (i, ie) in r.ineligible.iter().enumerate() {
+        let _ = writeln!(s, "\n[{}] {} not measured: {}", i + 1, ie.algorithm, ie.reason);
+    }
+    let _ = writeln!(s, "\nmethod: {}", r.method);
+    s
+}
+
+/// CSV: one line per (size, algorithm), `auto` included.
+pub fn render_csv(r: &BenchReport) -> String {
+    let mut s = String::from(
+        "backend,world,dtype,op,bytes,count,algorithm,median_us,min_us,algbw_gbps,busbw_gbps,is_auto,is_best\n",
+    );
+    for row in &r.rows {
+        let line = |c: &Cell, auto: bool| {
+            format!(
+                "{},{},{},{},{},{},{},{:.3},{:.3},{:.4},{:.4},{},{}\n",
+                r.backend,
+                r.world,
+                r.dtype,
+                r.op,
+                row.bytes,
+                row.count,
+                c.algorithm,
+                c.median_us,
+                c.min_us,
+                c.algbw_gbps,
+                c.busbw_gbps,
+                auto,
+                !auto && c.algorithm == row.best
+            )
+        };
+        for c in &row.cells {
+            s.push_str(&line(c, false));
+        }
+        s.push_str(&line(&row.auto, true));
+    }
+    s
+}
+
+/// A quick, small default for tests and smoke runs.
+pub fn smoke_config(selector: Arc<Selector>) -> BenchConfig {
+    BenchConfig {
+        world: 2,
+        dtype: DataType::F32,
+        op: ReduceOp::Sum,
+        sizes: vec![4096, 65536],
+        algorithms: None,
+        iters: 3,
+        warmup: 1,
+        selector,
+    }
+}
+
+/// How long a sweep must run before a progress bar appears.
+pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
+
+#[cfg(all(test, feature = "host"))]
+mod tests {
+    use super::*;
+    use crate::core::Error;
+
+    #[test]
+    fn host_sweep_measures_every_algorithm_and_auto() {
+        let cfg = smoke_config(Arc::new(Selector::defaults()));
+        let r = run_host(&cfg, &|_, _| {}).expect("bench runs");
+        assert_eq!(r.rows.len(), 2);
+        for row in &r.rows {
+            assert_eq!(row.cells.len(), 3);
+            for c in &row.cells {
+                assert!(c.median_us > 0.0 && c.median_us.is_finite());
+                assert!(c.busbw_gbps > 0.0);
+            }
+            assert!(row.cells.iter().any(|c| c.algorithm == row.best));
+            assert!(row.best_speedup_vs_baseline.is_some_and(|x| x >= 1.0));
+        }
+        let table = render_table(&r);
+        assert!(table.contains("one-shot") && table.contains("ring") && table.contains("auto"), "{table}");
+        let csv = render_csv(&r);
+        assert_eq!(csv.lines().count(), 1 + 2 * 4);
+    }
+
+    #[test]
+    fn bad_sizes_and_unknown_algorithms_are_reported() {
+        let mut cfg = smoke_config(Arc::new(Selector::defaults()));
+        cfg.sizes = vec![6];
+        assert!(matches!(run_host(&cfg, &|_, _| {}), Err(Error::Parse { .. })));
+        cfg.sizes = vec![4096];
+        cfg.algorithms = Some(vec![Algorithm::OneShot, Algorithm::NvlsZeroCopy]);
+        let r = run_host(&cfg, &|_, _| {}).expect("runs what it can");
+        assert_eq!(r.algorithms, vec![Algorithm::OneShot]);
+        assert_eq!(r.ineligible.len(), 1);
+        assert!(render_table(&r).contains("nvls-zero-copy not measured"));
+    }
+}

@@ -1,0 +1,333 @@
+//! `anyccl probe`: what this build contains, what this machine offers, and what anyccl will use.
+//!
+//! The JSON form (`anyccl probe --json`) is a stable schema, versioned by its `schema` field:
+//!
+//! | field | type | meaning |
+//! | --- | --- | --- |
+//! | `schema` | integer | 1 |
+//! | `anyccl_version` | string | the crate version |
+//! | `default_backend` | string | what `anyccl bench` runs with no `--backend` |
+//! | `backends[]` | `{name, compiled_in, available, detail}` | host, cuda, rocm |
+//! | `gpu` | `{found, detail}` | whether an accelerator device node exists |
+//! | `libraries[]` | `{name, found, path, version, detail}` | vendor libraries anyccl looks for |
+//! | `capabilities[]` | `{name, enabled, provider, reason, reason_detail}` | one per capability flag; `reason_detail` has a `kind` |
+//! | `selector` | `{source, forced, rules[]}` | the active algorithm table and where it came from |
+//! | `warnings[]` | string | problems that did not stop the probe |
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::core::selector::TableSource;
+use crate::core::{Algorithm, Capabilities, CapabilityReport, Reason, Selector};
+
+/// One backend: compiled in, usable here, and why (not).
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendStatus {
+    /// `host`, `cuda` or `rocm`.
+    pub name: &'static str,
+    /// Whether this build contains it.
+    pub compiled_in: bool,
+    /// Whether it can run here.
+    pub available: bool,
+    /// Why, in a sentence.
+    pub detail: String,
+}
+
+/// Whether an accelerator is present.
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuStatus {
+    /// True when a GPU device node was found.
+    pub found: bool,
+    /// What was looked at and found.
+    pub detail: String,
+}
+
+/// A vendor library anyccl looks for.
+#[derive(Debug, Clone, Serialize)]
+pub struct LibraryStatus {
+    /// `NCCL`, `RCCL`, `CUDA driver`, `HIP runtime`.
+    pub name: &'static str,
+    /// Whether it was found.
+    pub found: bool,
+    /// Where, if found.
+    pub path: Option<String>,
+    /// Its version, if found.
+    pub version: Option<String>,
+    /// What was done to find it.
+    pub detail: String,
+}
+
+/// The active algorithm table.
+#[derive(Debug, Clone, Serialize)]
+pub struct SelectorInfo {
+    /// Where it came from.
+    pub source: TableSource,
+    /// The algorithm forced by `ANYCCL_ALLREDUCE_ALGO`, if any.
+    pub forced: Option<Algorithm>,
+    /// The rules, first match wins, as text.
+    pub rules: Vec<String>,
+}
+
+/// Everything `anyccl probe` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeReport {
+    /// JSON schema version.
+    pub schema: u32,
+    /// The crate version.
+    pub anyccl_version: &'static str,
+    /// What `anyccl bench` runs with no `--backend`.
+    pub default_backend: &'static str,
+    /// Backends.
+    pub backends: Vec<BackendStatus>,
+    /// Accelerator presence.
+    pub gpu: GpuStatus,
+    /// Vendor libraries.
+    pub libraries: Vec<LibraryStatus>,
+    /// Capabilities with reasons.
+    pub capabilities: CapabilityReport,
+    /// The algorithm table.
+    pub selector: SelectorInfo,
+    /// Problems that did not stop the probe.
+    pub warnings: Vec<String>,
+}
+
+const NOT_IMPLEMENTED: &str = "compiled in, but not implemented yet: it cannot run collectives";
+
+fn backend_statuses() -> Vec<BackendStatus> {
+    vec![
+        BackendStatus {
+            name: "host",
+            compiled_in: cfg!(feature = "host"),
+            available: cfg!(feature = "host"),
+            detail: if cfg!(feature = "host") {
+                "ranks as threads over host memory; always available".into()
+            } else {
+                "not compiled in (cargo feature `host`)".into()
+            },
+        },
+        BackendStatus {
+            name: "cuda",
+            compiled_in: cfg!(feature = "cuda"),
+            available: false,
+            detail: if cfg!(feature = "cuda") {
+                NOT_IMPLEMENTED.into()
+            } else {
+                "not compiled in (build with --features cuda)".into()
+            },
+        },
+        BackendStatus {
+            name: "rocm",
+            compiled_in: cfg!(feature = "rocm"),
+            available: false,
+            detail: if cfg!(feature = "rocm") {
+                NOT_IMPLEMENTED.into()
+            } else {
+                "not compiled in (build with --features rocm)".into()
+            },
+        },
+    ]
+}
+
+/// Looks for accelerator device nodes: `/dev/nvidia0`…, `/dev/kfd` (AMD). `dev` is `/dev` except in tests.
+pub fn detect_gpu(dev: &Path) -> GpuStatus {
+    let nvidia: Vec<String> = std::fs::read_dir(dev)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| {
+                    n.strip_prefix("nvidia").is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let kfd = dev.join("kfd").exists();
+    let mut found = Vec::new();
+    if !nvidia.is_empty() {
+        found.push(format!("{} NVIDIA device node(s) in {}", nvidia.len(), dev.display()));
+    }
+    if kfd {
+        found.push(format!("the AMD kernel driver node {}", dev.join("kfd").display()));
+    }
+    if found.is_empty() {
+        GpuStatus {
+            found: false,
+            detail: format!(
+                "no GPU: no NVIDIA device nodes ({0}/nvidia0, …) and no AMD driver node ({0}/kfd)",
+                dev.display()
+            ),
+        }
+    } else {
+        GpuStatus { found: true, detail: format!("found {}", found.join(" and ")) }
+    }
+}
+
+fn libraries() -> Vec<LibraryStatus> {
+    let detail = "not probed: this build has no library loader yet (anyccl-ccl is a placeholder)".to_owned();
+    ["NCCL", "RCCL", "CUDA driver", "HIP runtime"]
+        .into_iter()
+        .map(|name| LibraryStatus { name, found: false, path: None, version: None, detail: detail.clone() })
+        .collect()
+}
+
+/// The machine-level capability report of this build.
+pub fn capabilities() -> CapabilityReport {
+    let gpu_backend = |feature: &str| {
+        if cfg!(feature = "cuda") && feature == "cuda" || cfg!(feature = "rocm") && feature == "rocm" {
+            Reason::Unavailable { component: format!("the {feature} backend"), detail: NOT_IMPLEMENTED.into() }
+        } else {
+            Reason::NotCompiledIn {
+                what: format!("cargo feature `{feature}`"),
+                detail: format!("build with --features {feature}"),
+            }
+        }
+    };
+    let no_loader = Reason::Unavailable {
+        component: "NCCL/RCCL".into(),
+        detail: "the library loader (anyccl-ccl) is not implemented yet, so none is loaded".into(),
+    };
+    let cuda = gpu_backend("cuda");
+    let rocm = gpu_backend("rocm");
+    let mut r = CapabilityReport::all_disabled(|c| {
+        if c == Capabilities::CUDA_RUNTIME {
+            cuda.clone()
+        } else if c == Capabilities::HIP_RUNTIME {
+            rocm.clone()
+        } else if c == Capabilities::HOST_BACKEND {
+            Reason::NotCompiledIn { what: "cargo feature `host`".into(), detail: "build with --features host".into() }
+        } else if c == Capabilities::CUSTOM_KERNELS {
+            Reason::NotCompiledIn {
+                what: "custom all-reduce kernels".into(),
+                detail: "kernels-cuda and kernels-hip hold no kernels yet".into(),
+            }
+        } else if c == Capabilities::CCL {
+            no_loader.clone()
+        } else if [Capabilities::P2P_ALL_PAIRS, Capabilities::IPC, Capabilities::MULTICAST, Capabilities::GRAPH_CAPTURE]
+            .contains(&c)
+        {
+            Reason::Requires { capability: "cuda-runtime or hip-runtime".into(), because: Box::new(cuda.clone()) }
+        } else {
+            Reason::Requires { capability: "ccl".into(), because: Box::new(no_loader.clone()) }
+        }
+    });
+    if cfg!(feature = "host") {
+        r.enable(Capabilities::HOST_BACKEND);
+    }
+    r
+}
+
+/// Runs the probe. `selector` is the active selector (from the environment and flags).
+pub fn probe(selector: &Selector) -> ProbeReport {
+    let mut warnings = Vec::new();
+    let mut caps = capabilities();
+    if let Err(e) = caps.apply_env() {
+        warnings.push(e.to_string());
+    }
+    let gpu = detect_gpu(Path::new("/dev"));
+    if gpu.found && !cfg!(any(feature = "cuda", feature = "rocm")) {
+        warnings.push("a GPU is present, but this build has no GPU backend; anyccl runs on the host backend".into());
+    }
+    ProbeReport {
+        schema: 1,
+        anyccl_version: env!("CARGO_PKG_VERSION"),
+        default_backend: "host",
+        backends: backend_statuses(),
+        gpu,
+        libraries: libraries(),
+        capabilities: caps,
+        selector: SelectorInfo {
+            source: selector.source().clone(),
+            forced: selector.forced(),
+            rules: selector.table().rules.iter().map(ToString::to_string).collect(),
+        },
+        warnings,
+    }
+}
+
+/// The human-readable form.
+pub fn render_text(r: &ProbeReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "anyccl {} probe", r.anyccl_version);
+    let _ = writeln!(s, "\nGPU: {}", r.gpu.detail);
+    let _ = writeln!(s, "Default backend for `anyccl bench`: {}", r.default_backend);
+    let _ = writeln!(s, "\nBackends:");
+    for b in &r.backends {
+        let state = match (b.compiled_in, b.available) {
+            (true, true) => "available",
+            (true, false) => "unavailable",
+            (false, _) => "not compiled in",
+        };
+        let _ = writeln!(s, "  {:<6} {:<16} {}", b.name, state, b.detail);
+    }
+    let _ = writeln!(s, "\nVendor libraries:");
+    for l in &r.libraries {
+        let where_ = match (&l.path, &l.version) {
+            (Some(p), Some(v)) => format!("{p} ({v})"),
+            (Some(p), None) => p.clone(),
+            _ => l.detail.clone(),
+        };
+        let _ = writeln!(s, "  {:<12} {}", l.name, where_);
+    }
+    let _ = writeln!(s, "\nCapabilities:");
+    for (c, st) in r.capabilities.iter() {
+        let name = c.name().unwrap_or("?");
+        match st {
+            crate::core::CapabilityState::Enabled => {
+                let _ = writeln!(s, "  [on ] {name}");
+            }
+            crate::core::CapabilityState::Disabled(reason) => {
+                let _ = writeln!(s, "  [off] {name:<20} {reason}");
+            }
+        }
+    }
+    let _ = writeln!(s, "\nAll-reduce selection:");
+    match &r.selector.source {
+        TableSource::Defaults => {
+            let _ = writeln!(s, "  table: built-in defaults");
+        }
+        TableSource::File { path, via } => {
+            let _ = writeln!(s, "  table: {} (via {via}), then the built-in defaults", path.display());
+        }
+    }
+    if let Some(a) = r.selector.forced {
+        let _ = writeln!(s, "  forced: {a} (ANYCCL_ALLREDUCE_ALGO)");
+    }
+    for rule in &r.selector.rules {
+        let _ = writeln!(s, "  {rule}");
+    }
+    for w in &r.warnings {
+        let _ = writeln!(s, "\nwarning: {w}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_detection_reads_device_nodes() {
+        let dir = std::env::temp_dir().join(format!("anyccl-dev-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp");
+        assert!(!detect_gpu(&dir).found);
+        std::fs::write(dir.join("nvidiactl"), b"").expect("file");
+        assert!(!detect_gpu(&dir).found, "nvidiactl is not a device");
+        std::fs::write(dir.join("nvidia0"), b"").expect("file");
+        let g = detect_gpu(&dir);
+        assert!(g.found && g.detail.contains("1 NVIDIA"), "{}", g.detail);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn capability_report_explains_every_disabled_flag() {
+        let r = capabilities();
+        assert_eq!(r.has(Capabilities::HOST_BACKEND), cfg!(feature = "host"));
+        for (c, st) in r.iter() {
+            if let crate::core::CapabilityState::Disabled(reason) = st {
+                assert!(!reason.to_string().is_empty(), "{c:?}");
+            }
+        }
+        assert!(!r.has(Capabilities::CCL));
+    }
+}

@@ -1,0 +1,189 @@
+//! The `anyccl` command as a user runs it.
+
+use std::process::{Command, Output};
+
+fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_anyccl"));
+    c.args(args);
+    for var in ["ANYCCL_TUNE_FILE", "ANYCCL_ALLREDUCE_ALGO", "ANYCCL_DISABLE", "ANYCCL_LOG"] {
+        c.env_remove(var);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("the anyccl binary runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn tmp_file(name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("anyccl-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let p = dir.join(name);
+    std::fs::write(&p, contents).expect("write");
+    p
+}
+
+#[test]
+fn probe_json_is_valid_and_complete() {
+    let out = anyccl(&["probe", "--json"], &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(v["schema"], 1);
+    assert_eq!(v["default_backend"], "host");
+    let backends = v["backends"].as_array().expect("backends");
+    assert_eq!(backends.iter().map(|b| b["name"].as_str().unwrap_or("")).collect::<Vec<_>>(), ["host", "cuda", "rocm"]);
+    let caps = v["capabilities"].as_array().expect("capabilities");
+    assert_eq!(caps.len(), anyccl::Capabilities::each().count());
+    for c in caps {
+        let enabled = c["enabled"].as_bool().expect("enabled flag");
+        // Every disabled capability carries a reason, as text and as a typed object.
+        assert_eq!(c["reason"].is_string(), !enabled, "{c}");
+        assert_eq!(c["reason_detail"]["kind"].is_string(), !enabled, "{c}");
+    }
+    let host = caps.iter().find(|c| c["name"] == "host-backend").expect("host-backend listed");
+    assert_eq!(host["enabled"], true);
+    assert!(v["gpu"]["detail"].is_string());
+    assert!(!v["selector"]["rules"].as_array().expect("rules").is_empty());
+}
+
+#[test]
+fn probe_text_says_plainly_what_is_missing() {
+    let out = anyccl(&["probe"], &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.contains("GPU: "), "{s}");
+    assert!(s.contains("host   available"), "{s}");
+    assert!(s.contains("[off] symmetric-windows"), "{s}");
+}
+
+#[test]
+fn probe_shows_env_overrides() {
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_DISABLE", "host-backend"), ("ANYCCL_ALLREDUCE_ALGO", "ring")]);
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let host = v["capabilities"].as_array().and_then(|a| a.iter().find(|c| c["name"] == "host-backend").cloned());
+    let host = host.expect("listed");
+    assert_eq!(host["enabled"], false);
+    assert_eq!(host["reason_detail"]["kind"], "env-var");
+    assert_eq!(v["selector"]["forced"], "ring");
+}
+
+#[test]
+fn bench_host_prints_the_table() {
+    let out = anyccl(
+        &["bench", "--backend", "host", "--world", "3", "--sizes", "4KiB,64KiB", "--iters", "3", "--warmup", "1"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    for needle in ["world 3", "one-shot", "two-shot", "ring", "auto", "4 KiB", "64 KiB", "best"] {
+        assert!(s.contains(needle), "missing {needle:?} in\n{s}");
+    }
+    // Two data rows, one per size.
+    assert_eq!(
+        s.lines().filter(|l| l.trim_start().starts_with("4 KiB") || l.trim_start().starts_with("64 KiB")).count(),
+        2,
+        "{s}"
+    );
+}
+
+#[test]
+fn bench_json_and_csv() {
+    let out = anyccl(
+        &["bench", "--world", "2", "--dtype", "f32", "--sizes", "8KiB", "--iters", "2", "--warmup", "0", "--json"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["rows"][0]["bytes"], 8192);
+    assert_eq!(v["rows"][0]["count"], 2048);
+    assert!(v["rows"][0]["auto"]["median_us"].as_f64().is_some_and(|x| x > 0.0));
+    let out = anyccl(
+        &["bench", "--world", "2", "--sizes", "8KiB", "--iters", "2", "--warmup", "0", "--csv", "--algos", "ring"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.starts_with("backend,world,dtype"), "{s}");
+    assert_eq!(s.lines().count(), 3, "header + ring + auto:\n{s}");
+}
+
+fn assert_one_line_error(out: &Output, needle: &str) {
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    let lines: Vec<_> = err.lines().collect();
+    assert!(lines[0].starts_with("error: ") && lines[0].contains(needle), "{err}");
+    assert!(lines.len() <= 2, "one error line and at most one hint:\n{err}");
+    assert!(lines.get(1).is_none_or(|l| l.starts_with("hint: ")), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+}
+
+#[test]
+fn bad_flags_give_one_line_and_nonzero_exit() {
+    assert_one_line_error(&anyccl(&["bench", "--frobnicate"], &[]), "--frobnicate");
+    assert_one_line_error(&anyccl(&["bench", "--dtype", "f128"], &[]), "f128");
+    assert_one_line_error(&anyccl(&["bench", "--sizes", "12parsecs"], &[]), "12parsecs");
+    assert_one_line_error(&anyccl(&["bench", "--world", "0"], &[]), "0");
+    assert_one_line_error(&anyccl(&["bench", "--algos", "warp-drive"], &[]), "warp-drive");
+    assert_one_line_error(&anyccl(&["bench", "--sizes", "3", "--dtype", "f32"], &[]), "message size");
+    assert_one_line_error(&anyccl(&["bench", "--backend", "cuda"], &[]), "cuda");
+    assert_eq!(anyccl(&["bench", "--frobnicate"], &[]).status.code(), Some(2));
+}
+
+#[test]
+fn bad_table_file_names_the_line() {
+    let p = tmp_file("bad.toml", "version = 1\n\n[[rule]]\nworld = 2\nalgorithms = [\"one-shot\", \"teleport\"]\n");
+    let ps = p.to_string_lossy().into_owned();
+    let out = anyccl(&["bench", "--table", &ps, "--sizes", "4KiB", "--iters", "1"], &[]);
+    assert_one_line_error(&out, &format!("{ps}:5"));
+    assert!(text(&out.stderr).contains("teleport"));
+    let out = anyccl(&["probe"], &[("ANYCCL_TUNE_FILE", &ps)]);
+    assert_one_line_error(&out, &format!("{ps}:5"));
+    let out = anyccl(&["probe"], &[("ANYCCL_TUNE_FILE", "/nonexistent/anyccl.toml")]);
+    assert_one_line_error(&out, "cannot read the table file");
+}
+
+#[test]
+fn table_file_and_forced_algorithm_drive_the_choice() {
+    let p = tmp_file("ring.toml", "[[rule]]\nvendor = \"host\"\nalgorithms = [\"ring\"]\n");
+    let ps = p.to_string_lossy().into_owned();
+    let out = anyccl(
+        &["bench", "--world", "2", "--sizes", "4KiB", "--iters", "1", "--warmup", "0", "--json"],
+        &[("ANYCCL_TUNE_FILE", &ps)],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["rows"][0]["auto"]["algorithm"], "ring");
+    assert!(
+        v["rows"][0]["auto_rule"].as_str().is_some_and(|r| r.contains("ring.toml:3")),
+        "{}",
+        v["rows"][0]["auto_rule"]
+    );
+    let out = anyccl(&["probe"], &[("ANYCCL_TUNE_FILE", &ps)]);
+    assert!(text(&out.stdout).contains("ring.toml (via ANYCCL_TUNE_FILE)"));
+
+    let out = anyccl(
+        &["bench", "--world", "2", "--sizes", "4KiB", "--iters", "1", "--json"],
+        &[("ANYCCL_ALLREDUCE_ALGO", "two-shot")],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["rows"][0]["auto"]["algorithm"], "two-shot");
+    let out = anyccl(&["bench", "--sizes", "4KiB", "--iters", "1"], &[("ANYCCL_ALLREDUCE_ALGO", "nvls-zero-copy")]);
+    assert_one_line_error(&out, "nvls-zero-copy");
+    let out = anyccl(&["bench", "--sizes", "4KiB", "--iters", "1"], &[("ANYCCL_ALLREDUCE_ALGO", "fastest-please")]);
+    assert_one_line_error(&out, "ANYCCL_ALLREDUCE_ALGO");
+}
+
+#[test]
+fn debug_log_names_the_algorithm_and_rule() {
+    let out = anyccl(
+        &["bench", "--world", "2", "--sizes", "4KiB", "--iters", "1", "--warmup", "0"],
+        &[("ANYCCL_LOG", "debug")],
+    );
+    assert!(out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("algorithm=one-shot") && err.contains("rule=defaults #2"), "{err}");
+}
