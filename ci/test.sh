@@ -28,6 +28,14 @@ cargo clippy --locked --no-default-features -- -D warnings
 step "tests (all features)"
 cargo test --workspace --all-features --locked
 
+step "real NCCL from the PyPI wheels (cached in \${ANYCCL_CACHE_DIR:-\$HOME/.cache/anyccl})"
+command -v nm >/dev/null || { echo "error: nm (binutils) is needed by the real-NCCL test"; exit 1; }
+ANYCCL_TEST_REAL_NCCL="$(ci/install-nccl.sh)"
+export ANYCCL_TEST_REAL_NCCL
+cargo test --locked -p anyccl-ccl --test real_nccl -- --ignored
+NCCL_LIB="${ANYCCL_TEST_REAL_NCCL##*=}"
+ANYCCL_NCCL_PATH="$NCCL_LIB" cargo run --release --locked -- probe
+
 step "README commands: probe and bench (release)"
 cargo run --release --locked -- probe
 cargo run --release --locked -- probe --json >/dev/null

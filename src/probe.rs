@@ -9,13 +9,17 @@
 //! | `default_backend` | string | what `anyccl bench` runs with no `--backend` |
 //! | `backends[]` | `{name, compiled_in, available, detail}` | host, cuda, rocm |
 //! | `gpu` | `{found, detail}` | whether an accelerator device node exists |
-//! | `libraries[]` | `{name, found, path, version, detail}` | vendor libraries anyccl looks for |
+//! | `libraries[]` | `{name, found, path, version, detail, tried[]}` | vendor libraries; `tried[]` = `{candidate, failure{kind,…}}` |
 //! | `capabilities[]` | `{name, enabled, provider, reason, reason_detail}` | one per capability flag; `reason_detail` has a `kind` |
 //! | `selector` | `{source, forced, rules[]}` | the active algorithm table and where it came from |
 //! | `warnings[]` | string | problems that did not stop the probe |
 
 use std::path::Path;
 
+use std::sync::Arc;
+
+use anyccl_ccl::caps::CCL_CAPABILITIES;
+use anyccl_ccl::{CclLibrary, CclVendor, SearchPlan};
 use serde::Serialize;
 
 use crate::core::selector::TableSource;
@@ -52,10 +56,12 @@ pub struct LibraryStatus {
     pub found: bool,
     /// Where, if found.
     pub path: Option<String>,
-    /// Its version, if found.
+    /// Its vendor and version (`NCCL 2.28.9`), if found.
     pub version: Option<String>,
     /// What was done to find it.
     pub detail: String,
+    /// Every place tried before it was found (or not), with the reason each failed.
+    pub tried: Vec<anyccl_ccl::find::Attempt>,
 }
 
 /// The active algorithm table.
@@ -162,12 +168,44 @@ pub fn detect_gpu(dev: &Path) -> GpuStatus {
     }
 }
 
-fn libraries() -> Vec<LibraryStatus> {
-    let detail = "not probed: this build has no library loader yet (anyccl-ccl is a placeholder)".to_owned();
-    ["NCCL", "RCCL", "CUDA driver", "HIP runtime"]
-        .into_iter()
-        .map(|name| LibraryStatus { name, found: false, path: None, version: None, detail: detail.clone() })
-        .collect()
+/// Looks for NCCL and RCCL with the standard search plans; returns their statuses and the first that loaded.
+fn collective_libraries() -> (Vec<LibraryStatus>, Option<Arc<CclLibrary>>) {
+    let mut out = Vec::new();
+    let mut first = None;
+    for (name, vendor) in [("NCCL", CclVendor::Nccl), ("RCCL", CclVendor::Rccl)] {
+        match SearchPlan::from_env(vendor).load() {
+            Ok(lib) => {
+                out.push(LibraryStatus {
+                    name,
+                    found: true,
+                    path: Some(lib.path().display().to_string()),
+                    version: Some(lib.describe()),
+                    detail: "loaded; every required symbol resolved".into(),
+                    tried: Vec::new(),
+                });
+                first.get_or_insert(Arc::new(lib));
+            }
+            Err(nf) => out.push(LibraryStatus {
+                name,
+                found: false,
+                path: None,
+                version: None,
+                detail: format!("not found ({} places tried)", nf.tried.len()),
+                tried: nf.tried,
+            }),
+        }
+    }
+    for name in ["CUDA driver", "HIP runtime"] {
+        out.push(LibraryStatus {
+            name,
+            found: false,
+            path: None,
+            version: None,
+            detail: "not probed: the GPU backends are not implemented yet".into(),
+            tried: Vec::new(),
+        });
+    }
+    (out, first)
 }
 
 /// The machine-level capability report of this build.
@@ -184,7 +222,8 @@ pub fn capabilities() -> CapabilityReport {
     };
     let no_loader = Reason::Unavailable {
         component: "NCCL/RCCL".into(),
-        detail: "the library loader (anyccl-ccl) is not implemented yet, so none is loaded".into(),
+        detail: "no libnccl.so.2 or librccl.so.1 could be loaded (see the libraries section for the places tried)"
+            .into(),
     };
     let cuda = gpu_backend("cuda");
     let rocm = gpu_backend("rocm");
@@ -213,6 +252,11 @@ pub fn capabilities() -> CapabilityReport {
     if cfg!(feature = "host") {
         r.enable(Capabilities::HOST_BACKEND);
     }
+    if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {
+        if v.trim() == "0" {
+            r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
+        }
+    }
     r
 }
 
@@ -220,6 +264,10 @@ pub fn capabilities() -> CapabilityReport {
 pub fn probe(selector: &Selector) -> ProbeReport {
     let mut warnings = Vec::new();
     let mut caps = capabilities();
+    let (libraries, ccl) = collective_libraries();
+    if let Some(lib) = &ccl {
+        caps.merge_from(&anyccl_ccl::derive_capabilities(lib, &anyccl_ccl::caps::process_env), CCL_CAPABILITIES);
+    }
     if let Err(e) = caps.apply_env() {
         warnings.push(e.to_string());
     }
@@ -233,7 +281,7 @@ pub fn probe(selector: &Selector) -> ProbeReport {
         default_backend: "host",
         backends: backend_statuses(),
         gpu,
-        libraries: libraries(),
+        libraries,
         capabilities: caps,
         selector: SelectorInfo {
             source: selector.source().clone(),
@@ -263,11 +311,14 @@ pub fn render_text(r: &ProbeReport) -> String {
     let _ = writeln!(s, "\nVendor libraries:");
     for l in &r.libraries {
         let where_ = match (&l.path, &l.version) {
-            (Some(p), Some(v)) => format!("{p} ({v})"),
+            (Some(p), Some(v)) => format!("{v} at {p}"),
             (Some(p), None) => p.clone(),
             _ => l.detail.clone(),
         };
         let _ = writeln!(s, "  {:<12} {}", l.name, where_);
+        for a in &l.tried {
+            let _ = writeln!(s, "  {:<12}   tried {}: {}", "", a.candidate, a.failure);
+        }
     }
     let _ = writeln!(s, "\nCapabilities:");
     for (c, st) in r.capabilities.iter() {

@@ -1,11 +1,23 @@
 //! The `anyccl` command as a user runs it.
 
+#[path = "support/fake_ccl.rs"]
+mod fake_ccl;
+
 use std::process::{Command, Output};
 
 fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_anyccl"));
     c.args(args);
-    for var in ["ANYCCL_TUNE_FILE", "ANYCCL_ALLREDUCE_ALGO", "ANYCCL_DISABLE", "ANYCCL_LOG"] {
+    for var in [
+        "ANYCCL_TUNE_FILE",
+        "ANYCCL_ALLREDUCE_ALGO",
+        "ANYCCL_DISABLE",
+        "ANYCCL_LOG",
+        "ANYCCL_NCCL_PATH",
+        "ANYCCL_RCCL_PATH",
+        "NCCL_CUMEM_ENABLE",
+        "NCCL_NVLS_ENABLE",
+    ] {
         c.env_remove(var);
     }
     for (k, v) in env {
@@ -186,4 +198,51 @@ fn debug_log_names_the_algorithm_and_rule() {
     assert!(out.status.success());
     let err = text(&out.stderr);
     assert!(err.contains("algorithm=one-shot") && err.contains("rule=defaults #2"), "{err}");
+}
+
+fn capability<'a>(v: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    v["capabilities"].as_array().and_then(|a| a.iter().find(|c| c["name"] == name)).expect("capability listed")
+}
+
+#[test]
+fn probe_reports_a_fake_rccl_7_0_with_reasons() {
+    let lib = fake_ccl::build_profile(&fake_ccl::RCCL_7_0);
+    let ls = lib.to_string_lossy().into_owned();
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_RCCL_PATH", &ls), ("NCCL_NVLS_ENABLE", "0")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let rccl = v["libraries"].as_array().and_then(|a| a.iter().find(|l| l["name"] == "RCCL")).expect("RCCL row");
+    assert_eq!(rccl["found"], true);
+    assert_eq!(rccl["version"], "RCCL 2.26.6");
+    assert_eq!(capability(&v, "ccl")["enabled"], true);
+    assert_eq!(capability(&v, "comm-split")["enabled"], true);
+    let win = capability(&v, "symmetric-windows");
+    assert_eq!(win["enabled"], false);
+    let canonical = lib.canonicalize().expect("exists").display().to_string();
+    assert_eq!(win["reason"], format!("{canonical} (RCCL 2.26.6) does not export ncclCommWindowRegister"));
+    assert_eq!(win["reason_detail"]["kind"], "missing-symbol");
+    assert_eq!(capability(&v, "multicast")["reason"], "turned off by NCCL_NVLS_ENABLE=0");
+    let text_out = text(&anyccl(&["probe"], &[("ANYCCL_RCCL_PATH", &ls)]).stdout);
+    assert!(text_out.contains("RCCL 2.26.6 at "), "{text_out}");
+    assert!(text_out.contains("does not export ncclCommWindowRegister"), "{text_out}");
+}
+
+#[test]
+fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
+    let lib = fake_ccl::build_profile(&fake_ccl::NCCL_2_28);
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_NCCL_PATH", &lib.to_string_lossy())]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["libraries"][0]["version"], "NCCL 2.28.9");
+    for cap in ["ccl", "symmetric-windows", "device-api", "fp8", "bf16"] {
+        assert_eq!(capability(&v, cap)["enabled"], true, "{cap}");
+    }
+    let bad = tmp_file("libnccl.so.2", "not a library");
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_NCCL_PATH", &bad.to_string_lossy())]);
+    assert!(out.status.success(), "a broken library is reported, not fatal");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let nccl = &v["libraries"][0];
+    assert_eq!(nccl["found"], false);
+    assert_eq!(nccl["tried"][0]["candidate"], bad.display().to_string());
+    assert_eq!(nccl["tried"][0]["failure"]["kind"], "not-a-library");
+    assert_eq!(capability(&v, "ccl")["enabled"], false);
 }

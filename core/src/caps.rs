@@ -246,6 +246,15 @@ impl CapabilityReport {
         }
     }
 
+    /// Copies the states of `caps` (one or more flags) from `other`.
+    pub fn merge_from(&mut self, other: &CapabilityReport, caps: Capabilities) {
+        for (c, s) in &mut self.states {
+            if caps.contains(*c) {
+                *s = other.state(*c).clone();
+            }
+        }
+    }
+
     /// The state of one flag.
     pub fn state(&self, cap: Capabilities) -> &CapabilityState {
         // Every single flag is in `states` by construction (`all_disabled` walks `Capabilities::each`); a

@@ -1,6 +1,254 @@
-//! anyccl-ccl: the runtime loader for the `nccl.h` ABI, shared by NCCL and RCCL.
+//! anyccl-ccl: one runtime loader for the `nccl.h` ABI, shared by NCCL and RCCL.
 //!
-//! **Not implemented yet** (tracked as the loader issue). It will find the installed library, resolve every
-//! symbol once at load time (required ones as plain function pointers, optional ones as `Option`), decode the
-//! version, tell NCCL from RCCL, and derive the capability report with reasons. Nothing here loads anything today.
-#![forbid(unsafe_code)]
+//! - [`find`]: finds the library really installed (explicit path from `ANYCCL_NCCL_PATH` / `ANYCCL_RCCL_PATH`, the
+//!   dynamic loader's names, Python's `nvidia/nccl/lib`, `$CUDA_HOME/lib64`, `/opt/rocm/lib`) and, when nothing
+//!   loads, says where it looked and why each place failed.
+//! - [`loader`]: resolves every symbol once at load time — required ones as plain function pointers, optional
+//!   ones as `Option` — decodes the version (both encodings) and tells NCCL from RCCL. Nothing is looked up by name
+//!   afterwards, so nothing can fail that way during graph capture. [`CclLibrary::load_with`] lets tests supply
+//!   symbols without `dlopen`.
+//! - [`caps`]: turns the table, the version and the environment into a capability report with reasons.
+//! - this module: a thin safe layer — status codes to errors carrying the vendor's text, unique ids as bytes,
+//!   dtype/op mappings that refuse what the loaded version lacks, and a small RAII communicator handle.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod caps;
+pub mod find;
+pub mod loader;
+pub mod sys;
+
+use std::ffi::{c_int, CStr};
+use std::sync::Arc;
+
+use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result};
+
+pub use caps::derive as derive_capabilities;
+pub use find::{NotFound, SearchPlan};
+pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
+
+/// Finds and loads the library of `vendor` with the standard search plan.
+pub fn load(vendor: CclVendor) -> std::result::Result<Arc<CclLibrary>, NotFound> {
+    SearchPlan::from_env(vendor).load().map(Arc::new)
+}
+
+fn backend_name(lib: &CclLibrary) -> &'static str {
+    match lib.vendor() {
+        CclVendor::Nccl => "nccl",
+        CclVendor::Rccl => "rccl",
+    }
+}
+
+/// Turns a status code into a `Result`, with the vendor's error string and, where the library has it and a
+/// communicator is known, `ncclGetLastError` text.
+pub(crate) fn check(lib: &CclLibrary, call: &str, status: sys::ncclResult_t, comm: sys::ncclComm_t) -> Result<()> {
+    if status == sys::NCCL_SUCCESS {
+        return Ok(());
+    }
+    let t = lib.table();
+    // SAFETY: ncclGetErrorString takes any status value and returns a pointer to a static string (or null).
+    let text = unsafe { cstr((t.required.get_error_string)(status)) };
+    let last = t.optional.get_last_error.and_then(|f| {
+        // SAFETY: ncclGetLastError accepts a null or valid communicator and returns a library-owned string.
+        unsafe { cstr(f(comm)) }
+    });
+    let mut message = text.unwrap_or_else(|| format!("status {status}"));
+    if let Some(l) = last.filter(|l| !l.is_empty()) {
+        message.push_str("; last error: ");
+        message.push_str(&l);
+    }
+    Err(Error::Backend { backend: backend_name(lib).into(), call: call.into(), code: Some(i64::from(status)), message })
+}
+
+/// Copies a C string owned by the library.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string valid for the duration of the call.
+unsafe fn cstr(p: *const std::ffi::c_char) -> Option<String> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: non-null and NUL-terminated per this function's contract.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// An `ncclUniqueId`: created by one rank, sent to the others as bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct UniqueId([u8; sys::NCCL_UNIQUE_ID_BYTES]);
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UniqueId({:02x?}…)", &self.0[..8])
+    }
+}
+
+impl UniqueId {
+    /// Asks the library for a new id.
+    pub fn new(lib: &CclLibrary) -> Result<Self> {
+        let mut raw = sys::ncclUniqueId { internal: [0; sys::NCCL_UNIQUE_ID_BYTES] };
+        // SAFETY: ncclGetUniqueId writes one ncclUniqueId through the valid pointer.
+        let status = unsafe { (lib.table().required.get_unique_id)(&mut raw) };
+        check(lib, "ncclGetUniqueId", status, std::ptr::null_mut())?;
+        Ok(UniqueId(raw.internal.map(|c| c as u8)))
+    }
+
+    /// The id's bytes, for sending to the other ranks.
+    pub fn as_bytes(&self) -> &[u8; sys::NCCL_UNIQUE_ID_BYTES] {
+        &self.0
+    }
+
+    /// Rebuilds an id received from another rank; any other length is an error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let arr: [u8; sys::NCCL_UNIQUE_ID_BYTES] = bytes.try_into().map_err(|_| {
+            Error::InvalidArgument(InvalidArgument::MessageMismatch {
+                peer: 0,
+                got: bytes.len(),
+                expected: sys::NCCL_UNIQUE_ID_BYTES,
+            })
+        })?;
+        Ok(UniqueId(arr))
+    }
+
+    fn raw(&self) -> sys::ncclUniqueId {
+        sys::ncclUniqueId { internal: self.0.map(|b| b as std::ffi::c_char) }
+    }
+}
+
+/// The `ncclDataType_t` of `dtype`, or an error if the loaded version lacks it (bf16 before 2.10, fp8 before 2.24
+/// on NCCL / 2.20 on RCCL).
+pub fn nccl_dtype(lib: &CclLibrary, dtype: DataType) -> Result<sys::ncclDataType_t> {
+    let v = lib.version();
+    let refuse = |need: (u32, u32)| {
+        Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
+            dtype,
+            op: ReduceOp::Sum,
+            why: format!("{} has no {dtype} type; {}.{} or newer is required", lib.describe(), need.0, need.1),
+        })
+    };
+    Ok(match dtype {
+        DataType::I8 => 0,
+        DataType::U8 => 1,
+        DataType::I32 => 2,
+        DataType::U32 => 3,
+        DataType::I64 => 4,
+        DataType::U64 => 5,
+        DataType::F16 => 6,
+        DataType::F32 => 7,
+        DataType::F64 => 8,
+        DataType::Bf16 if v.at_least(2, 10) => 9,
+        DataType::Bf16 => return Err(refuse((2, 10))),
+        DataType::Fp8E4M3 | DataType::Fp8E5M2 => {
+            let need = caps::fp8_first_version(lib.vendor());
+            if !v.at_least(need.0, need.1) {
+                return Err(refuse(need));
+            }
+            // NCCL's ncclFloat8e4m3/e5m2 and RCCL's ncclFp8E4M3/E5M2 share the values 10 and 11.
+            if dtype == DataType::Fp8E4M3 {
+                10
+            } else {
+                11
+            }
+        }
+    })
+}
+
+/// The `ncclRedOp_t` of `op`, or an error if the loaded version lacks it (avg before 2.10).
+pub fn nccl_op(lib: &CclLibrary, op: ReduceOp, dtype: DataType) -> Result<sys::ncclRedOp_t> {
+    Ok(match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg if lib.version().at_least(2, 10) => 4,
+        ReduceOp::Avg => {
+            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
+                dtype,
+                op,
+                why: format!("{} has no ncclAvg; 2.10 or newer is required", lib.describe()),
+            }))
+        }
+    })
+}
+
+/// A communicator handle that keeps its library loaded (`Arc`) and destroys the communicator on drop.
+pub struct CclComm {
+    lib: Arc<CclLibrary>,
+    comm: sys::ncclComm_t,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread as long as calls on one communicator are not concurrent;
+// `CclComm` exposes it only through `&mut self` or read-only queries that NCCL documents as thread-safe.
+unsafe impl Send for CclComm {}
+
+impl CclComm {
+    /// `ncclCommInitRank`: joins the communicator `id` as `rank` of `world`.
+    pub fn init_rank(lib: Arc<CclLibrary>, world: usize, id: &UniqueId, rank: usize) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(InvalidArgument::RankOutOfRange { what: "own", rank, world }.into());
+        }
+        let n = c_int::try_from(world).map_err(|_| InvalidArgument::BadWorld(format!("world {world} too large")))?;
+        let r = c_int::try_from(rank).map_err(|_| InvalidArgument::BadWorld(format!("rank {rank} too large")))?;
+        let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: ncclCommInitRank writes a communicator handle through the valid pointer; id is passed by value.
+        let status = unsafe { (lib.table().required.comm_init_rank)(&mut comm, n, id.raw(), r) };
+        check(&lib, "ncclCommInitRank", status, comm)?;
+        if comm.is_null() {
+            return Err(Error::Backend {
+                backend: backend_name(&lib).into(),
+                call: "ncclCommInitRank".into(),
+                code: None,
+                message: "returned success but no communicator".into(),
+            });
+        }
+        Ok(CclComm { lib, comm })
+    }
+
+    fn query(&self, name: &str, f: sys::CommQuery) -> Result<usize> {
+        let mut v: c_int = 0;
+        // SAFETY: `self.comm` is a live communicator; the query writes one int.
+        let status = unsafe { f(self.comm, &mut v) };
+        check(&self.lib, name, status, self.comm)?;
+        usize::try_from(v).map_err(|_| Error::Backend {
+            backend: backend_name(&self.lib).into(),
+            call: name.into(),
+            code: None,
+            message: format!("returned a negative value {v}"),
+        })
+    }
+
+    /// `ncclCommCount`.
+    pub fn count(&self) -> Result<usize> {
+        self.query("ncclCommCount", self.lib.table().required.comm_count)
+    }
+
+    /// `ncclCommUserRank`.
+    pub fn user_rank(&self) -> Result<usize> {
+        self.query("ncclCommUserRank", self.lib.table().required.comm_user_rank)
+    }
+
+    /// `ncclCommGetAsyncError`: `Ok` while the communicator is healthy.
+    pub fn async_error(&self) -> Result<()> {
+        let mut e: sys::ncclResult_t = 0;
+        // SAFETY: live communicator; writes one status.
+        let status = unsafe { (self.lib.table().required.comm_get_async_error)(self.comm, &mut e) };
+        check(&self.lib, "ncclCommGetAsyncError", status, self.comm)?;
+        if e == sys::NCCL_IN_PROGRESS {
+            return Ok(());
+        }
+        check(&self.lib, "asynchronous operation", e, self.comm)
+    }
+
+    /// The library this communicator uses.
+    pub fn library(&self) -> &Arc<CclLibrary> {
+        &self.lib
+    }
+}
+
+impl Drop for CclComm {
+    fn drop(&mut self) {
+        // SAFETY: `self.comm` is live and dropped exactly once here.
+        let status = unsafe { (self.lib.table().required.comm_destroy)(self.comm) };
+        if let Err(e) = check(&self.lib, "ncclCommDestroy", status, std::ptr::null_mut()) {
+            tracing::warn!(error = %e, "destroying a communicator failed");
+        }
+    }
+}

@@ -1,0 +1,405 @@
+//! Fake NCCL/RCCL libraries compiled at test time from C with the system `cc`, each exporting the symbol set of
+//! one release, and broken ones. Every test asserts the exact capability report and its reasons.
+
+#[path = "../../../tests/support/fake_ccl.rs"]
+mod fake_ccl;
+
+use std::collections::BTreeMap;
+use std::ffi::{c_void, CStr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyccl_ccl::loader::{OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
+use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclVendor, LoadFailure, SearchPlan, UniqueId};
+use anyccl_core::{Capabilities, CapabilityState, DataType, Error, ReduceOp};
+use fake_ccl::*;
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+/// The state of each collective-library capability, as text: "on", or the reason.
+fn ccl_states(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> BTreeMap<&'static str, String> {
+    let r = derive_capabilities(lib, env);
+    Capabilities::each()
+        .map(|c| {
+            let s = match r.state(c) {
+                CapabilityState::Enabled => "on".to_owned(),
+                CapabilityState::Disabled(reason) => reason.to_string(),
+            };
+            (c.name().expect("named"), s)
+        })
+        .collect()
+}
+
+fn expect_states(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>, expected: &[(&str, &str)]) {
+    let got = ccl_states(lib, env);
+    for (name, state) in &got {
+        let want = expected.iter().find(|(n, _)| n == name).map(|(_, w)| *w);
+        match want {
+            Some(w) => assert_eq!(state, w, "capability {name} of {}", lib.describe()),
+            None => assert!(
+                state.starts_with("not applicable: decided by the GPU runtime"),
+                "capability {name} of {}: {state}",
+                lib.describe()
+            ),
+        }
+    }
+}
+
+fn missing(lib: &CclLibrary, sym: &str) -> String {
+    format!("{} ({}) does not export {sym}", lib.path().display(), lib.describe())
+}
+
+#[test]
+fn nccl_2_17_has_no_split() {
+    let lib = CclLibrary::open(&build_profile(&NCCL_2_17)).expect("loads");
+    assert_eq!((lib.vendor(), lib.version().to_string()), (CclVendor::Nccl, "2.17.1".to_owned()));
+    let too_old =
+        |need: &str| format!("NCCL at {} is version 2.17.1; {need} or newer is required", lib.path().display());
+    expect_states(
+        &lib,
+        &no_env,
+        &[
+            ("ccl", "on"),
+            ("comm-split", &missing(&lib, "ncclCommSplit")),
+            ("buffer-registration", &missing(&lib, "ncclCommRegister")),
+            ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
+            ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+            ("device-api", &missing(&lib, "ncclDevCommCreate")),
+            ("bf16", "on"),
+            ("avg", "on"),
+            ("fp8", &too_old("2.24")),
+            ("pre-mul-sum", "on"),
+            ("last-error", "on"),
+        ],
+    );
+}
+
+#[test]
+fn nccl_2_18_has_split_but_no_mem_alloc() {
+    let lib = CclLibrary::open(&build_profile(&NCCL_2_18)).expect("loads");
+    assert_eq!(lib.version().to_string(), "2.18.3");
+    let fp8 = format!("NCCL at {} is version 2.18.3; 2.24 or newer is required", lib.path().display());
+    expect_states(
+        &lib,
+        &no_env,
+        &[
+            ("ccl", "on"),
+            ("comm-split", "on"),
+            ("buffer-registration", &missing(&lib, "ncclCommRegister")),
+            ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
+            ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+            ("device-api", &missing(&lib, "ncclDevCommCreate")),
+            ("bf16", "on"),
+            ("avg", "on"),
+            ("fp8", &fp8),
+            ("pre-mul-sum", "on"),
+            ("last-error", "on"),
+        ],
+    );
+    // fp8 refused by the dtype mapping too, with the version in the message.
+    let err = anyccl_ccl::nccl_dtype(&lib, DataType::Fp8E4M3).expect_err("no fp8 before 2.24");
+    assert!(err.to_string().contains("NCCL 2.18.3 has no fp8e4m3"), "{err}");
+}
+
+#[test]
+fn nccl_2_26_has_no_windows() {
+    let lib = CclLibrary::open(&build_profile(&NCCL_2_26)).expect("loads");
+    expect_states(
+        &lib,
+        &no_env,
+        &[
+            ("ccl", "on"),
+            ("comm-split", "on"),
+            ("buffer-registration", "on"),
+            ("ccl-mem-alloc", "on"),
+            ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+            ("device-api", &missing(&lib, "ncclDevCommCreate")),
+            ("bf16", "on"),
+            ("avg", "on"),
+            ("fp8", "on"),
+            ("pre-mul-sum", "on"),
+            ("last-error", "on"),
+        ],
+    );
+}
+
+#[test]
+fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
+    let lib = CclLibrary::open(&build_profile(&NCCL_2_28)).expect("loads");
+    let all_on: Vec<(&str, &str)> = [
+        "ccl",
+        "comm-split",
+        "buffer-registration",
+        "ccl-mem-alloc",
+        "symmetric-windows",
+        "comm-shrink",
+        "device-api",
+        "bf16",
+        "avg",
+        "fp8",
+        "pre-mul-sum",
+        "last-error",
+    ]
+    .into_iter()
+    .map(|n| (n, "on"))
+    .collect();
+    expect_states(&lib, &no_env, &all_on);
+    let env = |k: &str| match k {
+        "NCCL_NVLS_ENABLE" => Some("0".to_owned()),
+        "NCCL_WIN_ENABLE" => Some("0".to_owned()),
+        _ => None,
+    };
+    let mut with_env = all_on.clone();
+    with_env.retain(|(n, _)| *n != "symmetric-windows");
+    with_env.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0"));
+    with_env.push(("multicast", "turned off by NCCL_NVLS_ENABLE=0"));
+    expect_states(&lib, &env, &with_env);
+}
+
+#[test]
+fn rccl_6_2_is_told_apart_and_has_fp8() {
+    let lib = CclLibrary::open(&build_profile(&RCCL_6_2)).expect("loads");
+    assert_eq!((lib.vendor(), lib.describe()), (CclVendor::Rccl, "RCCL 2.20.5".to_owned()));
+    expect_states(
+        &lib,
+        &no_env,
+        &[
+            ("ccl", "on"),
+            ("comm-split", "on"),
+            ("buffer-registration", "on"),
+            ("ccl-mem-alloc", "on"),
+            ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+            ("device-api", &missing(&lib, "ncclDevCommCreate")),
+            ("bf16", "on"),
+            ("avg", "on"),
+            ("fp8", "on"),
+            ("pre-mul-sum", "on"),
+            ("last-error", "on"),
+        ],
+    );
+    assert_eq!(anyccl_ccl::nccl_dtype(&lib, DataType::Fp8E5M2).ok(), Some(11));
+}
+
+#[test]
+fn rccl_7_0_has_no_window_register_and_says_so() {
+    let lib = CclLibrary::open(&build_profile(&RCCL_7_0)).expect("loads");
+    assert_eq!(lib.describe(), "RCCL 2.26.6");
+    let reason = missing(&lib, "ncclCommWindowRegister");
+    assert!(reason.ends_with("(RCCL 2.26.6) does not export ncclCommWindowRegister"), "{reason}");
+    // Even with cuMem on, the symbol is what is missing.
+    let cumem = |k: &str| (k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned());
+    for env in [&no_env as &dyn Fn(&str) -> Option<String>, &cumem] {
+        expect_states(
+            &lib,
+            env,
+            &[
+                ("ccl", "on"),
+                ("comm-split", "on"),
+                ("buffer-registration", "on"),
+                ("ccl-mem-alloc", "on"),
+                ("symmetric-windows", &reason),
+                ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+                ("device-api", &missing(&lib, "ncclDevCommCreate")),
+                ("bf16", "on"),
+                ("avg", "on"),
+                ("fp8", "on"),
+                ("pre-mul-sum", "on"),
+                ("last-error", "on"),
+            ],
+        );
+    }
+}
+
+#[test]
+fn rccl_7_1_windows_need_cumem() {
+    let lib = CclLibrary::open(&build_profile(&RCCL_7_1)).expect("loads");
+    let base = |windows: &'static str| {
+        vec![
+            ("ccl", "on"),
+            ("comm-split", "on"),
+            ("buffer-registration", "on"),
+            ("ccl-mem-alloc", "on"),
+            ("symmetric-windows", windows),
+            ("comm-shrink", "on"),
+            ("bf16", "on"),
+            ("avg", "on"),
+            ("fp8", "on"),
+            ("pre-mul-sum", "on"),
+            ("last-error", "on"),
+        ]
+    };
+    let dev = missing(&lib, "ncclDevCommCreate");
+    let mut off = base("turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)");
+    off.push(("device-api", &dev));
+    expect_states(&lib, &no_env, &off);
+    let cumem = |k: &str| (k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned());
+    let mut on = base("on");
+    on.push(("device-api", &dev));
+    expect_states(&lib, &cumem, &on);
+}
+
+#[test]
+fn broken_libraries_fail_with_reasons() {
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.iter().copied().filter(|s| *s != "ncclAllGather").collect();
+    syms.extend_from_slice(BASE);
+    let p = build("broken-missing/libnccl.so.2", &syms, 22809, 0);
+    assert_eq!(
+        CclLibrary::open(&p).expect_err("missing"),
+        LoadFailure::MissingRequired { symbol: "ncclAllGather".into() }
+    );
+
+    let mut all: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    all.extend_from_slice(BASE);
+    let p = build("broken-version/libnccl.so.2", &all, 22809, 1);
+    assert!(matches!(CclLibrary::open(&p), Err(LoadFailure::BadVersion { ref detail }) if detail.contains("error 1")));
+    let p = build("broken-code/libnccl.so.2", &all, -5, 0);
+    assert!(matches!(CclLibrary::open(&p), Err(LoadFailure::BadVersion { ref detail }) if detail.contains("-5")));
+
+    let text = fake_dir().join("broken-text/libnccl.so.2");
+    std::fs::create_dir_all(text.parent().expect("dir")).expect("dir");
+    std::fs::write(&text, "#!/bin/sh\necho not a library\n").expect("write");
+    assert!(matches!(CclLibrary::open(&text), Err(LoadFailure::NotALibrary { .. })));
+
+    // A search that meets all of them reports each one.
+    let plan = SearchPlan {
+        vendor: CclVendor::Nccl,
+        explicit: Some(text.clone()),
+        sonames: vec!["libnccl.so.2".into()],
+        dirs: vec![fake_dir().join("broken-missing"), fake_dir().join("broken-version")],
+    };
+    // The dynamic loader may find a real libnccl.so.2 by name on a machine that has one; only judge the
+    // explicit and directory attempts.
+    if let Err(e) = plan.load() {
+        let msg = e.to_string();
+        assert!(msg.contains("not a shared library"), "{msg}");
+        assert!(msg.contains("missing required symbol ncclAllGather"), "{msg}");
+        assert!(msg.contains("ncclGetVersion returned error 1"), "{msg}");
+    }
+}
+
+#[test]
+fn explicit_path_from_env_is_used_first() {
+    let p = build_profile(&RCCL_7_0);
+    let plan = SearchPlan::with_env(CclVendor::Rccl, &|k| (k == "ANYCCL_RCCL_PATH").then(|| p.clone()));
+    let lib = plan.load().expect("explicit path loads");
+    assert_eq!(lib.path(), p.canonicalize().expect("exists").as_path());
+    assert_eq!(lib.describe(), "RCCL 2.26.6");
+}
+
+#[test]
+fn no_symbol_is_looked_up_after_load() {
+    let p = build_profile(&NCCL_2_28);
+    // SAFETY: a fake library compiled above from plain C with no initialisers.
+    let raw = unsafe { libloading::Library::new(&p) }.expect("dlopen");
+    let lookups = AtomicUsize::new(0);
+    let mut lookup = |name: &CStr| -> *const c_void {
+        lookups.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: reads the symbol table only.
+        unsafe { raw.get::<*const c_void>(name.to_bytes_with_nul()) }.map(|s| *s).unwrap_or(std::ptr::null())
+    };
+    let lib = Arc::new(CclLibrary::load_with(&p, &mut lookup).expect("loads"));
+    let after_load = lookups.load(Ordering::SeqCst);
+    assert_eq!(after_load, REQUIRED_SYMBOLS.len() + OPTIONAL_SYMBOLS.len(), "one lookup per symbol, in one pass");
+    // Use everything: version, ids, a communicator, queries, mappings, the report.
+    let id = UniqueId::new(&lib).expect("id");
+    let comm = CclComm::init_rank(lib.clone(), 4, &id, 2).expect("init");
+    assert_eq!((comm.count().ok(), comm.user_rank().ok()), (Some(4), Some(2)));
+    comm.async_error().expect("healthy");
+    let _ = derive_capabilities(&lib, &no_env);
+    anyccl_ccl::nccl_op(&lib, ReduceOp::Avg, DataType::F32).expect("avg");
+    drop(comm);
+    assert_eq!(lookups.load(Ordering::SeqCst), after_load, "a symbol was looked up after load");
+}
+
+#[test]
+fn unique_ids_round_trip_and_errors_carry_vendor_text() {
+    let lib = Arc::new(CclLibrary::open(&build_profile(&NCCL_2_28)).expect("loads"));
+    let id = UniqueId::new(&lib).expect("id");
+    let bytes = id.as_bytes().to_vec();
+    assert_eq!(UniqueId::from_bytes(&bytes).expect("128 bytes"), id);
+    assert!(UniqueId::from_bytes(&bytes[..100]).is_err());
+    // The fake refuses an id it did not make, as NCCL does with ncclInvalidArgument (4).
+    let bogus = UniqueId::from_bytes(&[0u8; 128]).expect("128 bytes");
+    let err = CclComm::init_rank(lib.clone(), 2, &bogus, 0).err().expect("refused");
+    match err {
+        Error::Backend { backend, call, code, message } => {
+            assert_eq!((backend.as_str(), call.as_str(), code), ("nccl", "ncclCommInitRank", Some(4)));
+            assert_eq!(message, "invalid argument (fake); last error: fake last error");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(CclComm::init_rank(lib, 2, &id, 2).is_err(), "rank out of range");
+}
+
+#[test]
+fn loading_twice_from_two_threads_and_dropping_while_a_communicator_lives() {
+    let p = build_profile(&NCCL_2_26);
+    let libs: Vec<Arc<CclLibrary>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2).map(|_| s.spawn(|| CclLibrary::open(&p).map(Arc::new))).collect();
+        hs.into_iter().map(|h| h.join().expect("thread").expect("loads")).collect()
+    });
+    assert_eq!(libs[0].version(), libs[1].version());
+    let id = UniqueId::new(&libs[0]).expect("id");
+    let comm = CclComm::init_rank(libs[0].clone(), 3, &id, 1).expect("init");
+    drop(libs); // the communicator keeps its library loaded
+    assert_eq!(comm.count().ok(), Some(3));
+    assert_eq!(comm.library().describe(), "NCCL 2.26.5");
+    drop(comm);
+}
+
+#[test]
+fn library_path_on_failure_names_every_place() {
+    let plan = SearchPlan {
+        vendor: CclVendor::Rccl,
+        explicit: Some(Path::new("/nonexistent/librccl.so.1").to_owned()),
+        sonames: vec!["librccl-anyccl-absent.so.1".into()],
+        dirs: vec![PathBuf::from("/nonexistent-rocm/lib")],
+    };
+    let e = plan.load().expect_err("nothing there");
+    let msg = e.to_string();
+    assert!(msg.starts_with("RCCL not found; tried: /nonexistent/librccl.so.1 (not found)"), "{msg}");
+    assert_eq!(e.tried.len(), 3);
+}
+
+#[test]
+fn nccl_2_8_uses_the_old_version_encoding_and_lacks_bf16_and_avg() {
+    // 2.8.4 is encoded 2*1000 + 8*100 + 4 = 2804; it predates every optional symbol.
+    let p = build("nccl-2.8/libnccl.so.2", REQUIRED_SYMBOLS, 2804, 0);
+    let lib = CclLibrary::open(&p).expect("loads");
+    assert_eq!(lib.describe(), "NCCL 2.8.4");
+    let old = |need: &str| format!("NCCL at {} is version 2.8.4; {need} or newer is required", lib.path().display());
+    expect_states(
+        &lib,
+        &no_env,
+        &[
+            ("ccl", "on"),
+            ("comm-split", &missing(&lib, "ncclCommSplit")),
+            ("buffer-registration", &missing(&lib, "ncclCommRegister")),
+            ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
+            ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("comm-shrink", &missing(&lib, "ncclCommShrink")),
+            ("device-api", &missing(&lib, "ncclDevCommCreate")),
+            ("bf16", &old("2.10")),
+            ("avg", &old("2.10")),
+            ("fp8", &old("2.24")),
+            ("pre-mul-sum", &missing(&lib, "ncclRedOpCreatePreMulSum")),
+            ("last-error", &missing(&lib, "ncclGetLastError")),
+        ],
+    );
+    let e = anyccl_ccl::nccl_op(&lib, ReduceOp::Avg, DataType::F32).expect_err("no avg");
+    assert!(e.to_string().contains("NCCL 2.8.4 has no ncclAvg"), "{e}");
+    let e = anyccl_ccl::nccl_dtype(&lib, DataType::Bf16).expect_err("no bf16");
+    assert!(e.to_string().contains("NCCL 2.8.4 has no bf16"), "{e}");
+    assert_eq!(anyccl_ccl::nccl_dtype(&lib, DataType::F16).ok(), Some(6));
+    // Without ncclGetLastError, errors still carry the error string.
+    let bogus = UniqueId::from_bytes(&[0u8; 128]).expect("128 bytes");
+    let err = CclComm::init_rank(Arc::new(lib), 2, &bogus, 0).err().expect("refused");
+    assert!(matches!(err, Error::Backend { ref message, .. } if message == "invalid argument (fake)"), "{err:?}");
+}

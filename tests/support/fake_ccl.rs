@@ -1,0 +1,171 @@
+//! Fake NCCL/RCCL libraries, compiled at test time from C with the system `cc`: each exports the symbol set of
+//! one release. Shared by the loader's tests (backends/ccl/tests) and the CLI tests (tests/cli.rs) through
+//! `#[path]`; not every user needs every item.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyccl_ccl::loader::REQUIRED_SYMBOLS;
+
+pub const BASE: &[&str] =
+    &["ncclCommInitAll", "ncclCommInitRankConfig", "ncclCommFinalize", "ncclGetLastError", "ncclRedOpCreatePreMulSum"];
+
+pub struct Profile {
+    pub file: &'static str,
+    pub version: i32,
+    pub extra: &'static [&'static str],
+}
+
+pub const NCCL_2_17: Profile = Profile { file: "nccl-2.17/libnccl.so.2", version: 21701, extra: &[] };
+pub const NCCL_2_18: Profile = Profile { file: "nccl-2.18/libnccl.so.2", version: 21803, extra: &["ncclCommSplit"] };
+pub const NCCL_2_26: Profile = Profile {
+    file: "nccl-2.26/libnccl.so.2",
+    version: 22605,
+    extra: &[
+        "ncclCommSplit",
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemAlloc",
+        "ncclMemFree",
+        "ncclGroupSimulateEnd",
+        "ncclCommInitRankScalable",
+    ],
+};
+pub const NCCL_2_28: Profile = Profile {
+    file: "nccl-2.28/libnccl.so.2",
+    version: 22809,
+    extra: &[
+        "ncclCommSplit",
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemAlloc",
+        "ncclMemFree",
+        "ncclGroupSimulateEnd",
+        "ncclCommInitRankScalable",
+        "ncclCommWindowRegister",
+        "ncclCommWindowDeregister",
+        "ncclCommShrink",
+        "ncclDevCommCreate",
+    ],
+};
+pub const RCCL_6_2: Profile = Profile {
+    file: "rocm-6.2/librccl.so.1",
+    version: 22005,
+    extra: &[
+        "ncclCommSplit",
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemAlloc",
+        "ncclMemFree",
+        "ncclAllToAllv",
+        "mscclLoadAlgo",
+    ],
+};
+pub const RCCL_7_0: Profile = Profile {
+    file: "rocm-7.0/librccl.so.1",
+    version: 22606,
+    extra: &[
+        "ncclCommSplit",
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemAlloc",
+        "ncclMemFree",
+        "ncclGroupSimulateEnd",
+        "ncclCommInitRankScalable",
+        "ncclAllToAllv",
+        "mscclLoadAlgo",
+    ],
+};
+pub const RCCL_7_1: Profile = Profile {
+    file: "rocm-7.1/librccl.so.1",
+    version: 22707,
+    extra: &[
+        "ncclCommSplit",
+        "ncclCommRegister",
+        "ncclCommDeregister",
+        "ncclMemAlloc",
+        "ncclMemFree",
+        "ncclGroupSimulateEnd",
+        "ncclCommInitRankScalable",
+        "ncclCommWindowRegister",
+        "ncclCommWindowDeregister",
+        "ncclCommShrink",
+        "ncclAllToAllv",
+        "mscclLoadAlgo",
+        "ncclAllReduceWithBias",
+    ],
+};
+
+/// C source of a fake library exporting `symbols`; `ncclGetVersion` answers `version` with status `status`.
+pub fn c_source(symbols: &[&str], version: i32, version_status: i32) -> String {
+    let mut s = String::from(
+        "#include <stdlib.h>\n#include <string.h>\n\
+         typedef struct { char internal[128]; } ncclUniqueId;\n\
+         struct fake_comm { int n; int rank; };\n",
+    );
+    for sym in symbols {
+        let body = match *sym {
+            "ncclGetVersion" => format!("int ncclGetVersion(int* v) {{ *v = {version}; return {version_status}; }}"),
+            "ncclGetUniqueId" => {
+                "int ncclGetUniqueId(ncclUniqueId* id) { memset(id->internal, 0x5a, 128); id->internal[0] = 1; return 0; }"
+                    .to_owned()
+            }
+            "ncclCommInitRank" => "int ncclCommInitRank(void** c, int n, ncclUniqueId id, int r) { \
+                 if (id.internal[0] != 1) return 4; struct fake_comm* f = malloc(sizeof *f); f->n = n; f->rank = r; \
+                 *c = f; return 0; }"
+                .to_owned(),
+            "ncclCommDestroy" => "int ncclCommDestroy(void* c) { free(c); return 0; }".to_owned(),
+            "ncclCommCount" => "int ncclCommCount(void* c, int* n) { *n = ((struct fake_comm*)c)->n; return 0; }".into(),
+            "ncclCommUserRank" => {
+                "int ncclCommUserRank(void* c, int* r) { *r = ((struct fake_comm*)c)->rank; return 0; }".into()
+            }
+            "ncclCommGetAsyncError" => "int ncclCommGetAsyncError(void* c, int* e) { *e = 0; return 0; }".into(),
+            "ncclGetErrorString" => "const char* ncclGetErrorString(int s) { return s == 4 ? \
+                 \"invalid argument (fake)\" : \"unhandled error (fake)\"; }"
+                .into(),
+            "ncclGetLastError" => "const char* ncclGetLastError(void* c) { return \"fake last error\"; }".into(),
+            other => format!("int {other}(void) {{ return 0; }}"),
+        };
+        s.push_str(&body);
+        s.push('\n');
+    }
+    s
+}
+
+pub fn fake_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-ccl")
+}
+
+/// Compiles a fake library at `fake_dir()/rel`, once per test process (tests run on parallel threads).
+pub fn build(rel: &str, symbols: &[&str], version: i32, version_status: i32) -> PathBuf {
+    static BUILT: std::sync::Mutex<BTreeMap<String, PathBuf>> = std::sync::Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = built.get(rel) {
+        return p.clone();
+    }
+    let out = fake_dir().join(rel);
+    let dir = out.parent().expect("parent").to_owned();
+    std::fs::create_dir_all(&dir).expect("fake dir");
+    let src = dir.join(format!("{}.c", out.file_name().expect("name").to_string_lossy()));
+    std::fs::write(&src, c_source(symbols, version, version_status)).expect("write C");
+    let tmp = dir.join(format!(".{}.{}", out.file_name().expect("name").to_string_lossy(), std::process::id()));
+    let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(&tmp)
+        .arg(&src)
+        .status()
+        .expect("the system C compiler (cc) runs");
+    assert!(st.success(), "cc failed for {rel}");
+    std::fs::rename(&tmp, &out).expect("rename");
+    built.insert(rel.to_owned(), out.clone());
+    out
+}
+
+pub fn build_profile(p: &Profile) -> PathBuf {
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    syms.extend_from_slice(p.extra);
+    build(p.file, &syms, p.version, 0)
+}
