@@ -38,6 +38,11 @@ pub fn default_host_sizes() -> Vec<u64> {
     (0..7).map(|i| 4096u64 << (2 * i)).collect()
 }
 
+/// The default GPU sweep: bf16 tensors of shape (N, 8192) as engines report them, N = 32 … 4096.
+pub fn default_gpu_sizes() -> Vec<u64> {
+    [32u64, 64, 96, 128, 192, 256, 512, 1024, 2048, 3062, 4096].iter().map(|n| n * 8192 * 2).collect()
+}
+
 /// One measured cell.
 #[derive(Debug, Clone, Serialize)]
 pub struct Cell {
@@ -70,6 +75,12 @@ pub struct Row {
     pub best: Algorithm,
     /// Baseline median over the best's median.
     pub best_speedup_vs_baseline: Option<f64>,
+    /// GPU eager mode: median host time of one all-reduce call through anyccl, in µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_us_per_call: Option<f64>,
+    /// GPU eager mode: median host time of one raw `ncclAllReduce` call on the same buffers, in µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw_ccl_host_us_per_call: Option<f64>,
 }
 
 /// An algorithm that was asked for but cannot run here.
@@ -185,7 +196,7 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
                     let bufs = InOut::InPlace(buf.as_bytes_mut());
                     match algo {
                         Some(a) => c.all_reduce_with(a, bufs, count, cfg.dtype, cfg.op, &())?,
-                        None => why = c.all_reduce(bufs, count, cfg.dtype, cfg.op, &())?.why,
+                        None => why = c.all_reduce(bufs, count, cfg.dtype, cfg.op, &())?.why.to_string(),
                     }
                     c.barrier(&())?;
                     if i >= cfg.warmup {
@@ -236,7 +247,7 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
             .select(
                 &crate::core::SelectionQuery {
                     vendor: crate::core::Vendor::Host,
-                    arch: "host".into(),
+                    arch: "host",
                     world: cfg.world,
                     bytes,
                     dtype: cfg.dtype,
@@ -260,6 +271,8 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
             auto_rule,
             best: best.0,
             best_speedup_vs_baseline: base.map(|b| b / best.1),
+            host_us_per_call: None,
+            raw_ccl_host_us_per_call: None,
         });
     }
     Ok(BenchReport {
@@ -307,11 +320,23 @@ pub fn render_table(r: &BenchReport) -> String {
     for a in &r.algorithms {
         let _ = write!(s, " {:>w$}", a.name());
     }
+    let host = r.rows.iter().any(|row| row.host_us_per_call.is_some());
+    if host {
+        let _ = write!(s, " {:>20}", "host us/call (raw)");
+    }
     let _ = writeln!(s, " {:>w$}  best", "auto");
     for row in &r.rows {
         let _ = write!(s, "{:>10} {:>9}", format_bytes(row.bytes), row.count);
         for c in &row.cells {
-            let _ = write!(s, " {:>w$}", format!("{} / {:.2}", fmt_us(c.median_us), c.busbw_gbps));
+            let bw = if r.world > 1 { c.busbw_gbps } else { c.algbw_gbps };
+            let _ = write!(s, " {:>w$}", format!("{} / {bw:.2}", fmt_us(c.median_us)));
+        }
+        if host {
+            let h = match (row.host_us_per_call, row.raw_ccl_host_us_per_call) {
+                (Some(a), Some(b)) => format!("{a:.2} ({b:.2})"),
+                _ => "-".into(),
+            };
+            let _ = write!(s, " {h:>20}");
         }
         let _ = write!(s, " {:>w$}", format!("{} {}", row.auto.algorithm, fmt_us(row.auto.median_us)));
         match row.best_speedup_vs_baseline {

@@ -28,6 +28,8 @@ pub use anyccl_core as core;
 pub use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, Selector,
 };
+#[cfg(feature = "cuda")]
+pub use anyccl_cuda as cuda;
 #[cfg(feature = "host")]
 pub use anyccl_host as host;
 /// The fp8 element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) the typed APIs take.
@@ -36,6 +38,8 @@ pub use float8;
 pub use half;
 
 pub mod bench;
+#[cfg(feature = "cuda")]
+pub mod bench_cuda;
 pub mod probe;
 
 /// The README's examples, compiled and run as doctests.

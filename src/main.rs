@@ -44,9 +44,9 @@ struct BenchArgs {
     /// Backend to run on (default: the best available; the host backend when there is no GPU backend).
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
-    /// Number of ranks.
-    #[arg(long, default_value_t = default_world(), value_parser = clap::value_parser!(u16).range(1..=64))]
-    world: u16,
+    /// Number of ranks (default: host: the core count, 2 to 8; cuda: every GPU of this machine).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    world: Option<u16>,
     /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DataType,
@@ -74,6 +74,12 @@ struct BenchArgs {
     /// Print CSV instead of the table.
     #[arg(long)]
     csv: bool,
+    /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs).
+    #[arg(long, conflicts_with = "eager")]
+    graph: bool,
+    /// GPU timing: each eager call on its own, plus the host time per call (anyccl vs raw NCCL).
+    #[arg(long)]
+    eager: bool,
 }
 
 fn default_world() -> u16 {
@@ -138,6 +144,13 @@ fn print_out(s: &str) -> Result<(), CliError> {
 }
 
 fn bench(args: BenchArgs) -> Result<(), CliError> {
+    #[cfg(feature = "cuda")]
+    {
+        let cuda_ok = anyccl::cuda::available().is_ok();
+        if args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && cuda_ok) {
+            return bench_cuda(args);
+        }
+    }
     match args.backend {
         Some(BackendArg::Cuda) | Some(BackendArg::Rocm) => {
             let (name, compiled) = match args.backend {
@@ -167,7 +180,7 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     }
     let selector = Arc::new(selector(args.table.as_ref())?);
     let cfg = anyccl::bench::BenchConfig {
-        world: usize::from(args.world),
+        world: usize::from(args.world.unwrap_or_else(default_world)),
         dtype: args.dtype,
         op: args.op,
         sizes: args.sizes.unwrap_or_else(anyccl::bench::default_host_sizes),
@@ -180,6 +193,39 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     if args.backend.is_none() && !(args.json || args.csv) {
         eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
     }
+    let out = if args.json {
+        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+    } else if args.csv {
+        anyccl::bench::render_csv(&report)
+    } else {
+        anyccl::bench::render_table(&report)
+    };
+    print_out(&out)
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
+    if let Err(reason) = anyccl::cuda::available() {
+        return Err(CliError {
+            message: format!("the cuda backend is unavailable: {reason}"),
+            hint: Some("run `anyccl probe` for details, or use `--backend host`".into()),
+        });
+    }
+    let selector = Arc::new(selector(args.table.as_ref())?);
+    let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
+    let world = args.world.map_or(gpus, usize::from);
+    let cfg = anyccl::bench::BenchConfig {
+        world,
+        dtype: args.dtype,
+        op: args.op,
+        sizes: args.sizes.unwrap_or_else(anyccl::bench::default_gpu_sizes),
+        algorithms: args.algos,
+        iters: args.iters as usize,
+        warmup: args.warmup as usize,
+        selector,
+    };
+    let mode = if args.eager { anyccl::bench_cuda::Mode::Eager } else { anyccl::bench_cuda::Mode::Graph };
+    let report = anyccl::bench_cuda::run(&cfg, mode, &|_, _| {})?;
     let out = if args.json {
         serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
     } else if args.csv {

@@ -112,16 +112,7 @@ fn backend_statuses() -> Vec<BackendStatus> {
                 "not compiled in (cargo feature `host`)".into()
             },
         },
-        BackendStatus {
-            name: "cuda",
-            compiled_in: cfg!(feature = "cuda"),
-            available: false,
-            detail: if cfg!(feature = "cuda") {
-                NOT_IMPLEMENTED.into()
-            } else {
-                "not compiled in (build with --features cuda)".into()
-            },
-        },
+        cuda_status(),
         BackendStatus {
             name: "rocm",
             compiled_in: cfg!(feature = "rocm"),
@@ -133,6 +124,45 @@ fn backend_statuses() -> Vec<BackendStatus> {
             },
         },
     ]
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_status() -> BackendStatus {
+    match anyccl_cuda::available() {
+        Ok(info) => {
+            let devs: Vec<String> = info
+                .devices
+                .iter()
+                .map(|d| format!("device {}: {} ({}, {} GiB)", d.ordinal, d.name, d.arch(), d.total_memory >> 30))
+                .collect();
+            BackendStatus {
+                name: "cuda",
+                compiled_in: true,
+                available: true,
+                detail: format!("driver {}; {}", info.version_string(), devs.join("; ")),
+            }
+        }
+        Err(reason) => BackendStatus { name: "cuda", compiled_in: true, available: false, detail: reason.to_string() },
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_status() -> BackendStatus {
+    BackendStatus {
+        name: "cuda",
+        compiled_in: false,
+        available: false,
+        detail: "not compiled in (build with --features cuda)".into(),
+    }
+}
+
+/// The backend `anyccl bench` uses when none is named.
+pub fn default_backend() -> &'static str {
+    #[cfg(feature = "cuda")]
+    if anyccl_cuda::available().is_ok() {
+        return "cuda";
+    }
+    "host"
 }
 
 /// Looks for accelerator device nodes: `/dev/nvidia0`…, `/dev/kfd` (AMD). `dev` is `/dev` except in tests.
@@ -195,17 +225,43 @@ fn collective_libraries() -> (Vec<LibraryStatus>, Option<Arc<CclLibrary>>) {
             }),
         }
     }
-    for name in ["CUDA driver", "HIP runtime"] {
-        out.push(LibraryStatus {
-            name,
-            found: false,
-            path: None,
-            version: None,
-            detail: "not probed: the GPU backends are not implemented yet".into(),
-            tried: Vec::new(),
-        });
-    }
+    out.push(cuda_driver_status());
+    out.push(LibraryStatus {
+        name: "HIP runtime",
+        found: false,
+        path: None,
+        version: None,
+        detail: "not probed: the ROCm backend is not implemented yet".into(),
+        tried: Vec::new(),
+    });
     (out, first)
+}
+
+fn cuda_driver_status() -> LibraryStatus {
+    #[cfg(feature = "cuda")]
+    {
+        let r = anyccl_cuda::available();
+        LibraryStatus {
+            name: "CUDA driver",
+            found: r.is_ok(),
+            path: r.is_ok().then(|| "libcuda.so.1".to_owned()),
+            version: r.as_ref().ok().map(|i| format!("CUDA {}", i.version_string())),
+            detail: match r {
+                Ok(_) => "loaded through cudarc".into(),
+                Err(reason) => reason.to_string(),
+            },
+            tried: Vec::new(),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    LibraryStatus {
+        name: "CUDA driver",
+        found: false,
+        path: None,
+        version: None,
+        detail: "not probed: the cuda backend is not compiled in".into(),
+        tried: Vec::new(),
+    }
 }
 
 /// The machine-level capability report of this build.
@@ -268,6 +324,21 @@ pub fn probe(selector: &Selector) -> ProbeReport {
     if let Some(lib) = &ccl {
         caps.merge_from(&anyccl_ccl::derive_capabilities(lib, &anyccl_ccl::caps::process_env), CCL_CAPABILITIES);
     }
+    #[cfg(feature = "cuda")]
+    caps.merge_from(
+        &anyccl_cuda::capabilities(ccl.as_deref(), &anyccl_ccl::caps::process_env),
+        Capabilities::CUDA_RUNTIME
+            | Capabilities::P2P_ALL_PAIRS
+            | Capabilities::IPC
+            | Capabilities::MULTICAST
+            | Capabilities::GRAPH_CAPTURE,
+    );
+    // An explicit switch is the reason users act on, so it is shown over hardware reasons.
+    if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {
+        if v.trim() == "0" {
+            caps.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
+        }
+    }
     if let Err(e) = caps.apply_env() {
         warnings.push(e.to_string());
     }
@@ -278,7 +349,7 @@ pub fn probe(selector: &Selector) -> ProbeReport {
     ProbeReport {
         schema: 1,
         anyccl_version: env!("CARGO_PKG_VERSION"),
-        default_backend: "host",
+        default_backend: default_backend(),
         backends: backend_statuses(),
         gpu,
         libraries,

@@ -63,6 +63,8 @@ pub struct AllReduceCall {
     pub in_place: bool,
     /// Whether the stream is being captured.
     pub capturing: bool,
+    /// The buffers, when known (a dry-run selection has none).
+    pub bufs: Option<InOutDesc>,
 }
 
 /// What a backend implements for one rank. Arguments reach it already validated by [`Communicator`]; the
@@ -224,7 +226,7 @@ impl<B: CommBackend> Communicator<B> {
     pub fn select_all_reduce(&self, call: &AllReduceCall) -> Result<Selection> {
         let q = SelectionQuery {
             vendor: self.backend.vendor(),
-            arch: self.backend.arch().to_owned(),
+            arch: self.backend.arch(),
             world: self.backend.world_size(),
             bytes: call.bytes as u64,
             dtype: call.dtype,
@@ -261,7 +263,7 @@ impl<B: CommBackend> Communicator<B> {
         self.check_reduction(dtype, op)?;
         let bytes = validate::all_reduce(&self.shape(), &bufs.desc(), count, dtype, op)?;
         let capturing = self.runtime().is_capturing(stream)?;
-        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing })
+        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing, bufs: Some(bufs.desc()) })
     }
 
     /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.

@@ -22,6 +22,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -37,11 +38,11 @@ pub const ENV_TABLE_FILE: &str = "ANYCCL_TUNE_FILE";
 
 /// What the selector knows about one all-reduce call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct SelectionQuery {
+pub struct SelectionQuery<'a> {
     /// The backend's vendor.
     pub vendor: Vendor,
     /// The backend's architecture name (`"sm_90"`, `"gfx942"`, `"host"`).
-    pub arch: String,
+    pub arch: &'a str,
     /// Number of ranks.
     pub world: usize,
     /// Message size in bytes (count × element size).
@@ -57,8 +58,8 @@ pub struct SelectionQuery {
 pub struct Selection {
     /// The algorithm that runs.
     pub algorithm: Algorithm,
-    /// Why: the rule and its origin, or the override.
-    pub why: String,
+    /// Why: the rule and its origin, or the override (shared, so selecting allocates nothing).
+    pub why: Arc<str>,
 }
 
 /// One row of a selector table.
@@ -84,13 +85,22 @@ pub struct Rule {
     pub algorithms: Vec<Algorithm>,
     /// Where the rule came from (`"defaults #3"`, `"tune.toml:12"`).
     pub origin: String,
+    /// The rule as text, made once (what [`Selection::why`] shares).
+    #[serde(skip)]
+    label: Arc<str>,
 }
 
 impl Rule {
+    /// Fills the shared label from the rule's fields (after construction or change).
+    fn labelled(mut self) -> Self {
+        self.label = Arc::from(self.to_string());
+        self
+    }
+
     /// Whether the rule applies to `q`.
-    pub fn matches(&self, q: &SelectionQuery) -> bool {
+    pub fn matches(&self, q: &SelectionQuery<'_>) -> bool {
         (self.vendors.is_empty() || self.vendors.contains(&q.vendor))
-            && self.arch.as_deref().is_none_or(|a| a.eq_ignore_ascii_case(&q.arch))
+            && self.arch.as_deref().is_none_or(|a| a.eq_ignore_ascii_case(q.arch))
             && (self.world_min..=self.world_max).contains(&q.world)
             && q.bytes >= self.bytes_min
             && self.bytes_max.is_none_or(|m| q.bytes < m)
@@ -176,18 +186,22 @@ impl SelectorTable {
                        bytes: (u64, Option<u64>),
                        algorithms: Vec<Algorithm>| {
             let n = rules.len() + 1;
-            rules.push(Rule {
-                vendors,
-                arch: arch.map(str::to_owned),
-                world_min: world.0,
-                world_max: world.1,
-                bytes_min: bytes.0,
-                bytes_max: bytes.1,
-                dtypes: Vec::new(),
-                capturing: None,
-                algorithms,
-                origin: format!("defaults #{n}"),
-            });
+            rules.push(
+                Rule {
+                    vendors,
+                    arch: arch.map(str::to_owned),
+                    world_min: world.0,
+                    world_max: world.1,
+                    bytes_min: bytes.0,
+                    bytes_max: bytes.1,
+                    dtypes: Vec::new(),
+                    capturing: None,
+                    algorithms,
+                    origin: format!("defaults #{n}"),
+                    label: Arc::from(""),
+                }
+                .labelled(),
+            );
         };
         // Host: one rank needs no exchange; small messages are bound by synchronisation (one-shot has the
         // fewest barriers); from 8 KiB on, memory traffic dominates and two-shot (each rank reduces 1/N) won
@@ -274,18 +288,22 @@ impl SelectorTable {
             if algorithms.is_empty() {
                 return Err(err(algo_line, "`algorithms` must name at least one algorithm".to_owned()));
             }
-            rules.push(Rule {
-                vendors,
-                arch: raw.arch,
-                world_min,
-                world_max,
-                bytes_min,
-                bytes_max,
-                dtypes,
-                capturing: raw.capturing,
-                algorithms,
-                origin: format!("{source_name}:{rule_line}"),
-            });
+            rules.push(
+                Rule {
+                    vendors,
+                    arch: raw.arch,
+                    world_min,
+                    world_max,
+                    bytes_min,
+                    bytes_max,
+                    dtypes,
+                    capturing: raw.capturing,
+                    algorithms,
+                    origin: format!("{source_name}:{rule_line}"),
+                    label: Arc::from(""),
+                }
+                .labelled(),
+            );
         }
         Ok(SelectorTable { rules })
     }
@@ -390,11 +408,19 @@ pub struct Selector {
     table: SelectorTable,
     source: TableSource,
     forced: Option<Algorithm>,
+    forced_why: Arc<str>,
+    fallback_why: Arc<str>,
 }
 
 impl Default for Selector {
     fn default() -> Self {
-        Selector { table: SelectorTable::defaults(), source: TableSource::Defaults, forced: None }
+        Selector {
+            table: SelectorTable::defaults(),
+            source: TableSource::Defaults,
+            forced: None,
+            forced_why: Arc::from(format!("forced by {ENV_FORCE_ALGO}")),
+            fallback_why: Arc::from("no rule matched; first eligible algorithm"),
+        }
     }
 }
 
@@ -459,12 +485,12 @@ impl Selector {
     /// algorithm of the first matching rule wins, and if no rule yields one, the first eligible algorithm at all.
     pub fn select(
         &self,
-        q: &SelectionQuery,
+        q: &SelectionQuery<'_>,
         mut eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
     ) -> Result<Selection> {
         if let Some(a) = self.forced {
             return match eligible(a) {
-                Ok(()) => Ok(Selection { algorithm: a, why: format!("forced by {ENV_FORCE_ALGO}") }),
+                Ok(()) => Ok(Selection { algorithm: a, why: self.forced_why.clone() }),
                 Err(why) => Err(Error::AlgorithmNotEligible { algorithm: a, why }),
             };
         }
@@ -475,7 +501,7 @@ impl Selector {
                     continue;
                 }
                 match eligible(a) {
-                    Ok(()) => return Ok(Selection { algorithm: a, why: rule.to_string() }),
+                    Ok(()) => return Ok(Selection { algorithm: a, why: rule.label.clone() }),
                     Err(why) => refused.push((a, why)),
                 }
             }
@@ -485,9 +511,7 @@ impl Selector {
                 continue;
             }
             match eligible(a) {
-                Ok(()) => {
-                    return Ok(Selection { algorithm: a, why: "no rule matched; first eligible algorithm".to_owned() })
-                }
+                Ok(()) => return Ok(Selection { algorithm: a, why: self.fallback_why.clone() }),
                 Err(why) => refused.push((a, why)),
             }
         }
@@ -500,8 +524,8 @@ impl Selector {
 mod tests {
     use super::*;
 
-    fn q(vendor: Vendor, world: usize, bytes: u64) -> SelectionQuery {
-        SelectionQuery { vendor, arch: "sm_90".into(), world, bytes, dtype: DataType::Bf16, capturing: false }
+    fn q(vendor: Vendor, world: usize, bytes: u64) -> SelectionQuery<'static> {
+        SelectionQuery { vendor, arch: "sm_90", world, bytes, dtype: DataType::Bf16, capturing: false }
     }
 
     fn all_ok(_: Algorithm) -> std::result::Result<(), String> {

@@ -17,7 +17,7 @@ pub mod find;
 pub mod loader;
 pub mod sys;
 
-use std::ffi::{c_int, CStr};
+use std::ffi::{c_int, c_void, CStr};
 use std::sync::Arc;
 
 use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result};
@@ -158,6 +158,14 @@ pub fn nccl_op(lib: &CclLibrary, op: ReduceOp, dtype: DataType) -> Result<sys::n
         ReduceOp::Prod => 1,
         ReduceOp::Max => 2,
         ReduceOp::Min => 3,
+        // NCCL 2.28.3 answers ncclInvalidArgument for avg on fp8 (seen on an H200); refuse it up front.
+        ReduceOp::Avg if dtype.is_fp8() => {
+            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
+                dtype,
+                op,
+                why: format!("{} has no avg on fp8 types (it returns ncclInvalidArgument)", lib.describe()),
+            }))
+        }
         ReduceOp::Avg if lib.version().at_least(2, 10) => 4,
         ReduceOp::Avg => {
             return Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
@@ -240,6 +248,273 @@ impl CclComm {
     /// The library this communicator uses.
     pub fn library(&self) -> &Arc<CclLibrary> {
         &self.lib
+    }
+
+    /// The raw `ncclComm_t`, for calls this layer does not wrap.
+    pub fn raw(&self) -> sys::ncclComm_t {
+        self.comm
+    }
+
+    fn status(&self, call: &str, status: sys::ncclResult_t) -> Result<()> {
+        check(&self.lib, call, status, self.comm)
+    }
+
+    /// `ncclAllReduce`.
+    ///
+    /// # Safety
+    /// `send` and `recv` point to `count` elements of `dtype` of device memory the communicator's device can
+    /// access (they may be equal: in place), and `stream` is a live stream of that device.
+    pub unsafe fn all_reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        // SAFETY: the caller guarantees the buffers and stream; the comm is live.
+        let st = unsafe { (self.lib.table().required.all_reduce)(send, recv, count, d, o, self.comm, stream) };
+        self.status("ncclAllReduce", st)
+    }
+
+    /// `ncclAllGather` of `count` elements per rank.
+    ///
+    /// # Safety
+    /// `send` holds `count` elements and `recv` `world × count`, on the communicator's device; `stream` is live.
+    pub unsafe fn all_gather(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let d = nccl_dtype(&self.lib, dtype)?;
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.all_gather)(send, recv, count, d, self.comm, stream) };
+        self.status("ncclAllGather", st)
+    }
+
+    /// `ncclReduceScatter` to `count` elements per rank.
+    ///
+    /// # Safety
+    /// `send` holds `world × count` elements and `recv` `count`, on the communicator's device; `stream` is live.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.reduce_scatter)(send, recv, count, d, o, self.comm, stream) };
+        self.status("ncclReduceScatter", st)
+    }
+
+    /// `ncclBroadcast` from `root`.
+    ///
+    /// # Safety
+    /// Both buffers hold `count` elements on the communicator's device (`send` is read on the root only).
+    pub unsafe fn broadcast(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let d = nccl_dtype(&self.lib, dtype)?;
+        let root = c_int::try_from(root).map_err(|_| InvalidArgument::BadWorld(format!("root {root}")))?;
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.broadcast)(send, recv, count, d, root, self.comm, stream) };
+        self.status("ncclBroadcast", st)
+    }
+
+    /// `ncclReduce` to `root`.
+    ///
+    /// # Safety
+    /// Both buffers hold `count` elements on the communicator's device (`recv` is written on the root only).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        send: *const c_void,
+        recv: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        let root = c_int::try_from(root).map_err(|_| InvalidArgument::BadWorld(format!("root {root}")))?;
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.reduce)(send, recv, count, d, o, root, self.comm, stream) };
+        self.status("ncclReduce", st)
+    }
+
+    /// `ncclSend` to `peer`.
+    ///
+    /// # Safety
+    /// `buf` holds `count` elements on the communicator's device; `stream` is live.
+    pub unsafe fn send(
+        &self,
+        buf: *const c_void,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let d = nccl_dtype(&self.lib, dtype)?;
+        let peer = c_int::try_from(peer).map_err(|_| InvalidArgument::BadWorld(format!("peer {peer}")))?;
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.send)(buf, count, d, peer, self.comm, stream) };
+        self.status("ncclSend", st)
+    }
+
+    /// `ncclRecv` from `peer`.
+    ///
+    /// # Safety
+    /// `buf` holds `count` elements on the communicator's device; `stream` is live.
+    pub unsafe fn recv(
+        &self,
+        buf: *mut c_void,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let d = nccl_dtype(&self.lib, dtype)?;
+        let peer = c_int::try_from(peer).map_err(|_| InvalidArgument::BadWorld(format!("peer {peer}")))?;
+        // SAFETY: as documented above.
+        let st = unsafe { (self.lib.table().required.recv)(buf, count, d, peer, self.comm, stream) };
+        self.status("ncclRecv", st)
+    }
+
+    /// Registers `[ptr, ptr + size)` as a symmetric window (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank
+    /// registers its buffer of the same size. Never call it while a stream is capturing.
+    ///
+    /// # Safety
+    /// `ptr` is `size` bytes from `ncclMemAlloc` (or another cuMem allocation) of the communicator's device,
+    /// 4096-byte aligned, and outlives the window.
+    pub unsafe fn window_register(&self, ptr: *mut c_void, size: usize) -> Result<Window> {
+        let f = self.lib.table().optional.comm_window_register.ok_or_else(|| self.missing("ncclCommWindowRegister"))?;
+        let mut win: sys::ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: as documented above; NCCL writes the window handle through the valid pointer.
+        let st = unsafe { f(self.comm, ptr, size, &mut win, sys::NCCL_WIN_COLL_SYMMETRIC) };
+        self.status("ncclCommWindowRegister", st)?;
+        Ok(Window(win))
+    }
+
+    /// Deregisters a window made by [`Self::window_register`].
+    pub fn window_deregister(&self, win: Window) -> Result<()> {
+        let f =
+            self.lib.table().optional.comm_window_deregister.ok_or_else(|| self.missing("ncclCommWindowDeregister"))?;
+        // SAFETY: `win` came from window_register on this communicator and is deregistered once (moved in).
+        let st = unsafe { f(self.comm, win.0) };
+        self.status("ncclCommWindowDeregister", st)
+    }
+
+    fn missing(&self, symbol: &str) -> Error {
+        missing_symbol(&self.lib, symbol)
+    }
+}
+
+/// A registered symmetric window (`ncclWindow_t`).
+#[derive(Debug)]
+pub struct Window(sys::ncclWindow_t);
+
+// SAFETY: a window handle is an opaque token NCCL accepts from any thread.
+unsafe impl Send for Window {}
+
+impl Window {
+    /// The raw `ncclWindow_t`, for deregistration outside [`CclComm::window_deregister`] (the caller then owns
+    /// deregistering it exactly once).
+    pub fn into_raw(self) -> sys::ncclWindow_t {
+        self.0
+    }
+}
+
+fn missing_symbol(lib: &CclLibrary, symbol: &str) -> Error {
+    let capability = match symbol {
+        "ncclMemAlloc" | "ncclMemFree" => "ccl-mem-alloc",
+        "ncclCommWindowRegister" | "ncclCommWindowDeregister" => "symmetric-windows",
+        _ => "ccl",
+    };
+    Error::Unsupported {
+        capability: capability.into(),
+        reason: anyccl_core::Reason::MissingSymbol {
+            symbol: symbol.into(),
+            library: lib.path().display().to_string(),
+            version: Some(lib.describe()),
+        },
+    }
+}
+
+/// `ncclMemAlloc`: device memory suitable for windows and registration. Not while a stream is capturing.
+pub fn mem_alloc(lib: &CclLibrary, size: usize) -> Result<*mut c_void> {
+    let f = lib.table().optional.mem_alloc.ok_or_else(|| missing_symbol(lib, "ncclMemAlloc"))?;
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: ncclMemAlloc writes the allocation's address through the valid pointer.
+    let st = unsafe { f(&mut p, size) };
+    check(lib, "ncclMemAlloc", st, std::ptr::null_mut())?;
+    Ok(p)
+}
+
+/// `ncclMemFree`.
+///
+/// # Safety
+/// `ptr` came from [`mem_alloc`] of the same library and is freed once.
+pub unsafe fn mem_free(lib: &CclLibrary, ptr: *mut c_void) -> Result<()> {
+    let f = lib.table().optional.mem_free.ok_or_else(|| missing_symbol(lib, "ncclMemFree"))?;
+    // SAFETY: per this function's contract.
+    let st = unsafe { f(ptr) };
+    check(lib, "ncclMemFree", st, std::ptr::null_mut())
+}
+
+/// `ncclGroupStart`.
+pub fn group_start(lib: &CclLibrary) -> Result<()> {
+    // SAFETY: ncclGroupStart takes no arguments.
+    let st = unsafe { (lib.table().required.group_start)() };
+    check(lib, "ncclGroupStart", st, std::ptr::null_mut())
+}
+
+/// `ncclGroupEnd`.
+pub fn group_end(lib: &CclLibrary) -> Result<()> {
+    // SAFETY: ncclGroupEnd takes no arguments.
+    let st = unsafe { (lib.table().required.group_end)() };
+    check(lib, "ncclGroupEnd", st, std::ptr::null_mut())
+}
+
+/// `ncclCommInitAll`: one communicator per device of this process (index = rank).
+pub fn init_all(lib: &Arc<CclLibrary>, devices: &[i32]) -> Result<Vec<CclComm>> {
+    let f = lib.table().optional.comm_init_all.ok_or_else(|| missing_symbol(lib, "ncclCommInitAll"))?;
+    let n = c_int::try_from(devices.len()).map_err(|_| InvalidArgument::BadWorld("too many devices".into()))?;
+    if n == 0 {
+        return Err(InvalidArgument::BadWorld("no devices".into()).into());
+    }
+    let mut comms: Vec<sys::ncclComm_t> = vec![std::ptr::null_mut(); devices.len()];
+    // SAFETY: NCCL writes `n` handles into the array of `n` and reads `n` device ordinals.
+    let st = unsafe { f(comms.as_mut_ptr(), n, devices.as_ptr()) };
+    check(lib, "ncclCommInitAll", st, std::ptr::null_mut())?;
+    Ok(comms.into_iter().map(|comm| CclComm { lib: lib.clone(), comm }).collect())
+}
+
+impl CclComm {
+    /// `ncclCommAbort`: tears the communicator down without waiting for peers (after a peer failed).
+    pub fn abort(self) -> Result<()> {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me.comm` is live; ManuallyDrop keeps Drop from destroying it a second time.
+        let st = unsafe { (me.lib.table().required.comm_abort)(me.comm) };
+        let r = check(&me.lib, "ncclCommAbort", st, std::ptr::null_mut());
+        // SAFETY: `me.lib` is read out exactly once and `me` is never used or dropped afterwards.
+        drop(unsafe { std::ptr::read(&me.lib) });
+        r
     }
 }
 

@@ -1,7 +1,103 @@
 //! anyccl-cuda: the CUDA backend (cargo feature `cuda` of the facade).
 //!
-//! **Not implemented yet.** It will hold the CUDA driver runtime (through cudarc), the NCCL communicator,
-//! symmetric-memory windows, IPC buffers, the multicast object manager and the CUDA all-reduce algorithms.
-//! Enabling the `cuda` feature today compiles this empty crate in and `anyccl probe` says the backend is not
-//! implemented; nothing pretends to run on a GPU.
-#![forbid(unsafe_code)]
+//! - [`driver`]: the CUDA driver through cudarc, probed first so a machine without `libcuda.so.1` reports
+//!   "CUDA backend unavailable" instead of crashing;
+//! - [`runtime`]: core's memory runtime over the driver (device buffers, streams, capture status);
+//! - [`comm`]: the communicator over NCCL (through anyccl-ccl's table), symmetric-memory windows;
+//! - [`multicast`]: the NVLS multicast object manager, written over a driver trait and tested with a fake driver.
+//!
+//! Graph capture: every path asks the driver whether the stream is capturing first; allocation, registration and
+//! synchronous copies are refused during capture with a clear error.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod comm;
+pub mod driver;
+pub mod graph;
+pub mod multicast;
+pub mod runtime;
+
+use std::sync::Arc;
+
+use anyccl_ccl::CclLibrary;
+use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
+
+pub use comm::{CudaComm, SymmetricBuffer};
+pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext};
+
+/// The capability report of the CUDA backend on this machine: the driver and devices, and the collective
+/// library's capabilities when one is loaded.
+pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<String>) -> CapabilityReport {
+    let mut r =
+        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "not used by the CUDA backend".into() });
+    match lib {
+        Some(l) => r.merge_from(&anyccl_ccl::derive_capabilities(l, env), anyccl_ccl::caps::CCL_CAPABILITIES),
+        None => r.disable(
+            anyccl_ccl::caps::CCL_CAPABILITIES,
+            Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() },
+        ),
+    }
+    match driver::probe() {
+        Err(reason) => {
+            let dep = Reason::Requires { capability: "cuda-runtime".into(), because: Box::new(reason.clone()) };
+            r.disable(Capabilities::CUDA_RUNTIME, reason);
+            r.disable(
+                Capabilities::P2P_ALL_PAIRS | Capabilities::IPC | Capabilities::MULTICAST | Capabilities::GRAPH_CAPTURE,
+                dep,
+            );
+        }
+        Ok(info) => {
+            r.enable(Capabilities::CUDA_RUNTIME | Capabilities::GRAPH_CAPTURE | Capabilities::IPC);
+            r.disable(
+                Capabilities::P2P_ALL_PAIRS,
+                Reason::Unavailable {
+                    component: "peer access probing".into(),
+                    detail: "not implemented yet (needed by the custom kernels)".into(),
+                },
+            );
+            match info.devices.iter().find(|d| !d.multicast_supported) {
+                Some(d) => r.disable(
+                    Capabilities::MULTICAST,
+                    Reason::DeviceAttribute {
+                        device: format!("device {} ({})", d.ordinal, d.name),
+                        attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
+                    },
+                ),
+                None => r.disable(
+                    Capabilities::MULTICAST,
+                    Reason::Unavailable {
+                        component: "NVLS kernels".into(),
+                        detail: "the multicast all-reduce kernels are not built yet".into(),
+                    },
+                ),
+            }
+            if let Some(v) = env("NCCL_NVLS_ENABLE").filter(|v| v.trim() == "0") {
+                r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
+            }
+        }
+    }
+    r.disable(
+        Capabilities::CUSTOM_KERNELS,
+        Reason::NotCompiledIn {
+            what: "custom CUDA kernels".into(),
+            detail: "kernels-cuda holds no kernels yet".into(),
+        },
+    );
+    r
+}
+
+/// Whether the backend can run here; `Err` says why not.
+pub fn available() -> std::result::Result<&'static driver::DriverInfo, Reason> {
+    driver::probe()
+}
+
+/// One communicator per listed device of this process (`ncclCommInitAll`), wrapped in the validating front-end.
+pub fn communicators_single_process(
+    lib: Arc<CclLibrary>,
+    ordinals: &[i32],
+    selector: Arc<Selector>,
+) -> Result<Vec<Communicator<CudaComm>>> {
+    let mut caps = capabilities(Some(&lib), &|k| std::env::var(k).ok());
+    caps.apply_env()?;
+    let caps = Arc::new(caps);
+    Ok(CudaComm::init_all(lib, ordinals, caps)?.into_iter().map(|c| Communicator::new(c, selector.clone())).collect())
+}

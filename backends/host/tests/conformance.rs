@@ -200,7 +200,7 @@ fn forced_algorithm_is_used_and_reported() {
                     let sel = c
                         .all_reduce(InOut::InPlace(x.as_bytes_mut()), 10, DataType::F64, ReduceOp::Max, &())
                         .expect("ring");
-                    (sel.algorithm, sel.why, x.to_vec::<f64>())
+                    (sel.algorithm, sel.why.to_string(), x.to_vec::<f64>())
                 })
             })
             .collect();

@@ -1,0 +1,412 @@
+//! The CUDA communicator: NCCL collectives through the loader's table, algorithm eligibility, symmetric windows.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use anyccl_ccl::{CclComm, CclLibrary, UniqueId};
+use anyccl_core::comm::AllReduceCall;
+use anyccl_core::validate::InOutDesc;
+use anyccl_core::{
+    Algorithm, BufferDesc, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, ReduceOp, Result,
+    Vendor,
+};
+
+use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
+
+/// The all-reduce algorithms of the CUDA backend today.
+pub const ALGORITHMS: [Algorithm; 2] = [Algorithm::Ccl, Algorithm::CclSymmetric];
+
+/// One rank of a CUDA communicator.
+pub struct CudaComm {
+    ccl: CclComm,
+    rank: usize,
+    world: usize,
+    runtime: CudaRuntime,
+    arch: String,
+    caps: Arc<CapabilityReport>,
+    /// Registered symmetric windows on this communicator: (start, len).
+    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
+    scratch: DeviceBuffer,
+}
+
+impl CudaComm {
+    /// Joins communicator `id` as `rank` of `world` on device `ordinal`.
+    pub fn init_rank(
+        lib: Arc<CclLibrary>,
+        ordinal: i32,
+        world: usize,
+        rank: usize,
+        id: &UniqueId,
+        caps: Arc<CapabilityReport>,
+    ) -> Result<Self> {
+        let runtime = CudaRuntime::new(ordinal)?;
+        runtime.context().bind()?;
+        let ccl = CclComm::init_rank(lib, world, id, rank)?;
+        Self::wrap(ccl, runtime, rank, world, ordinal, caps)
+    }
+
+    /// One communicator per listed device of this process (`ncclCommInitAll`), index = rank.
+    pub fn init_all(lib: Arc<CclLibrary>, ordinals: &[i32], caps: Arc<CapabilityReport>) -> Result<Vec<Self>> {
+        let runtimes: Vec<CudaRuntime> = ordinals.iter().map(|o| CudaRuntime::new(*o)).collect::<Result<_>>()?;
+        let ccls = anyccl_ccl::init_all(&lib, ordinals)?;
+        let world = ordinals.len();
+        ccls.into_iter()
+            .zip(runtimes)
+            .zip(ordinals)
+            .enumerate()
+            .map(|(rank, ((c, rt), o))| Self::wrap(c, rt, rank, world, *o, caps.clone()))
+            .collect()
+    }
+
+    fn wrap(
+        ccl: CclComm,
+        runtime: CudaRuntime,
+        rank: usize,
+        world: usize,
+        ordinal: i32,
+        caps: Arc<CapabilityReport>,
+    ) -> Result<Self> {
+        let info = crate::driver::probe()
+            .map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+        let arch =
+            info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.arch()).unwrap_or_else(|| "unknown".into());
+        let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
+        Ok(CudaComm { ccl, rank, world, runtime, arch, caps, windows: Arc::new(Mutex::new(Vec::new())), scratch })
+    }
+
+    /// The NCCL communicator.
+    pub fn ccl(&self) -> &CclComm {
+        &self.ccl
+    }
+
+    fn in_window(&self, d: &BufferDesc, bytes: usize) -> bool {
+        let w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+        w.iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.runtime.context().bind()
+    }
+
+    /// With one rank, avg is the identity, exactly like sum. NCCL 2.28.3 left the last element of out-of-place
+    /// f64 avg all-reduce, reduce-scatter and reduce of 65537 elements unwritten at world 1 (seen on an H200), so
+    /// anyccl asks for sum there.
+    fn effective_op(&self, op: ReduceOp) -> ReduceOp {
+        if self.world == 1 && op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        }
+    }
+
+    /// Allocates a symmetric buffer of `bytes` with `ncclMemAlloc` and registers it as a window
+    /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
+    /// is being captured (allocation and registration are not capture-safe).
+    pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
+        self.caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
+        if stream.is_capturing()? {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                call: "symmetric_buffer".into(),
+                code: None,
+                message: "allocating and registering a window is not allowed during graph capture".into(),
+            });
+        }
+        self.bind()?;
+        let lib = self.ccl.library().clone();
+        // Windows need 4096-byte granularity.
+        let size = bytes.max(1).div_ceil(4096) * 4096;
+        let ptr = anyccl_ccl::mem_alloc(&lib, size)?;
+        // SAFETY: `ptr` is `size` bytes from ncclMemAlloc on this device, page aligned, freed only after the window.
+        let window = match unsafe { self.ccl.window_register(ptr, size) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: allocated just above, freed once.
+                if let Err(f) = unsafe { anyccl_ccl::mem_free(&lib, ptr) } {
+                    tracing::warn!(error = %f, "freeing a symmetric buffer after a failed registration failed");
+                }
+                return Err(e);
+            }
+        };
+        self.windows.lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
+        // SAFETY: `ptr` is `size` bytes of this device's memory, owned by the SymmetricBuffer until it drops.
+        let view =
+            unsafe { DeviceBuffer::from_raw(ptr as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
+        Ok(SymmetricBuffer {
+            view,
+            ptr,
+            size,
+            window: Some(window),
+            ccl_raw: CommRef { lib, comm: self.ccl.raw() },
+            windows: self.windows.clone(),
+            ctx: self.runtime.context().clone(),
+        })
+    }
+}
+
+/// The communicator a window belongs to, kept for deregistration.
+struct CommRef {
+    lib: Arc<CclLibrary>,
+    comm: *mut c_void,
+}
+
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. All-reduce on it
+/// runs NCCL's symmetric kernels, zero-copy. Deregistered and freed on drop (not during capture).
+pub struct SymmetricBuffer {
+    view: DeviceBuffer,
+    ptr: *mut c_void,
+    size: usize,
+    window: Option<anyccl_ccl::Window>,
+    ccl_raw: CommRef,
+    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    ctx: Arc<crate::runtime::DeviceContext>,
+}
+
+// SAFETY: the buffer is device memory plus opaque NCCL handles, usable from any thread.
+unsafe impl Send for SymmetricBuffer {}
+
+impl SymmetricBuffer {
+    /// The buffer as the collectives take it.
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.view
+    }
+
+    /// The buffer, mutably.
+    pub fn buffer_mut(&mut self) -> &mut DeviceBuffer {
+        &mut self.view
+    }
+}
+
+impl Drop for SymmetricBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
+        if let Some(w) = self.window.take() {
+            let lib = &self.ccl_raw.lib;
+            if let Some(f) = lib.table().optional.comm_window_deregister {
+                // SAFETY: the window was registered on this communicator, which outlives its buffers by contract
+                // (documented on CudaComm::symmetric_buffer), and is deregistered once.
+                let st = unsafe { f(self.ccl_raw.comm, window_raw(w)) };
+                if st != 0 {
+                    tracing::warn!(status = st, "ncclCommWindowDeregister failed");
+                }
+            }
+        }
+        // SAFETY: allocated by ncclMemAlloc in symmetric_buffer, freed once.
+        if let Err(e) = unsafe { anyccl_ccl::mem_free(&self.ccl_raw.lib, self.ptr) } {
+            tracing::warn!(error = %e, size = self.size, "ncclMemFree failed");
+        }
+    }
+}
+
+fn window_raw(w: anyccl_ccl::Window) -> *mut c_void {
+    w.into_raw()
+}
+
+fn ptrs(bufs: &InOut<'_, DeviceBuffer>) -> (*const c_void, *mut c_void) {
+    match bufs {
+        InOut::InPlace(b) => (b.device_ptr() as *const c_void, b.device_ptr() as *mut c_void),
+        InOut::Separate { send, recv } => (send.device_ptr() as *const c_void, recv.device_ptr() as *mut c_void),
+    }
+}
+
+impl CommBackend for CudaComm {
+    type Runtime = CudaRuntime;
+
+    fn runtime(&self) -> &CudaRuntime {
+        &self.runtime
+    }
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn vendor(&self) -> Vendor {
+        Vendor::Nvidia
+    }
+
+    fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn capabilities(&self) -> &CapabilityReport {
+        &self.caps
+    }
+
+    fn allreduce_algorithms(&self) -> &[Algorithm] {
+        &ALGORITHMS
+    }
+
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
+        match algorithm {
+            Algorithm::Ccl => Ok(()),
+            Algorithm::CclSymmetric => {
+                self.caps.require(Capabilities::SYMMETRIC_WINDOWS).map_err(|e| e.to_string())?;
+                let in_windows = match &call.bufs {
+                    None => false,
+                    Some(InOutDesc::InPlace(b)) => self.in_window(b, call.bytes),
+                    Some(InOutDesc::Separate { send, recv }) => {
+                        self.in_window(send, call.bytes) && self.in_window(recv, call.bytes)
+                    }
+                };
+                if in_windows {
+                    Ok(())
+                } else {
+                    Err("the buffers are not in a registered symmetric window (use CudaComm::symmetric_buffer)".into())
+                }
+            }
+            other => Err(format!("{other} is not implemented by the CUDA backend yet")),
+        }
+    }
+
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+        anyccl_ccl::nccl_dtype(self.ccl.library(), dtype)?;
+        anyccl_ccl::nccl_op(self.ccl.library(), op, dtype)?;
+        Ok(())
+    }
+
+    fn all_reduce(
+        &mut self,
+        _algorithm: Algorithm,
+        bufs: InOut<'_, DeviceBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
+        // registered window, which eligibility has checked.
+        self.bind()?;
+        let op = self.effective_op(op);
+        let (s, r) = ptrs(&bufs);
+        // SAFETY: validated: both buffers hold `count` elements of this device; the stream is live.
+        unsafe { self.ccl.all_reduce(s, r, count, dtype, op, stream.raw() as _) }
+    }
+
+    fn all_gather(
+        &mut self,
+        bufs: InOut<'_, DeviceBuffer>,
+        count: usize,
+        dtype: DataType,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        let (s, r) = match &bufs {
+            InOut::InPlace(b) => {
+                let part = (self.rank * count * dtype.size_bytes()) as u64;
+                ((b.device_ptr() + part) as *const c_void, b.device_ptr() as *mut c_void)
+            }
+            InOut::Separate { .. } => ptrs(&bufs),
+        };
+        // SAFETY: validated sizes (recv holds world × count); in place, send is this rank's slot of recv.
+        unsafe { self.ccl.all_gather(s, r, count, dtype, stream.raw() as _) }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        bufs: InOut<'_, DeviceBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        let op = self.effective_op(op);
+        let (s, r) = match &bufs {
+            InOut::InPlace(b) => {
+                let part = (self.rank * count * dtype.size_bytes()) as u64;
+                (b.device_ptr() as *const c_void, (b.device_ptr() + part) as *mut c_void)
+            }
+            InOut::Separate { .. } => ptrs(&bufs),
+        };
+        // SAFETY: validated sizes (send holds world × count); in place, recv is this rank's slot of send.
+        unsafe { self.ccl.reduce_scatter(s, r, count, dtype, op, stream.raw() as _) }
+    }
+
+    fn broadcast(
+        &mut self,
+        bufs: InOut<'_, DeviceBuffer>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        let (s, r) = ptrs(&bufs);
+        // SAFETY: validated sizes and root.
+        unsafe { self.ccl.broadcast(s, r, count, dtype, root, stream.raw() as _) }
+    }
+
+    fn reduce(
+        &mut self,
+        bufs: InOut<'_, DeviceBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        let op = self.effective_op(op);
+        let (s, r) = ptrs(&bufs);
+        // SAFETY: validated sizes and root.
+        unsafe { self.ccl.reduce(s, r, count, dtype, op, root, stream.raw() as _) }
+    }
+
+    fn send(
+        &mut self,
+        buf: &DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: validated size and peer.
+        unsafe { self.ccl.send(buf.device_ptr() as *const c_void, count, dtype, peer, stream.raw() as _) }
+    }
+
+    fn recv(
+        &mut self,
+        buf: &mut DeviceBuffer,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.bind()?;
+        // SAFETY: validated size and peer.
+        unsafe { self.ccl.recv(buf.device_ptr() as *mut c_void, count, dtype, peer, stream.raw() as _) }
+    }
+
+    fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
+        // An all-reduce of one element, then wait: every rank has arrived when it completes.
+        self.bind()?;
+        let one = &self.scratch;
+        // SAFETY: a 4-byte buffer of this device, in place.
+        unsafe {
+            self.ccl.all_reduce(
+                one.device_ptr() as *const c_void,
+                one.device_ptr() as *mut c_void,
+                1,
+                DataType::F32,
+                ReduceOp::Sum,
+                stream.raw() as _,
+            )
+        }?;
+        if stream.is_capturing()? {
+            // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
+            return Ok(());
+        }
+        stream.synchronize()
+    }
+}

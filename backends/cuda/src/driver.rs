@@ -1,0 +1,105 @@
+//! The CUDA driver, probed before use: cudarc panics when `libcuda.so.1` is absent, so anyccl checks first and
+//! reports "CUDA backend unavailable: libcuda.so.1 not found" instead.
+
+use std::sync::OnceLock;
+
+use anyccl_core::{Error, Reason};
+use cudarc::driver::{result, sys, DriverError};
+
+/// Converts a driver error into anyccl's error, keeping the driver's own name and text.
+pub fn cu_err(call: &str, e: DriverError) -> Error {
+    let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    Error::Backend {
+        backend: "cuda".into(),
+        call: call.into(),
+        code: Some(e.0 as i64),
+        message: format!("{name}: {text}"),
+    }
+}
+
+/// One device as the driver describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: i32,
+    /// Marketing name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`.
+    pub multicast_supported: bool,
+    /// Total memory in bytes.
+    pub total_memory: usize,
+}
+
+impl DeviceInfo {
+    /// `sm_90` style architecture name.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// What the driver offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverInfo {
+    /// `cuDriverGetVersion` (e.g. 13000).
+    pub version: i32,
+    /// Every device.
+    pub devices: Vec<DeviceInfo>,
+}
+
+impl DriverInfo {
+    /// `13.0`.
+    pub fn version_string(&self) -> String {
+        format!("{}.{}", self.version / 1000, (self.version % 1000) / 10)
+    }
+}
+
+/// Loads and initialises the driver once per process. `Err` carries the reason the backend is unavailable.
+pub fn probe() -> Result<&'static DriverInfo, Reason> {
+    static PROBE: OnceLock<Result<DriverInfo, Reason>> = OnceLock::new();
+    PROBE.get_or_init(probe_uncached).as_ref().map_err(Clone::clone)
+}
+
+fn probe_uncached() -> Result<DriverInfo, Reason> {
+    let unavailable = |detail: String| Reason::Unavailable { component: "libcuda.so.1".into(), detail };
+    // SAFETY: only tries to dlopen the driver library by its usual names; no symbol is called.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(unavailable("not found by the dynamic loader (no NVIDIA driver installed)".into()));
+    }
+    result::init().map_err(|e| unavailable(format!("cuInit failed: {}", cu_err("cuInit", e))))?;
+    let mut version = 0;
+    // SAFETY: writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| unavailable(format!("cuDriverGetVersion failed: {}", cu_err("cuDriverGetVersion", e))))?;
+    let count = result::device::get_count().map_err(|e| unavailable(cu_err("cuDeviceGetCount", e).to_string()))?;
+    if count == 0 {
+        return Err(Reason::Unavailable {
+            component: "NVIDIA GPU".into(),
+            detail: "the driver reports no device".into(),
+        });
+    }
+    let mut devices = Vec::new();
+    for ordinal in 0..count {
+        let dev = result::device::get(ordinal).map_err(|e| unavailable(cu_err("cuDeviceGet", e).to_string()))?;
+        let attr = |a: sys::CUdevice_attribute| -> i32 {
+            // SAFETY: `dev` is a valid device handle; reading an attribute has no side effects.
+            unsafe { result::device::get_attribute(dev, a) }.unwrap_or(0)
+        };
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown".into());
+        devices.push(DeviceInfo {
+            ordinal,
+            name,
+            compute_capability: (
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ),
+            multicast_supported: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) != 0,
+            // SAFETY: valid device handle.
+            total_memory: unsafe { result::device::total_mem(dev) }.unwrap_or(0),
+        });
+    }
+    Ok(DriverInfo { version, devices })
+}

@@ -1,0 +1,112 @@
+//! CUDA graphs and events, for capture-and-replay and for timing (the benchmark's method).
+
+use std::sync::Arc;
+
+use anyccl_core::Result;
+use cudarc::driver::{result, sys};
+
+use crate::driver::cu_err;
+use crate::runtime::{CudaStream, DeviceContext};
+
+/// A captured and instantiated CUDA graph.
+pub struct Graph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    ctx: Arc<DeviceContext>,
+}
+
+// SAFETY: graph handles may be launched and destroyed from any thread.
+unsafe impl Send for Graph {}
+
+impl Graph {
+    /// Captures what `body` enqueues on `stream` (global capture mode) and instantiates it. If `body` fails, the
+    /// capture is ended and discarded and the error returned.
+    pub fn capture(
+        ctx: &Arc<DeviceContext>,
+        stream: &CudaStream,
+        body: impl FnOnce(&CudaStream) -> Result<()>,
+    ) -> Result<Self> {
+        ctx.bind()?;
+        // SAFETY: live stream, not already capturing (the driver reports an error otherwise).
+        unsafe { result::stream::begin_capture(stream.raw(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }
+            .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
+        let r = body(stream);
+        // SAFETY: ends the capture begun above, whatever `body` did.
+        let graph = unsafe { result::stream::end_capture(stream.raw()) };
+        r?;
+        let graph = graph.map_err(|e| cu_err("cuStreamEndCapture", e))?;
+        // SAFETY: a graph just captured.
+        let exec = match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(x) => x,
+            Err(e) => {
+                // SAFETY: destroy the graph we own.
+                let _ = unsafe { result::graph::destroy(graph) };
+                return Err(cu_err("cuGraphInstantiate", e));
+            }
+        };
+        Ok(Graph { graph, exec, ctx: ctx.clone() })
+    }
+
+    /// Launches the graph on `stream`.
+    pub fn launch(&self, stream: &CudaStream) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: instantiated graph, live stream.
+        unsafe { result::graph::launch(self.exec, stream.raw()) }.map_err(|e| cu_err("cuGraphLaunch", e))
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: created in `capture`, destroyed once.
+        unsafe {
+            if let Err(e) = result::graph::exec_destroy(self.exec) {
+                tracing::warn!(error = %cu_err("cuGraphExecDestroy", e), "destroying a graph failed");
+            }
+            if let Err(e) = result::graph::destroy(self.graph) {
+                tracing::warn!(error = %cu_err("cuGraphDestroy", e), "destroying a graph failed");
+            }
+        }
+    }
+}
+
+/// A CUDA event with timing enabled.
+pub struct Event {
+    raw: sys::CUevent,
+    ctx: Arc<DeviceContext>,
+}
+
+// SAFETY: events may be recorded and queried from any thread.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// A new timing event.
+    pub fn new(ctx: &Arc<DeviceContext>) -> Result<Self> {
+        ctx.bind()?;
+        let raw =
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| cu_err("cuEventCreate", e))?;
+        Ok(Event { raw, ctx: ctx.clone() })
+    }
+
+    /// Records the event on `stream`.
+    pub fn record(&self, stream: &CudaStream) -> Result<()> {
+        // SAFETY: live event and stream.
+        unsafe { result::event::record(self.raw, stream.raw()) }.map_err(|e| cu_err("cuEventRecord", e))
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded and completed).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        // SAFETY: both events live and recorded.
+        unsafe { result::event::elapsed(self.raw, end.raw) }.map_err(|e| cu_err("cuEventElapsedTime", e))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: created in `new`, destroyed once.
+        if let Err(e) = unsafe { result::event::destroy(self.raw) } {
+            tracing::warn!(error = %cu_err("cuEventDestroy", e), "destroying an event failed");
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! Core's [`MemoryRuntime`] over the CUDA driver: device buffers, streams, capture status.
+
+use std::sync::Arc;
+
+use anyccl_core::runtime::BufferLike;
+use anyccl_core::{BufferDesc, Error, InvalidArgument, Location, MemoryRuntime, Result};
+use cudarc::driver::{result, sys};
+
+use crate::driver::cu_err;
+
+/// A retained primary context of one device. Released when the last user drops it.
+pub struct DeviceContext {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    ordinal: i32,
+}
+
+// SAFETY: a CUDA context handle may be made current on any thread; the driver synchronises its use.
+unsafe impl Send for DeviceContext {}
+// SAFETY: as above; all methods take `&self` and only pass the handle to thread-safe driver calls.
+unsafe impl Sync for DeviceContext {}
+
+impl DeviceContext {
+    /// Retains the primary context of device `ordinal`.
+    pub fn new(ordinal: i32) -> Result<Arc<Self>> {
+        crate::driver::probe().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+        let dev = result::device::get(ordinal).map_err(|e| cu_err("cuDeviceGet", e))?;
+        // SAFETY: `dev` is a valid device; retaining its primary context is reference counted.
+        let ctx = unsafe { result::primary_ctx::retain(dev) }.map_err(|e| cu_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(Arc::new(DeviceContext { ctx, dev, ordinal }))
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` is a retained, live context.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| cu_err("cuCtxSetCurrent", e))
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+impl Drop for DeviceContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `new`.
+        if let Err(e) = unsafe { result::primary_ctx::release(self.dev) } {
+            tracing::warn!(error = %cu_err("cuDevicePrimaryCtxRelease", e), "releasing a CUDA context failed");
+        }
+    }
+}
+
+/// A CUDA stream: created by anyccl (destroyed on drop) or borrowed from the engine.
+pub struct CudaStream {
+    raw: sys::CUstream,
+    ctx: Arc<DeviceContext>,
+    owned: bool,
+}
+
+// SAFETY: CUDA streams may be used from any thread.
+unsafe impl Send for CudaStream {}
+// SAFETY: as above.
+unsafe impl Sync for CudaStream {}
+
+impl CudaStream {
+    /// A new non-blocking stream on `ctx`'s device.
+    pub fn new(ctx: &Arc<DeviceContext>) -> Result<Self> {
+        ctx.bind()?;
+        let raw =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| cu_err("cuStreamCreate", e))?;
+        Ok(CudaStream { raw, ctx: ctx.clone(), owned: true })
+    }
+
+    /// Wraps an engine's stream (`cudaStream_t`/`CUstream`) without taking ownership.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `ctx`'s device and outlives the returned value.
+    pub unsafe fn from_raw(raw: *mut std::ffi::c_void, ctx: &Arc<DeviceContext>) -> Self {
+        CudaStream { raw: raw as sys::CUstream, ctx: ctx.clone(), owned: false }
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// Blocks until the stream's work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: live stream.
+        unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cu_err("cuStreamSynchronize", e))
+    }
+
+    /// Whether the stream is being captured into a graph.
+    pub fn is_capturing(&self) -> Result<bool> {
+        // SAFETY: live stream; the query has no side effects and is legal during capture.
+        let st = unsafe { result::stream::is_capturing(self.raw) }.map_err(|e| cu_err("cuStreamIsCapturing", e))?;
+        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: we created it and destroy it once.
+            if let Err(e) = unsafe { result::stream::destroy(self.raw) } {
+                tracing::warn!(error = %cu_err("cuStreamDestroy", e), "destroying a CUDA stream failed");
+            }
+        }
+    }
+}
+
+/// Device memory: allocated by anyccl (freed on drop) or a view of the engine's memory.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    ordinal: u32,
+    owner: Option<Arc<DeviceContext>>,
+}
+
+// SAFETY: a device pointer is an address; using it from any thread is allowed by the driver.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: shared access only reads the address and length.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `ctx`'s device (`cuMemAlloc`, 256-byte aligned). Not allowed while capturing.
+    pub fn alloc(ctx: &Arc<DeviceContext>, len: usize) -> Result<Self> {
+        ctx.bind()?;
+        // cuMemAlloc refuses 0 bytes; a 1-byte allocation gives zero-length buffers a valid address.
+        // SAFETY: plain allocation in the current context.
+        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| cu_err("cuMemAlloc", e))?;
+        Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner: Some(ctx.clone()) })
+    }
+
+    /// A view of `len` bytes at device address `ptr` on device `ordinal`, owned by someone else (a PyTorch
+    /// tensor, an engine's pool). Nothing is freed on drop.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is device memory of device `ordinal` that stays allocated while the view is used.
+    pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: u32) -> Self {
+        DeviceBuffer { ptr, len, ordinal, owner: None }
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if let Some(ctx) = &self.owner {
+            if ctx.bind().is_ok() {
+                // SAFETY: allocated by `alloc` and freed once.
+                if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                    tracing::warn!(error = %cu_err("cuMemFree", e), "freeing device memory failed");
+                }
+            }
+        }
+    }
+}
+
+impl BufferLike for DeviceBuffer {
+    fn desc(&self) -> BufferDesc {
+        BufferDesc { addr: self.ptr as usize, len: self.len, location: Location::Device { ordinal: self.ordinal } }
+    }
+}
+
+/// The CUDA memory runtime of one device.
+#[derive(Clone)]
+pub struct CudaRuntime {
+    ctx: Arc<DeviceContext>,
+}
+
+impl CudaRuntime {
+    /// The runtime of device `ordinal`.
+    pub fn new(ordinal: i32) -> Result<Self> {
+        Ok(CudaRuntime { ctx: DeviceContext::new(ordinal)? })
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<DeviceContext> {
+        &self.ctx
+    }
+
+    /// A new stream on this device.
+    pub fn stream(&self) -> Result<CudaStream> {
+        CudaStream::new(&self.ctx)
+    }
+
+    fn refuse_in_capture(&self, stream: &CudaStream, what: &str) -> Result<()> {
+        if stream.is_capturing()? {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                call: what.into(),
+                code: None,
+                message: "not allowed while the stream is being captured; do it before capture begins".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl MemoryRuntime for CudaRuntime {
+    type Buffer = DeviceBuffer;
+    type OwnedBuffer = DeviceBuffer;
+    type Stream = CudaStream;
+
+    fn location(&self) -> Location {
+        Location::Device { ordinal: self.ctx.ordinal().unsigned_abs() }
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
+        DeviceBuffer::alloc(&self.ctx, bytes)
+    }
+
+    fn upload(&self, dst: &mut DeviceBuffer, src: &[u8], stream: &CudaStream) -> Result<()> {
+        if src.len() > dst.len {
+            return Err(InvalidArgument::BufferTooSmall {
+                which: "upload",
+                have: dst.len,
+                need: src.len(),
+                count: src.len(),
+                dtype: anyccl_core::DataType::U8,
+            }
+            .into());
+        }
+        self.refuse_in_capture(stream, "upload")?;
+        self.ctx.bind()?;
+        // SAFETY: `dst` holds at least `src.len()` bytes of this device; the copy completes before we return
+        // (the stream is synchronised), so `src` outlives it.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, stream.raw) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
+        stream.synchronize()
+    }
+
+    fn download(&self, src: &DeviceBuffer, dst: &mut [u8], stream: &CudaStream) -> Result<()> {
+        if dst.len() > src.len {
+            return Err(InvalidArgument::BufferTooSmall {
+                which: "download",
+                have: src.len,
+                need: dst.len(),
+                count: dst.len(),
+                dtype: anyccl_core::DataType::U8,
+            }
+            .into());
+        }
+        self.refuse_in_capture(stream, "download")?;
+        self.ctx.bind()?;
+        // SAFETY: `src` holds at least `dst.len()` bytes; synchronised before `dst` is used.
+        unsafe { result::memcpy_dtoh_async(dst, src.ptr, stream.raw) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
+        stream.synchronize()
+    }
+
+    fn synchronize(&self, stream: &CudaStream) -> Result<()> {
+        stream.synchronize()
+    }
+
+    fn is_capturing(&self, stream: &CudaStream) -> Result<bool> {
+        stream.is_capturing()
+    }
+}

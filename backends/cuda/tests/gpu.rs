@@ -1,0 +1,192 @@
+//! CUDA backend tests. The ones marked `#[ignore = "needs an NVIDIA GPU…"]` run on the GPU machine with
+//! `--ignored` (CI has no GPU and lists them as ignored); the others run everywhere.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyccl_core::conformance::{self, Config, ConformanceTarget};
+use anyccl_core::{
+    Algorithm, Capabilities, CapabilityState, Communicator, DataType, InOut, ReduceOp, Result, Selector,
+};
+use anyccl_cuda::{CudaComm, CudaStream};
+use cudarc::driver::{result, sys};
+
+fn has_gpu() -> bool {
+    Path::new("/dev/nvidia0").exists()
+}
+
+#[test]
+fn backend_reports_availability_with_a_reason() {
+    let caps = anyccl_cuda::capabilities(None, &|_| None);
+    match caps.state(Capabilities::CUDA_RUNTIME) {
+        CapabilityState::Enabled => assert!(has_gpu(), "CUDA runtime enabled without a GPU device node"),
+        CapabilityState::Disabled(reason) => {
+            assert!(!has_gpu() || anyccl_cuda::available().is_err());
+            let text = reason.to_string();
+            assert!(text.contains("libcuda.so.1") || text.contains("NVIDIA GPU"), "{text}");
+            // Everything that needs the runtime says so.
+            for c in [Capabilities::IPC, Capabilities::MULTICAST, Capabilities::GRAPH_CAPTURE] {
+                let s = format!("{:?}", caps.state(c));
+                assert!(s.contains("cuda-runtime"), "{c:?}: {s}");
+            }
+        }
+    }
+    // Without a library, every NCCL capability is off with a reason.
+    assert!(!caps.has(Capabilities::CCL));
+    assert!(caps.require(Capabilities::SYMMETRIC_WINDOWS).is_err());
+}
+
+#[test]
+fn creating_a_communicator_without_a_gpu_is_an_error_not_a_crash() {
+    if has_gpu() {
+        return; // covered by the GPU tests below
+    }
+    let err = anyccl_cuda::CudaRuntime::new(0).err().expect("no GPU here");
+    assert!(err.to_string().contains("cuda-runtime is not available"), "{err}");
+}
+
+fn nccl() -> Arc<anyccl_ccl::CclLibrary> {
+    anyccl_ccl::load(anyccl_ccl::CclVendor::Nccl).unwrap_or_else(|e| panic!("NCCL must be installed: {e}"))
+}
+
+struct Cuda;
+
+impl ConformanceTarget for Cuda {
+    type Backend = CudaComm;
+
+    fn name(&self) -> String {
+        "cuda".into()
+    }
+
+    fn create(&self, world: usize) -> Result<Vec<Communicator<CudaComm>>> {
+        let ordinals: Vec<i32> = vec![0; world];
+        anyccl_cuda::communicators_single_process(nccl(), &ordinals, Arc::new(Selector::defaults()))
+    }
+
+    fn stream(&self, comm: &Communicator<CudaComm>) -> Result<CudaStream> {
+        comm.runtime().stream()
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn gpu_conformance_world_1_against_the_host_reference() {
+    let cfg = Config { worlds: vec![1], counts: vec![0, 1, 5, 1037, 65537], ..Config::default() };
+    let summary = conformance::run(&Cuda, &cfg);
+    eprintln!("cuda conformance: {} checks, {} expected errors", summary.checks, summary.expected_errors);
+    summary.assert_ok();
+}
+
+fn free_memory() -> usize {
+    result::mem_get_info().map(|(free, _)| free).unwrap_or(0)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn graph_capture_and_replay_equal_eager() {
+    let mut comms = Cuda.create(1).expect("communicator");
+    let comm = &mut comms[0];
+    let stream = comm.runtime().stream().expect("stream");
+    let n = 1 << 16;
+    let input: Vec<f32> = (0..n).map(|i| ((i * 37) % 101) as f32 * 0.25 - 7.0).collect();
+    let bytes: &[u8] = bytemuck::cast_slice(&input);
+    let rt = comm.runtime().clone();
+    let mut eager = anyccl_core::MemoryRuntime::alloc(&rt, bytes.len()).expect("alloc");
+    let mut graphed = anyccl_core::MemoryRuntime::alloc(&rt, bytes.len()).expect("alloc");
+    let send = {
+        let mut b = anyccl_core::MemoryRuntime::alloc(&rt, bytes.len()).expect("alloc");
+        anyccl_core::MemoryRuntime::upload(&rt, &mut b, bytes, &stream).expect("upload");
+        b
+    };
+    comm.all_reduce(InOut::Separate { send: &send, recv: &mut eager }, n, DataType::F32, ReduceOp::Sum, &stream)
+        .expect("eager");
+
+    // Capture: the front-end sees the capture, nothing illegal runs, and an upload is refused without breaking it.
+    // SAFETY: live stream; global capture mode.
+    unsafe { result::stream::begin_capture(stream.raw(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }
+        .expect("begin capture");
+    assert!(stream.is_capturing().expect("query"));
+    let sel = comm
+        .all_reduce(InOut::Separate { send: &send, recv: &mut graphed }, n, DataType::F32, ReduceOp::Sum, &stream)
+        .expect("captured all-reduce");
+    assert_eq!(sel.algorithm, Algorithm::Ccl);
+    let refused = anyccl_core::MemoryRuntime::upload(&rt, &mut graphed, bytes, &stream);
+    assert!(refused.is_err(), "an upload during capture must be refused");
+    // SAFETY: ends the capture begun above.
+    let graph = unsafe { result::stream::end_capture(stream.raw()) }.expect("end capture (capture still valid)");
+    // SAFETY: a graph just captured.
+    let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }.expect("instantiate");
+    for _ in 0..3 {
+        // SAFETY: instantiated graph, live stream.
+        unsafe { result::graph::launch(exec, stream.raw()) }.expect("replay");
+    }
+    stream.synchronize().expect("sync");
+    let mut a = vec![0u8; bytes.len()];
+    let mut b = vec![0u8; bytes.len()];
+    anyccl_core::MemoryRuntime::download(&rt, &eager, &mut a, &stream).expect("download");
+    anyccl_core::MemoryRuntime::download(&rt, &graphed, &mut b, &stream).expect("download");
+    assert_eq!(a, b, "graph replay differs from eager");
+    assert_eq!(a, bytes, "world 1 sum is the input");
+    // SAFETY: destroy what was created above, once.
+    unsafe {
+        result::graph::exec_destroy(exec).expect("exec destroy");
+        result::graph::destroy(graph).expect("graph destroy");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn symmetric_buffers_1000_times_return_memory() {
+    let mut comms = Cuda.create(1).expect("communicator");
+    let comm = &mut comms[0];
+    let stream = comm.runtime().stream().expect("stream");
+    if let Err(e) = comm.capabilities().require(Capabilities::SYMMETRIC_WINDOWS) {
+        panic!("this NCCL must have symmetric windows: {e}");
+    }
+    let n = 1 << 18;
+    // Warm up once so lazily created NCCL resources are not counted as a leak.
+    drop(comm.backend().symmetric_buffer(n * 4, &stream).expect("symmetric buffer"));
+    stream.synchronize().expect("sync");
+    let before = free_memory();
+    for i in 0..1000 {
+        let mut sb = comm.backend().symmetric_buffer(n * 4, &stream).unwrap_or_else(|e| panic!("iteration {i}: {e}"));
+        if i % 100 == 0 {
+            comm.all_reduce_with(
+                Algorithm::CclSymmetric,
+                InOut::InPlace(sb.buffer_mut()),
+                n,
+                DataType::F32,
+                ReduceOp::Sum,
+                &stream,
+            )
+            .expect("zero-copy all-reduce on the window");
+            stream.synchronize().expect("sync");
+        }
+    }
+    stream.synchronize().expect("sync");
+    let after = free_memory();
+    eprintln!("symmetric buffers x1000: free memory before {before} after {after}");
+    assert!(before.abs_diff(after) <= 1 << 20, "device memory moved by {} bytes", before.abs_diff(after));
+    // Ordinary buffers are not eligible for the symmetric path, with the reason.
+    let mut plain = anyccl_core::MemoryRuntime::alloc(comm.runtime(), n * 4).expect("alloc");
+    let err = comm
+        .all_reduce_with(Algorithm::CclSymmetric, InOut::InPlace(&mut plain), n, DataType::F32, ReduceOp::Sum, &stream)
+        .expect_err("not a window");
+    assert!(err.to_string().contains("not in a registered symmetric window"), "{err}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn communicators_1000_times_return_memory() {
+    let lib = nccl();
+    drop(Cuda.create(1).expect("warm-up"));
+    let before = free_memory();
+    for i in 0..1000 {
+        let c = anyccl_cuda::communicators_single_process(lib.clone(), &[0], Arc::new(Selector::defaults()))
+            .unwrap_or_else(|e| panic!("iteration {i}: {e}"));
+        drop(c);
+    }
+    let after = free_memory();
+    eprintln!("communicators x1000: free memory before {before} after {after}");
+    assert!(before.abs_diff(after) <= 1 << 20, "device memory moved by {} bytes", before.abs_diff(after));
+}

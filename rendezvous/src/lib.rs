@@ -1,0 +1,55 @@
+//! anyccl-rendezvous: the vendor-neutral bootstrap the GPU backends build on.
+//!
+//! Two pieces, both without any GPU dependency:
+//!
+//! - [`tcp`]: a TCP rendezvous through which the N ranks of a job find each other and exchange small byte blobs
+//!   (an `ncclUniqueId`, IPC handles, host names). Rank 0 listens on the master address, the other ranks connect to
+//!   it (star topology), every connection is checked by a handshake (magic, protocol version, world size, rank, job
+//!   key), and the group then offers [`Rendezvous::all_gather`], [`Rendezvous::broadcast`] and
+//!   [`Rendezvous::barrier`]. Every wait has a timeout; a rank that never arrives or dies makes the others fail with
+//!   [`Error::Timeout`](anyccl_core::Error::Timeout) or [`Error::PeerFailure`](anyccl_core::Error::PeerFailure)
+//!   instead of hanging. [`RendezvousConfig::from_env`] reads torchrun's (or Slurm's) variables.
+//! - [`fdpass`] (Linux): file-descriptor passing over a Unix-domain socket (`SCM_RIGHTS`) between processes of the
+//!   same user, for CUDA VMM POSIX-FD memory handles. The server socket lives in a private directory (mode 0700),
+//!   the socket file has mode 0600, and every accepted peer's uid is checked with `SO_PEERCRED`.
+//!
+//! ```
+//! use std::time::Duration;
+//! use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
+//!
+//! // Rank 0 binds port 0 here so the example never collides with another process; a real job uses
+//! // `RendezvousConfig::from_env()` and `Rendezvous::establish` on every rank.
+//! let cfg = RendezvousConfig::new(0, 2, "127.0.0.1:0".parse().unwrap()).with_timeout(Duration::from_secs(10));
+//! let listener = Rendezvous::listen(cfg).unwrap();
+//! let rank1_cfg = listener.client_config(1);
+//! let rank1 = std::thread::spawn(move || {
+//!     let mut group = Rendezvous::connect(rank1_cfg).unwrap();
+//!     group.all_gather(b"from rank 1").unwrap()
+//! });
+//! let mut group = listener.accept_all().unwrap();
+//! let all = group.all_gather(b"from rank 0").unwrap();
+//! assert_eq!(all, rank1.join().unwrap());
+//! assert_eq!(all[1], b"from rank 1");
+//! ```
+//!
+//! The crate has exactly one `unsafe` block: taking ownership of a file descriptor the kernel just installed for a
+//! received `SCM_RIGHTS` message (the `nix` crate hands those over as raw integers).
+#![deny(unsafe_code)]
+
+pub mod config;
+#[cfg(target_os = "linux")]
+pub mod fdpass;
+pub mod tcp;
+
+pub use config::RendezvousConfig;
+#[cfg(target_os = "linux")]
+pub use fdpass::{FdChannel, FdServer};
+pub use tcp::{Listener, Rendezvous};
+
+/// The `backend` name this crate's [`Error::Backend`](anyccl_core::Error::Backend) errors carry.
+pub const BACKEND_NAME: &str = "rendezvous";
+
+/// An I/O failure as anyccl's error, naming the call that failed.
+pub(crate) fn backend_error(call: impl Into<String>, message: impl Into<String>) -> anyccl_core::Error {
+    anyccl_core::Error::Backend { backend: BACKEND_NAME.into(), call: call.into(), code: None, message: message.into() }
+}

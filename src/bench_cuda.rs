@@ -1,0 +1,321 @@
+//! `anyccl bench --backend cuda`: all-reduce on NVIDIA GPUs through the CUDA backend.
+//!
+//! One process, one thread and one NCCL communicator per GPU (`ncclCommInitAll`). Two timing modes:
+//! - graph (default): one CUDA graph holding 10 back-to-back all-reduces; warm-up replays, then timed replays,
+//!   each between two events; latency = replay time / 10; the median is reported (how engines measure);
+//! - eager: each call between two events; the median is reported.
+//!
+//! In eager mode the host time of each call is measured too, through anyccl and through a raw `ncclAllReduce` of
+//! the same library on the same buffers, to show anyccl's per-call overhead.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyccl_cuda::graph::{Event, Graph};
+use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
+use serde::Serialize;
+
+use crate::bench::{BenchConfig, BenchReport, Cell, Ineligible, Progress, Row};
+use crate::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
+
+/// How GPU latency is timed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// One graph of 10 back-to-back all-reduces per replay.
+    Graph,
+    /// Each eager call timed on its own.
+    Eager,
+}
+
+/// Calls per graph replay.
+pub const CALLS_PER_GRAPH: usize = 10;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn cell(algorithm: Algorithm, mut samples: Vec<f64>, bytes: u64, world: usize) -> Cell {
+    let med = median(&mut samples);
+    let min = samples.first().copied().unwrap_or(f64::NAN);
+    let algbw = bytes as f64 / (med * 1e-6) / 1e9;
+    let factor = if world > 1 { 2.0 * (world - 1) as f64 / world as f64 } else { 0.0 };
+    Cell { algorithm, median_us: med, min_us: min, algbw_gbps: algbw, busbw_gbps: algbw * factor }
+}
+
+/// Device latency samples (µs per all-reduce) of `call` on `stream`.
+fn time_device(
+    ctx: &Arc<DeviceContext>,
+    stream: &CudaStream,
+    mode: Mode,
+    cfg: &BenchConfig,
+    call: &mut dyn FnMut(&CudaStream) -> Result<()>,
+) -> Result<Vec<f64>> {
+    let events: Vec<Event> = (0..=cfg.iters).map(|_| Event::new(ctx)).collect::<Result<_>>()?;
+    match mode {
+        Mode::Eager => {
+            for _ in 0..cfg.warmup {
+                call(stream)?;
+            }
+            for ev in &events[..cfg.iters] {
+                ev.record(stream)?;
+                call(stream)?;
+            }
+            events[cfg.iters].record(stream)?;
+            stream.synchronize()?;
+            (0..cfg.iters).map(|i| Ok(f64::from(events[i].elapsed_ms(&events[i + 1])?) * 1e3)).collect()
+        }
+        Mode::Graph => {
+            let graph = Graph::capture(ctx, stream, |s| {
+                for _ in 0..CALLS_PER_GRAPH {
+                    call(s)?;
+                }
+                Ok(())
+            })?;
+            for _ in 0..cfg.warmup.max(1) {
+                graph.launch(stream)?;
+            }
+            for ev in &events[..cfg.iters] {
+                ev.record(stream)?;
+                graph.launch(stream)?;
+            }
+            events[cfg.iters].record(stream)?;
+            stream.synchronize()?;
+            (0..cfg.iters)
+                .map(|i| Ok(f64::from(events[i].elapsed_ms(&events[i + 1])?) * 1e3 / CALLS_PER_GRAPH as f64))
+                .collect()
+        }
+    }
+}
+
+/// Median host time (µs) of `call` over `iters` eager calls, synchronising after each.
+fn time_host(stream: &CudaStream, iters: usize, call: &mut dyn FnMut(&CudaStream) -> Result<()>) -> Result<f64> {
+    let mut v = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        call(stream)?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+        stream.synchronize()?;
+    }
+    Ok(median(&mut v))
+}
+
+type RankRow = (Vec<Vec<f64>>, (Vec<f64>, Algorithm, String), Option<(f64, f64)>);
+
+/// Runs the sweep on the CUDA backend.
+pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<BenchReport> {
+    let info =
+        anyccl_cuda::available().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+    if cfg.world > info.devices.len() {
+        return Err(Error::Parse {
+            what: "world size",
+            input: cfg.world.to_string(),
+            expected: format!(
+                "at most {} (one process drives one rank per GPU; this machine has that many)",
+                info.devices.len()
+            ),
+        });
+    }
+    let lib = anyccl_ccl::load(anyccl_ccl::CclVendor::Nccl).map_err(|e| Error::Unsupported {
+        capability: "ccl".into(),
+        reason: crate::core::Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
+    })?;
+    let esz = cfg.dtype.size_bytes() as u64;
+    for &b in &cfg.sizes {
+        if b == 0 || b % esz != 0 {
+            return Err(Error::Parse {
+                what: "message size",
+                input: b.to_string(),
+                expected: format!("a positive multiple of the {} element size ({esz} B)", cfg.dtype),
+            });
+        }
+    }
+    let ordinals: Vec<i32> = (0..cfg.world as i32).collect();
+    let comms = anyccl_cuda::communicators_single_process(lib, &ordinals, cfg.selector.clone())?;
+    let symmetric = comms.first().is_some_and(|c| c.capabilities().has(Capabilities::SYMMETRIC_WINDOWS));
+    let requested = cfg.algorithms.clone().unwrap_or_else(|| anyccl_cuda::comm::ALGORITHMS.to_vec());
+    let mut algorithms = Vec::new();
+    let mut ineligible = Vec::new();
+    for a in requested {
+        match a {
+            Algorithm::Ccl => algorithms.push(a),
+            Algorithm::CclSymmetric if symmetric => algorithms.push(a),
+            Algorithm::CclSymmetric => {
+                let reason = comms
+                    .first()
+                    .and_then(|c| c.capabilities().require(Capabilities::SYMMETRIC_WINDOWS).err())
+                    .map_or_else(|| "symmetric windows are off".into(), |e| e.to_string());
+                ineligible.push(Ineligible { algorithm: a, reason });
+            }
+            other => ineligible
+                .push(Ineligible { algorithm: other, reason: "not implemented by the CUDA backend yet".into() }),
+        }
+    }
+    let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0) as usize;
+    let total = (cfg.sizes.len() * (algorithms.len() + 1)) as u64;
+
+    let run_rank = |mut c: Communicator<CudaComm>| -> Result<Vec<RankRow>> {
+        let rank = c.rank();
+        let stream = c.runtime().stream()?;
+        let rt = c.runtime().clone();
+        let ctx = rt.context().clone();
+        let dtype = cfg.dtype;
+        let op = cfg.op;
+        let seed: Vec<u8> = (0..max_bytes).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f).collect();
+        let mut send = rt.alloc(max_bytes)?;
+        rt.upload(&mut send, &seed, &stream)?;
+        let recv = rt.alloc(max_bytes)?;
+        // Out of place like the ccl column: send and receive both in registered windows.
+        let mut sym = if algorithms.contains(&Algorithm::CclSymmetric) {
+            let mut sin = c.backend().symmetric_buffer(max_bytes, &stream)?;
+            rt.upload(sin.buffer_mut(), &seed, &stream)?;
+            Some((sin, c.backend().symmetric_buffer(max_bytes, &stream)?))
+        } else {
+            None
+        };
+        let mut rows = Vec::new();
+        let mut done = 0u64;
+        for &bytes in &cfg.sizes {
+            let count = (bytes / esz) as usize;
+            // Views of the first `bytes` of each buffer, so validation sees the call's own size.
+            // SAFETY: each view lies within an allocation that outlives this loop iteration.
+            let (sv, mut rv) = unsafe {
+                (
+                    DeviceBuffer::from_raw(send.device_ptr(), bytes as usize, rt.context().ordinal().unsigned_abs()),
+                    DeviceBuffer::from_raw(recv.device_ptr(), bytes as usize, rt.context().ordinal().unsigned_abs()),
+                )
+            };
+            let mut per_algo = Vec::new();
+            for &a in &algorithms {
+                let samples = if a == Algorithm::CclSymmetric {
+                    let (sin, sout) = sym.as_mut().ok_or_else(|| Error::PeerFailure("no symmetric buffer".into()))?;
+                    let ord = rt.context().ordinal().unsigned_abs();
+                    // SAFETY: within the symmetric allocations, which outlive the call.
+                    let (ws, mut wr) = unsafe {
+                        (
+                            DeviceBuffer::from_raw(sin.buffer().device_ptr(), bytes as usize, ord),
+                            DeviceBuffer::from_raw(sout.buffer().device_ptr(), bytes as usize, ord),
+                        )
+                    };
+                    time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                        c.all_reduce_with(a, InOut::Separate { send: &ws, recv: &mut wr }, count, dtype, op, s)
+                    })?
+                } else {
+                    time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                        c.all_reduce_with(a, InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)
+                    })?
+                };
+                per_algo.push(samples);
+                done += 1;
+                if rank == 0 {
+                    progress(done, total);
+                }
+            }
+            let mut why = String::new();
+            let mut chosen = Algorithm::Ccl;
+            let auto = time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                let sel = c.all_reduce(InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)?;
+                chosen = sel.algorithm;
+                why = sel.why.to_string();
+                Ok(())
+            })?;
+            done += 1;
+            if rank == 0 {
+                progress(done, total);
+            }
+            let host = if mode == Mode::Eager {
+                let anyccl_us = time_host(&stream, cfg.iters, &mut |s| {
+                    c.all_reduce(InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s).map(|_| ())
+                })?;
+                let raw_us = time_host(&stream, cfg.iters, &mut |s| {
+                    // SAFETY: validated-size views of live buffers of this device.
+                    unsafe {
+                        c.backend().ccl().all_reduce(
+                            sv.device_ptr() as *const std::ffi::c_void,
+                            rv.device_ptr() as *mut std::ffi::c_void,
+                            count,
+                            cfg.dtype,
+                            cfg.op,
+                            s.raw() as _,
+                        )
+                    }
+                })?;
+                Some((anyccl_us, raw_us))
+            } else {
+                None
+            };
+            rows.push((per_algo, (auto, chosen, why), host));
+        }
+        drop(sym.take());
+        c.barrier(&stream)?;
+        Ok(rows)
+    };
+
+    let results: Vec<Result<Vec<RankRow>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| run_rank(c))).collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
+            .collect()
+    });
+    let mut rank0 = None;
+    for (i, r) in results.into_iter().enumerate() {
+        let r = r?;
+        if i == 0 {
+            rank0 = Some(r);
+        }
+    }
+    let rank0 = rank0.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))?;
+    let baseline = Algorithm::Ccl;
+    let mut rows = Vec::new();
+    for (&bytes, (per_algo, (auto, auto_algo, why), host)) in cfg.sizes.iter().zip(rank0) {
+        let cells: Vec<Cell> = algorithms.iter().zip(per_algo).map(|(&a, s)| cell(a, s, bytes, cfg.world)).collect();
+        let auto = cell(auto_algo, auto, bytes, cfg.world);
+        let best = cells
+            .iter()
+            .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
+            .map(|c| (c.algorithm, c.median_us))
+            .unwrap_or((auto.algorithm, auto.median_us));
+        let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
+        rows.push(Row {
+            bytes,
+            count: (bytes / esz) as usize,
+            cells,
+            auto,
+            auto_rule: why,
+            best: best.0,
+            best_speedup_vs_baseline: base.map(|b| b / best.1),
+            host_us_per_call: host.map(|h| h.0),
+            raw_ccl_host_us_per_call: host.map(|h| h.1),
+        });
+    }
+    let dev = info.devices.first().map(|d| format!("{} ({})", d.name, d.arch())).unwrap_or_default();
+    Ok(BenchReport {
+        backend: "cuda".into(),
+        world: cfg.world,
+        dtype: cfg.dtype,
+        op: cfg.op,
+        iters: cfg.iters,
+        warmup: cfg.warmup,
+        baseline,
+        algorithms,
+        ineligible,
+        rows,
+        method: match mode {
+            Mode::Graph => format!(
+                "{dev}, driver {}: one CUDA graph of {CALLS_PER_GRAPH} back-to-back all-reduces per replay, timed \
+                 with events; latency = replay / {CALLS_PER_GRAPH}; median of the timed replays",
+                info.version_string()
+            ),
+            Mode::Eager => format!(
+                "{dev}, driver {}: each eager call between two events; median. host us/call: median wall time of \
+                 the call itself (anyccl vs raw ncclAllReduce)",
+                info.version_string()
+            ),
+        },
+    })
+}
