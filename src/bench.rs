@@ -310,11 +310,9 @@ pub fn render_table(r: &BenchReport) -> String {
         "anyccl bench: all-reduce, backend {}, world {}, {} {}, median of {} calls after {} warm-up",
         r.backend, r.world, r.dtype, r.op, r.iters, r.warmup
     );
-    let _ = writeln!(
-        s,
-        "cells: median latency / bus bandwidth (GB/s); best: fastest, with its speedup over {}",
-        r.baseline
-    );
+    // busbw is 0 at world 1 (nothing crosses a link); show algbw there.
+    let bw = if r.world > 1 { "bus bandwidth" } else { "algorithm bandwidth (world 1: busbw is 0)" };
+    let _ = writeln!(s, "cells: median latency / {bw} in GB/s; best: fastest, with its speedup over {}", r.baseline);
     let w = 22;
     let _ = write!(s, "\n{:>10} {:>9}", "size", "count");
     for a in &r.algorithms {

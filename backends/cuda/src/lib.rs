@@ -10,10 +10,13 @@
 //! synchronous copies are refused during capture with a clear error.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod bootstrap;
 pub mod comm;
 pub mod driver;
 pub mod graph;
+pub mod ipc;
 pub mod multicast;
+pub mod multicast_driver;
 pub mod runtime;
 
 use std::sync::Arc;

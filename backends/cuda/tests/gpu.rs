@@ -180,13 +180,89 @@ fn symmetric_buffers_1000_times_return_memory() {
 fn communicators_1000_times_return_memory() {
     let lib = nccl();
     drop(Cuda.create(1).expect("warm-up"));
+    // 1000 by default. One ncclCommInitAll took 0.6 s on the H200 here, so the 10-minute command limit there
+    // allows about 500 per run (ANYCCL_TEST_COMM_ITERS=500).
+    let iters: usize = std::env::var("ANYCCL_TEST_COMM_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let before = free_memory();
-    for i in 0..1000 {
+    for i in 0..iters {
+        if i % 100 == 0 {
+            eprintln!("communicators: iteration {i}, free {}", free_memory());
+        }
         let c = anyccl_cuda::communicators_single_process(lib.clone(), &[0], Arc::new(Selector::defaults()))
             .unwrap_or_else(|e| panic!("iteration {i}: {e}"));
         drop(c);
     }
     let after = free_memory();
-    eprintln!("communicators x1000: free memory before {before} after {after}");
+    eprintln!("communicators x{iters}: free memory before {before} after {after}");
     assert!(before.abs_diff(after) <= 1 << 20, "device memory moved by {} bytes", before.abs_diff(after));
+}
+
+#[test]
+fn bootstrap_with_a_missing_peer_times_out_naming_it() {
+    let addr: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    let cfg = anyccl_rendezvous::RendezvousConfig::new(0, 2, addr).with_timeout(std::time::Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    let err = anyccl_cuda::bootstrap::communicator(cfg, Some(0), Arc::new(Selector::defaults()))
+        .err()
+        .expect("rank 1 never arrives");
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
+    let text = err.to_string();
+    assert!(matches!(err, anyccl_core::Error::Timeout { .. }), "{err:?}");
+    assert!(text.contains("rank") && text.contains('1'), "{text}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn bootstrap_world_1_through_the_rendezvous() {
+    let addr: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
+    let cfg = anyccl_rendezvous::RendezvousConfig::new(0, 1, addr);
+    let (mut comm, mut rdv) =
+        anyccl_cuda::bootstrap::communicator(cfg, Some(0), Arc::new(Selector::defaults())).expect("bootstrap");
+    rdv.barrier().expect("rendezvous still usable");
+    let stream = comm.runtime().stream().expect("stream");
+    let mut b = anyccl_core::MemoryRuntime::alloc(comm.runtime(), 64).expect("alloc");
+    let data: Vec<u8> = (0..64).collect();
+    anyccl_core::MemoryRuntime::upload(comm.runtime(), &mut b, &data, &stream).expect("upload");
+    comm.all_reduce(InOut::InPlace(&mut b), 64, DataType::U8, ReduceOp::Max, &stream).expect("all-reduce");
+    let mut out = vec![0u8; 64];
+    anyccl_core::MemoryRuntime::download(comm.runtime(), &b, &mut out, &stream).expect("download");
+    assert_eq!(out, data);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn ipc_between_two_and_four_processes_with_both_handle_kinds() {
+    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
+    for kind in ["legacy", "vmm"] {
+        for world in [2usize, 4] {
+            let port = free_port().to_string();
+            let children: Vec<_> = (0..world)
+                .map(|rank| {
+                    std::process::Command::new(&exe)
+                        .args(["--kind", kind])
+                        .env("RANK", rank.to_string())
+                        .env("WORLD_SIZE", world.to_string())
+                        .env("MASTER_ADDR", "127.0.0.1")
+                        .env("MASTER_PORT", &port)
+                        .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "60")
+                        .stdout(std::process::Stdio::piped())
+                        .stderr(std::process::Stdio::piped())
+                        .spawn()
+                        .expect("spawn the IPC check")
+                })
+                .collect();
+            for (rank, c) in children.into_iter().enumerate() {
+                let out = c.wait_with_output().expect("wait");
+                let so = String::from_utf8_lossy(&out.stdout);
+                let se = String::from_utf8_lossy(&out.stderr);
+                eprintln!("{kind} world {world}: {so}{se}");
+                assert!(out.status.success(), "{kind} world {world} rank {rank} failed: {se}");
+                assert!(so.contains(&format!("rank {rank}: {kind} IPC ok, read {} peer buffers", world - 1)), "{so}");
+            }
+        }
+    }
 }

@@ -1,0 +1,87 @@
+//! Checks inter-process device memory on this machine: run one process per rank with the torchrun variables
+//! (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`); each fills a buffer with its own pattern, exchanges
+//! handles (`--kind legacy` for cuIpc handles of cuMemAlloc memory, `--kind vmm` for cuMem allocations passed as
+//! file descriptors over a private Unix socket), reads every peer's buffer and checks it. Prints one line per
+//! rank; exits non-zero on any mismatch or error. Device: `--device N` (default 0).
+
+use std::process::ExitCode;
+
+use anyccl_core::{MemoryRuntime, Result};
+use anyccl_cuda::bootstrap::{exchange_legacy, exchange_vmm};
+use anyccl_cuda::ipc::VmmBuffer;
+use anyccl_cuda::{CudaRuntime, DeviceBuffer};
+use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
+
+const LEN: usize = 1 << 20;
+
+fn pattern(rank: usize) -> Vec<u8> {
+    (0..LEN).map(|i| ((i * 31 + rank * 101 + 7) % 251) as u8).collect()
+}
+
+fn run(kind: &str, device: i32) -> Result<String> {
+    let mut rdv = Rendezvous::establish(RendezvousConfig::from_env()?)?;
+    let rank = rdv.rank();
+    let rt = CudaRuntime::new(device)?;
+    let stream = rt.stream()?;
+    let ctx = rt.context().clone();
+    let check = |q: usize, view: &DeviceBuffer| -> Result<()> {
+        let mut got = vec![0u8; LEN];
+        rt.download(view, &mut got, &stream)?;
+        if got != pattern(q) {
+            return Err(anyccl_core::Error::PeerFailure(format!("rank {rank} read wrong data from rank {q}")));
+        }
+        Ok(())
+    };
+    let peers = match kind {
+        "legacy" => {
+            let mut own = rt.alloc(LEN)?;
+            rt.upload(&mut own, &pattern(rank), &stream)?;
+            let maps = exchange_legacy(&mut rdv, &ctx, &own)?;
+            for (q, m) in maps.iter().enumerate() {
+                if let Some(m) = m {
+                    check(q, &m.view())?;
+                }
+            }
+            rdv.barrier()?;
+            maps.iter().flatten().count()
+        }
+        "vmm" => {
+            let own = VmmBuffer::alloc(&ctx, LEN)?;
+            let mut view = own.view();
+            rt.upload(&mut view, &pattern(rank), &stream)?;
+            let maps = exchange_vmm(&mut rdv, &ctx, &own)?;
+            for (q, m) in maps.iter().enumerate() {
+                if let Some(m) = m {
+                    check(q, &m.view())?;
+                }
+            }
+            rdv.barrier()?;
+            maps.iter().flatten().count()
+        }
+        other => {
+            return Err(anyccl_core::Error::Parse {
+                what: "IPC kind",
+                input: other.into(),
+                expected: "legacy, vmm".into(),
+            })
+        }
+    };
+    Ok(format!("rank {rank}: {kind} IPC ok, read {peers} peer buffers of {LEN} bytes"))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let kind = arg("--kind").unwrap_or_else(|| "legacy".into());
+    let device = arg("--device").and_then(|d| d.parse().ok()).unwrap_or(0);
+    match run(&kind, device) {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
