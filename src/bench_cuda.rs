@@ -71,6 +71,13 @@ fn time_device(
             (0..cfg.iters).map(|i| Ok(f64::from(events[i].elapsed_ms(&events[i + 1])?) * 1e3)).collect()
         }
         Mode::Graph => {
+            // Eager calls first: NCCL connects peers lazily on the first call of a kind, and connecting is not
+            // allowed during capture ("failed to peer with device 1 … operation not permitted when stream is
+            // capturing" at world 2 on an H200 pair without this).
+            for _ in 0..cfg.warmup.max(1) {
+                call(stream)?;
+            }
+            stream.synchronize()?;
             let graph = Graph::capture(ctx, stream, |s| {
                 for _ in 0..CALLS_PER_GRAPH {
                     call(s)?;

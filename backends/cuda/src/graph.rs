@@ -19,8 +19,12 @@ pub struct Graph {
 unsafe impl Send for Graph {}
 
 impl Graph {
-    /// Captures what `body` enqueues on `stream` (global capture mode) and instantiates it. If `body` fails, the
-    /// capture is ended and discarded and the error returned.
+    /// Captures what `body` enqueues on `stream` and instantiates it. If `body` fails, the capture is ended and
+    /// discarded and the error returned.
+    ///
+    /// Thread-local capture mode: other threads of the process (other ranks driving other GPUs) may keep making
+    /// calls that global mode forbids while one thread captures. In global mode a second rank's thread invalidated
+    /// the capture at world 2 on an H200 pair.
     pub fn capture(
         ctx: &Arc<DeviceContext>,
         stream: &CudaStream,
@@ -28,8 +32,10 @@ impl Graph {
     ) -> Result<Self> {
         ctx.bind()?;
         // SAFETY: live stream, not already capturing (the driver reports an error otherwise).
-        unsafe { result::stream::begin_capture(stream.raw(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }
-            .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
+        unsafe {
+            result::stream::begin_capture(stream.raw(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        }
+        .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
         let r = body(stream);
         // SAFETY: ends the capture begun above, whatever `body` did.
         let graph = unsafe { result::stream::end_capture(stream.raw()) };

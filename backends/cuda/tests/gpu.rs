@@ -59,7 +59,8 @@ impl ConformanceTarget for Cuda {
     }
 
     fn create(&self, world: usize) -> Result<Vec<Communicator<CudaComm>>> {
-        let ordinals: Vec<i32> = vec![0; world];
+        // One rank per GPU (NCCL refuses two ranks of one communicator on one GPU).
+        let ordinals: Vec<i32> = (0..world as i32).collect();
         anyccl_cuda::communicators_single_process(nccl(), &ordinals, Arc::new(Selector::defaults()))
     }
 
@@ -70,8 +71,10 @@ impl ConformanceTarget for Cuda {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
-fn gpu_conformance_world_1_against_the_host_reference() {
-    let cfg = Config { worlds: vec![1], counts: vec![0, 1, 5, 1037, 65537], ..Config::default() };
+fn gpu_conformance_every_local_world_against_the_host_reference() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    let cfg = Config { worlds: (1..=gpus.min(8)).collect(), counts: vec![0, 1, 5, 1037, 65537], ..Config::default() };
+    eprintln!("cuda conformance over worlds {:?}", cfg.worlds);
     let summary = conformance::run(&Cuda, &cfg);
     eprintln!("cuda conformance: {} checks, {} expected errors", summary.checks, summary.expected_errors);
     summary.assert_ok();
@@ -237,13 +240,14 @@ fn free_port() -> u16 {
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn ipc_between_two_and_four_processes_with_both_handle_kinds() {
     let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
     for kind in ["legacy", "vmm"] {
         for world in [2usize, 4] {
             let port = free_port().to_string();
             let children: Vec<_> = (0..world)
                 .map(|rank| {
                     std::process::Command::new(&exe)
-                        .args(["--kind", kind])
+                        .args(["--kind", kind, "--device", &(rank % gpus).to_string()])
                         .env("RANK", rank.to_string())
                         .env("WORLD_SIZE", world.to_string())
                         .env("MASTER_ADDR", "127.0.0.1")
@@ -264,5 +268,37 @@ fn ipc_between_two_and_four_processes_with_both_handle_kinds() {
                 assert!(so.contains(&format!("rank {rank}: {kind} IPC ok, read {} peer buffers", world - 1)), "{so}");
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn nccl_one_process_per_gpu_through_the_rendezvous() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..gpus)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["--kind", "nccl"])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", gpus.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    for (rank, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("wait");
+        let so = String::from_utf8_lossy(&out.stdout);
+        let se = String::from_utf8_lossy(&out.stderr);
+        eprintln!("nccl world {gpus}: {so}{se}");
+        assert!(out.status.success(), "rank {rank}: {se}");
+        assert!(so.contains(&format!("rank {rank}: nccl all-reduce over {gpus} processes ok")), "{so}");
     }
 }

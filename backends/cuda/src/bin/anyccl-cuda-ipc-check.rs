@@ -18,7 +18,46 @@ fn pattern(rank: usize) -> Vec<u8> {
     (0..LEN).map(|i| ((i * 31 + rank * 101 + 7) % 251) as u8).collect()
 }
 
+/// One process per GPU through the rendezvous: all-reduce (sum) of rank-dependent integers, checked exactly.
+fn run_nccl() -> Result<String> {
+    let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
+    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let rt = comm.runtime().clone();
+    let stream = rt.stream()?;
+    let n = 1usize << 20;
+    let mine: Vec<i32> = (0..n).map(|i| (i % 1000) as i32 * (rank as i32 + 1)).collect();
+    let mut buf = rt.alloc(n * 4)?;
+    rt.upload(&mut buf, bytemuck_bytes(&mine), &stream)?;
+    let sel = comm.all_reduce(
+        anyccl_core::InOut::InPlace(&mut buf),
+        n,
+        anyccl_core::DataType::I32,
+        anyccl_core::ReduceOp::Sum,
+        &stream,
+    )?;
+    let mut out = vec![0u8; n * 4];
+    rt.download(&buf, &mut out, &stream)?;
+    let factor: i32 = (1..=world as i32).sum();
+    for (i, c) in out.chunks_exact(4).enumerate() {
+        let v = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if v != (i % 1000) as i32 * factor {
+            return Err(anyccl_core::Error::PeerFailure(format!("rank {rank}: element {i} is {v}")));
+        }
+    }
+    rdv.barrier()?;
+    Ok(format!("rank {rank}: nccl all-reduce over {world} processes ok ({})", sel.algorithm))
+}
+
+fn bytemuck_bytes(v: &[i32]) -> &[u8] {
+    // i32 has no padding and u8 no alignment needs.
+    bytemuck::cast_slice(v)
+}
+
 fn run(kind: &str, device: i32) -> Result<String> {
+    if kind == "nccl" {
+        return run_nccl();
+    }
     let mut rdv = Rendezvous::establish(RendezvousConfig::from_env()?)?;
     let rank = rdv.rank();
     let rt = CudaRuntime::new(device)?;
