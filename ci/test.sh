@@ -16,6 +16,12 @@ done
 cargo --version
 rustc --version
 
+step "CUDA compiler for the kernels (PyPI nvcc, cached)"
+ANYCCL_CUDA_TOOLKIT="$(ci/install-cuda.sh)"
+export ANYCCL_CUDA_TOOLKIT
+# The kernel crate's tests fail rather than skip when the kernels or cuobjdump are missing.
+export ANYCCL_REQUIRE_KERNELS=1
+
 step "format"
 cargo fmt --all -- --check
 

@@ -293,7 +293,8 @@ pub fn capabilities() -> CapabilityReport {
         } else if c == Capabilities::CUSTOM_KERNELS {
             Reason::NotCompiledIn {
                 what: "custom all-reduce kernels".into(),
-                detail: "kernels-cuda and kernels-hip hold no kernels yet".into(),
+                detail: "the CUDA kernels come with the cuda backend (build with --features cuda, nvcc at build time)"
+                    .into(),
             }
         } else if c == Capabilities::CCL {
             no_loader.clone()
@@ -331,7 +332,8 @@ pub fn probe(selector: &Selector) -> ProbeReport {
             | Capabilities::P2P_ALL_PAIRS
             | Capabilities::IPC
             | Capabilities::MULTICAST
-            | Capabilities::GRAPH_CAPTURE,
+            | Capabilities::GRAPH_CAPTURE
+            | Capabilities::CUSTOM_KERNELS,
     );
     // An explicit switch is the reason users act on, so it is shown over hardware reasons.
     if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {

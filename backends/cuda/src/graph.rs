@@ -100,6 +100,13 @@ impl Event {
         unsafe { result::event::record(self.raw, stream.raw()) }.map_err(|e| cu_err("cuEventRecord", e))
     }
 
+    /// Makes `stream` wait until this event (as last recorded) completes.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<()> {
+        // SAFETY: live event and stream.
+        unsafe { result::stream::wait_event(stream.raw(), self.raw, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| cu_err("cuStreamWaitEvent", e))
+    }
+
     /// Milliseconds from `self` to `end` (both recorded and completed).
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
         // SAFETY: both events live and recorded.

@@ -12,7 +12,9 @@
 
 pub mod bootstrap;
 pub mod comm;
+pub mod custom;
 pub mod driver;
+pub mod emulated;
 pub mod graph;
 pub mod ipc;
 pub mod multicast;

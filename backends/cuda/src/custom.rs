@@ -1,0 +1,217 @@
+//! Launch glue for the custom all-reduce kernels of `anyccl-kernels-cuda` (one-shot, two-shot).
+//!
+//! The kernels read peers' buffers through device pointers: IPC-mapped buffers of other processes, or other
+//! buffers of the same GPU when ranks are emulated (tests and benchmarks on one GPU). Every rank launches the same
+//! sequence of kernels with the same grid; the per-block epoch counters in each rank's flag array keep the
+//! barriers in step, also across graph replays.
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use anyccl_core::{DataType, Error, Result};
+use anyccl_kernels_cuda as kernels;
+use cudarc::driver::{result, sys};
+
+use crate::driver::cu_err;
+use crate::runtime::{CudaStream, DeviceContext};
+
+/// Threads per block of every launch.
+pub const THREADS: u32 = 512;
+
+/// Which kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Every rank reduces the whole message from every peer.
+    OneShot,
+    /// Reduce-scatter into peer-visible scratch, then all-gather.
+    TwoShot,
+}
+
+fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
+    match dtype {
+        DataType::F32 => Some("f32"),
+        DataType::F16 => Some("f16"),
+        DataType::Bf16 => Some("bf16"),
+        _ => None,
+    }
+}
+
+/// Why the custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.
+pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
+    if let Some(why) = kernels::NOT_BUILT {
+        return Some(format!("custom kernels not compiled in: {why}"));
+    }
+    if dtype_suffix(dtype).is_none() {
+        return Some(format!("the custom kernels handle f32, f16 and bf16, not {dtype}"));
+    }
+    if bytes % kernels::VECTOR_BYTES != 0 {
+        return Some(format!("{bytes} bytes is not a multiple of {} (16-byte vectors)", kernels::VECTOR_BYTES));
+    }
+    if !(2..=kernels::MAX_RANKS).contains(&world) {
+        return Some(format!("world {world} is outside 2..={}", kernels::MAX_RANKS));
+    }
+    None
+}
+
+/// The kernels loaded for one device.
+pub struct CustomKernels {
+    module: sys::CUmodule,
+    ctx: Arc<DeviceContext>,
+}
+
+// SAFETY: a module and its functions may be used from any thread of the process.
+unsafe impl Send for CustomKernels {}
+// SAFETY: as above; launching is thread-safe in the driver.
+unsafe impl Sync for CustomKernels {}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Ptrs([u64; kernels::MAX_RANKS]);
+
+fn ptrs(v: &[u64]) -> Ptrs {
+    let mut p = [0u64; kernels::MAX_RANKS];
+    for (d, s) in p.iter_mut().zip(v) {
+        *d = *s;
+    }
+    Ptrs(p)
+}
+
+impl CustomKernels {
+    /// Loads the cubin matching the device's compute capability (`cuModuleLoadData`). Not during capture.
+    pub fn load(ctx: &Arc<DeviceContext>) -> Result<Self> {
+        if let Some(why) = kernels::NOT_BUILT {
+            return Err(Error::Unsupported {
+                capability: "custom-kernels".into(),
+                reason: anyccl_core::Reason::NotCompiledIn { what: "custom CUDA kernels".into(), detail: why.into() },
+            });
+        }
+        let info = crate::driver::probe()
+            .map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+        let dev = info.devices.iter().find(|d| d.ordinal == ctx.ordinal());
+        let (major, minor) = dev.map_or((0, 0), |d| d.compute_capability);
+        let image = kernels::cubin_for("allreduce", major, minor).ok_or_else(|| Error::Unsupported {
+            capability: "custom-kernels".into(),
+            reason: anyccl_core::Reason::DeviceAttribute {
+                device: format!("device {}", ctx.ordinal()),
+                attribute: format!("compute capability {major}.{minor} (kernels are built for sm_80, sm_90, sm_100)"),
+            },
+        })?;
+        ctx.bind()?;
+        // The driver wants the image at a stable address for the call; copy it into an owned buffer.
+        let owned = image.to_vec();
+        // SAFETY: `owned` holds a complete cubin; the driver copies what it needs before returning.
+        let module =
+            unsafe { result::module::load_data(owned.as_ptr().cast()) }.map_err(|e| cu_err("cuModuleLoadData", e))?;
+        Ok(CustomKernels { module, ctx: ctx.clone() })
+    }
+
+    fn function(&self, kind: Kind, dtype: DataType) -> Result<sys::CUfunction> {
+        let suffix = dtype_suffix(dtype).ok_or_else(|| Error::AlgorithmNotEligible {
+            algorithm: anyccl_core::Algorithm::OneShot,
+            why: format!("the custom kernels handle f32, f16 and bf16, not {dtype}"),
+        })?;
+        let name = match kind {
+            Kind::OneShot => format!("anyccl_one_shot_{suffix}"),
+            Kind::TwoShot => format!("anyccl_two_shot_{suffix}"),
+        };
+        let c = CString::new(name).map_err(|e| Error::Backend {
+            backend: "cuda".into(),
+            call: "kernel name".into(),
+            code: None,
+            message: e.to_string(),
+        })?;
+        // SAFETY: live module; looking a function up by name only reads the module.
+        unsafe { result::module::get_function(self.module, c) }.map_err(|e| cu_err("cuModuleGetFunction", e))
+    }
+
+    /// Launches one rank's all-reduce of `bytes` bytes.
+    ///
+    /// `inputs[r]` is rank r's input as addressable from this rank (`inputs[rank]` is its own), `scratch` the same
+    /// for two-shot's peer-visible scratch buffers (each ≥ `bytes`), `flags[r]` rank r's flag array
+    /// ([`anyccl_kernels_cuda::FLAG_BYTES`], zeroed before first use), `out` this rank's output.
+    ///
+    /// # Safety
+    /// Every pointer is device memory of (or mapped into) this device with the sizes above, 16-byte aligned; every
+    /// rank launches the same sequence of kernels with the same `blocks` concurrently (ranks' blocks must be
+    /// co-resident, or the barriers deadlock).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        kind: Kind,
+        dtype: DataType,
+        inputs: &[u64],
+        scratch: &[u64],
+        out: u64,
+        flags: &[u64],
+        rank: usize,
+        bytes: usize,
+        blocks: u32,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let world = inputs.len();
+        if let Some(why) = ineligible(dtype, bytes, world) {
+            return Err(Error::AlgorithmNotEligible { algorithm: anyccl_core::Algorithm::OneShot, why });
+        }
+        let bad = |m: String| Error::Backend {
+            backend: "cuda".into(),
+            call: "custom all-reduce".into(),
+            code: None,
+            message: m,
+        };
+        if flags.len() != world || (kind == Kind::TwoShot && scratch.len() != world) || rank >= world {
+            return Err(bad(format!(
+                "{world} inputs, {} flags, {} scratch buffers, rank {rank}",
+                flags.len(),
+                scratch.len()
+            )));
+        }
+        if blocks == 0 || blocks as usize > kernels::MAX_BLOCKS {
+            return Err(bad(format!("{blocks} blocks (1..={})", kernels::MAX_BLOCKS)));
+        }
+        if inputs.iter().chain(scratch).chain(std::iter::once(&out)).any(|p| p % 16 != 0) {
+            return Err(bad("every buffer must be 16-byte aligned".into()));
+        }
+        let f = self.function(kind, dtype)?;
+        self.ctx.bind()?;
+        let mut in_p = ptrs(inputs);
+        let mut sc_p = ptrs(scratch);
+        let mut fl_p = ptrs(flags);
+        let mut out_p = out;
+        let mut rank_i = rank as i32;
+        let mut world_i = world as i32;
+        let mut n_vec = (bytes / kernels::VECTOR_BYTES) as u64;
+        let mut params: Vec<*mut c_void> = match kind {
+            Kind::OneShot => vec![
+                (&mut in_p as *mut Ptrs).cast(),
+                (&mut out_p as *mut u64).cast(),
+                (&mut fl_p as *mut Ptrs).cast(),
+                (&mut rank_i as *mut i32).cast(),
+                (&mut world_i as *mut i32).cast(),
+                (&mut n_vec as *mut u64).cast(),
+            ],
+            Kind::TwoShot => vec![
+                (&mut in_p as *mut Ptrs).cast(),
+                (&mut sc_p as *mut Ptrs).cast(),
+                (&mut out_p as *mut u64).cast(),
+                (&mut fl_p as *mut Ptrs).cast(),
+                (&mut rank_i as *mut i32).cast(),
+                (&mut world_i as *mut i32).cast(),
+                (&mut n_vec as *mut u64).cast(),
+            ],
+        };
+        // SAFETY: the parameter list matches the kernel's signature (RankPtrs/FlagPtrs are 8 × u64 by value);
+        // the caller guarantees the buffers and the co-residency.
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, stream.raw(), &mut params) }
+            .map_err(|e| cu_err("cuLaunchKernel", e))
+    }
+}
+
+impl Drop for CustomKernels {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: loaded in `load`, unloaded once.
+        if let Err(e) = unsafe { result::module::unload(self.module) } {
+            tracing::warn!(error = %cu_err("cuModuleUnload", e), "unloading the kernels failed");
+        }
+    }
+}

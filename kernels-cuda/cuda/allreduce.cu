@@ -1,0 +1,216 @@
+// anyccl custom all-reduce kernels: one-shot and two-shot over peer-mapped buffers (IPC, or N buffer sets on one
+// GPU when ranks are emulated). One source for every dtype (f32, f16, bf16; accumulation in f32).
+//
+// Synchronisation: every block of every rank owns a 32-bit epoch counter in its own flag array. A barrier
+// increments the block's epoch, stores it (release, system scope) into slot [block][rank] of every peer's flag
+// array, then waits (acquire, system scope) until its own slots [block][peer] reach the epoch. 32-bit flags, no
+// byte flags, no relaxed-only waits. The epoch lives in device memory, so graph replays keep counting.
+//
+// Inputs are 16-byte vectors; callers guarantee byte counts that are multiples of 16 and 16-byte aligned buffers.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define ANYCCL_MAX_RANKS 8
+#define ANYCCL_MAX_BLOCKS 64
+
+struct RankPtrs {
+    const void* p[ANYCCL_MAX_RANKS];
+};
+
+struct FlagPtrs {
+    // Each rank's flag array: [ANYCCL_MAX_BLOCKS][ANYCCL_MAX_RANKS] slots, then [ANYCCL_MAX_BLOCKS] epoch counters.
+    uint32_t* p[ANYCCL_MAX_RANKS];
+};
+
+__device__ __forceinline__ void st_release(uint32_t* addr, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* addr) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+    return v;
+}
+
+// All threads of the block call it. Returns after every peer's same block reached the same barrier.
+__device__ __forceinline__ void barrier(const FlagPtrs& flags, int rank, int world, uint32_t epoch) {
+    __syncthreads();
+    const int b = blockIdx.x;
+    if (threadIdx.x < world) {
+        const int peer = threadIdx.x;
+        st_release(flags.p[peer] + b * ANYCCL_MAX_RANKS + rank, epoch);
+        const uint32_t* mine = flags.p[rank] + b * ANYCCL_MAX_RANKS + peer;
+        // Epochs only grow; a peer may already be one barrier ahead.
+        while ((int32_t)(ld_acquire(mine) - epoch) < 0) {
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ uint32_t next_epoch(const FlagPtrs& flags, int rank, uint32_t steps) {
+    __shared__ uint32_t base;
+    uint32_t* counter = flags.p[rank] + ANYCCL_MAX_BLOCKS * ANYCCL_MAX_RANKS + blockIdx.x;
+    if (threadIdx.x == 0) {
+        base = *counter;
+        *counter = base + steps;
+    }
+    __syncthreads();
+    return base;
+}
+
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+    static constexpr int N = 4;
+    __device__ static void load(const uint4& v, float* a) {
+        const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = f[i];
+    }
+    __device__ static void add(const uint4& v, float* a) {
+        const float* f = reinterpret_cast<const float*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] += f[i];
+    }
+    __device__ static uint4 store(const float* a) {
+        uint4 v;
+        float* f = reinterpret_cast<float*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) f[i] = a[i];
+        return v;
+    }
+};
+template <> struct Vec<__half> {
+    static constexpr int N = 8;
+    __device__ static void load(const uint4& v, float* a) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            a[2 * i] = f.x;
+            a[2 * i + 1] = f.y;
+        }
+    }
+    __device__ static void add(const uint4& v, float* a) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            a[2 * i] += f.x;
+            a[2 * i + 1] += f.y;
+        }
+    }
+    __device__ static uint4 store(const float* a) {
+        uint4 v;
+        __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(a[2 * i], a[2 * i + 1]);
+        return v;
+    }
+};
+template <> struct Vec<__nv_bfloat16> {
+    static constexpr int N = 8;
+    __device__ static void load(const uint4& v, float* a) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __bfloat1622float2(h[i]);
+            a[2 * i] = f.x;
+            a[2 * i + 1] = f.y;
+        }
+    }
+    __device__ static void add(const uint4& v, float* a) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __bfloat1622float2(h[i]);
+            a[2 * i] += f.x;
+            a[2 * i + 1] += f.y;
+        }
+    }
+    __device__ static uint4 store(const float* a) {
+        uint4 v;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+        return v;
+    }
+};
+
+// Sum of the peers' vector `i`, in rank order 0..W-1 (the same order on every rank: bitwise identical). W is a
+// compile-time constant so the peer pointers stay in registers and all W loads are in flight before the adds.
+template <typename T, int W>
+__device__ __forceinline__ uint4 reduce_vec(const RankPtrs& in, size_t i) {
+    uint4 v[W];
+#pragma unroll
+    for (int r = 0; r < W; r++) v[r] = reinterpret_cast<const uint4*>(in.p[r])[i];
+    float acc[Vec<T>::N];
+    Vec<T>::load(v[0], acc);
+#pragma unroll
+    for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
+    return Vec<T>::store(acc);
+}
+
+// One shot: every rank reads every peer's whole input. `in.p[r]` is rank r's input as mapped here.
+template <typename T, int W>
+__device__ void one_shot(const RankPtrs& in, void* out, const FlagPtrs& flags, int rank, size_t n_vec) {
+    const uint32_t e = next_epoch(flags, rank, 2);
+    barrier(flags, rank, W, e + 1);
+    uint4* o = reinterpret_cast<uint4*>(out);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_vec; i += (size_t)gridDim.x * blockDim.x)
+        o[i] = reduce_vec<T, W>(in, i);
+    // Nobody may overwrite its input (the next call) while a peer still reads it.
+    barrier(flags, rank, W, e + 2);
+}
+
+// Two shot: rank r reduces chunk r into its scratch (peer-visible), then every rank gathers all chunks.
+template <typename T, int W>
+__device__ void two_shot(const RankPtrs& in, const RankPtrs& scratch, void* out, const FlagPtrs& flags, int rank,
+                         size_t n_vec) {
+    const uint32_t e = next_epoch(flags, rank, 3);
+    barrier(flags, rank, W, e + 1);
+    const size_t chunk = (n_vec + W - 1) / W;
+    const size_t start = chunk * rank;
+    const size_t end = min(n_vec, start + chunk);
+    uint4* mine = reinterpret_cast<uint4*>(const_cast<void*>(scratch.p[rank]));
+    for (size_t i = start + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < end; i += (size_t)gridDim.x * blockDim.x)
+        mine[i] = reduce_vec<T, W>(in, i);
+    barrier(flags, rank, W, e + 2);
+    uint4* o = reinterpret_cast<uint4*>(out);
+#pragma unroll
+    for (int q = 0; q < W; q++) {
+        const size_t qs = chunk * q;
+        const size_t qe = min(n_vec, qs + chunk);
+        const uint4* src = reinterpret_cast<const uint4*>(scratch.p[q]);
+        for (size_t i = qs + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < qe; i += (size_t)gridDim.x * blockDim.x)
+            o[i] = src[i];
+    }
+    barrier(flags, rank, W, e + 3);
+}
+
+#define ANYCCL_DISPATCH(FN, T, ...)                                                                                  \
+    switch (world) {                                                                                                 \
+        case 2: FN<T, 2>(__VA_ARGS__); break;                                                                        \
+        case 3: FN<T, 3>(__VA_ARGS__); break;                                                                        \
+        case 4: FN<T, 4>(__VA_ARGS__); break;                                                                        \
+        case 5: FN<T, 5>(__VA_ARGS__); break;                                                                        \
+        case 6: FN<T, 6>(__VA_ARGS__); break;                                                                        \
+        case 7: FN<T, 7>(__VA_ARGS__); break;                                                                        \
+        case 8: FN<T, 8>(__VA_ARGS__); break;                                                                        \
+        default: break;                                                                                              \
+    }
+
+#define ANYCCL_KERNELS(NAME, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_one_shot_##NAME(                                     \
+        RankPtrs in, void* out, FlagPtrs flags, int rank, int world, size_t n_vec) {                                 \
+        ANYCCL_DISPATCH(one_shot, T, in, out, flags, rank, n_vec)                                                    \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_two_shot_##NAME(                                     \
+        RankPtrs in, RankPtrs scratch, void* out, FlagPtrs flags, int rank, int world, size_t n_vec) {             \
+        ANYCCL_DISPATCH(two_shot, T, in, scratch, out, flags, rank, n_vec)                                           \
+    }
+
+ANYCCL_KERNELS(f32, float)
+ANYCCL_KERNELS(f16, __half)
+ANYCCL_KERNELS(bf16, __nv_bfloat16)
