@@ -327,7 +327,11 @@ pub fn render_table(r: &BenchReport) -> String {
         let _ = write!(s, "{:>10} {:>9}", format_bytes(row.bytes), row.count);
         for c in &row.cells {
             let bw = if r.world > 1 { c.busbw_gbps } else { c.algbw_gbps };
-            let _ = write!(s, " {:>w$}", format!("{} / {bw:.2}", fmt_us(c.median_us)));
+            if c.median_us.is_nan() {
+                let _ = write!(s, " {:>w$}", "- (size not eligible)");
+            } else {
+                let _ = write!(s, " {:>w$}", format!("{} / {bw:.2}", fmt_us(c.median_us)));
+            }
         }
         if host {
             let h = match (row.host_us_per_call, row.raw_ccl_host_us_per_call) {

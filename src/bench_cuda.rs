@@ -159,6 +159,22 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                     .map_or_else(|| "symmetric windows are off".into(), |e| e.to_string());
                 ineligible.push(Ineligible { algorithm: a, reason });
             }
+            Algorithm::OneShot | Algorithm::TwoShot => {
+                let probe = crate::core::comm::AllReduceCall {
+                    count: 4096 / esz as usize,
+                    dtype: cfg.dtype,
+                    op: cfg.op,
+                    bytes: 4096,
+                    in_place: false,
+                    capturing: false,
+                    bufs: None,
+                };
+                match comms.first().map(|c| c.check_algorithm(a, &probe)) {
+                    Some(Ok(())) => algorithms.push(a),
+                    Some(Err(e)) => ineligible.push(Ineligible { algorithm: a, reason: e.to_string() }),
+                    None => {}
+                }
+            }
             other => ineligible
                 .push(Ineligible { algorithm: other, reason: "not implemented by the CUDA backend yet".into() }),
         }
@@ -213,9 +229,23 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                         c.all_reduce_with(a, InOut::Separate { send: &ws, recv: &mut wr }, count, dtype, op, s)
                     })?
                 } else {
-                    time_device(&ctx, &stream, mode, cfg, &mut |s| {
-                        c.all_reduce_with(a, InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)
-                    })?
+                    let call = crate::core::comm::AllReduceCall {
+                        count,
+                        dtype,
+                        op,
+                        bytes: bytes as usize,
+                        in_place: false,
+                        capturing: false,
+                        bufs: None,
+                    };
+                    if c.check_algorithm(a, &call).is_err() {
+                        // Not for this size (e.g. above the custom kernels' staging buffers): an empty cell.
+                        Vec::new()
+                    } else {
+                        time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                            c.all_reduce_with(a, InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)
+                        })?
+                    }
                 };
                 per_algo.push(samples);
                 done += 1;
@@ -284,6 +314,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
         let auto = cell(auto_algo, auto, bytes, cfg.world);
         let best = cells
             .iter()
+            .filter(|c| !c.median_us.is_nan())
             .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
             .map(|c| (c.algorithm, c.median_us))
             .unwrap_or((auto.algorithm, auto.median_us));

@@ -7,14 +7,37 @@ use anyccl_ccl::{CclComm, CclLibrary, UniqueId};
 use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
 use anyccl_core::{
-    Algorithm, BufferDesc, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, ReduceOp, Result,
-    Vendor,
+    Algorithm, BufferDesc, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, MemoryRuntime,
+    ReduceOp, Result, Vendor,
 };
 
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 
 /// The all-reduce algorithms of the CUDA backend today.
-pub const ALGORITHMS: [Algorithm; 2] = [Algorithm::Ccl, Algorithm::CclSymmetric];
+pub const ALGORITHMS: [Algorithm; 4] =
+    [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
+
+/// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
+/// changes it.
+pub const DEFAULT_CUSTOM_MAX_BYTES: usize = 8 << 20;
+
+/// What the custom one-shot / two-shot kernels need on one rank: its kernels, its staging, scratch and flag
+/// buffers, and every rank's, as addressable from this device (peer access enabled).
+struct CustomState {
+    kernels: crate::custom::CustomKernels,
+    staging: DeviceBuffer,
+    _scratch: DeviceBuffer,
+    _flags: DeviceBuffer,
+    all_staging: Vec<u64>,
+    all_scratch: Vec<u64>,
+    all_flags: Vec<u64>,
+    capacity: usize,
+}
+
+/// Blocks per rank for a message: one per 32 KiB, 4 to 36 (the same on every rank, as the barriers need).
+fn custom_blocks(bytes: usize) -> u32 {
+    (bytes / (32 << 10)).clamp(4, 36) as u32
+}
 
 /// One rank of a CUDA communicator.
 pub struct CudaComm {
@@ -28,6 +51,8 @@ pub struct CudaComm {
     windows: Arc<Mutex<Vec<(usize, usize)>>>,
     /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
     scratch: DeviceBuffer,
+    /// The custom kernels' state, or why they cannot run on this communicator.
+    custom: std::result::Result<CustomState, String>,
 }
 
 impl CudaComm {
@@ -51,12 +76,87 @@ impl CudaComm {
         let runtimes: Vec<CudaRuntime> = ordinals.iter().map(|o| CudaRuntime::new(*o)).collect::<Result<_>>()?;
         let ccls = anyccl_ccl::init_all(&lib, ordinals)?;
         let world = ordinals.len();
-        ccls.into_iter()
+        let mut comms: Vec<Self> = ccls
+            .into_iter()
             .zip(runtimes)
             .zip(ordinals)
             .enumerate()
             .map(|(rank, ((c, rt), o))| Self::wrap(c, rt, rank, world, *o, caps.clone()))
-            .collect()
+            .collect::<Result<_>>()?;
+        // The custom kernels: every rank's buffers, peer access between every pair. A failure here only turns
+        // them off for this communicator, with the reason.
+        match Self::setup_custom(&comms) {
+            Ok(states) => {
+                let mut p2p = (*caps).clone();
+                p2p.enable(Capabilities::P2P_ALL_PAIRS);
+                let p2p = Arc::new(p2p);
+                for (c, st) in comms.iter_mut().zip(states) {
+                    c.custom = Ok(st);
+                    c.caps = p2p.clone();
+                }
+            }
+            Err(why) => {
+                tracing::info!(%why, "custom all-reduce kernels off for this communicator");
+                for c in &mut comms {
+                    c.custom = Err(why.clone());
+                }
+            }
+        }
+        Ok(comms)
+    }
+
+    fn setup_custom(comms: &[Self]) -> std::result::Result<Vec<CustomState>, String> {
+        let world = comms.len();
+        if !(2..=anyccl_kernels_cuda::MAX_RANKS).contains(&world) {
+            return Err(format!("world {world} is outside 2..={}", anyccl_kernels_cuda::MAX_RANKS));
+        }
+        if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
+            return Err(format!("custom kernels not compiled in: {why}"));
+        }
+        let capacity = std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
+            .ok()
+            .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
+            .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
+            .div_ceil(16)
+            * 16;
+        let ctxs: Vec<_> = comms.iter().map(|c| c.runtime.context().clone()).collect();
+        for a in &ctxs {
+            for b in &ctxs {
+                if a.ordinal() != b.ordinal() {
+                    if !a.can_access_peer(b).map_err(|e| e.to_string())? {
+                        return Err(format!("device {} cannot access device {} (no P2P)", a.ordinal(), b.ordinal()));
+                    }
+                    a.enable_peer_access(b).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        let mut parts = Vec::new();
+        for c in comms {
+            let rt = &c.runtime;
+            let stream = rt.stream().map_err(|e| e.to_string())?;
+            let staging = rt.alloc(capacity).map_err(|e| e.to_string())?;
+            let scratch = rt.alloc(capacity).map_err(|e| e.to_string())?;
+            let mut flags = rt.alloc(anyccl_kernels_cuda::FLAG_BYTES).map_err(|e| e.to_string())?;
+            rt.upload(&mut flags, &[0u8; anyccl_kernels_cuda::FLAG_BYTES], &stream).map_err(|e| e.to_string())?;
+            let kernels = crate::custom::CustomKernels::load(rt.context()).map_err(|e| e.to_string())?;
+            parts.push((kernels, staging, scratch, flags));
+        }
+        let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
+        let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();
+        let all_flags: Vec<u64> = parts.iter().map(|p| p.3.device_ptr()).collect();
+        Ok(parts
+            .into_iter()
+            .map(|(kernels, staging, scratch, flags)| CustomState {
+                kernels,
+                staging,
+                _scratch: scratch,
+                _flags: flags,
+                all_staging: all_staging.clone(),
+                all_scratch: all_scratch.clone(),
+                all_flags: all_flags.clone(),
+                capacity,
+            })
+            .collect())
     }
 
     fn wrap(
@@ -72,7 +172,18 @@ impl CudaComm {
         let arch =
             info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.arch()).unwrap_or_else(|| "unknown".into());
         let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
-        Ok(CudaComm { ccl, rank, world, runtime, arch, caps, windows: Arc::new(Mutex::new(Vec::new())), scratch })
+        let custom = Err("the custom kernels need every rank's buffers mapped (set up by CudaComm::init_all)".into());
+        Ok(CudaComm {
+            ccl,
+            rank,
+            world,
+            runtime,
+            arch,
+            caps,
+            windows: Arc::new(Mutex::new(Vec::new())),
+            scratch,
+            custom,
+        })
     }
 
     /// The NCCL communicator.
@@ -204,6 +315,45 @@ fn window_raw(w: anyccl_ccl::Window) -> *mut c_void {
     w.into_raw()
 }
 
+impl CudaComm {
+    /// Copies the input into this rank's staging buffer (peers read it), then launches the kernel, which writes
+    /// the output. Both are stream-ordered and capture-safe (nothing is allocated).
+    fn custom_all_reduce(
+        &mut self,
+        algorithm: Algorithm,
+        bufs: InOut<'_, DeviceBuffer>,
+        bytes: usize,
+        dtype: DataType,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let st = self.custom.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+        self.bind()?;
+        let (src, dst) = ptrs(&bufs);
+        // SAFETY: validated: the input holds `bytes`, the staging buffer `capacity >= bytes` (eligibility).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(st.staging.device_ptr(), src as u64, bytes, stream.raw()) }
+            .map_err(|e| crate::driver::cu_err("cuMemcpyDtoDAsync", e))?;
+        let kind =
+            if algorithm == Algorithm::OneShot { crate::custom::Kind::OneShot } else { crate::custom::Kind::TwoShot };
+        // SAFETY: every rank's staging/scratch/flags were allocated with `capacity` bytes by setup_custom and are
+        // reachable through peer access; every rank of this communicator makes the same calls in the same order
+        // (a collective), with the same block count (a function of `bytes`); ranks run on different GPUs.
+        unsafe {
+            st.kernels.launch(
+                kind,
+                dtype,
+                &st.all_staging,
+                &st.all_scratch,
+                dst as u64,
+                &st.all_flags,
+                self.rank,
+                bytes,
+                custom_blocks(bytes),
+                stream,
+            )
+        }
+    }
+}
+
 fn ptrs(bufs: &InOut<'_, DeviceBuffer>) -> (*const c_void, *mut c_void) {
     match bufs {
         InOut::InPlace(b) => (b.device_ptr() as *const c_void, b.device_ptr() as *mut c_void),
@@ -264,6 +414,22 @@ impl CommBackend for CudaComm {
                     Err("the buffers are not in a registered symmetric window (use CudaComm::symmetric_buffer)".into())
                 }
             }
+            Algorithm::OneShot | Algorithm::TwoShot => {
+                let st = self.custom.as_ref().map_err(Clone::clone)?;
+                if call.op != ReduceOp::Sum {
+                    return Err(format!("the custom kernels implement sum, not {}", call.op));
+                }
+                if let Some(why) = crate::custom::ineligible(call.dtype, call.bytes, self.world) {
+                    return Err(why);
+                }
+                if call.bytes > st.capacity {
+                    return Err(format!(
+                        "{} bytes exceed the custom kernels' staging buffers ({} bytes; ANYCCL_CUSTOM_MAX_BYTES)",
+                        call.bytes, st.capacity
+                    ));
+                }
+                Ok(())
+            }
             other => Err(format!("{other} is not implemented by the CUDA backend yet")),
         }
     }
@@ -276,13 +442,16 @@ impl CommBackend for CudaComm {
 
     fn all_reduce(
         &mut self,
-        _algorithm: Algorithm,
+        algorithm: Algorithm,
         bufs: InOut<'_, DeviceBuffer>,
         count: usize,
         dtype: DataType,
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<()> {
+        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
+            return self.custom_all_reduce(algorithm, bufs, count * dtype.size_bytes(), dtype, stream);
+        }
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
         // registered window, which eligibility has checked.
         self.bind()?;

@@ -40,6 +40,26 @@ impl DeviceContext {
     pub fn ordinal(&self) -> i32 {
         self.ordinal
     }
+
+    /// Whether this device can access `peer`'s memory directly (`cuDeviceCanAccessPeer`).
+    pub fn can_access_peer(&self, peer: &DeviceContext) -> Result<bool> {
+        let mut v = 0;
+        // SAFETY: two valid device handles; writes one int.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut v, self.dev, peer.dev) }
+            .result()
+            .map_err(|e| cu_err("cuDeviceCanAccessPeer", e))?;
+        Ok(v != 0)
+    }
+
+    /// Lets this context access `peer`'s memory (`cuCtxEnablePeerAccess`); already enabled is fine.
+    pub fn enable_peer_access(&self, peer: &DeviceContext) -> Result<()> {
+        self.bind()?;
+        // SAFETY: both contexts are live; flags must be 0.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx, 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            e => Err(cu_err("cuCtxEnablePeerAccess", cudarc::driver::DriverError(e))),
+        }
+    }
 }
 
 impl Drop for DeviceContext {
