@@ -52,7 +52,13 @@ pub fn communicator(
     let ordinal = device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count));
     let mut caps = crate::capabilities(Some(&lib), &|k| std::env::var(k).ok());
     caps.apply_env()?;
-    let comm = CudaComm::init_rank(lib, ordinal, world, rank, &id, Arc::new(caps))?;
+    let mut comm = CudaComm::init_rank(lib, ordinal, world, rank, &id, Arc::new(caps))?;
+    // The custom kernels over IPC; if they cannot be set up, NCCL still serves every call.
+    if world > 1 {
+        if let Err(e) = comm.enable_custom_ipc(&mut rdv) {
+            tracing::info!(error = %e, "custom all-reduce kernels off for this communicator");
+        }
+    }
     Ok((Communicator::new(comm, selector), rdv))
 }
 

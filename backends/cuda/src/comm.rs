@@ -28,6 +28,8 @@ struct CustomState {
     staging: DeviceBuffer,
     _scratch: DeviceBuffer,
     _flags: DeviceBuffer,
+    /// Peers' buffers opened through IPC (one process per GPU); closed when the state drops.
+    _mappings: Vec<crate::ipc::LegacyMapping>,
     all_staging: Vec<u64>,
     all_scratch: Vec<u64>,
     all_flags: Vec<u64>,
@@ -105,6 +107,106 @@ impl CudaComm {
         Ok(comms)
     }
 
+    /// Sets the custom kernels up for a communicator with one process per GPU: allocates this rank's staging,
+    /// scratch and flag buffers, exchanges their legacy IPC handles through the rendezvous, and opens every peer's.
+    /// Collective: every rank calls it. A failure turns the kernels off for this communicator, with the reason,
+    /// and is returned too (the communicator stays usable through NCCL).
+    pub fn enable_custom_ipc(&mut self, rdv: &mut anyccl_rendezvous::Rendezvous) -> Result<()> {
+        let r = self.setup_custom_ipc(rdv);
+        match r {
+            Ok(st) => {
+                self.custom = Ok(st);
+                let mut caps = (*self.caps).clone();
+                caps.enable(Capabilities::P2P_ALL_PAIRS);
+                self.caps = Arc::new(caps);
+                Ok(())
+            }
+            Err(e) => {
+                self.custom = Err(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn setup_custom_ipc(&self, rdv: &mut anyccl_rendezvous::Rendezvous) -> Result<CustomState> {
+        let world = self.world;
+        let off = |why: String| Error::AlgorithmNotEligible { algorithm: Algorithm::OneShot, why };
+        // Every rank reaches every exchange below, even after a local failure, so nobody waits for a timeout:
+        // failures travel as an empty handle.
+        let local = (|| -> Result<_> {
+            if !(2..=anyccl_kernels_cuda::MAX_RANKS).contains(&world) {
+                return Err(off(format!("world {world} is outside 2..={}", anyccl_kernels_cuda::MAX_RANKS)));
+            }
+            if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
+                return Err(off(format!("custom kernels not compiled in: {why}")));
+            }
+            let capacity = std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
+                .ok()
+                .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
+                .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
+                .div_ceil(16)
+                * 16;
+            let rt = &self.runtime;
+            let stream = rt.stream()?;
+            let staging = rt.alloc(capacity)?;
+            let scratch = rt.alloc(capacity)?;
+            let mut flags = rt.alloc(anyccl_kernels_cuda::FLAG_BYTES)?;
+            rt.upload(&mut flags, &[0u8; anyccl_kernels_cuda::FLAG_BYTES], &stream)?;
+            let kernels = crate::custom::CustomKernels::load(rt.context())?;
+            let ctx = rt.context();
+            let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 8);
+            for b in [&staging, &scratch, &flags] {
+                handles.extend_from_slice(&crate::ipc::export_legacy(ctx, b)?);
+            }
+            handles.extend_from_slice(&(capacity as u64).to_le_bytes());
+            Ok((kernels, staging, scratch, flags, capacity, handles))
+        })();
+        let mine: &[u8] = match &local {
+            Ok(l) => &l.5,
+            Err(_) => &[],
+        };
+        let all = rdv.all_gather(mine)?;
+        let (kernels, staging, scratch, flags, capacity, _) = local?;
+        let h = crate::ipc::LEGACY_HANDLE_BYTES;
+        if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 8) {
+            return Err(off(format!("rank {q} could not set up its custom-kernel buffers")));
+        }
+        if all.iter().any(|a| a[3 * h..] != (capacity as u64).to_le_bytes()) {
+            return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BYTES".into()));
+        }
+        let ctx = self.runtime.context();
+        let mut mappings = Vec::new();
+        let (mut all_staging, mut all_scratch, mut all_flags) = (Vec::new(), Vec::new(), Vec::new());
+        for (q, a) in all.iter().enumerate() {
+            if q == self.rank {
+                all_staging.push(staging.device_ptr());
+                all_scratch.push(scratch.device_ptr());
+                all_flags.push(flags.device_ptr());
+                continue;
+            }
+            let sizes = [capacity, capacity, anyccl_kernels_cuda::FLAG_BYTES];
+            for (k, size) in sizes.into_iter().enumerate() {
+                let m = crate::ipc::LegacyMapping::open(ctx, &a[k * h..(k + 1) * h], size)?;
+                let p = m.view().device_ptr();
+                [&mut all_staging, &mut all_scratch, &mut all_flags][k].push(p);
+                mappings.push(m);
+            }
+        }
+        // Nobody launches before every rank has mapped everything.
+        rdv.barrier()?;
+        Ok(CustomState {
+            kernels,
+            staging,
+            _scratch: scratch,
+            _flags: flags,
+            _mappings: mappings,
+            all_staging,
+            all_scratch,
+            all_flags,
+            capacity,
+        })
+    }
+
     fn setup_custom(comms: &[Self]) -> std::result::Result<Vec<CustomState>, String> {
         let world = comms.len();
         if !(2..=anyccl_kernels_cuda::MAX_RANKS).contains(&world) {
@@ -151,6 +253,7 @@ impl CudaComm {
                 staging,
                 _scratch: scratch,
                 _flags: flags,
+                _mappings: Vec::new(),
                 all_staging: all_staging.clone(),
                 all_scratch: all_scratch.clone(),
                 all_flags: all_flags.clone(),

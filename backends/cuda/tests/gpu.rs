@@ -300,5 +300,8 @@ fn nccl_one_process_per_gpu_through_the_rendezvous() {
         eprintln!("nccl world {gpus}: {so}{se}");
         assert!(out.status.success(), "rank {rank}: {se}");
         assert!(so.contains(&format!("rank {rank}: nccl all-reduce over {gpus} processes ok")), "{so}");
+        if gpus > 1 {
+            assert!(so.contains("custom [one-shot, two-shot] over IPC ok"), "{so}");
+        }
     }
 }

@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use anyccl_core::{MemoryRuntime, Result};
+use anyccl_core::{Algorithm, DataType, InOut, MemoryRuntime, ReduceOp, Result};
 use anyccl_cuda::bootstrap::{exchange_legacy, exchange_vmm};
 use anyccl_cuda::ipc::VmmBuffer;
 use anyccl_cuda::{CudaRuntime, DeviceBuffer};
@@ -45,8 +45,40 @@ fn run_nccl() -> Result<String> {
             return Err(anyccl_core::Error::PeerFailure(format!("rank {rank}: element {i} is {v}")));
         }
     }
+    // The custom kernels over IPC, on bf16 values that are exact in bf16 (small integers).
+    let mut custom = Vec::new();
+    let algos = if world > 1 { vec![Algorithm::OneShot, Algorithm::TwoShot] } else { vec![] };
+    for algo in algos {
+        let m = 1usize << 19;
+        let vals: Vec<u16> = (0..m).map(|i| bf16_bits((i % 17) as f32 + rank as f32)).collect();
+        let mut b = rt.alloc(m * 2)?;
+        rt.upload(&mut b, bytemuck::cast_slice(&vals), &stream)?;
+        comm.all_reduce_with(algo, InOut::InPlace(&mut b), m, DataType::Bf16, ReduceOp::Sum, &stream)?;
+        let mut o = vec![0u8; m * 2];
+        rt.download(&b, &mut o, &stream)?;
+        let rank_sum: f32 = (0..world).map(|r| r as f32).sum();
+        for (i, c) in o.chunks_exact(2).enumerate() {
+            let want = bf16_bits((i % 17) as f32 * world as f32 + rank_sum);
+            let got = u16::from_le_bytes([c[0], c[1]]);
+            if got != want {
+                return Err(anyccl_core::Error::PeerFailure(format!(
+                    "rank {rank}: {algo} element {i} is {got:#x}, expected {want:#x}"
+                )));
+            }
+        }
+        custom.push(algo.to_string());
+    }
     rdv.barrier()?;
-    Ok(format!("rank {rank}: nccl all-reduce over {world} processes ok ({})", sel.algorithm))
+    Ok(format!(
+        "rank {rank}: nccl all-reduce over {world} processes ok ({}); custom [{}] over IPC ok",
+        sel.algorithm,
+        custom.join(", ")
+    ))
+}
+
+/// bf16 bits of a small integer (exact in bf16, so truncating the f32 bits is exact too).
+fn bf16_bits(v: f32) -> u16 {
+    (v.to_bits() >> 16) as u16
 }
 
 fn bytemuck_bytes(v: &[i32]) -> &[u8] {
