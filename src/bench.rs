@@ -119,8 +119,9 @@ pub struct BenchReport {
     pub method: String,
 }
 
-#[cfg(feature = "host")]
-fn median(v: &mut [f64]) -> f64 {
+/// Median of samples (sorts them); NaN when there are none.
+#[cfg(any(feature = "host", feature = "cuda"))]
+pub(crate) fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n == 0 {
@@ -132,8 +133,9 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-#[cfg(feature = "host")]
-fn cell(algorithm: Algorithm, samples: &mut [f64], bytes: u64, world: usize) -> Cell {
+/// A cell from latency samples in µs.
+#[cfg(any(feature = "host", feature = "cuda"))]
+pub(crate) fn cell(algorithm: Algorithm, samples: &mut [f64], bytes: u64, world: usize) -> Cell {
     let med = median(samples);
     let min = samples.first().copied().unwrap_or(f64::NAN);
     let algbw = bytes as f64 / (med * 1e-6) / 1e9;

@@ -15,7 +15,7 @@ use anyccl_cuda::graph::{Event, Graph};
 use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
 use serde::Serialize;
 
-use crate::bench::{BenchConfig, BenchReport, Cell, Ineligible, Progress, Row};
+use crate::bench::{cell, median, BenchConfig, BenchReport, Cell, Ineligible, Progress, Row};
 use crate::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
 
 /// How GPU latency is timed.
@@ -30,23 +30,6 @@ pub enum Mode {
 
 /// Calls per graph replay.
 pub const CALLS_PER_GRAPH: usize = 10;
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
-fn cell(algorithm: Algorithm, mut samples: Vec<f64>, bytes: u64, world: usize) -> Cell {
-    let med = median(&mut samples);
-    let min = samples.first().copied().unwrap_or(f64::NAN);
-    let algbw = bytes as f64 / (med * 1e-6) / 1e9;
-    let factor = if world > 1 { 2.0 * (world - 1) as f64 / world as f64 } else { 0.0 };
-    Cell { algorithm, median_us: med, min_us: min, algbw_gbps: algbw, busbw_gbps: algbw * factor }
-}
 
 /// Device latency samples (µs per all-reduce) of `call` on `stream`.
 fn time_device(
@@ -309,9 +292,10 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
     let rank0 = rank0.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))?;
     let baseline = Algorithm::Ccl;
     let mut rows = Vec::new();
-    for (&bytes, (per_algo, (auto, auto_algo, why), host)) in cfg.sizes.iter().zip(rank0) {
-        let cells: Vec<Cell> = algorithms.iter().zip(per_algo).map(|(&a, s)| cell(a, s, bytes, cfg.world)).collect();
-        let auto = cell(auto_algo, auto, bytes, cfg.world);
+    for (&bytes, (per_algo, (mut auto, auto_algo, why), host)) in cfg.sizes.iter().zip(rank0) {
+        let cells: Vec<Cell> =
+            algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
+        let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
         let best = cells
             .iter()
             .filter(|c| !c.median_us.is_nan())

@@ -193,12 +193,16 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     if args.backend.is_none() && !(args.json || args.csv) {
         eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
     }
-    let out = if args.json {
-        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
-    } else if args.csv {
-        anyccl::bench::render_csv(&report)
+    print_report(&report, args.json, args.csv)
+}
+
+fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<(), CliError> {
+    let out = if json {
+        serde_json::to_string_pretty(report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+    } else if csv {
+        anyccl::bench::render_csv(report)
     } else {
-        anyccl::bench::render_table(&report)
+        anyccl::bench::render_table(report)
     };
     print_out(&out)
 }
@@ -226,14 +230,7 @@ fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
     };
     let mode = if args.eager { anyccl::bench_cuda::Mode::Eager } else { anyccl::bench_cuda::Mode::Graph };
     let report = anyccl::bench_cuda::run(&cfg, mode, &|_, _| {})?;
-    let out = if args.json {
-        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
-    } else if args.csv {
-        anyccl::bench::render_csv(&report)
-    } else {
-        anyccl::bench::render_table(&report)
-    };
-    print_out(&out)
+    print_report(&report, args.json, args.csv)
 }
 
 #[cfg(feature = "host")]

@@ -36,6 +36,16 @@ struct CustomState {
     capacity: usize,
 }
 
+/// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
+fn custom_capacity() -> usize {
+    std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
+        .ok()
+        .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
+        .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
+        .div_ceil(16)
+        * 16
+}
+
 /// Blocks per rank for a message: one per 32 KiB, 4 to 36 (the same on every rank, as the barriers need).
 fn custom_blocks(bytes: usize) -> u32 {
     (bytes / (32 << 10)).clamp(4, 36) as u32
@@ -140,12 +150,7 @@ impl CudaComm {
             if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
                 return Err(off(format!("custom kernels not compiled in: {why}")));
             }
-            let capacity = std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
-                .ok()
-                .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
-                .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
-                .div_ceil(16)
-                * 16;
+            let capacity = custom_capacity();
             let rt = &self.runtime;
             let stream = rt.stream()?;
             let staging = rt.alloc(capacity)?;
@@ -215,12 +220,7 @@ impl CudaComm {
         if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
             return Err(format!("custom kernels not compiled in: {why}"));
         }
-        let capacity = std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
-            .ok()
-            .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
-            .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
-            .div_ceil(16)
-            * 16;
+        let capacity = custom_capacity();
         let ctxs: Vec<_> = comms.iter().map(|c| c.runtime.context().clone()).collect();
         for a in &ctxs {
             for b in &ctxs {
