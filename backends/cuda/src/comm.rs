@@ -65,6 +65,15 @@ pub struct CudaComm {
     scratch: DeviceBuffer,
     /// The custom kernels' state, or why they cannot run on this communicator.
     custom: std::result::Result<CustomState, String>,
+    /// Cleared when this communicator is destroyed, for the symmetric buffers that outlive it.
+    alive: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for CudaComm {
+    fn drop(&mut self) {
+        // Runs before the fields drop, so before the NCCL communicator is destroyed.
+        self.alive.store(false, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl CudaComm {
@@ -284,6 +293,7 @@ impl CudaComm {
             arch,
             caps,
             windows: Arc::new(Mutex::new(Vec::new())),
+            alive: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             scratch,
             custom,
         })
@@ -352,7 +362,7 @@ impl CudaComm {
             ptr,
             size,
             window: Some(window),
-            ccl_raw: CommRef { lib, comm: self.ccl.raw() },
+            ccl_raw: CommRef { lib, comm: self.ccl.raw(), alive: self.alive.clone() },
             windows: self.windows.clone(),
             ctx: self.runtime.context().clone(),
         })
@@ -363,6 +373,9 @@ impl CudaComm {
 struct CommRef {
     lib: Arc<CclLibrary>,
     comm: *mut c_void,
+    /// False once the communicator is destroyed (NCCL drops its windows with it; deregistering then would touch
+    /// a freed communicator).
+    alive: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. All-reduce on it
@@ -396,11 +409,12 @@ impl Drop for SymmetricBuffer {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
         self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
-        if let Some(w) = self.window.take() {
+        let comm_alive = self.ccl_raw.alive.load(std::sync::atomic::Ordering::SeqCst);
+        if let Some(w) = self.window.take().filter(|_| comm_alive) {
             let lib = &self.ccl_raw.lib;
             if let Some(f) = lib.table().optional.comm_window_deregister {
-                // SAFETY: the window was registered on this communicator, which outlives its buffers by contract
-                // (documented on CudaComm::symmetric_buffer), and is deregistered once.
+                // SAFETY: the window was registered on this communicator, which is still alive (checked above; a
+                // communicator is used from one thread at a time), and is deregistered once.
                 let st = unsafe { f(self.ccl_raw.comm, window_raw(w)) };
                 if st != 0 {
                     tracing::warn!(status = st, "ncclCommWindowDeregister failed");
