@@ -189,6 +189,135 @@ __device__ void two_shot(const RankPtrs& in, const RankPtrs& scratch, void* out,
     barrier(flags, rank, W, e + 3);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// NVLS: the switch-channel primitive and the variants written over it.
+//
+// A channel reduce-loads a 16-byte vector across all ranks and broadcast-stores one to all ranks. Two
+// implementations, one interface: MulticastChannel uses the multimem instructions on a multicast address (sm_90+,
+// NVLink SHARP); UnicastChannel emulates them with loads and stores through every rank's own pointer, so the
+// variants' partitioning, pipelining and barriers run (and are tested) where multicast cannot be used.
+
+struct UnicastChannel {
+    RankPtrs p;
+};
+
+struct MulticastChannel {
+    const void* mc;
+};
+
+template <typename T, int W>
+__device__ __forceinline__ uint4 ch_reduce(const UnicastChannel& c, size_t i) {
+    return reduce_vec<T, W>(c.p, i);
+}
+
+template <int W>
+__device__ __forceinline__ void ch_store(const UnicastChannel& c, size_t i, uint4 v) {
+#pragma unroll
+    for (int r = 0; r < W; r++) reinterpret_cast<uint4*>(const_cast<void*>(c.p.p[r]))[i] = v;
+}
+
+template <typename T> struct Multimem;
+template <> struct Multimem<float> {
+    __device__ static uint4 ld_reduce(const void* a) {
+        uint4 v;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
+#else
+        v = make_uint4(0, 0, 0, 0);
+        __trap();
+#endif
+        return v;
+    }
+};
+template <> struct Multimem<__half> {
+    __device__ static uint4 ld_reduce(const void* a) {
+        uint4 v;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f16x2 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
+#else
+        v = make_uint4(0, 0, 0, 0);
+        __trap();
+#endif
+        return v;
+    }
+};
+template <> struct Multimem<__nv_bfloat16> {
+    __device__ static uint4 ld_reduce(const void* a) {
+        uint4 v;
+#if __CUDA_ARCH__ >= 900
+        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
+#else
+        v = make_uint4(0, 0, 0, 0);
+        __trap();
+#endif
+        return v;
+    }
+};
+
+template <typename T, int W>
+__device__ __forceinline__ uint4 ch_reduce(const MulticastChannel& c, size_t i) {
+    return Multimem<T>::ld_reduce(reinterpret_cast<const uint4*>(c.mc) + i);
+}
+
+template <int W>
+__device__ __forceinline__ void ch_store(const MulticastChannel& c, size_t i, uint4 v) {
+#if __CUDA_ARCH__ >= 900
+    uint4* a = reinterpret_cast<uint4*>(const_cast<void*>(c.mc)) + i;
+    asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
+                 ::"l"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Zero-copy: the user's input and output buffers themselves are bound to the channel. Rank r reduce-loads its
+// 1/W of the message and broadcast-stores the result into every rank's output.
+template <typename T, int W, typename Ch>
+__device__ void nvls_zero_copy(const Ch& in, const Ch& out, const FlagPtrs& flags, int rank, size_t n_vec) {
+    const uint32_t e = next_epoch(flags, rank, 2);
+    barrier(flags, rank, W, e + 1);
+    const size_t chunk = (n_vec + W - 1) / W;
+    const size_t start = chunk * rank;
+    const size_t end = min(n_vec, start + chunk);
+    for (size_t i = start + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < end; i += (size_t)gridDim.x * blockDim.x)
+        ch_store<W>(out, i, ch_reduce<T, W>(in, i));
+    barrier(flags, rank, W, e + 2);
+}
+
+// Block pipeline: the message moves through channel-bound staging buffers in tiles of one block's worth. Per tile,
+// a block copies its rank's input tile into its staging, meets its peers' same block, reduce-loads its rank's
+// 1/W of the tile and broadcast-stores it into every rank's output staging, meets them again, and copies its
+// output tile out. Blocks work on different tiles independently, so copies and reductions overlap across blocks.
+#define ANYCCL_TILE_VECS 4096
+template <typename T, int W, typename Ch>
+__device__ void nvls_block_pipeline(const void* in, void* out, void* my_stage_in, const void* my_stage_out,
+                                    const Ch& stage_in, const Ch& stage_out, const FlagPtrs& flags, int rank,
+                                    size_t n_vec) {
+    const size_t tiles = (n_vec + ANYCCL_TILE_VECS - 1) / ANYCCL_TILE_VECS;
+    const size_t my_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    uint32_t e = next_epoch(flags, rank, 2 * (uint32_t)my_tiles + 1);
+    for (size_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const size_t ts = t * ANYCCL_TILE_VECS;
+        const size_t te = min(n_vec, ts + ANYCCL_TILE_VECS);
+        for (size_t i = ts + threadIdx.x; i < te; i += blockDim.x)
+            reinterpret_cast<uint4*>(my_stage_in)[i] = reinterpret_cast<const uint4*>(in)[i];
+        barrier(flags, rank, W, ++e);
+        const size_t part = (te - ts + W - 1) / W;
+        const size_t ps = ts + part * rank;
+        const size_t pe = min(te, ps + part);
+        for (size_t i = ps + threadIdx.x; i < pe; i += blockDim.x) ch_store<W>(stage_out, i, ch_reduce<T, W>(stage_in, i));
+        barrier(flags, rank, W, ++e);
+        for (size_t i = ts + threadIdx.x; i < te; i += blockDim.x)
+            reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(my_stage_out)[i];
+    }
+    // Every block ends with one more meeting, so no rank starts the next call's copies into a staging tile a
+    // slower peer is still reading.
+    barrier(flags, rank, W, ++e);
+}
+
 #define ANYCCL_DISPATCH(FN, T, ...)                                                                                  \
     switch (world) {                                                                                                 \
         case 2: FN<T, 2>(__VA_ARGS__); break;                                                                        \
@@ -214,3 +343,33 @@ __device__ void two_shot(const RankPtrs& in, const RankPtrs& scratch, void* out,
 ANYCCL_KERNELS(f32, float)
 ANYCCL_KERNELS(f16, __half)
 ANYCCL_KERNELS(bf16, __nv_bfloat16)
+
+// NVLS kernels: `_emu` over the unicast channel (N pointers), `_mc` over the multicast channel (sm_90+ only).
+#define ANYCCL_NVLS_KERNELS(NAME, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_zero_copy_emu_##NAME(                           \
+        RankPtrs in, RankPtrs out, FlagPtrs flags, int rank, int world, size_t n_vec) {                              \
+        UnicastChannel ci{in}, co{out};                                                                              \
+        ANYCCL_DISPATCH(nvls_zero_copy, T, ci, co, flags, rank, n_vec)                                               \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_zero_copy_mc_##NAME(                            \
+        const void* in_mc, void* out_mc, FlagPtrs flags, int rank, int world, size_t n_vec) {                        \
+        MulticastChannel ci{in_mc}, co{out_mc};                                                                      \
+        ANYCCL_DISPATCH(nvls_zero_copy, T, ci, co, flags, rank, n_vec)                                               \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_block_pipeline_emu_##NAME(                      \
+        const void* in, void* out, RankPtrs stage_in, RankPtrs stage_out, FlagPtrs flags, int rank, int world,      \
+        size_t n_vec) {                                                                                              \
+        UnicastChannel ci{stage_in}, co{stage_out};                                                                  \
+        ANYCCL_DISPATCH(nvls_block_pipeline, T, in, out, const_cast<void*>(stage_in.p[rank]), stage_out.p[rank],    \
+                        ci, co, flags, rank, n_vec)                                                                  \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_block_pipeline_mc_##NAME(                       \
+        const void* in, void* out, void* my_stage_in, const void* my_stage_out, const void* stage_in_mc,            \
+        void* stage_out_mc, FlagPtrs flags, int rank, int world, size_t n_vec) {                                     \
+        MulticastChannel ci{stage_in_mc}, co{stage_out_mc};                                                          \
+        ANYCCL_DISPATCH(nvls_block_pipeline, T, in, out, my_stage_in, my_stage_out, ci, co, flags, rank, n_vec)      \
+    }
+
+ANYCCL_NVLS_KERNELS(f32, float)
+ANYCCL_NVLS_KERNELS(f16, __half)
+ANYCCL_NVLS_KERNELS(bf16, __nv_bfloat16)

@@ -2,8 +2,11 @@
 //! as cubins for sm_80 and sm_90 (sm_100 where the nvcc supports it).
 //!
 //! Kernels (`cuda/allreduce.cu`, one source for every dtype and for real and emulated ranks):
-//! `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`. The NVLS multicast variants are not
-//! written yet. [`NOT_BUILT`] says why a build has no kernels (no nvcc at build time).
+//! `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`; the NVLS variants
+//! `anyccl_nvls_{zero_copy,block_pipeline}_{emu,mc}_{dtype}`, written once over a switch-channel primitive with
+//! two implementations: `mc` uses `multimem.ld_reduce`/`multimem.st` on a multicast address (sm_90+), `emu`
+//! emulates them with unicast loads and stores through every rank's pointer. (No warp-pipeline variant yet.)
+//! [`NOT_BUILT`] says why a build has no kernels (no nvcc at build time).
 #![forbid(unsafe_code)]
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));

@@ -39,6 +39,19 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(sass.contains(&format!("anyccl_{kind}_{dt}")), "{arch}: anyccl_{kind}_{dt} missing");
             }
         }
+        for v in ["zero_copy", "block_pipeline"] {
+            for ch in ["emu", "mc"] {
+                for dt in ["f32", "f16", "bf16"] {
+                    assert!(sass.contains(&format!("anyccl_nvls_{v}_{ch}_{dt}")), "{arch}: nvls {v} {ch} {dt} missing");
+                }
+            }
+        }
+        // The multicast variants are real multimem code on sm_90 and newer: LDGMC is multimem.ld_reduce.
+        if *arch != "sm_80" {
+            assert!(sass.contains("LDGMC"), "{arch}: no multimem.ld_reduce (LDGMC) in the NVLS kernels");
+        } else {
+            assert!(!sass.contains("LDGMC"), "sm_80 has no multimem");
+        }
         assert!(sass.contains("STG.E.STRONG.SYS"), "{arch}: no system-scope flag store");
         assert!(sass.contains("LDG.E.STRONG.SYS"), "{arch}: no system-scope flag load");
         std::fs::remove_file(&path).ok();

@@ -25,6 +25,10 @@ pub enum Kind {
     OneShot,
     /// Reduce-scatter into peer-visible scratch, then all-gather.
     TwoShot,
+    /// NVLS zero-copy over the unicast emulation of the switch channel (inputs and outputs of every rank).
+    NvlsZeroCopyEmulated,
+    /// NVLS block pipeline over the unicast emulation (staging in/out of every rank).
+    NvlsBlockPipelineEmulated,
 }
 
 fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
@@ -113,6 +117,8 @@ impl CustomKernels {
         let name = match kind {
             Kind::OneShot => format!("anyccl_one_shot_{suffix}"),
             Kind::TwoShot => format!("anyccl_two_shot_{suffix}"),
+            Kind::NvlsZeroCopyEmulated => format!("anyccl_nvls_zero_copy_emu_{suffix}"),
+            Kind::NvlsBlockPipelineEmulated => format!("anyccl_nvls_block_pipeline_emu_{suffix}"),
         };
         let c = CString::new(name).map_err(|e| Error::Backend {
             backend: "cuda".into(),
@@ -158,6 +164,9 @@ impl CustomKernels {
             code: None,
             message: m,
         };
+        if !matches!(kind, Kind::OneShot | Kind::TwoShot) {
+            return Err(bad(format!("{kind:?} is launched with launch_nvls_emulated")));
+        }
         if flags.len() != world || (kind == Kind::TwoShot && scratch.len() != world) || rank >= world {
             return Err(bad(format!(
                 "{world} inputs, {} flags, {} scratch buffers, rank {rank}",
@@ -189,7 +198,7 @@ impl CustomKernels {
                 (&mut world_i as *mut i32).cast(),
                 (&mut n_vec as *mut u64).cast(),
             ],
-            Kind::TwoShot => vec![
+            _ => vec![
                 (&mut in_p as *mut Ptrs).cast(),
                 (&mut sc_p as *mut Ptrs).cast(),
                 (&mut out_p as *mut u64).cast(),
@@ -201,6 +210,89 @@ impl CustomKernels {
         };
         // SAFETY: the parameter list matches the kernel's signature (RankPtrs/FlagPtrs are 8 × u64 by value);
         // the caller guarantees the buffers and the co-residency.
+        unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, stream.raw(), &mut params) }
+            .map_err(|e| cu_err("cuLaunchKernel", e))
+    }
+}
+
+impl CustomKernels {
+    /// Launches one rank of an NVLS variant over the unicast emulation of the switch channel (the multicast
+    /// kernels, `_mc`, are never launched by anyccl on machines where multicast is off).
+    ///
+    /// Zero-copy: `a[r]`/`b[r]` are every rank's input/output. Block pipeline: `a[r]`/`b[r]` are every rank's
+    /// staging-in/staging-out buffers (each ≥ `bytes`), and `input`/`output` this rank's own buffers.
+    ///
+    /// # Safety
+    /// As for [`Self::launch`]: valid 16-byte aligned device buffers of `bytes`, every rank launching the same
+    /// kernels with the same `blocks`, all ranks' blocks co-resident.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_nvls_emulated(
+        &self,
+        kind: Kind,
+        dtype: DataType,
+        a: &[u64],
+        b: &[u64],
+        input: u64,
+        output: u64,
+        flags: &[u64],
+        rank: usize,
+        bytes: usize,
+        blocks: u32,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let world = a.len();
+        let bad = |m: String| Error::Backend {
+            backend: "cuda".into(),
+            call: "nvls (emulated)".into(),
+            code: None,
+            message: m,
+        };
+        if let Some(why) = ineligible(dtype, bytes, world) {
+            return Err(bad(why));
+        }
+        if b.len() != world
+            || flags.len() != world
+            || rank >= world
+            || blocks == 0
+            || blocks as usize > kernels::MAX_BLOCKS
+        {
+            return Err(bad(format!(
+                "{world} ranks, {} outputs, {} flags, rank {rank}, {blocks} blocks",
+                b.len(),
+                flags.len()
+            )));
+        }
+        if a.iter().chain(b).chain([&input, &output]).any(|p| p % 16 != 0) {
+            return Err(bad("every buffer must be 16-byte aligned".into()));
+        }
+        let f = self.function(kind, dtype)?;
+        self.ctx.bind()?;
+        let (mut a_p, mut b_p, mut fl_p) = (ptrs(a), ptrs(b), ptrs(flags));
+        let (mut in_p, mut out_p) = (input, output);
+        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
+        let mut n_vec = (bytes / kernels::VECTOR_BYTES) as u64;
+        let mut params: Vec<*mut c_void> = match kind {
+            Kind::NvlsZeroCopyEmulated => vec![
+                (&mut a_p as *mut Ptrs).cast(),
+                (&mut b_p as *mut Ptrs).cast(),
+                (&mut fl_p as *mut Ptrs).cast(),
+                (&mut rank_i as *mut i32).cast(),
+                (&mut world_i as *mut i32).cast(),
+                (&mut n_vec as *mut u64).cast(),
+            ],
+            Kind::NvlsBlockPipelineEmulated => vec![
+                (&mut in_p as *mut u64).cast(),
+                (&mut out_p as *mut u64).cast(),
+                (&mut a_p as *mut Ptrs).cast(),
+                (&mut b_p as *mut Ptrs).cast(),
+                (&mut fl_p as *mut Ptrs).cast(),
+                (&mut rank_i as *mut i32).cast(),
+                (&mut world_i as *mut i32).cast(),
+                (&mut n_vec as *mut u64).cast(),
+            ],
+            other => return Err(bad(format!("{other:?} is not an NVLS variant"))),
+        };
+        // SAFETY: parameters match the kernels' signatures; the caller guarantees buffers and co-residency.
         unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, stream.raw(), &mut params) }
             .map_err(|e| cu_err("cuLaunchKernel", e))
     }

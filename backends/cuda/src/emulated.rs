@@ -26,6 +26,8 @@ pub struct EmulatedRanks {
     pub scratch: Vec<DeviceBuffer>,
     /// Flag arrays, by rank (zeroed at creation).
     pub flags: Vec<DeviceBuffer>,
+    /// Output staging of the NVLS block pipeline, by rank (its input staging is `scratch`).
+    pub stage_out: Vec<DeviceBuffer>,
     /// Message size.
     pub bytes: usize,
     /// Blocks per rank.
@@ -42,12 +44,13 @@ impl EmulatedRanks {
         let inputs = alloc(bytes)?;
         let outputs = alloc(bytes)?;
         let scratch = alloc(bytes)?;
+        let stage_out = alloc(bytes)?;
         let mut flags = alloc(FLAG_BYTES)?;
         for f in &mut flags {
             runtime.upload(f, &vec![0u8; FLAG_BYTES], &s0)?;
         }
         let streams = (0..world).map(|_| runtime.stream()).collect::<Result<Vec<_>>>()?;
-        Ok(EmulatedRanks { runtime, kernels, streams, inputs, outputs, scratch, flags, bytes, blocks })
+        Ok(EmulatedRanks { runtime, kernels, streams, inputs, outputs, scratch, flags, stage_out, bytes, blocks })
     }
 
     fn ptrs(v: &[DeviceBuffer]) -> Vec<u64> {
@@ -56,27 +59,54 @@ impl EmulatedRanks {
 
     /// Launches every rank's kernel on its own stream (concurrently); does not wait.
     pub fn launch(&self, kind: Kind, dtype: DataType) -> Result<()> {
+        self.streams.iter().enumerate().try_for_each(|(rank, s)| self.launch_rank(kind, dtype, rank, s))
+    }
+
+    fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
         let (ins, sc, fl) = (Self::ptrs(&self.inputs), Self::ptrs(&self.scratch), Self::ptrs(&self.flags));
-        for (rank, s) in self.streams.iter().enumerate() {
-            // SAFETY: every buffer was allocated above with the sizes the kernel needs (cuMemAlloc is 256-byte
-            // aligned); blocks × world stays far below the device's resident capacity (checked by the caller's
-            // choice of `blocks`), so all ranks' blocks are co-resident.
-            unsafe {
-                self.kernels.launch(
-                    kind,
-                    dtype,
-                    &ins,
-                    &sc,
-                    self.outputs[rank].device_ptr(),
-                    &fl,
-                    rank,
-                    self.bytes,
-                    self.blocks,
-                    s,
-                )
-            }?;
+        let out = self.outputs[rank].device_ptr();
+        // SAFETY: every buffer was allocated in `new` with the sizes the kernels need (cuMemAlloc is 256-byte
+        // aligned); the caller's `blocks` keeps all ranks' blocks co-resident.
+        unsafe {
+            match kind {
+                Kind::OneShot | Kind::TwoShot => {
+                    self.kernels.launch(kind, dtype, &ins, &sc, out, &fl, rank, self.bytes, self.blocks, s)
+                }
+                Kind::NvlsZeroCopyEmulated => {
+                    let outs = Self::ptrs(&self.outputs);
+                    self.kernels.launch_nvls_emulated(
+                        kind,
+                        dtype,
+                        &ins,
+                        &outs,
+                        0,
+                        0,
+                        &fl,
+                        rank,
+                        self.bytes,
+                        self.blocks,
+                        s,
+                    )
+                }
+                Kind::NvlsBlockPipelineEmulated => {
+                    let so = Self::ptrs(&self.stage_out);
+                    let input = self.inputs[rank].device_ptr();
+                    self.kernels.launch_nvls_emulated(
+                        kind,
+                        dtype,
+                        &sc,
+                        &so,
+                        input,
+                        out,
+                        &fl,
+                        rank,
+                        self.bytes,
+                        self.blocks,
+                        s,
+                    )
+                }
+            }
         }
-        Ok(())
     }
 
     /// Waits for every rank's stream.
@@ -86,32 +116,12 @@ impl EmulatedRanks {
 
     /// Captures each rank's launch (`calls` back-to-back) into one graph per rank.
     pub fn capture(&self, kind: Kind, dtype: DataType, calls: usize) -> Result<Vec<Graph>> {
-        let (ins, sc, fl) = (Self::ptrs(&self.inputs), Self::ptrs(&self.scratch), Self::ptrs(&self.flags));
         let ctx: &Arc<_> = self.runtime.context();
         self.streams
             .iter()
             .enumerate()
             .map(|(rank, s)| {
-                Graph::capture(ctx, s, |s| {
-                    for _ in 0..calls {
-                        // SAFETY: as in `launch`; capturing records the launch for later replay.
-                        unsafe {
-                            self.kernels.launch(
-                                kind,
-                                dtype,
-                                &ins,
-                                &sc,
-                                self.outputs[rank].device_ptr(),
-                                &fl,
-                                rank,
-                                self.bytes,
-                                self.blocks,
-                                s,
-                            )
-                        }?;
-                    }
-                    Ok(())
-                })
+                Graph::capture(ctx, s, |s| (0..calls).try_for_each(|_| self.launch_rank(kind, dtype, rank, s)))
             })
             .collect()
     }

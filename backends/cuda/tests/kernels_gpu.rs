@@ -109,18 +109,18 @@ fn unsafe_view(b: &anyccl_cuda::DeviceBuffer) -> anyccl_cuda::DeviceBuffer {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
-fn one_and_two_shot_for_2_to_8_emulated_ranks_match_the_reference_and_replay() {
+fn custom_and_emulated_nvls_kernels_for_2_to_8_ranks_match_the_reference_and_replay() {
     let mut seed = 1;
     for world in 2..=8 {
         for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
-            for kind in [Kind::OneShot, Kind::TwoShot] {
+            for kind in [Kind::OneShot, Kind::TwoShot, Kind::NvlsZeroCopyEmulated, Kind::NvlsBlockPipelineEmulated] {
                 for bytes in [16, 16 * 1037, 4 << 20] {
                     seed += 1;
                     check(world, dtype, kind, bytes, seed, bytes == 16 * 1037);
                 }
             }
         }
-        eprintln!("world {world}: one-shot and two-shot, f32/f16/bf16, 16 B / 16.2 KiB / 4 MiB: ok");
+        eprintln!("world {world}: one-shot, two-shot, NVLS zero-copy and block-pipeline (emulated), f32/f16/bf16, 16 B / 16.2 KiB / 4 MiB: ok");
     }
 }
 

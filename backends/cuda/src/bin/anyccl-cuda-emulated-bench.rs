@@ -97,6 +97,10 @@ fn run(world: usize, device: i32) -> Result<()> {
             let per_rank = match kind {
                 Kind::OneShot => (world + 1) as f64,
                 Kind::TwoShot => 3.0 + 1.0 / world as f64,
+                // Reads and writes 1/N of the message from and to every rank.
+                Kind::NvlsZeroCopyEmulated => 2.0,
+                // Copy in, reduce-load, broadcast-store, copy out.
+                Kind::NvlsBlockPipelineEmulated => 6.0,
             };
             let moved = per_rank * world as f64 * bytes as f64;
             let bw = moved / t / 1e9;
