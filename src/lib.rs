@@ -41,6 +41,7 @@ pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;
 pub mod probe;
+pub mod tune;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

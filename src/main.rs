@@ -30,6 +30,14 @@ enum Command {
     },
     /// Measure all-reduce latency and bandwidth per size and algorithm.
     Bench(BenchArgs),
+    /// Measure every eligible algorithm, write a selector table (TOML) picking the fastest per size, and check it.
+    Tune {
+        /// Where to write the table (use it with ANYCCL_TUNE_FILE or --table).
+        #[arg(long, value_name = "FILE", default_value = "anyccl-tune.toml")]
+        out: PathBuf,
+        #[command(flatten)]
+        bench: BenchArgs,
+    },
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -207,6 +215,99 @@ fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> R
     print_out(&out)
 }
 
+/// Runs the sweep twice: once to pick the winners, once with the written table to check `auto`.
+fn tune(out: &std::path::Path, args: BenchArgs) -> Result<(), CliError> {
+    #[cfg(feature = "cuda")]
+    let on_cuda =
+        args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && anyccl::cuda::available().is_ok());
+    #[cfg(not(feature = "cuda"))]
+    let on_cuda = false;
+    if matches!(args.backend, Some(BackendArg::Rocm)) || (args.backend == Some(BackendArg::Cuda) && !on_cuda) {
+        return Err(CliError {
+            message: "tune runs on the host backend or on an available cuda backend".into(),
+            hint: Some("`anyccl probe` shows which backends are available".into()),
+        });
+    }
+    let base = selector(args.table.as_ref())?;
+    let cfg = |selector: anyccl::Selector| -> anyccl::bench::BenchConfig {
+        anyccl::bench::BenchConfig {
+            world: usize::from(args.world.unwrap_or_else(default_world)),
+            dtype: args.dtype,
+            op: args.op,
+            sizes: args.sizes.clone().unwrap_or_else(if on_cuda {
+                anyccl::bench::default_gpu_sizes
+            } else {
+                anyccl::bench::default_host_sizes
+            }),
+            algorithms: args.algos.clone(),
+            iters: args.iters as usize,
+            warmup: args.warmup as usize,
+            selector: Arc::new(selector),
+        }
+    };
+    let (first, vendor, arch, fallback) = if on_cuda {
+        #[cfg(feature = "cuda")]
+        {
+            let info = anyccl::cuda::available().map_err(|r| CliError { message: r.to_string(), hint: None })?;
+            let arch = info.devices.first().map(|d| d.arch()).unwrap_or_default();
+            let mut c = cfg(base.clone());
+            c.world = args.world.map_or(info.devices.len(), usize::from);
+            (
+                anyccl::bench_cuda::run(&c, anyccl::bench_cuda::Mode::Graph, &|_, _| {})?,
+                "nvidia",
+                arch,
+                anyccl::Algorithm::Ccl,
+            )
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("on_cuda is false without the cuda feature")
+    } else {
+        (run_with_progress(&cfg(base.clone()))?, "host", "host".to_owned(), anyccl::Algorithm::Ring)
+    };
+    let text = anyccl::tune::table_text(&first, vendor, &arch, fallback)?;
+    anyccl::tune::write_table(out, &text)?;
+    println!(
+        "wrote {} ({} sizes measured on the {} backend, world {})",
+        out.display(),
+        first.rows.len(),
+        first.backend,
+        first.world
+    );
+    print!("{text}");
+    let tuned = base.with_table_file(out, "anyccl tune")?;
+    let mut second_cfg = cfg(tuned);
+    second_cfg.world = first.world;
+    let second = if on_cuda {
+        #[cfg(feature = "cuda")]
+        {
+            anyccl::bench_cuda::run(&second_cfg, anyccl::bench_cuda::Mode::Graph, &|_, _| {})?
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("on_cuda is false without the cuda feature")
+    } else {
+        run_with_progress(&second_cfg)?
+    };
+    println!(
+        "\ncheck: auto with the tuned table against the best algorithm of the same run (tolerance {:.0}%)",
+        anyccl::tune::TOLERANCE * 100.0
+    );
+    let rows = anyccl::tune::check(&second);
+    for r in &rows {
+        println!(
+            "  {:>10}  auto {:<14} {:>9.1} us   best {:<14} {:>9.1} us   {}",
+            anyccl::core::units::format_bytes(r.bytes),
+            r.auto.name(),
+            r.auto_us,
+            r.best.name(),
+            r.best_us,
+            if r.ok { "ok" } else { "SLOWER" }
+        );
+    }
+    let slow = rows.iter().filter(|r| !r.ok).count();
+    println!("check: {} of {} sizes within {:.0}%", rows.len() - slow, rows.len(), anyccl::tune::TOLERANCE * 100.0);
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
     if let Err(reason) = anyccl::cuda::available() {
@@ -299,6 +400,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Probe { json, table } => probe(json, table.as_ref()),
         Command::Bench(args) => bench(args),
+        Command::Tune { out, bench } => tune(&out, bench),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

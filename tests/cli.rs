@@ -246,3 +246,24 @@ fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
     assert_eq!(nccl["tried"][0]["failure"]["kind"], "not-a-library");
     assert_eq!(capability(&v, "ccl")["enabled"], false);
 }
+
+#[test]
+fn tune_writes_a_table_that_bench_then_uses() {
+    let out = std::env::temp_dir().join(format!("anyccl-tune-{}.toml", std::process::id()));
+    let os = out.to_string_lossy().into_owned();
+    let r =
+        anyccl(&["tune", "--world", "2", "--sizes", "4KiB,256KiB", "--iters", "3", "--warmup", "1", "--out", &os], &[]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let s = text(&r.stdout);
+    assert!(s.contains("check: auto with the tuned table") && s.contains("sizes within 5%"), "{s}");
+    let table = anyccl::core::SelectorTable::load(&out).expect("the written table parses");
+    assert!(!table.rules.is_empty());
+    assert!(table.rules.iter().all(|r| r.vendors == vec![anyccl::core::Vendor::Host] && r.world_min == 2));
+    let b = anyccl(
+        &["bench", "--world", "2", "--sizes", "4KiB", "--iters", "1", "--warmup", "0", "--json", "--table", &os],
+        &[],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&b.stdout).expect("JSON");
+    assert!(v["rows"][0]["auto_rule"].as_str().is_some_and(|r| r.starts_with(&os)), "{}", v["rows"][0]["auto_rule"]);
+    std::fs::remove_file(&out).ok();
+}

@@ -97,6 +97,27 @@ impl Rule {
         self
     }
 
+    /// Whether some call could match both `self` and `other`.
+    pub fn overlaps(&self, other: &Rule) -> bool {
+        let vendors = self.vendors.is_empty()
+            || other.vendors.is_empty()
+            || self.vendors.iter().any(|v| other.vendors.contains(v));
+        let arch = match (&self.arch, &other.arch) {
+            (Some(a), Some(b)) => a.eq_ignore_ascii_case(b),
+            _ => true,
+        };
+        let world = self.world_min <= other.world_max && other.world_min <= self.world_max;
+        let dtypes =
+            self.dtypes.is_empty() || other.dtypes.is_empty() || self.dtypes.iter().any(|d| other.dtypes.contains(d));
+        let capturing = match (self.capturing, other.capturing) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        };
+        let below = |max: Option<u64>, min: u64| max.is_some_and(|m| m <= min);
+        let bytes = !below(self.bytes_max, other.bytes_min) && !below(other.bytes_max, self.bytes_min);
+        vendors && arch && world && dtypes && capturing && bytes
+    }
+
     /// Whether the rule applies to `q`.
     pub fn matches(&self, q: &SelectionQuery<'_>) -> bool {
         (self.vendors.is_empty() || self.vendors.contains(&q.vendor))
@@ -237,7 +258,8 @@ impl SelectorTable {
                 ));
             }
         }
-        let mut rules = Vec::with_capacity(file.rule.len());
+        let mut rules: Vec<Rule> = Vec::with_capacity(file.rule.len());
+        let mut lines: Vec<usize> = Vec::with_capacity(file.rule.len());
         for raw in file.rule {
             let rule_line = line_of(raw.algorithms.span().start);
             let at = |span: std::ops::Range<usize>| Some(line_of(span.start));
@@ -304,6 +326,20 @@ impl SelectorTable {
                 }
                 .labelled(),
             );
+            lines.push(rule_line);
+            // A table file is a partition: two rules that could both match one call are a mistake (the second
+            // would never apply where they overlap).
+            let newest = rules.len() - 1;
+            if let Some(k) = rules[..newest].iter().position(|o| o.overlaps(&rules[newest])) {
+                return Err(err(
+                    Some(rule_line),
+                    format!(
+                        "this rule overlaps the rule at line {} (their vendors, arch, world, dtype, capture and \
+                         byte ranges intersect)",
+                        lines[k]
+                    ),
+                ));
+            }
         }
         Ok(SelectorTable { rules })
     }
@@ -605,6 +641,52 @@ mod tests {
     }
 
     #[test]
+    fn disjoint_rules_are_accepted() {
+        let t = SelectorTable::parse(
+            "[[rule]]\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n[[rule]]\nbytes = \"1MiB-\"\nalgorithms = [\"ring\"]\n[[rule]]\nvendor = \"amd\"\nworld = 3\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n",
+            "ok.toml",
+        );
+        // The third rule overlaps the first (any vendor there includes amd, world 3, same bytes).
+        assert!(t.is_err());
+        let t = SelectorTable::parse(
+            "[[rule]]\nvendor = \"nvidia\"\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n[[rule]]\nvendor = \"amd\"\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n[[rule]]\nvendor = \"nvidia\"\nbytes = \"1MiB-\"\nalgorithms = [\"ring\"]\n",
+            "ok.toml",
+        )
+        .expect("disjoint by vendor and bytes");
+        assert_eq!(t.rules.len(), 3);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4000))]
+        /// Fuzzing the table parser: arbitrary TOML-ish text never panics, and every error names this file and a
+        /// line inside it (or none).
+        #[test]
+        fn parser_never_panics_and_names_a_real_line(
+            parts in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just("[[rule]]\n".to_owned()),
+                proptest::strategy::Just("version = 1\n".to_owned()),
+                "(vendor|arch|world|bytes|dtype|capturing|algorithms|speed) = \"[-a-z0-9_ ]{0,12}\"\n",
+                "(world|version) = -?[0-9]{1,20}\n",
+                "algorithms = \\[(\"(ccl|one-shot|ring|two-shot|x)\", ?){0,3}\\]\n",
+                "bytes = \"[0-9]{0,6}(KiB|MiB|k|B|parsec)?-[0-9]{0,6}(KiB|MiB)?\"\n",
+                "[\\[\\]{}=\"#a-z0-9\\n -]{0,20}",
+            ], 0..12)
+        ) {
+            let text: String = parts.concat();
+            let lines = text.lines().count() + 1;
+            match SelectorTable::parse(&text, "fuzz.toml") {
+                Ok(t) => proptest::prop_assert!(t.rules.iter().all(|r| !r.algorithms.is_empty())),
+                Err(Error::Config { source_name, line, message }) => {
+                    proptest::prop_assert_eq!(source_name, "fuzz.toml");
+                    proptest::prop_assert!(line.is_none_or(|l| l >= 1 && l <= lines), "line {:?} of {}: {}", line, lines, message);
+                    proptest::prop_assert!(!message.is_empty());
+                }
+                Err(other) => proptest::prop_assert!(false, "unexpected error kind {:?}", other),
+            }
+        }
+    }
+
+    #[test]
     fn malformed_files_name_the_line() {
         let cases: &[(&str, usize, &str)] = &[
             ("[[rule]]\nalgorithms = [\"warp-drive\"]\n", 2, "warp-drive"),
@@ -617,6 +699,11 @@ mod tests {
             ("version = 7\n", 1, "version"),
             ("[[rule]]\nalgorithms = []\n", 2, "at least one"),
             ("[[rule]]\nworld = 2\n", 1, "algorithms"),
+            (
+                "[[rule]]\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n\n[[rule]]\nbytes = \"512KiB-\"\nalgorithms = [\"ring\"]\n",
+                7,
+                "overlaps the rule at line 3",
+            ),
         ];
         for (text, line, needle) in cases {
             let err = SelectorTable::parse(text, "bad.toml").expect_err(text);

@@ -1,0 +1,211 @@
+//! `anyccl tune`: measure every eligible all-reduce algorithm over a size sweep on this machine, write a selector
+//! table (TOML) that picks the fastest per size range, and check that `auto` with it is within 5% of the best.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::bench::BenchReport;
+use crate::core::{Algorithm, Error, Result, SelectorTable};
+
+/// How far `auto` may be from the best measured algorithm, at any size of the sweep.
+pub const TOLERANCE: f64 = 0.05;
+
+#[derive(Serialize)]
+struct TableOut {
+    version: i64,
+    rule: Vec<RuleOut>,
+}
+
+#[derive(Serialize)]
+struct RuleOut {
+    vendor: String,
+    arch: String,
+    world: String,
+    dtype: Vec<String>,
+    bytes: String,
+    algorithms: Vec<String>,
+}
+
+/// The fastest measured algorithm per size of `report` (sizes ascending).
+pub fn winners(report: &BenchReport) -> Vec<(u64, Algorithm)> {
+    let mut v: Vec<(u64, Algorithm)> = report
+        .rows
+        .iter()
+        .filter_map(|r| {
+            r.cells
+                .iter()
+                .filter(|c| c.median_us.is_finite())
+                .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
+                .map(|c| (r.bytes, c.algorithm))
+        })
+        .collect();
+    v.sort_by_key(|(b, _)| *b);
+    v
+}
+
+/// The table text for `report`: one rule per run of sizes with the same winner; boundaries at the geometric mean
+/// of neighbouring sizes (16-byte multiples); the first range starts at 0 and the last is open. `fallback` follows
+/// the winner in each rule, for calls the winner cannot run.
+pub fn table_text(report: &BenchReport, vendor: &str, arch: &str, fallback: Algorithm) -> Result<String> {
+    let w = winners(report);
+    if w.is_empty() {
+        return Err(Error::Parse {
+            what: "benchmark",
+            input: "no measured sizes".into(),
+            expected: "at least one".into(),
+        });
+    }
+    let mut rules = Vec::new();
+    let mut start = 0u64;
+    let mut i = 0;
+    while i < w.len() {
+        let algo = w[i].1;
+        let mut j = i;
+        while j + 1 < w.len() && w[j + 1].1 == algo {
+            j += 1;
+        }
+        let end = w.get(j + 1).map(|(next, _)| {
+            let b = ((w[j].0 as f64) * (*next as f64)).sqrt() as u64;
+            (b / 16).max(1) * 16
+        });
+        let bytes = match end {
+            Some(e) => format!("{start}-{e}"),
+            None => format!("{start}-"),
+        };
+        let mut algorithms = vec![algo.name().to_owned()];
+        if fallback != algo {
+            algorithms.push(fallback.name().to_owned());
+        }
+        rules.push(RuleOut {
+            vendor: vendor.to_owned(),
+            arch: arch.to_owned(),
+            world: report.world.to_string(),
+            dtype: vec![report.dtype.name().to_owned()],
+            bytes,
+            algorithms,
+        });
+        start = end.unwrap_or(start);
+        i = j + 1;
+    }
+    let body = toml::to_string(&TableOut { version: 1, rule: rules }).map_err(|e| Error::Config {
+        source_name: "tuned table".into(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    Ok(format!(
+        "# Written by `anyccl tune`: backend {}, world {}, {} {}; {}\n# Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).\n\n{body}",
+        report.backend, report.world, report.dtype, report.op, report.method
+    ))
+}
+
+/// Writes `text` to `path` after checking it parses back.
+pub fn write_table(path: &Path, text: &str) -> Result<SelectorTable> {
+    let parsed = SelectorTable::parse(text, &path.display().to_string())?;
+    std::fs::write(path, text).map_err(|e| Error::Config {
+        source_name: path.display().to_string(),
+        line: None,
+        message: format!("cannot write the table: {e}"),
+    })?;
+    Ok(parsed)
+}
+
+/// One size of the check: `auto` against the best of the same run.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckRow {
+    /// Message size.
+    pub bytes: u64,
+    /// The algorithm `auto` chose.
+    pub auto: Algorithm,
+    /// Its median, µs.
+    pub auto_us: f64,
+    /// The fastest algorithm of the run.
+    pub best: Algorithm,
+    /// Its median, µs.
+    pub best_us: f64,
+    /// Whether `auto_us <= best_us × (1 + TOLERANCE)`.
+    pub ok: bool,
+}
+
+/// Compares `auto` with the best measured algorithm at every size of `report` (a run with the tuned table).
+pub fn check(report: &BenchReport) -> Vec<CheckRow> {
+    report
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let best = r
+                .cells
+                .iter()
+                .filter(|c| c.median_us.is_finite())
+                .min_by(|a, b| a.median_us.total_cmp(&b.median_us))?;
+            Some(CheckRow {
+                bytes: r.bytes,
+                auto: r.auto.algorithm,
+                auto_us: r.auto.median_us,
+                best: best.algorithm,
+                best_us: best.median_us,
+                ok: r.auto.median_us <= best.median_us * (1.0 + TOLERANCE),
+            })
+        })
+        .collect()
+}
+
+#[cfg(all(test, feature = "host"))]
+mod tests {
+    use super::*;
+    use crate::bench::{cell, Row};
+    use crate::core::{DataType, ReduceOp};
+
+    /// (bytes, measured cells, auto cell) per row.
+    type Rows<'a> = &'a [(u64, &'a [(Algorithm, f64)], (Algorithm, f64))];
+
+    fn report(rows: Rows<'_>) -> BenchReport {
+        BenchReport {
+            backend: "host".into(),
+            world: 4,
+            dtype: DataType::Bf16,
+            op: ReduceOp::Sum,
+            iters: 1,
+            warmup: 0,
+            baseline: Algorithm::Ring,
+            algorithms: vec![Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring],
+            ineligible: Vec::new(),
+            rows: rows
+                .iter()
+                .map(|(bytes, cells, auto)| Row {
+                    bytes: *bytes,
+                    count: (*bytes / 2) as usize,
+                    cells: cells.iter().map(|(a, us)| cell(*a, &mut [*us], *bytes, 4)).collect(),
+                    auto: cell(auto.0, &mut [auto.1], *bytes, 4),
+                    auto_rule: String::new(),
+                    best: Algorithm::Ring,
+                    best_speedup_vs_baseline: None,
+                    host_us_per_call: None,
+                    raw_ccl_host_us_per_call: None,
+                })
+                .collect(),
+            method: "test".into(),
+        }
+    }
+
+    #[test]
+    fn rules_follow_the_winners_and_parse_back() {
+        use Algorithm::*;
+        let r = report(&[
+            (4096, &[(OneShot, 10.0), (TwoShot, 12.0), (Ring, 20.0)], (OneShot, 10.0)),
+            (16384, &[(OneShot, 15.0), (TwoShot, 14.0), (Ring, 20.0)], (OneShot, 15.0)),
+            (65536, &[(OneShot, 40.0), (TwoShot, 30.0), (Ring, 35.0)], (TwoShot, 30.0)),
+        ]);
+        let text = table_text(&r, "host", "host", Ring).expect("table");
+        let t = SelectorTable::parse(&text, "tuned.toml").expect("parses back");
+        assert_eq!(t.rules.len(), 2);
+        assert_eq!(t.rules[0].algorithms, vec![OneShot, Ring]);
+        assert_eq!((t.rules[0].bytes_min, t.rules[0].bytes_max), (0, Some(8192)));
+        assert_eq!(t.rules[1].algorithms, vec![TwoShot, Ring]);
+        assert_eq!((t.rules[1].bytes_min, t.rules[1].bytes_max), (8192, None));
+        assert_eq!((t.rules[1].world_min, t.rules[1].world_max), (4, 4));
+        let rows = check(&r);
+        assert!(!rows[1].ok, "auto 15 vs best 14 is beyond 5%");
+        assert!(rows[0].ok && rows[2].ok);
+    }
+}
