@@ -82,6 +82,9 @@ struct BenchArgs {
     /// Print CSV instead of the table.
     #[arg(long)]
     csv: bool,
+    /// Also draw latency and bandwidth against size, one line per algorithm, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs).
     #[arg(long, conflicts_with = "eager")]
     graph: bool,
@@ -152,6 +155,9 @@ fn print_out(s: &str) -> Result<(), CliError> {
 }
 
 fn bench(args: BenchArgs) -> Result<(), CliError> {
+    if let Some(p) = &args.plot {
+        anyccl::plot::check_path(p)?;
+    }
     #[cfg(feature = "cuda")]
     {
         let cuda_ok = anyccl::cuda::available().is_ok();
@@ -201,10 +207,17 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
     if args.backend.is_none() && !(args.json || args.csv) {
         eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
     }
+    if let Some(p) = &args.plot {
+        anyccl::plot::plot(&report, p)?;
+    }
     print_report(&report, args.json, args.csv)
 }
 
 fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<(), CliError> {
+    print_out(&render(report, json, csv)?)
+}
+
+fn render(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<String, CliError> {
     let out = if json {
         serde_json::to_string_pretty(report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
     } else if csv {
@@ -212,7 +225,7 @@ fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> R
     } else {
         anyccl::bench::render_table(report)
     };
-    print_out(&out)
+    Ok(out)
 }
 
 /// Runs the sweep twice: once to pick the winners, once with the written table to check `auto`.
@@ -331,6 +344,9 @@ fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
     };
     let mode = if args.eager { anyccl::bench_cuda::Mode::Eager } else { anyccl::bench_cuda::Mode::Graph };
     let report = anyccl::bench_cuda::run(&cfg, mode, &|_, _| {})?;
+    if let Some(p) = &args.plot {
+        anyccl::plot::plot(&report, p)?;
+    }
     print_report(&report, args.json, args.csv)
 }
 

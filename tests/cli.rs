@@ -267,3 +267,24 @@ fn tune_writes_a_table_that_bench_then_uses() {
     assert!(v["rows"][0]["auto_rule"].as_str().is_some_and(|r| r.starts_with(&os)), "{}", v["rows"][0]["auto_rule"]);
     std::fs::remove_file(&out).ok();
 }
+
+#[test]
+fn bench_plots_an_svg_and_refuses_other_formats() {
+    let out = std::env::temp_dir().join(format!("anyccl-plot-{}.svg", std::process::id()));
+    let os = out.to_string_lossy().into_owned();
+    let r = anyccl(
+        &["bench", "--world", "2", "--sizes", "4KiB,64KiB,1MiB", "--iters", "2", "--warmup", "0", "--plot", &os],
+        &[],
+    );
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let svg = std::fs::read_to_string(&out).expect("the plot was written");
+    assert!(svg.starts_with("<svg"), "not an SVG");
+    for label in ["one-shot", "two-shot", "ring", "auto", "median latency (us)", "bus bandwidth (GB/s)"] {
+        assert!(svg.contains(label), "the plot lacks {label:?}");
+    }
+    std::fs::remove_file(&out).ok();
+    assert_one_line_error(
+        &anyccl(&["bench", "--sizes", "4KiB", "--iters", "1", "--plot", "chart.png"], &[]),
+        "PNG is not supported",
+    );
+}
