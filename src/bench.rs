@@ -143,6 +143,48 @@ pub(crate) fn cell(algorithm: Algorithm, samples: &mut [f64], bytes: u64, world:
     Cell { algorithm, median_us: med, min_us: min, algbw_gbps: algbw, busbw_gbps: algbw * factor }
 }
 
+/// One row from its measured cells: the best (finite) cell, and its speedup over `baseline` where measured.
+#[cfg(any(feature = "host", feature = "cuda"))]
+pub(crate) fn make_row(
+    bytes: u64,
+    count: usize,
+    cells: Vec<Cell>,
+    auto: Cell,
+    auto_rule: String,
+    baseline: Algorithm,
+    host: Option<(f64, f64)>,
+) -> Row {
+    let best = cells
+        .iter()
+        .filter(|c| c.median_us.is_finite())
+        .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
+        .map(|c| (c.algorithm, c.median_us))
+        .unwrap_or((auto.algorithm, auto.median_us));
+    let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
+    Row {
+        bytes,
+        count,
+        cells,
+        auto,
+        auto_rule,
+        best: best.0,
+        best_speedup_vs_baseline: base.map(|b| b / best.1),
+        host_us_per_call: host.map(|h| h.0),
+        raw_ccl_host_us_per_call: host.map(|h| h.1),
+    }
+}
+
+/// Joins per-rank results: the first error wins; otherwise rank 0's result.
+#[cfg(any(feature = "host", feature = "cuda"))]
+pub(crate) fn rank0_result<T>(results: Vec<crate::core::Result<T>>) -> crate::core::Result<T> {
+    let mut first = None;
+    for r in results {
+        let r = r?;
+        first.get_or_insert(r);
+    }
+    first.ok_or_else(|| crate::core::Error::PeerFailure("no rank 0 results".into()))
+}
+
 /// Progress reporting hook: called with (cells done, cells total).
 pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 
@@ -177,7 +219,7 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
     let comms = communicators(cfg.world, HostOptions { selector: cfg.selector.clone(), ..HostOptions::default() })?;
     let total = (cfg.sizes.len() * (algorithms.len() + 1)) as u64;
 
-    type RankOut = Result<Vec<(Vec<Vec<f64>>, Vec<f64>, String)>>;
+    type RankOut = Result<Vec<(Vec<Vec<f64>>, Vec<f64>, (Algorithm, String))>>;
     let run_rank = |mut c: Communicator<HostComm>| -> RankOut {
         let rank = c.rank();
         let mut out = Vec::new();
@@ -188,25 +230,29 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
             let seed: Vec<u8> = (0..bytes as usize).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f).collect();
             let mut buf = HostBuffer::zeroed(bytes as usize);
             let mut per_algo = Vec::new();
-            let mut time = |c: &mut Communicator<HostComm>, algo: Option<Algorithm>| -> Result<(Vec<f64>, String)> {
-                let mut samples = Vec::with_capacity(cfg.iters);
-                let mut why = String::new();
-                for i in 0..cfg.warmup + cfg.iters {
-                    buf.as_bytes_mut().copy_from_slice(&seed);
-                    c.barrier(&())?;
-                    let t0 = Instant::now();
-                    let bufs = InOut::InPlace(buf.as_bytes_mut());
-                    match algo {
-                        Some(a) => c.all_reduce_with(a, bufs, count, cfg.dtype, cfg.op, &())?,
-                        None => why = c.all_reduce(bufs, count, cfg.dtype, cfg.op, &())?.why.to_string(),
+            let mut time =
+                |c: &mut Communicator<HostComm>, algo: Option<Algorithm>| -> Result<(Vec<f64>, (Algorithm, String))> {
+                    let mut samples = Vec::with_capacity(cfg.iters);
+                    let mut why = (Algorithm::Ring, String::new());
+                    for i in 0..cfg.warmup + cfg.iters {
+                        buf.as_bytes_mut().copy_from_slice(&seed);
+                        c.barrier(&())?;
+                        let t0 = Instant::now();
+                        let bufs = InOut::InPlace(buf.as_bytes_mut());
+                        match algo {
+                            Some(a) => c.all_reduce_with(a, bufs, count, cfg.dtype, cfg.op, &())?,
+                            None => {
+                                let sel = c.all_reduce(bufs, count, cfg.dtype, cfg.op, &())?;
+                                why = (sel.algorithm, sel.why.to_string());
+                            }
+                        }
+                        c.barrier(&())?;
+                        if i >= cfg.warmup {
+                            samples.push(t0.elapsed().as_secs_f64() * 1e6);
+                        }
                     }
-                    c.barrier(&())?;
-                    if i >= cfg.warmup {
-                        samples.push(t0.elapsed().as_secs_f64() * 1e6);
-                    }
-                }
-                Ok((samples, why))
-            };
+                    Ok((samples, why))
+                };
             for &a in &algorithms {
                 per_algo.push(time(&mut c, Some(a))?.0);
                 done += 1;
@@ -230,53 +276,20 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
             .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
             .collect()
     });
-    let mut rank0 = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        let r = r?;
-        if rank == 0 {
-            rank0 = Some(r);
-        }
-    }
-    let rank0 = rank0.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))?;
+    let rank0 = rank0_result(results)?;
 
     let baseline = Algorithm::Ring;
-    let mut rows = Vec::new();
-    for (&bytes, (per_algo, mut auto, auto_rule)) in cfg.sizes.iter().zip(rank0) {
-        let cells: Vec<Cell> =
-            algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
-        let auto_algo = cfg
-            .selector
-            .select(
-                &crate::core::SelectionQuery {
-                    vendor: crate::core::Vendor::Host,
-                    arch: "host",
-                    world: cfg.world,
-                    bytes,
-                    dtype: cfg.dtype,
-                    capturing: false,
-                },
-                |a| if ALGORITHMS.contains(&a) { Ok(()) } else { Err(String::new()) },
-            )
-            .map(|s| s.algorithm)?;
-        let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
-        let best = cells
-            .iter()
-            .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
-            .map(|c| (c.algorithm, c.median_us))
-            .unwrap_or((auto_algo, auto.median_us));
-        let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
-        rows.push(Row {
-            bytes,
-            count: (bytes / esz) as usize,
-            cells,
-            auto,
-            auto_rule,
-            best: best.0,
-            best_speedup_vs_baseline: base.map(|b| b / best.1),
-            host_us_per_call: None,
-            raw_ccl_host_us_per_call: None,
-        });
-    }
+    let rows = cfg
+        .sizes
+        .iter()
+        .zip(rank0)
+        .map(|(&bytes, (per_algo, mut auto, (auto_algo, auto_rule)))| {
+            let cells: Vec<Cell> =
+                algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
+            let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
+            make_row(bytes, (bytes / esz) as usize, cells, auto, auto_rule, baseline, None)
+        })
+        .collect();
     Ok(BenchReport {
         backend: "host".into(),
         world: cfg.world,

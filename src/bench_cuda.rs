@@ -15,7 +15,7 @@ use anyccl_cuda::graph::{Event, Graph};
 use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
 use serde::Serialize;
 
-use crate::bench::{cell, median, BenchConfig, BenchReport, Cell, Ineligible, Progress, Row};
+use crate::bench::{cell, make_row, median, rank0_result, BenchConfig, BenchReport, Cell, Ineligible, Progress};
 use crate::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
 
 /// How GPU latency is timed.
@@ -282,39 +282,19 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
             .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
             .collect()
     });
-    let mut rank0 = None;
-    for (i, r) in results.into_iter().enumerate() {
-        let r = r?;
-        if i == 0 {
-            rank0 = Some(r);
-        }
-    }
-    let rank0 = rank0.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))?;
+    let rank0 = rank0_result(results)?;
     let baseline = Algorithm::Ccl;
-    let mut rows = Vec::new();
-    for (&bytes, (per_algo, (mut auto, auto_algo, why), host)) in cfg.sizes.iter().zip(rank0) {
-        let cells: Vec<Cell> =
-            algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
-        let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
-        let best = cells
-            .iter()
-            .filter(|c| !c.median_us.is_nan())
-            .min_by(|a, b| a.median_us.total_cmp(&b.median_us))
-            .map(|c| (c.algorithm, c.median_us))
-            .unwrap_or((auto.algorithm, auto.median_us));
-        let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
-        rows.push(Row {
-            bytes,
-            count: (bytes / esz) as usize,
-            cells,
-            auto,
-            auto_rule: why,
-            best: best.0,
-            best_speedup_vs_baseline: base.map(|b| b / best.1),
-            host_us_per_call: host.map(|h| h.0),
-            raw_ccl_host_us_per_call: host.map(|h| h.1),
-        });
-    }
+    let rows = cfg
+        .sizes
+        .iter()
+        .zip(rank0)
+        .map(|(&bytes, (per_algo, (mut auto, auto_algo, why), host))| {
+            let cells: Vec<Cell> =
+                algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
+            let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
+            make_row(bytes, (bytes / esz) as usize, cells, auto, why, baseline, host)
+        })
+        .collect();
     let dev = info.devices.first().map(|d| format!("{} ({})", d.name, d.arch())).unwrap_or_default();
     Ok(BenchReport {
         backend: "cuda".into(),

@@ -236,35 +236,49 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// Runs `anyccl-cuda-ipc-check` as `world` ranks with the torchrun variables; returns (rank, success, stdout,
+/// stderr) per rank once all have exited.
+fn run_ranks(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<(usize, bool, String, String)> {
+    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
+    let port = free_port().to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(args(rank))
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn anyccl-cuda-ipc-check")
+        })
+        .collect();
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            let out = c.wait_with_output().expect("wait");
+            let so = String::from_utf8_lossy(&out.stdout).into_owned();
+            let se = String::from_utf8_lossy(&out.stderr).into_owned();
+            eprintln!("world {world} rank {rank}: {so}{se}");
+            (rank, out.status.success(), so, se)
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn ipc_between_two_and_four_processes_with_both_handle_kinds() {
-    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
     let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
     for kind in ["legacy", "vmm"] {
         for world in [2usize, 4] {
-            let port = free_port().to_string();
-            let children: Vec<_> = (0..world)
-                .map(|rank| {
-                    std::process::Command::new(&exe)
-                        .args(["--kind", kind, "--device", &(rank % gpus).to_string()])
-                        .env("RANK", rank.to_string())
-                        .env("WORLD_SIZE", world.to_string())
-                        .env("MASTER_ADDR", "127.0.0.1")
-                        .env("MASTER_PORT", &port)
-                        .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "60")
-                        .stdout(std::process::Stdio::piped())
-                        .stderr(std::process::Stdio::piped())
-                        .spawn()
-                        .expect("spawn the IPC check")
-                })
-                .collect();
-            for (rank, c) in children.into_iter().enumerate() {
-                let out = c.wait_with_output().expect("wait");
-                let so = String::from_utf8_lossy(&out.stdout);
-                let se = String::from_utf8_lossy(&out.stderr);
-                eprintln!("{kind} world {world}: {so}{se}");
-                assert!(out.status.success(), "{kind} world {world} rank {rank} failed: {se}");
+            let args = |rank: usize| vec!["--kind".into(), kind.into(), "--device".into(), (rank % gpus).to_string()];
+            for (rank, ok, so, se) in run_ranks(world, &args) {
+                assert!(ok, "{kind} world {world} rank {rank} failed: {se}");
                 assert!(so.contains(&format!("rank {rank}: {kind} IPC ok, read {} peer buffers", world - 1)), "{so}");
             }
         }
@@ -275,30 +289,8 @@ fn ipc_between_two_and_four_processes_with_both_handle_kinds() {
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn nccl_one_process_per_gpu_through_the_rendezvous() {
     let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
-    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
-    let port = free_port().to_string();
-    let children: Vec<_> = (0..gpus)
-        .map(|rank| {
-            std::process::Command::new(&exe)
-                .args(["--kind", "nccl"])
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", gpus.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "60")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .expect("spawn")
-        })
-        .collect();
-    for (rank, c) in children.into_iter().enumerate() {
-        let out = c.wait_with_output().expect("wait");
-        let so = String::from_utf8_lossy(&out.stdout);
-        let se = String::from_utf8_lossy(&out.stderr);
-        eprintln!("nccl world {gpus}: {so}{se}");
-        assert!(out.status.success(), "rank {rank}: {se}");
+    for (rank, ok, so, se) in run_ranks(gpus, &|_| vec!["--kind".into(), "nccl".into()]) {
+        assert!(ok, "rank {rank}: {se}");
         assert!(so.contains(&format!("rank {rank}: nccl all-reduce over {gpus} processes ok")), "{so}");
         if gpus > 1 {
             assert!(so.contains("custom [one-shot, two-shot] over IPC ok"), "{so}");
