@@ -148,6 +148,10 @@ impl fmt::Display for Rule {
             write!(f, "world {}-{} ", self.world_min, self.world_max)?;
         }
         match self.bytes_max {
+            // An exclusive bound one past a round size reads better as an inclusive one.
+            Some(m) if m > 0 && !format_bytes(m - 1).contains('.') && format_bytes(m).contains('.') => {
+                write!(f, "bytes [{}, {}] ", format_bytes(self.bytes_min), format_bytes(m - 1))?
+            }
             Some(m) => write!(f, "bytes [{}, {}) ", format_bytes(self.bytes_min), format_bytes(m))?,
             None if self.bytes_min > 0 => write!(f, "bytes >= {} ", format_bytes(self.bytes_min))?,
             None => {}
@@ -231,7 +235,9 @@ impl SelectorTable {
         add(vec![Vendor::Host], None, (2, usize::MAX), (0, Some(8 * KIB)), vec![OneShot, TwoShot, Ring]);
         add(vec![Vendor::Host], None, (2, usize::MAX), (8 * KIB, None), vec![TwoShot, Ring, OneShot]);
         // GPUs.
-        add(gpu.clone(), None, (2, 2), (0, Some(8 * MIB)), vec![OneShot, Ccl]);
+        // World 2: one-shot up to and including 8 MiB (the custom kernels' default staging size). On two H200s the
+        // custom one-shot beat NCCL by 1.16x at exactly 8 MiB (docs/benchmarks.md).
+        add(gpu.clone(), None, (2, 2), (0, Some(8 * MIB + 1)), vec![OneShot, Ccl]);
         add(gpu.clone(), None, (3, 4), (0, Some(512 * KIB)), vec![OneShot, TwoShot, Ccl]);
         add(gpu.clone(), None, (5, 8), (0, Some(256 * KIB)), vec![OneShot, TwoShot, Ccl]);
         add(vec![Vendor::Nvidia], Some("sm_90"), (4, 8), (256 * KIB, Some(4 * MIB)), vec![NvlsBlockPipeline, TwoShot]);
@@ -573,6 +579,8 @@ mod tests {
         let s = Selector::defaults();
         let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
         assert_eq!(pick(Vendor::Nvidia, 2, 4 * MIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 2, 8 * MIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 2, 16 * MIB), Algorithm::Ccl);
         assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
         assert_eq!(pick(Vendor::Amd, 8, 256 * KIB), Algorithm::TwoShot);
