@@ -46,6 +46,21 @@ fn custom_capacity() -> usize {
         * 16
 }
 
+/// One rank's own custom-kernel resources: the kernels, staging and scratch of `capacity` bytes, and a zeroed
+/// flag array.
+fn own_custom_buffers(
+    rt: &CudaRuntime,
+    capacity: usize,
+) -> Result<(crate::custom::CustomKernels, DeviceBuffer, DeviceBuffer, DeviceBuffer)> {
+    let stream = rt.stream()?;
+    let staging = rt.alloc(capacity)?;
+    let scratch = rt.alloc(capacity)?;
+    let mut flags = rt.alloc(anyccl_kernels_cuda::FLAG_BYTES)?;
+    rt.upload(&mut flags, &[0u8; anyccl_kernels_cuda::FLAG_BYTES], &stream)?;
+    let kernels = crate::custom::CustomKernels::load(rt.context())?;
+    Ok((kernels, staging, scratch, flags))
+}
+
 /// Blocks per rank for a message: one per 32 KiB, 4 to 36 (the same on every rank, as the barriers need).
 fn custom_blocks(bytes: usize) -> u32 {
     (bytes / (32 << 10)).clamp(4, 36) as u32
@@ -153,21 +168,12 @@ impl CudaComm {
         // Every rank reaches every exchange below, even after a local failure, so nobody waits for a timeout:
         // failures travel as an empty handle.
         let local = (|| -> Result<_> {
-            if !(2..=anyccl_kernels_cuda::MAX_RANKS).contains(&world) {
-                return Err(off(format!("world {world} is outside 2..={}", anyccl_kernels_cuda::MAX_RANKS)));
-            }
-            if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
-                return Err(off(format!("custom kernels not compiled in: {why}")));
+            if let Some(why) = crate::custom::unavailable(world) {
+                return Err(off(why));
             }
             let capacity = custom_capacity();
-            let rt = &self.runtime;
-            let stream = rt.stream()?;
-            let staging = rt.alloc(capacity)?;
-            let scratch = rt.alloc(capacity)?;
-            let mut flags = rt.alloc(anyccl_kernels_cuda::FLAG_BYTES)?;
-            rt.upload(&mut flags, &[0u8; anyccl_kernels_cuda::FLAG_BYTES], &stream)?;
-            let kernels = crate::custom::CustomKernels::load(rt.context())?;
-            let ctx = rt.context();
+            let (kernels, staging, scratch, flags) = own_custom_buffers(&self.runtime, capacity)?;
+            let ctx = self.runtime.context();
             let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 8);
             for b in [&staging, &scratch, &flags] {
                 handles.extend_from_slice(&crate::ipc::export_legacy(ctx, b)?);
@@ -223,11 +229,8 @@ impl CudaComm {
 
     fn setup_custom(comms: &[Self]) -> std::result::Result<Vec<CustomState>, String> {
         let world = comms.len();
-        if !(2..=anyccl_kernels_cuda::MAX_RANKS).contains(&world) {
-            return Err(format!("world {world} is outside 2..={}", anyccl_kernels_cuda::MAX_RANKS));
-        }
-        if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
-            return Err(format!("custom kernels not compiled in: {why}"));
+        if let Some(why) = crate::custom::unavailable(world) {
+            return Err(why);
         }
         let capacity = custom_capacity();
         let ctxs: Vec<_> = comms.iter().map(|c| c.runtime.context().clone()).collect();
@@ -243,14 +246,7 @@ impl CudaComm {
         }
         let mut parts = Vec::new();
         for c in comms {
-            let rt = &c.runtime;
-            let stream = rt.stream().map_err(|e| e.to_string())?;
-            let staging = rt.alloc(capacity).map_err(|e| e.to_string())?;
-            let scratch = rt.alloc(capacity).map_err(|e| e.to_string())?;
-            let mut flags = rt.alloc(anyccl_kernels_cuda::FLAG_BYTES).map_err(|e| e.to_string())?;
-            rt.upload(&mut flags, &[0u8; anyccl_kernels_cuda::FLAG_BYTES], &stream).map_err(|e| e.to_string())?;
-            let kernels = crate::custom::CustomKernels::load(rt.context()).map_err(|e| e.to_string())?;
-            parts.push((kernels, staging, scratch, flags));
+            parts.push(own_custom_buffers(&c.runtime, capacity).map_err(|e| e.to_string())?);
         }
         let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
         let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();

@@ -42,14 +42,22 @@ fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
 
 /// Why the custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.
 pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
-    if let Some(why) = kernels::NOT_BUILT {
-        return Some(format!("custom kernels not compiled in: {why}"));
+    if let Some(why) = unavailable(world) {
+        return Some(why);
     }
     if dtype_suffix(dtype).is_none() {
         return Some(format!("the custom kernels handle f32, f16 and bf16, not {dtype}"));
     }
     if bytes % kernels::VECTOR_BYTES != 0 {
         return Some(format!("{bytes} bytes is not a multiple of {} (16-byte vectors)", kernels::VECTOR_BYTES));
+    }
+    None
+}
+
+/// Why the custom kernels cannot serve a communicator of `world` ranks at all, if they cannot.
+pub fn unavailable(world: usize) -> Option<String> {
+    if let Some(why) = kernels::NOT_BUILT {
+        return Some(format!("custom kernels not compiled in: {why}"));
     }
     if !(2..=kernels::MAX_RANKS).contains(&world) {
         return Some(format!("world {world} is outside 2..={}", kernels::MAX_RANKS));
