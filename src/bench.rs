@@ -143,17 +143,22 @@ pub(crate) fn cell(algorithm: Algorithm, samples: &mut [f64], bytes: u64, world:
     Cell { algorithm, median_us: med, min_us: min, algbw_gbps: algbw, busbw_gbps: algbw * factor }
 }
 
-/// One row from its measured cells: the best (finite) cell, and its speedup over `baseline` where measured.
+/// One row from the samples of every measured algorithm (in `algorithms` order) and of `auto`: the cells, the best
+/// (finite) one, and its speedup over `baseline` where measured.
 #[cfg(any(feature = "host", feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn make_row(
+    cfg: &BenchConfig,
     bytes: u64,
-    count: usize,
-    cells: Vec<Cell>,
-    auto: Cell,
-    auto_rule: String,
+    algorithms: &[Algorithm],
+    per_algo: Vec<Vec<f64>>,
+    (mut auto_samples, auto_algo, auto_rule): (Vec<f64>, Algorithm, String),
     baseline: Algorithm,
     host: Option<(f64, f64)>,
 ) -> Row {
+    let cells: Vec<Cell> =
+        algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
+    let auto = cell(auto_algo, &mut auto_samples, bytes, cfg.world);
     let best = cells
         .iter()
         .filter(|c| c.median_us.is_finite())
@@ -163,7 +168,7 @@ pub(crate) fn make_row(
     let base = cells.iter().find(|c| c.algorithm == baseline).map(|c| c.median_us);
     Row {
         bytes,
-        count,
+        count: (bytes / cfg.dtype.size_bytes() as u64) as usize,
         cells,
         auto,
         auto_rule,
@@ -174,9 +179,21 @@ pub(crate) fn make_row(
     }
 }
 
-/// Joins per-rank results: the first error wins; otherwise rank 0's result.
+/// Runs `rank` on one thread per communicator; the first error wins, otherwise rank 0's result is returned.
 #[cfg(any(feature = "host", feature = "cuda"))]
-pub(crate) fn rank0_result<T>(results: Vec<crate::core::Result<T>>) -> crate::core::Result<T> {
+pub(crate) fn on_ranks<C: Send, T: Send>(
+    comms: Vec<C>,
+    rank: impl Fn(C) -> crate::core::Result<T> + Sync,
+) -> crate::core::Result<T> {
+    let results: Vec<crate::core::Result<T>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| rank(c))).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(crate::core::Error::PeerFailure("a benchmark rank thread panicked".into())))
+            })
+            .collect()
+    });
     let mut first = None;
     for r in results {
         let r = r?;
@@ -270,24 +287,14 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
         Ok(out)
     };
 
-    let results: Vec<RankOut> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| run_rank(c))).collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
-            .collect()
-    });
-    let rank0 = rank0_result(results)?;
-
+    let rank0 = on_ranks(comms, run_rank)?;
     let baseline = Algorithm::Ring;
     let rows = cfg
         .sizes
         .iter()
         .zip(rank0)
-        .map(|(&bytes, (per_algo, mut auto, (auto_algo, auto_rule)))| {
-            let cells: Vec<Cell> =
-                algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
-            let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
-            make_row(bytes, (bytes / esz) as usize, cells, auto, auto_rule, baseline, None)
+        .map(|(&bytes, (per_algo, auto, chosen))| {
+            make_row(cfg, bytes, &algorithms, per_algo, (auto, chosen.0, chosen.1), baseline, None)
         })
         .collect();
     Ok(BenchReport {

@@ -15,7 +15,7 @@ use anyccl_cuda::graph::{Event, Graph};
 use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
 use serde::Serialize;
 
-use crate::bench::{cell, make_row, median, rank0_result, BenchConfig, BenchReport, Cell, Ineligible, Progress};
+use crate::bench::{make_row, median, on_ranks, BenchConfig, BenchReport, Ineligible, Progress};
 use crate::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
 
 /// How GPU latency is timed.
@@ -276,23 +276,14 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
         Ok(rows)
     };
 
-    let results: Vec<Result<Vec<RankRow>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| run_rank(c))).collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
-            .collect()
-    });
-    let rank0 = rank0_result(results)?;
+    let rank0: Vec<RankRow> = on_ranks(comms, run_rank)?;
     let baseline = Algorithm::Ccl;
     let rows = cfg
         .sizes
         .iter()
         .zip(rank0)
-        .map(|(&bytes, (per_algo, (mut auto, auto_algo, why), host))| {
-            let cells: Vec<Cell> =
-                algorithms.iter().zip(per_algo).map(|(&a, mut s)| cell(a, &mut s, bytes, cfg.world)).collect();
-            let auto = cell(auto_algo, &mut auto, bytes, cfg.world);
-            make_row(bytes, (bytes / esz) as usize, cells, auto, why, baseline, host)
+        .map(|(&bytes, (per_algo, (auto, chosen, why), host))| {
+            make_row(cfg, bytes, &algorithms, per_algo, (auto, chosen, why), baseline, host)
         })
         .collect();
     let dev = info.devices.first().map(|d| format!("{} ({})", d.name, d.arch())).unwrap_or_default();
