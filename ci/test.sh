@@ -19,7 +19,10 @@ rustc --version
 step "CUDA compiler for the kernels (PyPI nvcc, cached)"
 ANYCCL_CUDA_TOOLKIT="$(ci/install-cuda.sh)"
 export ANYCCL_CUDA_TOOLKIT
-# The kernel crate's tests fail rather than skip when the kernels or cuobjdump are missing.
+step "HIP compiler and runtime for the HIP kernels (Debian's hipcc)"
+ci/install-hip.sh
+
+# The kernel crates' tests fail rather than skip when the kernels, cuobjdump or llvm-objdump are missing.
 export ANYCCL_REQUIRE_KERNELS=1
 
 step "format"

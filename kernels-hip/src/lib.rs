@@ -1,5 +1,87 @@
-//! anyccl-kernels-hip: HIP all-reduce kernels (one-shot, two-shot), compiled by hipcc at build time and embedded
-//! as code objects.
+//! anyccl-kernels-hip: the HIP all-reduce kernels (one-shot, two-shot), compiled by hipcc at build time (see
+//! `build.rs`) and embedded as AMDGPU code objects for gfx90a and gfx942 where the hipcc knows them.
 //!
-//! **Not implemented yet**: this crate holds no kernels today.
+//! Kernels (`hip/allreduce.hip`): `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`, with the
+//! same parameters, flag layout and limits as the CUDA kernels. [`NOT_BUILT`] says why a build has no kernels;
+//! [`SKIPPED_TARGETS`] which targets this hipcc could not build, and why.
 #![forbid(unsafe_code)]
+
+include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+
+/// Most ranks one launch handles.
+pub const MAX_RANKS: usize = 8;
+/// Most blocks per launch (the flag arrays are sized for it).
+pub const MAX_BLOCKS: usize = 64;
+/// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters,
+/// 32 bits each. Zero it once before first use.
+pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS) * 4;
+/// Bytes every vector access moves; message sizes must be multiples of it.
+pub const VECTOR_BYTES: usize = 16;
+
+/// The kernel names every code object holds.
+pub const KERNELS: [&str; 6] = [
+    "anyccl_one_shot_f32",
+    "anyccl_one_shot_f16",
+    "anyccl_one_shot_bf16",
+    "anyccl_two_shot_f32",
+    "anyccl_two_shot_f16",
+    "anyccl_two_shot_bf16",
+];
+
+/// The code object of `source` for GPU target `arch` (`"gfx90a"`, `"gfx942"`; feature suffixes such as
+/// `":sramecc+:xnack-"` are ignored). AMDGPU code objects run only on the exact target they were built for.
+pub fn code_object_for(source: &str, arch: &str) -> Option<&'static [u8]> {
+    let base = arch.split(':').next().unwrap_or(arch);
+    CODE_OBJECTS.iter().find(|(s, a, _)| *s == source && *a == base).map(|(_, _, b)| *b)
+}
+
+/// Why `arch` has no code object in this build, or `None` when it has one.
+pub fn why_not(arch: &str) -> Option<String> {
+    let base = arch.split(':').next().unwrap_or(arch);
+    if code_object_for("allreduce", base).is_some() {
+        return None;
+    }
+    if let Some(why) = NOT_BUILT {
+        return Some(format!("HIP kernels not compiled in: {why}"));
+    }
+    match SKIPPED_TARGETS.iter().find(|(a, _)| *a == base) {
+        Some((_, why)) => Some(format!("HIP kernels not built for {base}: {why}")),
+        None => Some(format!("HIP kernels are not built for {base} (built: {})", built_targets().join(", "))),
+    }
+}
+
+/// The targets this build embeds code objects for.
+pub fn built_targets() -> Vec<&'static str> {
+    CODE_OBJECTS.iter().map(|(_, a, _)| *a).collect()
+}
+
+/// The kernel source, for tests.
+pub const ALLREDUCE_SOURCE: &str = include_str!("../hip/allreduce.hip");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_are_built_or_say_why() {
+        match NOT_BUILT {
+            Some(why) => {
+                assert!(CODE_OBJECTS.is_empty());
+                assert!(why.contains("hipcc"), "{why}");
+                assert!(why_not("gfx90a").is_some_and(|w| w.starts_with("HIP kernels not compiled in")));
+                // CI installs hipcc; a build there without kernels is a failure, not a skip.
+                assert!(std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_none(), "kernels required but not built: {why}");
+            }
+            None => {
+                let co = code_object_for("allreduce", "gfx90a:sramecc+:xnack-").expect("a gfx90a code object");
+                assert_eq!(&co[..4], b"\x7fELF", "raw AMDGPU ELF, not an offload bundle");
+                assert_eq!(co[18], 0xe0, "e_machine is EM_AMDGPU (224)");
+                assert!(why_not("gfx90a").is_none());
+                assert!(why_not("gfx1100").is_some());
+                for (arch, why) in SKIPPED_TARGETS {
+                    assert!(!why.is_empty(), "{arch} skipped without a reason");
+                }
+            }
+        }
+    }
+}

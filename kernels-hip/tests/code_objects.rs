@@ -1,0 +1,80 @@
+//! The embedded code objects are AMDGPU ELF holding every kernel (symbol and kernel descriptor), and their
+//! flag accesses compile to system-scope release/acquire sequences. The symbol check needs nothing but the
+//! bytes; the instruction check needs an `llvm-objdump` that knows gfx90a (LLVM 15 or newer: Debian's hipcc brings
+//! llvm-objdump-15, while plain `llvm-objdump` there is LLVM 14, which prints gfx90a cache instructions as raw words). CI sets
+//! `ANYCCL_REQUIRE_KERNELS`, so there a missing build or tool fails instead of skipping.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use object::{Object, ObjectSymbol};
+
+fn llvm_objdump() -> Option<PathBuf> {
+    let paths: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    ["llvm-objdump-19", "llvm-objdump-18", "llvm-objdump-17", "llvm-objdump-15"]
+        .iter()
+        .flat_map(|n| paths.iter().map(move |d| d.join(n)))
+        .chain([PathBuf::from("/opt/rocm/llvm/bin/llvm-objdump")])
+        .find(|p| p.is_file())
+}
+
+fn required() -> bool {
+    std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_some()
+}
+
+#[test]
+fn code_objects_hold_every_kernel() {
+    if let Some(why) = anyccl_kernels_hip::NOT_BUILT {
+        assert!(!required(), "kernels required but not built: {why}");
+        eprintln!("NOT CHECKED: {why}");
+        return;
+    }
+    assert!(anyccl_kernels_hip::code_object_for("allreduce", "gfx90a").is_some(), "gfx90a is the target CI builds");
+    for (src, arch, bytes) in anyccl_kernels_hip::CODE_OBJECTS {
+        let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
+        let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
+        for k in anyccl_kernels_hip::KERNELS {
+            assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
+            assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
+        }
+    }
+}
+
+#[test]
+fn flag_accesses_are_system_scope_release_acquire() {
+    let (Some(co), Some(tool)) = (anyccl_kernels_hip::code_object_for("allreduce", "gfx90a"), llvm_objdump()) else {
+        assert!(!required(), "gfx90a code object or llvm-objdump missing in a run that requires them");
+        eprintln!("NOT CHECKED: no gfx90a code object or no llvm-objdump");
+        return;
+    };
+    let path = std::env::temp_dir().join(format!("anyccl-hip-{}.co", std::process::id()));
+    std::fs::write(&path, co).expect("write code object");
+    let out = Command::new(&tool).args(["-d", "--mcpu=gfx90a"]).arg(&path).output().expect("llvm-objdump runs");
+    std::fs::remove_file(&path).ok();
+    assert!(out.status.success(), "llvm-objdump failed: {}", String::from_utf8_lossy(&out.stderr));
+    let asm = String::from_utf8_lossy(&out.stdout);
+    // llvm-objdump prints one label for the whole text section, so each kernel's instructions are found by the
+    // address range of its symbol; every line ends with `// <address>: <encoding>`.
+    let file = object::File::parse(co).expect("ELF");
+    let instrs: Vec<(u64, &str)> = asm
+        .lines()
+        .filter_map(|l| {
+            let (code, comment) = l.split_once("//")?;
+            let addr = u64::from_str_radix(comment.trim().split(':').next()?.trim(), 16).ok()?;
+            Some((addr, code.trim()))
+        })
+        .collect();
+    // On gfx90a a system-scope release writes back L2 before the store; a system-scope acquire invalidates L2
+    // after the load. A relaxed or agent-scope flag would have neither.
+    for k in anyccl_kernels_hip::KERNELS {
+        let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
+        let range = sym.address()..sym.address() + sym.size();
+        let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
+        assert!(body.len() > 20, "{k}: only {} instructions found in its range", body.len());
+        // One release and one acquire per barrier, and every world size (2..=8) has its own copy of each.
+        let wbl2 = body.iter().filter(|c| c.starts_with("buffer_wbl2")).count();
+        let invl2 = body.iter().filter(|c| c.starts_with("buffer_invl2")).count();
+        assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
+        assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
+    }
+}
