@@ -15,6 +15,7 @@
 pub mod caps;
 pub mod find;
 pub mod loader;
+pub mod rank;
 pub mod sys;
 
 use std::ffi::{c_int, c_void, CStr};
@@ -25,6 +26,7 @@ use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result};
 pub use caps::derive as derive_capabilities;
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
+pub use rank::{CclRank, DeviceAddress};
 
 /// Finds and loads the library of `vendor` with the standard search plan.
 pub fn load(vendor: CclVendor) -> std::result::Result<Arc<CclLibrary>, NotFound> {

@@ -3,12 +3,11 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use anyccl_ccl::{CclComm, CclLibrary, UniqueId};
+use anyccl_ccl::{CclComm, CclLibrary, CclRank, UniqueId};
 use anyccl_core::comm::AllReduceCall;
-use anyccl_core::validate::InOutDesc;
 use anyccl_core::{
-    Algorithm, BufferDesc, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, MemoryRuntime,
-    ReduceOp, Result, Vendor,
+    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result,
+    Vendor,
 };
 
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
@@ -68,14 +67,12 @@ fn custom_blocks(bytes: usize) -> u32 {
 
 /// One rank of a CUDA communicator.
 pub struct CudaComm {
-    ccl: CclComm,
+    ccl: CclRank,
     rank: usize,
     world: usize,
     runtime: CudaRuntime,
     arch: String,
     caps: Arc<CapabilityReport>,
-    /// Registered symmetric windows on this communicator: (start, len).
-    windows: Arc<Mutex<Vec<(usize, usize)>>>,
     /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
     scratch: DeviceBuffer,
     /// The custom kernels' state, or why they cannot run on this communicator.
@@ -282,13 +279,12 @@ impl CudaComm {
         let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
         let custom = Err("the custom kernels need every rank's buffers mapped (set up by CudaComm::init_all)".into());
         Ok(CudaComm {
-            ccl,
+            ccl: CclRank::new(ccl, rank, world),
             rank,
             world,
             runtime,
             arch,
             caps,
-            windows: Arc::new(Mutex::new(Vec::new())),
             alive: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             scratch,
             custom,
@@ -297,27 +293,11 @@ impl CudaComm {
 
     /// The NCCL communicator.
     pub fn ccl(&self) -> &CclComm {
-        &self.ccl
-    }
-
-    fn in_window(&self, d: &BufferDesc, bytes: usize) -> bool {
-        let w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
-        w.iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
+        self.ccl.ccl()
     }
 
     fn bind(&self) -> Result<()> {
         self.runtime.context().bind()
-    }
-
-    /// With one rank, avg is the identity, exactly like sum. NCCL 2.28.3 left the last element of out-of-place
-    /// f64 avg all-reduce, reduce-scatter and reduce of 65537 elements unwritten at world 1 (seen on an H200), so
-    /// anyccl asks for sum there.
-    fn effective_op(&self, op: ReduceOp) -> ReduceOp {
-        if self.world == 1 && op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        }
     }
 
     /// Allocates a symmetric buffer of `bytes` with `ncclMemAlloc` and registers it as a window
@@ -325,21 +305,14 @@ impl CudaComm {
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
         self.caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
-        if stream.is_capturing()? {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                call: "symmetric_buffer".into(),
-                code: None,
-                message: "allocating and registering a window is not allowed during graph capture".into(),
-            });
-        }
+        anyccl_ccl::rank::refuse_during_capture("cuda", "symmetric_buffer", stream.is_capturing()?)?;
         self.bind()?;
-        let lib = self.ccl.library().clone();
+        let lib = self.ccl.ccl().library().clone();
         // Windows need 4096-byte granularity.
         let size = bytes.max(1).div_ceil(4096) * 4096;
         let ptr = anyccl_ccl::mem_alloc(&lib, size)?;
         // SAFETY: `ptr` is `size` bytes from ncclMemAlloc on this device, page aligned, freed only after the window.
-        let window = match unsafe { self.ccl.window_register(ptr, size) } {
+        let window = match unsafe { self.ccl.ccl().window_register(ptr, size) } {
             Ok(w) => w,
             Err(e) => {
                 // SAFETY: allocated just above, freed once.
@@ -349,7 +322,7 @@ impl CudaComm {
                 return Err(e);
             }
         };
-        self.windows.lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
+        self.ccl.windows().lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
         // SAFETY: `ptr` is `size` bytes of this device's memory, owned by the SymmetricBuffer until it drops.
         let view =
             unsafe { DeviceBuffer::from_raw(ptr as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
@@ -358,8 +331,8 @@ impl CudaComm {
             ptr,
             size,
             window: Some(window),
-            ccl_raw: CommRef { lib, comm: self.ccl.raw(), alive: self.alive.clone() },
-            windows: self.windows.clone(),
+            ccl_raw: CommRef { lib, comm: self.ccl.ccl().raw(), alive: self.alive.clone() },
+            windows: self.ccl.windows().clone(),
             ctx: self.runtime.context().clone(),
         })
     }
@@ -441,7 +414,7 @@ impl CudaComm {
     ) -> Result<()> {
         let st = self.custom.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
         self.bind()?;
-        let (src, dst) = ptrs(&bufs);
+        let (src, dst) = anyccl_ccl::rank::io_ptrs(&bufs);
         // SAFETY: validated: the input holds `bytes`, the staging buffer `capacity >= bytes` (eligibility).
         unsafe { cudarc::driver::result::memcpy_dtod_async(st.staging.device_ptr(), src as u64, bytes, stream.raw()) }
             .map_err(|e| crate::driver::cu_err("cuMemcpyDtoDAsync", e))?;
@@ -464,13 +437,6 @@ impl CudaComm {
                 stream,
             )
         }
-    }
-}
-
-fn ptrs(bufs: &InOut<'_, DeviceBuffer>) -> (*const c_void, *mut c_void) {
-    match bufs {
-        InOut::InPlace(b) => (b.device_ptr() as *const c_void, b.device_ptr() as *mut c_void),
-        InOut::Separate { send, recv } => (send.device_ptr() as *const c_void, recv.device_ptr() as *mut c_void),
     }
 }
 
@@ -510,23 +476,10 @@ impl CommBackend for CudaComm {
     }
 
     fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
+        if let Some(r) = self.ccl.eligible(algorithm, call, &self.caps, "CudaComm::symmetric_buffer") {
+            return r;
+        }
         match algorithm {
-            Algorithm::Ccl => Ok(()),
-            Algorithm::CclSymmetric => {
-                self.caps.require(Capabilities::SYMMETRIC_WINDOWS).map_err(|e| e.to_string())?;
-                let in_windows = match &call.bufs {
-                    None => false,
-                    Some(InOutDesc::InPlace(b)) => self.in_window(b, call.bytes),
-                    Some(InOutDesc::Separate { send, recv }) => {
-                        self.in_window(send, call.bytes) && self.in_window(recv, call.bytes)
-                    }
-                };
-                if in_windows {
-                    Ok(())
-                } else {
-                    Err("the buffers are not in a registered symmetric window (use CudaComm::symmetric_buffer)".into())
-                }
-            }
             Algorithm::OneShot | Algorithm::TwoShot => {
                 let st = self.custom.as_ref().map_err(Clone::clone)?;
                 if call.op != ReduceOp::Sum {
@@ -548,9 +501,7 @@ impl CommBackend for CudaComm {
     }
 
     fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
-        anyccl_ccl::nccl_dtype(self.ccl.library(), dtype)?;
-        anyccl_ccl::nccl_op(self.ccl.library(), op, dtype)?;
-        Ok(())
+        self.ccl.check_reduction(dtype, op)
     }
 
     fn all_reduce(
@@ -568,10 +519,8 @@ impl CommBackend for CudaComm {
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
         // registered window, which eligibility has checked.
         self.bind()?;
-        let op = self.effective_op(op);
-        let (s, r) = ptrs(&bufs);
         // SAFETY: validated: both buffers hold `count` elements of this device; the stream is live.
-        unsafe { self.ccl.all_reduce(s, r, count, dtype, op, stream.raw() as _) }
+        unsafe { self.ccl.all_reduce(&bufs, count, dtype, op, stream.raw() as _) }
     }
 
     fn all_gather(
@@ -582,15 +531,8 @@ impl CommBackend for CudaComm {
         stream: &CudaStream,
     ) -> Result<()> {
         self.bind()?;
-        let (s, r) = match &bufs {
-            InOut::InPlace(b) => {
-                let part = (self.rank * count * dtype.size_bytes()) as u64;
-                ((b.device_ptr() + part) as *const c_void, b.device_ptr() as *mut c_void)
-            }
-            InOut::Separate { .. } => ptrs(&bufs),
-        };
-        // SAFETY: validated sizes (recv holds world × count); in place, send is this rank's slot of recv.
-        unsafe { self.ccl.all_gather(s, r, count, dtype, stream.raw() as _) }
+        // SAFETY: validated sizes (recv holds world × count); the stream is live.
+        unsafe { self.ccl.all_gather(&bufs, count, dtype, stream.raw() as _) }
     }
 
     fn reduce_scatter(
@@ -602,16 +544,8 @@ impl CommBackend for CudaComm {
         stream: &CudaStream,
     ) -> Result<()> {
         self.bind()?;
-        let op = self.effective_op(op);
-        let (s, r) = match &bufs {
-            InOut::InPlace(b) => {
-                let part = (self.rank * count * dtype.size_bytes()) as u64;
-                (b.device_ptr() as *const c_void, (b.device_ptr() + part) as *mut c_void)
-            }
-            InOut::Separate { .. } => ptrs(&bufs),
-        };
-        // SAFETY: validated sizes (send holds world × count); in place, recv is this rank's slot of send.
-        unsafe { self.ccl.reduce_scatter(s, r, count, dtype, op, stream.raw() as _) }
+        // SAFETY: validated sizes (send holds world × count); the stream is live.
+        unsafe { self.ccl.reduce_scatter(&bufs, count, dtype, op, stream.raw() as _) }
     }
 
     fn broadcast(
@@ -623,9 +557,8 @@ impl CommBackend for CudaComm {
         stream: &CudaStream,
     ) -> Result<()> {
         self.bind()?;
-        let (s, r) = ptrs(&bufs);
         // SAFETY: validated sizes and root.
-        unsafe { self.ccl.broadcast(s, r, count, dtype, root, stream.raw() as _) }
+        unsafe { self.ccl.broadcast(&bufs, count, dtype, root, stream.raw() as _) }
     }
 
     fn reduce(
@@ -638,10 +571,8 @@ impl CommBackend for CudaComm {
         stream: &CudaStream,
     ) -> Result<()> {
         self.bind()?;
-        let op = self.effective_op(op);
-        let (s, r) = ptrs(&bufs);
         // SAFETY: validated sizes and root.
-        unsafe { self.ccl.reduce(s, r, count, dtype, op, root, stream.raw() as _) }
+        unsafe { self.ccl.reduce(&bufs, count, dtype, op, root, stream.raw() as _) }
     }
 
     fn send(
@@ -654,7 +585,7 @@ impl CommBackend for CudaComm {
     ) -> Result<()> {
         self.bind()?;
         // SAFETY: validated size and peer.
-        unsafe { self.ccl.send(buf.device_ptr() as *const c_void, count, dtype, peer, stream.raw() as _) }
+        unsafe { self.ccl.send(buf, count, dtype, peer, stream.raw() as _) }
     }
 
     fn recv(
@@ -667,24 +598,14 @@ impl CommBackend for CudaComm {
     ) -> Result<()> {
         self.bind()?;
         // SAFETY: validated size and peer.
-        unsafe { self.ccl.recv(buf.device_ptr() as *mut c_void, count, dtype, peer, stream.raw() as _) }
+        unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw() as _) }
     }
 
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
         // An all-reduce of one element, then wait: every rank has arrived when it completes.
         self.bind()?;
-        let one = &self.scratch;
-        // SAFETY: a 4-byte buffer of this device, in place.
-        unsafe {
-            self.ccl.all_reduce(
-                one.device_ptr() as *const c_void,
-                one.device_ptr() as *mut c_void,
-                1,
-                DataType::F32,
-                ReduceOp::Sum,
-                stream.raw() as _,
-            )
-        }?;
+        // SAFETY: a 4-byte buffer of this device; the stream is live.
+        unsafe { self.ccl.barrier_all_reduce(&self.scratch, stream.raw() as _) }?;
         if stream.is_capturing()? {
             // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
             return Ok(());

@@ -291,3 +291,10 @@ impl MemoryRuntime for CudaRuntime {
         stream.is_capturing()
     }
 }
+
+// SAFETY: `device_ptr` is the start of `len` bytes of device memory, owned or borrowed for the value's lifetime.
+unsafe impl anyccl_ccl::DeviceAddress for DeviceBuffer {
+    fn device_addr(&self) -> u64 {
+        self.device_ptr()
+    }
+}

@@ -1,0 +1,277 @@
+//! One rank's collectives through NCCL or RCCL, written once for every GPU backend: the in-place layouts of
+//! all-gather and reduce-scatter, the registered symmetric windows, which of the library's all-reduce paths can
+//! run a call, and the capture rule for registration. The CUDA and ROCm backends each hold a [`CclRank`] and add
+//! only what is vendor-specific (their runtime, streams, and custom kernels).
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use anyccl_core::comm::AllReduceCall;
+use anyccl_core::validate::InOutDesc;
+use anyccl_core::{Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result};
+
+use crate::{sys, CclComm};
+
+/// Device memory a collective can take: its device address.
+///
+/// # Safety
+/// `device_addr` returns the start of memory that holds at least the buffer's [`anyccl_core::BufferLike`] length
+/// and stays allocated while the value is borrowed.
+pub unsafe trait DeviceAddress {
+    /// The start address on the device.
+    fn device_addr(&self) -> u64;
+}
+
+/// The (send, recv) pointers of an all-reduce, broadcast or reduce call.
+pub fn io_ptrs<B: DeviceAddress + ?Sized>(bufs: &InOut<'_, B>) -> (*const c_void, *mut c_void) {
+    match bufs {
+        InOut::InPlace(b) => (b.device_addr() as *const c_void, b.device_addr() as *mut c_void),
+        InOut::Separate { send, recv } => (send.device_addr() as *const c_void, recv.device_addr() as *mut c_void),
+    }
+}
+
+/// Refuses `what` while a stream is being captured: allocation and registration are not capture-safe on any
+/// vendor (a failed or illegal call there invalidates the user's capture).
+pub fn refuse_during_capture(backend: &str, what: &str, capturing: bool) -> Result<()> {
+    if capturing {
+        return Err(Error::Backend {
+            backend: backend.into(),
+            call: what.into(),
+            code: None,
+            message: format!("{what} is not allowed during graph capture (it allocates or registers memory)"),
+        });
+    }
+    Ok(())
+}
+
+/// One rank of a NCCL/RCCL communicator, with its registered symmetric windows.
+pub struct CclRank {
+    ccl: CclComm,
+    rank: usize,
+    world: usize,
+    /// Registered symmetric windows on this communicator: (start, len).
+    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+}
+
+impl CclRank {
+    /// Wraps rank `rank` of `world`.
+    pub fn new(ccl: CclComm, rank: usize, world: usize) -> Self {
+        CclRank { ccl, rank, world, windows: Arc::new(Mutex::new(Vec::new())) }
+    }
+
+    /// The communicator.
+    pub fn ccl(&self) -> &CclComm {
+        &self.ccl
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The window registry, shared with the symmetric buffers that add and remove themselves.
+    pub fn windows(&self) -> &Arc<Mutex<Vec<(usize, usize)>>> {
+        &self.windows
+    }
+
+    /// Whether `[d.addr, +bytes)` lies inside one registered window.
+    pub fn in_window(&self, d: &BufferDesc, bytes: usize) -> bool {
+        let w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+        w.iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
+    }
+
+    /// With one rank, avg is the identity, exactly like sum. NCCL 2.28.3 left the last element of out-of-place
+    /// f64 avg all-reduce, reduce-scatter and reduce of 65537 elements unwritten at world 1 (seen on an H200), so
+    /// anyccl asks for sum there.
+    pub fn effective_op(&self, op: ReduceOp) -> ReduceOp {
+        if self.world == 1 && op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        }
+    }
+
+    /// Whether the library's own paths can run `call`: `ccl` always, `ccl-symmetric` when windows are enabled and
+    /// the buffers lie in registered windows. `None` for algorithms the library does not implement.
+    pub fn eligible(
+        &self,
+        algorithm: Algorithm,
+        call: &AllReduceCall,
+        caps: &CapabilityReport,
+        register_hint: &str,
+    ) -> Option<std::result::Result<(), String>> {
+        match algorithm {
+            Algorithm::Ccl => Some(Ok(())),
+            Algorithm::CclSymmetric => Some((|| {
+                caps.require(Capabilities::SYMMETRIC_WINDOWS).map_err(|e| e.to_string())?;
+                let in_windows = match &call.bufs {
+                    None => false,
+                    Some(InOutDesc::InPlace(b)) => self.in_window(b, call.bytes),
+                    Some(InOutDesc::Separate { send, recv }) => {
+                        self.in_window(send, call.bytes) && self.in_window(recv, call.bytes)
+                    }
+                };
+                if in_windows {
+                    Ok(())
+                } else {
+                    Err(format!("the buffers are not in a registered symmetric window (use {register_hint})"))
+                }
+            })()),
+            _ => None,
+        }
+    }
+
+    /// Refuses what the loaded library lacks (fp8 before it had fp8, avg on integers, …).
+    pub fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+        crate::nccl_dtype(self.ccl.library(), dtype)?;
+        crate::nccl_op(self.ccl.library(), op, dtype)?;
+        Ok(())
+    }
+
+    /// All-reduce through the library (`ccl`, and `ccl-symmetric`: the library picks its symmetric kernels when
+    /// the buffers lie in a registered window).
+    ///
+    /// # Safety
+    /// The call was validated (both buffers hold `count` elements of this rank's device) and `stream` is live.
+    pub unsafe fn all_reduce<B: DeviceAddress + ?Sized>(
+        &self,
+        bufs: &InOut<'_, B>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (s, r) = io_ptrs(bufs);
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.all_reduce(s, r, count, dtype, self.effective_op(op), stream) }
+    }
+
+    /// All-gather; in place, the send part is this rank's slot of the output.
+    ///
+    /// # Safety
+    /// Validated sizes (the output holds world × count elements); `stream` is live.
+    pub unsafe fn all_gather<B: DeviceAddress + ?Sized>(
+        &self,
+        bufs: &InOut<'_, B>,
+        count: usize,
+        dtype: DataType,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (s, r) = match bufs {
+            InOut::InPlace(b) => {
+                let part = (self.rank * count * dtype.size_bytes()) as u64;
+                ((b.device_addr() + part) as *const c_void, b.device_addr() as *mut c_void)
+            }
+            InOut::Separate { .. } => io_ptrs(bufs),
+        };
+        // SAFETY: the caller's contract; in place, send is this rank's slot of recv.
+        unsafe { self.ccl.all_gather(s, r, count, dtype, stream) }
+    }
+
+    /// Reduce-scatter; in place, the output is this rank's slot of the input.
+    ///
+    /// # Safety
+    /// Validated sizes (the input holds world × count elements); `stream` is live.
+    pub unsafe fn reduce_scatter<B: DeviceAddress + ?Sized>(
+        &self,
+        bufs: &InOut<'_, B>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (s, r) = match bufs {
+            InOut::InPlace(b) => {
+                let part = (self.rank * count * dtype.size_bytes()) as u64;
+                (b.device_addr() as *const c_void, (b.device_addr() + part) as *mut c_void)
+            }
+            InOut::Separate { .. } => io_ptrs(bufs),
+        };
+        // SAFETY: the caller's contract; in place, recv is this rank's slot of send.
+        unsafe { self.ccl.reduce_scatter(s, r, count, dtype, self.effective_op(op), stream) }
+    }
+
+    /// Broadcast from `root`.
+    ///
+    /// # Safety
+    /// Validated sizes and root; `stream` is live.
+    pub unsafe fn broadcast<B: DeviceAddress + ?Sized>(
+        &self,
+        bufs: &InOut<'_, B>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (s, r) = io_ptrs(bufs);
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.broadcast(s, r, count, dtype, root, stream) }
+    }
+
+    /// Reduce to `root`.
+    ///
+    /// # Safety
+    /// Validated sizes and root; `stream` is live.
+    pub unsafe fn reduce<B: DeviceAddress + ?Sized>(
+        &self,
+        bufs: &InOut<'_, B>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        let (s, r) = io_ptrs(bufs);
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.reduce(s, r, count, dtype, self.effective_op(op), root, stream) }
+    }
+
+    /// Send `count` elements to `peer`.
+    ///
+    /// # Safety
+    /// Validated size and peer; `stream` is live.
+    pub unsafe fn send<B: DeviceAddress + ?Sized>(
+        &self,
+        buf: &B,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.send(buf.device_addr() as *const c_void, count, dtype, peer, stream) }
+    }
+
+    /// Receive `count` elements from `peer`.
+    ///
+    /// # Safety
+    /// Validated size and peer; `stream` is live.
+    pub unsafe fn recv<B: DeviceAddress + ?Sized>(
+        &self,
+        buf: &mut B,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: sys::Stream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.recv(buf.device_addr() as *mut c_void, count, dtype, peer, stream) }
+    }
+
+    /// The barrier's collective half: an in-place all-reduce of one f32 in `scratch` (4 bytes of this rank's
+    /// device, allocated up front so a barrier never allocates). The caller then waits for the stream unless it
+    /// is capturing.
+    ///
+    /// # Safety
+    /// `scratch` holds at least 4 bytes of this rank's device memory; `stream` is live.
+    pub unsafe fn barrier_all_reduce<B: DeviceAddress + ?Sized>(&self, scratch: &B, stream: sys::Stream) -> Result<()> {
+        let p = scratch.device_addr() as *mut c_void;
+        // SAFETY: the caller's contract.
+        unsafe { self.ccl.all_reduce(p, p, 1, DataType::F32, ReduceOp::Sum, stream) }
+    }
+}
