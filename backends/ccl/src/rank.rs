@@ -4,13 +4,14 @@
 //! only what is vendor-specific (their runtime, streams, and custom kernels).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
 use anyccl_core::{Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result};
 
-use crate::{sys, CclComm};
+use crate::{sys, CclComm, CclLibrary};
 
 /// Device memory a collective can take: its device address.
 ///
@@ -51,12 +52,22 @@ pub struct CclRank {
     world: usize,
     /// Registered symmetric windows on this communicator: (start, len).
     windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// Cleared when this rank is dropped, for the symmetric memory that outlives it.
+    alive: Arc<AtomicBool>,
+}
+
+impl Drop for CclRank {
+    fn drop(&mut self) {
+        // Runs before the communicator is destroyed: the library drops its windows with it, and deregistering
+        // them afterwards would touch a freed communicator.
+        self.alive.store(false, Ordering::SeqCst);
+    }
 }
 
 impl CclRank {
     /// Wraps rank `rank` of `world`.
     pub fn new(ccl: CclComm, rank: usize, world: usize) -> Self {
-        CclRank { ccl, rank, world, windows: Arc::new(Mutex::new(Vec::new())) }
+        CclRank { ccl, rank, world, windows: Arc::new(Mutex::new(Vec::new())), alive: Arc::new(AtomicBool::new(true)) }
     }
 
     /// The communicator.
@@ -77,6 +88,45 @@ impl CclRank {
     /// The window registry, shared with the symmetric buffers that add and remove themselves.
     pub fn windows(&self) -> &Arc<Mutex<Vec<(usize, usize)>>> {
         &self.windows
+    }
+
+    /// Allocates `bytes` with the library's allocator (`ncclMemAlloc`, rounded up to 4 KiB) and registers it as a
+    /// symmetric window (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size.
+    /// `capturing` is whether the caller's stream captures: allocation and registration are refused then.
+    /// The caller has made this rank's device current.
+    pub fn symmetric_memory(
+        &self,
+        backend: &str,
+        caps: &CapabilityReport,
+        bytes: usize,
+        capturing: bool,
+    ) -> Result<SymmetricMemory> {
+        caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
+        refuse_during_capture(backend, "symmetric_buffer", capturing)?;
+        let lib = self.ccl.library().clone();
+        let size = bytes.max(1).div_ceil(4096) * 4096;
+        let ptr = crate::mem_alloc(&lib, size)?;
+        // SAFETY: `ptr` is `size` bytes from ncclMemAlloc on this device, page aligned, freed only after the window.
+        let window = match unsafe { self.ccl.window_register(ptr, size) } {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: allocated just above, freed once.
+                if let Err(f) = unsafe { crate::mem_free(&lib, ptr) } {
+                    tracing::warn!(error = %f, "freeing a symmetric buffer after a failed registration failed");
+                }
+                return Err(e);
+            }
+        };
+        self.windows.lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
+        Ok(SymmetricMemory {
+            ptr,
+            size,
+            window: Some(window),
+            lib,
+            comm: self.ccl.raw(),
+            alive: self.alive.clone(),
+            windows: self.windows.clone(),
+        })
     }
 
     /// Whether `[d.addr, +bytes)` lies inside one registered window.
@@ -273,5 +323,55 @@ impl CclRank {
         let p = scratch.device_addr() as *mut c_void;
         // SAFETY: the caller's contract.
         unsafe { self.ccl.all_reduce(p, p, 1, DataType::F32, ReduceOp::Sum, stream) }
+    }
+}
+
+/// Memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. Deregistered (while the
+/// communicator lives) and freed on drop; the vendor backend wraps it in its own buffer type and makes the device
+/// current before it drops.
+pub struct SymmetricMemory {
+    ptr: *mut c_void,
+    size: usize,
+    window: Option<crate::Window>,
+    lib: Arc<CclLibrary>,
+    comm: sys::ncclComm_t,
+    alive: Arc<AtomicBool>,
+    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+}
+
+// SAFETY: device memory plus opaque library handles, usable from any thread; the communicator handle is only
+// used to deregister, after checking it is alive.
+unsafe impl Send for SymmetricMemory {}
+
+impl SymmetricMemory {
+    /// The device address.
+    pub fn ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    /// The allocated size (the requested size rounded up to 4 KiB).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+}
+
+impl Drop for SymmetricMemory {
+    fn drop(&mut self) {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
+        let comm_alive = self.alive.load(Ordering::SeqCst);
+        if let Some(w) = self.window.take().filter(|_| comm_alive) {
+            if let Some(f) = self.lib.table().optional.comm_window_deregister {
+                // SAFETY: the window was registered on this communicator, which is still alive (checked above; a
+                // communicator is used from one thread at a time), and is deregistered once.
+                let st = unsafe { f(self.comm, w.into_raw()) };
+                if st != 0 {
+                    tracing::warn!(status = st, "ncclCommWindowDeregister failed");
+                }
+            }
+        }
+        // SAFETY: allocated by ncclMemAlloc in `symmetric_memory`, freed once.
+        if let Err(e) = unsafe { crate::mem_free(&self.lib, self.ptr) } {
+            tracing::warn!(error = %e, size = self.size, "ncclMemFree failed");
+        }
     }
 }

@@ -1,7 +1,6 @@
 //! The CUDA communicator: NCCL collectives through the loader's table, algorithm eligibility, symmetric windows.
 
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyccl_ccl::{CclComm, CclLibrary, CclRank, UniqueId};
 use anyccl_core::comm::AllReduceCall;
@@ -77,15 +76,6 @@ pub struct CudaComm {
     scratch: DeviceBuffer,
     /// The custom kernels' state, or why they cannot run on this communicator.
     custom: std::result::Result<CustomState, String>,
-    /// Cleared when this communicator is destroyed, for the symmetric buffers that outlive it.
-    alive: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Drop for CudaComm {
-    fn drop(&mut self) {
-        // Runs before the fields drop, so before the NCCL communicator is destroyed.
-        self.alive.store(false, std::sync::atomic::Ordering::SeqCst);
-    }
 }
 
 impl CudaComm {
@@ -278,17 +268,7 @@ impl CudaComm {
             info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.arch()).unwrap_or_else(|| "unknown".into());
         let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
         let custom = Err("the custom kernels need every rank's buffers mapped (set up by CudaComm::init_all)".into());
-        Ok(CudaComm {
-            ccl: CclRank::new(ccl, rank, world),
-            rank,
-            world,
-            runtime,
-            arch,
-            caps,
-            alive: Arc::new(std::sync::atomic::AtomicBool::new(true)),
-            scratch,
-            custom,
-        })
+        Ok(CudaComm { ccl: CclRank::new(ccl, rank, world), rank, world, runtime, arch, caps, scratch, custom })
     }
 
     /// The NCCL communicator.
@@ -304,63 +284,23 @@ impl CudaComm {
     /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
-        self.caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
-        anyccl_ccl::rank::refuse_during_capture("cuda", "symmetric_buffer", stream.is_capturing()?)?;
+        let capturing = stream.is_capturing()?;
         self.bind()?;
-        let lib = self.ccl.ccl().library().clone();
-        // Windows need 4096-byte granularity.
-        let size = bytes.max(1).div_ceil(4096) * 4096;
-        let ptr = anyccl_ccl::mem_alloc(&lib, size)?;
-        // SAFETY: `ptr` is `size` bytes from ncclMemAlloc on this device, page aligned, freed only after the window.
-        let window = match unsafe { self.ccl.ccl().window_register(ptr, size) } {
-            Ok(w) => w,
-            Err(e) => {
-                // SAFETY: allocated just above, freed once.
-                if let Err(f) = unsafe { anyccl_ccl::mem_free(&lib, ptr) } {
-                    tracing::warn!(error = %f, "freeing a symmetric buffer after a failed registration failed");
-                }
-                return Err(e);
-            }
-        };
-        self.ccl.windows().lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
-        // SAFETY: `ptr` is `size` bytes of this device's memory, owned by the SymmetricBuffer until it drops.
+        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, capturing)?;
+        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory, owned by the SymmetricBuffer.
         let view =
-            unsafe { DeviceBuffer::from_raw(ptr as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
-        Ok(SymmetricBuffer {
-            view,
-            ptr,
-            size,
-            window: Some(window),
-            ccl_raw: CommRef { lib, comm: self.ccl.ccl().raw(), alive: self.alive.clone() },
-            windows: self.ccl.windows().clone(),
-            ctx: self.runtime.context().clone(),
-        })
+            unsafe { DeviceBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
+        Ok(SymmetricBuffer { view, ctx: self.runtime.context().clone(), mem: Some(mem) })
     }
-}
-
-/// The communicator a window belongs to, kept for deregistration.
-struct CommRef {
-    lib: Arc<CclLibrary>,
-    comm: *mut c_void,
-    /// False once the communicator is destroyed (NCCL drops its windows with it; deregistering then would touch
-    /// a freed communicator).
-    alive: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. All-reduce on it
 /// runs NCCL's symmetric kernels, zero-copy. Deregistered and freed on drop (not during capture).
 pub struct SymmetricBuffer {
     view: DeviceBuffer,
-    ptr: *mut c_void,
-    size: usize,
-    window: Option<anyccl_ccl::Window>,
-    ccl_raw: CommRef,
-    windows: Arc<Mutex<Vec<(usize, usize)>>>,
     ctx: Arc<crate::runtime::DeviceContext>,
+    mem: Option<anyccl_ccl::rank::SymmetricMemory>,
 }
-
-// SAFETY: the buffer is device memory plus opaque NCCL handles, usable from any thread.
-unsafe impl Send for SymmetricBuffer {}
 
 impl SymmetricBuffer {
     /// The buffer as the collectives take it.
@@ -376,29 +316,12 @@ impl SymmetricBuffer {
 
 impl Drop for SymmetricBuffer {
     fn drop(&mut self) {
-        let _ = self.ctx.bind();
-        self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
-        let comm_alive = self.ccl_raw.alive.load(std::sync::atomic::Ordering::SeqCst);
-        if let Some(w) = self.window.take().filter(|_| comm_alive) {
-            let lib = &self.ccl_raw.lib;
-            if let Some(f) = lib.table().optional.comm_window_deregister {
-                // SAFETY: the window was registered on this communicator, which is still alive (checked above; a
-                // communicator is used from one thread at a time), and is deregistered once.
-                let st = unsafe { f(self.ccl_raw.comm, window_raw(w)) };
-                if st != 0 {
-                    tracing::warn!(status = st, "ncclCommWindowDeregister failed");
-                }
-            }
+        // Deregistration and ncclMemFree act on the current device.
+        if let Err(e) = self.ctx.bind() {
+            tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
         }
-        // SAFETY: allocated by ncclMemAlloc in symmetric_buffer, freed once.
-        if let Err(e) = unsafe { anyccl_ccl::mem_free(&self.ccl_raw.lib, self.ptr) } {
-            tracing::warn!(error = %e, size = self.size, "ncclMemFree failed");
-        }
+        drop(self.mem.take());
     }
-}
-
-fn window_raw(w: anyccl_ccl::Window) -> *mut c_void {
-    w.into_raw()
 }
 
 impl CudaComm {
