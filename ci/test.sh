@@ -45,6 +45,12 @@ cargo test --locked -p anyccl-ccl --test real_nccl -- --ignored
 NCCL_LIB="${ANYCCL_TEST_REAL_NCCL##*=}"
 ANYCCL_NCCL_PATH="$NCCL_LIB" cargo run --release --locked -- probe
 
+step "real HIP runtime from Debian's libamdhip64-5 (loads with no AMD GPU and says why it is off)"
+HIP_LIB="$(ldconfig -p | awk '/libamdhip64\.so\.5 /{print $NF; exit}')"
+[ -n "$HIP_LIB" ] || { echo "error: libamdhip64.so.5 not found (ci/install-hip.sh installs it)"; exit 1; }
+ANYCCL_TEST_REAL_HIP="$HIP_LIB" cargo test --locked -p anyccl-rocm --test fake -- --ignored
+cargo run --release --locked --features rocm -- probe
+
 step "README commands: probe and bench (release)"
 cargo run --release --locked -- probe
 cargo run --release --locked -- probe --json >/dev/null

@@ -1,8 +1,9 @@
 //! anyccl: one API for GPU collectives on NVIDIA and AMD, with runtime capability probing.
 //!
 //! This facade re-exports the vendor-neutral core ([`core`]) and the backends compiled in: the host backend
-//! ([`host`], feature `host`, on by default) today; CUDA (`cuda`) and ROCm (`rocm`) are placeholders that report
-//! themselves as not implemented. The `anyccl` binary (`probe`, `bench`) is built from [`probe`] and [`bench`].
+//! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels) and ROCm (feature
+//! `rocm`: HIP runtime and RCCL, loaded at run time). The `anyccl` binary (`probe`, `bench`, `tune`) is built from
+//! [`probe`], [`bench`] and [`tune`].
 //!
 //! ```
 //! use anyccl::core::{DataType, InOut, ReduceOp};
@@ -32,6 +33,8 @@ pub use anyccl_core::{
 pub use anyccl_cuda as cuda;
 #[cfg(feature = "host")]
 pub use anyccl_host as host;
+#[cfg(feature = "rocm")]
+pub use anyccl_rocm as rocm;
 /// The fp8 element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) the typed APIs take.
 pub use float8;
 /// The 16-bit float element types ([`half::f16`], [`half::bf16`]) the typed APIs take.

@@ -173,7 +173,7 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
             };
             return Err(CliError {
                 message: if compiled {
-                    format!("the {name} backend is compiled in but not implemented yet")
+                    format!("the {name} backend has no bench yet (its collectives run through the library API)")
                 } else {
                     format!("the {name} backend is not compiled into this build")
                 },

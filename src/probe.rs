@@ -113,17 +113,41 @@ fn backend_statuses() -> Vec<BackendStatus> {
             },
         },
         cuda_status(),
-        BackendStatus {
-            name: "rocm",
-            compiled_in: cfg!(feature = "rocm"),
-            available: false,
-            detail: if cfg!(feature = "rocm") {
-                NOT_IMPLEMENTED.into()
-            } else {
-                "not compiled in (build with --features rocm)".into()
-            },
-        },
+        rocm_status(),
     ]
+}
+
+#[cfg(feature = "rocm")]
+fn rocm_status() -> BackendStatus {
+    let (available, detail) = match anyccl_rocm::HipLibrary::load() {
+        Err(e) => (false, e.to_string()),
+        Ok(lib) => match anyccl_rocm::runtime::device_count(&lib) {
+            Err(e) => (false, format!("{} at {}: {e}", lib.describe(), lib.path().display())),
+            Ok(0) => (false, format!("{} at {}: no HIP devices", lib.describe(), lib.path().display())),
+            Ok(n) => {
+                let archs: Vec<String> = (0..n as i32)
+                    .map(|o| anyccl_rocm::runtime::arch_of(&lib, o).unwrap_or_else(|e| e.to_string()))
+                    .collect();
+                (true, format!("{}; {n} device(s): {}", lib.describe(), archs.join(", ")))
+            }
+        },
+    };
+    BackendStatus {
+        name: "rocm",
+        compiled_in: true,
+        available,
+        detail: if available { format!("{detail}; RCCL collectives (no bench or tune on ROCm yet)") } else { detail },
+    }
+}
+
+#[cfg(not(feature = "rocm"))]
+fn rocm_status() -> BackendStatus {
+    BackendStatus {
+        name: "rocm",
+        compiled_in: false,
+        available: false,
+        detail: "not compiled in (build with --features rocm)".into(),
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -226,15 +250,41 @@ fn collective_libraries() -> (Vec<LibraryStatus>, Option<Arc<CclLibrary>>) {
         }
     }
     out.push(cuda_driver_status());
-    out.push(LibraryStatus {
+    out.push(hip_runtime_status());
+    (out, first)
+}
+
+fn hip_runtime_status() -> LibraryStatus {
+    #[cfg(feature = "rocm")]
+    {
+        match anyccl_rocm::HipLibrary::load() {
+            Ok(lib) => LibraryStatus {
+                name: "HIP runtime",
+                found: true,
+                path: Some(lib.path().display().to_string()),
+                version: Some(lib.describe()),
+                detail: "loaded; every required symbol resolved".into(),
+                tried: Vec::new(),
+            },
+            Err(e) => LibraryStatus {
+                name: "HIP runtime",
+                found: false,
+                path: None,
+                version: None,
+                detail: e.to_string(),
+                tried: Vec::new(),
+            },
+        }
+    }
+    #[cfg(not(feature = "rocm"))]
+    LibraryStatus {
         name: "HIP runtime",
         found: false,
         path: None,
         version: None,
-        detail: "not probed: the ROCm backend is not implemented yet".into(),
+        detail: "not probed: the rocm backend is not compiled in".into(),
         tried: Vec::new(),
-    });
-    (out, first)
+    }
 }
 
 fn cuda_driver_status() -> LibraryStatus {
@@ -268,6 +318,7 @@ fn cuda_driver_status() -> LibraryStatus {
 pub fn capabilities() -> CapabilityReport {
     let gpu_backend = |feature: &str| {
         if cfg!(feature = "cuda") && feature == "cuda" || cfg!(feature = "rocm") && feature == "rocm" {
+            // Replaced by the backend's own report in `probe`.
             Reason::Unavailable { component: format!("the {feature} backend"), detail: NOT_IMPLEMENTED.into() }
         } else {
             Reason::NotCompiledIn {
@@ -335,6 +386,23 @@ pub fn probe(selector: &Selector) -> ProbeReport {
             | Capabilities::GRAPH_CAPTURE
             | Capabilities::CUSTOM_KERNELS,
     );
+    #[cfg(feature = "rocm")]
+    {
+        let hip = anyccl_rocm::HipLibrary::load();
+        let r = anyccl_rocm::capabilities(hip.as_ref(), ccl.as_deref(), &anyccl_ccl::caps::process_env);
+        caps.merge_from(&r, Capabilities::HIP_RUNTIME);
+        // The device-level flags come from ROCm only where a HIP device is usable and CUDA is not.
+        if r.has(Capabilities::HIP_RUNTIME) && !caps.has(Capabilities::CUDA_RUNTIME) {
+            caps.merge_from(
+                &r,
+                Capabilities::P2P_ALL_PAIRS
+                    | Capabilities::IPC
+                    | Capabilities::MULTICAST
+                    | Capabilities::GRAPH_CAPTURE
+                    | Capabilities::CUSTOM_KERNELS,
+            );
+        }
+    }
     // An explicit switch is the reason users act on, so it is shown over hardware reasons.
     if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {
         if v.trim() == "0" {

@@ -2,6 +2,9 @@
 
 #[path = "support/fake_ccl.rs"]
 mod fake_ccl;
+#[cfg(feature = "rocm")]
+#[path = "support/fake_hip.rs"]
+mod fake_hip;
 
 use std::process::{Command, Output};
 
@@ -15,6 +18,7 @@ fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
         "ANYCCL_LOG",
         "ANYCCL_NCCL_PATH",
         "ANYCCL_RCCL_PATH",
+        "ANYCCL_HIP_PATH",
         "NCCL_CUMEM_ENABLE",
         "NCCL_NVLS_ENABLE",
     ] {
@@ -225,6 +229,37 @@ fn probe_reports_a_fake_rccl_7_0_with_reasons() {
     let text_out = text(&anyccl(&["probe"], &[("ANYCCL_RCCL_PATH", &ls)]).stdout);
     assert!(text_out.contains("RCCL 2.26.6 at "), "{text_out}");
     assert!(text_out.contains("does not export ncclCommWindowRegister"), "{text_out}");
+}
+
+/// The ROCm build on a machine whose HIP runtime and RCCL are the fakes (8 gfx90a devices, RCCL of ROCm 7.0):
+/// the backend is available, and symmetric memory is off because RCCL 2.26.6 lacks `ncclCommWindowRegister`.
+#[cfg(feature = "rocm")]
+#[test]
+fn probe_with_the_rocm_backend_on_a_fake_rocm_7_0() {
+    let hip = fake_hip::build_hip().to_string_lossy().into_owned();
+    let rccl = fake_hip::build_rccl(&fake_ccl::RCCL_7_0).to_string_lossy().into_owned();
+    let env = [("ANYCCL_HIP_PATH", hip.as_str()), ("ANYCCL_RCCL_PATH", rccl.as_str()), ("NCCL_CUMEM_ENABLE", "1")];
+    let out = anyccl(&["probe", "--json"], &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let rocm = v["backends"].as_array().and_then(|a| a.iter().find(|b| b["name"] == "rocm")).expect("rocm row");
+    assert_eq!(rocm["available"], true, "{rocm}");
+    assert!(rocm["detail"].as_str().unwrap_or("").contains("8 device(s): gfx90a"), "{rocm}");
+    let hip_row = v["libraries"].as_array().and_then(|a| a.iter().find(|l| l["name"] == "HIP runtime")).expect("HIP");
+    assert_eq!(hip_row["found"], true);
+    assert_eq!(hip_row["version"], "HIP 7.0.51831");
+    assert_eq!(capability(&v, "hip-runtime")["enabled"], true);
+    let win = capability(&v, "symmetric-windows");
+    assert_eq!(win["enabled"], false);
+    assert!(
+        win["reason"].as_str().unwrap_or("").ends_with("(RCCL 2.26.6) does not export ncclCommWindowRegister"),
+        "{win}"
+    );
+    let text_out = text(&anyccl(&["probe"], &env).stdout);
+    assert!(text_out.contains("does not export ncclCommWindowRegister"), "{text_out}");
+    // Without the fake runtime the backend says why it is off, and nothing crashes.
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_HIP_PATH", "/nonexistent/libamdhip64.so")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
 #[test]

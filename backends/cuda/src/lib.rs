@@ -55,8 +55,8 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
             r.disable(
                 Capabilities::P2P_ALL_PAIRS,
                 Reason::Unavailable {
-                    component: "peer access probing".into(),
-                    detail: "not implemented yet (needed by the custom kernels)".into(),
+                    component: "peer access".into(),
+                    detail: "checked per communicator, when the custom kernels are set up".into(),
                 },
             );
             match info.devices.iter().find(|d| !d.multicast_supported) {
@@ -70,8 +70,8 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
                 None => r.disable(
                     Capabilities::MULTICAST,
                     Reason::Unavailable {
-                        component: "NVLS kernels".into(),
-                        detail: "the multicast all-reduce kernels are not built yet".into(),
+                        component: "NVLS all-reduce".into(),
+                        detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
                     },
                 ),
             }
@@ -80,13 +80,13 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
             }
         }
     }
-    r.disable(
-        Capabilities::CUSTOM_KERNELS,
-        Reason::NotCompiledIn {
-            what: "custom CUDA kernels".into(),
-            detail: "kernels-cuda holds no kernels yet".into(),
-        },
-    );
+    match anyccl_kernels_cuda::NOT_BUILT {
+        None => r.enable(Capabilities::CUSTOM_KERNELS),
+        Some(why) => r.disable(
+            Capabilities::CUSTOM_KERNELS,
+            Reason::NotCompiledIn { what: "custom CUDA kernels".into(), detail: why.into() },
+        ),
+    }
     r
 }
 

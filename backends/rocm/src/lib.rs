@@ -1,6 +1,101 @@
 //! anyccl-rocm: the ROCm backend (cargo feature `rocm` of the facade).
 //!
-//! **Not implemented yet.** It will hold the HIP runtime loaded at run time, the RCCL communicator with RCCL's
-//! quirks, and the HIP all-reduce algorithms. Enabling the `rocm` feature today compiles this empty crate in and
-//! `anyccl probe` says the backend is not implemented.
-#![forbid(unsafe_code)]
+//! - [`loader`]: the HIP runtime (`libamdhip64.so`) loaded at run time through `libloading`, every symbol resolved
+//!   once (why not a crate: see the module). The backend builds and runs on machines without ROCm and says why it
+//!   is off.
+//! - [`runtime`]: devices, buffers, streams, graphs; core's [`anyccl_core::MemoryRuntime`] over HIP, with the
+//!   capture rules (no allocation, free, synchronous copy or registration while a stream captures).
+//! - [`comm`]: the RCCL communicator over the CCL rank shared with the CUDA backend; symmetric windows only where
+//!   RCCL exports the window symbols and `NCCL_CUMEM_ENABLE=1`.
+//! - The HIP one-shot/two-shot kernels are built by `anyccl-kernels-hip`; the communicator lists them and says why
+//!   they do not run yet.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod comm;
+pub mod loader;
+pub mod runtime;
+pub mod sys;
+
+use std::sync::Arc;
+
+use anyccl_ccl::CclLibrary;
+use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
+
+pub use comm::{RocmComm, SymmetricBuffer};
+pub use loader::{HipLibrary, HipLoadError};
+pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream};
+
+/// What the ROCm backend can do with `hip` (the HIP runtime, or why it did not load) and `ccl` (RCCL, if one
+/// loaded); `env` reads environment variables.
+pub fn capabilities(
+    hip: std::result::Result<&HipLibrary, &HipLoadError>,
+    ccl: Option<&CclLibrary>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> CapabilityReport {
+    let mut r =
+        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "not used by the ROCm backend".into() });
+    match ccl {
+        Some(l) => r.merge_from(&anyccl_ccl::derive_capabilities(l, env), anyccl_ccl::caps::CCL_CAPABILITIES),
+        None => r.disable(
+            anyccl_ccl::caps::CCL_CAPABILITIES,
+            Reason::Unavailable { component: "RCCL".into(), detail: "no librccl.so.1 could be loaded".into() },
+        ),
+    }
+    let runtime_reason = match hip {
+        Err(e) => Some(Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() }),
+        Ok(lib) => match runtime::device_count(lib) {
+            Err(e) => Some(Reason::Unavailable { component: lib.describe(), detail: e.to_string() }),
+            Ok(0) => Some(Reason::Unavailable { component: lib.describe(), detail: "no HIP devices".into() }),
+            Ok(_) => None,
+        },
+    };
+    match runtime_reason {
+        Some(reason) => {
+            let dep = Reason::Requires { capability: "hip-runtime".into(), because: Box::new(reason.clone()) };
+            r.disable(Capabilities::HIP_RUNTIME, reason);
+            r.disable(Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS, dep);
+        }
+        None => {
+            r.enable(Capabilities::HIP_RUNTIME | Capabilities::GRAPH_CAPTURE | Capabilities::IPC);
+            r.disable(
+                Capabilities::P2P_ALL_PAIRS,
+                Reason::Unavailable {
+                    component: "peer access".into(),
+                    detail: "not probed by the ROCm backend (only the custom kernels need it)".into(),
+                },
+            );
+        }
+    }
+    r.disable(
+        Capabilities::MULTICAST,
+        Reason::Unavailable { component: "AMD GPUs".into(), detail: "no NVLink SHARP multicast on AMD".into() },
+    );
+    let kernels = match anyccl_kernels_hip::NOT_BUILT {
+        Some(why) => Reason::NotCompiledIn { what: "HIP kernels".into(), detail: why.into() },
+        None => Reason::Unavailable {
+            component: "HIP custom kernels".into(),
+            detail: format!(
+                "built for {} but not yet wired into the ROCm communicator",
+                anyccl_kernels_hip::built_targets().join(", ")
+            ),
+        },
+    };
+    r.disable(Capabilities::CUSTOM_KERNELS, kernels);
+    r
+}
+
+/// One communicator per listed HIP device of this process (`ncclCommInitAll`), wrapped in the validating
+/// front-end, with the capability report of `hip` and `rccl` (and `ANYCCL_DISABLE` applied).
+pub fn communicators_single_process(
+    hip: Arc<HipLibrary>,
+    rccl: Arc<CclLibrary>,
+    ordinals: &[i32],
+    selector: Arc<Selector>,
+) -> Result<Vec<Communicator<RocmComm>>> {
+    let mut caps = capabilities(Ok(&hip), Some(&rccl), &|k| std::env::var(k).ok());
+    caps.apply_env()?;
+    let caps = Arc::new(caps);
+    let devices: Vec<Arc<HipDevice>> =
+        ordinals.iter().map(|o| HipDevice::new(hip.clone(), *o)).collect::<Result<_>>()?;
+    Ok(RocmComm::init_all(rccl, &devices, caps)?.into_iter().map(|c| Communicator::new(c, selector.clone())).collect())
+}

@@ -1,0 +1,255 @@
+//! The ROCm communicator: RCCL collectives through the shared CCL rank, symmetric windows where RCCL has them
+//! and cuMem is on, and the capture rules.
+
+use std::sync::Arc;
+
+use anyccl_ccl::{CclLibrary, CclRank};
+use anyccl_core::comm::AllReduceCall;
+use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, InOut, ReduceOp, Result, Vendor};
+
+use crate::runtime::{HipBuffer, HipDevice, HipRuntime, HipStream};
+
+/// The all-reduce algorithms of the ROCm backend (the custom ones are listed so tables show why they are off).
+pub const ALGORITHMS: [Algorithm; 4] =
+    [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
+
+/// Why the custom kernels do not run on ROCm in this release.
+pub fn custom_kernels_off(arch: &str) -> String {
+    match anyccl_kernels_hip::why_not(arch) {
+        Some(why) => why,
+        None => "the HIP one-shot/two-shot kernels are built for this GPU but not yet wired into the ROCm \
+                 communicator (they have not run on AMD hardware)"
+            .into(),
+    }
+}
+
+/// One rank of a ROCm communicator.
+pub struct RocmComm {
+    ccl: CclRank,
+    runtime: HipRuntime,
+    arch: String,
+    caps: Arc<CapabilityReport>,
+    /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
+    scratch: HipBuffer,
+}
+
+impl RocmComm {
+    /// One communicator per listed device of this process (`ncclCommInitAll`), index = rank.
+    pub fn init_all(
+        lib: Arc<CclLibrary>,
+        devices: &[Arc<HipDevice>],
+        caps: Arc<CapabilityReport>,
+    ) -> Result<Vec<Self>> {
+        let ordinals: Vec<i32> = devices.iter().map(|d| d.ordinal()).collect();
+        let ccls = anyccl_ccl::init_all(&lib, &ordinals)?;
+        let world = devices.len();
+        ccls.into_iter()
+            .zip(devices)
+            .enumerate()
+            .map(|(rank, (c, dev))| {
+                let arch = crate::runtime::arch_of(dev.library(), dev.ordinal())?;
+                let scratch = HipBuffer::alloc(dev, 4)?;
+                Ok(RocmComm {
+                    ccl: CclRank::new(c, rank, world),
+                    runtime: HipRuntime::new(dev.clone()),
+                    arch,
+                    caps: caps.clone(),
+                    scratch,
+                })
+            })
+            .collect()
+    }
+
+    /// The shared CCL rank.
+    pub fn ccl(&self) -> &CclRank {
+        &self.ccl
+    }
+
+    /// Allocates a symmetric buffer of `bytes` (`ncclMemAlloc` + `ncclCommWindowRegister`). Collective: every rank
+    /// calls it with the same size. Refused while `stream` captures, and where windows are off (RCCL without the
+    /// window symbols, such as ROCm 7.0, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
+    pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
+        let capturing = stream.is_capturing()?;
+        self.runtime.device().bind()?;
+        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, capturing)?;
+        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory, owned by the SymmetricBuffer.
+        let view = unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal()) };
+        Ok(SymmetricBuffer { view, dev: self.runtime.device().clone(), mem: Some(mem) })
+    }
+}
+
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window. Deregistered and freed on drop.
+pub struct SymmetricBuffer {
+    view: HipBuffer,
+    dev: Arc<HipDevice>,
+    mem: Option<anyccl_ccl::rank::SymmetricMemory>,
+}
+
+impl SymmetricBuffer {
+    /// The buffer as the collectives take it.
+    pub fn buffer(&self) -> &HipBuffer {
+        &self.view
+    }
+
+    /// The buffer, mutably.
+    pub fn buffer_mut(&mut self) -> &mut HipBuffer {
+        &mut self.view
+    }
+}
+
+impl Drop for SymmetricBuffer {
+    fn drop(&mut self) {
+        if let Err(e) = self.dev.bind() {
+            tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
+        }
+        drop(self.mem.take());
+    }
+}
+
+impl CommBackend for RocmComm {
+    type Runtime = HipRuntime;
+
+    fn runtime(&self) -> &HipRuntime {
+        &self.runtime
+    }
+
+    fn name(&self) -> &'static str {
+        "rocm"
+    }
+
+    fn rank(&self) -> usize {
+        self.ccl.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ccl.world()
+    }
+
+    fn vendor(&self) -> Vendor {
+        Vendor::Amd
+    }
+
+    fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn capabilities(&self) -> &CapabilityReport {
+        &self.caps
+    }
+
+    fn allreduce_algorithms(&self) -> &[Algorithm] {
+        &ALGORITHMS
+    }
+
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
+        if let Some(r) = self.ccl.eligible(algorithm, call, &self.caps, "RocmComm::symmetric_buffer") {
+            return r;
+        }
+        match algorithm {
+            Algorithm::OneShot | Algorithm::TwoShot => Err(custom_kernels_off(&self.arch)),
+            other => Err(format!("{other} is not implemented by the ROCm backend")),
+        }
+    }
+
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+        self.ccl.check_reduction(dtype, op)
+    }
+
+    fn all_reduce(
+        &mut self,
+        _algorithm: Algorithm,
+        bufs: InOut<'_, HipBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &HipStream,
+    ) -> Result<()> {
+        // Only ccl and ccl-symmetric are eligible here (the same RCCL call: RCCL picks its symmetric path when the
+        // buffers lie in a registered window).
+        self.runtime.device().bind()?;
+        // SAFETY: validated: both buffers hold `count` elements of this device; the stream is live.
+        unsafe { self.ccl.all_reduce(&bufs, count, dtype, op, stream.raw()) }
+    }
+
+    fn all_gather(
+        &mut self,
+        bufs: InOut<'_, HipBuffer>,
+        count: usize,
+        dtype: DataType,
+        stream: &HipStream,
+    ) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated sizes (the output holds world × count); the stream is live.
+        unsafe { self.ccl.all_gather(&bufs, count, dtype, stream.raw()) }
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        bufs: InOut<'_, HipBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &HipStream,
+    ) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated sizes (the input holds world × count); the stream is live.
+        unsafe { self.ccl.reduce_scatter(&bufs, count, dtype, op, stream.raw()) }
+    }
+
+    fn broadcast(
+        &mut self,
+        bufs: InOut<'_, HipBuffer>,
+        count: usize,
+        dtype: DataType,
+        root: usize,
+        stream: &HipStream,
+    ) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated sizes and root.
+        unsafe { self.ccl.broadcast(&bufs, count, dtype, root, stream.raw()) }
+    }
+
+    fn reduce(
+        &mut self,
+        bufs: InOut<'_, HipBuffer>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: &HipStream,
+    ) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated sizes and root.
+        unsafe { self.ccl.reduce(&bufs, count, dtype, op, root, stream.raw()) }
+    }
+
+    fn send(&mut self, buf: &HipBuffer, count: usize, dtype: DataType, peer: usize, stream: &HipStream) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated size and peer.
+        unsafe { self.ccl.send(buf, count, dtype, peer, stream.raw()) }
+    }
+
+    fn recv(
+        &mut self,
+        buf: &mut HipBuffer,
+        count: usize,
+        dtype: DataType,
+        peer: usize,
+        stream: &HipStream,
+    ) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: validated size and peer.
+        unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw()) }
+    }
+
+    fn barrier(&mut self, stream: &HipStream) -> Result<()> {
+        self.runtime.device().bind()?;
+        // SAFETY: a 4-byte buffer of this device; the stream is live.
+        unsafe { self.ccl.barrier_all_reduce(&self.scratch, stream.raw()) }?;
+        if stream.is_capturing()? {
+            // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
+            return Ok(());
+        }
+        stream.synchronize()
+    }
+}

@@ -1,0 +1,472 @@
+//! The HIP memory runtime: devices, buffers, streams, graphs and IPC handles over the loaded [`HipLibrary`],
+//! implementing core's [`MemoryRuntime`].
+//!
+//! Capture rules (the same as CUDA's, enforced by HIP since ROCm 7.0): nothing here allocates, frees, copies
+//! synchronously or opens IPC handles while a stream is capturing; such calls return an error before reaching
+//! HIP, so the user's capture is never invalidated by anyccl.
+
+use std::cell::Cell;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use anyccl_core::runtime::BufferLike;
+use anyccl_core::{BufferDesc, Error, Location, MemoryRuntime, Result};
+
+use crate::loader::HipLibrary;
+use crate::sys;
+
+thread_local! {
+    /// Captures begun through [`HipGraph::capture`] on this thread and not yet ended. They use HIP's thread-local
+    /// mode, in which unsafe calls (allocation, free) are illegal on the capturing thread only, so allocation is
+    /// refused on this thread while one is active.
+    static ACTIVE_CAPTURES: Cell<usize> = const { Cell::new(0) };
+}
+
+fn capturing_on_this_thread() -> bool {
+    ACTIVE_CAPTURES.with(|c| c.get() > 0)
+}
+
+/// Turns a HIP status into a `Result`, with HIP's error text.
+pub(crate) fn check(lib: &HipLibrary, call: &str, status: sys::hipError_t) -> Result<()> {
+    if status == sys::HIP_SUCCESS {
+        return Ok(());
+    }
+    Err(Error::Backend {
+        backend: "rocm".into(),
+        call: call.into(),
+        code: Some(i64::from(status)),
+        message: lib.error_string(status),
+    })
+}
+
+fn refuse_capture(what: &str) -> Error {
+    Error::Backend {
+        backend: "rocm".into(),
+        call: what.into(),
+        code: None,
+        message: format!("{what} is not allowed while a stream is being captured into a HIP graph"),
+    }
+}
+
+/// One HIP device of this process.
+#[derive(Debug)]
+pub struct HipDevice {
+    lib: Arc<HipLibrary>,
+    ordinal: i32,
+}
+
+impl HipDevice {
+    /// Device `ordinal` of `lib`; fails when it does not exist.
+    pub fn new(lib: Arc<HipLibrary>, ordinal: i32) -> Result<Arc<Self>> {
+        let n = device_count(&lib)?;
+        if ordinal < 0 || ordinal as usize >= n {
+            return Err(Error::Backend {
+                backend: "rocm".into(),
+                call: "hipSetDevice".into(),
+                code: None,
+                message: format!("device {ordinal} does not exist ({n} HIP devices)"),
+            });
+        }
+        Ok(Arc::new(HipDevice { lib, ordinal }))
+    }
+
+    /// Makes this device current on the calling thread (HIP's current device is per thread).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: hipSetDevice takes any ordinal and checks it.
+        check(&self.lib, "hipSetDevice", unsafe { (self.lib.table().set_device)(self.ordinal) })
+    }
+
+    /// The ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The runtime library.
+    pub fn library(&self) -> &Arc<HipLibrary> {
+        &self.lib
+    }
+
+    /// Whether this device can map `peer`'s memory.
+    pub fn can_access_peer(&self, peer: &HipDevice) -> Result<bool> {
+        let mut ok: c_int = 0;
+        // SAFETY: writes one int.
+        let st = unsafe { (self.lib.table().device_can_access_peer)(&mut ok, self.ordinal, peer.ordinal) };
+        check(&self.lib, "hipDeviceCanAccessPeer", st)?;
+        Ok(ok != 0)
+    }
+}
+
+/// Number of HIP devices (an error carries HIP's reason, e.g. "no ROCm-capable device is detected").
+pub fn device_count(lib: &HipLibrary) -> Result<usize> {
+    let mut n: c_int = 0;
+    // SAFETY: writes one int.
+    let st = unsafe { (lib.table().get_device_count)(&mut n) };
+    check(lib, "hipGetDeviceCount", st)?;
+    Ok(n.max(0) as usize)
+}
+
+/// The GPU target of device `ordinal` (`"gfx90a"`, `"gfx942"`), without feature suffixes.
+///
+/// `hipDeviceProp_t` changed layout between HIP 5 and 6, and `gcnArchName` sits at different offsets, so this
+/// passes a zeroed buffer far larger than either struct and reads the one NUL-terminated string in it that
+/// starts with `gfx` (the marketing name at offset 0 never does). Written by hand because no crate binds the
+/// struct for both layouts.
+pub fn arch_of(lib: &HipLibrary, ordinal: i32) -> Result<String> {
+    let f = lib.table().get_device_properties_r0600.or(lib.table().get_device_properties).ok_or_else(|| {
+        Error::Backend {
+            backend: "rocm".into(),
+            call: "hipGetDeviceProperties".into(),
+            code: None,
+            message: format!(
+                "{} exports neither hipGetDevicePropertiesR0600 nor hipGetDeviceProperties",
+                lib.path().display()
+            ),
+        }
+    })?;
+    let mut buf = vec![0u8; 16 << 10];
+    // SAFETY: the buffer is larger than every hipDeviceProp_t layout (about 1.5 KiB), zeroed, writable.
+    let st = unsafe { f(buf.as_mut_ptr().cast::<c_void>(), ordinal) };
+    check(lib, "hipGetDeviceProperties", st)?;
+    Ok(find_gfx(&buf).unwrap_or_else(|| "gfx-unknown".into()))
+}
+
+fn find_gfx(buf: &[u8]) -> Option<String> {
+    let mut i = 0;
+    while let Some(pos) = buf[i..].windows(3).position(|w| w == b"gfx") {
+        let start = i + pos;
+        let at_string_start = start == 0 || buf[start - 1] == 0;
+        let end = buf[start..].iter().position(|b| *b == 0).map_or(buf.len(), |e| start + e);
+        let s = &buf[start..end];
+        if at_string_start
+            && s.get(3).is_some_and(u8::is_ascii_digit)
+            && s.iter().all(|b| b.is_ascii_alphanumeric() || b":+-".contains(b))
+        {
+            let s = String::from_utf8_lossy(s);
+            return Some(s.split(':').next().unwrap_or(&s).to_owned());
+        }
+        i = start + 3;
+    }
+    None
+}
+
+/// Device memory: owned (freed on drop) or a view of memory owned elsewhere.
+#[derive(Debug)]
+pub struct HipBuffer {
+    ptr: u64,
+    len: usize,
+    ordinal: i32,
+    owner: Option<Arc<HipDevice>>,
+}
+
+// SAFETY: a device address; HIP allows using it from any thread.
+unsafe impl Send for HipBuffer {}
+// SAFETY: shared access only reads the address and length.
+unsafe impl Sync for HipBuffer {}
+
+impl HipBuffer {
+    /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused while a
+    /// capture begun through anyccl on this thread is active.
+    pub fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<Self> {
+        if capturing_on_this_thread() {
+            return Err(refuse_capture("hipMalloc"));
+        }
+        dev.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        let st = unsafe { (dev.lib.table().malloc)(&mut p, bytes.max(1)) };
+        check(&dev.lib, "hipMalloc", st)?;
+        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner: Some(dev.clone()) })
+    }
+
+    /// A view of `len` bytes at `ptr` on device `ordinal`, owned elsewhere.
+    ///
+    /// # Safety
+    /// `ptr` is the start of `len` bytes of device memory that outlive the view.
+    pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: i32) -> Self {
+        HipBuffer { ptr, len, ordinal, owner: None }
+    }
+
+    /// The device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for HipBuffer {
+    fn drop(&mut self) {
+        if let Some(dev) = self.owner.take() {
+            if capturing_on_this_thread() {
+                // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
+                tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
+                return;
+            }
+            if let Err(e) = dev.bind() {
+                tracing::warn!(error = %e, "binding the device to free a HIP buffer failed");
+            }
+            // SAFETY: allocated by hipMalloc in `alloc`, freed once.
+            let st = unsafe { (dev.lib.table().free)(self.ptr as *mut c_void) };
+            if let Err(e) = check(&dev.lib, "hipFree", st) {
+                tracing::warn!(error = %e, "hipFree failed");
+            }
+        }
+    }
+}
+
+impl BufferLike for HipBuffer {
+    fn desc(&self) -> BufferDesc {
+        BufferDesc {
+            addr: self.ptr as usize,
+            len: self.len,
+            location: Location::Device { ordinal: self.ordinal.unsigned_abs() },
+        }
+    }
+}
+
+// SAFETY: `ptr` is the start of `len` bytes of device memory for the buffer's lifetime.
+unsafe impl anyccl_ccl::DeviceAddress for HipBuffer {
+    fn device_addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+/// A HIP stream (non-blocking), destroyed on drop.
+#[derive(Debug)]
+pub struct HipStream {
+    raw: sys::hipStream_t,
+    dev: Arc<HipDevice>,
+}
+
+// SAFETY: HIP streams may be used from any thread.
+unsafe impl Send for HipStream {}
+// SAFETY: as above; HIP serialises work submitted to a stream.
+unsafe impl Sync for HipStream {}
+
+impl HipStream {
+    /// A new stream on `dev`.
+    pub fn new(dev: &Arc<HipDevice>) -> Result<Self> {
+        dev.bind()?;
+        let mut raw: sys::hipStream_t = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        let st = unsafe { (dev.lib.table().stream_create_with_flags)(&mut raw, sys::HIP_STREAM_NON_BLOCKING) };
+        check(&dev.lib, "hipStreamCreateWithFlags", st)?;
+        Ok(HipStream { raw, dev: dev.clone() })
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> sys::hipStream_t {
+        self.raw
+    }
+
+    /// Whether the stream is capturing (`hipStreamGetCaptureInfo`, legal during capture).
+    pub fn is_capturing(&self) -> Result<bool> {
+        let mut status: sys::hipStreamCaptureStatus = sys::HIP_STREAM_CAPTURE_STATUS_NONE;
+        let mut id = 0u64;
+        // SAFETY: the stream is live; writes a status and an id.
+        let st = unsafe { (self.dev.lib.table().stream_get_capture_info)(self.raw, &mut status, &mut id) };
+        check(&self.dev.lib, "hipStreamGetCaptureInfo", st)?;
+        Ok(status != sys::HIP_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Waits for the stream; refused while it captures (synchronising a capturing stream is illegal).
+    pub fn synchronize(&self) -> Result<()> {
+        if self.is_capturing()? {
+            return Err(refuse_capture("hipStreamSynchronize"));
+        }
+        // SAFETY: the stream is live.
+        check(&self.dev.lib, "hipStreamSynchronize", unsafe { (self.dev.lib.table().stream_synchronize)(self.raw) })
+    }
+}
+
+impl Drop for HipStream {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let st = unsafe { (self.dev.lib.table().stream_destroy)(self.raw) };
+        if let Err(e) = check(&self.dev.lib, "hipStreamDestroy", st) {
+            tracing::warn!(error = %e, "hipStreamDestroy failed");
+        }
+    }
+}
+
+/// An instantiated HIP graph captured from a stream.
+pub struct HipGraph {
+    graph: sys::hipGraph_t,
+    exec: sys::hipGraphExec_t,
+    lib: Arc<HipLibrary>,
+}
+
+// SAFETY: graph handles may be launched and destroyed from any thread.
+unsafe impl Send for HipGraph {}
+
+impl HipGraph {
+    /// Captures what `f` submits to `stream` (thread-local mode: other threads' calls are not checked against
+    /// it) and instantiates it. The capture is always ended, also when `f` fails.
+    pub fn capture<F: FnOnce(&HipStream) -> Result<()>>(stream: &HipStream, f: F) -> Result<Self> {
+        let lib = stream.dev.lib.clone();
+        let t = lib.table();
+        stream.dev.bind()?;
+        // SAFETY: the stream is live and not capturing (HIP checks and returns an error otherwise).
+        check(&lib, "hipStreamBeginCapture", unsafe {
+            (t.stream_begin_capture)(stream.raw, sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        })?;
+        ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
+        let body = f(stream);
+        let mut graph: sys::hipGraph_t = std::ptr::null_mut();
+        // SAFETY: ends the capture begun above; writes the graph handle.
+        let end = unsafe { (t.stream_end_capture)(stream.raw, &mut graph) };
+        ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        let ended = check(&lib, "hipStreamEndCapture", end);
+        if let Err(e) = body {
+            Self::destroy_graph(&lib, graph);
+            return Err(e);
+        }
+        ended?;
+        let mut exec: sys::hipGraphExec_t = std::ptr::null_mut();
+        // SAFETY: `graph` is the live graph just captured; no error node or log buffer is requested.
+        let st = unsafe { (t.graph_instantiate)(&mut exec, graph, std::ptr::null_mut(), std::ptr::null_mut(), 0) };
+        if let Err(e) = check(&lib, "hipGraphInstantiate", st) {
+            Self::destroy_graph(&lib, graph);
+            return Err(e);
+        }
+        Ok(HipGraph { graph, exec, lib })
+    }
+
+    fn destroy_graph(lib: &HipLibrary, graph: sys::hipGraph_t) {
+        if graph.is_null() {
+            return;
+        }
+        // SAFETY: a graph returned by hipStreamEndCapture, destroyed once.
+        if let Err(e) = check(lib, "hipGraphDestroy", unsafe { (lib.table().graph_destroy)(graph) }) {
+            tracing::warn!(error = %e, "hipGraphDestroy failed");
+        }
+    }
+
+    /// Launches the graph on `stream`.
+    pub fn launch(&self, stream: &HipStream) -> Result<()> {
+        // SAFETY: both handles are live.
+        check(&self.lib, "hipGraphLaunch", unsafe { (self.lib.table().graph_launch)(self.exec, stream.raw) })
+    }
+}
+
+impl Drop for HipGraph {
+    fn drop(&mut self) {
+        // SAFETY: instantiated in `capture`, destroyed once, before its graph.
+        let st = unsafe { (self.lib.table().graph_exec_destroy)(self.exec) };
+        if let Err(e) = check(&self.lib, "hipGraphExecDestroy", st) {
+            tracing::warn!(error = %e, "hipGraphExecDestroy failed");
+        }
+        Self::destroy_graph(&self.lib, self.graph);
+    }
+}
+
+/// The memory runtime of one HIP device.
+#[derive(Debug, Clone)]
+pub struct HipRuntime {
+    dev: Arc<HipDevice>,
+}
+
+impl HipRuntime {
+    /// The runtime of `dev`.
+    pub fn new(dev: Arc<HipDevice>) -> Self {
+        HipRuntime { dev }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<HipDevice> {
+        &self.dev
+    }
+
+    /// A new stream on this device.
+    pub fn stream(&self) -> Result<HipStream> {
+        HipStream::new(&self.dev)
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize, kind: c_int, stream: &HipStream, what: &str) -> Result<()> {
+        if stream.is_capturing()? {
+            return Err(refuse_capture(what));
+        }
+        self.dev.bind()?;
+        let t = self.dev.lib.table();
+        // SAFETY: the caller checked both ranges; the stream is live and not capturing.
+        let st = unsafe { (t.memcpy_async)(dst as *mut c_void, src as *const c_void, bytes, kind, stream.raw) };
+        check(&self.dev.lib, "hipMemcpyAsync", st)?;
+        stream.synchronize()
+    }
+}
+
+impl MemoryRuntime for HipRuntime {
+    type Buffer = HipBuffer;
+    type OwnedBuffer = HipBuffer;
+    type Stream = HipStream;
+
+    fn location(&self) -> Location {
+        Location::Device { ordinal: self.dev.ordinal.unsigned_abs() }
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<HipBuffer> {
+        HipBuffer::alloc(&self.dev, bytes)
+    }
+
+    fn upload(&self, dst: &mut HipBuffer, src: &[u8], stream: &HipStream) -> Result<()> {
+        check_fits("upload", src.len(), dst.len)?;
+        self.copy(dst.ptr, src.as_ptr() as u64, src.len(), sys::HIP_MEMCPY_HOST_TO_DEVICE, stream, "upload")
+    }
+
+    fn download(&self, src: &HipBuffer, dst: &mut [u8], stream: &HipStream) -> Result<()> {
+        check_fits("download", dst.len(), src.len)?;
+        self.copy(dst.as_mut_ptr() as u64, src.ptr, dst.len(), sys::HIP_MEMCPY_DEVICE_TO_HOST, stream, "download")
+    }
+
+    fn synchronize(&self, stream: &HipStream) -> Result<()> {
+        stream.synchronize()
+    }
+
+    fn is_capturing(&self, stream: &HipStream) -> Result<bool> {
+        stream.is_capturing()
+    }
+}
+
+fn check_fits(which: &'static str, bytes: usize, capacity: usize) -> Result<()> {
+    if bytes > capacity {
+        return Err(anyccl_core::InvalidArgument::BufferTooSmall {
+            which,
+            have: capacity,
+            need: bytes,
+            count: bytes,
+            dtype: anyccl_core::DataType::U8,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::find_gfx;
+
+    #[test]
+    fn arch_string_is_found_in_either_layout() {
+        let mut buf = vec![0u8; 4096];
+        buf[..19].copy_from_slice(b"AMD Instinct MI300X");
+        buf[1200..1222].copy_from_slice(b"gfx942:sramecc+:xnack-");
+        assert_eq!(find_gfx(&buf).as_deref(), Some("gfx942"));
+        let mut buf = vec![0u8; 4096];
+        buf[..11].copy_from_slice(b"gfx-looking");
+        buf[700..706].copy_from_slice(b"gfx90a");
+        assert_eq!(find_gfx(&buf).as_deref(), Some("gfx90a"));
+        assert_eq!(find_gfx(&[0u8; 64]), None);
+        // Not at a string start: ignored.
+        let mut buf = vec![0u8; 64];
+        buf[10..19].copy_from_slice(b"xxgfx90a\0");
+        assert_eq!(find_gfx(&buf), None);
+    }
+}

@@ -1,0 +1,347 @@
+//! The ROCm backend against the fake HIP runtime and computing fake RCCL libraries for ROCm 6.2, 7.0 and 7.1
+//! (tests/support): capability reports, communicator creation, all-reduce eager and inside a HIP graph capture,
+//! zero capture violations, no symbol lookup after load, and conformance of every collective. No GPU needed.
+//!
+//! The fake runtime keeps one process-wide record of calls and violations, so the tests take a lock and run one
+//! at a time.
+
+#[path = "../../../tests/support/fake_ccl.rs"]
+mod fake_ccl;
+#[path = "../../../tests/support/fake_hip.rs"]
+mod fake_hip;
+
+use std::ffi::{c_void, CStr};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyccl_ccl::CclLibrary;
+use anyccl_core::conformance::{self, Config, ConformanceTarget};
+use anyccl_core::{
+    Algorithm, Capabilities, CapabilityState, Communicator, DataType, InOut, MemoryRuntime, ReduceOp, Result, Selector,
+};
+use anyccl_rocm::{HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
+use fake_ccl::{Profile, RCCL_6_2, RCCL_7_0, RCCL_7_1};
+use fake_hip::FakeHip;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Both libraries loaded through counting lookups, and the fake runtime's test interface.
+struct Setup {
+    hip: Arc<HipLibrary>,
+    rccl: Arc<CclLibrary>,
+    fake: FakeHip,
+    lookups: Arc<AtomicUsize>,
+    rccl_path: std::path::PathBuf,
+}
+
+fn counting(path: &Path, lookups: &Arc<AtomicUsize>) -> impl FnMut(&CStr) -> *const c_void {
+    // SAFETY: the fake libraries built for this test; their initialisers do nothing. Leaked so the code stays
+    // mapped for the process, as the loaders do.
+    let lib: &'static libloading::Library =
+        Box::leak(Box::new(unsafe { libloading::Library::new(path) }.expect("open fake library")));
+    let lookups = lookups.clone();
+    move |name: &CStr| {
+        lookups.fetch_add(1, Ordering::SeqCst);
+        // SAFETY: a symbol lookup only reads the dynamic symbol table.
+        unsafe { lib.get::<*const c_void>(name.to_bytes_with_nul()) }.map(|s| *s).unwrap_or(std::ptr::null())
+    }
+}
+
+fn setup(p: &Profile) -> Setup {
+    let hip_path = fake_hip::build_hip();
+    let rccl_path = fake_hip::build_rccl(p);
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let hip = HipLibrary::load_with(&hip_path, &mut counting(&hip_path, &lookups)).expect("fake HIP loads");
+    let rccl = CclLibrary::load_with(&rccl_path, &mut counting(&rccl_path, &lookups)).expect("fake RCCL loads");
+    let fake = FakeHip::open(&hip_path);
+    fake.reset();
+    Setup { hip: Arc::new(hip), rccl: Arc::new(rccl), fake, lookups, rccl_path }
+}
+
+fn env_with_cumem(on: bool) -> impl Fn(&str) -> Option<String> {
+    move |k: &str| (on && k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned())
+}
+
+fn comms(s: &Setup, world: usize, cumem: bool) -> Vec<Communicator<RocmComm>> {
+    let caps = Arc::new(anyccl_rocm::capabilities(Ok(&s.hip), Some(&s.rccl), &env_with_cumem(cumem)));
+    let devices: Vec<Arc<HipDevice>> =
+        (0..world as i32).map(|o| HipDevice::new(s.hip.clone(), o).expect("fake device")).collect();
+    let selector = Arc::new(Selector::defaults());
+    RocmComm::init_all(s.rccl.clone(), &devices, caps)
+        .expect("communicators")
+        .into_iter()
+        .map(|c| Communicator::new(c, selector.clone()))
+        .collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32_from(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn each_rccl_release_reports_symmetric_windows_with_the_reason() {
+    let _g = serial();
+    for (p, label) in [(&RCCL_6_2, "RCCL 2.20.5"), (&RCCL_7_0, "RCCL 2.26.6"), (&RCCL_7_1, "RCCL 2.27.7")] {
+        let s = setup(p);
+        assert_eq!(s.rccl.describe(), label);
+        for cumem in [false, true] {
+            let caps = anyccl_rocm::capabilities(Ok(&s.hip), Some(&s.rccl), &env_with_cumem(cumem));
+            assert!(
+                caps.has(Capabilities::HIP_RUNTIME)
+                    && caps.has(Capabilities::CCL)
+                    && caps.has(Capabilities::GRAPH_CAPTURE)
+            );
+            let win = caps.state(Capabilities::SYMMETRIC_WINDOWS);
+            match (p.version, cumem) {
+                (22707, true) => assert_eq!(*win, CapabilityState::Enabled, "7.1 with cuMem on"),
+                (22707, false) => {
+                    let why = caps.require(Capabilities::SYMMETRIC_WINDOWS).expect_err("off").to_string();
+                    assert!(why.contains("NCCL_CUMEM_ENABLE"), "{why}");
+                }
+                _ => {
+                    // 6.2 and 7.0: the symbol is missing; the reason names it, the file and the release.
+                    let why = caps.require(Capabilities::SYMMETRIC_WINDOWS).expect_err("off").to_string();
+                    assert!(why.contains("ncclCommWindowRegister"), "{why}");
+                    assert!(why.contains(&s.rccl.path().display().to_string()), "{why}");
+                    assert!(why.contains(label), "{why}");
+                }
+            }
+            let kernels = caps.require(Capabilities::CUSTOM_KERNELS).expect_err("not wired").to_string();
+            assert!(kernels.contains("HIP"), "{kernels}");
+            assert!(caps.require(Capabilities::MULTICAST).is_err());
+        }
+        assert!(s.rccl_path.ends_with(p.file));
+    }
+}
+
+/// Runs `f` on one thread per rank (the fake RCCL blocks a rank until its peers reach the same collective).
+fn per_rank<T: Send>(
+    comms: &mut [Communicator<RocmComm>],
+    f: impl Fn(&mut Communicator<RocmComm>) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = comms.iter_mut().map(|c| sc.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// One rank's eager result, its results after the first and second graph replay, and the algorithm chosen.
+type RankOutcome = (Vec<f32>, Vec<f32>, Vec<f32>, Algorithm);
+
+#[test]
+fn all_reduce_eager_and_in_a_graph_capture_on_every_release() {
+    let _g = serial();
+    const N: usize = 1037;
+    for p in [&RCCL_6_2, &RCCL_7_0, &RCCL_7_1] {
+        for world in [1usize, 2, 3] {
+            let s = setup(p);
+            let mut cs = comms(&s, world, true);
+            let loaded = s.lookups.load(Ordering::SeqCst);
+            let input = |rank: usize, round: usize| -> Vec<f32> {
+                (0..N).map(|i| ((i * 7 + rank * 13 + round * 5) % 17) as f32 - 8.0).collect()
+            };
+            let expect =
+                |round: usize| -> Vec<f32> { (0..N).map(|i| (0..world).map(|r| input(r, round)[i]).sum()).collect() };
+            let results = per_rank(&mut cs, |c| -> Result<RankOutcome> {
+                let rank = c.rank();
+                let rt = c.runtime().clone();
+                let stream = rt.stream()?;
+                let mut buf = rt.alloc(N * 4)?;
+                // Eager.
+                rt.upload(&mut buf, &f32_bytes(&input(rank, 0)), &stream)?;
+                c.all_reduce(InOut::InPlace(&mut buf), N, DataType::F32, ReduceOp::Sum, &stream)?;
+                let mut out = vec![0u8; N * 4];
+                rt.download(&buf, &mut out, &stream)?;
+                let eager = f32_from(&out);
+                // Captured: nothing runs until the graph is launched.
+                rt.upload(&mut buf, &f32_bytes(&input(rank, 1)), &stream)?;
+                let mut chosen = Algorithm::Ccl;
+                let graph = HipGraph::capture(&stream, |st| {
+                    chosen = c.all_reduce(InOut::InPlace(&mut buf), N, DataType::F32, ReduceOp::Sum, st)?.algorithm;
+                    Ok(())
+                })?;
+                rt.download(&buf, &mut out, &stream)?;
+                assert_eq!(f32_from(&out), input(rank, 1), "capture must not run the all-reduce");
+                graph.launch(&stream)?;
+                stream.synchronize()?;
+                rt.download(&buf, &mut out, &stream)?;
+                let replay1 = f32_from(&out);
+                // A second replay reduces the first one's results.
+                graph.launch(&stream)?;
+                stream.synchronize()?;
+                rt.download(&buf, &mut out, &stream)?;
+                Ok((eager, replay1, f32_from(&out), chosen))
+            });
+            for (rank, r) in results.into_iter().enumerate() {
+                let (eager, replay1, replay2, chosen) = r.unwrap_or_else(|e| panic!("{} world {world}: {e}", p.file));
+                assert_eq!(eager, expect(0), "{} world {world} rank {rank}: eager", p.file);
+                assert_eq!(replay1, expect(1), "{} world {world} rank {rank}: first replay", p.file);
+                let twice: Vec<f32> = expect(1).iter().map(|v| v * world as f32).collect();
+                assert_eq!(replay2, twice, "{} world {world} rank {rank}: second replay", p.file);
+                assert_eq!(chosen, Algorithm::Ccl, "plain buffers take RCCL's own path");
+            }
+            assert_eq!(s.fake.violations(), Vec::<String>::new(), "{} world {world}: capture violations", p.file);
+            assert_eq!(s.lookups.load(Ordering::SeqCst), loaded, "{}: a symbol was looked up after load", p.file);
+            assert!(s.fake.calls("hipStreamBeginCapture") >= world as i32);
+        }
+    }
+}
+
+#[test]
+fn symmetric_buffers_on_7_1_register_before_capture_and_are_refused_during_it() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let mut cs = comms(&s, 2, true);
+    const N: usize = 4096;
+    let results = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+        let rt = c.runtime().clone();
+        let stream = rt.stream()?;
+        let mut sym = c.backend().symmetric_buffer(N * 4, &stream)?;
+        rt.upload(sym.buffer_mut(), &f32_bytes(&vec![c.rank() as f32 + 1.0; N]), &stream)?;
+        let mut refused = Vec::new();
+        let mut chosen = Algorithm::Ccl;
+        let graph = HipGraph::capture(&stream, |st| {
+            // Everything that allocates or registers is refused before it reaches HIP or RCCL.
+            refused.push(c.backend().symmetric_buffer(N * 4, st).err().map(|e| e.to_string()));
+            refused.push(rt.alloc(64).err().map(|e| e.to_string()));
+            refused.push(rt.upload(sym.buffer_mut(), &[0u8; 4], st).err().map(|e| e.to_string()));
+            // Forced: an ineligible forced algorithm would be an error, so this proves the window is seen.
+            c.all_reduce_with(
+                Algorithm::CclSymmetric,
+                InOut::InPlace(sym.buffer_mut()),
+                N,
+                DataType::F32,
+                ReduceOp::Sum,
+                st,
+            )?;
+            chosen = Algorithm::CclSymmetric;
+            Ok(())
+        })?;
+        for r in &refused {
+            let why = r.as_deref().expect("refused during capture");
+            assert!(why.contains("capture"), "{why}");
+        }
+        assert_eq!(chosen, Algorithm::CclSymmetric);
+        graph.launch(&stream)?;
+        stream.synchronize()?;
+        let mut out = vec![0u8; N * 4];
+        rt.download(sym.buffer(), &mut out, &stream)?;
+        Ok(f32_from(&out))
+    });
+    for r in results {
+        assert_eq!(r.expect("rank"), vec![3.0f32; N]);
+    }
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+    assert!(s.fake.calls("hipMalloc") >= 2, "ncclMemAlloc fell back to hipMalloc outside the capture");
+}
+
+#[test]
+fn on_7_0_a_symmetric_buffer_is_refused_with_the_reason_and_auto_still_captures() {
+    let _g = serial();
+    let s = setup(&RCCL_7_0);
+    let mut cs = comms(&s, 2, true);
+    let results = per_rank(&mut cs, |c| -> Result<String> {
+        let rt = c.runtime().clone();
+        let stream = rt.stream()?;
+        let err = c.backend().symmetric_buffer(4096, &stream).err().map(|e| e.to_string()).unwrap_or_default();
+        let mut buf = rt.alloc(64)?;
+        let _g = HipGraph::capture(&stream, |st| {
+            c.all_reduce(InOut::InPlace(&mut buf), 16, DataType::F32, ReduceOp::Sum, st).map(|_| ())
+        })?;
+        Ok(err)
+    });
+    for r in results {
+        let why = r.expect("rank");
+        assert!(why.contains("ncclCommWindowRegister") && why.contains("RCCL 2.26.6"), "{why}");
+    }
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+}
+
+#[test]
+fn the_fake_runtime_enforces_the_capture_rules() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let dev = HipDevice::new(s.hip.clone(), 0).expect("device");
+    let stream = HipStream::new(&dev).expect("stream");
+    // A raw hipMalloc on the capturing thread is illegal: 900, recorded, and the capture is invalidated.
+    let r = HipGraph::capture(&stream, |_| {
+        assert_eq!(s.fake.raw_malloc(64), 900);
+        Ok(())
+    });
+    let err = r.err().expect("invalidated capture").to_string();
+    assert!(err.contains("hipErrorStreamCaptureInvalidated"), "{err}");
+    let v = s.fake.violations();
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(v[0].starts_with("hipMalloc"), "{v:?}");
+    // Synchronising a capturing stream is refused by anyccl before HIP sees it.
+    s.fake.reset();
+    let r = HipGraph::capture(&stream, |st| st.synchronize());
+    assert!(r.err().expect("refused").to_string().contains("capture"));
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+    // And the stream is usable afterwards.
+    let g = HipGraph::capture(&stream, |_| Ok(())).expect("an empty capture");
+    g.launch(&stream).expect("launch");
+}
+
+struct FakeRocm {
+    s: Setup,
+}
+
+impl ConformanceTarget for FakeRocm {
+    type Backend = RocmComm;
+
+    fn name(&self) -> String {
+        format!("rocm on the fake {}", self.s.rccl.describe())
+    }
+
+    fn create(&self, world: usize) -> Result<Vec<Communicator<RocmComm>>> {
+        Ok(comms(&self.s, world, true))
+    }
+
+    fn stream(&self, comm: &Communicator<RocmComm>) -> Result<HipStream> {
+        comm.runtime().stream()
+    }
+}
+
+#[test]
+fn conformance_of_every_collective_on_the_fake_rccl_7_1() {
+    let _g = serial();
+    let target = FakeRocm { s: setup(&RCCL_7_1) };
+    // fp8 is left out: the fake RCCL does not compute it (it refuses it with ncclInvalidArgument).
+    let dtypes: Vec<DataType> =
+        DataType::ALL.iter().copied().filter(|d| !matches!(d, DataType::Fp8E4M3 | DataType::Fp8E5M2)).collect();
+    let cfg = Config { worlds: vec![1, 2, 3, 4], dtypes, ..Config::default() };
+    let summary = conformance::run(&target, &cfg);
+    eprintln!("fake RCCL 7.1 conformance: {} checks, {} expected errors", summary.checks, summary.expected_errors);
+    summary.assert_ok();
+    assert_eq!(target.s.fake.violations(), Vec::<String>::new());
+}
+
+/// The real HIP runtime from Debian's `libamdhip64-5` (CI installs it with hipcc; set `ANYCCL_TEST_REAL_HIP` to
+/// its path): every symbol anyccl needs resolves, and with no AMD GPU the backend reports why it is off instead
+/// of crashing.
+#[test]
+#[ignore = "needs a real libamdhip64: run with ANYCCL_TEST_REAL_HIP=/path/to/libamdhip64.so.5 and --ignored"]
+fn the_real_hip_runtime_loads_and_says_why_there_is_no_device() {
+    let path = std::env::var_os("ANYCCL_TEST_REAL_HIP").expect("ANYCCL_TEST_REAL_HIP names the real libamdhip64");
+    let lib = HipLibrary::open(Path::new(&path)).unwrap_or_else(|e| panic!("the real HIP runtime loads: {e}"));
+    assert!(lib.describe().starts_with("HIP "), "{}", lib.describe());
+    let caps = anyccl_rocm::capabilities(Ok(&lib), None, &|_| None);
+    if std::path::Path::new("/dev/kfd").exists() {
+        eprintln!("an AMD GPU driver is present; HIP runtime state: {:?}", caps.state(Capabilities::HIP_RUNTIME));
+        return;
+    }
+    let why = caps.require(Capabilities::HIP_RUNTIME).expect_err("no AMD GPU here").to_string();
+    assert!(why.contains("hipGetDeviceCount"), "{why}");
+    assert!(caps.require(Capabilities::GRAPH_CAPTURE).is_err());
+    eprintln!("{}: {why}", lib.describe());
+}
