@@ -66,9 +66,8 @@ fn custom_blocks(bytes: usize) -> u32 {
 
 /// One rank of a CUDA communicator.
 pub struct CudaComm {
+    /// The NCCL communicator with this rank's place in it (rank, world) and its windows.
     ccl: CclRank,
-    rank: usize,
-    world: usize,
     runtime: CudaRuntime,
     arch: String,
     caps: Arc<CapabilityReport>,
@@ -150,7 +149,7 @@ impl CudaComm {
     }
 
     fn setup_custom_ipc(&self, rdv: &mut anyccl_rendezvous::Rendezvous) -> Result<CustomState> {
-        let world = self.world;
+        let world = self.ccl.world();
         let off = |why: String| Error::AlgorithmNotEligible { algorithm: Algorithm::OneShot, why };
         // Every rank reaches every exchange below, even after a local failure, so nobody waits for a timeout:
         // failures travel as an empty handle.
@@ -185,7 +184,7 @@ impl CudaComm {
         let mut mappings = Vec::new();
         let (mut all_staging, mut all_scratch, mut all_flags) = (Vec::new(), Vec::new(), Vec::new());
         for (q, a) in all.iter().enumerate() {
-            if q == self.rank {
+            if q == self.ccl.rank() {
                 all_staging.push(staging.device_ptr());
                 all_scratch.push(scratch.device_ptr());
                 all_flags.push(flags.device_ptr());
@@ -268,7 +267,7 @@ impl CudaComm {
             info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.arch()).unwrap_or_else(|| "unknown".into());
         let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
         let custom = Err("the custom kernels need every rank's buffers mapped (set up by CudaComm::init_all)".into());
-        Ok(CudaComm { ccl: CclRank::new(ccl, rank, world), rank, world, runtime, arch, caps, scratch, custom })
+        Ok(CudaComm { ccl: CclRank::new(ccl, rank, world), runtime, arch, caps, scratch, custom })
     }
 
     /// The NCCL communicator.
@@ -354,7 +353,7 @@ impl CudaComm {
                 &st.all_scratch,
                 dst as u64,
                 &st.all_flags,
-                self.rank,
+                self.ccl.rank(),
                 bytes,
                 custom_blocks(bytes),
                 stream,
@@ -375,11 +374,11 @@ impl CommBackend for CudaComm {
     }
 
     fn rank(&self) -> usize {
-        self.rank
+        self.ccl.rank()
     }
 
     fn world_size(&self) -> usize {
-        self.world
+        self.ccl.world()
     }
 
     fn vendor(&self) -> Vendor {
@@ -408,7 +407,7 @@ impl CommBackend for CudaComm {
                 if call.op != ReduceOp::Sum {
                     return Err(format!("the custom kernels implement sum, not {}", call.op));
                 }
-                if let Some(why) = crate::custom::ineligible(call.dtype, call.bytes, self.world) {
+                if let Some(why) = crate::custom::ineligible(call.dtype, call.bytes, self.ccl.world()) {
                     return Err(why);
                 }
                 if call.bytes > st.capacity {
