@@ -93,16 +93,19 @@ impl CclRank {
     /// Allocates `bytes` with the library's allocator (`ncclMemAlloc`, rounded up to 4 KiB) and registers it as a
     /// symmetric window (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size.
     /// `capturing` is whether the caller's stream captures: allocation and registration are refused then.
-    /// The caller has made this rank's device current.
+    /// `bind` makes this rank's device current; it runs first here, and again before the memory is deregistered
+    /// and freed on drop.
     pub fn symmetric_memory(
         &self,
         backend: &str,
         caps: &CapabilityReport,
         bytes: usize,
         capturing: bool,
+        bind: Box<dyn Fn() -> Result<()> + Send>,
     ) -> Result<SymmetricMemory> {
         caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
         refuse_during_capture(backend, "symmetric_buffer", capturing)?;
+        bind()?;
         let lib = self.ccl.library().clone();
         let size = bytes.max(1).div_ceil(4096) * 4096;
         let ptr = crate::mem_alloc(&lib, size)?;
@@ -126,6 +129,7 @@ impl CclRank {
             comm: self.ccl.raw(),
             alive: self.alive.clone(),
             windows: self.windows.clone(),
+            bind,
         })
     }
 
@@ -327,8 +331,7 @@ impl CclRank {
 }
 
 /// Memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. Deregistered (while the
-/// communicator lives) and freed on drop; the vendor backend wraps it in its own buffer type and makes the device
-/// current before it drops.
+/// communicator lives) and freed on drop, with its device made current first.
 pub struct SymmetricMemory {
     ptr: *mut c_void,
     size: usize,
@@ -337,6 +340,7 @@ pub struct SymmetricMemory {
     comm: sys::ncclComm_t,
     alive: Arc<AtomicBool>,
     windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    bind: Box<dyn Fn() -> Result<()> + Send>,
 }
 
 // SAFETY: device memory plus opaque library handles, usable from any thread; the communicator handle is only
@@ -357,6 +361,10 @@ impl SymmetricMemory {
 
 impl Drop for SymmetricMemory {
     fn drop(&mut self) {
+        // Deregistration and ncclMemFree act on the current device.
+        if let Err(e) = (self.bind)() {
+            tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
+        }
         self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
         let comm_alive = self.alive.load(Ordering::SeqCst);
         if let Some(w) = self.window.take().filter(|_| comm_alive) {
@@ -373,5 +381,31 @@ impl Drop for SymmetricMemory {
         if let Err(e) = unsafe { crate::mem_free(&self.lib, self.ptr) } {
             tracing::warn!(error = %e, size = self.size, "ncclMemFree failed");
         }
+    }
+}
+
+/// A symmetric buffer as a backend's collectives take it: a view of type `B` (the backend's device buffer) over
+/// [`SymmetricMemory`]. All-reduce on it can run the library's symmetric kernels, zero-copy. Deregistered and freed
+/// on drop (never during capture: it is created outside one).
+pub struct SymmetricBuffer<B> {
+    // Declared first, so it drops first: a view that owns nothing, of the memory below.
+    view: B,
+    _mem: SymmetricMemory,
+}
+
+impl<B> SymmetricBuffer<B> {
+    /// Pairs `mem` with `view`, which must be a non-owning view of exactly that memory.
+    pub fn new(view: B, mem: SymmetricMemory) -> Self {
+        SymmetricBuffer { view, _mem: mem }
+    }
+
+    /// The buffer as the collectives take it.
+    pub fn buffer(&self) -> &B {
+        &self.view
+    }
+
+    /// The buffer, mutably.
+    pub fn buffer_mut(&mut self) -> &mut B {
+        &mut self.view
     }
 }

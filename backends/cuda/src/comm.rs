@@ -283,45 +283,19 @@ impl CudaComm {
     /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
-        let capturing = stream.is_capturing()?;
-        self.bind()?;
-        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, capturing)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory, owned by the SymmetricBuffer.
+        let ctx = self.runtime.context().clone();
+        let bind = Box::new(move || ctx.bind());
+        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, stream.is_capturing()?, bind)?;
+        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
         let view =
             unsafe { DeviceBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
-        Ok(SymmetricBuffer { view, ctx: self.runtime.context().clone(), mem: Some(mem) })
+        Ok(SymmetricBuffer::new(view, mem))
     }
 }
 
-/// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator. All-reduce on it
-/// runs NCCL's symmetric kernels, zero-copy. Deregistered and freed on drop (not during capture).
-pub struct SymmetricBuffer {
-    view: DeviceBuffer,
-    ctx: Arc<crate::runtime::DeviceContext>,
-    mem: Option<anyccl_ccl::rank::SymmetricMemory>,
-}
-
-impl SymmetricBuffer {
-    /// The buffer as the collectives take it.
-    pub fn buffer(&self) -> &DeviceBuffer {
-        &self.view
-    }
-
-    /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut DeviceBuffer {
-        &mut self.view
-    }
-}
-
-impl Drop for SymmetricBuffer {
-    fn drop(&mut self) {
-        // Deregistration and ncclMemFree act on the current device.
-        if let Err(e) = self.ctx.bind() {
-            tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
-        }
-        drop(self.mem.take());
-    }
-}
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator
+/// ([`CudaComm::symmetric_buffer`]).
+pub type SymmetricBuffer = anyccl_ccl::rank::SymmetricBuffer<DeviceBuffer>;
 
 impl CudaComm {
     /// Copies the input into this rank's staging buffer (peers read it), then launches the kernel, which writes

@@ -69,42 +69,17 @@ impl RocmComm {
     /// calls it with the same size. Refused while `stream` captures, and where windows are off (RCCL without the
     /// window symbols, such as ROCm 7.0, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
     pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
-        let capturing = stream.is_capturing()?;
-        self.runtime.device().bind()?;
-        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, capturing)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory, owned by the SymmetricBuffer.
+        let dev = self.runtime.device().clone();
+        let bind = Box::new(move || dev.bind());
+        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind)?;
+        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
         let view = unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal()) };
-        Ok(SymmetricBuffer { view, dev: self.runtime.device().clone(), mem: Some(mem) })
+        Ok(SymmetricBuffer::new(view, mem))
     }
 }
 
-/// Device memory from `ncclMemAlloc`, registered as a symmetric window. Deregistered and freed on drop.
-pub struct SymmetricBuffer {
-    view: HipBuffer,
-    dev: Arc<HipDevice>,
-    mem: Option<anyccl_ccl::rank::SymmetricMemory>,
-}
-
-impl SymmetricBuffer {
-    /// The buffer as the collectives take it.
-    pub fn buffer(&self) -> &HipBuffer {
-        &self.view
-    }
-
-    /// The buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut HipBuffer {
-        &mut self.view
-    }
-}
-
-impl Drop for SymmetricBuffer {
-    fn drop(&mut self) {
-        if let Err(e) = self.dev.bind() {
-            tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
-        }
-        drop(self.mem.take());
-    }
-}
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window ([`RocmComm::symmetric_buffer`]).
+pub type SymmetricBuffer = anyccl_ccl::rank::SymmetricBuffer<HipBuffer>;
 
 impl CommBackend for RocmComm {
     type Runtime = HipRuntime;
