@@ -406,6 +406,18 @@ fn host_elf_machine() -> (Option<u16>, &'static str) {
     }
 }
 
+/// The dynamic loader's message for a failed `dlopen`, with every underlying cause appended (libloading nests
+/// the `dlerror` text as a source). Shared by the HIP runtime loader.
+pub fn dl_error_text(e: &libloading::Error) -> String {
+    let mut message = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        message = format!("{message}: {s}");
+        src = s.source();
+    }
+    message
+}
+
 /// A loaded library with its table, version and vendor. The library stays loaded while this value (or an `Arc` of
 /// it held by a communicator) lives.
 pub struct CclLibrary {
@@ -440,12 +452,7 @@ impl CclLibrary {
         // SAFETY: loading a shared library runs its initialisers. anyccl only opens files that are, by name or
         // explicit choice, NCCL/RCCL builds, whose initialisers do not depend on the caller's state.
         let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-            let mut message = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                message = format!("{message}: {s}");
-                src = s.source();
-            }
+            let message = dl_error_text(&e);
             if is_name && message.contains("No such file") {
                 LoadFailure::NotFound
             } else {

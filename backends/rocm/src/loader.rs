@@ -182,14 +182,8 @@ impl HipLibrary {
     pub fn open(path: &Path) -> Result<Self, HipLoadError> {
         // SAFETY: loading a shared library runs its initialisers; anyccl opens only HIP runtimes, by name or by
         // the user's explicit choice.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-            let mut message = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                message = format!("{message}: {s}");
-                src = s.source();
-            }
-            HipLoadError::NotFound { tried: vec![(path.display().to_string(), message)] }
+        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| HipLoadError::NotFound {
+            tried: vec![(path.display().to_string(), anyccl_ccl::loader::dl_error_text(&e))],
         })?;
         let table = HipTable::resolve(path, &mut |name: &CStr| {
             // SAFETY: looking a symbol up only reads the library's dynamic symbol table.
