@@ -140,6 +140,13 @@ pub fn fake_dir() -> PathBuf {
 
 /// Compiles a fake library at `fake_dir()/rel`, once per test process (tests run on parallel threads).
 pub fn build(rel: &str, symbols: &[&str], version: i32, version_status: i32) -> PathBuf {
+    compile_once(rel, &c_source(symbols, version, version_status), &[])
+}
+
+/// Writes `source` beside `fake_dir()/rel` and compiles it there as a shared library with the system `cc` (and
+/// `extra` arguments after the source), once per test process: later calls for `rel` return the first result.
+/// The output appears under its final name only when complete.
+pub fn compile_once(rel: &str, source: &str, extra: &[String]) -> PathBuf {
     static BUILT: std::sync::Mutex<BTreeMap<String, PathBuf>> = std::sync::Mutex::new(BTreeMap::new());
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = built.get(rel) {
@@ -148,13 +155,15 @@ pub fn build(rel: &str, symbols: &[&str], version: i32, version_status: i32) -> 
     let out = fake_dir().join(rel);
     let dir = out.parent().expect("parent").to_owned();
     std::fs::create_dir_all(&dir).expect("fake dir");
-    let src = dir.join(format!("{}.c", out.file_name().expect("name").to_string_lossy()));
-    std::fs::write(&src, c_source(symbols, version, version_status)).expect("write C");
-    let tmp = dir.join(format!(".{}.{}", out.file_name().expect("name").to_string_lossy(), std::process::id()));
+    let name = out.file_name().expect("name").to_string_lossy().into_owned();
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, source).expect("write C");
+    let tmp = dir.join(format!(".{name}.{}", std::process::id()));
     let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .args(["-shared", "-fPIC", "-O1", "-std=gnu11", "-o"])
         .arg(&tmp)
         .arg(&src)
+        .args(extra)
         .status()
         .expect("the system C compiler (cc) runs");
     assert!(st.success(), "cc failed for {rel}");

@@ -288,6 +288,15 @@ hipError_t hipStreamBeginCapture(void* s, int mode) {
     if (mode != 2) thread_captures++;
     return 0;
 }
+static void free_graph(struct graph* g) {
+    for (struct node* n = g->head; n;) {
+        struct node* next = n->next;
+        free(n->arg);
+        free(n);
+        n = next;
+    }
+    free(g);
+}
 hipError_t hipStreamEndCapture(void* s, void** graph) {
     count_call("hipStreamEndCapture");
     struct stream* st = s;
@@ -300,13 +309,7 @@ hipError_t hipStreamEndCapture(void* s, void** graph) {
     st->head = st->tail = NULL;
     if (st->invalidated) {
         *graph = NULL;
-        for (struct node* n = g->head; n;) {
-            struct node* next = n->next;
-            free(n->arg);
-            free(n);
-            n = next;
-        }
-        free(g);
+        free_graph(g);
         return 901;
     }
     *graph = g;
@@ -320,15 +323,6 @@ static struct graph* copy_graph(const struct graph* g) {
         tail = &(*tail)->next;
     }
     return c;
-}
-static void free_graph(struct graph* g) {
-    for (struct node* n = g->head; n;) {
-        struct node* next = n->next;
-        free(n->arg);
-        free(n);
-        n = next;
-    }
-    free(g);
 }
 hipError_t hipGraphInstantiate(void** exec, void* graph, void* err_node, char* log, size_t log_size) {
     count_call("hipGraphInstantiate");

@@ -4,10 +4,8 @@
 //! one links libamdhip64. Used through `#[path]` together with `fake_ccl.rs`.
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use super::fake_ccl::{self, Profile};
 
@@ -47,76 +45,35 @@ const GUARDED: &[&str] = &[
     "ncclCommWindowDeregister",
 ];
 
-fn cc(args: &[&str], out: &Path, src: &Path, extra: &[String]) {
-    let tmp = out.with_extension(format!("tmp{}", std::process::id()));
-    let st = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-        .args(["-shared", "-fPIC", "-O1", "-std=gnu11"])
-        .args(args)
-        .arg("-o")
-        .arg(&tmp)
-        .arg(src)
-        .args(extra)
-        .status()
-        .expect("the system C compiler (cc) runs");
-    assert!(st.success(), "cc failed for {}", out.display());
-    std::fs::rename(&tmp, out).expect("rename");
-}
-
-fn once(key: &str, build: impl FnOnce() -> PathBuf) -> PathBuf {
-    static BUILT: std::sync::Mutex<BTreeMap<String, PathBuf>> = std::sync::Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = built.get(key) {
-        return p.clone();
-    }
-    let p = build();
-    built.insert(key.to_owned(), p.clone());
-    p
-}
-
 /// The fake HIP runtime, built once per test process.
 pub fn build_hip() -> PathBuf {
-    once("hip", || {
-        let dir = fake_ccl::fake_dir().join("hip");
-        std::fs::create_dir_all(&dir).expect("dir");
-        let src = dir.join("fake_hip.c");
-        std::fs::write(&src, HIP_C).expect("write C");
-        let out = dir.join(HIP_SONAME);
-        cc(&[&format!("-Wl,-soname,{HIP_SONAME}")], &out, &src, &["-lpthread".into()]);
-        out
-    })
+    fake_ccl::compile_once(
+        &format!("hip/{HIP_SONAME}"),
+        HIP_C,
+        &[format!("-Wl,-soname,{HIP_SONAME}"), "-lpthread".into()],
+    )
 }
 
 /// A computing fake RCCL with the symbol set of `p`, linked against the fake HIP runtime.
 pub fn build_rccl(p: &Profile) -> PathBuf {
     let hip = build_hip();
-    once(&format!("rccl:{}", p.file), || {
-        let out = fake_ccl::fake_dir().join("compute").join(p.file);
-        let dir = out.parent().expect("parent").to_owned();
-        std::fs::create_dir_all(&dir).expect("dir");
-        let mut syms: Vec<&str> = anyccl_ccl::loader::REQUIRED_SYMBOLS.to_vec();
-        syms.extend_from_slice(fake_ccl::BASE);
-        syms.extend_from_slice(p.extra);
-        let mut c = format!("#define FAKE_VERSION {}\n", p.version);
-        for s in &syms {
-            if GUARDED.contains(s) {
-                let _ = writeln!(c, "#define HAVE_{s} 1");
-            }
-        }
-        c.push_str(RCCL_C);
-        for s in syms.iter().filter(|s| !IMPLEMENTED.contains(s) && !GUARDED.contains(s)) {
-            let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
-        }
-        let src = dir.join(format!("{}.c", out.file_name().expect("name").to_string_lossy()));
-        std::fs::write(&src, c).expect("write C");
-        let hip_dir = hip.parent().expect("hip dir").display().to_string();
-        cc(
-            &[],
-            &out,
-            &src,
-            &[format!("-L{hip_dir}"), format!("-l:{HIP_SONAME}"), format!("-Wl,-rpath,{hip_dir}"), "-lpthread".into()],
-        );
-        out
-    })
+    let hip_dir = hip.parent().expect("hip dir").display().to_string();
+    let mut syms: Vec<&str> = anyccl_ccl::loader::REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(fake_ccl::BASE);
+    syms.extend_from_slice(p.extra);
+    let mut c = format!("#define FAKE_VERSION {}\n", p.version);
+    for s in syms.iter().filter(|s| GUARDED.contains(s)) {
+        let _ = writeln!(c, "#define HAVE_{s} 1");
+    }
+    c.push_str(RCCL_C);
+    for s in syms.iter().filter(|s| !IMPLEMENTED.contains(s) && !GUARDED.contains(s)) {
+        let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
+    }
+    fake_ccl::compile_once(
+        &format!("compute/{}", p.file),
+        &c,
+        &[format!("-L{hip_dir}"), format!("-l:{HIP_SONAME}"), format!("-Wl,-rpath,{hip_dir}"), "-lpthread".into()],
+    )
 }
 
 /// The fake HIP runtime's test interface, reached through the same loaded copy the backend uses.
