@@ -117,16 +117,24 @@ fn backend_statuses() -> Vec<BackendStatus> {
     ]
 }
 
+/// The HIP runtime, loaded once per process (the probe reports it in three places).
+#[cfg(feature = "rocm")]
+fn hip_runtime() -> &'static Result<anyccl_rocm::HipLibrary, anyccl_rocm::HipLoadError> {
+    static HIP: std::sync::OnceLock<Result<anyccl_rocm::HipLibrary, anyccl_rocm::HipLoadError>> =
+        std::sync::OnceLock::new();
+    HIP.get_or_init(anyccl_rocm::HipLibrary::load)
+}
+
 #[cfg(feature = "rocm")]
 fn rocm_status() -> BackendStatus {
-    let (available, detail) = match anyccl_rocm::HipLibrary::load() {
+    let (available, detail) = match hip_runtime() {
         Err(e) => (false, e.to_string()),
-        Ok(lib) => match anyccl_rocm::runtime::device_count(&lib) {
+        Ok(lib) => match anyccl_rocm::runtime::device_count(lib) {
             Err(e) => (false, format!("{} at {}: {e}", lib.describe(), lib.path().display())),
             Ok(0) => (false, format!("{} at {}: no HIP devices", lib.describe(), lib.path().display())),
             Ok(n) => {
                 let archs: Vec<String> = (0..n as i32)
-                    .map(|o| anyccl_rocm::runtime::arch_of(&lib, o).unwrap_or_else(|e| e.to_string()))
+                    .map(|o| anyccl_rocm::runtime::arch_of(lib, o).unwrap_or_else(|e| e.to_string()))
                     .collect();
                 (true, format!("{}; {n} device(s): {}", lib.describe(), archs.join(", ")))
             }
@@ -257,7 +265,7 @@ fn collective_libraries() -> (Vec<LibraryStatus>, Option<Arc<CclLibrary>>) {
 fn hip_runtime_status() -> LibraryStatus {
     #[cfg(feature = "rocm")]
     {
-        match anyccl_rocm::HipLibrary::load() {
+        match hip_runtime() {
             Ok(lib) => LibraryStatus {
                 name: "HIP runtime",
                 found: true,
@@ -388,8 +396,7 @@ pub fn probe(selector: &Selector) -> ProbeReport {
     );
     #[cfg(feature = "rocm")]
     {
-        let hip = anyccl_rocm::HipLibrary::load();
-        let r = anyccl_rocm::capabilities(hip.as_ref(), ccl.as_deref(), &anyccl_ccl::caps::process_env);
+        let r = anyccl_rocm::capabilities(hip_runtime().as_ref(), ccl.as_deref(), &anyccl_ccl::caps::process_env);
         caps.merge_from(&r, Capabilities::HIP_RUNTIME);
         // The device-level flags come from ROCm only where a HIP device is usable and CUDA is not.
         if r.has(Capabilities::HIP_RUNTIME) && !caps.has(Capabilities::CUDA_RUNTIME) {
