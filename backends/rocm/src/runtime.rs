@@ -282,6 +282,11 @@ impl HipStream {
         if self.is_capturing()? {
             return Err(refuse_capture("hipStreamSynchronize"));
         }
+        self.synchronize_not_capturing()
+    }
+
+    /// `hipStreamSynchronize`, for callers that have just checked the stream is not capturing.
+    fn synchronize_not_capturing(&self) -> Result<()> {
         // SAFETY: the stream is live.
         check(&self.dev.lib, "hipStreamSynchronize", unsafe { (self.dev.lib.table().stream_synchronize)(self.raw) })
     }
@@ -399,7 +404,7 @@ impl HipRuntime {
         // SAFETY: the caller checked both ranges; the stream is live and not capturing.
         let st = unsafe { (t.memcpy_async)(dst as *mut c_void, src as *const c_void, bytes, kind, stream.raw) };
         check(&self.dev.lib, "hipMemcpyAsync", st)?;
-        stream.synchronize()
+        stream.synchronize_not_capturing()
     }
 }
 
