@@ -82,55 +82,40 @@ struct F32 {};
 struct F16 {};
 struct BF16 {};
 
-template <typename T> struct Vec;
-template <> struct Vec<F32> {
-    static constexpr int N = 4;
-    __device__ static void load(const V4& v, float* a) {
-        const float* f = reinterpret_cast<const float*>(&v);
-        for (int i = 0; i < 4; i++) a[i] = f[i];
-    }
-    __device__ static void add(const V4& v, float* a) {
-        const float* f = reinterpret_cast<const float*>(&v);
-        for (int i = 0; i < 4; i++) a[i] += f[i];
-    }
-    __device__ static V4 store(const float* a) {
-        V4 v;
-        float* f = reinterpret_cast<float*>(&v);
-        for (int i = 0; i < 4; i++) f[i] = a[i];
-        return v;
-    }
+// Each element type: how it is stored, and its conversions to and from the f32 accumulator.
+template <typename T> struct Elem;
+template <> struct Elem<F32> {
+    using S = float;
+    __device__ static float get(S v) { return v; }
+    __device__ static S put(float f) { return f; }
 };
-template <> struct Vec<F16> {
-    static constexpr int N = 8;
-    __device__ static void load(const V4& v, float* a) {
-        const _Float16* h = reinterpret_cast<const _Float16*>(&v);
-        for (int i = 0; i < 8; i++) a[i] = (float)h[i];
-    }
-    __device__ static void add(const V4& v, float* a) {
-        const _Float16* h = reinterpret_cast<const _Float16*>(&v);
-        for (int i = 0; i < 8; i++) a[i] += (float)h[i];
-    }
-    __device__ static V4 store(const float* a) {
-        V4 v;
-        _Float16* h = reinterpret_cast<_Float16*>(&v);
-        for (int i = 0; i < 8; i++) h[i] = (_Float16)a[i];
-        return v;
-    }
+template <> struct Elem<F16> {
+    using S = _Float16;
+    __device__ static float get(S v) { return (float)v; }
+    __device__ static S put(float f) { return (S)f; }
 };
-template <> struct Vec<BF16> {
-    static constexpr int N = 8;
+template <> struct Elem<BF16> {
+    using S = uint16_t;
+    __device__ static float get(S v) { return bf16_to_f32(v); }
+    __device__ static S put(float f) { return f32_to_bf16(f); }
+};
+
+// A 16-byte vector of N elements, accumulated in f32.
+template <typename T> struct Vec {
+    using S = typename Elem<T>::S;
+    static constexpr int N = 16 / sizeof(S);
     __device__ static void load(const V4& v, float* a) {
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-        for (int i = 0; i < 8; i++) a[i] = bf16_to_f32(h[i]);
+        const S* e = reinterpret_cast<const S*>(&v);
+        for (int i = 0; i < N; i++) a[i] = Elem<T>::get(e[i]);
     }
     __device__ static void add(const V4& v, float* a) {
-        const uint16_t* h = reinterpret_cast<const uint16_t*>(&v);
-        for (int i = 0; i < 8; i++) a[i] += bf16_to_f32(h[i]);
+        const S* e = reinterpret_cast<const S*>(&v);
+        for (int i = 0; i < N; i++) a[i] += Elem<T>::get(e[i]);
     }
     __device__ static V4 store(const float* a) {
         V4 v;
-        uint16_t* h = reinterpret_cast<uint16_t*>(&v);
-        for (int i = 0; i < 8; i++) h[i] = f32_to_bf16(a[i]);
+        S* e = reinterpret_cast<S*>(&v);
+        for (int i = 0; i < N; i++) e[i] = Elem<T>::put(a[i]);
         return v;
     }
 };
