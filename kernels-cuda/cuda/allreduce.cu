@@ -60,80 +60,40 @@ __device__ __forceinline__ uint32_t next_epoch(const FlagPtrs& flags, int rank, 
     return base;
 }
 
-template <typename T> struct Vec;
-template <> struct Vec<float> {
-    static constexpr int N = 4;
-    __device__ static void load(const uint4& v, float* a) {
-        const float* f = reinterpret_cast<const float*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) a[i] = f[i];
-    }
-    __device__ static void add(const uint4& v, float* a) {
-        const float* f = reinterpret_cast<const float*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) a[i] += f[i];
-    }
-    __device__ static uint4 store(const float* a) {
-        uint4 v;
-        float* f = reinterpret_cast<float*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) f[i] = a[i];
-        return v;
-    }
+// Each element type: its conversions to and from the f32 accumulator, one element at a time (f16 and bf16 to f32
+// are exact; back to the element type rounds to nearest even, as the paired intrinsics do).
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    __device__ static float get(float v) { return v; }
+    __device__ static float put(float f) { return f; }
 };
-template <> struct Vec<__half> {
-    static constexpr int N = 8;
-    __device__ static void load(const uint4& v, float* a) {
-        const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __half22float2(h[i]);
-            a[2 * i] = f.x;
-            a[2 * i + 1] = f.y;
-        }
-    }
-    __device__ static void add(const uint4& v, float* a) {
-        const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __half22float2(h[i]);
-            a[2 * i] += f.x;
-            a[2 * i + 1] += f.y;
-        }
-    }
-    __device__ static uint4 store(const float* a) {
-        uint4 v;
-        __half2* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-        for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(a[2 * i], a[2 * i + 1]);
-        return v;
-    }
+template <> struct Elem<__half> {
+    __device__ static float get(__half v) { return __half2float(v); }
+    __device__ static __half put(float f) { return __float2half_rn(f); }
 };
-template <> struct Vec<__nv_bfloat16> {
-    static constexpr int N = 8;
+template <> struct Elem<__nv_bfloat16> {
+    __device__ static float get(__nv_bfloat16 v) { return __bfloat162float(v); }
+    __device__ static __nv_bfloat16 put(float f) { return __float2bfloat16_rn(f); }
+};
+
+// A 16-byte vector of N elements, accumulated in f32.
+template <typename T> struct Vec {
+    static constexpr int N = 16 / sizeof(T);
     __device__ static void load(const uint4& v, float* a) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __bfloat1622float2(h[i]);
-            a[2 * i] = f.x;
-            a[2 * i + 1] = f.y;
-        }
+        for (int i = 0; i < N; i++) a[i] = Elem<T>::get(e[i]);
     }
     __device__ static void add(const uint4& v, float* a) {
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float2 f = __bfloat1622float2(h[i]);
-            a[2 * i] += f.x;
-            a[2 * i + 1] += f.y;
-        }
+        for (int i = 0; i < N; i++) a[i] += Elem<T>::get(e[i]);
     }
     __device__ static uint4 store(const float* a) {
         uint4 v;
-        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+        T* e = reinterpret_cast<T*>(&v);
 #pragma unroll
-        for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+        for (int i = 0; i < N; i++) e[i] = Elem<T>::put(a[i]);
         return v;
     }
 };
