@@ -188,39 +188,60 @@ impl CustomKernels {
         if inputs.iter().chain(scratch).chain(std::iter::once(&out)).any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
+        let (mut in_p, mut sc_p, mut out_p) = (ptrs(inputs), ptrs(scratch), out);
+        let head: Vec<*mut c_void> = match kind {
+            Kind::OneShot => vec![(&mut in_p as *mut Ptrs).cast(), (&mut out_p as *mut u64).cast()],
+            _ => {
+                vec![(&mut in_p as *mut Ptrs).cast(), (&mut sc_p as *mut Ptrs).cast(), (&mut out_p as *mut u64).cast()]
+            }
+        };
+        let shape = LaunchShape { flags, rank, world, bytes, blocks };
+        // SAFETY: `head` matches the kernel's leading parameters (RankPtrs are 8 × u64 by value, `out` a pointer);
+        // the caller guarantees the buffers and the co-residency.
+        unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
+    }
+
+    /// Looks `kind`'s `dtype` kernel up, binds the context and launches it with the parameters `head` followed by
+    /// the ones every kernel ends with: the flag pointers, rank, world and vector count.
+    ///
+    /// # Safety
+    /// `head` points to live values matching the kernel's leading parameters; the caller's contract of
+    /// [`Self::launch`] holds.
+    unsafe fn launch_with(
+        &self,
+        kind: Kind,
+        dtype: DataType,
+        mut params: Vec<*mut c_void>,
+        shape: &LaunchShape<'_>,
+        stream: &CudaStream,
+    ) -> Result<()> {
         let f = self.function(kind, dtype)?;
         self.ctx.bind()?;
-        let mut in_p = ptrs(inputs);
-        let mut sc_p = ptrs(scratch);
-        let mut fl_p = ptrs(flags);
-        let mut out_p = out;
-        let mut rank_i = rank as i32;
-        let mut world_i = world as i32;
-        let mut n_vec = (bytes / kernels::VECTOR_BYTES) as u64;
-        let mut params: Vec<*mut c_void> = match kind {
-            Kind::OneShot => vec![
-                (&mut in_p as *mut Ptrs).cast(),
-                (&mut out_p as *mut u64).cast(),
-                (&mut fl_p as *mut Ptrs).cast(),
-                (&mut rank_i as *mut i32).cast(),
-                (&mut world_i as *mut i32).cast(),
-                (&mut n_vec as *mut u64).cast(),
-            ],
-            _ => vec![
-                (&mut in_p as *mut Ptrs).cast(),
-                (&mut sc_p as *mut Ptrs).cast(),
-                (&mut out_p as *mut u64).cast(),
-                (&mut fl_p as *mut Ptrs).cast(),
-                (&mut rank_i as *mut i32).cast(),
-                (&mut world_i as *mut i32).cast(),
-                (&mut n_vec as *mut u64).cast(),
-            ],
-        };
-        // SAFETY: the parameter list matches the kernel's signature (RankPtrs/FlagPtrs are 8 × u64 by value);
-        // the caller guarantees the buffers and the co-residency.
-        unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, stream.raw(), &mut params) }
+        let mut fl_p = ptrs(shape.flags);
+        let (mut rank_i, mut world_i) = (shape.rank as i32, shape.world as i32);
+        let mut n_vec = (shape.bytes / kernels::VECTOR_BYTES) as u64;
+        params.extend([
+            (&mut fl_p as *mut Ptrs).cast(),
+            (&mut rank_i as *mut i32).cast(),
+            (&mut world_i as *mut i32).cast(),
+            (&mut n_vec as *mut u64).cast(),
+        ]);
+        let grid = (shape.blocks, 1, 1);
+        // SAFETY: the parameter list matches the kernel's signature (the caller's part, then FlagPtrs by value,
+        // rank, world, n_vec); the caller guarantees the buffers and the co-residency.
+        unsafe { result::launch_kernel(f, grid, (THREADS, 1, 1), 0, stream.raw(), &mut params) }
             .map_err(|e| cu_err("cuLaunchKernel", e))
     }
+}
+
+/// What every launch of a rank shares: every rank's flag array, this rank, the world, the message size and the
+/// block count.
+struct LaunchShape<'a> {
+    flags: &'a [u64],
+    rank: usize,
+    world: usize,
+    bytes: usize,
+    blocks: u32,
 }
 
 impl CustomKernels {
@@ -273,36 +294,22 @@ impl CustomKernels {
         if a.iter().chain(b).chain([&input, &output]).any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let f = self.function(kind, dtype)?;
-        self.ctx.bind()?;
-        let (mut a_p, mut b_p, mut fl_p) = (ptrs(a), ptrs(b), ptrs(flags));
+        let (mut a_p, mut b_p) = (ptrs(a), ptrs(b));
         let (mut in_p, mut out_p) = (input, output);
-        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
-        let mut n_vec = (bytes / kernels::VECTOR_BYTES) as u64;
-        let mut params: Vec<*mut c_void> = match kind {
-            Kind::NvlsZeroCopyEmulated => vec![
-                (&mut a_p as *mut Ptrs).cast(),
-                (&mut b_p as *mut Ptrs).cast(),
-                (&mut fl_p as *mut Ptrs).cast(),
-                (&mut rank_i as *mut i32).cast(),
-                (&mut world_i as *mut i32).cast(),
-                (&mut n_vec as *mut u64).cast(),
-            ],
+        let head: Vec<*mut c_void> = match kind {
+            Kind::NvlsZeroCopyEmulated => vec![(&mut a_p as *mut Ptrs).cast(), (&mut b_p as *mut Ptrs).cast()],
             Kind::NvlsBlockPipelineEmulated => vec![
                 (&mut in_p as *mut u64).cast(),
                 (&mut out_p as *mut u64).cast(),
                 (&mut a_p as *mut Ptrs).cast(),
                 (&mut b_p as *mut Ptrs).cast(),
-                (&mut fl_p as *mut Ptrs).cast(),
-                (&mut rank_i as *mut i32).cast(),
-                (&mut world_i as *mut i32).cast(),
-                (&mut n_vec as *mut u64).cast(),
             ],
             other => return Err(bad(format!("{other:?} is not an NVLS variant"))),
         };
-        // SAFETY: parameters match the kernels' signatures; the caller guarantees buffers and co-residency.
-        unsafe { result::launch_kernel(f, (blocks, 1, 1), (THREADS, 1, 1), 0, stream.raw(), &mut params) }
-            .map_err(|e| cu_err("cuLaunchKernel", e))
+        let shape = LaunchShape { flags, rank, world, bytes, blocks };
+        // SAFETY: `head` matches the NVLS kernels' leading parameters; the caller guarantees buffers and
+        // co-residency.
+        unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
     }
 }
 
