@@ -98,8 +98,6 @@ pub struct ProbeReport {
     pub warnings: Vec<String>,
 }
 
-const NOT_IMPLEMENTED: &str = "compiled in, but not implemented yet: it cannot run collectives";
-
 fn backend_statuses() -> Vec<BackendStatus> {
     vec![
         BackendStatus {
@@ -322,18 +320,25 @@ fn cuda_driver_status() -> LibraryStatus {
     }
 }
 
-/// The machine-level capability report of this build.
+/// The machine-level capability report of this build: the collective library found with the standard search,
+/// each compiled-in backend's own report, and `ANYCCL_DISABLE` (an invalid value is logged and ignored; `probe`
+/// reports it as a warning).
 pub fn capabilities() -> CapabilityReport {
-    let gpu_backend = |feature: &str| {
-        if cfg!(feature = "cuda") && feature == "cuda" || cfg!(feature = "rocm") && feature == "rocm" {
-            // Replaced by the backend's own report in `probe`.
-            Reason::Unavailable { component: format!("the {feature} backend"), detail: NOT_IMPLEMENTED.into() }
-        } else {
-            Reason::NotCompiledIn {
-                what: format!("cargo feature `{feature}`"),
-                detail: format!("build with --features {feature}"),
-            }
-        }
+    let (_, ccl) = collective_libraries();
+    let mut caps = capabilities_with(ccl.as_deref());
+    if let Err(e) = caps.apply_env() {
+        tracing::warn!(error = %e, "ANYCCL_DISABLE ignored");
+    }
+    caps
+}
+
+/// The report for the collective library `ccl`, before `ANYCCL_DISABLE`: what this build does not compile in,
+/// then the library's and every compiled-in backend's own report over it.
+fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
+    // Only what is not compiled in keeps this reason: a compiled-in backend's report replaces it below.
+    let gpu_backend = |feature: &str| Reason::NotCompiledIn {
+        what: format!("cargo feature `{feature}`"),
+        detail: format!("build with --features {feature}"),
     };
     let no_loader = Reason::Unavailable {
         component: "NCCL/RCCL".into(),
@@ -342,7 +347,7 @@ pub fn capabilities() -> CapabilityReport {
     };
     let cuda = gpu_backend("cuda");
     let rocm = gpu_backend("rocm");
-    let mut r = CapabilityReport::all_disabled(|c| {
+    let mut caps = CapabilityReport::all_disabled(|c| {
         if c == Capabilities::CUDA_RUNTIME {
             cuda.clone()
         } else if c == Capabilities::HIP_RUNTIME {
@@ -366,27 +371,14 @@ pub fn capabilities() -> CapabilityReport {
         }
     });
     if cfg!(feature = "host") {
-        r.enable(Capabilities::HOST_BACKEND);
+        caps.enable(Capabilities::HOST_BACKEND);
     }
-    if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {
-        if v.trim() == "0" {
-            r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
-        }
-    }
-    r
-}
-
-/// Runs the probe. `selector` is the active selector (from the environment and flags).
-pub fn probe(selector: &Selector) -> ProbeReport {
-    let mut warnings = Vec::new();
-    let mut caps = capabilities();
-    let (libraries, ccl) = collective_libraries();
-    if let Some(lib) = &ccl {
+    if let Some(lib) = ccl {
         caps.merge_from(&anyccl_ccl::derive_capabilities(lib, &anyccl_ccl::caps::process_env), CCL_CAPABILITIES);
     }
     #[cfg(feature = "cuda")]
     caps.merge_from(
-        &anyccl_cuda::capabilities(ccl.as_deref(), &anyccl_ccl::caps::process_env),
+        &anyccl_cuda::capabilities(ccl, &anyccl_ccl::caps::process_env),
         Capabilities::CUDA_RUNTIME
             | Capabilities::P2P_ALL_PAIRS
             | Capabilities::IPC
@@ -396,7 +388,7 @@ pub fn probe(selector: &Selector) -> ProbeReport {
     );
     #[cfg(feature = "rocm")]
     {
-        let r = anyccl_rocm::capabilities(hip_runtime().as_ref(), ccl.as_deref(), &anyccl_ccl::caps::process_env);
+        let r = anyccl_rocm::capabilities(hip_runtime().as_ref(), ccl, &anyccl_ccl::caps::process_env);
         caps.merge_from(&r, Capabilities::HIP_RUNTIME);
         // The device-level flags come from ROCm only where a HIP device is usable and CUDA is not.
         if r.has(Capabilities::HIP_RUNTIME) && !caps.has(Capabilities::CUDA_RUNTIME) {
@@ -416,6 +408,14 @@ pub fn probe(selector: &Selector) -> ProbeReport {
             caps.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
         }
     }
+    caps
+}
+
+/// Runs the probe. `selector` is the active selector (from the environment and flags).
+pub fn probe(selector: &Selector) -> ProbeReport {
+    let mut warnings = Vec::new();
+    let (libraries, ccl) = collective_libraries();
+    let mut caps = capabilities_with(ccl.as_deref());
     if let Err(e) = caps.apply_env() {
         warnings.push(e.to_string());
     }
