@@ -208,6 +208,11 @@ impl<B: CommBackend> Communicator<B> {
         &self.backend
     }
 
+    /// The backend, for its own operations (e.g. registering graph buffers).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
     /// The backend's memory runtime (allocation, copies, streams).
     pub fn runtime(&self) -> &B::Runtime {
         self.backend.runtime()

@@ -3,9 +3,10 @@
 //!
 //! Kernels (`cuda/allreduce.cu`, one source for every dtype and for real and emulated ranks):
 //! `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`; the NVLS variants
-//! `anyccl_nvls_{zero_copy,block_pipeline}_{emu,mc}_{dtype}`, written once over a switch-channel primitive with
-//! two implementations: `mc` uses `multimem.ld_reduce`/`multimem.st` on a multicast address (sm_90+), `emu`
-//! emulates them with unicast loads and stores through every rank's pointer. (No warp-pipeline variant yet.)
+//! `anyccl_nvls_{zero_copy,warp_pipeline,block_pipeline}_{emu,mc}_{dtype}`, written once over a switch-channel
+//! primitive (reduce-load, broadcast-store, signal/wait) with two implementations: `mc` uses
+//! `multimem.ld_reduce`/`multimem.st`/`multimem.red` on multicast addresses (sm_90+), `emu` emulates them with
+//! unicast loads and stores through every rank's pointer and per-peer flags.
 //! [`NOT_BUILT`] says why a build has no kernels (no nvcc at build time).
 #![forbid(unsafe_code)]
 
@@ -15,9 +16,9 @@ include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 pub const MAX_RANKS: usize = 8;
 /// Most blocks per launch (the flag arrays are sized for it).
 pub const MAX_BLOCKS: usize = 64;
-/// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters,
-/// 32 bits each. Zero it once before first use.
-pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS) * 4;
+/// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters, then
+/// `MAX_BLOCKS` arrival counters of the multicast barrier, 32 bits each. Zero it once before first use.
+pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;
 /// Bytes every vector access moves; message sizes must be multiples of it.
 pub const VECTOR_BYTES: usize = 16;
 

@@ -39,21 +39,48 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(sass.contains(&format!("anyccl_{kind}_{dt}")), "{arch}: anyccl_{kind}_{dt} missing");
             }
         }
-        for v in ["zero_copy", "block_pipeline"] {
-            for ch in ["emu", "mc"] {
-                for dt in ["f32", "f16", "bf16"] {
-                    assert!(sass.contains(&format!("anyccl_nvls_{v}_{ch}_{dt}")), "{arch}: nvls {v} {ch} {dt} missing");
+        let functions = split_functions(&sass);
+        for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
+            for dt in ["f32", "f16", "bf16"] {
+                let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
+                let mc = functions.get(&format!("anyccl_nvls_{v}_mc_{dt}"));
+                let (emu, mc) = (emu.expect("emulated kernel missing"), mc.expect("multicast kernel missing"));
+                // The emulated variant is unicast code; the multicast one is real multimem code on sm_90 and newer
+                // (LDGMC is multimem.ld_reduce), and a trap on sm_80, which has no multimem.
+                assert!(!emu.contains("LDGMC"), "{arch}: {v} {dt}: the emulation must not use multimem");
+                if *arch != "sm_80" {
+                    assert!(mc.contains("LDGMC"), "{arch}: {v} {dt}: no multimem.ld_reduce (LDGMC)");
+                } else {
+                    assert!(
+                        !mc.contains("LDGMC") && mc.contains("BPT.TRAP"),
+                        "{arch}: {v} {dt}: sm_80 has no multimem"
+                    );
                 }
             }
-        }
-        // The multicast variants are real multimem code on sm_90 and newer: LDGMC is multimem.ld_reduce.
-        if *arch != "sm_80" {
-            assert!(sass.contains("LDGMC"), "{arch}: no multimem.ld_reduce (LDGMC) in the NVLS kernels");
-        } else {
-            assert!(!sass.contains("LDGMC"), "sm_80 has no multimem");
         }
         assert!(sass.contains("STG.E.STRONG.SYS"), "{arch}: no system-scope flag store");
         assert!(sass.contains("LDG.E.STRONG.SYS"), "{arch}: no system-scope flag load");
         std::fs::remove_file(&path).ok();
     }
+}
+
+/// The SASS of each function in a `cuobjdump -sass` listing, by name.
+fn split_functions(sass: &str) -> std::collections::HashMap<String, String> {
+    let mut out = std::collections::HashMap::new();
+    let mut current: Option<(String, String)> = None;
+    for line in sass.lines() {
+        if let Some(name) = line.trim().strip_prefix("Function : ") {
+            if let Some((n, body)) = current.take() {
+                out.insert(n, body);
+            }
+            current = Some((name.trim().to_string(), String::new()));
+        } else if let Some((_, body)) = current.as_mut() {
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    if let Some((n, body)) = current {
+        out.insert(n, body);
+    }
+    out
 }

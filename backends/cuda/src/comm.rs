@@ -23,7 +23,7 @@ pub const DEFAULT_CUSTOM_MAX_BYTES: usize = 8 << 20;
 /// buffers, and every rank's, as addressable from this device (peer access enabled).
 struct CustomState {
     kernels: crate::custom::CustomKernels,
-    staging: DeviceBuffer,
+    _staging: DeviceBuffer,
     _scratch: DeviceBuffer,
     _flags: DeviceBuffer,
     /// Peers' buffers opened through IPC (one process per GPU); closed when the state drops.
@@ -32,6 +32,8 @@ struct CustomState {
     all_scratch: Vec<u64>,
     all_flags: Vec<u64>,
     capacity: usize,
+    /// Input tables of captured calls, and their registration.
+    graph: crate::graph_inputs::GraphInputs,
 }
 
 /// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
@@ -58,6 +60,9 @@ fn own_custom_buffers(
     let kernels = crate::custom::CustomKernels::load(rt.context())?;
     Ok((kernels, staging, scratch, flags))
 }
+
+/// How long a rank of a single-process communicator waits for the others while registering graph buffers.
+const GRAPH_EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Blocks per rank for a message: one per 32 KiB, 4 to 36 (the same on every rank, as the barriers need).
 fn custom_blocks(bytes: usize) -> u32 {
@@ -198,11 +203,17 @@ impl CudaComm {
                 mappings.push(m);
             }
         }
+        let graph = crate::graph_inputs::GraphInputs::new(
+            ctx,
+            all_staging.clone(),
+            self.ccl.rank(),
+            crate::graph_inputs::Transport::Ipc,
+        )?;
         // Nobody launches before every rank has mapped everything.
         rdv.barrier()?;
         Ok(CustomState {
             kernels,
-            staging,
+            _staging: staging,
             _scratch: scratch,
             _flags: flags,
             _mappings: mappings,
@@ -210,6 +221,7 @@ impl CudaComm {
             all_scratch,
             all_flags,
             capacity,
+            graph,
         })
     }
 
@@ -237,20 +249,29 @@ impl CudaComm {
         let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
         let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();
         let all_flags: Vec<u64> = parts.iter().map(|p| p.3.device_ptr()).collect();
-        Ok(parts
+        let exchange = crate::graph_inputs::LocalExchange::new(world, GRAPH_EXCHANGE_TIMEOUT);
+        parts
             .into_iter()
-            .map(|(kernels, staging, scratch, flags)| CustomState {
-                kernels,
-                staging,
-                _scratch: scratch,
-                _flags: flags,
-                _mappings: Vec::new(),
-                all_staging: all_staging.clone(),
-                all_scratch: all_scratch.clone(),
-                all_flags: all_flags.clone(),
-                capacity,
+            .zip(&ctxs)
+            .enumerate()
+            .map(|(rank, ((kernels, staging, scratch, flags), ctx))| {
+                let transport = crate::graph_inputs::Transport::InProcess(exchange.rank(rank));
+                let graph = crate::graph_inputs::GraphInputs::new(ctx, all_staging.clone(), rank, transport)
+                    .map_err(|e| e.to_string())?;
+                Ok(CustomState {
+                    kernels,
+                    _staging: staging,
+                    _scratch: scratch,
+                    _flags: flags,
+                    _mappings: Vec::new(),
+                    all_staging: all_staging.clone(),
+                    all_scratch: all_scratch.clone(),
+                    all_flags: all_flags.clone(),
+                    capacity,
+                    graph,
+                })
             })
-            .collect())
+            .collect()
     }
 
     fn wrap(
@@ -298,8 +319,11 @@ impl CudaComm {
 pub type SymmetricBuffer = anyccl_ccl::rank::SymmetricBuffer<DeviceBuffer>;
 
 impl CudaComm {
-    /// Copies the input into this rank's staging buffer (peers read it), then launches the kernel, which writes
-    /// the output. Both are stream-ordered and capture-safe (nothing is allocated).
+    /// Launches a custom all-reduce. Eager: the kernel copies this rank's input into its staging buffer, which the
+    /// peers read. During capture: the kernel reads the input through a table in device memory that starts as the
+    /// same staging copy and switches to reading every rank's input directly once
+    /// [`CudaComm::register_graph_buffers`] has run (not for in-place one-shot, where a rank would overwrite its
+    /// input while peers still read it). Stream-ordered and capture-safe (nothing is allocated).
     fn custom_all_reduce(
         &mut self,
         algorithm: Algorithm,
@@ -308,31 +332,63 @@ impl CudaComm {
         dtype: DataType,
         stream: &CudaStream,
     ) -> Result<()> {
-        let st = self.custom.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
-        self.bind()?;
+        let capturing = stream.is_capturing()?;
+        let rank = self.ccl.rank();
+        let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+        self.runtime.context().bind()?;
         let (src, dst) = anyccl_ccl::rank::io_ptrs(&bufs);
-        // SAFETY: validated: the input holds `bytes`, the staging buffer `capacity >= bytes` (eligibility).
-        unsafe { cudarc::driver::result::memcpy_dtod_async(st.staging.device_ptr(), src as u64, bytes, stream.raw()) }
-            .map_err(|e| crate::driver::cu_err("cuMemcpyDtoDAsync", e))?;
+        let (src, dst) = (src as u64, dst as u64);
+        let table =
+            if capturing && !(algorithm == Algorithm::OneShot && src == dst) { st.graph.table_for(src) } else { None };
+        let inputs = match table {
+            Some(table) => crate::custom::Inputs::Table { table, own: src },
+            None => crate::custom::Inputs::Staged { staging: &st.all_staging, own: src },
+        };
         let kind =
             if algorithm == Algorithm::OneShot { crate::custom::Kind::OneShot } else { crate::custom::Kind::TwoShot };
-        // SAFETY: every rank's staging/scratch/flags were allocated with `capacity` bytes by setup_custom and are
-        // reachable through peer access; every rank of this communicator makes the same calls in the same order
-        // (a collective), with the same block count (a function of `bytes`); ranks run on different GPUs.
+        // SAFETY: every rank's staging/scratch/flags were allocated with `capacity >= bytes` (eligibility) by the
+        // setup and are reachable through peer access or IPC; the tables hold staging or registered inputs of
+        // every rank; every rank of this communicator makes the same calls in the same order (a collective), with
+        // the same block count (a function of `bytes`); ranks run on different GPUs.
         unsafe {
             st.kernels.launch(
                 kind,
                 dtype,
-                &st.all_staging,
+                inputs,
                 &st.all_scratch,
-                dst as u64,
+                dst,
                 &st.all_flags,
-                self.ccl.rank(),
+                rank,
                 bytes,
                 custom_blocks(bytes),
+                crate::custom::two_shot_round_bytes(bytes),
                 stream,
             )
         }
+    }
+
+    /// Registers the inputs of custom all-reduces captured in CUDA graphs since the last call, so that replays
+    /// read every rank's input directly instead of copying it through staging. Collective: every rank calls it
+    /// after the same captures and before replaying them, with no graph of this communicator running.
+    ///
+    /// `rdv` is the rendezvous a one-process-per-GPU communicator was made with ([`crate::bootstrap`]), through
+    /// which the inputs' IPC handles travel; communicators of one process ([`crate::communicators_single_process`])
+    /// exchange pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`
+    /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.
+    pub fn register_graph_buffers(
+        &mut self,
+        rdv: Option<&mut anyccl_rendezvous::Rendezvous>,
+    ) -> Result<crate::graph_inputs::GraphRegistration> {
+        match &mut self.custom {
+            // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
+            Err(_) => Ok(crate::graph_inputs::GraphRegistration::default()),
+            Ok(st) => st.graph.register(rdv.map(|r| r as &mut dyn crate::graph_inputs::Exchange)),
+        }
+    }
+
+    /// Inputs of captured custom all-reduces not registered yet ([`CudaComm::register_graph_buffers`]).
+    pub fn pending_graph_buffers(&self) -> usize {
+        self.custom.as_ref().map_or(0, |st| st.graph.pending())
     }
 }
 

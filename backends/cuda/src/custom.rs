@@ -29,6 +29,80 @@ pub enum Kind {
     NvlsZeroCopyEmulated,
     /// NVLS block pipeline over the unicast emulation (staging in/out of every rank).
     NvlsBlockPipelineEmulated,
+    /// NVLS warp pipeline over the unicast emulation (staging in/out of every rank; copy-in, reduce and copy-out
+    /// warps of a block work on consecutive tiles at once).
+    NvlsWarpPipelineEmulated,
+}
+
+impl Kind {
+    /// Every kernel, in table order.
+    pub const ALL: [Kind; 5] = [
+        Kind::OneShot,
+        Kind::TwoShot,
+        Kind::NvlsZeroCopyEmulated,
+        Kind::NvlsWarpPipelineEmulated,
+        Kind::NvlsBlockPipelineEmulated,
+    ];
+
+    /// Short name for tables and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::OneShot => "one-shot",
+            Kind::TwoShot => "two-shot",
+            Kind::NvlsZeroCopyEmulated => "nvls-zero-copy (emu)",
+            Kind::NvlsWarpPipelineEmulated => "nvls-warp-pipeline (emu)",
+            Kind::NvlsBlockPipelineEmulated => "nvls-block-pipeline (emu)",
+        }
+    }
+
+    /// Whether it is an NVLS variant (launched with [`CustomKernels::launch_nvls_emulated`]).
+    pub fn is_nvls(self) -> bool {
+        matches!(self, Kind::NvlsZeroCopyEmulated | Kind::NvlsWarpPipelineEmulated | Kind::NvlsBlockPipelineEmulated)
+    }
+}
+
+/// Where a one-shot or two-shot kernel reads the ranks' inputs (index = rank, as addressable from this rank).
+#[derive(Debug, Clone, Copy)]
+pub enum Inputs<'a> {
+    /// Every rank's input itself: registered user buffers (mapped from the peers), or emulated ranks' buffers.
+    Direct(&'a [u64]),
+    /// Every rank's staging buffer (each ≥ the message); the kernel first copies `own`, this rank's input, into
+    /// its own staging buffer, so no separate copy is launched.
+    Staged {
+        /// Every rank's staging buffer.
+        staging: &'a [u64],
+        /// This rank's input.
+        own: u64,
+    },
+    /// An input table in device memory ([`INPUT_TABLE_BYTES`], see [`input_table`]): either every rank's staging
+    /// buffer with `registered` 0 (the kernel then copies `own` in first, as for `Staged`), or every rank's
+    /// registered input. Used for inputs first seen during graph capture, whose table is rewritten after capture.
+    Table {
+        /// Device address of the table.
+        table: u64,
+        /// This rank's input.
+        own: u64,
+    },
+}
+
+/// Bytes of one input table in device memory: eight rank pointers and a `registered` word (see [`Inputs::Table`]).
+pub const INPUT_TABLE_BYTES: usize = (kernels::MAX_RANKS + 1) * 8;
+
+/// The bytes of an input table: `ptrs` (index = rank), and whether they are the registered inputs themselves
+/// (else they are staging buffers the kernel copies its own input into first).
+pub fn input_table(ptrs: &[u64], registered: bool) -> [u8; INPUT_TABLE_BYTES] {
+    let mut t = [0u8; INPUT_TABLE_BYTES];
+    for (slot, p) in t.chunks_exact_mut(8).zip(ptrs.iter().take(kernels::MAX_RANKS)) {
+        slot.copy_from_slice(&p.to_le_bytes());
+    }
+    t[kernels::MAX_RANKS * 8..].copy_from_slice(&u64::from(registered).to_le_bytes());
+    t
+}
+
+/// The round size two-shot uses for a message of `bytes` (0: the whole message in one round).
+pub fn two_shot_round_bytes(bytes: usize) -> usize {
+    let _ = bytes;
+    0
 }
 
 fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
@@ -117,16 +191,18 @@ impl CustomKernels {
         Ok(CustomKernels { module, ctx: ctx.clone() })
     }
 
-    fn function(&self, kind: Kind, dtype: DataType) -> Result<sys::CUfunction> {
+    fn function(&self, kind: Kind, dtype: DataType, table: bool) -> Result<sys::CUfunction> {
         let suffix = dtype_suffix(dtype).ok_or_else(|| Error::AlgorithmNotEligible {
             algorithm: anyccl_core::Algorithm::OneShot,
             why: format!("the custom kernels handle f32, f16 and bf16, not {dtype}"),
         })?;
+        let table = if table { "table_" } else { "" };
         let name = match kind {
-            Kind::OneShot => format!("anyccl_one_shot_{suffix}"),
-            Kind::TwoShot => format!("anyccl_two_shot_{suffix}"),
+            Kind::OneShot => format!("anyccl_one_shot_{table}{suffix}"),
+            Kind::TwoShot => format!("anyccl_two_shot_{table}{suffix}"),
             Kind::NvlsZeroCopyEmulated => format!("anyccl_nvls_zero_copy_emu_{suffix}"),
             Kind::NvlsBlockPipelineEmulated => format!("anyccl_nvls_block_pipeline_emu_{suffix}"),
+            Kind::NvlsWarpPipelineEmulated => format!("anyccl_nvls_warp_pipeline_emu_{suffix}"),
         };
         let c = CString::new(name).map_err(|e| Error::Backend {
             backend: "cuda".into(),
@@ -140,29 +216,33 @@ impl CustomKernels {
 
     /// Launches one rank's all-reduce of `bytes` bytes.
     ///
-    /// `inputs[r]` is rank r's input as addressable from this rank (`inputs[rank]` is its own), `scratch` the same
-    /// for two-shot's peer-visible scratch buffers (each ≥ `bytes`), `flags[r]` rank r's flag array
-    /// ([`anyccl_kernels_cuda::FLAG_BYTES`], zeroed before first use), `out` this rank's output.
+    /// `inputs` says where the kernel reads every rank's input (see [`Inputs`]), `scratch[r]` is rank r's
+    /// peer-visible two-shot scratch (each ≥ `bytes`), `flags[r]` rank r's flag array
+    /// ([`anyccl_kernels_cuda::FLAG_BYTES`], zeroed before first use), `out` this rank's output; index = rank, as
+    /// addressable from this rank. Two-shot runs in rounds of `two_shot_round` bytes (a multiple of 16; 0: one
+    /// round); every rank passes the same value.
     ///
     /// # Safety
     /// Every pointer is device memory of (or mapped into) this device with the sizes above, 16-byte aligned; every
-    /// rank launches the same sequence of kernels with the same `blocks` concurrently (ranks' blocks must be
-    /// co-resident, or the barriers deadlock).
+    /// rank launches the same sequence of kernels with the same `blocks` and the same kind of [`Inputs`]
+    /// concurrently (ranks' blocks must be co-resident, or the barriers deadlock). With [`Inputs::Direct`] and an
+    /// in-place one-shot, `out` is a peer's input: only two-shot may write over its registered input.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn launch(
         &self,
         kind: Kind,
         dtype: DataType,
-        inputs: &[u64],
+        inputs: Inputs<'_>,
         scratch: &[u64],
         out: u64,
         flags: &[u64],
         rank: usize,
         bytes: usize,
         blocks: u32,
+        two_shot_round: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        let world = inputs.len();
+        let world = flags.len();
         if let Some(why) = ineligible(dtype, bytes, world) {
             return Err(Error::AlgorithmNotEligible { algorithm: anyccl_core::Algorithm::OneShot, why });
         }
@@ -172,32 +252,50 @@ impl CustomKernels {
             code: None,
             message: m,
         };
-        if !matches!(kind, Kind::OneShot | Kind::TwoShot) {
+        if kind.is_nvls() {
             return Err(bad(format!("{kind:?} is launched with launch_nvls_emulated")));
         }
-        if flags.len() != world || (kind == Kind::TwoShot && scratch.len() != world) || rank >= world {
+        let (peers, own, table) = match inputs {
+            Inputs::Direct(p) => (p, 0, 0),
+            Inputs::Staged { staging, own } => (staging, own, 0),
+            Inputs::Table { table, own } => (&[][..], own, table),
+        };
+        if (table == 0 && peers.len() != world) || (kind == Kind::TwoShot && scratch.len() != world) || rank >= world {
             return Err(bad(format!(
-                "{world} inputs, {} flags, {} scratch buffers, rank {rank}",
-                flags.len(),
+                "{} inputs, {world} flags, {} scratch buffers, rank {rank}",
+                peers.len(),
                 scratch.len()
             )));
         }
         if blocks == 0 || blocks as usize > kernels::MAX_BLOCKS {
             return Err(bad(format!("{blocks} blocks (1..={})", kernels::MAX_BLOCKS)));
         }
-        if inputs.iter().chain(scratch).chain(std::iter::once(&out)).any(|p| p % 16 != 0) {
+        if peers.iter().chain(scratch).chain([&out, &own]).any(|p| p % 16 != 0) || table % 8 != 0 {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let (mut in_p, mut sc_p, mut out_p) = (ptrs(inputs), ptrs(scratch), out);
-        let head: Vec<*mut c_void> = match kind {
-            Kind::OneShot => vec![(&mut in_p as *mut Ptrs).cast(), (&mut out_p as *mut u64).cast()],
-            _ => {
-                vec![(&mut in_p as *mut Ptrs).cast(), (&mut sc_p as *mut Ptrs).cast(), (&mut out_p as *mut u64).cast()]
-            }
-        };
-        let shape = LaunchShape { flags, rank, world, bytes, blocks };
-        // SAFETY: `head` matches the kernel's leading parameters (RankPtrs are 8 × u64 by value, `out` a pointer);
-        // the caller guarantees the buffers and the co-residency.
+        if two_shot_round % kernels::VECTOR_BYTES != 0 {
+            return Err(bad(format!("a two-shot round of {two_shot_round} bytes is not a multiple of 16")));
+        }
+        let (mut in_p, mut sc_p, mut out_p, mut own_p, mut table_p) = (ptrs(peers), ptrs(scratch), out, own, table);
+        let mut round_vecs = (two_shot_round / kernels::VECTOR_BYTES) as u64;
+        let mut head: Vec<*mut c_void> = Vec::with_capacity(9);
+        if table != 0 {
+            head.push((&mut table_p as *mut u64).cast());
+        } else {
+            head.push((&mut in_p as *mut Ptrs).cast());
+        }
+        head.push((&mut own_p as *mut u64).cast());
+        if kind == Kind::TwoShot {
+            head.push((&mut sc_p as *mut Ptrs).cast());
+        }
+        head.push((&mut out_p as *mut u64).cast());
+        if kind == Kind::TwoShot {
+            head.push((&mut round_vecs as *mut u64).cast());
+        }
+        let shape = LaunchShape { flags, rank, world, bytes, blocks, table: table != 0 };
+        // SAFETY: `head` matches the kernel's leading parameters (RankPtrs are 8 × u64 by value or an InputTable
+        // pointer, then this rank's own input or null, two-shot's scratch, `out`, two-shot's round); the caller
+        // guarantees the buffers and the co-residency.
         unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
     }
 
@@ -215,7 +313,7 @@ impl CustomKernels {
         shape: &LaunchShape<'_>,
         stream: &CudaStream,
     ) -> Result<()> {
-        let f = self.function(kind, dtype)?;
+        let f = self.function(kind, dtype, shape.table)?;
         self.ctx.bind()?;
         let mut fl_p = ptrs(shape.flags);
         let (mut rank_i, mut world_i) = (shape.rank as i32, shape.world as i32);
@@ -242,14 +340,16 @@ struct LaunchShape<'a> {
     world: usize,
     bytes: usize,
     blocks: u32,
+    /// Whether the kernel reads its inputs through an [`Inputs::Table`].
+    table: bool,
 }
 
 impl CustomKernels {
     /// Launches one rank of an NVLS variant over the unicast emulation of the switch channel (the multicast
     /// kernels, `_mc`, are never launched by anyccl on machines where multicast is off).
     ///
-    /// Zero-copy: `a[r]`/`b[r]` are every rank's input/output. Block pipeline: `a[r]`/`b[r]` are every rank's
-    /// staging-in/staging-out buffers (each ≥ `bytes`), and `input`/`output` this rank's own buffers.
+    /// Zero-copy: `a[r]`/`b[r]` are every rank's input/output. Warp and block pipelines: `a[r]`/`b[r]` are every
+    /// rank's staging-in/staging-out buffers (each ≥ `bytes`), and `input`/`output` this rank's own buffers.
     ///
     /// # Safety
     /// As for [`Self::launch`]: valid 16-byte aligned device buffers of `bytes`, every rank launching the same
@@ -298,7 +398,7 @@ impl CustomKernels {
         let (mut in_p, mut out_p) = (input, output);
         let head: Vec<*mut c_void> = match kind {
             Kind::NvlsZeroCopyEmulated => vec![(&mut a_p as *mut Ptrs).cast(), (&mut b_p as *mut Ptrs).cast()],
-            Kind::NvlsBlockPipelineEmulated => vec![
+            Kind::NvlsBlockPipelineEmulated | Kind::NvlsWarpPipelineEmulated => vec![
                 (&mut in_p as *mut u64).cast(),
                 (&mut out_p as *mut u64).cast(),
                 (&mut a_p as *mut Ptrs).cast(),
@@ -306,7 +406,7 @@ impl CustomKernels {
             ],
             other => return Err(bad(format!("{other:?} is not an NVLS variant"))),
         };
-        let shape = LaunchShape { flags, rank, world, bytes, blocks };
+        let shape = LaunchShape { flags, rank, world, bytes, blocks, table: false };
         // SAFETY: `head` matches the NVLS kernels' leading parameters; the caller guarantees buffers and
         // co-residency.
         unsafe { self.launch_with(kind, dtype, head, &shape, stream) }

@@ -6,9 +6,21 @@ use std::sync::Arc;
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_kernels_cuda::FLAG_BYTES;
 
-use crate::custom::{CustomKernels, Kind};
+use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES};
 use crate::graph::Graph;
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
+
+/// Where the emulated ranks' one-shot and two-shot kernels read the inputs (the [`Inputs`] the communicator
+/// uses, all testable on one GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputMode {
+    /// The inputs themselves (registered buffers).
+    Direct,
+    /// Staging buffers (`stage_out`), which each rank's kernel first copies its input into.
+    Staged,
+    /// Per-rank input tables in device memory ([`EmulatedRanks::set_tables`] says what they hold).
+    Table,
+}
 
 /// N emulated ranks of `bytes`-byte all-reduces on one device.
 pub struct EmulatedRanks {
@@ -26,12 +38,18 @@ pub struct EmulatedRanks {
     pub scratch: Vec<DeviceBuffer>,
     /// Flag arrays, by rank (zeroed at creation).
     pub flags: Vec<DeviceBuffer>,
-    /// Output staging of the NVLS block pipeline, by rank (its input staging is `scratch`).
+    /// Output staging of the NVLS warp and block pipelines, by rank (their input staging is `scratch`).
     pub stage_out: Vec<DeviceBuffer>,
     /// Message size.
     pub bytes: usize,
     /// Blocks per rank.
     pub blocks: u32,
+    /// Two-shot's round size in bytes (0: the whole message in one round).
+    pub two_shot_round: usize,
+    /// Where one-shot and two-shot read the inputs.
+    pub input_mode: InputMode,
+    /// Input tables, by rank ([`InputMode::Table`]); they start as staging tables (unregistered).
+    pub tables: Vec<DeviceBuffer>,
 }
 
 impl EmulatedRanks {
@@ -50,7 +68,37 @@ impl EmulatedRanks {
             runtime.upload(f, &vec![0u8; FLAG_BYTES], &s0)?;
         }
         let streams = (0..world).map(|_| runtime.stream()).collect::<Result<Vec<_>>>()?;
-        Ok(EmulatedRanks { runtime, kernels, streams, inputs, outputs, scratch, flags, stage_out, bytes, blocks })
+        let two_shot_round = crate::custom::two_shot_round_bytes(bytes);
+        let tables = alloc(INPUT_TABLE_BYTES)?;
+        let mut g = EmulatedRanks {
+            runtime,
+            kernels,
+            streams,
+            inputs,
+            outputs,
+            scratch,
+            flags,
+            stage_out,
+            bytes,
+            blocks,
+            two_shot_round,
+            input_mode: InputMode::Direct,
+            tables,
+        };
+        g.set_tables(false)?;
+        Ok(g)
+    }
+
+    /// Writes every rank's input table: the inputs themselves (`registered`), or the staging buffers. Not
+    /// during capture; a graph captured in [`InputMode::Table`] reads the tables at every replay.
+    pub fn set_tables(&mut self, registered: bool) -> Result<()> {
+        let ptrs = if registered { Self::ptrs(&self.inputs) } else { Self::ptrs(&self.stage_out) };
+        let t = input_table(&ptrs, registered);
+        let s = &self.streams[0];
+        for b in &mut self.tables {
+            self.runtime.upload(b, &t, s)?;
+        }
+        Ok(())
     }
 
     fn ptrs(v: &[DeviceBuffer]) -> Vec<u64> {
@@ -65,13 +113,30 @@ impl EmulatedRanks {
     fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
         let (ins, sc, fl) = (Self::ptrs(&self.inputs), Self::ptrs(&self.scratch), Self::ptrs(&self.flags));
         let out = self.outputs[rank].device_ptr();
+        let staged = Self::ptrs(&self.stage_out);
         // SAFETY: every buffer was allocated in `new` with the sizes the kernels need (cuMemAlloc is 256-byte
         // aligned); the caller's `blocks` keeps all ranks' blocks co-resident.
         unsafe {
             match kind {
-                Kind::OneShot | Kind::TwoShot => {
-                    self.kernels.launch(kind, dtype, &ins, &sc, out, &fl, rank, self.bytes, self.blocks, s)
-                }
+                Kind::OneShot | Kind::TwoShot => self.kernels.launch(
+                    kind,
+                    dtype,
+                    match self.input_mode {
+                        InputMode::Direct => Inputs::Direct(&ins),
+                        InputMode::Staged => Inputs::Staged { staging: &staged, own: self.inputs[rank].device_ptr() },
+                        InputMode::Table => {
+                            Inputs::Table { table: self.tables[rank].device_ptr(), own: self.inputs[rank].device_ptr() }
+                        }
+                    },
+                    &sc,
+                    out,
+                    &fl,
+                    rank,
+                    self.bytes,
+                    self.blocks,
+                    self.two_shot_round,
+                    s,
+                ),
                 Kind::NvlsZeroCopyEmulated => {
                     let outs = Self::ptrs(&self.outputs);
                     self.kernels.launch_nvls_emulated(
@@ -88,7 +153,7 @@ impl EmulatedRanks {
                         s,
                     )
                 }
-                Kind::NvlsBlockPipelineEmulated => {
+                Kind::NvlsBlockPipelineEmulated | Kind::NvlsWarpPipelineEmulated => {
                     let so = Self::ptrs(&self.stage_out);
                     let input = self.inputs[rank].device_ptr();
                     self.kernels.launch_nvls_emulated(

@@ -16,6 +16,7 @@ pub mod custom;
 pub mod driver;
 pub mod emulated;
 pub mod graph;
+pub mod graph_inputs;
 pub mod ipc;
 pub mod multicast;
 pub mod multicast_driver;

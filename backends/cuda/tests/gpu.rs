@@ -294,6 +294,95 @@ fn nccl_one_process_per_gpu_through_the_rendezvous() {
         assert!(so.contains(&format!("rank {rank}: nccl all-reduce over {gpus} processes ok")), "{so}");
         if gpus > 1 {
             assert!(so.contains("custom [one-shot, two-shot] over IPC ok"), "{so}");
+            assert!(so.contains("graph buffers: 2 registered over IPC, replays before and after ok"), "{so}");
         }
+    }
+}
+
+/// bf16 bits of a small integer (exact in bf16, so truncating the f32 bits is exact too).
+fn bf16_bits(v: f32) -> u16 {
+    (v.to_bits() >> 16) as u16
+}
+
+#[test]
+#[ignore = "needs 2 or more NVIDIA GPUs: run on a multi-GPU machine with --ignored"]
+fn graph_buffers_single_process_replays_before_and_after_registration() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    assert!(gpus >= 2, "this test needs two GPUs or more, found {gpus}");
+    let world = gpus.min(8);
+    let comms = Cuda.create(world).expect("communicators");
+    let m = 1usize << 18;
+    let rank_sum: f32 = (0..world).map(|r| r as f32).sum();
+    let results: Vec<std::result::Result<String, String>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                sc.spawn(move || -> std::result::Result<String, String> {
+                    let e = |x: anyccl_core::Error| x.to_string();
+                    let rt = comm.runtime().clone();
+                    let stream = rt.stream().map_err(e)?;
+                    let fill = |round: usize| -> Vec<u8> {
+                        let v: Vec<u16> = (0..m).map(|i| bf16_bits(((i + round) % 13) as f32 + rank as f32)).collect();
+                        bytemuck::cast_slice(&v).to_vec()
+                    };
+                    let want = |round: usize| -> Vec<u8> {
+                        let v: Vec<u16> =
+                            (0..m).map(|i| bf16_bits(((i + round) % 13) as f32 * world as f32 + rank_sum)).collect();
+                        bytemuck::cast_slice(&v).to_vec()
+                    };
+                    use anyccl_core::MemoryRuntime;
+                    let mut a_in = rt.alloc(m * 2).map_err(e)?;
+                    let mut a_out = rt.alloc(m * 2).map_err(e)?;
+                    let mut b = rt.alloc(m * 2).map_err(e)?;
+                    let ctx = rt.context().clone();
+                    let graph = anyccl_cuda::graph::Graph::capture(&ctx, &stream, |s| {
+                        let out = InOut::Separate { send: &a_in, recv: &mut a_out };
+                        comm.all_reduce_with(Algorithm::OneShot, out, m, DataType::Bf16, ReduceOp::Sum, s)?;
+                        comm.all_reduce_with(
+                            Algorithm::TwoShot,
+                            InOut::InPlace(&mut b),
+                            m,
+                            DataType::Bf16,
+                            ReduceOp::Sum,
+                            s,
+                        )?;
+                        Ok(())
+                    })
+                    .map_err(e)?;
+                    let pending = comm.backend().pending_graph_buffers();
+                    if pending != 2 {
+                        return Err(format!("rank {rank}: {pending} pending graph inputs, expected 2"));
+                    }
+                    let mut registered = 0;
+                    for round in 0..3 {
+                        if round == 1 {
+                            let reg = comm.backend_mut().register_graph_buffers(None).map_err(e)?;
+                            if reg.registered != 2 || !reg.kept_staged.is_empty() {
+                                return Err(format!("rank {rank}: registration {reg:?}"));
+                            }
+                            registered = reg.registered;
+                        }
+                        rt.upload(&mut a_in, &fill(round), &stream).map_err(e)?;
+                        rt.upload(&mut b, &fill(round), &stream).map_err(e)?;
+                        graph.launch(&stream).map_err(e)?;
+                        stream.synchronize().map_err(e)?;
+                        for (name, buf) in [("one-shot out of place", &a_out), ("two-shot in place", &b)] {
+                            let mut got = vec![0u8; m * 2];
+                            rt.download(buf, &mut got, &stream).map_err(e)?;
+                            if got != want(round) {
+                                return Err(format!("rank {rank}: {name}, replay {round}: wrong result"));
+                            }
+                        }
+                    }
+                    Ok(format!("rank {rank}: {registered} graph inputs registered; 3 replays ok"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect()
+    });
+    for r in results {
+        let line = r.unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("{line}");
     }
 }

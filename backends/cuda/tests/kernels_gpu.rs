@@ -2,7 +2,7 @@
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::EmulatedRanks;
+use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
 
 fn encode(dtype: DataType, v: f64) -> Vec<u8> {
     match dtype {
@@ -34,8 +34,24 @@ fn rng(seed: u64) -> impl FnMut() -> f64 {
 }
 
 fn check(world: usize, dtype: DataType, kind: Kind, bytes: usize, seed: u64, graph: bool) {
+    check_with(world, dtype, kind, bytes, seed, graph, &|_| {})
+}
+
+/// Random inputs, poisoned outputs, an eager run checked against the f64 reference and bitwise across ranks, and
+/// (with `graph`) a captured replay equal to eager; `setup` configures the group first.
+fn check_with(
+    world: usize,
+    dtype: DataType,
+    kind: Kind,
+    bytes: usize,
+    seed: u64,
+    graph: bool,
+    setup: &dyn Fn(&mut EmulatedRanks),
+) {
     let blocks = 8;
-    let g = EmulatedRanks::new(0, world, bytes, blocks).expect("emulated ranks");
+    let mut g = EmulatedRanks::new(0, world, bytes, blocks).expect("emulated ranks");
+    setup(&mut g);
+    let g = g;
     let s = &g.streams[0];
     let esz = dtype.size_bytes();
     let n = bytes / esz;
@@ -113,14 +129,32 @@ fn custom_and_emulated_nvls_kernels_for_2_to_8_ranks_match_the_reference_and_rep
     let mut seed = 1;
     for world in 2..=8 {
         for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
-            for kind in [Kind::OneShot, Kind::TwoShot, Kind::NvlsZeroCopyEmulated, Kind::NvlsBlockPipelineEmulated] {
+            for kind in Kind::ALL {
                 for bytes in [16, 16 * 1037, 4 << 20] {
                     seed += 1;
                     check(world, dtype, kind, bytes, seed, bytes == 16 * 1037);
                 }
             }
         }
-        eprintln!("world {world}: one-shot, two-shot, NVLS zero-copy and block-pipeline (emulated), f32/f16/bf16, 16 B / 16.2 KiB / 4 MiB: ok");
+        eprintln!("world {world}: one-shot, two-shot, NVLS zero-copy, warp- and block-pipeline (emulated), f32/f16/bf16, 16 B / 16.2 KiB / 4 MiB: ok");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn two_shot_in_rounds_matches_the_reference_and_replays() {
+    // Rounds that divide the message, that do not (a short last round), one vector, and rounds whose chunks are
+    // shorter than the world (some ranks own nothing in a round).
+    let mut seed = 1000;
+    for world in [2, 3, 5, 8] {
+        for (bytes, round) in
+            [(4 << 20, 1 << 20), (4 << 20, 48 << 10), (16 * 1037, 16 * 100), (16 * 1037, 16), (16 * 1037, 16 * 3)]
+        {
+            for dtype in [DataType::F32, DataType::Bf16] {
+                seed += 1;
+                check_with(world, dtype, Kind::TwoShot, bytes, seed, bytes < (1 << 20), &|g| g.two_shot_round = round);
+            }
+        }
     }
 }
 
@@ -134,4 +168,90 @@ fn sizes_that_are_not_16_byte_multiples_are_refused() {
     assert!(anyccl_cuda::custom::ineligible(DataType::Bf16, 4098, 4).is_some_and(|w| w.contains("16")));
     assert!(anyccl_cuda::custom::ineligible(DataType::I32, 4096, 4).is_some());
     assert!(anyccl_cuda::custom::ineligible(DataType::Bf16, 4096, 9).is_some());
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn one_and_two_shot_read_inputs_through_staging_and_tables() {
+    // Staged: the kernel copies its input into staging first (the communicator's eager path). Table: the inputs
+    // come through a table in device memory, as staging (unregistered) or as the inputs themselves (registered).
+    let mut seed = 2000;
+    for world in [2, 3, 8] {
+        for kind in [Kind::OneShot, Kind::TwoShot] {
+            for dtype in [DataType::F32, DataType::Bf16] {
+                for bytes in [16, 16 * 1037, 4 << 20] {
+                    for (mode, registered) in
+                        [(InputMode::Staged, false), (InputMode::Table, false), (InputMode::Table, true)]
+                    {
+                        seed += 1;
+                        check_with(world, dtype, kind, bytes, seed, bytes == 16 * 1037, &|g| {
+                            g.input_mode = mode;
+                            g.set_tables(registered).expect("tables");
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn a_captured_kernel_switches_from_staging_to_registered_inputs_at_replay() {
+    for world in [2, 5, 8] {
+        for kind in [Kind::OneShot, Kind::TwoShot] {
+            let bytes = 16 * 4099;
+            let mut g = EmulatedRanks::new(0, world, bytes, 8).expect("emulated ranks");
+            g.input_mode = InputMode::Table;
+            let own_stream = g.runtime.stream().expect("stream");
+            let s = &own_stream;
+            let input = |r: usize| -> Vec<u8> {
+                (0..bytes / 4).flat_map(|i| (((i * 7 + r * 3) % 29) as f32).to_le_bytes()).collect()
+            };
+            for r in 0..world {
+                g.runtime.upload(&mut unsafe_view(&g.inputs[r]), &input(r), s).expect("upload");
+            }
+            let graphs = g.capture(kind, DataType::F32, 1).expect("capture");
+            let replay = |g: &EmulatedRanks| -> Vec<Vec<u8>> {
+                for (gr, st) in graphs.iter().zip(&g.streams) {
+                    gr.launch(st).expect("replay");
+                }
+                g.synchronize().expect("sync");
+                g.outputs
+                    .iter()
+                    .map(|o| {
+                        let mut v = vec![0u8; bytes];
+                        g.runtime.download(o, &mut v, s).expect("download");
+                        v
+                    })
+                    .collect()
+            };
+            let staging = |g: &EmulatedRanks, r: usize| -> Vec<u8> {
+                let mut v = vec![0u8; bytes];
+                g.runtime.download(&g.stage_out[r], &mut v, s).expect("download");
+                v
+            };
+            // Sums of small integers are exact in f32: the expected output is known exactly.
+            let want: Vec<u8> = (0..bytes / 4)
+                .flat_map(|i| ((0..world).map(|r| ((i * 7 + r * 3) % 29) as f32).sum::<f32>()).to_le_bytes())
+                .collect();
+            let before = replay(&g);
+            for (r, out) in before.iter().enumerate() {
+                assert_eq!(out, &want, "{kind:?} world {world} rank {r}: unregistered replay");
+                assert_eq!(staging(&g, r), input(r), "{kind:?}: an unregistered table copies the input to staging");
+            }
+            g.set_tables(true).expect("register");
+            for r in 0..world {
+                g.runtime.upload(&mut unsafe_view(&g.stage_out[r]), &vec![0xFFu8; bytes], s).expect("poison");
+            }
+            let after = replay(&g);
+            for (r, out) in after.iter().enumerate() {
+                assert_eq!(out, &want, "{kind:?} world {world} rank {r}: registered replay");
+                assert!(
+                    staging(&g, r).iter().all(|b| *b == 0xFF),
+                    "{kind:?}: a registered table reads the inputs directly; staging must stay untouched"
+                );
+            }
+        }
+    }
 }

@@ -68,12 +68,69 @@ fn run_nccl() -> Result<String> {
         }
         custom.push(algo.to_string());
     }
+    let graphs = if world > 1 { graph_buffers(&mut comm, &mut rdv, &rt, &stream)? } else { String::new() };
     rdv.barrier()?;
     Ok(format!(
-        "rank {rank}: nccl all-reduce over {world} processes ok ({}); custom [{}] over IPC ok",
+        "rank {rank}: nccl all-reduce over {world} processes ok ({}); custom [{}] over IPC ok{graphs}",
         sel.algorithm,
         custom.join(", ")
     ))
+}
+
+/// Graph buffers over IPC: one-shot (out of place) and two-shot (in place) captured on buffers never used
+/// before; replayed once before registration (through staging), then registered through the rendezvous and
+/// replayed with new inputs (read directly from every process). Checked exactly.
+fn graph_buffers(
+    comm: &mut anyccl_core::Communicator<anyccl_cuda::CudaComm>,
+    rdv: &mut Rendezvous,
+    rt: &CudaRuntime,
+    stream: &anyccl_cuda::CudaStream,
+) -> Result<String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let m = 1usize << 18;
+    let rank_sum: f32 = (0..world).map(|r| r as f32).sum();
+    let fill =
+        |round: usize| -> Vec<u16> { (0..m).map(|i| bf16_bits(((i + round) % 13) as f32 + rank as f32)).collect() };
+    let want = |round: usize| -> Vec<u16> {
+        (0..m).map(|i| bf16_bits(((i + round) % 13) as f32 * world as f32 + rank_sum)).collect()
+    };
+    let mut a_in = rt.alloc(m * 2)?;
+    let mut a_out = rt.alloc(m * 2)?;
+    let mut b = rt.alloc(m * 2)?;
+    let ctx = rt.context().clone();
+    let graph = anyccl_cuda::graph::Graph::capture(&ctx, stream, |s| {
+        let out = InOut::Separate { send: &a_in, recv: &mut a_out };
+        comm.all_reduce_with(Algorithm::OneShot, out, m, DataType::Bf16, ReduceOp::Sum, s)?;
+        comm.all_reduce_with(Algorithm::TwoShot, InOut::InPlace(&mut b), m, DataType::Bf16, ReduceOp::Sum, s)?;
+        Ok(())
+    })?;
+    let fail = |m: String| anyccl_core::Error::PeerFailure(format!("rank {rank}: graph buffers: {m}"));
+    let pending = comm.backend().pending_graph_buffers();
+    if pending != 2 {
+        return Err(fail(format!("{pending} pending graph inputs, expected 2")));
+    }
+    let mut registered = 0;
+    for round in 0..3 {
+        if round == 1 {
+            let reg = comm.backend_mut().register_graph_buffers(Some(rdv))?;
+            if reg.registered != 2 || !reg.kept_staged.is_empty() {
+                return Err(fail(format!("registration {reg:?}")));
+            }
+            registered = reg.registered;
+        }
+        rt.upload(&mut a_in, bytemuck::cast_slice(&fill(round)), stream)?;
+        rt.upload(&mut b, bytemuck::cast_slice(&fill(round)), stream)?;
+        graph.launch(stream)?;
+        stream.synchronize()?;
+        for (name, buf) in [("one-shot out of place", &a_out), ("two-shot in place", &b)] {
+            let mut got = vec![0u8; m * 2];
+            rt.download(buf, &mut got, stream)?;
+            if got != bytemuck::cast_slice::<u16, u8>(&want(round)) {
+                return Err(fail(format!("{name}, replay {round}: wrong result")));
+            }
+        }
+    }
+    Ok(format!("; graph buffers: {registered} registered over IPC, replays before and after ok"))
 }
 
 /// bf16 bits of a small integer (exact in bf16, so truncating the f32 bits is exact too).

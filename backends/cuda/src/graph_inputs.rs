@@ -1,0 +1,458 @@
+//! Inputs of custom all-reduces captured in CUDA graphs ("graph buffers").
+//!
+//! Outside capture the custom kernels copy each rank's input into its peer-visible staging buffer (inside the
+//! kernel, before the first barrier). Inside a capture, an input seen for the first time gets a slot: an input
+//! table in device memory that the captured kernel reads at every replay. The table starts as "staging" (every
+//! rank's staging buffer, and the kernel copies its own input in first), so a graph replayed before registration
+//! is still correct. After capture, [`GraphInputs::register`] (collective) exchanges the inputs' allocations
+//! between the ranks: legacy IPC handles between processes, plain pointers between the communicators of one
+//! process, opens the peers' ones, agrees on which inputs every rank could map, and rewrites those tables with
+//! every rank's input. Later replays then read the inputs directly, with no staging copy.
+//!
+//! Inputs are known by their device pointer and the driver's buffer id, so a freed and reallocated buffer at the
+//! same address is a new input. Like every collective's buffers, graph inputs must correspond across ranks (the
+//! same captures in the same order on every rank) and stay allocated while their graphs may be replayed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyccl_core::{Error, Result};
+use anyccl_rendezvous::Rendezvous;
+use cudarc::driver::sys;
+
+use crate::custom::{input_table, INPUT_TABLE_BYTES};
+use crate::driver::cu_err;
+use crate::ipc::{LegacyMapping, LEGACY_HANDLE_BYTES};
+use crate::runtime::{DeviceBuffer, DeviceContext};
+
+/// Most distinct graph inputs one communicator keeps tables for; captures beyond it copy through staging.
+pub const MAX_GRAPH_INPUTS: usize = 2048;
+/// Bytes between two input tables in device memory.
+const TABLE_STRIDE: usize = 128;
+/// Inputs exchanged per all-gather round (keeps every message far below the rendezvous' size limit).
+const BATCH: usize = 256;
+/// One input's entry in the exchange: a flag (exportable or not), an IPC handle, the allocation's size, and the
+/// input's offset in it (between processes) or its address (within one process).
+const ENTRY: usize = 1 + LEGACY_HANDLE_BYTES + 8 + 8;
+
+/// How ranks swap bytes: every rank's contribution, indexed by rank.
+pub trait Exchange {
+    /// Every rank's `mine`, indexed by rank. Collective.
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
+}
+
+impl Exchange for Rendezvous {
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Rendezvous::all_gather(self, mine)
+    }
+}
+
+/// An all-gather among the communicators of one process, each driven by its own thread.
+pub struct LocalExchange {
+    world: usize,
+    timeout: Duration,
+    state: Mutex<LocalState>,
+    changed: Condvar,
+}
+
+/// A finished round's contributions and how many ranks have yet to read them.
+type Finished = (Vec<Vec<u8>>, usize);
+
+#[derive(Default)]
+struct LocalState {
+    /// The round being filled and its contributions.
+    round: u64,
+    contributions: Vec<Option<Vec<u8>>>,
+    /// Finished rounds not yet read by every rank: round → (result, readers left).
+    done: HashMap<u64, Finished>,
+}
+
+impl LocalExchange {
+    /// An exchange for `world` ranks; a rank waits at most `timeout` for the others.
+    pub fn new(world: usize, timeout: Duration) -> Arc<Self> {
+        let state = LocalState { contributions: vec![None; world], ..LocalState::default() };
+        Arc::new(LocalExchange { world, timeout, state: Mutex::new(state), changed: Condvar::new() })
+    }
+
+    fn all_gather_as(&self, rank: usize, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let poisoned = || Error::PeerFailure("a rank panicked during an in-process exchange".into());
+        let mut st = self.state.lock().map_err(|_| poisoned())?;
+        if rank >= self.world || st.contributions[rank].is_some() {
+            return Err(Error::PeerFailure(format!("rank {rank} joined an in-process exchange twice")));
+        }
+        let round = st.round;
+        st.contributions[rank] = Some(mine.to_vec());
+        if st.contributions.iter().all(Option::is_some) {
+            let all: Vec<Vec<u8>> = st.contributions.iter_mut().map(|c| c.take().unwrap_or_default()).collect();
+            st.done.insert(round, (all, self.world));
+            st.round += 1;
+            self.changed.notify_all();
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some((all, left)) = st.done.get_mut(&round) {
+                *left -= 1;
+                if *left > 0 {
+                    return Ok(all.clone());
+                }
+                return Ok(st.done.remove(&round).map(|(all, _)| all).unwrap_or_default());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                // Withdraw, so a late peer does not complete a round this rank has given up on.
+                st.contributions[rank] = None;
+                let missing: Vec<String> = (0..self.world)
+                    .filter(|q| *q != rank && st.contributions[*q].is_none())
+                    .map(|q| q.to_string())
+                    .collect();
+                return Err(Error::Timeout {
+                    what: format!("in-process exchange of rank {rank}: ranks [{}] did not arrive", missing.join(", ")),
+                    after: self.timeout,
+                });
+            }
+            st = self.changed.wait_timeout(st, deadline - now).map_err(|_| poisoned())?.0;
+        }
+    }
+
+    /// This exchange as seen by `rank`.
+    pub fn rank(self: &Arc<Self>, rank: usize) -> LocalRank {
+        LocalRank { exchange: self.clone(), rank }
+    }
+}
+
+/// One rank's handle on a [`LocalExchange`].
+pub struct LocalRank {
+    exchange: Arc<LocalExchange>,
+    rank: usize,
+}
+
+impl Exchange for LocalRank {
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.exchange.all_gather_as(self.rank, mine)
+    }
+}
+
+/// How the ranks of a communicator reach each other's memory.
+pub enum Transport {
+    /// One process per GPU: legacy IPC handles through the caller's rendezvous.
+    Ipc,
+    /// One process for all ranks (peer access enabled): plain pointers through an in-process exchange.
+    InProcess(LocalRank),
+}
+
+struct Slot {
+    ptr: u64,
+    /// Whether a registration has dealt with it (registered, or left on staging for good).
+    handled: bool,
+}
+
+/// What [`GraphInputs::register`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphRegistration {
+    /// Inputs whose tables now point at every rank's input.
+    pub registered: usize,
+    /// Inputs left copying through staging, with the reason (still correct, one copy slower).
+    pub kept_staged: Vec<String>,
+}
+
+/// One rank's graph-input tables and registrations.
+pub struct GraphInputs {
+    ctx: Arc<DeviceContext>,
+    tables: DeviceBuffer,
+    slots: Vec<Slot>,
+    by_key: HashMap<(u64, u64), usize>,
+    opened: HashMap<(usize, [u8; LEGACY_HANDLE_BYTES]), LegacyMapping>,
+    transport: Transport,
+    rank: usize,
+    world: usize,
+}
+
+fn backend(call: &str, message: String) -> Error {
+    Error::Backend { backend: "cuda".into(), call: call.into(), code: None, message }
+}
+
+fn pointer_attribute(attr: sys::CUpointer_attribute, ptr: u64) -> Result<u64> {
+    let mut v = 0u64;
+    // SAFETY: both attributes asked for here write at most 8 bytes (a u64 buffer id, an int flag).
+    unsafe { sys::cuPointerGetAttribute((&mut v as *mut u64).cast(), attr, ptr) }
+        .result()
+        .map_err(|e| cu_err("cuPointerGetAttribute", e))?;
+    Ok(v)
+}
+
+impl GraphInputs {
+    /// Tables for `MAX_GRAPH_INPUTS` inputs, every one "staging" (`staging[r]`: rank r's staging buffer as
+    /// addressable here). Not during capture.
+    pub fn new(ctx: &Arc<DeviceContext>, staging: Vec<u64>, rank: usize, transport: Transport) -> Result<Self> {
+        let world = staging.len();
+        let tables = DeviceBuffer::alloc(ctx, MAX_GRAPH_INPUTS * TABLE_STRIDE)?;
+        let one = input_table(&staging, false);
+        let mut host = vec![0u8; MAX_GRAPH_INPUTS * TABLE_STRIDE];
+        for t in host.chunks_exact_mut(TABLE_STRIDE) {
+            t[..INPUT_TABLE_BYTES].copy_from_slice(&one);
+        }
+        ctx.bind()?;
+        // SAFETY: `tables` holds exactly `host.len()` bytes of this device; the copy is synchronous.
+        unsafe { sys::cuMemcpyHtoD_v2(tables.device_ptr(), host.as_ptr().cast(), host.len()) }
+            .result()
+            .map_err(|e| cu_err("cuMemcpyHtoD", e))?;
+        Ok(GraphInputs {
+            ctx: ctx.clone(),
+            tables,
+            slots: Vec::new(),
+            by_key: HashMap::new(),
+            opened: HashMap::new(),
+            transport,
+            rank,
+            world,
+        })
+    }
+
+    /// The device address of the table for input `ptr` (a capture is running), making a slot for an input seen
+    /// for the first time; `None` when every slot is taken or the pointer is not device memory the driver knows
+    /// (the call then copies through staging, outside any table).
+    pub fn table_for(&mut self, ptr: u64) -> Option<u64> {
+        let id = pointer_attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr).ok()?;
+        let slot = match self.by_key.get(&(ptr, id)) {
+            Some(s) => *s,
+            None => {
+                if self.slots.len() >= MAX_GRAPH_INPUTS {
+                    tracing::warn!(
+                        max = MAX_GRAPH_INPUTS,
+                        "all graph-input tables are taken; this captured all-reduce copies through staging"
+                    );
+                    return None;
+                }
+                self.slots.push(Slot { ptr, handled: false });
+                self.by_key.insert((ptr, id), self.slots.len() - 1);
+                self.slots.len() - 1
+            }
+        };
+        Some(self.tables.device_ptr() + (slot * TABLE_STRIDE) as u64)
+    }
+
+    /// Inputs seen in captures and not registered yet.
+    pub fn pending(&self) -> usize {
+        self.slots.iter().filter(|s| !s.handled).count()
+    }
+
+    /// This rank's entry for input `ptr`: its allocation as an IPC handle (between processes) or its address
+    /// (within one process).
+    fn export(&self, ptr: u64) -> Result<[u8; ENTRY - 1]> {
+        self.ctx.bind()?;
+        let ipc_capable =
+            pointer_attribute(sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr)?;
+        if ipc_capable & 0xffff_ffff == 0 {
+            return Err(backend(
+                "graph buffers",
+                format!("{ptr:#x} is not cuMemAlloc memory (a cuMem/VMM, managed or host allocation)"),
+            ));
+        }
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: writes the allocation's base and size.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| cu_err("cuMemGetAddressRange", e))?;
+        let mut e = [0u8; ENTRY - 1];
+        match self.transport {
+            Transport::Ipc => {
+                let mut h = sys::CUipcMemHandle { reserved: [0; LEGACY_HANDLE_BYTES] };
+                // SAFETY: `base` is the start of a live cuMemAlloc allocation of this context.
+                unsafe { sys::cuIpcGetMemHandle(&mut h, base) }.result().map_err(|e| cu_err("cuIpcGetMemHandle", e))?;
+                e[..LEGACY_HANDLE_BYTES].copy_from_slice(&h.reserved.map(|c| c as u8));
+                e[LEGACY_HANDLE_BYTES + 8..].copy_from_slice(&(ptr - base).to_le_bytes());
+            }
+            Transport::InProcess(_) => e[LEGACY_HANDLE_BYTES + 8..].copy_from_slice(&ptr.to_le_bytes()),
+        }
+        e[LEGACY_HANDLE_BYTES..LEGACY_HANDLE_BYTES + 8].copy_from_slice(&(size as u64).to_le_bytes());
+        Ok(e)
+    }
+
+    /// Rank `q`'s input as addressable here, from its entry.
+    fn open(&mut self, q: usize, e: &[u8]) -> Result<u64> {
+        let word = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&e[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        let (size, last) = (word(LEGACY_HANDLE_BYTES), word(LEGACY_HANDLE_BYTES + 8));
+        match self.transport {
+            Transport::InProcess(_) => Ok(last),
+            Transport::Ipc => {
+                if last >= size {
+                    return Err(backend("graph buffers", format!("rank {q} sent offset {last} in {size} bytes")));
+                }
+                let mut handle = [0u8; LEGACY_HANDLE_BYTES];
+                handle.copy_from_slice(&e[..LEGACY_HANDLE_BYTES]);
+                let m = match self.opened.entry((q, handle)) {
+                    std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(LegacyMapping::open(&self.ctx, &handle, size as usize)?)
+                    }
+                };
+                Ok(m.view().device_ptr() + last)
+            }
+        }
+    }
+
+    /// Registers every input seen in captures since the last call: collective (every rank calls it after the
+    /// same captures, before replaying them). `ex` is the rendezvous for [`Transport::Ipc`]; in-process
+    /// communicators use their own exchange and ignore it. No graph of this communicator may be running.
+    pub fn register(&mut self, ex: Option<&mut dyn Exchange>) -> Result<GraphRegistration> {
+        let mut local;
+        let ex: &mut dyn Exchange = match (&self.transport, ex) {
+            (Transport::InProcess(l), _) => {
+                local = LocalRank { exchange: l.exchange.clone(), rank: l.rank };
+                &mut local
+            }
+            (Transport::Ipc, Some(ex)) => ex,
+            (Transport::Ipc, None) => {
+                return Err(backend(
+                    "register_graph_buffers",
+                    "a one-process-per-GPU communicator registers graph buffers through its rendezvous; pass it".into(),
+                ))
+            }
+        };
+        let todo: Vec<usize> = (0..self.slots.len()).filter(|i| !self.slots[*i].handled).collect();
+        // Every rank must run the same number of rounds: agree on the count first.
+        let counts = ex.all_gather(&(todo.len() as u64).to_le_bytes())?;
+        for (q, c) in counts.iter().enumerate() {
+            if c.as_slice() != (todo.len() as u64).to_le_bytes() {
+                return Err(Error::PeerFailure(format!(
+                    "rank {q} has a different number of graph inputs to register than rank {} ({}): every rank \
+                     must capture the same all-reduces",
+                    self.rank,
+                    todo.len()
+                )));
+            }
+        }
+        let mut out = GraphRegistration::default();
+        for batch in todo.chunks(BATCH) {
+            let mut mine = Vec::with_capacity(batch.len() * ENTRY);
+            for &i in batch {
+                match self.export(self.slots[i].ptr) {
+                    Ok(e) => {
+                        mine.push(1);
+                        mine.extend_from_slice(&e);
+                    }
+                    Err(why) => {
+                        tracing::info!(input = self.slots[i].ptr, %why, "graph input stays on staging");
+                        mine.push(0);
+                        mine.extend_from_slice(&[0u8; ENTRY - 1]);
+                    }
+                }
+            }
+            let all = ex.all_gather(&mine)?;
+            if let Some(q) = all.iter().position(|a| a.len() != mine.len()) {
+                return Err(Error::PeerFailure(format!("rank {q} sent a malformed graph-input exchange")));
+            }
+            let mut peers = vec![vec![0u64; self.world]; batch.len()];
+            let mut why: Vec<Option<String>> = vec![None; batch.len()];
+            for (k, &i) in batch.iter().enumerate() {
+                for (q, a) in all.iter().enumerate() {
+                    let e = &a[k * ENTRY..(k + 1) * ENTRY];
+                    if e[0] == 0 {
+                        why[k].get_or_insert_with(|| format!("rank {q} could not export it"));
+                    } else if q == self.rank {
+                        peers[k][q] = self.slots[i].ptr;
+                    } else if why[k].is_none() {
+                        match self.open(q, &e[1..]) {
+                            Ok(p) => peers[k][q] = p,
+                            Err(err) => why[k] = Some(format!("opening rank {q}'s buffer failed: {err}")),
+                        }
+                    }
+                }
+            }
+            let ok: Vec<u8> = why.iter().map(|w| u8::from(w.is_none())).collect();
+            let agreed = ex.all_gather(&ok)?;
+            if let Some(q) = agreed.iter().position(|a| a.len() != ok.len()) {
+                return Err(Error::PeerFailure(format!("rank {q} sent a malformed graph-input agreement")));
+            }
+            for (k, &i) in batch.iter().enumerate() {
+                if let Some(q) = agreed.iter().position(|a| a[k] == 0) {
+                    let reason = why[k].clone().unwrap_or_else(|| format!("rank {q} could not map every peer's"));
+                    out.kept_staged.push(format!("input {:#x}: {reason}", self.slots[i].ptr));
+                    continue;
+                }
+                self.write_table(i, &input_table(&peers[k], true))?;
+                out.registered += 1;
+            }
+        }
+        // A slot that could not be registered stays "staging" and is not retried (its graphs stay correct).
+        for &i in &todo {
+            self.slots[i].handled = true;
+        }
+        Ok(out)
+    }
+
+    fn write_table(&mut self, slot: usize, t: &[u8; INPUT_TABLE_BYTES]) -> Result<()> {
+        self.ctx.bind()?;
+        let dst = self.tables.device_ptr() + (slot * TABLE_STRIDE) as u64;
+        // SAFETY: the slot lies inside `tables`; the copy is synchronous.
+        unsafe { sys::cuMemcpyHtoD_v2(dst, t.as_ptr().cast(), t.len()) }.result().map_err(|e| cu_err("cuMemcpyHtoD", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_exchange_gathers_every_rank_round_after_round() {
+        let world = 4;
+        let ex = LocalExchange::new(world, Duration::from_secs(30));
+        let results: Vec<Vec<Vec<Vec<u8>>>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let mut me = ex.rank(r);
+                    sc.spawn(move || {
+                        (0..50u8).map(|round| me.all_gather(&[r as u8, round]).expect("all-gather")).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for per_rank in &results {
+            for (round, all) in per_rank.iter().enumerate() {
+                let want: Vec<Vec<u8>> = (0..world).map(|q| vec![q as u8, round as u8]).collect();
+                assert_eq!(all, &want, "round {round}");
+            }
+        }
+        assert!(ex.state.lock().expect("lock").done.is_empty(), "every finished round was read and dropped");
+    }
+
+    #[test]
+    fn a_missing_rank_is_a_timeout_naming_it() {
+        let ex = LocalExchange::new(3, Duration::from_millis(200));
+        let err = std::thread::scope(|sc| {
+            let mut r1 = ex.rank(1);
+            let h = sc.spawn(move || r1.all_gather(b"x"));
+            let mut r0 = ex.rank(0);
+            let e0 = r0.all_gather(b"y").expect_err("rank 2 never comes");
+            let e1 = h.join().expect("rank thread").expect_err("rank 2 never comes");
+            (e0, e1)
+        });
+        for e in [err.0, err.1] {
+            assert!(matches!(e, Error::Timeout { .. }), "{e}");
+            assert!(e.to_string().contains("2] did not arrive"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_same_rank_joining_a_round_twice_is_refused() {
+        let ex = LocalExchange::new(2, Duration::from_millis(500));
+        std::thread::scope(|sc| {
+            let mut first = ex.rank(0);
+            let h = sc.spawn(move || first.all_gather(b"1"));
+            // Wait until the first call has deposited its contribution.
+            while ex.state.lock().expect("lock").contributions[0].is_none() {
+                std::thread::yield_now();
+            }
+            let twice = ex.rank(0).all_gather(b"2").expect_err("rank 0 is already in this round");
+            assert!(twice.to_string().contains("twice"), "{twice}");
+            let first = h.join().expect("thread").expect_err("rank 1 never comes");
+            assert!(matches!(first, Error::Timeout { .. }), "{first}");
+        });
+    }
+}
