@@ -37,17 +37,18 @@ fn time_device(
     stream: &CudaStream,
     mode: Mode,
     cfg: &BenchConfig,
-    call: &mut dyn FnMut(&CudaStream) -> Result<()>,
+    c: &mut Communicator<CudaComm>,
+    call: &mut dyn FnMut(&mut Communicator<CudaComm>, &CudaStream) -> Result<()>,
 ) -> Result<Vec<f64>> {
     let events: Vec<Event> = (0..=cfg.iters).map(|_| Event::new(ctx)).collect::<Result<_>>()?;
     match mode {
         Mode::Eager => {
             for _ in 0..cfg.warmup {
-                call(stream)?;
+                call(c, stream)?;
             }
             for ev in &events[..cfg.iters] {
                 ev.record(stream)?;
-                call(stream)?;
+                call(c, stream)?;
             }
             events[cfg.iters].record(stream)?;
             stream.synchronize()?;
@@ -58,15 +59,18 @@ fn time_device(
             // allowed during capture ("failed to peer with device 1 … operation not permitted when stream is
             // capturing" at world 2 on an H200 pair without this).
             for _ in 0..cfg.warmup.max(1) {
-                call(stream)?;
+                call(c, stream)?;
             }
             stream.synchronize()?;
             let graph = Graph::capture(ctx, stream, |s| {
                 for _ in 0..CALLS_PER_GRAPH {
-                    call(s)?;
+                    call(c, s)?;
                 }
                 Ok(())
             })?;
+            // As an engine does after capturing: the custom kernels' captured inputs are registered (collective;
+            // every rank captured the same calls), so replays read every rank's input directly.
+            c.backend_mut().register_graph_buffers(None)?;
             for _ in 0..cfg.warmup.max(1) {
                 graph.launch(stream)?;
             }
@@ -208,7 +212,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                             DeviceBuffer::from_raw(sout.buffer().device_ptr(), bytes as usize, ord),
                         )
                     };
-                    time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                    time_device(&ctx, &stream, mode, cfg, &mut c, &mut |c, s| {
                         c.all_reduce_with(a, InOut::Separate { send: &ws, recv: &mut wr }, count, dtype, op, s)
                     })?
                 } else {
@@ -225,7 +229,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                         // Not for this size (e.g. above the custom kernels' staging buffers): an empty cell.
                         Vec::new()
                     } else {
-                        time_device(&ctx, &stream, mode, cfg, &mut |s| {
+                        time_device(&ctx, &stream, mode, cfg, &mut c, &mut |c, s| {
                             c.all_reduce_with(a, InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)
                         })?
                     }
@@ -238,7 +242,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
             }
             let mut why = String::new();
             let mut chosen = Algorithm::Ccl;
-            let auto = time_device(&ctx, &stream, mode, cfg, &mut |s| {
+            let auto = time_device(&ctx, &stream, mode, cfg, &mut c, &mut |c, s| {
                 let sel = c.all_reduce(InOut::Separate { send: &sv, recv: &mut rv }, count, dtype, op, s)?;
                 chosen = sel.algorithm;
                 why = sel.why.to_string();
