@@ -13,7 +13,7 @@
 #include <stdint.h>
 
 #define ANYCCL_MAX_RANKS 8
-#define ANYCCL_MAX_BLOCKS 64
+#define ANYCCL_MAX_BLOCKS 128
 
 struct RankPtrs {
     const void* p[ANYCCL_MAX_RANKS];
@@ -210,18 +210,22 @@ __device__ __forceinline__ void two_shot(const RankPtrs& in, const void* self_sr
         const size_t end = min(r1, start + chunk);
         for (size_t i = start + first; i < end; i += stride) mine[i] = reduce_vec<T, W>(in, i);
         barrier(flags, rank, W, e + 2 + (uint32_t)k);
-        // Gather: offset j of every rank's chunk at once, so W loads are in flight before the stores.
+        // Gather: offset j of up to four ranks' chunks at once, so four loads are in flight before the stores
+        // (all W at once would not fit the 64 registers that keep two blocks per SM).
         for (size_t j = first; j < chunk; j += stride) {
-            uint4 v[W];
 #pragma unroll
-            for (int q = 0; q < W; q++) {
-                const size_t i = r0 + chunk * q + j;
-                if (i < r1) v[q] = reinterpret_cast<const uint4*>(scratch.p[q])[i];
-            }
+            for (int q0 = 0; q0 < W; q0 += 4) {
+                uint4 v[4];
 #pragma unroll
-            for (int q = 0; q < W; q++) {
-                const size_t i = r0 + chunk * q + j;
-                if (i < r1) o[i] = v[q];
+                for (int d = 0; d < 4 && q0 + d < W; d++) {
+                    const size_t i = r0 + chunk * (q0 + d) + j;
+                    if (i < r1) v[d] = reinterpret_cast<const uint4*>(scratch.p[q0 + d])[i];
+                }
+#pragma unroll
+                for (int d = 0; d < 4 && q0 + d < W; d++) {
+                    const size_t i = r0 + chunk * (q0 + d) + j;
+                    if (i < r1) o[i] = v[d];
+                }
             }
         }
     }
@@ -465,23 +469,23 @@ __device__ __forceinline__ void nvls_warp_pipeline(const void* in, void* out, vo
     }
 
 #define ANYCCL_KERNELS(NAME, T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_one_shot_##NAME(                                     \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_one_shot_##NAME(                                     \
         RankPtrs in, const void* self_src, void* out, FlagPtrs flags, int rank, int world, size_t n_vec) {          \
         ANYCCL_DISPATCH(one_shot, T, in, self_src, out, flags, rank, n_vec)                                          \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_one_shot_table_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_one_shot_table_##NAME(                               \
         const InputTable* table, const void* self_src, void* out, FlagPtrs flags, int rank, int world,              \
         size_t n_vec) {                                                                                              \
         const InputTable t = *table;                                                                                 \
         const void* src = t.registered ? nullptr : self_src;                                                         \
         ANYCCL_DISPATCH(one_shot, T, t.p, src, out, flags, rank, n_vec)                                              \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_two_shot_##NAME(                                     \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_two_shot_##NAME(                                     \
         RankPtrs in, const void* self_src, RankPtrs scratch, void* out, size_t round_vecs, FlagPtrs flags, int rank, \
         int world, size_t n_vec) {                                                                                   \
         ANYCCL_DISPATCH(two_shot, T, in, self_src, scratch, out, flags, rank, n_vec, round_vecs)                     \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_two_shot_table_##NAME(                               \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_two_shot_table_##NAME(                               \
         const InputTable* table, const void* self_src, RankPtrs scratch, void* out, size_t round_vecs,              \
         FlagPtrs flags, int rank, int world, size_t n_vec) {                                                         \
         const InputTable t = *table;                                                                                 \
@@ -497,14 +501,14 @@ ANYCCL_KERNELS(bf16, __nv_bfloat16)
 // channel (sm_90+ only; multicast addresses of the bound buffers and of the flag arrays). Every kernel ends with
 // (FlagPtrs flags, int rank, int world, size_t n_vec); the `_mc` kernels use only `flags.p[rank]` of it.
 #define ANYCCL_NVLS_STAGED(VARIANT, NAME, T)                                                                         \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_##VARIANT##_emu_##NAME(                         \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_nvls_##VARIANT##_emu_##NAME(                         \
         const void* in, void* out, RankPtrs stage_in, RankPtrs stage_out, FlagPtrs flags, int rank, int world,      \
         size_t n_vec) {                                                                                              \
         UnicastChannel ch{stage_in, stage_out, flags, rank};                                                         \
         ANYCCL_DISPATCH(nvls_##VARIANT, T, in, out, const_cast<void*>(pick(stage_in, rank)), pick(stage_out, rank), ch,     \
                         rank, n_vec)                                                                                 \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_##VARIANT##_mc_##NAME(                          \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_nvls_##VARIANT##_mc_##NAME(                          \
         const void* in, void* out, void* my_stage_in, const void* my_stage_out, const void* stage_in_mc,            \
         void* stage_out_mc, uint32_t* flags_mc, FlagPtrs flags, int rank, int world, size_t n_vec) {                \
         MulticastChannel ch{stage_in_mc, stage_out_mc, flags_mc, pick(flags, rank)};                                     \
@@ -512,12 +516,12 @@ ANYCCL_KERNELS(bf16, __nv_bfloat16)
     }
 
 #define ANYCCL_NVLS_KERNELS(NAME, T)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_zero_copy_emu_##NAME(                           \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_nvls_zero_copy_emu_##NAME(                           \
         RankPtrs in, RankPtrs out, FlagPtrs flags, int rank, int world, size_t n_vec) {                              \
         UnicastChannel ch{in, out, flags, rank};                                                                     \
         ANYCCL_DISPATCH(nvls_zero_copy, T, ch, rank, n_vec)                                                          \
     }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(512) anyccl_nvls_zero_copy_mc_##NAME(                            \
+    extern "C" __global__ void __launch_bounds__(512, 2) anyccl_nvls_zero_copy_mc_##NAME(                            \
         const void* in_mc, void* out_mc, uint32_t* flags_mc, FlagPtrs flags, int rank, int world, size_t n_vec) {   \
         MulticastChannel ch{in_mc, out_mc, flags_mc, pick(flags, rank)};                                                 \
         ANYCCL_DISPATCH(nvls_zero_copy, T, ch, rank, n_vec)                                                          \

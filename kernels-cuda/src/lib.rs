@@ -15,7 +15,7 @@ include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 /// Most ranks one launch handles.
 pub const MAX_RANKS: usize = 8;
 /// Most blocks per launch (the flag arrays are sized for it).
-pub const MAX_BLOCKS: usize = 64;
+pub const MAX_BLOCKS: usize = 128;
 /// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters, then
 /// `MAX_BLOCKS` arrival counters of the multicast barrier, 32 bits each. Zero it once before first use.
 pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;

@@ -58,6 +58,17 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 }
             }
         }
+        // Every kernel fits 64 registers per thread, so two blocks of 512 threads share an SM: emulated ranks and
+        // the communicator size their grids for that (a kernel at 118 registers deadlocked 8 ranks × 24 blocks).
+        let usage = Command::new(&tool).arg("-res-usage").arg(&path).env("PATH", &path_env).output();
+        let usage = String::from_utf8_lossy(&usage.expect("cuobjdump -res-usage runs").stdout).into_owned();
+        let regs: Vec<u32> = usage
+            .split("REG:")
+            .skip(1)
+            .filter_map(|r| r.split_whitespace().next().and_then(|n| n.parse().ok()))
+            .collect();
+        assert_eq!(regs.len(), functions.len(), "{arch}: one register count per kernel");
+        assert!(regs.iter().all(|r| *r <= 64), "{arch}: a kernel uses more than 64 registers: {regs:?}");
         assert!(sass.contains("STG.E.STRONG.SYS"), "{arch}: no system-scope flag store");
         assert!(sass.contains("LDG.E.STRONG.SYS"), "{arch}: no system-scope flag load");
         std::fs::remove_file(&path).ok();

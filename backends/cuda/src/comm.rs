@@ -32,6 +32,8 @@ struct CustomState {
     all_scratch: Vec<u64>,
     all_flags: Vec<u64>,
     capacity: usize,
+    /// Most blocks per launch ([`custom_max_blocks`]).
+    max_blocks: usize,
     /// Input tables of captured calls, and their registration.
     graph: crate::graph_inputs::GraphInputs,
 }
@@ -64,9 +66,23 @@ fn own_custom_buffers(
 /// How long a rank of a single-process communicator waits for the others while registering graph buffers.
 const GRAPH_EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
-/// Blocks per rank for a message: one per 32 KiB, 4 to 36 (the same on every rank, as the barriers need).
-fn custom_blocks(bytes: usize) -> u32 {
-    (bytes / (32 << 10)).clamp(4, 36) as u32
+/// Default most blocks per rank of a custom all-reduce; `ANYCCL_CUSTOM_MAX_BLOCKS` changes it (4 to
+/// [`anyccl_kernels_cuda::MAX_BLOCKS`]; every rank must use the same value, which the IPC setup checks). On two
+/// H200s (TP2, graph mode) 64 beat 36 by 10–12% from 2 to 8 MiB; 96 and 128 gained nothing more.
+pub const DEFAULT_CUSTOM_MAX_BLOCKS: usize = 64;
+
+/// `ANYCCL_CUSTOM_MAX_BLOCKS` or the default, within 4..=MAX_BLOCKS.
+fn custom_max_blocks() -> usize {
+    std::env::var("ANYCCL_CUSTOM_MAX_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(DEFAULT_CUSTOM_MAX_BLOCKS)
+        .clamp(4, anyccl_kernels_cuda::MAX_BLOCKS)
+}
+
+/// Blocks per rank for a message: one per 32 KiB, from 4 to `max` (the same on every rank, as the barriers need).
+fn custom_blocks(bytes: usize, max: usize) -> u32 {
+    (bytes / (32 << 10)).clamp(4, max) as u32
 }
 
 /// One rank of a CUDA communicator.
@@ -165,11 +181,12 @@ impl CudaComm {
             let capacity = custom_capacity();
             let (kernels, staging, scratch, flags) = own_custom_buffers(&self.runtime, capacity)?;
             let ctx = self.runtime.context();
-            let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 8);
+            let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 16);
             for b in [&staging, &scratch, &flags] {
                 handles.extend_from_slice(&crate::ipc::export_legacy(ctx, b)?);
             }
             handles.extend_from_slice(&(capacity as u64).to_le_bytes());
+            handles.extend_from_slice(&(custom_max_blocks() as u64).to_le_bytes());
             Ok((kernels, staging, scratch, flags, capacity, handles))
         })();
         let mine: &[u8] = match &local {
@@ -179,11 +196,15 @@ impl CudaComm {
         let all = rdv.all_gather(mine)?;
         let (kernels, staging, scratch, flags, capacity, _) = local?;
         let h = crate::ipc::LEGACY_HANDLE_BYTES;
-        if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 8) {
+        if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 16) {
             return Err(off(format!("rank {q} could not set up its custom-kernel buffers")));
         }
-        if all.iter().any(|a| a[3 * h..] != (capacity as u64).to_le_bytes()) {
+        if all.iter().any(|a| a[3 * h..3 * h + 8] != (capacity as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BYTES".into()));
+        }
+        let max_blocks = custom_max_blocks();
+        if all.iter().any(|a| a[3 * h + 8..] != (max_blocks as u64).to_le_bytes()) {
+            return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BLOCKS".into()));
         }
         let ctx = self.runtime.context();
         let mut mappings = Vec::new();
@@ -221,6 +242,7 @@ impl CudaComm {
             all_scratch,
             all_flags,
             capacity,
+            max_blocks,
             graph,
         })
     }
@@ -268,6 +290,7 @@ impl CudaComm {
                     all_scratch: all_scratch.clone(),
                     all_flags: all_flags.clone(),
                     capacity,
+                    max_blocks: custom_max_blocks(),
                     graph,
                 })
             })
@@ -360,7 +383,7 @@ impl CudaComm {
                 &st.all_flags,
                 rank,
                 bytes,
-                custom_blocks(bytes),
+                custom_blocks(bytes, st.max_blocks),
                 crate::custom::two_shot_round_bytes(bytes),
                 stream,
             )

@@ -143,6 +143,8 @@ pub fn unavailable(world: usize) -> Option<String> {
 pub struct CustomKernels {
     module: sys::CUmodule,
     ctx: Arc<DeviceContext>,
+    /// The device's multiprocessor count.
+    sms: usize,
 }
 
 // SAFETY: a module and its functions may be used from any thread of the process.
@@ -188,7 +190,26 @@ impl CustomKernels {
         // SAFETY: `owned` holds a complete cubin; the driver copies what it needs before returning.
         let module =
             unsafe { result::module::load_data(owned.as_ptr().cast()) }.map_err(|e| cu_err("cuModuleLoadData", e))?;
-        Ok(CustomKernels { module, ctx: ctx.clone() })
+        let sms = result::device::get(ctx.ordinal())
+            .and_then(|d| {
+                // SAFETY: a valid device handle; reading an attribute has no side effects.
+                unsafe {
+                    result::device::get_attribute(d, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                }
+            })
+            .map_err(|e| cu_err("cuDeviceGetAttribute", e))?;
+        Ok(CustomKernels { module, ctx: ctx.clone(), sms: sms.max(0) as usize })
+    }
+
+    /// How many blocks of `kind`'s `dtype` kernel fit on the device at once (every SM's worth). Ranks emulated on
+    /// one GPU need all their blocks resident together, or the cross-rank barriers wait forever.
+    pub fn resident_blocks(&self, kind: Kind, dtype: DataType) -> Result<usize> {
+        let f = self.function(kind, dtype, false)?;
+        self.ctx.bind()?;
+        // SAFETY: a function of the loaded module; the query has no side effects.
+        let per_sm = unsafe { result::occupancy::max_active_block_per_multiprocessor(f, THREADS as i32, 0) }
+            .map_err(|e| cu_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+        Ok(per_sm.max(0) as usize * self.sms)
     }
 
     fn function(&self, kind: Kind, dtype: DataType, table: bool) -> Result<sys::CUfunction> {

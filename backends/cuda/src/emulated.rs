@@ -110,7 +110,30 @@ impl EmulatedRanks {
         self.streams.iter().enumerate().try_for_each(|(rank, s)| self.launch_rank(kind, dtype, rank, s))
     }
 
+    /// Refuses a launch whose ranks' blocks could not all be resident at once: their barriers would wait forever.
+    fn check_resident(&self, kind: Kind, dtype: DataType) -> Result<()> {
+        let fit = self.kernels.resident_blocks(kind, dtype)?;
+        let need = self.streams.len() * self.blocks as usize;
+        if need > fit {
+            return Err(anyccl_core::Error::Backend {
+                backend: "cuda".into(),
+                call: "emulated ranks".into(),
+                code: None,
+                message: format!(
+                    "{} ranks × {} blocks of {kind:?} need {need} resident blocks, the device holds {fit}: the \
+                     barriers would deadlock (use fewer blocks or ranks)",
+                    self.streams.len(),
+                    self.blocks
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
+        if rank == 0 {
+            self.check_resident(kind, dtype)?;
+        }
         let (ins, sc, fl) = (Self::ptrs(&self.inputs), Self::ptrs(&self.scratch), Self::ptrs(&self.flags));
         let out = self.outputs[rank].device_ptr();
         let staged = Self::ptrs(&self.stage_out);
