@@ -162,8 +162,23 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                     None => {}
                 }
             }
-            other => ineligible
-                .push(Ineligible { algorithm: other, reason: "not implemented by the CUDA backend yet".into() }),
+            other => {
+                let probe = crate::core::comm::AllReduceCall {
+                    count: 4096 / esz as usize,
+                    dtype: cfg.dtype,
+                    op: cfg.op,
+                    bytes: 4096,
+                    in_place: false,
+                    capturing: false,
+                    bufs: None,
+                };
+                let reason = match comms.first().map(|c| c.check_algorithm(other, &probe)) {
+                    Some(Err(Error::AlgorithmNotEligible { why, .. })) => why,
+                    Some(Err(e)) => e.to_string(),
+                    _ => "not implemented by the CUDA backend yet".into(),
+                };
+                ineligible.push(Ineligible { algorithm: other, reason });
+            }
         }
     }
     let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0) as usize;

@@ -197,7 +197,7 @@ impl SelectorTable {
     /// The built-in defaults.
     ///
     /// GPU rows follow the thresholds public engines use on H100-class nodes (see `vendor-facts.md`): custom
-    /// one-shot always at world 2 (up to 8 MiB), below 512 KiB at world ≤ 4 and below 256 KiB at world ≤ 8;
+    /// one-shot always at world 2 (up to 64 MiB, where its staging buffers allow), below 512 KiB at world ≤ 4 and below 256 KiB at world ≤ 8;
     /// two-shot above that up to 8 MiB; NVLS multicast at world 4–8 on sm_90 between those; symmetric windows at
     /// world ≥ 4 for large messages; the vendor library otherwise. Host rows come from `anyccl bench` on the
     /// 2-core build machine (docs/benchmarks.md).
@@ -235,9 +235,12 @@ impl SelectorTable {
         add(vec![Vendor::Host], None, (2, usize::MAX), (0, Some(8 * KIB)), vec![OneShot, TwoShot, Ring]);
         add(vec![Vendor::Host], None, (2, usize::MAX), (8 * KIB, None), vec![TwoShot, Ring, OneShot]);
         // GPUs.
-        // World 2: one-shot up to and including 8 MiB (the custom kernels' default staging size). On two H200s the
-        // custom one-shot beat NCCL by 1.16x at exactly 8 MiB (docs/benchmarks.md).
+        // World 2: one-shot whenever the custom kernels can take the message (their staging size,
+        // ANYCCL_CUSTOM_MAX_BYTES, default 8 MiB), up to 64 MiB. On two H200s the custom one-shot beat NCCL by
+        // 1.28-1.96x from 1 to 8 MiB and, with 64 MiB staging, by 1.15-1.27x from 16 to 64 MiB (docs/benchmarks.md).
+        // Above 8 MiB this is measured on NVIDIA only.
         add(gpu.clone(), None, (2, 2), (0, Some(8 * MIB + 1)), vec![OneShot, Ccl]);
+        add(vec![Vendor::Nvidia], None, (2, 2), (8 * MIB + 1, Some(64 * MIB + 1)), vec![OneShot, Ccl]);
         add(gpu.clone(), None, (3, 4), (0, Some(512 * KIB)), vec![OneShot, TwoShot, Ccl]);
         add(gpu.clone(), None, (5, 8), (0, Some(256 * KIB)), vec![OneShot, TwoShot, Ccl]);
         add(vec![Vendor::Nvidia], Some("sm_90"), (4, 8), (256 * KIB, Some(4 * MIB)), vec![NvlsBlockPipeline, TwoShot]);
@@ -580,7 +583,8 @@ mod tests {
         let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
         assert_eq!(pick(Vendor::Nvidia, 2, 4 * MIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 2, 8 * MIB), Algorithm::OneShot);
-        assert_eq!(pick(Vendor::Nvidia, 2, 16 * MIB), Algorithm::Ccl);
+        assert_eq!(pick(Vendor::Nvidia, 2, 16 * MIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 2, 128 * MIB), Algorithm::Ccl);
         assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
         assert_eq!(pick(Vendor::Amd, 8, 256 * KIB), Algorithm::TwoShot);

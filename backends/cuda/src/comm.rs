@@ -11,9 +11,17 @@ use anyccl_core::{
 
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 
-/// The all-reduce algorithms of the CUDA backend today.
-pub const ALGORITHMS: [Algorithm; 4] =
-    [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
+/// The all-reduce algorithms of the CUDA backend. The NVLS ones are listed so that selection and the bench say
+/// why they cannot run (multicast off, or not wired yet); they are never eligible today.
+pub const ALGORITHMS: [Algorithm; 7] = [
+    Algorithm::Ccl,
+    Algorithm::CclSymmetric,
+    Algorithm::OneShot,
+    Algorithm::TwoShot,
+    Algorithm::NvlsZeroCopy,
+    Algorithm::NvlsWarpPipeline,
+    Algorithm::NvlsBlockPipeline,
+];
 
 /// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
 /// changes it.
@@ -471,6 +479,14 @@ impl CommBackend for CudaComm {
                 }
                 Ok(())
             }
+            Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
+                Err(match self.caps.require(Capabilities::MULTICAST) {
+                    Err(e) => format!("{e}"),
+                    Ok(()) => "the multicast kernels are built (sm_90+) but not yet wired to multicast objects; \
+                               their unicast emulation runs only in tests and anyccl-cuda-emulated-bench"
+                        .into(),
+                })
+            }
             other => Err(format!("{other} is not implemented by the CUDA backend yet")),
         }
     }
@@ -490,6 +506,19 @@ impl CommBackend for CudaComm {
     ) -> Result<()> {
         if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
             return self.custom_all_reduce(algorithm, bufs, count * dtype.size_bytes(), dtype, stream);
+        }
+        if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
+            let call = AllReduceCall {
+                count,
+                dtype,
+                op,
+                bytes: count * dtype.size_bytes(),
+                in_place: bufs.is_in_place(),
+                capturing: false,
+                bufs: None,
+            };
+            let why = self.allreduce_eligible(algorithm, &call).err().unwrap_or_default();
+            return Err(Error::AlgorithmNotEligible { algorithm, why });
         }
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
         // registered window, which eligibility has checked.
