@@ -146,7 +146,8 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                     .map_or_else(|| "symmetric windows are off".into(), |e| e.to_string());
                 ineligible.push(Ineligible { algorithm: a, reason });
             }
-            Algorithm::OneShot | Algorithm::TwoShot => {
+            other => {
+                // Whether the backend could run a 4 KiB call of this kind at all (the table shows why not).
                 let probe = crate::core::comm::AllReduceCall {
                     count: 4096 / esz as usize,
                     dtype: cfg.dtype,
@@ -156,28 +157,14 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                     capturing: false,
                     bufs: None,
                 };
-                match comms.first().map(|c| c.check_algorithm(a, &probe)) {
-                    Some(Ok(())) => algorithms.push(a),
-                    Some(Err(e)) => ineligible.push(Ineligible { algorithm: a, reason: e.to_string() }),
+                match comms.first().map(|c| c.check_algorithm(other, &probe)) {
+                    Some(Ok(())) => algorithms.push(other),
+                    Some(Err(Error::AlgorithmNotEligible { why, .. })) => {
+                        ineligible.push(Ineligible { algorithm: other, reason: why })
+                    }
+                    Some(Err(e)) => ineligible.push(Ineligible { algorithm: other, reason: e.to_string() }),
                     None => {}
                 }
-            }
-            other => {
-                let probe = crate::core::comm::AllReduceCall {
-                    count: 4096 / esz as usize,
-                    dtype: cfg.dtype,
-                    op: cfg.op,
-                    bytes: 4096,
-                    in_place: false,
-                    capturing: false,
-                    bufs: None,
-                };
-                let reason = match comms.first().map(|c| c.check_algorithm(other, &probe)) {
-                    Some(Err(Error::AlgorithmNotEligible { why, .. })) => why,
-                    Some(Err(e)) => e.to_string(),
-                    _ => "not implemented by the CUDA backend yet".into(),
-                };
-                ineligible.push(Ineligible { algorithm: other, reason });
             }
         }
     }

@@ -378,6 +378,11 @@ __device__ __forceinline__ void nvls_zero_copy(const Ch& ch, int rank, size_t n_
 // staging-out, each at least the message) in tiles; tile t belongs to block t mod gridDim.x on every rank, and
 // within a tile rank r reduce-loads and broadcast-stores part r of W. Staging is indexed by absolute position.
 
+// How many of `tiles` tiles this block owns (tile t belongs to block t mod gridDim.x).
+__device__ __forceinline__ size_t block_tiles(size_t tiles) {
+    return tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+}
+
 // Block pipeline: a block runs its tiles one after another, all its threads on each phase: copy its rank's input
 // tile into staging-in, meet the peers' same block, reduce-load part r and broadcast-store it into every rank's
 // staging-out, meet again, copy the output tile out. Blocks work on different tiles independently, so copies and
@@ -387,7 +392,7 @@ template <typename T, int W, typename Ch>
 __device__ __forceinline__ void nvls_block_pipeline(const void* in, void* out, void* my_stage_in, const void* my_stage_out,
                                     const Ch& ch, int rank, size_t n_vec) {
     const size_t tiles = (n_vec + ANYCCL_TILE_VECS - 1) / ANYCCL_TILE_VECS;
-    const size_t my_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    const size_t my_tiles = block_tiles(tiles);
     uint32_t e = next_epoch(ch_my_flags(ch), 2 * (uint32_t)my_tiles + 1);
     for (size_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const size_t ts = t * ANYCCL_TILE_VECS;
@@ -422,7 +427,7 @@ template <typename T, int W, typename Ch>
 __device__ __forceinline__ void nvls_warp_pipeline(const void* in, void* out, void* my_stage_in, const void* my_stage_out,
                                    const Ch& ch, int rank, size_t n_vec) {
     const size_t tiles = (n_vec + ANYCCL_WP_TILE_VECS - 1) / ANYCCL_WP_TILE_VECS;
-    const size_t my_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    const size_t my_tiles = block_tiles(tiles);
     uint32_t e = next_epoch(ch_my_flags(ch), (uint32_t)my_tiles + 1);
     const int warp = threadIdx.x / 32;
     const int warps = blockDim.x / 32;
