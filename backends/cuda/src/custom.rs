@@ -1,4 +1,6 @@
-//! Launch glue for the custom all-reduce kernels of `anyccl-kernels-cuda` (one-shot, two-shot).
+//! Launch glue for the custom all-reduce kernels of `anyccl-kernels-cuda`: one-shot and two-shot (inputs read
+//! directly, through staging the kernel copies into, or through an input table in device memory), and the unicast
+//! emulations of the NVLS zero-copy, warp-pipeline and block-pipeline variants.
 //!
 //! The kernels read peers' buffers through device pointers: IPC-mapped buffers of other processes, or other
 //! buffers of the same GPU when ranks are emulated (tests and benchmarks on one GPU). Every rank launches the same
@@ -99,7 +101,9 @@ pub fn input_table(ptrs: &[u64], registered: bool) -> [u8; INPUT_TABLE_BYTES] {
     t
 }
 
-/// The round size two-shot uses for a message of `bytes` (0: the whole message in one round).
+/// The round size two-shot uses for a message of `bytes` (0: the whole message in one round). Always one round:
+/// rounds of 1 to 8 MiB were slower at every size with 8 emulated ranks on an H200 (docs/benchmarks.md, session 3);
+/// `anyccl-cuda-emulated-bench --two-shot-rounds` measures them again.
 pub fn two_shot_round_bytes(bytes: usize) -> usize {
     let _ = bytes;
     0
