@@ -47,13 +47,21 @@ struct CustomState {
 }
 
 /// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
-fn custom_capacity() -> usize {
-    std::env::var("ANYCCL_CUSTOM_MAX_BYTES")
-        .ok()
-        .and_then(|v| anyccl_core::units::parse_bytes(&v).ok())
-        .map_or(DEFAULT_CUSTOM_MAX_BYTES, |v| v as usize)
-        .div_ceil(16)
-        * 16
+fn custom_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let Some(v) = env("ANYCCL_CUSTOM_MAX_BYTES") else {
+        return Ok(DEFAULT_CUSTOM_MAX_BYTES);
+    };
+    let bad = || Error::Parse {
+        what: "ANYCCL_CUSTOM_MAX_BYTES",
+        input: v.clone(),
+        expected: "a size of at least 16 bytes, such as 8MiB or 67108864".into(),
+    };
+    let bytes = anyccl_core::units::parse_bytes(&v).map_err(|_| bad())?;
+    let bytes = usize::try_from(bytes).map_err(|_| bad())?;
+    if bytes < 16 {
+        return Err(bad());
+    }
+    Ok(bytes.div_ceil(16) * 16)
 }
 
 /// One rank's own custom-kernel resources: the kernels, staging and scratch of `capacity` bytes, and a zeroed
@@ -79,13 +87,22 @@ const GRAPH_EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 /// H200s (TP2, graph mode) 64 beat 36 by 10–12% from 2 to 8 MiB; 96 and 128 gained nothing more.
 pub const DEFAULT_CUSTOM_MAX_BLOCKS: usize = 64;
 
-/// `ANYCCL_CUSTOM_MAX_BLOCKS` or the default, within 4..=MAX_BLOCKS.
-fn custom_max_blocks() -> usize {
-    std::env::var("ANYCCL_CUSTOM_MAX_BLOCKS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(DEFAULT_CUSTOM_MAX_BLOCKS)
-        .clamp(4, anyccl_kernels_cuda::MAX_BLOCKS)
+/// `ANYCCL_CUSTOM_MAX_BLOCKS` or the default; a value outside 4..=MAX_BLOCKS is an error.
+fn custom_max_blocks(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let Some(v) = env("ANYCCL_CUSTOM_MAX_BLOCKS") else {
+        return Ok(DEFAULT_CUSTOM_MAX_BLOCKS);
+    };
+    let max = anyccl_kernels_cuda::MAX_BLOCKS;
+    v.trim().parse::<usize>().ok().filter(|b| (4..=max).contains(b)).ok_or_else(|| Error::Parse {
+        what: "ANYCCL_CUSTOM_MAX_BLOCKS",
+        input: v.clone(),
+        expected: format!("a block count from 4 to {max}"),
+    })
+}
+
+/// The process environment, for the settings above.
+fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
 }
 
 /// Blocks per rank for a message: one per 32 KiB, from 4 to `max` (the same on every rank, as the barriers need).
@@ -186,7 +203,8 @@ impl CudaComm {
             if let Some(why) = crate::custom::unavailable(world) {
                 return Err(off(why));
             }
-            let capacity = custom_capacity();
+            let capacity = custom_capacity(&process_env)?;
+            let max_blocks = custom_max_blocks(&process_env)?;
             let (kernels, staging, scratch, flags) = own_custom_buffers(&self.runtime, capacity)?;
             let ctx = self.runtime.context();
             let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 16);
@@ -194,15 +212,15 @@ impl CudaComm {
                 handles.extend_from_slice(&crate::ipc::export_legacy(ctx, b)?);
             }
             handles.extend_from_slice(&(capacity as u64).to_le_bytes());
-            handles.extend_from_slice(&(custom_max_blocks() as u64).to_le_bytes());
-            Ok((kernels, staging, scratch, flags, capacity, handles))
+            handles.extend_from_slice(&(max_blocks as u64).to_le_bytes());
+            Ok((kernels, staging, scratch, flags, capacity, max_blocks, handles))
         })();
         let mine: &[u8] = match &local {
-            Ok(l) => &l.5,
+            Ok(l) => &l.6,
             Err(_) => &[],
         };
         let all = rdv.all_gather(mine)?;
-        let (kernels, staging, scratch, flags, capacity, _) = local?;
+        let (kernels, staging, scratch, flags, capacity, max_blocks, _) = local?;
         let h = crate::ipc::LEGACY_HANDLE_BYTES;
         if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 16) {
             return Err(off(format!("rank {q} could not set up its custom-kernel buffers")));
@@ -210,7 +228,6 @@ impl CudaComm {
         if all.iter().any(|a| a[3 * h..3 * h + 8] != (capacity as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BYTES".into()));
         }
-        let max_blocks = custom_max_blocks();
         if all.iter().any(|a| a[3 * h + 8..] != (max_blocks as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BLOCKS".into()));
         }
@@ -260,7 +277,8 @@ impl CudaComm {
         if let Some(why) = crate::custom::unavailable(world) {
             return Err(why);
         }
-        let capacity = custom_capacity();
+        let capacity = custom_capacity(&process_env).map_err(|e| e.to_string())?;
+        let max_blocks = custom_max_blocks(&process_env).map_err(|e| e.to_string())?;
         let ctxs: Vec<_> = comms.iter().map(|c| c.runtime.context().clone()).collect();
         for a in &ctxs {
             for b in &ctxs {
@@ -298,7 +316,7 @@ impl CudaComm {
                     all_scratch: all_scratch.clone(),
                     all_flags: all_flags.clone(),
                     capacity,
-                    max_blocks: custom_max_blocks(),
+                    max_blocks,
                     graph,
                 })
             })
@@ -615,5 +633,40 @@ impl CommBackend for CudaComm {
             return Ok(());
         }
         stream.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let owned: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| owned.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn custom_kernel_settings_default_parse_and_refuse_bad_values() {
+        assert_eq!(custom_capacity(&env(&[])).expect("default"), DEFAULT_CUSTOM_MAX_BYTES);
+        assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "64MiB")])).expect("64 MiB"), 64 << 20);
+        assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "1000")])).expect("rounded"), 1008);
+        for bad in ["lots", "8", "-1MiB"] {
+            let e = custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", bad)])).expect_err("refused");
+            assert!(e.to_string().contains("ANYCCL_CUSTOM_MAX_BYTES"), "{e}");
+        }
+        assert_eq!(custom_max_blocks(&env(&[])).expect("default"), DEFAULT_CUSTOM_MAX_BLOCKS);
+        assert_eq!(custom_max_blocks(&env(&[("ANYCCL_CUSTOM_MAX_BLOCKS", "48")])).expect("48"), 48);
+        for bad in ["3", "129", "many", ""] {
+            let e = custom_max_blocks(&env(&[("ANYCCL_CUSTOM_MAX_BLOCKS", bad)])).expect_err("refused");
+            assert!(e.to_string().contains("from 4 to 128"), "{e}");
+        }
+    }
+
+    #[test]
+    fn blocks_grow_with_the_message_within_the_bounds() {
+        assert_eq!(custom_blocks(16, 64), 4);
+        assert_eq!(custom_blocks(1 << 20, 64), 32);
+        assert_eq!(custom_blocks(8 << 20, 64), 64);
+        assert_eq!(custom_blocks(8 << 20, 36), 36);
     }
 }
