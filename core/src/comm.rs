@@ -163,6 +163,13 @@ pub trait CommBackend: Send {
     ) -> Result<()>;
     /// Wait until every rank has reached the barrier.
     fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
+    /// Waits until the work queued on `stream` has finished, for at most `timeout`. A backend that can watch its
+    /// collective library tears its communicator down on a timeout or a library error (a peer that died) and
+    /// returns the error instead of hanging; later calls then fail. The default synchronizes without a limit.
+    fn wait(&mut self, stream: &StreamOf<Self>, timeout: std::time::Duration) -> Result<()> {
+        let _ = timeout;
+        self.runtime().synchronize(stream)
+    }
 }
 
 /// One rank's communicator: the validation and selection front-end over a backend.
@@ -395,5 +402,12 @@ impl<B: CommBackend> Communicator<B> {
     /// Wait until every rank reaches the barrier.
     pub fn barrier(&mut self, stream: &StreamOf<B>) -> Result<()> {
         self.backend.barrier(stream)
+    }
+
+    /// Waits until the work queued on `stream` has finished, for at most `timeout`: on the CUDA backend a peer
+    /// that died makes this return [`Error::Timeout`] or [`Error::PeerFailure`] (and the communicator is aborted)
+    /// instead of hanging, as `stream.synchronize()` would.
+    pub fn wait(&mut self, stream: &StreamOf<B>, timeout: std::time::Duration) -> Result<()> {
+        self.backend.wait(stream, timeout)
     }
 }

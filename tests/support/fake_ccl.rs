@@ -117,6 +117,7 @@ pub fn c_source(symbols: &[&str], version: i32, version_status: i32) -> String {
                  *c = f; return 0; }"
                 .to_owned(),
             "ncclCommDestroy" => "int ncclCommDestroy(void* c) { free(c); return 0; }".to_owned(),
+            "ncclCommAbort" => "int ncclCommAbort(void* c) { free(c); return 0; }".to_owned(),
             "ncclCommCount" => "int ncclCommCount(void* c, int* n) { *n = ((struct fake_comm*)c)->n; return 0; }".into(),
             "ncclCommUserRank" => {
                 "int ncclCommUserRank(void* c, int* r) { *r = ((struct fake_comm*)c)->rank; return 0; }".into()

@@ -214,8 +214,9 @@ impl CclComm {
 
     fn query(&self, name: &str, f: sys::CommQuery) -> Result<usize> {
         let mut v: c_int = 0;
-        // SAFETY: `self.comm` is a live communicator; the query writes one int.
-        let status = unsafe { f(self.comm, &mut v) };
+        let comm = self.live()?;
+        // SAFETY: `comm` is a live communicator; the query writes one int.
+        let status = unsafe { f(comm, &mut v) };
         check(&self.lib, name, status, self.comm)?;
         usize::try_from(v).map_err(|_| Error::Backend {
             backend: backend_name(&self.lib).into(),
@@ -238,8 +239,9 @@ impl CclComm {
     /// `ncclCommGetAsyncError`: `Ok` while the communicator is healthy.
     pub fn async_error(&self) -> Result<()> {
         let mut e: sys::ncclResult_t = 0;
+        let comm = self.live()?;
         // SAFETY: live communicator; writes one status.
-        let status = unsafe { (self.lib.table().required.comm_get_async_error)(self.comm, &mut e) };
+        let status = unsafe { (self.lib.table().required.comm_get_async_error)(comm, &mut e) };
         check(&self.lib, "ncclCommGetAsyncError", status, self.comm)?;
         if e == sys::NCCL_IN_PROGRESS {
             return Ok(());
@@ -252,9 +254,37 @@ impl CclComm {
         &self.lib
     }
 
-    /// The raw `ncclComm_t`, for calls this layer does not wrap.
+    /// The raw `ncclComm_t`, for calls this layer does not wrap (null once aborted).
     pub fn raw(&self) -> sys::ncclComm_t {
         self.comm
+    }
+
+    /// The communicator handle, or an error once [`Self::abort_in_place`] has torn it down.
+    fn live(&self) -> Result<sys::ncclComm_t> {
+        if self.comm.is_null() {
+            return Err(Error::PeerFailure(format!(
+                "this {} communicator was aborted after a peer failed or a wait timed out; create a new one",
+                backend_name(&self.lib)
+            )));
+        }
+        Ok(self.comm)
+    }
+
+    /// Whether [`Self::abort_in_place`] has torn this communicator down.
+    pub fn is_aborted(&self) -> bool {
+        self.comm.is_null()
+    }
+
+    /// `ncclCommAbort`, keeping the value: the library stops its kernels and frees the communicator without
+    /// waiting for peers; every later call returns [`Error::PeerFailure`]. Aborting twice does nothing.
+    pub fn abort_in_place(&mut self) -> Result<()> {
+        if self.comm.is_null() {
+            return Ok(());
+        }
+        let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        // SAFETY: `comm` was live and is aborted exactly once (the field is null from now on).
+        let st = unsafe { (self.lib.table().required.comm_abort)(comm) };
+        check(&self.lib, "ncclCommAbort", st, std::ptr::null_mut())
     }
 
     fn status(&self, call: &str, status: sys::ncclResult_t) -> Result<()> {
@@ -277,7 +307,7 @@ impl CclComm {
     ) -> Result<()> {
         let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
         // SAFETY: the caller guarantees the buffers and stream; the comm is live.
-        let st = unsafe { (self.lib.table().required.all_reduce)(send, recv, count, d, o, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.all_reduce)(send, recv, count, d, o, self.live()?, stream) };
         self.status("ncclAllReduce", st)
     }
 
@@ -295,7 +325,7 @@ impl CclComm {
     ) -> Result<()> {
         let d = nccl_dtype(&self.lib, dtype)?;
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.all_gather)(send, recv, count, d, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.all_gather)(send, recv, count, d, self.live()?, stream) };
         self.status("ncclAllGather", st)
     }
 
@@ -314,7 +344,7 @@ impl CclComm {
     ) -> Result<()> {
         let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.reduce_scatter)(send, recv, count, d, o, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.reduce_scatter)(send, recv, count, d, o, self.live()?, stream) };
         self.status("ncclReduceScatter", st)
     }
 
@@ -334,7 +364,7 @@ impl CclComm {
         let d = nccl_dtype(&self.lib, dtype)?;
         let root = c_int::try_from(root).map_err(|_| InvalidArgument::BadWorld(format!("root {root}")))?;
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.broadcast)(send, recv, count, d, root, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.broadcast)(send, recv, count, d, root, self.live()?, stream) };
         self.status("ncclBroadcast", st)
     }
 
@@ -356,7 +386,7 @@ impl CclComm {
         let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
         let root = c_int::try_from(root).map_err(|_| InvalidArgument::BadWorld(format!("root {root}")))?;
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.reduce)(send, recv, count, d, o, root, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.reduce)(send, recv, count, d, o, root, self.live()?, stream) };
         self.status("ncclReduce", st)
     }
 
@@ -375,7 +405,7 @@ impl CclComm {
         let d = nccl_dtype(&self.lib, dtype)?;
         let peer = c_int::try_from(peer).map_err(|_| InvalidArgument::BadWorld(format!("peer {peer}")))?;
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.send)(buf, count, d, peer, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.send)(buf, count, d, peer, self.live()?, stream) };
         self.status("ncclSend", st)
     }
 
@@ -394,7 +424,7 @@ impl CclComm {
         let d = nccl_dtype(&self.lib, dtype)?;
         let peer = c_int::try_from(peer).map_err(|_| InvalidArgument::BadWorld(format!("peer {peer}")))?;
         // SAFETY: as documented above.
-        let st = unsafe { (self.lib.table().required.recv)(buf, count, d, peer, self.comm, stream) };
+        let st = unsafe { (self.lib.table().required.recv)(buf, count, d, peer, self.live()?, stream) };
         self.status("ncclRecv", st)
     }
 
@@ -408,7 +438,7 @@ impl CclComm {
         let f = self.lib.table().optional.comm_window_register.ok_or_else(|| self.missing("ncclCommWindowRegister"))?;
         let mut win: sys::ncclWindow_t = std::ptr::null_mut();
         // SAFETY: as documented above; NCCL writes the window handle through the valid pointer.
-        let st = unsafe { f(self.comm, ptr, size, &mut win, sys::NCCL_WIN_COLL_SYMMETRIC) };
+        let st = unsafe { f(self.live()?, ptr, size, &mut win, sys::NCCL_WIN_COLL_SYMMETRIC) };
         self.status("ncclCommWindowRegister", st)?;
         Ok(Window(win))
     }
@@ -418,7 +448,7 @@ impl CclComm {
         let f =
             self.lib.table().optional.comm_window_deregister.ok_or_else(|| self.missing("ncclCommWindowDeregister"))?;
         // SAFETY: `win` came from window_register on this communicator and is deregistered once (moved in).
-        let st = unsafe { f(self.comm, win.0) };
+        let st = unsafe { f(self.live()?, win.0) };
         self.status("ncclCommWindowDeregister", st)
     }
 
@@ -509,19 +539,17 @@ pub fn init_all(lib: &Arc<CclLibrary>, devices: &[i32]) -> Result<Vec<CclComm>> 
 
 impl CclComm {
     /// `ncclCommAbort`: tears the communicator down without waiting for peers (after a peer failed).
-    pub fn abort(self) -> Result<()> {
-        let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `me.comm` is live; ManuallyDrop keeps Drop from destroying it a second time.
-        let st = unsafe { (me.lib.table().required.comm_abort)(me.comm) };
-        let r = check(&me.lib, "ncclCommAbort", st, std::ptr::null_mut());
-        // SAFETY: `me.lib` is read out exactly once and `me` is never used or dropped afterwards.
-        drop(unsafe { std::ptr::read(&me.lib) });
-        r
+    pub fn abort(mut self) -> Result<()> {
+        self.abort_in_place()
     }
 }
 
 impl Drop for CclComm {
     fn drop(&mut self) {
+        if self.comm.is_null() {
+            // Aborted: the library has freed it already.
+            return;
+        }
         // SAFETY: `self.comm` is live and dropped exactly once here.
         let status = unsafe { (self.lib.table().required.comm_destroy)(self.comm) };
         if let Err(e) = check(&self.lib, "ncclCommDestroy", status, std::ptr::null_mut()) {

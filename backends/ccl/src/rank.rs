@@ -6,6 +6,7 @@
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
@@ -65,6 +66,46 @@ impl Drop for CclRank {
 }
 
 impl CclRank {
+    /// Waits until `done` (the backend's stream query: `Ok(true)` once the queued work has finished) says so,
+    /// watching the library for asynchronous errors. When the library reports one, or `timeout` passes first (a
+    /// peer died or never arrived), the communicator is aborted, which stops the library's kernels, and the error
+    /// is returned; every later call fails with [`Error::PeerFailure`].
+    pub fn wait_or_abort(&mut self, timeout: Duration, done: &mut dyn FnMut() -> Result<bool>) -> Result<()> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if done()? {
+                return Ok(());
+            }
+            if let Err(e) = self.ccl.async_error() {
+                let aborted = self.abort_for_wait();
+                return Err(Error::PeerFailure(format!(
+                    "rank {} of {}: the collective library reported an error while waiting: {e}; {aborted}",
+                    self.rank, self.world
+                )));
+            }
+            if start.elapsed() >= timeout {
+                let aborted = self.abort_for_wait();
+                return Err(Error::Timeout {
+                    what: format!(
+                        "rank {} of {}: queued collectives to finish (a peer may have died or never called); {aborted}",
+                        self.rank, self.world
+                    ),
+                    after: timeout,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    fn abort_for_wait(&mut self) -> String {
+        match self.ccl.abort_in_place() {
+            Ok(()) => "the communicator was aborted".into(),
+            Err(e) => format!("aborting the communicator failed too: {e}"),
+        }
+    }
+
     /// Wraps rank `rank` of `world`.
     pub fn new(ccl: CclComm, rank: usize, world: usize) -> Self {
         CclRank { ccl, rank, world, windows: Arc::new(Mutex::new(Vec::new())), alive: Arc::new(AtomicBool::new(true)) }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyccl_ccl::loader::{OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
-use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclVendor, LoadFailure, SearchPlan, UniqueId};
+use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclRank, CclVendor, LoadFailure, SearchPlan, UniqueId};
 use anyccl_core::{Capabilities, CapabilityState, DataType, Error, ReduceOp};
 use fake_ccl::*;
 
@@ -402,4 +402,61 @@ fn nccl_2_8_uses_the_old_version_encoding_and_lacks_bf16_and_avg() {
     let bogus = UniqueId::from_bytes(&[0u8; 128]).expect("128 bytes");
     let err = CclComm::init_rank(Arc::new(lib), 2, &bogus, 0).err().expect("refused");
     assert!(matches!(err, Error::Backend { ref message, .. } if message == "invalid argument (fake)"), "{err:?}");
+}
+
+/// One rank of a world-1 communicator on the fake library at `path`.
+fn world_1_rank(path: &Path) -> CclRank {
+    let lib = Arc::new(CclLibrary::open(path).expect("loads"));
+    let id = UniqueId::new(&lib).expect("id");
+    CclRank::new(CclComm::init_rank(lib, 1, &id, 0).expect("communicator"), 0, 1)
+}
+
+#[test]
+fn a_wait_that_never_finishes_aborts_the_communicator_and_later_calls_fail() {
+    let mut rank = world_1_rank(&build_profile(&NCCL_2_28));
+    // Work that finishes: the wait returns once the query says so.
+    let mut polls = 0;
+    rank.wait_or_abort(std::time::Duration::from_secs(30), &mut || {
+        polls += 1;
+        Ok(polls == 3)
+    })
+    .expect("finishes");
+    assert_eq!(polls, 3);
+    assert!(!rank.ccl().is_aborted());
+    // A stream error is passed through, and the communicator stays usable.
+    let e = rank
+        .wait_or_abort(std::time::Duration::from_secs(30), &mut || Err(Error::PeerFailure("stream broke".into())))
+        .expect_err("stream error");
+    assert_eq!(e.to_string(), Error::PeerFailure("stream broke".into()).to_string());
+    assert_eq!(rank.ccl().count().expect("still live"), 1);
+    // Work that never finishes (a peer died): a timeout within the limit, the communicator aborted.
+    let start = std::time::Instant::now();
+    let e = rank.wait_or_abort(std::time::Duration::from_millis(200), &mut || Ok(false)).expect_err("times out");
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("the communicator was aborted"), "{e}");
+    assert!(rank.ccl().is_aborted());
+    // Every later call says so instead of touching the freed communicator; dropping it destroys nothing twice.
+    let later = rank.ccl().count().expect_err("aborted");
+    assert!(matches!(later, Error::PeerFailure(ref m) if m.contains("aborted")), "{later}");
+    assert!(rank.ccl().async_error().is_err());
+    drop(rank);
+}
+
+#[test]
+fn an_asynchronous_library_error_while_waiting_aborts_with_the_library_text() {
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    let source = c_source(&syms, 22809, 0).replace(
+        "int ncclCommGetAsyncError(void* c, int* e) { *e = 0; return 0; }",
+        "int ncclCommGetAsyncError(void* c, int* e) { *e = 1; return 0; }",
+    );
+    assert!(source.contains("*e = 1"), "the fake's async-error body changed; update this test");
+    let path = compile_once("nccl-async-error/libnccl.so.2", &source, &[]);
+    let mut rank = world_1_rank(&path);
+    let e = rank.wait_or_abort(std::time::Duration::from_secs(30), &mut || Ok(false)).expect_err("library error");
+    assert!(matches!(e, Error::PeerFailure(_)), "{e}");
+    let text = e.to_string();
+    assert!(text.contains("unhandled error (fake)") && text.contains("the communicator was aborted"), "{text}");
+    assert!(rank.ccl().is_aborted());
 }

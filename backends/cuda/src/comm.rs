@@ -623,6 +623,31 @@ impl CommBackend for CudaComm {
         unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw() as _) }
     }
 
+    fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {
+        if stream.is_capturing()? {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                call: "wait".into(),
+                code: None,
+                message: "cannot wait on a stream that is being captured".into(),
+            });
+        }
+        let r = self.ccl.wait_or_abort(timeout, &mut || stream.query());
+        if r.is_err() {
+            // NCCL's abort stops NCCL's kernels; a custom all-reduce waiting for a dead peer cannot be stopped.
+            // Freeing its buffers or unloading its module would wait for it forever, so they are leaked.
+            let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
+            if let Ok(st) = std::mem::replace(&mut self.custom, Err(why)) {
+                std::mem::forget(st);
+                tracing::error!(
+                    "a custom all-reduce kernel may still wait for a dead peer on this GPU; its buffers are leaked \
+                     and it stops only when the process exits"
+                );
+            }
+        }
+        r
+    }
+
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
         // An all-reduce of one element, then wait: every rank has arrived when it completes.
         self.bind()?;

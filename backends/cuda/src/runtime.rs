@@ -112,6 +112,17 @@ impl CudaStream {
         unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cu_err("cuStreamSynchronize", e))
     }
 
+    /// Whether the stream's work is done (`cuStreamQuery`), without blocking.
+    pub fn query(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: live stream; the query has no side effects.
+        match unsafe { sys::cuStreamQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(cu_err("cuStreamQuery", cudarc::driver::DriverError(other))),
+        }
+    }
+
     /// Whether the stream is being captured into a graph.
     pub fn is_capturing(&self) -> Result<bool> {
         // SAFETY: live stream; the query has no side effects and is legal during capture.

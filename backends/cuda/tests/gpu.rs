@@ -257,6 +257,18 @@ fn run_ranks(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<(usize, b
                 .expect("spawn anyccl-cuda-ipc-check")
         })
         .collect();
+    // No rank may run for more than ten minutes: a hang fails the test instead of stalling the run.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+    let mut children = children;
+    while children.iter_mut().any(|c| c.try_wait().ok().flatten().is_none()) {
+        if std::time::Instant::now() > deadline {
+            for c in &mut children {
+                let _ = c.kill();
+            }
+            panic!("world {world}: a rank was still running after 600 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     children
         .into_iter()
         .enumerate()
@@ -384,5 +396,21 @@ fn graph_buffers_single_process_replays_before_and_after_registration() {
     for r in results {
         let line = r.unwrap_or_else(|e| panic!("{e}"));
         eprintln!("{line}");
+    }
+}
+
+#[test]
+#[ignore = "needs 2 or more NVIDIA GPUs: run on a multi-GPU machine with --ignored"]
+fn a_rank_that_dies_makes_the_others_fail_within_the_timeout() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    assert!(gpus >= 2, "this test needs two GPUs or more, found {gpus}");
+    for algo in ["ccl", "one-shot"] {
+        let start = std::time::Instant::now();
+        let results = run_ranks(2, &|_| vec!["--kind".into(), format!("kill-{algo}")]);
+        let (_, ok, so, se) = &results[0];
+        assert!(ok, "{algo}: rank 0 did not report the dead peer: {so}{se}");
+        assert!(so.contains("with a dead peer failed after"), "{so}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(120), "{algo}: took {:?}", start.elapsed());
+        assert!(!results[1].1, "rank 1 was meant to die");
     }
 }

@@ -143,9 +143,51 @@ fn bytemuck_bytes(v: &[i32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
+/// A rank that dies mid-run: every rank runs one all-reduce with `algo` (connections made, kernels loaded), then
+/// the last rank exits without a word, and rank 0 runs a second one and waits at most 10 s. Succeeds when that
+/// second call or its wait fails within the limit (with the error printed); fails if the wait returns `Ok`.
+fn run_kill(algo: &str) -> Result<String> {
+    let algo: Algorithm = algo.parse()?;
+    let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
+    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let rt = comm.runtime().clone();
+    let stream = rt.stream()?;
+    let m = 1usize << 18;
+    let mut b = rt.alloc(m * 2)?;
+    rt.upload(&mut b, &vec![0u8; m * 2], &stream)?;
+    comm.all_reduce_with(algo, InOut::InPlace(&mut b), m, DataType::Bf16, ReduceOp::Sum, &stream)?;
+    comm.wait(&stream, std::time::Duration::from_secs(60))?;
+    rdv.barrier()?;
+    if rank + 1 == world {
+        // Dies: no communicator teardown, no goodbye to the rendezvous.
+        std::process::exit(17);
+    }
+    let start = std::time::Instant::now();
+    let r = comm
+        .all_reduce_with(algo, InOut::InPlace(&mut b), m, DataType::Bf16, ReduceOp::Sum, &stream)
+        .and_then(|_| comm.wait(&stream, std::time::Duration::from_secs(10)));
+    let secs = start.elapsed().as_secs_f64();
+    match r {
+        Ok(()) => Err(anyccl_core::Error::PeerFailure(format!(
+            "rank {rank}: {algo} finished although rank {} is dead",
+            world - 1
+        ))),
+        Err(e) => {
+            // Exit at once: a custom kernel may still spin on this GPU, and freeing buffers it touches (dropping
+            // them here) could wait for it forever. Process exit ends it.
+            println!("rank {rank}: {algo} with a dead peer failed after {secs:.1} s: {e}");
+            std::process::exit(0);
+        }
+    }
+}
+
 fn run(kind: &str, device: i32) -> Result<String> {
     if kind == "nccl" {
         return run_nccl();
+    }
+    if let Some(algo) = kind.strip_prefix("kill-") {
+        return run_kill(algo);
     }
     let mut rdv = Rendezvous::establish(RendezvousConfig::from_env()?)?;
     let rank = rdv.rank();
@@ -190,7 +232,7 @@ fn run(kind: &str, device: i32) -> Result<String> {
             return Err(anyccl_core::Error::Parse {
                 what: "IPC kind",
                 input: other.into(),
-                expected: "legacy, vmm".into(),
+                expected: "legacy, vmm, nccl, kill-ALGORITHM".into(),
             })
         }
     };
