@@ -258,6 +258,30 @@ hipError_t hipStreamDestroy(void* s) {
     free(s);
     return 0;
 }
+/* Streams the tests mark busy: hipStreamQuery answers hipErrorNotReady for them (work that never finishes). */
+static void* busy_streams[MAX_STREAMS];
+void fakehip_set_busy(void* s, int busy) {
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (busy && busy_streams[i] == NULL) { busy_streams[i] = s; break; }
+        if (!busy && busy_streams[i] == s) busy_streams[i] = NULL;
+    }
+    pthread_mutex_unlock(&mu);
+}
+hipError_t hipStreamQuery(void* s) {
+    count_call("hipStreamQuery");
+    struct stream* st = s;
+    if (st && st->capturing) {
+        fakehip_add_violation("hipStreamQuery", "querying a capturing stream");
+        st->invalidated = 1;
+        return 900;
+    }
+    int busy = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < MAX_STREAMS; i++) busy |= s != NULL && busy_streams[i] == s;
+    pthread_mutex_unlock(&mu);
+    return busy ? 600 : 0;
+}
 hipError_t hipStreamSynchronize(void* s) {
     count_call("hipStreamSynchronize");
     struct stream* st = s;

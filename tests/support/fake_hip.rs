@@ -24,6 +24,7 @@ const IMPLEMENTED: &[&str] = &[
     "ncclCommCount",
     "ncclCommUserRank",
     "ncclCommGetAsyncError",
+    "ncclCommAbort",
     "ncclGetErrorString",
     "ncclGetLastError",
     "ncclGroupStart",
@@ -115,6 +116,15 @@ impl FakeHip {
     pub fn reset(&self) {
         // SAFETY: as above.
         unsafe { self.lib.get::<unsafe extern "C" fn()>(b"fakehip_reset\0").expect("sym")() }
+    }
+
+    /// Marks `stream` busy (its work never finishes, as with a peer that died) or idle again.
+    pub fn set_busy(&self, stream: *mut std::ffi::c_void, busy: bool) {
+        // SAFETY: as above.
+        unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(*mut std::ffi::c_void, i32)>(b"fakehip_set_busy\0");
+            f.expect("sym")(stream, i32::from(busy))
+        }
     }
 
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.

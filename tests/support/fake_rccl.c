@@ -342,7 +342,13 @@ ncclResult_t ncclCommInitAll(void** out, int n, const int* devs) {
 ncclResult_t ncclCommDestroy(void* c) { free(c); return 0; }
 ncclResult_t ncclCommCount(void* c, int* n) { *n = ((struct comm*)c)->c->n; return 0; }
 ncclResult_t ncclCommUserRank(void* c, int* r) { *r = ((struct comm*)c)->rank; return 0; }
-ncclResult_t ncclCommGetAsyncError(void* c, int* e) { (void)c; *e = 0; return 0; }
+/* An asynchronous error the tests inject (0: healthy), and the communicators aborted so far. */
+static int async_error = 0;
+static int aborted = 0;
+void fakerccl_set_async_error(int e) { async_error = e; }
+int fakerccl_aborted(void) { return aborted; }
+ncclResult_t ncclCommGetAsyncError(void* c, int* e) { (void)c; *e = async_error; return 0; }
+ncclResult_t ncclCommAbort(void* c) { free(c); aborted++; return 0; }
 const char* ncclGetErrorString(int s) { return s == 4 ? "invalid argument (fake RCCL)" : s == 1 ? "unhandled cuda error (fake RCCL)" : "error (fake RCCL)"; }
 const char* ncclGetLastError(void* c) { (void)c; return ""; }
 ncclResult_t ncclGroupStart(void) { return 0; }

@@ -217,6 +217,12 @@ impl CommBackend for RocmComm {
         unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw()) }
     }
 
+    fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
+        // The query refuses a capturing stream, before RCCL is touched.
+        stream.query()?;
+        self.ccl.wait_or_abort(timeout, &mut || stream.query())
+    }
+
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
         self.runtime.device().bind()?;
         // SAFETY: a 4-byte buffer of this device; the stream is live.

@@ -104,6 +104,7 @@ hip_table! {
     stream_create_with_flags: StreamCreateWithFlags = "hipStreamCreateWithFlags",
     stream_destroy: StreamDestroy = "hipStreamDestroy",
     stream_synchronize: StreamSynchronize = "hipStreamSynchronize",
+    stream_query: StreamQuery = "hipStreamQuery",
     stream_get_capture_info: StreamGetCaptureInfo = "hipStreamGetCaptureInfo",
     stream_begin_capture: StreamBeginCapture = "hipStreamBeginCapture",
     stream_end_capture: StreamEndCapture = "hipStreamEndCapture",

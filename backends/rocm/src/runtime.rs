@@ -285,6 +285,19 @@ impl HipStream {
         self.synchronize_not_capturing()
     }
 
+    /// Whether the stream's work is done (`hipStreamQuery`), without blocking. Refused while capturing.
+    pub fn query(&self) -> Result<bool> {
+        if self.is_capturing()? {
+            return Err(refuse_capture("hipStreamQuery"));
+        }
+        // SAFETY: the stream is live.
+        match unsafe { (self.dev.lib.table().stream_query)(self.raw) } {
+            sys::HIP_SUCCESS => Ok(true),
+            sys::HIP_ERROR_NOT_READY => Ok(false),
+            st => check(&self.dev.lib, "hipStreamQuery", st).map(|()| false),
+        }
+    }
+
     /// `hipStreamSynchronize`, for callers that have just checked the stream is not capturing.
     fn synchronize_not_capturing(&self) -> Result<()> {
         // SAFETY: the stream is live.

@@ -11,6 +11,8 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 pub type hipError_t = c_int;
 /// `hipSuccess`.
 pub const HIP_SUCCESS: hipError_t = 0;
+/// `hipErrorNotReady`: queued work has not finished yet (`hipStreamQuery`).
+pub const HIP_ERROR_NOT_READY: hipError_t = 600;
 /// `hipErrorNoDevice`.
 pub const HIP_ERROR_NO_DEVICE: hipError_t = 100;
 /// `hipErrorStreamCaptureUnsupported`: the call is not allowed while a stream is capturing.
@@ -81,6 +83,8 @@ pub type MemsetAsync = unsafe extern "C" fn(*mut c_void, c_int, usize, hipStream
 pub type StreamCreateWithFlags = unsafe extern "C" fn(*mut hipStream_t, c_uint) -> hipError_t;
 pub type StreamDestroy = unsafe extern "C" fn(hipStream_t) -> hipError_t;
 pub type StreamSynchronize = unsafe extern "C" fn(hipStream_t) -> hipError_t;
+/// `hipStreamQuery`.
+pub type StreamQuery = unsafe extern "C" fn(hipStream_t) -> hipError_t;
 pub type StreamGetCaptureInfo = unsafe extern "C" fn(hipStream_t, *mut hipStreamCaptureStatus, *mut u64) -> hipError_t;
 pub type StreamBeginCapture = unsafe extern "C" fn(hipStream_t, hipStreamCaptureMode) -> hipError_t;
 pub type StreamEndCapture = unsafe extern "C" fn(hipStream_t, *mut hipGraph_t) -> hipError_t;

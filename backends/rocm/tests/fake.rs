@@ -356,3 +356,75 @@ fn the_real_hip_runtime_loads_and_says_why_there_is_no_device() {
         }
     }
 }
+
+#[test]
+fn a_wait_on_work_that_never_finishes_times_out_and_aborts_instead_of_hanging() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    // SAFETY: the fake RCCL built for this test; it exports these test hooks with these C signatures.
+    let rccl = unsafe { libloading::Library::new(&s.rccl_path) }.expect("fake RCCL");
+    // SAFETY: as above.
+    let (set_async_error, aborted_count) = unsafe {
+        (
+            *rccl.get::<unsafe extern "C" fn(i32)>(b"fakerccl_set_async_error\0").expect("hook"),
+            *rccl.get::<unsafe extern "C" fn() -> i32>(b"fakerccl_aborted\0").expect("hook"),
+        )
+    };
+    // SAFETY: the hook only reads an int.
+    let aborted = || unsafe { aborted_count() };
+    let mut cs = comms(&s, 2, false);
+    let n = 256;
+    // Finished work: every rank's wait returns at once.
+    let ok = per_rank(&mut cs, |c| -> Result<()> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut b = rt.alloc(n * 4)?;
+        rt.upload(&mut b, &f32_bytes(&vec![1.0; n]), &st)?;
+        c.all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &st)?;
+        c.wait(&st, std::time::Duration::from_secs(5))
+    });
+    assert!(ok.iter().all(|r| r.is_ok()), "{ok:?}");
+
+    // Rank 0's queued work never finishes (a peer died): a timeout within the limit, RCCL aborted.
+    let before = aborted();
+    let rt0 = cs[0].runtime().clone();
+    let st0 = rt0.stream().expect("stream");
+    s.fake.set_busy(st0.raw(), true);
+    let start = std::time::Instant::now();
+    let e = cs[0].wait(&st0, std::time::Duration::from_millis(200)).expect_err("times out");
+    s.fake.set_busy(st0.raw(), false);
+    assert!(start.elapsed() < std::time::Duration::from_secs(10), "{:?}", start.elapsed());
+    assert!(matches!(e, anyccl_core::Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("the communicator was aborted"), "{e}");
+    assert_eq!(aborted(), before + 1, "ncclCommAbort ran once");
+    // Later calls on rank 0 fail instead of touching the freed communicator.
+    let mut b = rt0.alloc(n * 4).expect("alloc");
+    let later = cs[0].all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &st0).expect_err("aborted");
+    assert!(later.to_string().contains("aborted"), "{later}");
+
+    // Rank 1: the library reports an asynchronous error while its work is pending.
+    let rt1 = cs[1].runtime().clone();
+    let st1 = rt1.stream().expect("stream");
+    s.fake.set_busy(st1.raw(), true);
+    // SAFETY: the hook only sets an int.
+    unsafe { set_async_error(1) };
+    let e = cs[1].wait(&st1, std::time::Duration::from_secs(30)).expect_err("library error");
+    // SAFETY: as above.
+    unsafe { set_async_error(0) };
+    s.fake.set_busy(st1.raw(), false);
+    assert!(matches!(e, anyccl_core::Error::PeerFailure(_)), "{e}");
+    assert!(e.to_string().contains("unhandled cuda error (fake RCCL)"), "{e}");
+    assert_eq!(aborted(), before + 2);
+
+    // A capturing stream is refused before anything is queried: no capture violation.
+    let mut refused = None;
+    let g = HipGraph::capture(&st1, |st| {
+        refused = Some(cs[1].wait(st, std::time::Duration::from_secs(1)));
+        Ok(())
+    });
+    assert!(g.is_ok(), "the capture itself stays valid");
+    let refused = refused.expect("ran").expect_err("refused during capture").to_string();
+    assert!(refused.contains("hipStreamQuery"), "{refused}");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+    drop(cs);
+}
