@@ -24,8 +24,9 @@ struct FlagPtrs {
     uint32_t* p[ANYCCL_MAX_RANKS];
 };
 
-// Entry `i` of a pointer table held in kernel parameters. Indexing the table with a run-time value would copy it
-// to local memory (the stack); selecting over constant indices keeps it in parameter space and registers.
+// Entry `i` of a pointer table held in kernel parameters, selected over constant indices instead of indexed with a
+// run-time value, which makes the compiler copy the table to local memory. It kept the emulated zero-copy kernel
+// free of local memory; the others still use some (cuobjdump -res-usage shows STACK per kernel).
 template <typename P>
 __device__ __forceinline__ auto pick(const P& table, int i) -> decltype(table.p[0]) {
     auto v = table.p[0];
@@ -280,46 +281,31 @@ __device__ __forceinline__ void ch_barrier(const UnicastChannel& c, uint32_t epo
 
 __device__ __forceinline__ uint32_t* ch_my_flags(const UnicastChannel& c) { return pick(c.flags, c.rank); }
 
+// multimem.ld_reduce of one 16-byte vector per element type; TYPE is the instruction's type suffix (f16 and bf16
+// accumulate in f32, like the other kernels).
 template <typename T> struct Multimem;
-template <> struct Multimem<float> {
-    __device__ static uint4 ld_reduce(const void* a) {
-        uint4 v;
 #if __CUDA_ARCH__ >= 900
-        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
+#define ANYCCL_LD_REDUCE(T, TYPE)                                                                                    \
+    template <> struct Multimem<T> {                                                                                 \
+        __device__ static uint4 ld_reduce(const void* a) {                                                           \
+            uint4 v;                                                                                                 \
+            asm volatile("multimem.ld_reduce.relaxed.sys.global.add." TYPE " {%0,%1,%2,%3}, [%4];"                   \
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");                          \
+            return v;                                                                                                \
+        }                                                                                                            \
+    };
 #else
-        v = make_uint4(0, 0, 0, 0);
-        __trap();
+#define ANYCCL_LD_REDUCE(T, TYPE)                                                                                    \
+    template <> struct Multimem<T> {                                                                                 \
+        __device__ static uint4 ld_reduce(const void*) {                                                             \
+            __trap();                                                                                                \
+            return make_uint4(0, 0, 0, 0);                                                                           \
+        }                                                                                                            \
+    };
 #endif
-        return v;
-    }
-};
-template <> struct Multimem<__half> {
-    __device__ static uint4 ld_reduce(const void* a) {
-        uint4 v;
-#if __CUDA_ARCH__ >= 900
-        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-#else
-        v = make_uint4(0, 0, 0, 0);
-        __trap();
-#endif
-        return v;
-    }
-};
-template <> struct Multimem<__nv_bfloat16> {
-    __device__ static uint4 ld_reduce(const void* a) {
-        uint4 v;
-#if __CUDA_ARCH__ >= 900
-        asm volatile("multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-#else
-        v = make_uint4(0, 0, 0, 0);
-        __trap();
-#endif
-        return v;
-    }
-};
+ANYCCL_LD_REDUCE(float, "v4.f32")
+ANYCCL_LD_REDUCE(__half, "acc::f32.v4.f16x2")
+ANYCCL_LD_REDUCE(__nv_bfloat16, "acc::f32.v4.bf16x2")
 
 template <typename T, int W>
 __device__ __forceinline__ uint4 ch_reduce(const MulticastChannel& c, size_t i) {

@@ -37,9 +37,6 @@ pub fn cubin_for(source: &str, major: i32, minor: i32) -> Option<&'static [u8]> 
         .map(|(_, b)| b)
 }
 
-/// The kernel source, for tests that check the emulated and real paths come from one file.
-pub const ALLREDUCE_SOURCE: &str = include_str!("../cuda/allreduce.cu");
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -55,9 +55,6 @@ pub fn built_targets() -> Vec<&'static str> {
     CODE_OBJECTS.iter().map(|(_, a, _)| *a).collect()
 }
 
-/// The kernel source, for tests.
-pub const ALLREDUCE_SOURCE: &str = include_str!("../hip/allreduce.hip");
-
 #[cfg(test)]
 mod tests {
     use super::*;
