@@ -100,11 +100,6 @@ fn custom_max_blocks(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
     })
 }
 
-/// The process environment, for the settings above.
-fn process_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
 /// Blocks per rank for a message: one per 32 KiB, from 4 to `max` (the same on every rank, as the barriers need).
 fn custom_blocks(bytes: usize, max: usize) -> u32 {
     (bytes / (32 << 10)).clamp(4, max) as u32
@@ -203,8 +198,8 @@ impl CudaComm {
             if let Some(why) = crate::custom::unavailable(world) {
                 return Err(off(why));
             }
-            let capacity = custom_capacity(&process_env)?;
-            let max_blocks = custom_max_blocks(&process_env)?;
+            let capacity = custom_capacity(&anyccl_ccl::caps::process_env)?;
+            let max_blocks = custom_max_blocks(&anyccl_ccl::caps::process_env)?;
             let (kernels, staging, scratch, flags) = own_custom_buffers(&self.runtime, capacity)?;
             let ctx = self.runtime.context();
             let mut handles = Vec::with_capacity(3 * crate::ipc::LEGACY_HANDLE_BYTES + 16);
@@ -277,8 +272,8 @@ impl CudaComm {
         if let Some(why) = crate::custom::unavailable(world) {
             return Err(why);
         }
-        let capacity = custom_capacity(&process_env).map_err(|e| e.to_string())?;
-        let max_blocks = custom_max_blocks(&process_env).map_err(|e| e.to_string())?;
+        let capacity = custom_capacity(&anyccl_ccl::caps::process_env).map_err(|e| e.to_string())?;
+        let max_blocks = custom_max_blocks(&anyccl_ccl::caps::process_env).map_err(|e| e.to_string())?;
         let ctxs: Vec<_> = comms.iter().map(|c| c.runtime.context().clone()).collect();
         for a in &ctxs {
             for b in &ctxs {
@@ -410,7 +405,7 @@ impl CudaComm {
                 rank,
                 bytes,
                 custom_blocks(bytes, st.max_blocks),
-                crate::custom::two_shot_round_bytes(bytes),
+                crate::custom::TWO_SHOT_ROUND_BYTES,
                 stream,
             )
         }
@@ -432,6 +427,16 @@ impl CudaComm {
             // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
             Err(_) => Ok(crate::graph_inputs::GraphRegistration::default()),
             Ok(st) => st.graph.register(rdv.map(|r| r as &mut dyn crate::graph_inputs::Exchange)),
+        }
+    }
+
+    /// Why the NVLS algorithms cannot run on this communicator.
+    fn nvls_unavailable(&self) -> String {
+        match self.caps.require(Capabilities::MULTICAST) {
+            Err(e) => e.to_string(),
+            Ok(()) => "the multicast kernels are built (sm_90+) but not yet wired to multicast objects; their \
+                       unicast emulation runs only in tests and anyccl-cuda-emulated-bench"
+                .into(),
         }
     }
 
@@ -498,12 +503,7 @@ impl CommBackend for CudaComm {
                 Ok(())
             }
             Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
-                Err(match self.caps.require(Capabilities::MULTICAST) {
-                    Err(e) => format!("{e}"),
-                    Ok(()) => "the multicast kernels are built (sm_90+) but not yet wired to multicast objects; \
-                               their unicast emulation runs only in tests and anyccl-cuda-emulated-bench"
-                        .into(),
-                })
+                Err(self.nvls_unavailable())
             }
             other => Err(format!("{other} is not implemented by the CUDA backend yet")),
         }
@@ -526,17 +526,8 @@ impl CommBackend for CudaComm {
             return self.custom_all_reduce(algorithm, bufs, count * dtype.size_bytes(), dtype, stream);
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
-            let call = AllReduceCall {
-                count,
-                dtype,
-                op,
-                bytes: count * dtype.size_bytes(),
-                in_place: bufs.is_in_place(),
-                capturing: false,
-                bufs: None,
-            };
-            let why = self.allreduce_eligible(algorithm, &call).err().unwrap_or_default();
-            return Err(Error::AlgorithmNotEligible { algorithm, why });
+            // The NVLS algorithms: listed, never eligible (see `nvls_unavailable`).
+            return Err(Error::AlgorithmNotEligible { algorithm, why: self.nvls_unavailable() });
         }
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
         // registered window, which eligibility has checked.
@@ -624,14 +615,7 @@ impl CommBackend for CudaComm {
     }
 
     fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {
-        if stream.is_capturing()? {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                call: "wait".into(),
-                code: None,
-                message: "cannot wait on a stream that is being captured".into(),
-            });
-        }
+        // The query refuses a capturing stream, and it runs before NCCL is asked anything.
         let r = self.ccl.wait_or_abort(timeout, &mut || stream.query());
         if r.is_err() {
             // NCCL's abort stops NCCL's kernels; a custom all-reduce waiting for a dead peer cannot be stopped.

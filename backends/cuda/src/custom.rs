@@ -101,13 +101,10 @@ pub fn input_table(ptrs: &[u64], registered: bool) -> [u8; INPUT_TABLE_BYTES] {
     t
 }
 
-/// The round size two-shot uses for a message of `bytes` (0: the whole message in one round). Always one round:
-/// rounds of 1 to 8 MiB were slower at every size with 8 emulated ranks on an H200 (docs/benchmarks.md, session 3);
+/// The round size two-shot uses (0: the whole message in one round). One round: rounds of 1 to 8 MiB were slower
+/// at every size with 8 emulated ranks on an H200 (docs/benchmarks.md, session 3);
 /// `anyccl-cuda-emulated-bench --two-shot-rounds` measures them again.
-pub fn two_shot_round_bytes(bytes: usize) -> usize {
-    let _ = bytes;
-    0
-}
+pub const TWO_SHOT_ROUND_BYTES: usize = 0;
 
 fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
     match dtype {

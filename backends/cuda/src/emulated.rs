@@ -68,7 +68,6 @@ impl EmulatedRanks {
             runtime.upload(f, &vec![0u8; FLAG_BYTES], &s0)?;
         }
         let streams = (0..world).map(|_| runtime.stream()).collect::<Result<Vec<_>>>()?;
-        let two_shot_round = crate::custom::two_shot_round_bytes(bytes);
         let tables = alloc(INPUT_TABLE_BYTES)?;
         let mut g = EmulatedRanks {
             runtime,
@@ -81,7 +80,7 @@ impl EmulatedRanks {
             stage_out,
             bytes,
             blocks,
-            two_shot_round,
+            two_shot_round: crate::custom::TWO_SHOT_ROUND_BYTES,
             input_mode: InputMode::Direct,
             tables,
         };

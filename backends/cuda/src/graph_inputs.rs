@@ -324,7 +324,7 @@ impl GraphInputs {
         let mut local;
         let ex: &mut dyn Exchange = match (&self.device.transport, ex) {
             (Transport::InProcess(l), _) => {
-                local = LocalRank { exchange: l.exchange.clone(), rank: l.rank };
+                local = l.exchange.rank(l.rank);
                 &mut local
             }
             (Transport::Ipc, Some(ex)) => ex,

@@ -112,8 +112,17 @@ impl CudaStream {
         unsafe { result::stream::synchronize(self.raw) }.map_err(|e| cu_err("cuStreamSynchronize", e))
     }
 
-    /// Whether the stream's work is done (`cuStreamQuery`), without blocking.
+    /// Whether the stream's work is done (`cuStreamQuery`), without blocking. Refused while the stream is being
+    /// captured (the query would invalidate the capture).
     pub fn query(&self) -> Result<bool> {
+        if self.is_capturing()? {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                call: "cuStreamQuery".into(),
+                code: None,
+                message: "refused: the stream is being captured".into(),
+            });
+        }
         self.ctx.bind()?;
         // SAFETY: live stream; the query has no side effects.
         match unsafe { sys::cuStreamQuery(self.raw) } {

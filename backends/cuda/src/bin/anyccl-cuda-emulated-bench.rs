@@ -135,11 +135,7 @@ fn run(world: usize, device: i32, kinds: &[Kind], rounds: &[usize]) -> Result<()
         let mut g = EmulatedRanks::new(device, world, bytes, blocks)?;
         print!("{:>4} MiB", bytes >> 20);
         for (kind, round, _) in &columns {
-            if let Some(r) = round {
-                g.two_shot_round = *r;
-            } else {
-                g.two_shot_round = anyccl_cuda::custom::two_shot_round_bytes(bytes);
-            }
+            g.two_shot_round = round.unwrap_or(anyccl_cuda::custom::TWO_SHOT_ROUND_BYTES);
             let t = time_kind(&g, *kind, device)?;
             let (own, unique) = traffic(*kind, world);
             let pct = |f: f64| 100.0 * f * bytes as f64 / t / 1e9 / copy;
