@@ -280,6 +280,7 @@ fn compare(what: &str, dtype: DataType, got: &[u8], want: &[(Val, f64)]) -> Opti
 const GUARD: usize = 64;
 const POISON: u8 = 0xFF;
 
+#[derive(Default)]
 struct RankResult {
     checks: usize,
     expected_errors: usize,
@@ -300,32 +301,33 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
             }
         };
         let results: Vec<RankResult> = std::thread::scope(|s| {
-            let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || run_rank(target, c, world, cfg))).collect();
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|mut c| {
+                    s.spawn(move || match target.stream(&c) {
+                        Ok(stream) => run_rank(&mut c, &stream, world, cfg),
+                        Err(e) => RankResult {
+                            failures: vec![format!("rank {}: cannot create a stream: {e}", c.rank())],
+                            ..RankResult::default()
+                        },
+                    })
+                })
+                .collect();
             handles
                 .into_iter()
                 .enumerate()
                 .map(|(rank, h)| {
                     h.join().unwrap_or_else(|_| RankResult {
-                        checks: 0,
-                        expected_errors: 0,
                         failures: vec![format!("world {world} rank {rank}: thread panicked")],
-                        hashes: HashMap::new(),
+                        ..RankResult::default()
                     })
                 })
                 .collect()
         });
-        if let Some(first) = results.first() {
-            for (id, h) in &first.hashes {
-                for (rank, r) in results.iter().enumerate().skip(1) {
-                    if r.hashes.get(id) != Some(h) {
-                        summary.failures.push(format!(
-                            "{}: world {world}: all-reduce case {id}: rank {rank}'s result is not bitwise identical to rank 0's",
-                            target.name()
-                        ));
-                    }
-                }
-            }
-        }
+        let hashes: Vec<Vec<(u64, u64)>> = results.iter().map(|r| sorted_hashes(&r.hashes)).collect();
+        summary
+            .failures
+            .extend(compare_hashes(&hashes).into_iter().map(|f| format!("{}: world {world}: {f}", target.name())));
         for r in results {
             summary.checks += r.checks;
             summary.expected_errors += r.expected_errors;
@@ -335,24 +337,101 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
     summary
 }
 
-fn run_rank<T: ConformanceTarget>(
-    target: &T,
-    mut comm: Communicator<T::Backend>,
+/// What one rank found when it ran the suite by itself, in its own process ([`run_one_rank`]).
+#[derive(Debug, Default)]
+pub struct RankReport {
+    /// Calls checked.
+    pub checks: usize,
+    /// Calls that returned the expected typed error.
+    pub expected_errors: usize,
+    /// Every failure, with the case.
+    pub failures: Vec<String>,
+    /// A hash of every all-reduce output, as `(case id, hash)` sorted by case id. Exchange them between the
+    /// processes ([`encode_hashes`] / [`decode_hashes`]) and compare them with [`compare_hashes`]: all-reduce
+    /// results must be bitwise identical on every rank.
+    pub all_reduce_hashes: Vec<(u64, u64)>,
+}
+
+/// Runs the suite for one rank of a communicator whose other ranks live in other processes, each of which runs
+/// this too with the same `cfg` (its `worlds` are ignored: the world is `comm`'s). Every process draws every
+/// rank's inputs from the shared seed, so each checks its own outputs against the full reference. After the
+/// first backend error the rank stops (its peers then fail or time out in their own calls).
+pub fn run_one_rank<B: CommBackend>(comm: &mut Communicator<B>, stream: &StreamOf<B>, cfg: &Config) -> RankReport {
+    let world = comm.world_size();
+    let r = run_rank(comm, stream, world, cfg);
+    RankReport {
+        checks: r.checks,
+        expected_errors: r.expected_errors,
+        failures: r.failures,
+        all_reduce_hashes: sorted_hashes(&r.hashes),
+    }
+}
+
+fn sorted_hashes(h: &HashMap<u64, u64>) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = h.iter().map(|(k, v)| (*k, *v)).collect();
+    v.sort_unstable();
+    v
+}
+
+/// The bytes of a rank's all-reduce hashes (16 little-endian bytes per case), for an exchange between processes.
+pub fn encode_hashes(hashes: &[(u64, u64)]) -> Vec<u8> {
+    hashes.iter().flat_map(|(id, h)| id.to_le_bytes().into_iter().chain(h.to_le_bytes())).collect()
+}
+
+/// Reads [`encode_hashes`]' bytes back; a length that is not a multiple of 16 is an error.
+pub fn decode_hashes(bytes: &[u8]) -> Result<Vec<(u64, u64)>> {
+    if bytes.len() % 16 != 0 {
+        return Err(Error::PeerFailure(format!(
+            "conformance hashes: {} bytes is not a whole number of 16-byte entries",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(16)
+        .map(|c| {
+            let mut id = [0u8; 8];
+            let mut h = [0u8; 8];
+            id.copy_from_slice(&c[..8]);
+            h.copy_from_slice(&c[8..]);
+            (u64::from_le_bytes(id), u64::from_le_bytes(h))
+        })
+        .collect())
+}
+
+/// Compares every rank's all-reduce hashes (index = rank, each sorted by case id) with rank 0's: one failure per
+/// case whose result differs on some rank or that a rank lacks (or has in addition).
+pub fn compare_hashes(ranks: &[Vec<(u64, u64)>]) -> Vec<String> {
+    let mut failures = Vec::new();
+    let Some(first) = ranks.first() else { return failures };
+    let base: HashMap<u64, u64> = first.iter().copied().collect();
+    for (rank, r) in ranks.iter().enumerate().skip(1) {
+        let mine: HashMap<u64, u64> = r.iter().copied().collect();
+        for (id, h) in first {
+            match mine.get(id) {
+                Some(x) if x == h => {}
+                Some(_) => failures
+                    .push(format!("all-reduce case {id}: rank {rank}'s result is not bitwise identical to rank 0's")),
+                None => failures.push(format!("all-reduce case {id}: rank {rank} has no result, rank 0 has one")),
+            }
+        }
+        for id in mine.keys().filter(|id| !base.contains_key(id)) {
+            failures.push(format!("all-reduce case {id}: rank {rank} has a result, rank 0 has none"));
+        }
+    }
+    failures
+}
+
+fn run_rank<B: CommBackend>(
+    comm: &mut Communicator<B>,
+    stream: &StreamOf<B>,
     world: usize,
     cfg: &Config,
 ) -> RankResult {
     let rank = comm.rank();
-    let mut res = RankResult { checks: 0, expected_errors: 0, failures: Vec::new(), hashes: HashMap::new() };
-    let stream = match target.stream(&comm) {
-        Ok(s) => s,
-        Err(e) => {
-            res.failures.push(format!("rank {rank}: cannot create a stream: {e}"));
-            return res;
-        }
-    };
+    let mut res = RankResult::default();
     let algos = comm.backend().allreduce_algorithms().to_vec();
     for case in cases(world, &algos, cfg) {
-        match run_case(&mut comm, &stream, &case, world, cfg.seed) {
+        match run_case(comm, stream, &case, world, cfg.seed) {
             Ok(Outcome::Checked { failure, hash }) => {
                 res.checks += 1;
                 if let Some(f) = failure {
@@ -365,8 +444,8 @@ fn run_rank<T: ConformanceTarget>(
             Ok(Outcome::ExpectedError) => res.expected_errors += 1,
             Ok(Outcome::Skipped) => {}
             Err(e) => {
-                // A backend error leaves the other ranks waiting; stop this world (dropping the communicator
-                // tells the peers) rather than cascade.
+                // A backend error leaves the other ranks waiting; stop this rank (the caller drops or aborts the
+                // communicator, which tells the peers) rather than cascade.
                 res.failures.push(format!("rank {rank}: {case:?}: {e}"));
                 return res;
             }
@@ -630,6 +709,25 @@ mod tests {
         let (v, tol) = reference(DataType::Bf16, ReduceOp::Avg, &rows)[0];
         assert_eq!(v, Val::F(0.375));
         assert!(tol > 0.0 && tol < 0.01);
+    }
+
+    #[test]
+    fn hashes_round_trip_and_differences_are_named() {
+        let a = vec![(1, 10), (2, 20), (5, 50)];
+        assert_eq!(decode_hashes(&encode_hashes(&a)).expect("decode"), a);
+        assert!(decode_hashes(&[0u8; 17]).is_err());
+        assert!(compare_hashes(&[a.clone(), a.clone(), a.clone()]).is_empty());
+        let mut differs = a.clone();
+        differs[1].1 = 21;
+        let mut lacks = a.clone();
+        lacks.remove(2);
+        let mut extra = a.clone();
+        extra.push((9, 90));
+        let f = compare_hashes(&[a, differs, lacks, extra]);
+        assert_eq!(f.len(), 3, "{f:?}");
+        assert!(f[0].contains("case 2: rank 1's result is not bitwise identical"), "{f:?}");
+        assert!(f[1].contains("case 5: rank 2 has no result"), "{f:?}");
+        assert!(f[2].contains("case 9: rank 3 has a result, rank 0 has none"), "{f:?}");
     }
 
     #[test]

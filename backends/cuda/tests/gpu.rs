@@ -308,6 +308,18 @@ fn nccl_one_process_per_gpu_through_the_rendezvous() {
             assert!(so.contains("custom [one-shot, two-shot] over IPC ok"), "{so}");
             assert!(so.contains("graph buffers: 2 registered over IPC, replays before and after ok"), "{so}");
         }
+        assert!(so.contains("symmetric windows ok (in place, out of place; auto chose "), "{so}");
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn conformance_one_process_per_gpu_bitwise_identical_across_processes() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    for (rank, ok, so, se) in run_ranks(gpus, &|_| vec!["--kind".into(), "conformance".into()]) {
+        assert!(ok, "rank {rank}: {se}");
+        assert!(so.contains(&format!("rank {rank}: conformance over {gpus} processes ok")), "{so}");
+        eprintln!("{}", so.trim());
     }
 }
 

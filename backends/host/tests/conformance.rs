@@ -36,6 +36,27 @@ fn conformance_worlds_1_to_8() {
     assert_eq!(summary.expected_errors, 6 * 4 * 2 * ranks);
 }
 
+#[test]
+fn one_rank_at_a_time_as_processes_would_run_it() {
+    // What each process of a multi-process run does: run its own rank, then exchange the all-reduce hashes.
+    let cfg = Config { worlds: vec![], counts: vec![0, 5, 1037], ..Config::default() };
+    let reports = on_ranks(3, |c| conformance::run_one_rank(c, &(), &cfg));
+    for (rank, r) in reports.iter().enumerate() {
+        assert!(r.failures.is_empty(), "rank {rank}: {:?}", r.failures);
+        assert!(r.checks > 100, "rank {rank}: only {} checks", r.checks);
+        assert!(!r.all_reduce_hashes.is_empty(), "rank {rank}: no all-reduce hashes");
+    }
+    let exchanged: Vec<Vec<(u64, u64)>> = reports
+        .iter()
+        .map(|r| conformance::decode_hashes(&conformance::encode_hashes(&r.all_reduce_hashes)).expect("decode"))
+        .collect();
+    assert!(conformance::compare_hashes(&exchanged).is_empty());
+    // The same number of checks as the threaded suite makes for this world.
+    let threaded = conformance::run(&Host, &Config { worlds: vec![3], ..cfg.clone() });
+    threaded.assert_ok();
+    assert_eq!(reports.iter().map(|r| r.checks).sum::<usize>(), threaded.checks);
+}
+
 /// Runs `f` on every rank of a fresh group of `world` and returns the results by rank.
 fn on_ranks<T: Send>(world: usize, f: impl Fn(&mut Communicator<HostComm>) -> T + Sync) -> Vec<T> {
     let comms = communicators(world, HostOptions { timeout: Duration::from_secs(10), ..HostOptions::default() })

@@ -3,6 +3,10 @@
 //! handles (`--kind legacy` for cuIpc handles of cuMemAlloc memory, `--kind vmm` for cuMem allocations passed as
 //! file descriptors over a private Unix socket), reads every peer's buffer and checks it. Prints one line per
 //! rank; exits non-zero on any mismatch or error. Device: `--device N` (default 0).
+//!
+//! Other kinds, one process per GPU: `nccl` (NCCL all-reduce, the custom kernels over IPC, graph buffers, NCCL
+//! symmetric windows), `conformance` (the core suite against the host reference, results compared bitwise
+//! between the processes) and `kill-ALGORITHM` (the last rank dies; the others must fail within a limit).
 
 use std::process::ExitCode;
 
@@ -69,11 +73,107 @@ fn run_nccl() -> Result<String> {
         custom.push(algo.to_string());
     }
     let graphs = if world > 1 { graph_buffers(&mut comm, &mut rdv, &rt, &stream)? } else { String::new() };
+    let windows = symmetric_windows(&mut comm, &rt, &stream)?;
     rdv.barrier()?;
     Ok(format!(
-        "rank {rank}: nccl all-reduce over {world} processes ok ({}); custom [{}] over IPC ok{graphs}",
+        "rank {rank}: nccl all-reduce over {world} processes ok ({}); custom [{}] over IPC ok{graphs}; {windows}",
         sel.algorithm,
         custom.join(", ")
+    ))
+}
+
+/// NCCL symmetric windows between the processes: an in-place all-reduce on one registered window and an
+/// out-of-place one between two, both forced to `ccl-symmetric`, then `auto` on the window (which must choose a
+/// path that is correct there); f32 small integers, so the sums are exact.
+fn symmetric_windows(
+    comm: &mut anyccl_core::Communicator<anyccl_cuda::CudaComm>,
+    rt: &CudaRuntime,
+    stream: &anyccl_cuda::CudaStream,
+) -> Result<String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    comm.capabilities().require(anyccl_core::Capabilities::SYMMETRIC_WINDOWS)?;
+    let n = 1usize << 18;
+    let fill = |round: i32| -> Vec<f32> { (0..n).map(|i| ((i as i32 + round) % 11 + rank as i32) as f32).collect() };
+    let rank_sum: i32 = (0..world as i32).sum();
+    let check = |what: &str, round: i32, buf: &anyccl_cuda::DeviceBuffer| -> Result<()> {
+        let mut got = vec![0u8; n * 4];
+        rt.download(buf, &mut got, stream)?;
+        for (i, c) in got.chunks_exact(4).enumerate() {
+            let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let want = (((i as i32 + round) % 11) * world as i32 + rank_sum) as f32;
+            if v != want {
+                return Err(anyccl_core::Error::PeerFailure(format!(
+                    "rank {rank}: symmetric window, {what}: element {i} is {v}, expected {want}"
+                )));
+            }
+        }
+        Ok(())
+    };
+    let mut a = comm.backend().symmetric_buffer(n * 4, stream)?;
+    let mut b = comm.backend().symmetric_buffer(n * 4, stream)?;
+    rt.upload(a.buffer_mut(), bytemuck::cast_slice(&fill(0)), stream)?;
+    comm.all_reduce_with(
+        Algorithm::CclSymmetric,
+        InOut::InPlace(a.buffer_mut()),
+        n,
+        DataType::F32,
+        ReduceOp::Sum,
+        stream,
+    )?;
+    check("in place", 0, a.buffer())?;
+    rt.upload(a.buffer_mut(), bytemuck::cast_slice(&fill(1)), stream)?;
+    let bufs = InOut::Separate { send: a.buffer(), recv: b.buffer_mut() };
+    comm.all_reduce_with(Algorithm::CclSymmetric, bufs, n, DataType::F32, ReduceOp::Sum, stream)?;
+    check("out of place", 1, b.buffer())?;
+    rt.upload(a.buffer_mut(), bytemuck::cast_slice(&fill(2)), stream)?;
+    let sel = comm.all_reduce(InOut::InPlace(a.buffer_mut()), n, DataType::F32, ReduceOp::Sum, stream)?;
+    check("auto", 2, a.buffer())?;
+    stream.synchronize()?;
+    Ok(format!("symmetric windows ok (in place, out of place; auto chose {})", sel.algorithm))
+}
+
+/// The core conformance suite with one process per rank: every collective × dtype × op × count × in/out of
+/// place (and every all-reduce algorithm) against the host reference, then the all-reduce results' hashes are
+/// exchanged through the rendezvous and must be bitwise identical on every rank.
+fn run_conformance() -> Result<String> {
+    let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
+    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let stream = comm.runtime().stream()?;
+    let cfg = anyccl_core::conformance::Config {
+        worlds: vec![world],
+        counts: vec![0, 1, 5, 1037, 65537],
+        ..anyccl_core::conformance::Config::default()
+    };
+    let report = anyccl_core::conformance::run_one_rank(&mut comm, &stream, &cfg);
+    if !report.failures.is_empty() {
+        let shown: Vec<_> = report.failures.iter().take(20).cloned().collect();
+        return Err(anyccl_core::Error::PeerFailure(format!(
+            "rank {rank}: {} conformance failures (first {}):\n{}",
+            report.failures.len(),
+            shown.len(),
+            shown.join("\n")
+        )));
+    }
+    if report.checks == 0 {
+        return Err(anyccl_core::Error::PeerFailure(format!("rank {rank}: the conformance suite checked nothing")));
+    }
+    let all = rdv.all_gather(&anyccl_core::conformance::encode_hashes(&report.all_reduce_hashes))?;
+    let hashes = all.iter().map(|b| anyccl_core::conformance::decode_hashes(b)).collect::<Result<Vec<_>>>()?;
+    let mismatches = anyccl_core::conformance::compare_hashes(&hashes);
+    if !mismatches.is_empty() {
+        return Err(anyccl_core::Error::PeerFailure(format!(
+            "rank {rank}: {} all-reduce results differ between ranks: {}",
+            mismatches.len(),
+            mismatches.iter().take(10).cloned().collect::<Vec<_>>().join("; ")
+        )));
+    }
+    rdv.barrier()?;
+    Ok(format!(
+        "rank {rank}: conformance over {world} processes ok: {} checks, {} expected errors, {} all-reduce results bitwise identical on every rank",
+        report.checks,
+        report.expected_errors,
+        report.all_reduce_hashes.len()
     ))
 }
 
@@ -186,6 +286,9 @@ fn run(kind: &str, device: i32) -> Result<String> {
     if kind == "nccl" {
         return run_nccl();
     }
+    if kind == "conformance" {
+        return run_conformance();
+    }
     if let Some(algo) = kind.strip_prefix("kill-") {
         return run_kill(algo);
     }
@@ -232,7 +335,7 @@ fn run(kind: &str, device: i32) -> Result<String> {
             return Err(anyccl_core::Error::Parse {
                 what: "IPC kind",
                 input: other.into(),
-                expected: "legacy, vmm, nccl, kill-ALGORITHM".into(),
+                expected: "legacy, vmm, nccl, conformance, kill-ALGORITHM".into(),
             })
         }
     };
