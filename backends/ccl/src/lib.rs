@@ -26,7 +26,7 @@ use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result};
 pub use caps::derive as derive_capabilities;
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
-pub use rank::{CclRank, DeviceAddress};
+pub use rank::{CclRank, DeviceAddress, ABORT_GRACE};
 
 /// Finds and loads the library of `vendor` with the standard search plan.
 pub fn load(vendor: CclVendor) -> std::result::Result<Arc<CclLibrary>, NotFound> {
@@ -189,6 +189,18 @@ pub struct CclComm {
 // `CclComm` exposes it only through `&mut self` or read-only queries that NCCL documents as thread-safe.
 unsafe impl Send for CclComm {}
 
+/// What became of [`CclComm::abort_within`].
+#[derive(Debug)]
+pub enum AbortOutcome {
+    /// The library's abort returned, with its status.
+    Done(Result<()>),
+    /// The abort had not returned after `after` and goes on in the background.
+    StillRunning {
+        /// How long the caller waited for it.
+        after: std::time::Duration,
+    },
+}
+
 impl CclComm {
     /// `ncclCommInitRank`: joins the communicator `id` as `rank` of `world`.
     pub fn init_rank(lib: Arc<CclLibrary>, world: usize, id: &UniqueId, rank: usize) -> Result<Self> {
@@ -285,6 +297,54 @@ impl CclComm {
         // SAFETY: `comm` was live and is aborted exactly once (the field is null from now on).
         let st = unsafe { (self.lib.table().required.comm_abort)(comm) };
         check(&self.lib, "ncclCommAbort", st, std::ptr::null_mut())
+    }
+
+    /// `ncclCommAbort` on a thread of its own, keeping the value, waiting at most `grace` for it. Every later call
+    /// returns [`Error::PeerFailure`] at once, whatever the abort does. The library's abort can block for as long
+    /// as work is still queued on the device (it frees device memory, which waits for the device), and a kernel
+    /// that waits for a dead peer never finishes: then this returns [`AbortOutcome::StillRunning`] after `grace`
+    /// and the abort goes on in the background until it finishes or the process exits. Aborting twice does
+    /// nothing.
+    pub fn abort_within(&mut self, grace: std::time::Duration) -> AbortOutcome {
+        if self.comm.is_null() {
+            return AbortOutcome::Done(Ok(()));
+        }
+        /// The handle moving to the aborting thread.
+        struct Handle(sys::ncclComm_t);
+        // SAFETY: the handle moves to the aborting thread and nothing else uses it: `self.comm` is null from now
+        // on, so neither later calls nor Drop touch it.
+        unsafe impl Send for Handle {}
+        let handle = Handle(std::mem::replace(&mut self.comm, std::ptr::null_mut()));
+        let lib = self.lib.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new().name("anyccl-ccl-abort".into()).spawn(move || {
+            // A whole-value move: the closure then captures `Handle` (Send), not its raw field.
+            let handle = handle;
+            let comm = handle.0;
+            // SAFETY: `comm` was live and is aborted exactly once, here.
+            let st = unsafe { (lib.table().required.comm_abort)(comm) };
+            // The receiver may have stopped waiting (StillRunning); then nobody needs the result.
+            let _ = tx.send(check(&lib, "ncclCommAbort", st, std::ptr::null_mut()));
+        });
+        if let Err(e) = spawned {
+            // The closure, and the handle with it, is gone without an abort: the communicator is leaked.
+            return AbortOutcome::Done(Err(Error::Backend {
+                backend: backend_name(&self.lib).into(),
+                call: "ncclCommAbort".into(),
+                code: None,
+                message: format!("could not start a thread to abort the communicator ({e}); it is leaked"),
+            }));
+        }
+        match rx.recv_timeout(grace) {
+            Ok(r) => AbortOutcome::Done(r),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => AbortOutcome::StillRunning { after: grace },
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => AbortOutcome::Done(Err(Error::Backend {
+                backend: backend_name(&self.lib).into(),
+                call: "ncclCommAbort".into(),
+                code: None,
+                message: "the aborting thread ended without a result".into(),
+            })),
+        }
     }
 
     fn status(&self, call: &str, status: sys::ncclResult_t) -> Result<()> {

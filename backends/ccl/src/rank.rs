@@ -12,7 +12,11 @@ use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
 use anyccl_core::{Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result};
 
-use crate::{sys, CclComm, CclLibrary};
+use crate::{sys, AbortOutcome, CclComm, CclLibrary};
+
+/// How long a failed wait waits for the library's abort before it returns and leaves the abort running in the
+/// background: [`CclRank::wait_or_abort`] returns within its timeout plus this.
+pub const ABORT_GRACE: Duration = Duration::from_secs(2);
 
 /// Device memory a collective can take: its device address.
 ///
@@ -69,7 +73,8 @@ impl CclRank {
     /// Waits until `done` (the backend's stream query: `Ok(true)` once the queued work has finished) says so,
     /// watching the library for asynchronous errors. When the library reports one, or `timeout` passes first (a
     /// peer died or never arrived), the communicator is aborted, which stops the library's kernels, and the error
-    /// is returned; every later call fails with [`Error::PeerFailure`].
+    /// is returned; every later call fails with [`Error::PeerFailure`]. It returns within `timeout` plus
+    /// [`ABORT_GRACE`], also when the abort itself blocks (the error then says so).
     pub fn wait_or_abort(&mut self, timeout: Duration, done: &mut dyn FnMut() -> Result<bool>) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(20);
@@ -100,9 +105,22 @@ impl CclRank {
     }
 
     fn abort_for_wait(&mut self) -> String {
-        match self.ccl.abort_in_place() {
-            Ok(()) => "the communicator was aborted".into(),
-            Err(e) => format!("aborting the communicator failed too: {e}"),
+        match self.ccl.abort_within(ABORT_GRACE) {
+            AbortOutcome::Done(Ok(())) => "the communicator was aborted".into(),
+            AbortOutcome::Done(Err(e)) => format!("aborting the communicator failed too: {e}"),
+            AbortOutcome::StillRunning { after } => {
+                tracing::error!(
+                    "rank {} of {}: the communicator's abort had not returned after {after:?}; it goes on in the \
+                     background",
+                    self.rank,
+                    self.world
+                );
+                format!(
+                    "the communicator's abort had not returned after {after:?} and goes on in the background (it \
+                     waits for work still queued on this device, such as a kernel waiting for the dead peer; exit \
+                     the process to end it)"
+                )
+            }
         }
     }
 

@@ -460,3 +460,70 @@ fn an_asynchronous_library_error_while_waiting_aborts_with_the_library_text() {
     assert!(text.contains("unhandled error (fake)") && text.contains("the communicator was aborted"), "{text}");
     assert!(rank.ccl().is_aborted());
 }
+
+#[test]
+fn a_wait_returns_within_its_grace_when_the_library_abort_blocks() {
+    // The real ncclCommAbort frees device memory, which waits for the device: behind a kernel that waits for a
+    // dead peer it never returns. This fake's abort blocks until the test opens its gate.
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    let plain = "int ncclCommAbort(void* c) { free(c); return 0; }";
+    let gated = "static int gate_open = 0, aborts_done = 0;\n\
+        void fake_open_abort_gate(void) { __atomic_store_n(&gate_open, 1, __ATOMIC_SEQ_CST); }\n\
+        int fake_aborts_done(void) { return __atomic_load_n(&aborts_done, __ATOMIC_SEQ_CST); }\n\
+        int ncclCommAbort(void* c) {\n\
+            struct timespec t = { 0, 1000000 };\n\
+            while (!__atomic_load_n(&gate_open, __ATOMIC_SEQ_CST)) nanosleep(&t, 0);\n\
+            free(c); __atomic_add_fetch(&aborts_done, 1, __ATOMIC_SEQ_CST); return 0;\n\
+        }";
+    let source = format!("#include <time.h>\n{}", c_source(&syms, 22809, 0).replace(plain, gated));
+    assert!(source.contains("fake_open_abort_gate"), "the fake's abort body changed; update this test");
+    let path = compile_once("nccl-blocking-abort/libnccl.so.2", &source, &[]);
+    let mut rank = world_1_rank(&path);
+    // SAFETY: the fake library that `rank` loaded (the loader's handle keeps it mapped); both symbols are defined
+    // above with these signatures.
+    let (open_gate, aborts_done) = unsafe {
+        let lib = libloading::Library::new(&path).expect("reopen the fake");
+        let open: unsafe extern "C" fn() = *lib.get(b"fake_open_abort_gate\0").expect("gate symbol");
+        let done: unsafe extern "C" fn() -> std::ffi::c_int = *lib.get(b"fake_aborts_done\0").expect("count symbol");
+        std::mem::forget(lib); // the loader never unloads it either
+        (open, done)
+    };
+
+    // The wait runs on a thread of its own, so a wait that blocks in the abort fails this test instead of hanging.
+    let limit = std::time::Duration::from_millis(200);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let r = rank.wait_or_abort(limit, &mut || Ok(false));
+        let _ = tx.send((rank, r, start.elapsed()));
+    });
+    let Ok((rank, r, took)) = rx.recv_timeout(std::time::Duration::from_secs(10)) else {
+        // SAFETY: a plain call into the fake; it releases the blocked abort.
+        unsafe { open_gate() };
+        panic!("the wait blocked in the library's abort");
+    };
+    let e = r.expect_err("times out");
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    let bound = limit + anyccl_ccl::ABORT_GRACE;
+    assert!(took >= bound && took < bound + std::time::Duration::from_secs(3), "returned after {took:?}");
+    let text = e.to_string();
+    assert!(text.contains("abort had not returned after 2s and goes on in the background"), "{text}");
+    // Later calls fail at once, although the abort has not finished.
+    assert!(rank.ccl().is_aborted());
+    let later = rank.ccl().count().expect_err("aborted");
+    assert!(matches!(later, Error::PeerFailure(ref m) if m.contains("aborted")), "{later}");
+
+    // SAFETY: plain calls into the fake; no arguments.
+    assert_eq!(unsafe { aborts_done() }, 0, "the abort is still blocked");
+    unsafe { open_gate() };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // SAFETY: as above.
+    while unsafe { aborts_done() } == 0 {
+        assert!(std::time::Instant::now() < deadline, "the background abort never finished");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: as above.
+    assert_eq!(unsafe { aborts_done() }, 1, "aborted exactly once");
+    drop(rank); // destroys nothing: the background abort freed the communicator
+}

@@ -426,3 +426,73 @@ fn a_rank_that_dies_makes_the_others_fail_within_the_timeout() {
         assert!(!results[1].1, "rank 1 was meant to die");
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn wait_on_a_stream_that_never_finishes_times_out_aborts_nccl_and_later_calls_fail() {
+    // What a dead peer looks like from one GPU: the stream stops at a gate (cuStreamWaitValue32 on a word of
+    // pinned host memory that stays 0), so its work does not finish. The real CUDA query, the real NCCL abort and
+    // the later refusals run. A helper thread opens the gate after GATE, with a plain store (no CUDA call), so the
+    // test ends whatever the abort does; the wait must return long before that.
+    const GATE: std::time::Duration = std::time::Duration::from_secs(8);
+    let mut comms = Cuda.create(1).expect("world-1 communicator");
+    let mut comm = comms.pop().expect("one rank");
+    let stream = comm.runtime().stream().expect("stream");
+    let n = 1024usize;
+    let mut b = anyccl_core::MemoryRuntime::alloc(comm.runtime(), n * 4).expect("alloc");
+    let ones: Vec<u8> = (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+    anyccl_core::MemoryRuntime::upload(comm.runtime(), &mut b, &ones, &stream).expect("upload");
+
+    // Work that finishes: the wait returns Ok, and the communicator stays usable.
+    comm.all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &stream).expect("all-reduce");
+    comm.wait(&stream, std::time::Duration::from_secs(30)).expect("finished work waits fine");
+
+    comm.runtime().context().bind().expect("bind");
+    // SAFETY: a 4-byte pinned, device-mapped host allocation, freed at the end after the stream has drained.
+    let host = unsafe { result::malloc_host(4, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.expect("cuMemHostAlloc");
+    // SAFETY: `host` is 4 writable bytes, aligned (pinned allocations are page-aligned).
+    unsafe { (host as *mut u32).write_volatile(0) };
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: `host` is a device-mapped pinned allocation of the bound context; `dev` receives its device address.
+    let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuMemHostGetDevicePointer");
+    // SAFETY: live stream of this context; `dev` is the device address of the live gate word.
+    let r = unsafe {
+        sys::cuStreamWaitValue32_v2(stream.raw(), dev, 1, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32)
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuStreamWaitValue32");
+    assert!(!stream.query().expect("query"), "the gated stream reports work still queued");
+    let gate_word = host as usize; // the address crosses to the helper thread as an integer
+    let t0 = std::time::Instant::now();
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(GATE);
+        // SAFETY: the gate word stays allocated until this thread has been joined.
+        unsafe { (gate_word as *mut u32).write_volatile(1) };
+        t0.elapsed()
+    });
+
+    let limit = std::time::Duration::from_millis(300);
+    let err = comm.wait(&stream, limit).expect_err("the gated stream does not finish within the limit");
+    let took = t0.elapsed();
+    assert!(matches!(err, anyccl_core::Error::Timeout { .. }), "{err:?}");
+    let bound = limit + anyccl_ccl::ABORT_GRACE + std::time::Duration::from_secs(1);
+    assert!(took >= limit && took < bound, "returned after {took:?} (the gate opens at {GATE:?})");
+    let text = err.to_string();
+    assert!(text.contains("abort"), "{text}");
+
+    let later = comm
+        .all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &stream)
+        .expect_err("an aborted communicator refuses later calls");
+    assert!(matches!(later, anyccl_core::Error::PeerFailure(_)), "{later:?}");
+
+    let opened = opener.join().expect("gate thread");
+    stream.synchronize().expect("the gated stream drains once the gate opens");
+    let drained = t0.elapsed();
+    let mut out = vec![0u8; n * 4];
+    anyccl_core::MemoryRuntime::download(comm.runtime(), &b, &mut out, &stream).expect("download");
+    assert_eq!(out, ones, "the all-reduce before the gate ran (world 1: sum of one rank)");
+    // SAFETY: the stream that waited on the word has drained and the opener has been joined.
+    unsafe { result::free_host(host) }.expect("cuMemFreeHost");
+    drop(comm); // destroys nothing twice: the communicator was aborted
+    eprintln!("wait returned after {took:?}; gate opened at {opened:?}; stream drained at {drained:?}; error: {text}");
+}
