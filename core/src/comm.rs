@@ -404,9 +404,10 @@ impl<B: CommBackend> Communicator<B> {
         self.backend.barrier(stream)
     }
 
-    /// Waits until the work queued on `stream` has finished, for at most `timeout`: on the CUDA backend a peer
-    /// that died makes this return [`Error::Timeout`] or [`Error::PeerFailure`] (and the communicator is aborted)
-    /// instead of hanging, as `stream.synchronize()` would.
+    /// Waits until the work queued on `stream` has finished, for at most `timeout`: on the CUDA and ROCm backends
+    /// a peer that died makes this return [`Error::Timeout`] or [`Error::PeerFailure`] (and the communicator is
+    /// aborted) instead of hanging, as `stream.synchronize()` would. They return within `timeout` plus 2 s, the
+    /// time they give the library's abort before leaving it to finish in the background.
     pub fn wait(&mut self, stream: &StreamOf<B>, timeout: std::time::Duration) -> Result<()> {
         self.backend.wait(stream, timeout)
     }
