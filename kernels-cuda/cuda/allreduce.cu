@@ -7,6 +7,13 @@
 // byte flags, no relaxed-only waits. The epoch lives in device memory, so graph replays keep counting.
 //
 // Inputs are 16-byte vectors; callers guarantee byte counts that are multiples of 16 and 16-byte aligned buffers.
+//
+// Stopping: a barrier whose peer died would wait forever, and a kernel that never ends keeps every later
+// cuMemFree of the process waiting too. Each rank's flag array ends with an abort word that the host sets (from
+// another stream, cuStreamWriteValue32) when its wait gives up on a peer; a wait that has spun ANYCCL_ABORT_CHECK
+// times without its peer looks at it every ANYCCL_ABORT_CHECK spins, and stops waiting once it is set. The kernel
+// then runs to its end on whatever the peers' memory holds: its results are garbage, which the caller already
+// knows, and the process keeps a usable GPU.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,6 +21,11 @@
 
 #define ANYCCL_MAX_RANKS 8
 #define ANYCCL_MAX_BLOCKS 128
+// A rank's flag array: [ANYCCL_MAX_BLOCKS][ANYCCL_MAX_RANKS] barrier slots, [ANYCCL_MAX_BLOCKS] epoch counters,
+// [ANYCCL_MAX_BLOCKS] arrival counters of the multicast barrier, then the abort word (FLAG_BYTES in lib.rs).
+#define ANYCCL_MC_ARRIVALS (ANYCCL_MAX_BLOCKS * ANYCCL_MAX_RANKS + ANYCCL_MAX_BLOCKS)
+#define ANYCCL_ABORT_WORD (ANYCCL_MC_ARRIVALS + ANYCCL_MAX_BLOCKS)
+#define ANYCCL_ABORT_CHECK 1024
 
 struct RankPtrs {
     const void* p[ANYCCL_MAX_RANKS];
@@ -46,6 +58,19 @@ __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* addr) {
     return v;
 }
 
+// Whether the host has told this rank's kernels to stop waiting (see "Stopping" above).
+__device__ __forceinline__ bool aborted(const uint32_t* my_flags) {
+    return *reinterpret_cast<const volatile uint32_t*>(my_flags + ANYCCL_ABORT_WORD) != 0;
+}
+
+// Spins until the 32-bit counter at `addr` reaches `target` (wrapping compare: counters only grow, and a peer may
+// already be ahead), or until this rank's abort word is set.
+__device__ __forceinline__ void wait_reach(const uint32_t* addr, uint32_t target, const uint32_t* my_flags) {
+    for (uint32_t spins = 1; (int32_t)(ld_acquire(addr) - target) < 0; spins++) {
+        if (spins % ANYCCL_ABORT_CHECK == 0 && aborted(my_flags)) return;
+    }
+}
+
 // All threads of the block call it. Returns after every peer's same block reached the same barrier.
 __device__ __forceinline__ void barrier(const FlagPtrs& flags, int rank, int world, uint32_t epoch) {
     __syncthreads();
@@ -53,10 +78,8 @@ __device__ __forceinline__ void barrier(const FlagPtrs& flags, int rank, int wor
     if (threadIdx.x < world) {
         const int peer = threadIdx.x;
         st_release(pick(flags, peer) + b * ANYCCL_MAX_RANKS + rank, epoch);
-        const uint32_t* mine = pick(flags, rank) + b * ANYCCL_MAX_RANKS + peer;
-        // Epochs only grow; a peer may already be one barrier ahead.
-        while ((int32_t)(ld_acquire(mine) - epoch) < 0) {
-        }
+        const uint32_t* my_flags = pick(flags, rank);
+        wait_reach(my_flags + b * ANYCCL_MAX_RANKS + peer, epoch, my_flags);
     }
     __syncthreads();
 }
@@ -323,9 +346,6 @@ __device__ __forceinline__ void ch_store(const MulticastChannel& c, size_t i, ui
 #endif
 }
 
-// Arrival counters of the multicast barrier: after the per-peer slots and the epoch counters.
-#define ANYCCL_MC_ARRIVALS (ANYCCL_MAX_BLOCKS * ANYCCL_MAX_RANKS + ANYCCL_MAX_BLOCKS)
-
 template <int W>
 __device__ __forceinline__ void ch_barrier(const MulticastChannel& c, uint32_t epoch) {
     __syncthreads();
@@ -333,10 +353,8 @@ __device__ __forceinline__ void ch_barrier(const MulticastChannel& c, uint32_t e
 #if __CUDA_ARCH__ >= 900
         uint32_t* arrivals = c.flags_mc + ANYCCL_MC_ARRIVALS + blockIdx.x;
         asm volatile("multimem.red.release.sys.global.add.u32 [%0], 1;" ::"l"(arrivals) : "memory");
-        const uint32_t* mine = c.my_flags + ANYCCL_MC_ARRIVALS + blockIdx.x;
         // Every rank adds 1 per epoch, so epoch e is complete at e × W arrivals (wrapping like the epochs).
-        while ((int32_t)(ld_acquire(mine) - epoch * (uint32_t)W) < 0) {
-        }
+        wait_reach(c.my_flags + ANYCCL_MC_ARRIVALS + blockIdx.x, epoch * (uint32_t)W, c.my_flags);
 #else
         __trap();
 #endif

@@ -17,8 +17,14 @@ pub const MAX_RANKS: usize = 8;
 /// Most blocks per launch (the flag arrays are sized for it).
 pub const MAX_BLOCKS: usize = 128;
 /// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters, then
-/// `MAX_BLOCKS` arrival counters of the multicast barrier, 32 bits each. Zero it once before first use.
-pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;
+/// `MAX_BLOCKS` arrival counters of the multicast barrier, then the abort word ([`ABORT_WORD_OFFSET`]) and padding
+/// to 16 bytes, 32 bits each. Zero it once before first use.
+pub const FLAG_BYTES: usize = ABORT_WORD_OFFSET + 16;
+/// Byte offset of the abort word in a rank's flag array. Non-zero tells that rank's kernels to stop waiting for
+/// peers: a barrier that has spun 1024 times without its peer checks it every 1024 spins, and the kernel then runs
+/// to its end with garbage results. Set it (from a stream other than the stuck one) when a wait gave up on a dead
+/// peer, so the kernel ends and the GPU's memory can be freed.
+pub const ABORT_WORD_OFFSET: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;
 /// Bytes every vector access moves; message sizes must be multiples of it.
 pub const VECTOR_BYTES: usize = 16;
 

@@ -140,6 +140,57 @@ pub fn unavailable(world: usize) -> Option<String> {
     None
 }
 
+/// Tells every custom kernel of the rank whose flag array is `flags` to stop waiting for its peers: sets the abort
+/// word ([`anyccl_kernels_cuda::ABORT_WORD_OFFSET`]) with `cuStreamWriteValue32` on `stream`, which must not be the
+/// stream the kernels are stuck on, and waits for that write (at most `limit`). Kernels launched after it stop at
+/// their first barrier that waits long, so the rank's custom kernels are finished with for good: use it once a wait
+/// has given up on a peer. Not during capture.
+pub fn stop_waiting(
+    flags: &crate::runtime::DeviceBuffer,
+    stream: &CudaStream,
+    limit: std::time::Duration,
+) -> Result<()> {
+    if flags.len() < kernels::FLAG_BYTES {
+        return Err(Error::Backend {
+            backend: "cuda".into(),
+            call: "stop the custom kernels".into(),
+            code: None,
+            message: format!("a flag array holds {} bytes, this one {}", kernels::FLAG_BYTES, flags.len()),
+        });
+    }
+    if stream.is_capturing()? {
+        return Err(Error::Backend {
+            backend: "cuda".into(),
+            call: "cuStreamWriteValue32".into(),
+            code: None,
+            message: "refused: the stream is being captured".into(),
+        });
+    }
+    let word = flags.device_ptr() + kernels::ABORT_WORD_OFFSET as u64;
+    // SAFETY: a live stream; `word` is a 4-byte-aligned word inside the live flag array (length checked above).
+    let st = unsafe {
+        sys::cuStreamWriteValue32_v2(
+            stream.raw(),
+            word,
+            1,
+            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+        )
+    };
+    if st != sys::CUresult::CUDA_SUCCESS {
+        return Err(cu_err("cuStreamWriteValue32", cudarc::driver::DriverError(st)));
+    }
+    let start = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_micros(20);
+    while !stream.query()? {
+        if start.elapsed() >= limit {
+            return Err(Error::Timeout { what: "the abort word's write".into(), after: limit });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(1));
+    }
+    Ok(())
+}
+
 /// The kernels loaded for one device.
 pub struct CustomKernels {
     module: sys::CUmodule,

@@ -129,7 +129,10 @@ impl EmulatedRanks {
         Ok(())
     }
 
-    fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
+    /// Launches rank `rank`'s kernel alone on `s`; does not wait. Its barriers wait for the other ranks' launches
+    /// (what [`Self::launch`] does for every rank), or, when they never come, until
+    /// [`crate::custom::stop_waiting`] is given the rank's flag array.
+    pub fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
         if rank == 0 {
             self.check_resident(kind, dtype)?;
         }

@@ -255,3 +255,27 @@ fn a_captured_kernel_switches_from_staging_to_registered_inputs_at_replay() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn a_kernel_waiting_for_a_dead_peer_stops_when_its_abort_word_is_set() {
+    for kind in Kind::ALL {
+        let g = EmulatedRanks::new(0, 2, 1 << 20, 8).expect("emulated ranks");
+        // Only rank 0 runs: its first barrier waits for rank 1, which never comes.
+        g.launch_rank(kind, DataType::Bf16, 0, &g.streams[0]).expect("launch rank 0");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!g.streams[0].query().expect("query"), "{kind:?}: rank 0 finished without its peer");
+        let t = std::time::Instant::now();
+        anyccl_cuda::custom::stop_waiting(&g.flags[0], &g.streams[1], std::time::Duration::from_secs(1))
+            .expect("set the abort word");
+        while !g.streams[0].query().expect("query") {
+            if t.elapsed() > std::time::Duration::from_secs(10) {
+                // Dropping the buffers would wait for the kernel forever: end the process, failing.
+                eprintln!("{kind:?}: the kernel still waits 10 s after its abort word was set");
+                std::process::exit(1);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        eprintln!("{kind:?}: stopped {:?} after its abort word was set", t.elapsed());
+    }
+}
