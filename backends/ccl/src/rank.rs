@@ -75,7 +75,13 @@ impl CclRank {
     /// peer died or never arrived), the communicator is aborted, which stops the library's kernels, and the error
     /// is returned; every later call fails with [`Error::PeerFailure`]. It returns within `timeout` plus
     /// [`ABORT_GRACE`], also when the abort itself blocks (the error then says so).
-    pub fn wait_or_abort(&mut self, timeout: Duration, done: &mut dyn FnMut() -> Result<bool>) -> Result<()> {
+    /// `before_abort` runs first when it comes to that (the backend stops kernels of its own there).
+    pub fn wait_or_abort(
+        &mut self,
+        timeout: Duration,
+        done: &mut dyn FnMut() -> Result<bool>,
+        before_abort: &mut dyn FnMut(),
+    ) -> Result<()> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(20);
         loop {
@@ -83,6 +89,7 @@ impl CclRank {
                 return Ok(());
             }
             if let Err(e) = self.ccl.async_error() {
+                before_abort();
                 let aborted = self.abort_for_wait();
                 return Err(Error::PeerFailure(format!(
                     "rank {} of {}: the collective library reported an error while waiting: {e}; {aborted}",
@@ -90,6 +97,7 @@ impl CclRank {
                 )));
             }
             if start.elapsed() >= timeout {
+                before_abort();
                 let aborted = self.abort_for_wait();
                 return Err(Error::Timeout {
                     what: format!(

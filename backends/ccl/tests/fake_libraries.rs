@@ -416,22 +416,36 @@ fn a_wait_that_never_finishes_aborts_the_communicator_and_later_calls_fail() {
     let mut rank = world_1_rank(&build_profile(&NCCL_2_28));
     // Work that finishes: the wait returns once the query says so.
     let mut polls = 0;
-    rank.wait_or_abort(std::time::Duration::from_secs(30), &mut || {
-        polls += 1;
-        Ok(polls == 3)
-    })
+    let mut stops = 0;
+    rank.wait_or_abort(
+        std::time::Duration::from_secs(30),
+        &mut || {
+            polls += 1;
+            Ok(polls == 3)
+        },
+        &mut || stops += 1,
+    )
     .expect("finishes");
     assert_eq!(polls, 3);
     assert!(!rank.ccl().is_aborted());
     // A stream error is passed through, and the communicator stays usable.
     let e = rank
-        .wait_or_abort(std::time::Duration::from_secs(30), &mut || Err(Error::PeerFailure("stream broke".into())))
+        .wait_or_abort(
+            std::time::Duration::from_secs(30),
+            &mut || Err(Error::PeerFailure("stream broke".into())),
+            &mut || stops += 1,
+        )
         .expect_err("stream error");
     assert_eq!(e.to_string(), Error::PeerFailure("stream broke".into()).to_string());
     assert_eq!(rank.ccl().count().expect("still live"), 1);
-    // Work that never finishes (a peer died): a timeout within the limit, the communicator aborted.
+    assert_eq!(stops, 0, "the backend's kernels are stopped only before an abort");
+    // Work that never finishes (a peer died): a timeout within the limit, the backend's kernels stopped once,
+    // the communicator aborted.
     let start = std::time::Instant::now();
-    let e = rank.wait_or_abort(std::time::Duration::from_millis(200), &mut || Ok(false)).expect_err("times out");
+    let e = rank
+        .wait_or_abort(std::time::Duration::from_millis(200), &mut || Ok(false), &mut || stops += 1)
+        .expect_err("times out");
+    assert_eq!(stops, 1);
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
     assert!(e.to_string().contains("the communicator was aborted"), "{e}");
@@ -454,7 +468,11 @@ fn an_asynchronous_library_error_while_waiting_aborts_with_the_library_text() {
     assert!(source.contains("*e = 1"), "the fake's async-error body changed; update this test");
     let path = compile_once("nccl-async-error/libnccl.so.2", &source, &[]);
     let mut rank = world_1_rank(&path);
-    let e = rank.wait_or_abort(std::time::Duration::from_secs(30), &mut || Ok(false)).expect_err("library error");
+    let mut stops = 0;
+    let e = rank
+        .wait_or_abort(std::time::Duration::from_secs(30), &mut || Ok(false), &mut || stops += 1)
+        .expect_err("library error");
+    assert_eq!(stops, 1, "the backend's kernels are stopped before the abort");
     assert!(matches!(e, Error::PeerFailure(_)), "{e}");
     let text = e.to_string();
     assert!(text.contains("unhandled error (fake)") && text.contains("the communicator was aborted"), "{text}");
@@ -495,7 +513,7 @@ fn a_wait_returns_within_its_grace_when_the_library_abort_blocks() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let start = std::time::Instant::now();
-        let r = rank.wait_or_abort(limit, &mut || Ok(false));
+        let r = rank.wait_or_abort(limit, &mut || Ok(false), &mut || {});
         let _ = tx.send((rank, r, start.elapsed()));
     });
     let Ok((rank, r, took)) = rx.recv_timeout(std::time::Duration::from_secs(10)) else {

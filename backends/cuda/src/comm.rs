@@ -33,7 +33,10 @@ struct CustomState {
     kernels: crate::custom::CustomKernels,
     _staging: DeviceBuffer,
     _scratch: DeviceBuffer,
-    _flags: DeviceBuffer,
+    flags: DeviceBuffer,
+    /// A stream of this rank's own for telling stuck kernels to stop ([`CustomState::stop_kernels`]), made up
+    /// front so a failing wait creates nothing.
+    control: CudaStream,
     /// Peers' buffers opened through IPC (one process per GPU); closed when the state drops.
     _mappings: Vec<crate::ipc::LegacyMapping>,
     all_staging: Vec<u64>,
@@ -45,6 +48,21 @@ struct CustomState {
     /// Input tables of captured calls, and their registration.
     graph: crate::graph_inputs::GraphInputs,
 }
+
+impl CustomState {
+    /// Tells this rank's custom kernels to stop waiting for peers (its flag array's abort word, written on the
+    /// control stream); a kernel stuck on a dead peer then ends within milliseconds. For good: call it only when
+    /// the custom kernels will not run again.
+    fn stop_kernels(&self) -> Result<()> {
+        crate::custom::stop_waiting(&self.flags, &self.control, STOP_WRITE_LIMIT)
+    }
+}
+
+/// How long a failing wait waits for the write that stops the custom kernels.
+const STOP_WRITE_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long a failing wait then waits for the stream to drain before it gives up on freeing the custom kernels'
+/// buffers (freeing under a kernel that still runs would wait for it forever).
+const STOP_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
 fn custom_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
@@ -103,6 +121,18 @@ fn custom_max_blocks(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
 /// Blocks per rank for a message: one per 32 KiB, from 4 to `max` (the same on every rank, as the barriers need).
 fn custom_blocks(bytes: usize, max: usize) -> u32 {
     (bytes / (32 << 10)).clamp(4, max) as u32
+}
+
+/// Whether `stream`'s work finishes within `limit` (polling; an error counts as not drained).
+fn drained(stream: &CudaStream, limit: std::time::Duration) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        match stream.query() {
+            Ok(true) => return true,
+            Ok(false) if start.elapsed() < limit => std::thread::sleep(std::time::Duration::from_millis(1)),
+            _ => return false,
+        }
+    }
 }
 
 /// One rank of a CUDA communicator.
@@ -256,7 +286,8 @@ impl CudaComm {
             kernels,
             _staging: staging,
             _scratch: scratch,
-            _flags: flags,
+            flags,
+            control: self.runtime.stream()?,
             _mappings: mappings,
             all_staging,
             all_scratch,
@@ -295,17 +326,19 @@ impl CudaComm {
         let exchange = crate::graph_inputs::LocalExchange::new(world, GRAPH_EXCHANGE_TIMEOUT);
         parts
             .into_iter()
-            .zip(&ctxs)
+            .zip(comms)
             .enumerate()
-            .map(|(rank, ((kernels, staging, scratch, flags), ctx))| {
+            .map(|(rank, ((kernels, staging, scratch, flags), comm))| {
                 let transport = crate::graph_inputs::Transport::InProcess(exchange.rank(rank));
+                let ctx = comm.runtime.context();
                 let graph = crate::graph_inputs::GraphInputs::new(ctx, all_staging.clone(), rank, transport)
                     .map_err(|e| e.to_string())?;
                 Ok(CustomState {
                     kernels,
                     _staging: staging,
                     _scratch: scratch,
-                    _flags: flags,
+                    flags,
+                    control: comm.runtime.stream().map_err(|e| e.to_string())?,
                     _mappings: Vec::new(),
                     all_staging: all_staging.clone(),
                     all_scratch: all_scratch.clone(),
@@ -615,18 +648,31 @@ impl CommBackend for CudaComm {
     }
 
     fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {
-        // The query refuses a capturing stream, and it runs before NCCL is asked anything.
-        let r = self.ccl.wait_or_abort(timeout, &mut || stream.query());
+        // The query refuses a capturing stream, and it runs before NCCL is asked anything. Before NCCL's abort
+        // (which frees device memory and so waits for the device), the custom kernels are told to stop waiting
+        // for peers: NCCL's abort stops NCCL's kernels, the abort word stops ours.
+        let custom = &self.custom;
+        let r = self.ccl.wait_or_abort(timeout, &mut || stream.query(), &mut || {
+            if let Ok(st) = custom {
+                if let Err(e) = st.stop_kernels() {
+                    tracing::error!(error = %e, "could not tell the custom all-reduce kernels to stop");
+                }
+            }
+        });
         if r.is_err() {
-            // NCCL's abort stops NCCL's kernels; a custom all-reduce waiting for a dead peer cannot be stopped.
-            // Freeing its buffers or unloading its module would wait for it forever, so they are leaked.
             let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
             if let Ok(st) = std::mem::replace(&mut self.custom, Err(why)) {
-                std::mem::forget(st);
-                tracing::error!(
-                    "a custom all-reduce kernel may still wait for a dead peer on this GPU; its buffers are leaked \
-                     and it stops only when the process exits"
-                );
+                if drained(stream, STOP_DRAIN_LIMIT) {
+                    drop(st);
+                } else {
+                    // Freeing the buffers or unloading the module under a kernel that still runs would wait for it
+                    // forever, so they are leaked.
+                    std::mem::forget(st);
+                    tracing::error!(
+                        "the stream had not drained {STOP_DRAIN_LIMIT:?} after the custom kernels were told to \
+                         stop; their buffers are leaked"
+                    );
+                }
             }
         }
         r

@@ -421,7 +421,7 @@ fn a_rank_that_dies_makes_the_others_fail_within_the_timeout() {
         let results = run_ranks(2, &|_| vec!["--kind".into(), format!("kill-{algo}")]);
         let (_, ok, so, se) = &results[0];
         assert!(ok, "{algo}: rank 0 did not report the dead peer: {so}{se}");
-        assert!(so.contains("with a dead peer failed after"), "{so}");
+        assert!(so.contains("with a dead peer failed after") && so.contains("cleaned up in"), "{so}");
         assert!(start.elapsed() < std::time::Duration::from_secs(120), "{algo}: took {:?}", start.elapsed());
         assert!(!results[1].1, "rank 1 was meant to die");
     }

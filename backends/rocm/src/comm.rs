@@ -219,7 +219,7 @@ impl CommBackend for RocmComm {
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
         // The query refuses a capturing stream, and it runs before RCCL is asked anything.
-        self.ccl.wait_or_abort(timeout, &mut || stream.query())
+        self.ccl.wait_or_abort(timeout, &mut || stream.query(), &mut || {})
     }
 
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
