@@ -123,18 +123,6 @@ fn custom_blocks(bytes: usize, max: usize) -> u32 {
     (bytes / (32 << 10)).clamp(4, max) as u32
 }
 
-/// Whether `stream`'s work finishes within `limit` (polling; an error counts as not drained).
-fn drained(stream: &CudaStream, limit: std::time::Duration) -> bool {
-    let start = std::time::Instant::now();
-    loop {
-        match stream.query() {
-            Ok(true) => return true,
-            Ok(false) if start.elapsed() < limit => std::thread::sleep(std::time::Duration::from_millis(1)),
-            _ => return false,
-        }
-    }
-}
-
 /// One rank of a CUDA communicator.
 pub struct CudaComm {
     /// The NCCL communicator with this rank's place in it (rank, world) and its windows.
@@ -662,7 +650,8 @@ impl CommBackend for CudaComm {
         if r.is_err() {
             let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
             if let Ok(st) = std::mem::replace(&mut self.custom, Err(why)) {
-                if drained(stream, STOP_DRAIN_LIMIT) {
+                // A query error counts as not drained.
+                if matches!(stream.done_within(STOP_DRAIN_LIMIT), Ok(true)) {
                     drop(st);
                 } else {
                     // Freeing the buffers or unloading the module under a kernel that still runs would wait for it

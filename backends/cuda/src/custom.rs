@@ -158,14 +158,7 @@ pub fn stop_waiting(
             message: format!("a flag array holds {} bytes, this one {}", kernels::FLAG_BYTES, flags.len()),
         });
     }
-    if stream.is_capturing()? {
-        return Err(Error::Backend {
-            backend: "cuda".into(),
-            call: "cuStreamWriteValue32".into(),
-            code: None,
-            message: "refused: the stream is being captured".into(),
-        });
-    }
+    stream.refuse_if_capturing("cuStreamWriteValue32")?;
     let word = flags.device_ptr() + kernels::ABORT_WORD_OFFSET as u64;
     // SAFETY: a live stream; `word` is a 4-byte-aligned word inside the live flag array (length checked above).
     let st = unsafe {
@@ -179,14 +172,8 @@ pub fn stop_waiting(
     if st != sys::CUresult::CUDA_SUCCESS {
         return Err(cu_err("cuStreamWriteValue32", cudarc::driver::DriverError(st)));
     }
-    let start = std::time::Instant::now();
-    let mut pause = std::time::Duration::from_micros(20);
-    while !stream.query()? {
-        if start.elapsed() >= limit {
-            return Err(Error::Timeout { what: "the abort word's write".into(), after: limit });
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(std::time::Duration::from_millis(1));
+    if !stream.done_within(limit)? {
+        return Err(Error::Timeout { what: "the abort word's write".into(), after: limit });
     }
     Ok(())
 }

@@ -115,14 +115,7 @@ impl CudaStream {
     /// Whether the stream's work is done (`cuStreamQuery`), without blocking. Refused while the stream is being
     /// captured (the query would invalidate the capture).
     pub fn query(&self) -> Result<bool> {
-        if self.is_capturing()? {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                call: "cuStreamQuery".into(),
-                code: None,
-                message: "refused: the stream is being captured".into(),
-            });
-        }
+        self.refuse_if_capturing("cuStreamQuery")?;
         self.ctx.bind()?;
         // SAFETY: live stream; the query has no side effects.
         match unsafe { sys::cuStreamQuery(self.raw) } {
@@ -130,6 +123,34 @@ impl CudaStream {
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             other => Err(cu_err("cuStreamQuery", cudarc::driver::DriverError(other))),
         }
+    }
+
+    /// Polls [`Self::query`] until the stream's work is done, for at most `limit`: `Ok(false)` when it was still
+    /// busy then. Refused while the stream is being captured.
+    pub fn done_within(&self, limit: std::time::Duration) -> Result<bool> {
+        let start = std::time::Instant::now();
+        let mut pause = std::time::Duration::from_micros(20);
+        while !self.query()? {
+            if start.elapsed() >= limit {
+                return Ok(false);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+        Ok(true)
+    }
+
+    /// An error naming `call` when the stream is being captured, where `call` would break the capture.
+    pub fn refuse_if_capturing(&self, call: &str) -> Result<()> {
+        if self.is_capturing()? {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                call: call.into(),
+                code: None,
+                message: "not allowed while the stream is being captured; do it before capture begins".into(),
+            });
+        }
+        Ok(())
     }
 
     /// Whether the stream is being captured into a graph.
@@ -239,18 +260,6 @@ impl CudaRuntime {
     pub fn stream(&self) -> Result<CudaStream> {
         CudaStream::new(&self.ctx)
     }
-
-    fn refuse_in_capture(&self, stream: &CudaStream, what: &str) -> Result<()> {
-        if stream.is_capturing()? {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                call: what.into(),
-                code: None,
-                message: "not allowed while the stream is being captured; do it before capture begins".into(),
-            });
-        }
-        Ok(())
-    }
 }
 
 impl MemoryRuntime for CudaRuntime {
@@ -277,7 +286,7 @@ impl MemoryRuntime for CudaRuntime {
             }
             .into());
         }
-        self.refuse_in_capture(stream, "upload")?;
+        stream.refuse_if_capturing("upload")?;
         self.ctx.bind()?;
         // SAFETY: `dst` holds at least `src.len()` bytes of this device; the copy completes before we return
         // (the stream is synchronised), so `src` outlives it.
@@ -296,7 +305,7 @@ impl MemoryRuntime for CudaRuntime {
             }
             .into());
         }
-        self.refuse_in_capture(stream, "download")?;
+        stream.refuse_if_capturing("download")?;
         self.ctx.bind()?;
         // SAFETY: `src` holds at least `dst.len()` bytes; synchronised before `dst` is used.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr, stream.raw) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
