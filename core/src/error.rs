@@ -211,6 +211,18 @@ pub enum InvalidArgument {
     #[error("invalid communicator shape: {0}")]
     BadWorld(String),
 
+    /// A size asked of an allocator is larger than it can be asked for (rounding it up would overflow, or it
+    /// exceeds the limit of the call).
+    #[error("{what} of {requested} bytes is too large (at most {limit} bytes)")]
+    SizeTooLarge {
+        /// What was to be allocated.
+        what: &'static str,
+        /// The size asked for.
+        requested: u64,
+        /// The largest size accepted.
+        limit: u64,
+    },
+
     /// A point-to-point message did not match what the receiver posted.
     #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
     MessageMismatch {

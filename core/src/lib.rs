@@ -28,5 +28,5 @@ pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
 pub use comm::{CommBackend, Communicator, InOut};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
-pub use runtime::{BufferDesc, Location, MemoryRuntime};
+pub use runtime::{check_allocation, check_non_null, round_allocation, BufferDesc, Location, MemoryRuntime};
 pub use selector::{Selection, SelectionQuery, Selector, SelectorTable};

@@ -7,7 +7,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::error::Result;
+use crate::error::{Error, InvalidArgument, Result};
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -95,4 +95,88 @@ pub trait MemoryRuntime: Send + Sync {
 
     /// Whether `stream` is being captured into a graph right now (the path chosen depends on it).
     fn is_capturing(&self, stream: &Self::Stream) -> Result<bool>;
+}
+
+/// The largest single allocation anyccl asks of a vendor allocator: `isize::MAX` bytes, the most a slice can
+/// describe. Larger requests are refused before any vendor call.
+pub const MAX_ALLOCATION: usize = isize::MAX as usize;
+
+/// `bytes` rounded up to a whole number of `granule`-byte units (at least one unit), refused with
+/// [`InvalidArgument::SizeTooLarge`] when that exceeds [`MAX_ALLOCATION`] (instead of wrapping to a small size).
+pub fn round_allocation(what: &'static str, bytes: usize, granule: usize) -> Result<usize> {
+    let granule = granule.max(1);
+    let too_large = || {
+        Error::InvalidArgument(InvalidArgument::SizeTooLarge {
+            what,
+            requested: bytes as u64,
+            limit: (MAX_ALLOCATION / granule * granule) as u64,
+        })
+    };
+    let rounded = bytes.max(1).div_ceil(granule).checked_mul(granule).ok_or_else(too_large)?;
+    if rounded > MAX_ALLOCATION {
+        return Err(too_large());
+    }
+    Ok(rounded)
+}
+
+/// Refuses a null address that a vendor call returned with success for `len` bytes.
+pub fn check_non_null(backend: &str, call: &str, ptr: u64, len: usize) -> Result<()> {
+    if ptr == 0 {
+        return Err(Error::Backend {
+            backend: backend.into(),
+            call: call.into(),
+            code: None,
+            message: format!("returned success but a null address for {len} bytes"),
+        });
+    }
+    Ok(())
+}
+
+/// Checks what a vendor allocator (or an IPC open) returned before a buffer claims it: the address is not null,
+/// and `[ptr, ptr + len)` lies inside the allocation the runtime reports for `ptr` (`range`: its base and size, from
+/// `cuMemGetAddressRange` / `hipMemGetAddressRange`). `call` names the vendor call that produced `ptr`.
+pub fn check_allocation(backend: &str, call: &str, ptr: u64, len: usize, range: (u64, usize)) -> Result<()> {
+    check_non_null(backend, call, ptr, len)?;
+    let fail = |message: String| Error::Backend { backend: backend.into(), call: call.into(), code: None, message };
+    let (base, size) = range;
+    let end = ptr.checked_add(len as u64);
+    let alloc_end = base.checked_add(size as u64);
+    match (end, alloc_end) {
+        (Some(end), Some(alloc_end)) if base <= ptr && end <= alloc_end => Ok(()),
+        _ => Err(fail(format!(
+            "returned {ptr:#x} for {len} bytes, but the runtime reports the allocation there as {size} bytes at \
+             {base:#x}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_never_wraps() {
+        assert_eq!(round_allocation("x", 0, 4096), Ok(4096));
+        assert_eq!(round_allocation("x", 4097, 4096), Ok(8192));
+        assert_eq!(round_allocation("x", 5, 0), Ok(5));
+        for bytes in [usize::MAX, usize::MAX - 4095, MAX_ALLOCATION + 1, MAX_ALLOCATION - 1] {
+            let err = round_allocation("symmetric buffer", bytes, 4096).expect_err("too large");
+            assert!(
+                matches!(err, Error::InvalidArgument(InvalidArgument::SizeTooLarge { requested, .. }) if requested == bytes as u64),
+                "{err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn allocations_must_exist_and_span_the_size() {
+        assert!(check_allocation("cuda", "ncclMemAlloc", 0x1000, 4096, (0x1000, 4096)).is_ok());
+        assert!(check_allocation("cuda", "ncclMemAlloc", 0x2000, 4096, (0x1000, 8192)).is_ok());
+        let null = check_allocation("cuda", "ncclMemAlloc", 0, 4096, (0, 0)).expect_err("null");
+        assert!(null.to_string().contains("null address"), "{null}");
+        let short = check_allocation("cuda", "ncclMemAlloc", 0x1000, 8192, (0x1000, 4096)).expect_err("short");
+        assert!(short.to_string().contains("4096 bytes at 0x1000"), "{short}");
+        assert!(check_allocation("cuda", "x", 0x1000, 16, (0x2000, 4096)).is_err(), "below the base");
+        assert!(check_allocation("cuda", "x", u64::MAX - 8, 16, (u64::MAX - 8, 4096)).is_err(), "wraps");
+    }
 }

@@ -46,10 +46,21 @@ int fakehip_call_count(const char* name) {
         if (strcmp(calls[i].name, name) == 0) return calls[i].n;
     return 0;
 }
+/* Live allocations, for hipMemGetAddressRange; tests can make the next hipMalloc "succeed" with a null pointer
+ * or make the reported ranges shorter than the allocations, as a broken runtime might. */
+#define MAX_ALLOCS 4096
+static struct { uintptr_t base; size_t size; } allocs[MAX_ALLOCS];
+static int n_allocs;
+static int next_malloc_null;
+static size_t range_shrink;
+void fakehip_next_malloc_null(void) { next_malloc_null = 1; }
+void fakehip_set_range_shrink(size_t bytes) { range_shrink = bytes; }
 void fakehip_reset(void) {
     pthread_mutex_lock(&mu);
     n_violations = 0;
     n_call_names = 0;
+    next_malloc_null = 0;
+    range_shrink = 0;
     pthread_mutex_unlock(&mu);
 }
 
@@ -187,14 +198,53 @@ const char* hipGetErrorString(hipError_t e) {
 hipError_t hipMalloc(void** p, size_t n) {
     hipError_t e = unsafe_call("hipMalloc");
     if (e) return e;
-    *p = aligned_alloc(4096, (n + 4095) / 4096 * 4096);
-    return *p ? 0 : 2;
+    pthread_mutex_lock(&mu);
+    int null_now = next_malloc_null;
+    next_malloc_null = 0;
+    pthread_mutex_unlock(&mu);
+    if (null_now) {
+        *p = NULL;
+        return 0;
+    }
+    if (n > SIZE_MAX - 4095) return 2;
+    size_t size = (n + 4095) / 4096 * 4096;
+    *p = aligned_alloc(4096, size);
+    if (!*p) return 2;
+    pthread_mutex_lock(&mu);
+    if (n_allocs < MAX_ALLOCS) {
+        allocs[n_allocs].base = (uintptr_t)*p;
+        allocs[n_allocs].size = size;
+        n_allocs++;
+    }
+    pthread_mutex_unlock(&mu);
+    return 0;
 }
 hipError_t hipFree(void* p) {
     hipError_t e = unsafe_call("hipFree");
     if (e) return e;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n_allocs; i++)
+        if (allocs[i].base == (uintptr_t)p) {
+            allocs[i] = allocs[--n_allocs];
+            break;
+        }
+    pthread_mutex_unlock(&mu);
     free(p);
     return 0;
+}
+hipError_t hipMemGetAddressRange(void** base, size_t* size, void* ptr) {
+    count_call("hipMemGetAddressRange");
+    hipError_t e = 1;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n_allocs; i++)
+        if ((uintptr_t)ptr >= allocs[i].base && (uintptr_t)ptr < allocs[i].base + allocs[i].size) {
+            *base = (void*)allocs[i].base;
+            *size = allocs[i].size > range_shrink ? allocs[i].size - range_shrink : 0;
+            e = 0;
+            break;
+        }
+    pthread_mutex_unlock(&mu);
+    return e;
 }
 
 struct copy_args {

@@ -127,6 +127,18 @@ impl FakeHip {
         }
     }
 
+    /// Makes the next `hipMalloc` return success with a null pointer, as a broken runtime might.
+    pub fn next_malloc_null(&self) {
+        // SAFETY: as above.
+        unsafe { self.lib.get::<unsafe extern "C" fn()>(b"fakehip_next_malloc_null\0").expect("sym")() }
+    }
+
+    /// Makes `hipMemGetAddressRange` report every allocation `bytes` shorter than it is (0: the truth).
+    pub fn set_range_shrink(&self, bytes: usize) {
+        // SAFETY: as above.
+        unsafe { self.lib.get::<unsafe extern "C" fn(usize)>(b"fakehip_set_range_shrink\0").expect("sym")(bytes) }
+    }
+
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.
     pub fn raw_malloc(&self, bytes: usize) -> i32 {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();

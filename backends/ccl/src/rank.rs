@@ -161,7 +161,11 @@ impl CclRank {
     /// symmetric window (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size.
     /// `capturing` is whether the caller's stream captures: allocation and registration are refused then.
     /// `bind` makes this rank's device current; it runs first here, and again before the memory is deregistered
-    /// and freed on drop.
+    /// and freed on drop. `range` asks the device runtime for the allocation that contains an address (its base
+    /// and size): what the library returned is used only once it is known to be real memory that spans the size.
+    ///
+    /// A size whose round-up exceeds [`anyccl_core::runtime::MAX_ALLOCATION`] is refused with
+    /// [`anyccl_core::InvalidArgument::SizeTooLarge`] before any library call.
     pub fn symmetric_memory(
         &self,
         backend: &str,
@@ -169,13 +173,26 @@ impl CclRank {
         bytes: usize,
         capturing: bool,
         bind: Box<dyn Fn() -> Result<()> + Send>,
+        range: &dyn Fn(u64) -> Result<(u64, usize)>,
     ) -> Result<SymmetricMemory> {
         caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
         refuse_during_capture(backend, "symmetric_buffer", capturing)?;
+        let size = anyccl_core::round_allocation("a symmetric buffer", bytes, 4096)?;
         bind()?;
         let lib = self.ccl.library().clone();
-        let size = bytes.max(1).div_ceil(4096) * 4096;
         let ptr = crate::mem_alloc(&lib, size)?;
+        // A null address is refused by the check without asking the runtime about it.
+        let range = if ptr.is_null() { Ok((0, 0)) } else { range(ptr as u64) };
+        let checked = range.and_then(|r| anyccl_core::check_allocation(backend, "ncclMemAlloc", ptr as u64, size, r));
+        if let Err(e) = checked {
+            if !ptr.is_null() {
+                // SAFETY: allocated just above by ncclMemAlloc, never used, freed once.
+                if let Err(f) = unsafe { crate::mem_free(&lib, ptr) } {
+                    tracing::warn!(error = %f, "freeing a symmetric buffer that failed its check failed");
+                }
+            }
+            return Err(e);
+        }
         // SAFETY: `ptr` is `size` bytes from ncclMemAlloc on this device, page aligned, freed only after the window.
         let window = match unsafe { self.ccl.window_register(ptr, size) } {
             Ok(w) => w,

@@ -371,7 +371,8 @@ impl CudaComm {
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
         let ctx = self.runtime.context().clone();
         let bind = Box::new(move || ctx.bind());
-        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, stream.is_capturing()?, bind)?;
+        let range = |ptr| self.runtime.context().address_range(ptr);
+        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
         // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
         let view =
             unsafe { DeviceBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };

@@ -209,11 +209,7 @@ impl Registrar for DeviceSide {
                 format!("{ptr:#x} is not cuMemAlloc memory (a cuMem/VMM, managed or host allocation)"),
             ));
         }
-        let (mut base, mut size) = (0u64, 0usize);
-        // SAFETY: writes the allocation's base and size.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-            .result()
-            .map_err(|e| cu_err("cuMemGetAddressRange", e))?;
+        let (base, size) = self.ctx.address_range(ptr)?;
         let mut e = [0u8; ENTRY - 1];
         match self.transport {
             Transport::Ipc => {

@@ -57,7 +57,12 @@ impl LegacyMapping {
         }
         .result()
         .map_err(|e| cu_err("cuIpcOpenMemHandle", e))?;
-        Ok(LegacyMapping { ptr, len, ctx: ctx.clone() })
+        // Owns the mapping from here: a failed check below closes it on drop. `len` comes from the peer, so the
+        // view claims it only if the driver's mapping really spans it.
+        let mapping = LegacyMapping { ptr, len, ctx: ctx.clone() };
+        let range = ctx.address_range(ptr)?;
+        anyccl_core::check_allocation("cuda", "cuIpcOpenMemHandle", ptr, len, range)?;
+        Ok(mapping)
     }
 
     /// A view of the mapped memory.
@@ -116,8 +121,7 @@ impl VmmBuffer {
         }
         .result()
         .map_err(|e| cu_err("cuMemGetAllocationGranularity", e))?;
-        let g = g.max(1);
-        Ok(len.max(1).div_ceil(g) * g)
+        anyccl_core::round_allocation("a VMM buffer", len, g)
     }
 
     /// Allocates `len` bytes (rounded up to the granularity) exportable as a POSIX file descriptor.

@@ -41,6 +41,18 @@ impl DeviceContext {
         self.ordinal
     }
 
+    /// The allocation that contains device address `ptr`: its base and size (`cuMemGetAddressRange`), so that a
+    /// buffer claims only memory the driver really has. Binds this context first.
+    pub fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: writes the allocation's base and size; the driver rejects an address it does not know.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| cu_err("cuMemGetAddressRange", e))?;
+        Ok((base, size))
+    }
+
     /// Whether this device can access `peer`'s memory directly (`cuDeviceCanAccessPeer`).
     pub fn can_access_peer(&self, peer: &DeviceContext) -> Result<bool> {
         let mut v = 0;
@@ -188,10 +200,12 @@ unsafe impl Sync for DeviceBuffer {}
 impl DeviceBuffer {
     /// Allocates `len` bytes on `ctx`'s device (`cuMemAlloc`, 256-byte aligned). Not allowed while capturing.
     pub fn alloc(ctx: &Arc<DeviceContext>, len: usize) -> Result<Self> {
-        ctx.bind()?;
         // cuMemAlloc refuses 0 bytes; a 1-byte allocation gives zero-length buffers a valid address.
+        let bytes = anyccl_core::round_allocation("a device buffer", len, 1)?;
+        ctx.bind()?;
         // SAFETY: plain allocation in the current context.
-        let ptr = unsafe { result::malloc_sync(len.max(1)) }.map_err(|e| cu_err("cuMemAlloc", e))?;
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cu_err("cuMemAlloc", e))?;
+        anyccl_core::runtime::check_non_null("cuda", "cuMemAlloc", ptr, bytes)?;
         Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner: Some(ctx.clone()) })
     }
 

@@ -178,6 +178,51 @@ fn symmetric_buffers_1000_times_return_memory() {
     assert!(err.to_string().contains("not in a registered symmetric window"), "{err}");
 }
 
+/// Issue 14's finding on the H200: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at
+/// address 0, and a 2 TiB all-reduce on it "succeeded". Sizes are bounded before NCCL sees them; a size the
+/// device cannot hold is NCCL's error; a real buffer spans what it claims (`cuMemGetAddressRange`).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn symmetric_and_device_buffers_claim_only_memory_that_exists() {
+    use anyccl_core::{Error, InvalidArgument};
+    let mut comms = Cuda.create(1).expect("communicator");
+    let comm = &mut comms[0];
+    let stream = comm.runtime().stream().expect("stream");
+    comm.capabilities().require(Capabilities::SYMMETRIC_WINDOWS).expect("this NCCL must have symmetric windows");
+    for bytes in [usize::MAX, usize::MAX - 4095, isize::MAX as usize + 1] {
+        let err = comm.backend().symmetric_buffer(bytes, &stream).err().expect("cannot exist");
+        assert!(
+            matches!(&err, Error::InvalidArgument(InvalidArgument::SizeTooLarge { requested, .. }) if *requested == bytes as u64),
+            "{bytes}: {err:?}"
+        );
+        let err = anyccl_core::MemoryRuntime::alloc(comm.runtime(), bytes).err().expect("cannot exist");
+        assert!(matches!(&err, Error::InvalidArgument(InvalidArgument::SizeTooLarge { .. })), "{bytes}: {err:?}");
+    }
+    // 1 PiB passes the bound but no device has it: the library's own error, and no buffer.
+    let err = comm.backend().symmetric_buffer(1 << 50, &stream).err().expect("1 PiB on one GPU");
+    eprintln!("symmetric_buffer(1 PiB): {err}");
+    assert!(matches!(&err, Error::Backend { .. }), "{err:?}");
+    let err = anyccl_core::MemoryRuntime::alloc(comm.runtime(), 1 << 50).err().expect("1 PiB on one GPU");
+    eprintln!("alloc(1 PiB): {err}");
+    assert!(matches!(&err, Error::Backend { .. }), "{err:?}");
+    // A real one: the driver's allocation spans the view.
+    let n = 1 << 20;
+    let mut sb = comm.backend().symmetric_buffer(n * 4 + 1, &stream).expect("symmetric buffer");
+    let addr = anyccl_core::runtime::BufferLike::desc(sb.buffer()).addr as u64;
+    let (base, size) = comm.runtime().context().address_range(addr).expect("range");
+    assert!(base <= addr && addr + (n * 4 + 1) as u64 <= base + size as u64, "{addr:#x} in {size} at {base:#x}");
+    comm.all_reduce_with(
+        Algorithm::CclSymmetric,
+        InOut::InPlace(sb.buffer_mut()),
+        n,
+        DataType::F32,
+        ReduceOp::Sum,
+        &stream,
+    )
+    .expect("the window still works");
+    stream.synchronize().expect("sync");
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn communicators_1000_times_return_memory() {

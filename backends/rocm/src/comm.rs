@@ -71,7 +71,8 @@ impl RocmComm {
     pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
         let dev = self.runtime.device().clone();
         let bind = Box::new(move || dev.bind());
-        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind)?;
+        let range = |ptr| self.runtime.device().address_range(ptr);
+        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
         // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
         let view = unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal()) };
         Ok(SymmetricBuffer::new(view, mem))

@@ -99,6 +99,7 @@ hip_table! {
     get_error_string: GetErrorString = "hipGetErrorString",
     malloc: Malloc = "hipMalloc",
     free: Free = "hipFree",
+    mem_get_address_range: MemGetAddressRange = "hipMemGetAddressRange",
     memcpy_async: MemcpyAsync = "hipMemcpyAsync",
     memset_async: MemsetAsync = "hipMemsetAsync",
     stream_create_with_flags: StreamCreateWithFlags = "hipStreamCreateWithFlags",

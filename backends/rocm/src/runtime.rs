@@ -76,6 +76,17 @@ impl HipDevice {
         check(&self.lib, "hipSetDevice", unsafe { (self.lib.table().set_device)(self.ordinal) })
     }
 
+    /// The allocation that contains device address `ptr`: its base and size (`hipMemGetAddressRange`), so that a
+    /// buffer claims only memory the runtime really has. Binds this device first.
+    pub fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.bind()?;
+        let (mut base, mut size): (*mut c_void, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: writes the allocation's base and size; the runtime rejects an address it does not know.
+        let st = unsafe { (self.lib.table().mem_get_address_range)(&mut base, &mut size, ptr as *mut c_void) };
+        check(&self.lib, "hipMemGetAddressRange", st)?;
+        Ok((base as u64, size))
+    }
+
     /// The ordinal.
     pub fn ordinal(&self) -> i32 {
         self.ordinal
@@ -170,11 +181,13 @@ impl HipBuffer {
         if capturing_on_this_thread() {
             return Err(refuse_capture("hipMalloc"));
         }
+        let size = anyccl_core::round_allocation("a device buffer", bytes, 1)?;
         dev.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: writes one pointer.
-        let st = unsafe { (dev.lib.table().malloc)(&mut p, bytes.max(1)) };
+        let st = unsafe { (dev.lib.table().malloc)(&mut p, size) };
         check(&dev.lib, "hipMalloc", st)?;
+        anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
         Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner: Some(dev.clone()) })
     }
 

@@ -77,6 +77,8 @@ pub type GetDeviceProperties = unsafe extern "C" fn(*mut c_void, c_int) -> hipEr
 pub type RuntimeGetVersion = unsafe extern "C" fn(*mut c_int) -> hipError_t;
 pub type GetErrorString = unsafe extern "C" fn(hipError_t) -> *const c_char;
 pub type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> hipError_t;
+/// `hipMemGetAddressRange(base, size, ptr)`: the allocation that contains `ptr`.
+pub type MemGetAddressRange = unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> hipError_t;
 pub type Free = unsafe extern "C" fn(*mut c_void) -> hipError_t;
 pub type MemcpyAsync = unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, hipStream_t) -> hipError_t;
 pub type MemsetAsync = unsafe extern "C" fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t;

@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use anyccl_ccl::CclLibrary;
 use anyccl_core::conformance::{self, Config, ConformanceTarget};
 use anyccl_core::{
-    Algorithm, Capabilities, CapabilityState, Communicator, DataType, InOut, MemoryRuntime, ReduceOp, Result, Selector,
+    Algorithm, Capabilities, CapabilityState, Communicator, DataType, Error, InOut, InvalidArgument, MemoryRuntime,
+    ReduceOp, Result, Selector,
 };
 use anyccl_rocm::{HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
 use fake_ccl::{Profile, RCCL_6_2, RCCL_7_0, RCCL_7_1};
@@ -242,6 +243,43 @@ fn symmetric_buffers_on_7_1_register_before_capture_and_are_refused_during_it() 
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new());
     assert!(s.fake.calls("hipMalloc") >= 2, "ncclMemAlloc fell back to hipMalloc outside the capture");
+}
+
+/// Issue 14's finding: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at address 0 (the
+/// 4 KiB round-up wrapped to 0 and `ncclMemAlloc(0)` succeeded). Sizes are now bounded before the library sees
+/// them, and what the allocator returns must be non-null and span the size as the runtime reports it.
+#[test]
+fn a_symmetric_buffer_claims_only_memory_the_runtime_really_returned() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let cs = comms(&s, 1, true);
+    let c = &cs[0];
+    let stream = c.runtime().stream().expect("stream");
+    for bytes in [usize::MAX, usize::MAX - 4095, isize::MAX as usize + 1] {
+        let before = s.fake.calls("hipMalloc");
+        let err = c.backend().symmetric_buffer(bytes, &stream).err().expect("a size that cannot be allocated");
+        assert!(
+            matches!(&err, Error::InvalidArgument(InvalidArgument::SizeTooLarge { requested, .. }) if *requested == bytes as u64),
+            "{err:?}"
+        );
+        assert_eq!(s.fake.calls("hipMalloc"), before, "{bytes} bytes reached the allocator");
+    }
+
+    s.fake.next_malloc_null();
+    let err = c.backend().symmetric_buffer(4096, &stream).err().expect("a null allocation is refused");
+    assert!(err.to_string().contains("ncclMemAlloc") && err.to_string().contains("null address"), "{err}");
+
+    s.fake.set_range_shrink(4096);
+    let frees = s.fake.calls("hipFree");
+    let err = c.backend().symmetric_buffer(8192, &stream).err().expect("an allocation shorter than asked is refused");
+    assert!(err.to_string().contains("the runtime reports the allocation there as 4096 bytes"), "{err}");
+    assert_eq!(s.fake.calls("hipFree"), frees + 1, "the refused allocation is freed once");
+    s.fake.set_range_shrink(0);
+
+    // Nothing was lost: a real buffer of the same size works afterwards.
+    let sym = c.backend().symmetric_buffer(8192, &stream).expect("a real symmetric buffer");
+    assert_eq!(anyccl_core::runtime::BufferLike::desc(sym.buffer()).len, 8192);
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
 }
 
 #[test]
