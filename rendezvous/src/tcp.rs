@@ -1175,8 +1175,9 @@ fn root_collective(
         match received {
             Ok(payload) => contributions.push(payload),
             Err(e) => {
-                let others = peers.iter_mut().enumerate().filter(|(j, _)| *j != i).map(|(_, s)| s);
-                abort_all(others, &format!("rank 0 gave up {what}: {e}"));
+                // everyone hears it, the failed rank too (it may be alive and waiting, e.g. after its frame failed
+                // authentication on the way)
+                abort_all(peers.iter_mut(), &format!("rank 0 gave up {what}: {e}"));
                 return Err(e);
             }
         }
