@@ -273,16 +273,28 @@ struct Conn {
 impl Conn {
     /// Sends one frame (header, payload, tag) by `deadline`.
     fn send(&mut self, out: Out, payload: &[u8], deadline: Instant, ctx: &Ctx<'_>) -> Result<()> {
-        let mut frame = Vec::new();
-        frame.try_reserve_exact(HEADER_LEN + payload.len() + auth::LEN).map_err(|e| {
-            backend_error(out.op.to_string(), format!("cannot allocate a frame of {} bytes: {e}", payload.len()))
-        })?;
-        let header = encode_header(out.kind, out.op, out.seq, out.arg, payload.len());
-        let tag = self.session.seal(&header, payload)?;
-        frame.extend_from_slice(&header);
-        frame.extend_from_slice(payload);
-        frame.extend_from_slice(&tag);
-        write_all_by(&mut self.stream, &frame, deadline).map_err(|e| ctx.io(e))
+        self.send_all(out, std::slice::from_ref(&payload), deadline, ctx)
+    }
+
+    /// Sends one frame per payload, all described by `out`, in one write (a reply of `world` results must not cost
+    /// `world` segments and wake-ups).
+    fn send_all<P: AsRef<[u8]>>(&mut self, out: Out, payloads: &[P], deadline: Instant, ctx: &Ctx<'_>) -> Result<()> {
+        let total = payloads
+            .iter()
+            .try_fold(0usize, |acc, p| acc.checked_add(HEADER_LEN + auth::LEN)?.checked_add(p.as_ref().len()));
+        let mut frames = Vec::new();
+        total
+            .and_then(|t| frames.try_reserve_exact(t).ok())
+            .ok_or_else(|| backend_error(out.op.to_string(), format!("cannot allocate {total:?} bytes of frames")))?;
+        for payload in payloads {
+            let payload = payload.as_ref();
+            let header = encode_header(out.kind, out.op, out.seq, out.arg, payload.len());
+            let tag = self.session.seal(&header, payload)?;
+            frames.extend_from_slice(&header);
+            frames.extend_from_slice(payload);
+            frames.extend_from_slice(&tag);
+        }
+        write_all_by(&mut self.stream, &frames, deadline).map_err(|e| ctx.io(e))
     }
 
     /// Reads one frame. The length is checked against `ctx.max` before anything is allocated, the payload is read
@@ -300,16 +312,17 @@ impl Conn {
                 )
             }
         };
+        // payload and tag together (one read for a small frame)
+        let with_tag = len + auth::LEN;
         let mut payload = Vec::new();
-        while payload.len() < len {
+        while payload.len() < with_tag {
             let start = payload.len();
-            let step = (len - start).min(READ_CHUNK);
+            let step = (with_tag - start).min(READ_CHUNK);
             payload.try_reserve(step).map_err(|e| ctx.protocol(format_args!("cannot buffer the frame: {e}")))?;
             payload.resize(start + step, 0);
             read_exact_by(&mut self.stream, &mut payload[start..], deadline).map_err(|e| ctx.io(e))?;
         }
-        let mut tag = [0u8; auth::LEN];
-        read_exact_by(&mut self.stream, &mut tag, deadline).map_err(|e| ctx.io(e))?;
+        let tag = payload.split_off(len);
         if !self.session.open(&h, &payload, &tag)? {
             return Err(Error::PeerFailure(format!(
                 "a frame from {} during {} failed authentication: it was changed, replayed or forged on the way",
@@ -1081,8 +1094,9 @@ fn client_handshake(
     };
     let _ = stream.set_nodelay(true);
     write_all_by(stream, &preamble(), deadline).map_err(|e| early(e, "before the handshake"))?;
+    // the preamble first: a rank 0 of another protocol version may send less than a whole greeting
     let mut greeting = [0u8; GREETING_LEN];
-    read_exact_by(stream, &mut greeting, deadline).map_err(|e| early(e, "before the handshake"))?;
+    read_exact_by(stream, &mut greeting[..PREAMBLE_LEN], deadline).map_err(|e| early(e, "before the handshake"))?;
     if greeting[..8] != MAGIC {
         return Err(Attempt::Fatal(ctx.protocol("bad magic: the service there is not an anyccl rendezvous")));
     }
@@ -1092,6 +1106,7 @@ fn client_handshake(
             ctx.protocol(format_args!("rank 0 speaks protocol version {version}, this rank speaks {PROTOCOL_VERSION}")),
         ));
     }
+    read_exact_by(stream, &mut greeting[PREAMBLE_LEN..], deadline).map_err(|e| early(e, "before the handshake"))?;
     let client_nonce = auth::nonce().map_err(Attempt::Fatal)?;
     let transcript = Transcript {
         version: PROTOCOL_VERSION,
@@ -1193,15 +1208,10 @@ fn root_collective(
     for i in 0..peers.len() {
         let peer = format!("rank {}", i + 1);
         let ctx = Ctx { peer: &peer, what: &what, after: cfg.timeout, max: cfg.max_message };
-        let mut sent = Ok(());
-        if let Some(conn) = peers.get_mut(i) {
-            for r in &results {
-                sent = conn.send(Out { kind: Kind::Data, op, seq, arg }, r, deadline, &ctx);
-                if sent.is_err() {
-                    break;
-                }
-            }
-        }
+        let sent = match peers.get_mut(i) {
+            Some(conn) => conn.send_all(Out { kind: Kind::Data, op, seq, arg }, &results, deadline, &ctx),
+            None => Ok(()),
+        };
         if let Err(e) = sent {
             let others = peers.iter_mut().enumerate().filter(|(j, _)| *j != i).map(|(_, s)| s);
             abort_all(others, &format!("rank 0 gave up {what}: {e}"));
@@ -1639,6 +1649,23 @@ mod tests {
         let text = client.join().expect("client").expect_err("aborted").to_string();
         assert!(!text.contains('\x1b') && !text.contains('\n'), "{:?}", &text[..100]);
         assert!(text.len() < MAX_REASON + 200, "{} bytes", text.len());
+    }
+
+    #[test]
+    fn a_protocol_1_rank_0_is_named_at_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let cfg = RendezvousConfig::new(1, 2, listener.local_addr().expect("addr"))
+            .with_timeout(Duration::from_secs(30))
+            .with_key(key());
+        let start = Instant::now();
+        let client = thread::spawn(move || Rendezvous::connect(cfg));
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut v1 = MAGIC.to_vec();
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        s.write_all(&v1).expect("a version-1 preamble, and then nothing");
+        let err = client.join().expect("client").expect_err("another version");
+        assert!(err.to_string().contains("rank 0 speaks protocol version 1, this rank speaks 2"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     }
 
     #[test]
