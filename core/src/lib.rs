@@ -20,6 +20,7 @@ pub mod dtype;
 pub mod error;
 pub mod runtime;
 pub mod selector;
+pub mod text;
 pub mod units;
 pub mod validate;
 

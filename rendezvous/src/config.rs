@@ -1,9 +1,16 @@
-//! Rendezvous configuration: built in code, or read from the launcher's environment (torchrun, then Slurm).
+//! Rendezvous configuration: built in code, or read from the launcher's environment (torchrun, then Slurm), with
+//! the job's secret and the bounds every value must respect.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::io::Read;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::time::Duration;
 
+use anyccl_core::text::sanitize;
 use anyccl_core::{Error, InvalidArgument, Result};
+use tracing::debug;
+
+pub use crate::auth::JobKey;
 
 /// How long a rank waits, by default, for the group to form and for each collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -11,30 +18,73 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 /// The largest message one rank may contribute to a collective, by default (1 MiB).
 pub const DEFAULT_MAX_MESSAGE: usize = 1 << 20;
 
+/// The largest world size the rendezvous accepts (65,536 ranks).
+///
+/// The rendezvous is a star: rank 0 holds one TCP connection (one file descriptor) per rank and, in an all-gather,
+/// every rank's contribution at once. At 65,536 ranks that is already 65,536 descriptors (far above the usual
+/// `ulimit -n`) and, at the default message limit, up to 64 GiB gathered on every rank; a larger job needs a
+/// tree-shaped bootstrap, not a bigger star. The cap also bounds rank 0's per-rank table, which is sized by the
+/// world size before any rank connects, so a typo like `WORLD_SIZE=1000000000000` is an error instead of an abort.
+pub const MAX_WORLD: usize = 1 << 16;
+
+/// The longest timeout accepted (7 days). Every deadline is `now + timeout`; the cap keeps that far from the end
+/// of the clock (a timeout of 1e19 seconds would overflow it), and no rendezvous or bootstrap collective usefully
+/// waits longer.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The largest `max_message` accepted (1 GiB): the rendezvous carries small blobs (ids, handles, host names).
+pub const MAX_MESSAGE_LIMIT: usize = 1 << 30;
+
+/// The shortest secret accepted in `ANYCCL_RENDEZVOUS_KEY` or a key file (bytes, after trimming white space).
+/// Someone who poses as rank 0 sees a proof computed with the key and can test guesses of it offline, so the key
+/// must not be guessable; 16 random characters are the least, `openssl rand -hex 32` makes a good one.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// The largest key file read (bytes).
+pub const MAX_KEY_FILE_LEN: u64 = 4096;
+
+/// The variable holding the job's secret as text.
+pub const KEY_VAR: &str = "ANYCCL_RENDEZVOUS_KEY";
+
+/// The variable naming a file that holds the job's secret.
+pub const KEY_FILE_VAR: &str = "ANYCCL_RENDEZVOUS_KEY_FILE";
+
+/// The variable holding the timeout in seconds.
+pub const TIMEOUT_VAR: &str = "ANYCCL_RENDEZVOUS_TIMEOUT_SECS";
+
 /// Where a rank finds rank 0, who it is, and the limits it works under.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RendezvousConfig {
     /// This process's rank, `0..world`.
     pub rank: usize,
-    /// The number of ranks in the job.
+    /// The number of ranks in the job, `1..=MAX_WORLD`.
     pub world: usize,
     /// The rank on this node (`LOCAL_RANK` / `SLURM_LOCALID`), where the launcher gives it; the rendezvous itself
     /// does not use it (a backend uses it to pick the device).
     pub local_rank: Option<usize>,
     /// Rank 0's address: rank 0 listens on exactly this address, the other ranks connect to it.
     pub master: SocketAddr,
-    /// How long to wait for the group to form, and for each collective, before [`Error::Timeout`].
+    /// How long to wait for the group to form, and for each collective, before [`Error::Timeout`]; at most
+    /// [`MAX_TIMEOUT`].
     pub timeout: Duration,
-    /// The largest message (in bytes) one rank may send in one collective; larger frames are rejected before any
-    /// buffer of the claimed size is allocated.
+    /// The largest message (in bytes) one rank may send in one collective, at most [`MAX_MESSAGE_LIMIT`]; larger
+    /// frames are rejected before any buffer of the claimed size is allocated.
     pub max_message: usize,
-    /// The job key every rank presents in its handshake; rank 0 rejects a connection with another key, so a rank of
-    /// another job (or a stale process) reusing the port cannot join.
-    pub key: u64,
+    /// The secret every rank proves it holds (and rank 0 proves to every rank) before any payload moves.
+    ///
+    /// `None` (what [`RendezvousConfig::new`] gives) means: rank 0 makes a random key when it starts listening,
+    /// and the other ranks must take their configuration from
+    /// [`Listener::client_config`](crate::Listener::client_config), which carries it. [`RendezvousConfig::from_env`]
+    /// always sets one.
+    pub key: Option<JobKey>,
 }
 
 impl RendezvousConfig {
-    /// A configuration with the default timeout and message limit, and a key derived from `master` and `world`.
+    /// A configuration with the default timeout and message limit and no key yet: rank 0 makes a random one in
+    /// [`Rendezvous::listen`](crate::Rendezvous::listen), and
+    /// [`Listener::client_config`](crate::Listener::client_config) hands it to the other ranks (ranks as threads,
+    /// tests). Ranks in separate processes need a shared key ([`RendezvousConfig::with_key`], or
+    /// [`RendezvousConfig::from_env`]).
     pub fn new(rank: usize, world: usize, master: SocketAddr) -> Self {
         RendezvousConfig {
             rank,
@@ -43,11 +93,11 @@ impl RendezvousConfig {
             master,
             timeout: DEFAULT_TIMEOUT,
             max_message: DEFAULT_MAX_MESSAGE,
-            key: derive_key(&master.ip().to_string(), master.port(), world),
+            key: None,
         }
     }
 
-    /// The same configuration with another timeout.
+    /// The same configuration with another timeout (checked against [`MAX_TIMEOUT`] when the rendezvous starts).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -59,9 +109,9 @@ impl RendezvousConfig {
         self
     }
 
-    /// The same configuration with another job key.
-    pub fn with_key(mut self, key: u64) -> Self {
-        self.key = key;
+    /// The same configuration with the job key `key` (e.g. `JobKey::from_secret(secret)`).
+    pub fn with_key(mut self, key: JobKey) -> Self {
+        self.key = Some(key);
         self
     }
 
@@ -72,20 +122,29 @@ impl RendezvousConfig {
 
     /// Reads the configuration through `get` (a variable's value, or `None` where it is unset).
     ///
-    /// - rank: `RANK`, else `SLURM_PROCID`; world: `WORLD_SIZE`, else `SLURM_NTASKS`; local rank: `LOCAL_RANK`, else
-    ///   `SLURM_LOCALID` (optional);
+    /// - rank: `RANK`, else `SLURM_PROCID`; world: `WORLD_SIZE`, else `SLURM_NTASKS` (`1..=`[`MAX_WORLD`]); local
+    ///   rank: `LOCAL_RANK`, else `SLURM_LOCALID` (optional);
     /// - `MASTER_ADDR` (host name or IP address, resolved here) and `MASTER_PORT` (required);
-    /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed);
-    /// - `ANYCCL_RENDEZVOUS_KEY` (optional, any text; its hash is the job key), else a key derived from
-    ///   `MASTER_ADDR`, `MASTER_PORT` and the world size.
+    /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
+    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (text) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
+    ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
+    ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets a key derived from
+    ///   the address, port and world size ([`JobKey::derived`]: any local user can compute it), and any other
+    ///   address is an error, since anyone who can reach the port could then join the job.
     ///
     /// A variable that is set takes precedence over its fallback even when it is malformed: a missing or malformed
-    /// value is an [`Error::Config`] naming the variable.
+    /// value is an [`Error::Config`] naming the variable. Never panics, whatever the values.
     pub fn from_env_with(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
         let (world_var, world_text) = first_of(get, &["WORLD_SIZE", "SLURM_NTASKS"])?;
         let world = parse_usize(world_var, &world_text, "a world size (a positive integer)")?;
         if world == 0 {
             return Err(config(world_var, "the world size must be at least 1"));
+        }
+        if world > MAX_WORLD {
+            return Err(config(
+                world_var,
+                format!("a world of {world} ranks is more than the rendezvous supports (at most {MAX_WORLD})"),
+            ));
         }
         let (rank_var, rank_text) = first_of(get, &["RANK", "SLURM_PROCID"])?;
         let rank = parse_usize(rank_var, &rank_text, "a rank (a non-negative integer)")?;
@@ -111,31 +170,68 @@ impl RendezvousConfig {
         let port = match port_text.trim().parse::<u16>() {
             Ok(p) if p != 0 => p,
             _ => {
-                return Err(config("MASTER_PORT", format!("'{port_text}' is not a TCP port (expected 1..=65535)")));
+                return Err(config(
+                    "MASTER_PORT",
+                    format!("'{}' is not a TCP port (expected 1..=65535)", sanitize(&port_text)),
+                ));
             }
         };
         let master = resolve(&addr_text, port)?;
 
-        let timeout = match get("ANYCCL_RENDEZVOUS_TIMEOUT_SECS") {
+        let timeout = match get(TIMEOUT_VAR) {
             None => DEFAULT_TIMEOUT,
-            Some(text) => parse_secs("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", &text)?,
+            Some(text) => parse_secs(TIMEOUT_VAR, &text)?,
         };
-        let key = match get("ANYCCL_RENDEZVOUS_KEY") {
-            None => derive_key(&addr_text, port, world),
-            Some(text) if text.trim().is_empty() => {
-                return Err(config("ANYCCL_RENDEZVOUS_KEY", "is empty; unset it or give any non-empty text"));
+        let key = match (get(KEY_VAR), get(KEY_FILE_VAR)) {
+            (Some(_), Some(_)) => {
+                return Err(config(KEY_FILE_VAR, format!("both {KEY_VAR} and {KEY_FILE_VAR} are set; set only one")));
             }
-            Some(text) => fnv1a(text.trim().as_bytes()),
+            (Some(text), None) => JobKey::from_secret(check_secret(KEY_VAR, text.as_bytes())?),
+            (None, Some(path)) => read_key_file(&path)?,
+            (None, None) if is_loopback(master.ip()) => {
+                debug!(
+                    target: "anyccl::rendezvous",
+                    "{KEY_VAR} is not set: using the key derived from MASTER_ADDR, MASTER_PORT and the world size \
+                     (loopback only; any local user can compute it)"
+                );
+                JobKey::derived(&addr_text, port, world)
+            }
+            (None, None) => {
+                return Err(config(
+                    KEY_VAR,
+                    format!(
+                        "not set, and MASTER_ADDR={} is not a loopback address: anyone who can reach {master} could \
+                         join the job and forge its data. Give every rank the same secret: \
+                         {KEY_VAR}=$(openssl rand -hex 32), or {KEY_FILE_VAR}=<a file of mode 0600 holding it>",
+                        sanitize(&addr_text)
+                    ),
+                ));
+            }
         };
 
-        Ok(RendezvousConfig { rank, world, local_rank, master, timeout, max_message: DEFAULT_MAX_MESSAGE, key })
+        Ok(RendezvousConfig {
+            rank,
+            world,
+            local_rank,
+            master,
+            timeout,
+            max_message: DEFAULT_MAX_MESSAGE,
+            key: Some(key),
+        })
     }
 
-    /// Checks the shape (world ≥ 1, rank < world, a non-zero timeout and message limit).
+    /// Checks the shape (1 ≤ world ≤ [`MAX_WORLD`], rank < world, 0 < timeout ≤ [`MAX_TIMEOUT`],
+    /// 1 ≤ max_message ≤ [`MAX_MESSAGE_LIMIT`]).
     pub(crate) fn validate(&self) -> Result<()> {
         let bad = |msg: String| Err(Error::InvalidArgument(InvalidArgument::BadWorld(msg)));
         if self.world == 0 {
             return bad("the world size must be at least 1".into());
+        }
+        if self.world > MAX_WORLD {
+            return bad(format!(
+                "a world of {} ranks is more than the rendezvous supports (at most {MAX_WORLD})",
+                self.world
+            ));
         }
         if self.rank >= self.world {
             return bad(format!("rank {} is out of range for a world of {}", self.rank, self.world));
@@ -143,21 +239,107 @@ impl RendezvousConfig {
         if self.timeout.is_zero() {
             return bad("the rendezvous timeout must be greater than zero".into());
         }
-        if self.max_message == 0 {
-            return bad("max_message must be at least 1 byte".into());
+        if self.timeout > MAX_TIMEOUT {
+            return bad(format!(
+                "the rendezvous timeout of {:?} is longer than the maximum ({} seconds)",
+                self.timeout,
+                MAX_TIMEOUT.as_secs()
+            ));
+        }
+        if self.max_message == 0 || self.max_message > MAX_MESSAGE_LIMIT {
+            return bad(format!("max_message must be 1..={MAX_MESSAGE_LIMIT} bytes, not {}", self.max_message));
         }
         Ok(())
     }
 }
 
-/// The job key used when `ANYCCL_RENDEZVOUS_KEY` is unset: a hash of the master address text, port and world size.
-pub fn derive_key(master_addr: &str, port: u16, world: usize) -> u64 {
-    fnv1a(format!("anyccl-rendezvous\0{master_addr}\0{port}\0{world}").as_bytes())
+/// Whether `ip` is a loopback address (including an IPv4-mapped one such as `::ffff:127.0.0.1`).
+fn is_loopback(ip: IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
 }
 
-/// 64-bit FNV-1a: stable across builds and platforms, unlike `std`'s hasher.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+/// The secret with white space trimmed, checked to be long enough.
+fn check_secret<'a>(var: &str, secret: &'a [u8]) -> Result<&'a [u8]> {
+    let secret = secret.trim_ascii();
+    if secret.is_empty() {
+        return Err(config(
+            var,
+            "is empty; give every rank the same secret (e.g. the output of `openssl rand -hex 32`)",
+        ));
+    }
+    if secret.len() < MIN_SECRET_LEN {
+        return Err(config(
+            var,
+            format!(
+                "the secret is {} bytes long; it must be at least {MIN_SECRET_LEN} (someone posing as rank 0 could \
+                 guess a short one): use e.g. the output of `openssl rand -hex 32`",
+                secret.len()
+            ),
+        ));
+    }
+    Ok(secret)
+}
+
+/// Reads the secret from the file `path_text` names: opened without blocking (a FIFO or a device cannot hang the
+/// rank), and refused unless it is a regular file of at most [`MAX_KEY_FILE_LEN`] bytes that neither group nor
+/// others may read or write (as ssh does with a private key).
+fn read_key_file(path_text: &str) -> Result<JobKey> {
+    let var = KEY_FILE_VAR;
+    let shown = sanitize(path_text);
+    if path_text.trim().is_empty() {
+        return Err(config(var, "is empty; set it to the path of a file holding the job's secret"));
+    }
+    let path = Path::new(path_text);
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOCTTY);
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        // No non-blocking open here: look first (a FIFO swapped in between is not defended against on these
+        // platforms).
+        if std::fs::metadata(path).is_ok_and(|m| !m.is_file()) {
+            return Err(config(var, format!("{shown} is not a regular file")));
+        }
+    }
+    let file = opts.open(path).map_err(|e| config(var, format!("cannot open {shown}: {e}")))?;
+    let meta = file.metadata().map_err(|e| config(var, format!("cannot inspect {shown}: {e}")))?;
+    if !meta.is_file() {
+        return Err(config(var, format!("{shown} is not a regular file")));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(config(
+                var,
+                format!(
+                    "{shown} has mode {mode:04o}: group or others may read or change the job's secret; run \
+                     `chmod 600 {shown}`"
+                ),
+            ));
+        }
+    }
+    if meta.len() > MAX_KEY_FILE_LEN {
+        return Err(config(
+            var,
+            format!("{shown} holds {} bytes; a key file holds at most {MAX_KEY_FILE_LEN}", meta.len()),
+        ));
+    }
+    let mut secret = Vec::new();
+    file.take(MAX_KEY_FILE_LEN + 1)
+        .read_to_end(&mut secret)
+        .map_err(|e| config(var, format!("cannot read {shown}: {e}")))?;
+    if secret.len() as u64 > MAX_KEY_FILE_LEN {
+        return Err(config(var, format!("{shown} grew beyond {MAX_KEY_FILE_LEN} bytes while it was read")));
+    }
+    let key = check_secret(var, &secret).map(JobKey::from_secret);
+    secret.fill(0);
+    key
 }
 
 fn config(var: &str, message: impl Into<String>) -> Error {
@@ -180,13 +362,25 @@ fn first_of(get: &dyn Fn(&str) -> Option<String>, vars: &[&'static str]) -> Resu
 }
 
 fn parse_usize(var: &str, text: &str, expected: &str) -> Result<usize> {
-    text.trim().parse::<usize>().map_err(|_| config(var, format!("'{text}' is not {expected}")))
+    text.trim().parse::<usize>().map_err(|_| config(var, format!("'{}' is not {expected}", sanitize(text))))
 }
 
 fn parse_secs(var: &str, text: &str) -> Result<Duration> {
     let secs = text.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0);
-    secs.and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .ok_or_else(|| config(var, format!("'{text}' is not a timeout (expected a positive number of seconds)")))
+    match secs.and_then(|s| Duration::try_from_secs_f64(s).ok()).filter(|d| !d.is_zero()) {
+        Some(d) if d <= MAX_TIMEOUT => Ok(d),
+        Some(_) => Err(config(
+            var,
+            format!(
+                "{} seconds is longer than the maximum of {} seconds (7 days)",
+                sanitize(text.trim()),
+                MAX_TIMEOUT.as_secs()
+            ),
+        )),
+        None => {
+            Err(config(var, format!("'{}' is not a timeout (expected a positive number of seconds)", sanitize(text))))
+        }
+    }
 }
 
 fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
@@ -194,12 +388,13 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
     if let Ok(ip) = literal {
         return Ok(SocketAddr::new(ip, port));
     }
+    let shown = sanitize(host);
     if !host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_')) {
-        return Err(config("MASTER_ADDR", format!("'{host}' is not a host name or IP address")));
+        return Err(config("MASTER_ADDR", format!("'{shown}' is not a host name or IP address")));
     }
     let mut addrs =
-        (host, port).to_socket_addrs().map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{host}': {e}")))?;
-    addrs.next().ok_or_else(|| config("MASTER_ADDR", format!("'{host}' resolves to no address")))
+        (host, port).to_socket_addrs().map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{shown}': {e}")))?;
+    addrs.next().ok_or_else(|| config("MASTER_ADDR", format!("'{shown}' resolves to no address")))
 }
 
 #[cfg(test)]
@@ -207,17 +402,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fnv_is_stable() {
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    fn loopback_includes_mapped_addresses() {
+        assert!(is_loopback("127.0.0.1".parse().expect("ip")));
+        assert!(is_loopback("127.8.9.10".parse().expect("ip")));
+        assert!(is_loopback("::1".parse().expect("ip")));
+        assert!(is_loopback("::ffff:127.0.0.1".parse().expect("ip")));
+        assert!(!is_loopback("0.0.0.0".parse().expect("ip")));
+        assert!(!is_loopback("10.0.0.1".parse().expect("ip")));
+        assert!(!is_loopback("::".parse().expect("ip")));
     }
 
     #[test]
-    fn derived_key_depends_on_every_input() {
-        let k = derive_key("10.0.0.1", 29500, 8);
-        assert_ne!(k, derive_key("10.0.0.2", 29500, 8));
-        assert_ne!(k, derive_key("10.0.0.1", 29501, 8));
-        assert_ne!(k, derive_key("10.0.0.1", 29500, 4));
-        assert_eq!(k, derive_key("10.0.0.1", 29500, 8));
+    fn secrets_are_trimmed_and_must_be_long_enough() {
+        assert_eq!(check_secret("V", b"  0123456789abcdef\n").expect("16 bytes"), b"0123456789abcdef");
+        let e = check_secret("V", b"0123456789abcde").expect_err("15 bytes");
+        assert!(e.to_string().contains("15 bytes long; it must be at least 16"), "{e}");
+        assert!(check_secret("V", b" \n\t").expect_err("blank").to_string().contains("is empty"));
     }
 }

@@ -1,52 +1,86 @@
 //! TCP rendezvous: rank 0 listens, the other ranks connect; collectives run as a star through rank 0.
 //!
-//! ## Wire protocol (version 1, little-endian)
+//! ## Wire protocol (version 2, little-endian)
 //!
-//! - client hello (36 bytes): magic `ANYCCLRV`, version `u32`, world `u64`, rank `u64`, key `u64`;
-//! - every reply and every later message: magic and version (12 bytes, only before the first frame of rank 0's
-//!   reply), then frames of a 26-byte header (kind `u8`, op `u8`, sequence `u64`, argument `u64`, length `u64`)
-//!   followed by `length` bytes, at most `max_message`.
+//! Handshake (see [`crate::auth`] for what the proofs cover):
 //!
-//! Rank 0 answers a hello with `Accept` or `Reject` (the reason as payload, then it closes the connection), and
-//! once every rank has joined it sends `Ready` to all (or `Abort` with the reason when it gives up). In a
-//! collective each client sends one `Data` frame tagged with the operation and its sequence number; rank 0 checks
-//! the tags (a rank calling another collective than the others is an error, not a silent mix-up), and replies with
-//! the result frames, or with `Abort` to everyone when a rank failed.
+//! 1. both sides send at once: the client its preamble (magic `ANYCCLRV`, version `u32`: 12 bytes); rank 0 its
+//!    greeting (magic, version, its nonce: 44 bytes);
+//! 2. the client, having read the greeting: world `u64`, rank `u64`, its nonce, its proof (80 bytes);
+//! 3. rank 0: one verdict byte, `0xA5` followed by its own proof (32 bytes) when it accepts, `0x5A` and nothing
+//!    else when it rejects (then it closes). A rejected peer learns nothing more: not why, not the world size,
+//!    not the key. The reason goes to rank 0's log and its [`Rejections`] record.
+//!
+//! Then frames, each a 26-byte header (kind `u8`, op `u8`, sequence `u64`, argument `u64`, length `u64`), `length`
+//! bytes of payload (at most `max_message`), and a 32-byte tag from the connection's session key. Once every rank
+//! has joined, rank 0 sends `Ready` to all (or `Abort` with the reason when it gives up). In a collective each
+//! client sends one `Data` frame tagged with the operation and its sequence number; rank 0 checks the tags (a rank
+//! calling another collective than the others is an error, not a silent mix-up), and replies with the result
+//! frames, or with `Abort` to everyone when a rank failed.
+//!
+//! ## Pending connections
+//!
+//! Rank 0 runs every handshake at once on non-blocking sockets (one `mio` poll loop on the calling thread, no
+//! thread per connection): each pending connection has its own deadline ([`HANDSHAKE_LIMIT`]) and costs the others
+//! no time, so silent or slow connections delay nobody. At most [`MAX_PENDING`] handshakes are pending; a new
+//! connection beyond that closes the oldest pending one at once. The oldest is the one to go because a real rank
+//! completes its handshake within a round trip of connecting, so whatever has waited longest is the least likely to
+//! be a real rank, and closing the newest instead would let whoever filled the table first lock everyone out until
+//! their deadlines. A real rank whose connection is closed before the verdict simply connects again.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use anyccl_core::text::{sanitize, sanitize_bytes};
 use anyccl_core::{Error, InvalidArgument, Result};
+use mio::{Events, Interest, Poll, Token};
 use tracing::{debug, info, warn};
 
+use crate::auth::{self, JobKey, Session, Side, Transcript};
 use crate::backend_error;
-use crate::config::RendezvousConfig;
+use crate::config::{RendezvousConfig, KEY_VAR, MAX_TIMEOUT};
 
-/// The first bytes of every hello and of rank 0's reply.
+/// The first bytes of every preamble and greeting.
 pub const MAGIC: [u8; 8] = *b"ANYCCLRV";
 
-/// The wire protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The wire protocol version this crate speaks (2: authenticated both ways, every frame tagged).
+pub const PROTOCOL_VERSION: u32 = 2;
 
-/// Length of a client's hello: magic, version, world, rank, key.
-const HELLO_LEN: usize = 8 + 4 + 8 + 8 + 8;
+/// How long one pending connection may take to complete its handshake with rank 0.
+pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
+
+/// The most connections rank 0 keeps in their handshake at once; see the module documentation.
+pub const MAX_PENDING: usize = 512;
+
+/// Magic and version.
+const PREAMBLE_LEN: usize = 8 + 4;
+/// Rank 0's greeting: magic, version, nonce.
+const GREETING_LEN: usize = PREAMBLE_LEN + auth::LEN;
+/// What a client sends, preamble included: magic, version, world, rank, nonce, proof.
+const HELLO_LEN: usize = PREAMBLE_LEN + 8 + 8 + auth::LEN + auth::LEN;
+/// The verdict bytes.
+const ACCEPT: u8 = 0xa5;
+const REJECT: u8 = 0x5a;
 /// Length of a frame header: kind, op, sequence, argument, payload length.
 const HEADER_LEN: usize = 1 + 1 + 8 + 8 + 8;
-/// A connected client sends its hello at once; rank 0 gives a silent connection at most this long.
-const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
-/// How long rank 0 spends telling the other ranks that it gave up.
+/// How long rank 0 spends telling the other ranks that it gave up, or answering a verdict.
 const ABORT_LIMIT: Duration = Duration::from_secs(1);
-/// How often rank 0 looks for a new connection while it waits for the ranks to join.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// How soon rank 0 tries `accept` again after it failed (out of file descriptors, say).
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+/// The most connections accepted in one go before the pending ones get their turn.
+const ACCEPT_BATCH: usize = 64;
 /// Payloads are read in chunks of at most this size, so a frame that claims more than it carries costs no memory.
 const READ_CHUNK: usize = 64 * 1024;
+/// The longest peer-supplied reason shown in an error (bytes).
+const MAX_REASON: usize = 4096;
+/// The listener's token in the poll.
+const LISTENER: Token = Token(usize::MAX);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    Accept = 1,
-    Reject = 2,
     Ready = 3,
     Abort = 4,
     Data = 5,
@@ -54,7 +88,7 @@ enum Kind {
 
 impl Kind {
     fn from_u8(b: u8) -> Option<Kind> {
-        [Kind::Accept, Kind::Reject, Kind::Ready, Kind::Abort, Kind::Data].into_iter().find(|k| *k as u8 == b)
+        [Kind::Ready, Kind::Abort, Kind::Data].into_iter().find(|k| *k as u8 == b)
     }
 }
 
@@ -82,6 +116,15 @@ impl fmt::Display for Op {
             Op::Barrier => "barrier",
         })
     }
+}
+
+/// What a frame to be sent is: its kind, operation, sequence number and argument.
+#[derive(Debug, Clone, Copy)]
+struct Out {
+    kind: Kind,
+    op: Op,
+    seq: u64,
+    arg: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,6 +169,26 @@ fn remaining(deadline: Instant) -> Option<Duration> {
     deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())
 }
 
+/// `now + timeout`, or an error where that is beyond the clock's range (a validated timeout never is).
+fn deadline_after(timeout: Duration) -> Result<Instant> {
+    Instant::now().checked_add(timeout).ok_or_else(|| {
+        Error::InvalidArgument(InvalidArgument::BadWorld(format!(
+            "a timeout of {timeout:?} reaches beyond the clock's range (the maximum is {} seconds)",
+            MAX_TIMEOUT.as_secs()
+        )))
+    })
+}
+
+/// `deadline`, or `limit` from now if that is later (to say goodbye even after a deadline passed).
+fn at_least(deadline: Instant, limit: Duration) -> Instant {
+    Instant::now().checked_add(limit).map_or(deadline, |t| deadline.max(t))
+}
+
+/// `deadline`, or `limit` from now if that is sooner.
+fn at_most(deadline: Instant, limit: Duration) -> Instant {
+    Instant::now().checked_add(limit).map_or(deadline, |t| deadline.min(t))
+}
+
 fn timed_out() -> io::Error {
     io::Error::from(io::ErrorKind::TimedOut)
 }
@@ -159,30 +222,19 @@ fn write_all_by(stream: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> io
     Ok(())
 }
 
-fn encode_frame(kind: Kind, op: Op, seq: u64, arg: u64, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
-    out.push(kind as u8);
-    out.push(op as u8);
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&arg.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(payload);
-    out
-}
-
-fn encode_hello(world: u64, rank: u64, key: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HELLO_LEN);
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    out.extend_from_slice(&world.to_le_bytes());
-    out.extend_from_slice(&rank.to_le_bytes());
-    out.extend_from_slice(&key.to_le_bytes());
-    out
+fn encode_header(kind: Kind, op: Op, seq: u64, arg: u64, len: usize) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0] = kind as u8;
+    h[1] = op as u8;
+    h[2..10].copy_from_slice(&seq.to_le_bytes());
+    h[10..18].copy_from_slice(&arg.to_le_bytes());
+    h[18..26].copy_from_slice(&(len as u64).to_le_bytes());
+    h
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut w = [0u8; 8];
-    if let Some(src) = b.get(at..at + 8) {
+    if let Some(src) = at.checked_add(8).and_then(|end| b.get(at..end)) {
         w.copy_from_slice(src);
     }
     u64::from_le_bytes(w)
@@ -190,57 +242,97 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut w = [0u8; 4];
-    if let Some(src) = b.get(at..at + 4) {
+    if let Some(src) = at.checked_add(4).and_then(|end| b.get(at..end)) {
         w.copy_from_slice(src);
     }
     u32::from_le_bytes(w)
 }
 
-/// Reads one frame. The length is checked against `ctx.max` before anything is allocated, and the payload is read
-/// in chunks, so memory grows only with the bytes that really arrive.
-fn read_frame(stream: &mut TcpStream, deadline: Instant, ctx: &Ctx<'_>) -> Result<(Header, Vec<u8>)> {
-    let mut h = [0u8; HEADER_LEN];
-    read_exact_by(stream, &mut h, deadline).map_err(|e| ctx.io(e))?;
-    let kind = Kind::from_u8(h[0]).ok_or_else(|| ctx.protocol(format_args!("unknown frame kind {:#04x}", h[0])))?;
-    let op = Op::from_u8(h[1]).ok_or_else(|| ctx.protocol(format_args!("unknown operation {:#04x}", h[1])))?;
-    let header = Header { kind, op, seq: u64_at(&h, 2), arg: u64_at(&h, 10), len: u64_at(&h, 18) };
-    let len = match usize::try_from(header.len) {
-        Ok(len) if len <= ctx.max => len,
-        _ => {
-            return Err(
-                ctx.protocol(format_args!("a frame of {} bytes exceeds max_message ({} bytes)", header.len, ctx.max))
-            )
+fn array_at(b: &[u8], at: usize) -> [u8; auth::LEN] {
+    let mut w = [0u8; auth::LEN];
+    if let Some(src) = at.checked_add(auth::LEN).and_then(|end| b.get(at..end)) {
+        w.copy_from_slice(src);
+    }
+    w
+}
+
+fn preamble() -> [u8; PREAMBLE_LEN] {
+    let mut p = [0u8; PREAMBLE_LEN];
+    p[..8].copy_from_slice(&MAGIC);
+    p[8..].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    p
+}
+
+/// One established, authenticated connection.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    session: Session,
+}
+
+impl Conn {
+    /// Sends one frame (header, payload, tag) by `deadline`.
+    fn send(&mut self, out: Out, payload: &[u8], deadline: Instant, ctx: &Ctx<'_>) -> Result<()> {
+        self.send_all(out, std::slice::from_ref(&payload), deadline, ctx)
+    }
+
+    /// Sends one frame per payload, all described by `out`, in one write (a reply of `world` results must not cost
+    /// `world` segments and wake-ups).
+    fn send_all<P: AsRef<[u8]>>(&mut self, out: Out, payloads: &[P], deadline: Instant, ctx: &Ctx<'_>) -> Result<()> {
+        let total = payloads
+            .iter()
+            .try_fold(0usize, |acc, p| acc.checked_add(HEADER_LEN + auth::LEN)?.checked_add(p.as_ref().len()));
+        let mut frames = Vec::new();
+        total
+            .and_then(|t| frames.try_reserve_exact(t).ok())
+            .ok_or_else(|| backend_error(out.op.to_string(), format!("cannot allocate {total:?} bytes of frames")))?;
+        for payload in payloads {
+            let payload = payload.as_ref();
+            let header = encode_header(out.kind, out.op, out.seq, out.arg, payload.len());
+            let tag = self.session.seal(&header, payload)?;
+            frames.extend_from_slice(&header);
+            frames.extend_from_slice(payload);
+            frames.extend_from_slice(&tag);
         }
-    };
-    let mut payload = Vec::new();
-    while payload.len() < len {
-        let start = payload.len();
-        payload.resize(start + (len - start).min(READ_CHUNK), 0);
-        read_exact_by(stream, &mut payload[start..], deadline).map_err(|e| ctx.io(e))?;
+        write_all_by(&mut self.stream, &frames, deadline).map_err(|e| ctx.io(e))
     }
-    Ok((header, payload))
-}
 
-/// Reads rank 0's magic and version, which precede its first frame.
-fn read_server_preamble(stream: &mut TcpStream, deadline: Instant, ctx: &Ctx<'_>) -> Result<()> {
-    let mut b = [0u8; 12];
-    read_exact_by(stream, &mut b, deadline).map_err(|e| ctx.io(e))?;
-    if b[..8] != MAGIC {
-        return Err(ctx.protocol("bad magic: the service there is not an anyccl rendezvous"));
+    /// Reads one frame. The length is checked against `ctx.max` before anything is allocated, the payload is read
+    /// in chunks (memory grows only with the bytes that really arrive), and the tag is checked before the frame is
+    /// looked at.
+    fn recv(&mut self, deadline: Instant, ctx: &Ctx<'_>) -> Result<(Header, Vec<u8>)> {
+        let mut h = [0u8; HEADER_LEN];
+        read_exact_by(&mut self.stream, &mut h, deadline).map_err(|e| ctx.io(e))?;
+        let claimed = u64_at(&h, 18);
+        let len = match usize::try_from(claimed) {
+            Ok(len) if len <= ctx.max => len,
+            _ => {
+                return Err(
+                    ctx.protocol(format_args!("a frame of {claimed} bytes exceeds max_message ({} bytes)", ctx.max))
+                )
+            }
+        };
+        // payload and tag together (one read for a small frame)
+        let with_tag = len + auth::LEN;
+        let mut payload = Vec::new();
+        while payload.len() < with_tag {
+            let start = payload.len();
+            let step = (with_tag - start).min(READ_CHUNK);
+            payload.try_reserve(step).map_err(|e| ctx.protocol(format_args!("cannot buffer the frame: {e}")))?;
+            payload.resize(start + step, 0);
+            read_exact_by(&mut self.stream, &mut payload[start..], deadline).map_err(|e| ctx.io(e))?;
+        }
+        let tag = payload.split_off(len);
+        if !self.session.open(&h, &payload, &tag)? {
+            return Err(Error::PeerFailure(format!(
+                "a frame from {} during {} failed authentication: it was changed, replayed or forged on the way",
+                ctx.peer, ctx.what
+            )));
+        }
+        let kind = Kind::from_u8(h[0]).ok_or_else(|| ctx.protocol(format_args!("unknown frame kind {:#04x}", h[0])))?;
+        let op = Op::from_u8(h[1]).ok_or_else(|| ctx.protocol(format_args!("unknown operation {:#04x}", h[1])))?;
+        Ok((Header { kind, op, seq: u64_at(&h, 2), arg: u64_at(&h, 10), len: claimed }, payload))
     }
-    let version = u32_at(&b, 8);
-    if version != PROTOCOL_VERSION {
-        return Err(
-            ctx.protocol(format_args!("rank 0 speaks protocol version {version}, this rank speaks {PROTOCOL_VERSION}"))
-        );
-    }
-    Ok(())
-}
-
-fn server_preamble() -> Vec<u8> {
-    let mut out = MAGIC.to_vec();
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    out
 }
 
 /// "rank 2" / "ranks 2, 3" (at most 16 listed).
@@ -255,6 +347,58 @@ fn rank_list(ranks: &[usize]) -> String {
     s
 }
 
+/// What rank 0 turned away while the group formed: how many connections, and why for the first few. Bounded
+/// whatever the number of connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Rejections {
+    count: u64,
+    first: Vec<String>,
+}
+
+impl Rejections {
+    /// How many reasons are kept (the rest are only counted).
+    pub const KEPT: usize = 8;
+
+    /// How many connections were turned away (rejected, timed out, closed during the handshake, or closed to make
+    /// room).
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The first [`Rejections::KEPT`] of them: `"<address>: <reason>"`, sanitized.
+    pub fn first(&self) -> &[String] {
+        &self.first
+    }
+
+    fn record(&mut self, from: Option<SocketAddr>, reason: &str) {
+        self.count = self.count.saturating_add(1);
+        let line = match from {
+            Some(a) => format!("{a}: {}", sanitize(reason)),
+            None => sanitize(reason),
+        };
+        if self.first.len() < Self::KEPT {
+            warn!(target: "anyccl::rendezvous", "turned away a connection: {line}");
+            self.first.push(line);
+        } else {
+            debug!(target: "anyccl::rendezvous", "turned away a connection: {line}");
+        }
+    }
+}
+
+impl fmt::Display for Rejections {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} connection{} turned away", self.count, if self.count == 1 { "" } else { "s" })?;
+        if !self.first.is_empty() {
+            write!(f, ": {}", self.first.join("; "))?;
+        }
+        let more = self.count.saturating_sub(self.first.len() as u64);
+        if more > 0 && !self.first.is_empty() {
+            write!(f, " and {more} more")?;
+        }
+        Ok(())
+    }
+}
+
 /// Rank 0's listening socket, bound but not yet accepting: [`Listener::local_addr`] tells the port when the
 /// configuration asked for port 0 (tests, in-process groups).
 #[derive(Debug)]
@@ -262,6 +406,8 @@ pub struct Listener {
     listener: TcpListener,
     addr: SocketAddr,
     cfg: RendezvousConfig,
+    key: JobKey,
+    max_pending: usize,
 }
 
 impl Listener {
@@ -271,250 +417,470 @@ impl Listener {
     }
 
     /// The configuration for rank `rank` of this group: this listener's real address, and the same world, job
-    /// key, timeout and message limit as rank 0.
+    /// key (the random one made by [`Rendezvous::listen`] where the configuration had none), timeout and message
+    /// limit as rank 0.
     pub fn client_config(&self, rank: usize) -> RendezvousConfig {
-        RendezvousConfig { rank, local_rank: None, master: self.addr, ..self.cfg.clone() }
+        RendezvousConfig { rank, local_rank: None, master: self.addr, key: Some(self.key.clone()), ..self.cfg.clone() }
     }
 
-    /// Waits (up to the configured timeout) until every other rank has connected and passed the handshake, then
-    /// tells them the group is ready.
+    /// Lowers the pending-handshake cap (tests of the eviction).
+    #[cfg(test)]
+    pub(crate) fn with_max_pending(mut self, max_pending: usize) -> Self {
+        self.max_pending = max_pending.max(1);
+        self
+    }
+
+    /// Waits (up to the configured timeout) until every other rank has connected and proved it holds the job key,
+    /// then tells them the group is ready.
     ///
-    /// A connection with a bad handshake (bad magic, another protocol version, another world size or job key, a
-    /// rank out of range, rank 0, or a rank that already joined) is answered with the reason, closed and logged;
-    /// rank 0 keeps waiting for the real ranks. When the timeout passes, the error names the ranks that did not
-    /// join (and the rejected connections), and the ranks that did join are told why the group was abandoned.
+    /// All handshakes run at once, each with its own deadline (see the module documentation). A connection that
+    /// fails its handshake (bad magic, another protocol version, no proof of the key, another world size, a rank
+    /// out of range, rank 0, or a rank that already joined) is told only that it was rejected, and closed; the
+    /// reason is logged and kept in [`Rendezvous::rejections`]. When the timeout passes, the error names the ranks
+    /// that did not join (and the connections turned away), and the ranks that did join are told why the group was
+    /// abandoned.
     pub fn accept_all(self) -> Result<Rendezvous> {
-        let Listener { listener, addr, cfg } = self;
+        let Listener { listener, addr, cfg, key, max_pending } = self;
         let world = cfg.world;
         let start = Instant::now();
-        let deadline = start + cfg.timeout;
-        let mut peers: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
-        let mut rejected: Vec<String> = Vec::new();
-        listener.set_nonblocking(true).map_err(|e| backend_error("set_nonblocking", e.to_string()))?;
-
-        while peers.iter().any(Option::is_none) {
+        let deadline = deadline_after(cfg.timeout)?;
+        let mut gate = Gate::new(listener, &cfg, key, max_pending, deadline)?;
+        while gate.joined < world - 1 {
             if remaining(deadline).is_none() {
                 let missing: Vec<usize> =
-                    peers.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(i, _)| i + 1).collect();
+                    gate.peers.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(i, _)| i + 1).collect();
                 let mut what = format!("{} to join the rendezvous at {addr} (world {world})", rank_list(&missing));
-                if !rejected.is_empty() {
-                    const SHOWN: usize = 8;
-                    let shown: Vec<&str> = rejected.iter().take(SHOWN).map(String::as_str).collect();
-                    what.push_str(&format!("; rejected connections: {}", shown.join("; ")));
-                    if rejected.len() > SHOWN {
-                        what.push_str(&format!(" and {} more", rejected.len() - SHOWN));
-                    }
+                if gate.rejections.count() > 0 {
+                    what.push_str(&format!("; {}", gate.rejections));
                 }
                 let err = Error::Timeout { what, after: cfg.timeout };
                 warn!(target: "anyccl::rendezvous", "{err}");
-                abort_all(peers.iter_mut().flatten(), &err.to_string());
+                abort_all(gate.peers.iter_mut().flatten(), &err.to_string());
                 return Err(err);
             }
-            match listener.accept() {
-                Ok((mut stream, from)) => match admit(&mut stream, from, &cfg, &peers, deadline) {
-                    Ok(rank) => {
-                        debug!(target: "anyccl::rendezvous", "rank {rank} joined from {from}");
-                        if let Some(slot) = peers.get_mut(rank - 1) {
-                            *slot = Some(stream);
-                        }
-                    }
-                    Err(reason) => {
-                        warn!(target: "anyccl::rendezvous", "rejected a connection from {from}: {reason}");
-                        rejected.push(format!("{from}: {reason}"));
-                    }
-                },
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
-                    if let Some(left) = remaining(deadline) {
-                        std::thread::sleep(left.min(ACCEPT_POLL));
-                    }
-                }
-                Err(e) => {
-                    warn!(target: "anyccl::rendezvous", "accept on {addr} failed: {e}");
-                    rejected.push(format!("accept failed: {e}"));
-                    if let Some(left) = remaining(deadline) {
-                        std::thread::sleep(left.min(ACCEPT_POLL));
-                    }
-                }
+            if let Err(e) = gate.turn() {
+                abort_all(gate.peers.iter_mut().flatten(), &format!("rank 0 failed: {e}"));
+                return Err(e);
             }
         }
-
-        let peers: Vec<TcpStream> = peers.into_iter().flatten().collect();
-        let ready = encode_frame(Kind::Ready, Op::Setup, 0, world as u64, &[]);
-        let mut group = Rendezvous { cfg, role: Role::Root { peers }, seq: 0, broken: None };
+        let Gate { peers, rejections, .. } = gate;
+        let peers: Vec<Conn> = peers.into_iter().flatten().collect();
+        let mut group = Rendezvous { cfg, role: Role::Root { peers }, seq: 0, broken: None, rejections };
+        let ready_by = at_least(deadline, ABORT_LIMIT);
         if let Role::Root { peers } = &mut group.role {
-            for (i, stream) in peers.iter_mut().enumerate() {
+            for i in 0..peers.len() {
                 let peer = format!("rank {}", i + 1);
                 let ctx = Ctx { peer: &peer, what: "the rendezvous setup", after: group.cfg.timeout, max: 0 };
-                if let Err(e) = write_all_by(stream, &ready, deadline.max(Instant::now() + ABORT_LIMIT)) {
-                    let err = ctx.io(e);
+                let ready = Out { kind: Kind::Ready, op: Op::Setup, seq: 0, arg: world as u64 };
+                let sent = match peers.get_mut(i) {
+                    Some(c) => c.send(ready, &[], ready_by, &ctx),
+                    None => Ok(()),
+                };
+                if let Err(err) = sent {
                     abort_all(peers.iter_mut(), &err.to_string());
                     return Err(err);
                 }
             }
         }
-        info!(target: "anyccl::rendezvous", "rendezvous at {addr}: all {world} ranks joined in {:?}", start.elapsed());
+        info!(
+            target: "anyccl::rendezvous",
+            "rendezvous at {addr}: all {world} ranks joined in {:?} ({})",
+            start.elapsed(),
+            group.rejections
+        );
         Ok(group)
     }
 }
 
-/// Reads and checks one hello; on success answers `Accept` and returns the rank, else answers `Reject` (where the
-/// connection still works), closes it, and returns the reason.
-fn admit(
-    stream: &mut TcpStream,
+/// A connection in its handshake with rank 0.
+struct Pending {
+    stream: mio::net::TcpStream,
     from: SocketAddr,
-    cfg: &RendezvousConfig,
-    peers: &[Option<TcpStream>],
     deadline: Instant,
-) -> std::result::Result<usize, String> {
-    let limit = deadline.min(Instant::now() + HANDSHAKE_LIMIT);
-    let reply_by = deadline.max(Instant::now() + ABORT_LIMIT);
-    let setup = |s: &TcpStream| -> io::Result<()> {
-        s.set_nonblocking(false)?;
-        s.set_nodelay(true)
-    };
-    if let Err(e) = setup(stream) {
-        return Err(format!("cannot configure the connection: {e}"));
-    }
-    let checked = check_hello(stream, cfg, peers, limit);
-    match checked {
-        Ok(rank) => {
-            let mut reply = server_preamble();
-            reply.extend_from_slice(&encode_frame(Kind::Accept, Op::Setup, 0, rank as u64, &[]));
-            write_all_by(stream, &reply, reply_by)
-                .map_err(|e| format!("rank {rank} passed the handshake but the reply failed: {e}"))?;
-            Ok(rank)
+    server_nonce: [u8; auth::LEN],
+    greeting: [u8; GREETING_LEN],
+    greeted: usize,
+    hello: [u8; HELLO_LEN],
+    got: usize,
+}
+
+/// Where a pending handshake stands after some I/O.
+enum Progress {
+    /// Waiting for more bytes (or room to write).
+    Wait,
+    /// The whole hello arrived.
+    Done,
+    /// The connection failed or closed (there is nobody to answer).
+    Gone(String),
+    /// The peer sent something that is not a hello of this protocol (answer "rejected").
+    Bad(String),
+}
+
+impl Pending {
+    /// Writes what is left of the greeting and reads what has arrived of the hello, without blocking.
+    fn progress(&mut self) -> Progress {
+        while self.greeted < GREETING_LEN {
+            match self.stream.write(&self.greeting[self.greeted..]) {
+                Ok(0) => return Progress::Gone("the connection closed during the handshake".into()),
+                Ok(n) => self.greeted += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Progress::Gone(format!("the handshake failed: {e}")),
+            }
         }
-        Err(reason) => {
-            if reason.reply {
-                let mut reply = server_preamble();
-                reply.extend_from_slice(&encode_frame(Kind::Reject, Op::Setup, 0, 0, reason.text.as_bytes()));
-                if let Err(e) = write_all_by(stream, &reply, limit.max(Instant::now() + ABORT_LIMIT)) {
-                    debug!(target: "anyccl::rendezvous", "could not tell {from} why it was rejected: {e}");
+        while self.got < HELLO_LEN {
+            match self.stream.read(&mut self.hello[self.got..]) {
+                Ok(0) => {
+                    return Progress::Gone(format!(
+                        "the connection closed during the handshake after {} bytes",
+                        self.got
+                    ))
+                }
+                Ok(n) => {
+                    self.got += n;
+                    if let Some(bad) = self.check_preamble() {
+                        return Progress::Bad(bad);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Progress::Gone(format!("the handshake failed: {e}")),
+            }
+        }
+        if self.got == HELLO_LEN && self.greeted == GREETING_LEN {
+            Progress::Done
+        } else {
+            Progress::Wait
+        }
+    }
+
+    /// A reason to reject as soon as the bytes so far cannot begin a hello of this protocol.
+    fn check_preamble(&self) -> Option<String> {
+        let seen = self.got.min(MAGIC.len());
+        if self.hello[..seen] != MAGIC[..seen] {
+            return Some(format!(
+                "bad magic '{}': not an anyccl rendezvous client",
+                sanitize_bytes(&self.hello[..seen], 32)
+            ));
+        }
+        if self.got >= PREAMBLE_LEN {
+            let version = u32_at(&self.hello, 8);
+            if version != PROTOCOL_VERSION {
+                return Some(format!(
+                    "protocol version {version} is not supported (rank 0 speaks version {PROTOCOL_VERSION})"
+                ));
+            }
+        }
+        None
+    }
+
+    /// Answers "rejected" (best effort, without blocking) and closes.
+    fn reject(mut self, registry: &mio::Registry) {
+        let _ = self.stream.write(&[REJECT]);
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = registry.deregister(&mut self.stream);
+    }
+
+    /// Closes without a word.
+    fn close(mut self, registry: &mio::Registry) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = registry.deregister(&mut self.stream);
+    }
+}
+
+/// Rank 0's side of the group forming: the listener, the pending handshakes and the ranks that joined.
+struct Gate<'a> {
+    poll: Poll,
+    events: Events,
+    listener: mio::net::TcpListener,
+    cfg: &'a RendezvousConfig,
+    key: JobKey,
+    max_pending: usize,
+    deadline: Instant,
+    pending: BTreeMap<usize, Pending>,
+    next_token: usize,
+    accept_again: Option<Instant>,
+    /// One slot per rank 1..world (index rank - 1).
+    peers: Vec<Option<Conn>>,
+    joined: usize,
+    rejections: Rejections,
+}
+
+impl<'a> Gate<'a> {
+    fn new(
+        listener: TcpListener,
+        cfg: &'a RendezvousConfig,
+        key: JobKey,
+        max_pending: usize,
+        deadline: Instant,
+    ) -> Result<Gate<'a>> {
+        let others = cfg.world - 1;
+        let mut peers: Vec<Option<Conn>> = Vec::new();
+        peers
+            .try_reserve_exact(others)
+            .map_err(|e| backend_error("accept_all", format!("cannot allocate a table of {others} ranks: {e}")))?;
+        peers.resize_with(others, || None);
+        listener.set_nonblocking(true).map_err(|e| backend_error("set_nonblocking", e.to_string()))?;
+        let mut listener = mio::net::TcpListener::from_std(listener);
+        let poll = Poll::new().map_err(|e| backend_error("poll", e.to_string()))?;
+        poll.registry()
+            .register(&mut listener, LISTENER, Interest::READABLE)
+            .map_err(|e| backend_error("poll register", e.to_string()))?;
+        Ok(Gate {
+            poll,
+            events: Events::with_capacity(256),
+            listener,
+            cfg,
+            key,
+            max_pending,
+            deadline,
+            pending: BTreeMap::new(),
+            next_token: 0,
+            // connections may be queued already
+            accept_again: Some(Instant::now()),
+            peers,
+            joined: 0,
+            rejections: Rejections::default(),
+        })
+    }
+
+    /// One wait for events (until the earliest deadline), and the work they bring.
+    fn turn(&mut self) -> Result<()> {
+        let now = Instant::now();
+        let expired: Vec<usize> = self.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(t, _)| *t).collect();
+        for token in expired {
+            if let Some(p) = self.pending.remove(&token) {
+                self.rejections.record(Some(p.from), "no handshake arrived in time");
+                p.close(self.poll.registry());
+            }
+        }
+        let mut wake = self.deadline;
+        for p in self.pending.values() {
+            wake = wake.min(p.deadline);
+        }
+        if let Some(t) = self.accept_again {
+            wake = wake.min(t);
+        }
+        match self.poll.poll(&mut self.events, Some(wake.saturating_duration_since(now))) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+            Err(e) => return Err(backend_error("poll", e.to_string())),
+        }
+        let mut accept = self.accept_again.is_some_and(|t| t <= Instant::now());
+        let ready: Vec<Token> = self.events.iter().map(|e| e.token()).collect();
+        for token in ready {
+            if token == LISTENER {
+                accept = true;
+            } else {
+                self.advance(token.0)?;
+            }
+        }
+        if accept {
+            self.accept_batch()?;
+        }
+        Ok(())
+    }
+
+    /// Accepts up to [`ACCEPT_BATCH`] connections (more wait for the next turn, so the pending ones are never
+    /// starved by a flood).
+    fn accept_batch(&mut self) -> Result<()> {
+        self.accept_again = None;
+        for _ in 0..ACCEPT_BATCH {
+            match self.listener.accept() {
+                Ok((stream, from)) => self.start(stream, from)?,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Out of descriptors, say: make room, and try again soon (the poll will not tell us again).
+                    self.rejections.record(None, &format!("accept failed: {e}"));
+                    self.evict_oldest();
+                    self.accept_again = Instant::now().checked_add(ACCEPT_RETRY);
+                    return Ok(());
                 }
             }
-            let _ = stream.shutdown(Shutdown::Write);
-            if reason.reply {
-                drain(stream);
+        }
+        self.accept_again = Some(Instant::now());
+        Ok(())
+    }
+
+    fn evict_oldest(&mut self) {
+        if let Some((_, old)) = self.pending.pop_first() {
+            self.rejections
+                .record(Some(old.from), "closed to make room: too many connections were waiting for their handshake");
+            old.close(self.poll.registry());
+        }
+    }
+
+    /// Starts the handshake of a new connection: sends the greeting, and waits for the hello in the poll.
+    fn start(&mut self, mut stream: mio::net::TcpStream, from: SocketAddr) -> Result<()> {
+        if self.pending.len() >= self.max_pending {
+            self.evict_oldest();
+        }
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1);
+        if self.next_token == LISTENER.0 {
+            self.next_token = 0;
+        }
+        if let Err(e) =
+            self.poll.registry().register(&mut stream, Token(token), Interest::READABLE | Interest::WRITABLE)
+        {
+            self.rejections.record(Some(from), &format!("cannot watch the connection: {e}"));
+            return Ok(());
+        }
+        let _ = stream.set_nodelay(true);
+        let server_nonce = auth::nonce()?;
+        let mut greeting = [0u8; GREETING_LEN];
+        greeting[..PREAMBLE_LEN].copy_from_slice(&preamble());
+        greeting[PREAMBLE_LEN..].copy_from_slice(&server_nonce);
+        let pending = Pending {
+            stream,
+            from,
+            deadline: at_most(self.deadline, HANDSHAKE_LIMIT),
+            server_nonce,
+            greeting,
+            greeted: 0,
+            hello: [0u8; HELLO_LEN],
+            got: 0,
+        };
+        self.pending.insert(token, pending);
+        self.advance(token)
+    }
+
+    /// Moves one pending handshake on after an event.
+    fn advance(&mut self, token: usize) -> Result<()> {
+        let Some(p) = self.pending.get_mut(&token) else { return Ok(()) };
+        match p.progress() {
+            Progress::Wait => Ok(()),
+            Progress::Gone(reason) => {
+                if let Some(p) = self.pending.remove(&token) {
+                    self.rejections.record(Some(p.from), &reason);
+                    p.close(self.poll.registry());
+                }
+                Ok(())
             }
-            Err(reason.text)
+            Progress::Bad(reason) => {
+                if let Some(p) = self.pending.remove(&token) {
+                    self.rejections.record(Some(p.from), &reason);
+                    p.reject(self.poll.registry());
+                }
+                Ok(())
+            }
+            Progress::Done => match self.pending.remove(&token) {
+                Some(p) => self.finish(p),
+                None => Ok(()),
+            },
         }
     }
-}
 
-/// Reads and drops what a rejected client still sends (briefly), so that closing the connection does not reset it
-/// before the client has read the reason.
-fn drain(stream: &mut TcpStream) {
-    let until = Instant::now() + Duration::from_millis(250);
-    let mut buf = [0u8; 4096];
-    let mut total = 0usize;
-    while total < READ_CHUNK {
-        let Some(left) = remaining(until) else { break };
-        if stream.set_read_timeout(Some(left)).is_err() {
-            break;
+    /// Checks a complete hello; admits the rank (answering with rank 0's proof) or rejects the connection.
+    fn finish(&mut self, mut p: Pending) -> Result<()> {
+        let hello = p.hello;
+        let transcript = Transcript {
+            version: PROTOCOL_VERSION,
+            world: u64_at(&hello, PREAMBLE_LEN),
+            rank: u64_at(&hello, PREAMBLE_LEN + 8),
+            client_nonce: array_at(&hello, PREAMBLE_LEN + 16),
+            server_nonce: p.server_nonce,
+        };
+        let proof = array_at(&hello, PREAMBLE_LEN + 16 + auth::LEN);
+        let verdict = if !transcript.check_client_proof(&self.key, &proof)? {
+            Err(format!(
+                "did not prove it holds the job key (a rank with another {KEY_VAR}, MASTER_ADDR or MASTER_PORT, a \
+                 process of another job, or a stranger)"
+            ))
+        } else if transcript.world != self.cfg.world as u64 {
+            Err(format!(
+                "a rank holding the job key has world size {}, rank 0 has {} (check WORLD_SIZE)",
+                transcript.world, self.cfg.world
+            ))
+        } else {
+            match usize::try_from(transcript.rank) {
+                Ok(0) => Err("a rank holding the job key claimed rank 0 (two processes with RANK=0?)".to_owned()),
+                Ok(r) if r < self.cfg.world => match self.peers.get(r - 1) {
+                    Some(Some(_)) => Err(format!("rank {r} already joined (two processes with RANK={r}?)")),
+                    _ => Ok(r),
+                },
+                _ => Err(format!("rank {} is out of range for a world of {}", transcript.rank, self.cfg.world)),
+            }
+        };
+        let rank = match verdict {
+            Ok(rank) => rank,
+            Err(reason) => {
+                self.rejections.record(Some(p.from), &reason);
+                p.reject(self.poll.registry());
+                return Ok(());
+            }
+        };
+        let mut reply = [0u8; 1 + auth::LEN];
+        reply[0] = ACCEPT;
+        reply[1..].copy_from_slice(&transcript.server_proof(&self.key)?);
+        let session = transcript.session(&self.key, Side::Root)?;
+        let _ = self.poll.registry().deregister(&mut p.stream);
+        let mut stream: TcpStream = p.stream.into();
+        let sent = stream
+            .set_nonblocking(false)
+            .and_then(|()| write_all_by(&mut stream, &reply, at_least(self.deadline, ABORT_LIMIT)));
+        if let Err(e) = sent {
+            self.rejections
+                .record(Some(p.from), &format!("rank {rank} passed the handshake but the reply failed: {e}"));
+            return Ok(());
         }
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => total += n,
+        debug!(target: "anyccl::rendezvous", "rank {rank} joined from {}", p.from);
+        if let Some(slot) = self.peers.get_mut(rank - 1) {
+            *slot = Some(Conn { stream, session });
+            self.joined += 1;
         }
+        Ok(())
     }
 }
 
-struct Rejection {
-    text: String,
-    /// Whether the connection can still carry the reason back.
-    reply: bool,
-}
-
-fn check_hello(
-    stream: &mut TcpStream,
-    cfg: &RendezvousConfig,
-    peers: &[Option<TcpStream>],
-    limit: Instant,
-) -> std::result::Result<usize, Rejection> {
-    let io_fail = |e: io::Error| Rejection {
-        text: match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => "no handshake arrived in time".to_owned(),
-            io::ErrorKind::UnexpectedEof => "the connection closed during the handshake".to_owned(),
-            _ => format!("the handshake failed: {e}"),
-        },
-        reply: false,
-    };
-    let reject = |text: String| Err(Rejection { text, reply: true });
-    let mut hello = [0u8; HELLO_LEN];
-    read_exact_by(stream, &mut hello[..8], limit).map_err(io_fail)?;
-    if hello[..8] != MAGIC {
-        return reject(format!(
-            "bad magic {:?}: not an anyccl rendezvous client (expected {:?})",
-            String::from_utf8_lossy(&hello[..8]),
-            String::from_utf8_lossy(&MAGIC)
-        ));
-    }
-    read_exact_by(stream, &mut hello[8..12], limit).map_err(io_fail)?;
-    let version = u32_at(&hello, 8);
-    if version != PROTOCOL_VERSION {
-        return reject(format!(
-            "protocol version {version} is not supported (rank 0 speaks version {PROTOCOL_VERSION})"
-        ));
-    }
-    read_exact_by(stream, &mut hello[12..], limit).map_err(io_fail)?;
-    let (world, rank, key) = (u64_at(&hello, 12), u64_at(&hello, 20), u64_at(&hello, 28));
-    if world != cfg.world as u64 {
-        return reject(format!("world size mismatch: the client has world size {world}, rank 0 has {}", cfg.world));
-    }
-    if key != cfg.key {
-        return reject(format!(
-            "job key mismatch: the client has key {key:#018x}, rank 0 has {:#018x} (a process of another job? check \
-             ANYCCL_RENDEZVOUS_KEY, MASTER_ADDR and MASTER_PORT)",
-            cfg.key
-        ));
-    }
-    let rank = match usize::try_from(rank) {
-        Ok(r) if r < cfg.world => r,
-        _ => return reject(format!("rank {rank} is out of range for a world of {}", cfg.world)),
-    };
-    if rank == 0 {
-        return reject("a client claimed rank 0, which is the listener (two processes with RANK=0?)".into());
-    }
-    if peers.get(rank - 1).is_some_and(Option::is_some) {
-        return reject(format!("rank {rank} already joined (two processes with RANK={rank}?)"));
-    }
-    Ok(rank)
-}
-
-/// Tells every stream that the group is abandoned (best effort, about one second in all).
-fn abort_all<'a>(streams: impl Iterator<Item = &'a mut TcpStream>, reason: &str) {
-    let frame = encode_frame(Kind::Abort, Op::Setup, 0, 0, reason.as_bytes());
-    let by = Instant::now() + ABORT_LIMIT;
-    for s in streams {
-        let _ = write_all_by(s, &frame, by);
-        let _ = s.shutdown(Shutdown::Write);
+/// Tells every connection that the group is abandoned (best effort, about one second in all).
+fn abort_all<'a>(conns: impl Iterator<Item = &'a mut Conn>, reason: &str) {
+    let reason = sanitize_bytes(reason.as_bytes(), MAX_REASON);
+    let by = at_least(Instant::now(), ABORT_LIMIT);
+    let ctx = Ctx { peer: "a rank", what: "an abort", after: ABORT_LIMIT, max: 0 };
+    let abort = Out { kind: Kind::Abort, op: Op::Setup, seq: 0, arg: 0 };
+    for c in conns {
+        let _ = c.send(abort, reason.as_bytes(), by, &ctx);
+        let _ = c.stream.shutdown(Shutdown::Write);
     }
 }
 
 #[derive(Debug)]
 enum Role {
-    /// Rank 0: one stream per other rank, index `rank - 1`.
-    Root { peers: Vec<TcpStream> },
-    /// Any other rank: the stream to rank 0.
-    Client { stream: TcpStream },
+    /// Rank 0: one connection per other rank, index `rank - 1`.
+    Root { peers: Vec<Conn> },
+    /// Any other rank: the connection to rank 0.
+    Client { conn: Conn },
 }
 
-/// An established rendezvous group: every rank connected (star through rank 0), ready for collectives.
+/// An established rendezvous group: every rank connected (star through rank 0) and authenticated, ready for
+/// collectives.
 ///
-/// After a failure (a peer died, a timeout, a protocol error) the group is broken: every later call returns
-/// [`Error::PeerFailure`] with the first failure's text. Dropping a rank closes its connections, which its peers
-/// see as a [`Error::PeerFailure`] in their next collective.
+/// After a failure (a peer died, a timeout, a protocol error, a frame that failed authentication) the group is
+/// broken: every later call returns [`Error::PeerFailure`] with the first failure's text. Dropping a rank closes its
+/// connections, which its peers see as a [`Error::PeerFailure`] in their next collective.
 #[derive(Debug)]
 pub struct Rendezvous {
     cfg: RendezvousConfig,
     role: Role,
     seq: u64,
     broken: Option<String>,
+    rejections: Rejections,
+}
+
+/// How a client's handshake attempt ended, when it did not succeed.
+enum Attempt {
+    /// The connection closed before rank 0's verdict (rank 0 made room, or was busy): connecting again may work.
+    Retry(String),
+    /// A definite answer (rejected, not an anyccl rendezvous, an impostor, the deadline).
+    Fatal(Error),
 }
 
 impl Rendezvous {
     /// Rank 0's first step: binds exactly `cfg.master` (port 0 picks a free port; see [`Listener::local_addr`]).
-    /// Then call [`Listener::accept_all`].
+    /// Where the configuration has no key, a random one is made (see [`Listener::client_config`]). Then call
+    /// [`Listener::accept_all`].
     pub fn listen(cfg: RendezvousConfig) -> Result<Listener> {
         cfg.validate()?;
         if cfg.rank != 0 {
@@ -523,15 +889,20 @@ impl Rendezvous {
                 cfg.rank
             ))));
         }
+        let key = match &cfg.key {
+            Some(k) => k.clone(),
+            None => JobKey::random()?,
+        };
         let listener = TcpListener::bind(cfg.master)
             .map_err(|e| backend_error("bind", format!("cannot listen on {}: {e}", cfg.master)))?;
         let addr = listener.local_addr().map_err(|e| backend_error("local_addr", e.to_string()))?;
         debug!(target: "anyccl::rendezvous", "rank 0 listening on {addr} for {} ranks", cfg.world);
-        Ok(Listener { listener, addr, cfg })
+        Ok(Listener { listener, addr, cfg, key, max_pending: MAX_PENDING })
     }
 
-    /// A rank other than 0: connects to rank 0 (retrying until the timeout, since rank 0 may start later), passes
-    /// the handshake, and waits until rank 0 reports that every rank joined.
+    /// A rank other than 0: connects to rank 0 (retrying until the timeout, since rank 0 may start later or be
+    /// busy), proves it holds the job key, checks that rank 0 holds it too, and waits until rank 0 reports that
+    /// every rank joined. Nothing but the handshake is sent before rank 0 has proved itself.
     pub fn connect(cfg: RendezvousConfig) -> Result<Rendezvous> {
         cfg.validate()?;
         if cfg.rank == 0 {
@@ -539,47 +910,54 @@ impl Rendezvous {
                 "rank 0 cannot connect: it listens (call Rendezvous::listen or Rendezvous::establish)".into(),
             )));
         }
-        let deadline = Instant::now() + cfg.timeout;
+        let Some(key) = cfg.key.clone() else {
+            return Err(Error::Config {
+                source_name: KEY_VAR.into(),
+                line: None,
+                message: format!(
+                    "rank {} has no job key: take its configuration from Listener::client_config, call \
+                     RendezvousConfig::with_key, or set {KEY_VAR} for RendezvousConfig::from_env",
+                    cfg.rank
+                ),
+            });
+        };
+        let deadline = deadline_after(cfg.timeout)?;
         let master = cfg.master;
         let mut backoff = Duration::from_millis(10);
-        let mut stream = loop {
+        let mut attempts = 0u64;
+        let mut last: Option<String> = None;
+        let mut conn = loop {
             let Some(left) = remaining(deadline) else {
-                return Err(Error::Timeout {
-                    what: format!("rank 0 to accept a connection at {master}"),
-                    after: cfg.timeout,
-                });
+                let mut what = format!("rank 0 to accept a connection at {master}");
+                if let Some(last) = &last {
+                    what.push_str(&format!(" ({attempts} attempts; the last: {last})"));
+                }
+                return Err(Error::Timeout { what, after: cfg.timeout });
             };
             match TcpStream::connect_timeout(&master, left) {
-                Ok(s) => break s,
+                Ok(mut stream) => {
+                    attempts += 1;
+                    match client_handshake(&mut stream, &cfg, &key, deadline) {
+                        Ok(session) => break Conn { stream, session },
+                        Err(Attempt::Fatal(e)) => return Err(e),
+                        Err(Attempt::Retry(why)) => {
+                            debug!(target: "anyccl::rendezvous", "rank {}: {why}; connecting again", cfg.rank);
+                            last = Some(why);
+                        }
+                    }
+                }
                 Err(e) => {
                     debug!(target: "anyccl::rendezvous", "rank {}: connecting to {master} failed ({e}); retrying", cfg.rank);
-                    if let Some(left) = remaining(deadline) {
-                        std::thread::sleep(left.min(backoff));
-                    }
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
             }
+            if let Some(left) = remaining(deadline) {
+                std::thread::sleep(left.min(backoff));
+            }
+            backoff = (backoff * 2).min(Duration::from_millis(500));
         };
         let peer = format!("rank 0 at {master}");
-        let ctx = Ctx { peer: &peer, what: "the rendezvous handshake", after: cfg.timeout, max: cfg.max_message };
-        stream.set_nodelay(true).map_err(|e| ctx.io(e))?;
-        let hello = encode_hello(cfg.world as u64, cfg.rank as u64, cfg.key);
-        write_all_by(&mut stream, &hello, deadline).map_err(|e| ctx.io(e))?;
-        read_server_preamble(&mut stream, deadline, &ctx)?;
-        let (h, payload) = read_frame(&mut stream, deadline, &ctx)?;
-        match h.kind {
-            Kind::Accept => {}
-            Kind::Reject => {
-                return Err(Error::PeerFailure(format!(
-                    "rank 0 at {master} rejected rank {}: {}",
-                    cfg.rank,
-                    String::from_utf8_lossy(&payload)
-                )))
-            }
-            other => return Err(ctx.protocol(format_args!("expected Accept or Reject, got {other:?}"))),
-        }
-        let ctx = Ctx { what: "the wait for all ranks to join", ..ctx };
-        let (h, payload) = read_frame(&mut stream, deadline, &ctx).map_err(|e| match e {
+        let ctx = Ctx { peer: &peer, what: "the wait for all ranks to join", after: cfg.timeout, max: cfg.max_message };
+        let (h, payload) = conn.recv(deadline, &ctx).map_err(|e| match e {
             Error::Timeout { after, .. } => Error::Timeout {
                 what: format!("rank 0 at {master} to report that all {} ranks joined", cfg.world),
                 after,
@@ -587,17 +965,18 @@ impl Rendezvous {
             e => e,
         })?;
         match h.kind {
-            Kind::Ready => {}
+            Kind::Ready if h.arg == cfg.world as u64 => {}
+            Kind::Ready => return Err(ctx.protocol(format_args!("Ready for a world of {}", h.arg))),
             Kind::Abort => {
                 return Err(Error::PeerFailure(format!(
                     "rank 0 abandoned the rendezvous: {}",
-                    String::from_utf8_lossy(&payload)
+                    sanitize_bytes(&payload, MAX_REASON)
                 )))
             }
             other => return Err(ctx.protocol(format_args!("expected Ready or Abort, got {other:?}"))),
         }
         debug!(target: "anyccl::rendezvous", "rank {} joined the rendezvous at {master}", cfg.rank);
-        Ok(Rendezvous { cfg, role: Role::Client { stream }, seq: 0, broken: None })
+        Ok(Rendezvous { cfg, role: Role::Client { conn }, seq: 0, broken: None, rejections: Rejections::default() })
     }
 
     /// Every rank's entry point: rank 0 listens on `cfg.master` and accepts the others; the others connect.
@@ -624,10 +1003,16 @@ impl Rendezvous {
         &self.cfg
     }
 
-    /// Changes how long each later collective may take before [`Error::Timeout`] (a zero duration is ignored).
+    /// On rank 0, the connections turned away while the group formed (empty on the other ranks).
+    pub fn rejections(&self) -> &Rejections {
+        &self.rejections
+    }
+
+    /// Changes how long each later collective may take before [`Error::Timeout`] (a zero duration is ignored; a
+    /// longer one than [`MAX_TIMEOUT`] means [`MAX_TIMEOUT`]).
     pub fn set_timeout(&mut self, timeout: Duration) {
         if !timeout.is_zero() {
-            self.cfg.timeout = timeout;
+            self.cfg.timeout = timeout.min(MAX_TIMEOUT);
         }
     }
 
@@ -676,10 +1061,10 @@ impl Rendezvous {
             ));
         }
         let seq = self.seq;
-        self.seq += 1;
+        self.seq = self.seq.saturating_add(1);
         let result = match &mut self.role {
             Role::Root { peers } => root_collective(&self.cfg, peers, op, seq, arg, data),
-            Role::Client { stream } => client_collective(&self.cfg, stream, op, seq, arg, data),
+            Role::Client { conn } => client_collective(&self.cfg, conn, op, seq, arg, data),
         };
         if let Err(e) = &result {
             warn!(target: "anyccl::rendezvous", "rank {}: {op} #{seq} failed: {e}", self.cfg.rank);
@@ -687,6 +1072,77 @@ impl Rendezvous {
         }
         result
     }
+}
+
+/// One handshake attempt on a fresh connection (see the module documentation); the session on success.
+fn client_handshake(
+    stream: &mut TcpStream,
+    cfg: &RendezvousConfig,
+    key: &JobKey,
+    deadline: Instant,
+) -> std::result::Result<Session, Attempt> {
+    let master = cfg.master;
+    let peer = format!("rank 0 at {master}");
+    let ctx = Ctx { peer: &peer, what: "the rendezvous handshake", after: cfg.timeout, max: 0 };
+    // Before the verdict, a closed connection is worth another try; a timeout or anything else is final.
+    let early = |e: io::Error, when: &str| match e.kind() {
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::ConnectionAborted
+        | io::ErrorKind::BrokenPipe => Attempt::Retry(format!("{peer} closed the connection {when}")),
+        _ => Attempt::Fatal(ctx.io(e)),
+    };
+    let _ = stream.set_nodelay(true);
+    write_all_by(stream, &preamble(), deadline).map_err(|e| early(e, "before the handshake"))?;
+    // the preamble first: a rank 0 of another protocol version may send less than a whole greeting
+    let mut greeting = [0u8; GREETING_LEN];
+    read_exact_by(stream, &mut greeting[..PREAMBLE_LEN], deadline).map_err(|e| early(e, "before the handshake"))?;
+    if greeting[..8] != MAGIC {
+        return Err(Attempt::Fatal(ctx.protocol("bad magic: the service there is not an anyccl rendezvous")));
+    }
+    let version = u32_at(&greeting, 8);
+    if version != PROTOCOL_VERSION {
+        return Err(Attempt::Fatal(
+            ctx.protocol(format_args!("rank 0 speaks protocol version {version}, this rank speaks {PROTOCOL_VERSION}")),
+        ));
+    }
+    read_exact_by(stream, &mut greeting[PREAMBLE_LEN..], deadline).map_err(|e| early(e, "before the handshake"))?;
+    let client_nonce = auth::nonce().map_err(Attempt::Fatal)?;
+    let transcript = Transcript {
+        version: PROTOCOL_VERSION,
+        world: cfg.world as u64,
+        rank: cfg.rank as u64,
+        client_nonce,
+        server_nonce: array_at(&greeting, PREAMBLE_LEN),
+    };
+    let mut hello = [0u8; HELLO_LEN - PREAMBLE_LEN];
+    hello[..8].copy_from_slice(&transcript.world.to_le_bytes());
+    hello[8..16].copy_from_slice(&transcript.rank.to_le_bytes());
+    hello[16..16 + auth::LEN].copy_from_slice(&client_nonce);
+    hello[16 + auth::LEN..].copy_from_slice(&transcript.client_proof(key).map_err(Attempt::Fatal)?);
+    write_all_by(stream, &hello, deadline).map_err(|e| early(e, "during the handshake"))?;
+    let mut verdict = [0u8; 1];
+    read_exact_by(stream, &mut verdict, deadline).map_err(|e| early(e, "before its verdict"))?;
+    match verdict[0] {
+        ACCEPT => {}
+        REJECT => {
+            return Err(Attempt::Fatal(Error::PeerFailure(format!(
+                "rank 0 at {master} rejected rank {} (a different job key, world size or rank, or a rank that \
+                 already joined; rank 0's log says which)",
+                cfg.rank
+            ))))
+        }
+        other => return Err(Attempt::Fatal(ctx.protocol(format_args!("unknown verdict {other:#04x}")))),
+    }
+    let mut proof = [0u8; auth::LEN];
+    read_exact_by(stream, &mut proof, deadline).map_err(|e| Attempt::Fatal(ctx.io(e)))?;
+    if !transcript.check_server_proof(key, &proof).map_err(Attempt::Fatal)? {
+        return Err(Attempt::Fatal(Error::PeerFailure(format!(
+            "{peer} did not prove it holds the job key: it is not this job's rank 0 (another job on the same port, \
+             a different {KEY_VAR}, or an impostor); nothing was sent to it"
+        ))));
+    }
+    transcript.session(key, Side::Client).map_err(Attempt::Fatal)
 }
 
 fn result_count(op: Op, world: usize) -> usize {
@@ -698,22 +1154,25 @@ fn result_count(op: Op, world: usize) -> usize {
 
 fn root_collective(
     cfg: &RendezvousConfig,
-    peers: &mut [TcpStream],
+    peers: &mut [Conn],
     op: Op,
     seq: u64,
     arg: u64,
     data: &[u8],
 ) -> Result<Vec<Vec<u8>>> {
-    let deadline = Instant::now() + cfg.timeout;
+    let deadline = deadline_after(cfg.timeout)?;
     let what = format!("{op} #{seq}");
-    let mut contributions = Vec::with_capacity(cfg.world);
+    let mut contributions: Vec<Vec<u8>> = Vec::new();
+    contributions
+        .try_reserve_exact(cfg.world)
+        .map_err(|e| backend_error(what.clone(), format!("cannot allocate {} results: {e}", cfg.world)))?;
     contributions.push(data.to_vec());
     for i in 0..peers.len() {
         let rank = i + 1;
         let peer = format!("rank {rank}");
         let ctx = Ctx { peer: &peer, what: &what, after: cfg.timeout, max: cfg.max_message };
         let received = match peers.get_mut(i) {
-            Some(stream) => read_frame(stream, deadline, &ctx).and_then(|(h, payload)| {
+            Some(conn) => conn.recv(deadline, &ctx).and_then(|(h, payload)| {
                 if h.kind != Kind::Data {
                     Err(ctx.protocol(format_args!("expected a Data frame, got {:?}", h.kind)))
                 } else if (h.op, h.seq, h.arg) != (op, seq, arg) {
@@ -731,8 +1190,9 @@ fn root_collective(
         match received {
             Ok(payload) => contributions.push(payload),
             Err(e) => {
-                let others = peers.iter_mut().enumerate().filter(|(j, _)| *j != i).map(|(_, s)| s);
-                abort_all(others, &format!("rank 0 gave up {what}: {e}"));
+                // everyone hears it, the failed rank too (it may be alive and waiting, e.g. after its frame failed
+                // authentication on the way)
+                abort_all(peers.iter_mut(), &format!("rank 0 gave up {what}: {e}"));
                 return Err(e);
             }
         }
@@ -745,15 +1205,11 @@ fn root_collective(
         }
         _ => vec![Vec::new()],
     };
-    let mut reply = Vec::new();
-    for r in &results {
-        reply.extend_from_slice(&encode_frame(Kind::Data, op, seq, arg, r));
-    }
     for i in 0..peers.len() {
         let peer = format!("rank {}", i + 1);
         let ctx = Ctx { peer: &peer, what: &what, after: cfg.timeout, max: cfg.max_message };
         let sent = match peers.get_mut(i) {
-            Some(stream) => write_all_by(stream, &reply, deadline).map_err(|e| ctx.io(e)),
+            Some(conn) => conn.send_all(Out { kind: Kind::Data, op, seq, arg }, &results, deadline, &ctx),
             None => Ok(()),
         };
         if let Err(e) = sent {
@@ -767,20 +1223,21 @@ fn root_collective(
 
 fn client_collective(
     cfg: &RendezvousConfig,
-    stream: &mut TcpStream,
+    conn: &mut Conn,
     op: Op,
     seq: u64,
     arg: u64,
     data: &[u8],
 ) -> Result<Vec<Vec<u8>>> {
-    let deadline = Instant::now() + cfg.timeout;
+    let deadline = deadline_after(cfg.timeout)?;
     let what = format!("{op} #{seq}");
     let ctx = Ctx { peer: "rank 0", what: &what, after: cfg.timeout, max: cfg.max_message };
-    write_all_by(stream, &encode_frame(Kind::Data, op, seq, arg, data), deadline).map_err(|e| ctx.io(e))?;
+    conn.send(Out { kind: Kind::Data, op, seq, arg }, data, deadline, &ctx)?;
     let n = result_count(op, cfg.world);
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|e| backend_error(what.clone(), format!("cannot allocate {n} results: {e}")))?;
     for _ in 0..n {
-        let (h, payload) = read_frame(stream, deadline, &ctx)?;
+        let (h, payload) = conn.recv(deadline, &ctx)?;
         match h.kind {
             Kind::Data if (h.op, h.seq, h.arg) == (op, seq, arg) => out.push(payload),
             Kind::Data => {
@@ -789,7 +1246,7 @@ fn client_collective(
                     h.op, h.seq, h.arg
                 )))
             }
-            Kind::Abort => return Err(Error::PeerFailure(String::from_utf8_lossy(&payload).into_owned())),
+            Kind::Abort => return Err(Error::PeerFailure(sanitize_bytes(&payload, MAX_REASON))),
             other => return Err(ctx.protocol(format_args!("expected a Data frame, got {other:?}"))),
         }
     }
@@ -798,99 +1255,150 @@ fn client_collective(
 
 #[cfg(test)]
 mod tests {
-    //! Protocol-level tests: a raw `TcpStream` speaks (bad) handshakes and frames to a real rank 0.
+    //! Protocol-level tests: raw sockets speak (bad) handshakes and frames to a real rank 0, and a hand-made rank 0
+    //! (holding the key, or not) talks to a real client.
     use super::*;
     use std::thread;
 
-    const KEY: u64 = 0x5eed;
+    const SECRET: &[u8] = b"unit-test secret 0123456789abcdef";
+
+    fn key() -> JobKey {
+        JobKey::from_secret(SECRET)
+    }
 
     fn root_cfg(world: usize, timeout_ms: u64) -> RendezvousConfig {
         let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        RendezvousConfig::new(0, world, addr).with_timeout(Duration::from_millis(timeout_ms)).with_key(KEY)
+        RendezvousConfig::new(0, world, addr).with_timeout(Duration::from_millis(timeout_ms)).with_key(key())
     }
 
-    /// Sends `hello` on a raw connection and returns rank 0's reply: the reply frame's kind and payload.
-    fn raw_hello(addr: SocketAddr, hello: &[u8]) -> (Kind, String) {
-        let mut s = TcpStream::connect(addr).expect("connect");
-        s.write_all(hello).expect("write hello");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let ctx = Ctx { peer: "rank 0", what: "test", after: Duration::from_secs(5), max: 1 << 20 };
-        read_server_preamble(&mut s, deadline, &ctx).expect("preamble");
-        let (h, payload) = read_frame(&mut s, deadline, &ctx).expect("reply frame");
-        if h.kind == Kind::Reject {
-            // rank 0 closes a rejected connection
-            let mut rest = Vec::new();
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            assert_eq!(s.read_to_end(&mut rest).expect("read to EOF"), 0, "rank 0 must close after a rejection");
-        }
-        (h.kind, String::from_utf8_lossy(&payload).into_owned())
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
     }
 
-    /// One bad hello in a world of 3 whose rank 1 already joined; rank 0 rejects it and still forms the group
-    /// when the real rank 2 arrives.
-    fn rejects(hello: impl FnOnce(&Listener) -> Vec<u8>, expected: &str) {
+    fn read_greeting(s: &mut TcpStream) -> [u8; GREETING_LEN] {
+        let mut g = [0u8; GREETING_LEN];
+        read_exact_by(s, &mut g, soon()).expect("greeting");
+        assert_eq!(g[..PREAMBLE_LEN], preamble());
+        g
+    }
+
+    /// A client's hello for rank 0's `greeting`, proved with `key`.
+    fn hello_for(greeting: &[u8], key: &JobKey, world: u64, rank: u64) -> Vec<u8> {
+        let t = Transcript {
+            version: PROTOCOL_VERSION,
+            world,
+            rank,
+            client_nonce: [7; auth::LEN],
+            server_nonce: array_at(greeting, PREAMBLE_LEN),
+        };
+        let mut h = preamble().to_vec();
+        h.extend_from_slice(&world.to_le_bytes());
+        h.extend_from_slice(&rank.to_le_bytes());
+        h.extend_from_slice(&t.client_nonce);
+        h.extend_from_slice(&t.client_proof(key).expect("proof"));
+        h
+    }
+
+    /// Everything rank 0 sends until it closes.
+    fn rest(s: &mut TcpStream) -> Vec<u8> {
+        let mut out = Vec::new();
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let _ = s.read_to_end(&mut out);
+        out
+    }
+
+    /// One bad hello in a world of 3 whose rank 1 already joined: the peer is told only "rejected" (one byte),
+    /// rank 0 records the reason, and the group still forms when the real rank 2 arrives.
+    fn rejects(hello: impl FnOnce(&[u8]) -> Vec<u8>, expected: &str) {
         let listener = Rendezvous::listen(root_cfg(3, 5000)).expect("listen");
         let addr = listener.local_addr();
         let (c1, c2) = (listener.client_config(1), listener.client_config(2));
-        let bad = hello(&listener);
         let root = thread::spawn(move || listener.accept_all());
-        let r1 = thread::spawn(move || Rendezvous::connect(c1));
-        // rank 1 must be in before the bad hello (the duplicate-rank case relies on it)
-        thread::sleep(Duration::from_millis(300));
-        let (kind, reason) = raw_hello(addr, &bad);
-        assert_eq!(kind, Kind::Reject, "{reason}");
-        assert!(reason.contains(expected), "rejection '{reason}' should mention '{expected}'");
-        let mut g2 = Rendezvous::connect(c2).expect("rank 2 joins after the rejection");
+        // rank 1 joins by hand first (the duplicate-rank case relies on it): rank 0 has admitted it once its
+        // verdict arrived, and handles the next connection only after that
+        let mut s1 = TcpStream::connect(addr).expect("connect");
+        let Ok(session) = client_handshake(&mut s1, &c1, &key(), soon()) else { panic!("rank 1's handshake") };
+        let mut rank1 = Conn { stream: s1, session };
+        let mut s = TcpStream::connect(addr).expect("connect");
+        let greeting = read_greeting(&mut s);
+        s.write_all(&hello(&greeting)).expect("write hello");
+        assert_eq!(rest(&mut s), [REJECT], "the only answer is 'rejected', then the connection closes");
+        let t2 = thread::spawn(move || Rendezvous::connect(c2).and_then(|mut g| g.barrier()));
         let mut g0 = root.join().expect("root thread").expect("rank 0 survives the bad connection");
-        let mut g1 = r1.join().expect("rank 1 thread").expect("rank 1 joins");
-        let t1 = thread::spawn(move || g1.barrier());
-        let t2 = thread::spawn(move || g2.barrier());
-        g0.barrier().expect("barrier 0");
-        t1.join().expect("t1").expect("barrier 1");
-        t2.join().expect("t2").expect("barrier 2");
+        let record = g0.rejections().clone();
+        assert_eq!(record.count(), 1, "{record}");
+        assert!(record.first()[0].contains(expected), "the record '{record}' should mention '{expected}'");
+        let ctx = Ctx { peer: "rank 0", what: "test", after: Duration::from_secs(5), max: 1 << 20 };
+        assert_eq!(rank1.recv(soon(), &ctx).expect("ready").0.kind, Kind::Ready);
+        let t0 = thread::spawn(move || g0.barrier());
+        rank1.send(Out { kind: Kind::Data, op: Op::Barrier, seq: 0, arg: 0 }, &[], soon(), &ctx).expect("barrier 1");
+        assert_eq!(rank1.recv(soon(), &ctx).expect("barrier result").0.kind, Kind::Data);
+        t0.join().expect("t0").expect("barrier 0");
+        t2.join().expect("t2").expect("rank 2 joins after the rejection, barrier 2");
     }
 
     #[test]
     fn rejects_bad_magic() {
-        rejects(|_| b"GET / HTTP/1.1\r\nHost: x\r\n\r\n-----------".to_vec(), "bad magic");
+        rejects(|_| b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(), "bad magic 'G");
     }
 
     #[test]
-    fn rejects_wrong_version() {
+    fn rejects_wrong_version_and_protocol_1_clients() {
         rejects(
-            |_| {
-                let mut h = encode_hello(3, 2, KEY);
+            |g| {
+                let mut h = hello_for(g, &key(), 3, 2);
                 h[8..12].copy_from_slice(&7u32.to_le_bytes());
                 h
             },
             "protocol version 7 is not supported",
         );
+        // a version-1 hello (magic, version 1, world, rank, key in clear)
+        rejects(
+            |_| {
+                let mut h = MAGIC.to_vec();
+                h.extend_from_slice(&1u32.to_le_bytes());
+                h.extend_from_slice(&[0u8; 24]);
+                h
+            },
+            "protocol version 1 is not supported",
+        );
+    }
+
+    #[test]
+    fn rejects_a_wrong_key_a_forged_proof_and_a_replayed_one() {
+        rejects(|g| hello_for(g, &JobKey::from_secret(b"another job's secret!!"), 3, 2), "did not prove");
+        rejects(
+            |g| {
+                let mut h = hello_for(g, &key(), 3, 2);
+                let last = h.len() - 1;
+                h[last] ^= 1;
+                h
+            },
+            "did not prove",
+        );
+        // a proof made for another connection's nonce
+        rejects(|_| hello_for(&[0u8; GREETING_LEN], &key(), 3, 2), "did not prove");
     }
 
     #[test]
     fn rejects_world_mismatch() {
-        rejects(|_| encode_hello(4, 2, KEY), "world size mismatch: the client has world size 4, rank 0 has 3");
-    }
-
-    #[test]
-    fn rejects_wrong_key() {
-        rejects(|_| encode_hello(3, 2, KEY + 1), "job key mismatch");
+        rejects(|g| hello_for(g, &key(), 4, 2), "has world size 4, rank 0 has 3");
     }
 
     #[test]
     fn rejects_rank_out_of_range() {
-        rejects(|_| encode_hello(3, 3, KEY), "rank 3 is out of range for a world of 3");
-        rejects(|_| encode_hello(3, u64::MAX, KEY), "out of range");
+        rejects(|g| hello_for(g, &key(), 3, 3), "rank 3 is out of range for a world of 3");
+        rejects(|g| hello_for(g, &key(), 3, u64::MAX), "out of range");
     }
 
     #[test]
     fn rejects_rank_zero_claimed() {
-        rejects(|_| encode_hello(3, 0, KEY), "claimed rank 0");
+        rejects(|g| hello_for(g, &key(), 3, 0), "claimed rank 0");
     }
 
     #[test]
     fn rejects_duplicate_rank() {
-        rejects(|_| encode_hello(3, 1, KEY), "rank 1 already joined");
+        rejects(|g| hello_for(g, &key(), 3, 1), "rank 1 already joined");
     }
 
     #[test]
@@ -898,94 +1406,288 @@ mod tests {
         let listener = Rendezvous::listen(root_cfg(2, 400)).expect("listen");
         let addr = listener.local_addr();
         let root = thread::spawn(move || listener.accept_all());
-        let (kind, _) = raw_hello(addr, &encode_hello(2, 1, KEY ^ 1));
-        assert_eq!(kind, Kind::Reject);
+        let mut s = TcpStream::connect(addr).expect("connect");
+        let g = read_greeting(&mut s);
+        s.write_all(&hello_for(&g, &JobKey::from_secret(b"wrong wrong wrong wrong"), 2, 1)).expect("hello");
+        assert_eq!(rest(&mut s), [REJECT]);
         let err = root.join().expect("root").expect_err("rank 1 never joined");
         let text = err.to_string();
         assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
-        assert!(text.contains("rank 1 to join") && text.contains("job key mismatch"), "{text}");
+        assert!(text.contains("rank 1 to join") && text.contains("1 connection turned away"), "{text}");
+        assert!(text.contains("did not prove it holds the job key"), "{text}");
     }
 
     #[test]
-    fn silent_connection_does_not_block_the_group() {
-        let listener = Rendezvous::listen(root_cfg(2, 3000)).expect("listen");
+    fn the_rejection_record_is_bounded() {
+        let listener = Rendezvous::listen(root_cfg(2, 5000)).expect("listen");
         let addr = listener.local_addr();
         let c1 = listener.client_config(1);
         let root = thread::spawn(move || listener.accept_all());
-        // connects and closes without a word
-        drop(TcpStream::connect(addr).expect("connect"));
-        let g1 = Rendezvous::connect(c1).expect("rank 1 joins");
-        let g0 = root.join().expect("root").expect("group forms");
-        assert_eq!((g0.world(), g1.rank()), (2, 1));
+        for i in 0..20u8 {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.write_all(&[b'x', i]).expect("garbage");
+            let _ = rest(&mut s);
+        }
+        let _g1 = Rendezvous::connect(c1).expect("rank 1");
+        let g0 = root.join().expect("root").expect("group");
+        let r = g0.rejections();
+        assert_eq!((r.count(), r.first().len()), (20, Rejections::KEPT), "{r}");
+        assert!(r.to_string().ends_with("and 12 more"), "{r}");
     }
 
-    /// Joins a world of 2 as rank 1 by hand, returning rank 0's thread and the raw stream.
-    fn raw_rank1(max_message: usize) -> (thread::JoinHandle<Result<Rendezvous>>, TcpStream) {
-        let listener = Rendezvous::listen(root_cfg(2, 3000).with_max_message(max_message)).expect("listen");
+    #[test]
+    fn a_full_pending_table_closes_the_oldest_and_real_ranks_still_join() {
+        let listener = Rendezvous::listen(root_cfg(3, 10_000)).expect("listen").with_max_pending(4);
         let addr = listener.local_addr();
+        let (c1, c2) = (listener.client_config(1), listener.client_config(2));
         let root = thread::spawn(move || listener.accept_all());
-        let mut s = TcpStream::connect(addr).expect("connect");
-        s.write_all(&encode_hello(2, 1, KEY)).expect("hello");
-        let deadline = Instant::now() + Duration::from_secs(5);
+        // 20 silent connections; each one past the fourth pushes the oldest out
+        let silent: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(addr).expect("connect")).collect();
+        let start = Instant::now();
+        let t1 = thread::spawn(move || Rendezvous::connect(c1));
+        let _g2 = Rendezvous::connect(c2).expect("rank 2");
+        let _g1 = t1.join().expect("t1").expect("rank 1");
+        let g0 = root.join().expect("root").expect("group");
+        assert!(start.elapsed() < Duration::from_secs(3), "took {:?}", start.elapsed());
+        assert!(g0.rejections().count() >= 16, "{}", g0.rejections());
+        assert!(g0.rejections().first().iter().any(|r| r.contains("closed to make room")), "{}", g0.rejections());
+        drop(silent);
+    }
+
+    #[test]
+    fn a_client_closed_before_the_verdict_connects_again() {
+        let std_listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = std_listener.local_addr().expect("addr");
+        let cfg = RendezvousConfig { master: addr, ..root_cfg(2, 5000) };
+        let c1 = RendezvousConfig { rank: 1, ..cfg.clone() };
+        let client = thread::spawn(move || Rendezvous::connect(c1).and_then(|mut g| g.all_gather(b"one")));
+        // the first connection is dropped unanswered, as when rank 0 makes room
+        drop(std_listener.accept().expect("first connection"));
+        let listener = Listener { listener: std_listener, addr, cfg, key: key(), max_pending: MAX_PENDING };
+        let mut g0 = listener.accept_all().expect("the second attempt joins");
+        assert_eq!(g0.all_gather(b"zero").expect("gather"), vec![b"zero".to_vec(), b"one".to_vec()]);
+        assert_eq!(client.join().expect("client").expect("rank 1"), vec![b"zero".to_vec(), b"one".to_vec()]);
+    }
+
+    /// Joins a world of 2 as rank 1 by hand, returning rank 0's thread and the raw authenticated connection.
+    fn raw_rank1(max_message: usize) -> (thread::JoinHandle<Result<Rendezvous>>, Conn) {
+        let listener = Rendezvous::listen(root_cfg(2, 3000).with_max_message(max_message)).expect("listen");
+        let cfg = listener.client_config(1);
+        let root = thread::spawn(move || listener.accept_all());
+        let mut stream = TcpStream::connect(cfg.master).expect("connect");
+        let Ok(session) = client_handshake(&mut stream, &cfg, &key(), soon()) else { panic!("handshake failed") };
+        let mut conn = Conn { stream, session };
         let ctx = Ctx { peer: "rank 0", what: "test", after: Duration::from_secs(5), max: 1 << 20 };
-        read_server_preamble(&mut s, deadline, &ctx).expect("preamble");
-        assert_eq!(read_frame(&mut s, deadline, &ctx).expect("accept").0.kind, Kind::Accept);
-        assert_eq!(read_frame(&mut s, deadline, &ctx).expect("ready").0.kind, Kind::Ready);
-        (root, s)
+        assert_eq!(conn.recv(soon(), &ctx).expect("ready").0.kind, Kind::Ready);
+        (root, conn)
+    }
+
+    /// A frame sealed by `conn` for rank 0, as bytes (to be changed before sending).
+    fn sealed(conn: &mut Conn, kind: u8, op: Op, payload: &[u8]) -> Vec<u8> {
+        let mut header = encode_header(Kind::Data, op, 0, 0, payload.len());
+        header[0] = kind;
+        let tag = conn.session.seal(&header, payload).expect("seal");
+        [&header[..], payload, &tag[..]].concat()
     }
 
     #[test]
     fn oversized_frame_is_rejected_without_allocating_it() {
-        let (root, mut s) = raw_rank1(1024);
+        let (root, mut c) = raw_rank1(1024);
         let mut g0 = root.join().expect("root").expect("group");
         // claims 2^62 bytes (allocating that would abort the process), then sends a few
-        let mut frame = encode_frame(Kind::Data, Op::AllGather, 0, 0, b"tiny");
+        let mut frame = sealed(&mut c, Kind::Data as u8, Op::AllGather, b"tiny");
         frame[18..26].copy_from_slice(&(1u64 << 62).to_le_bytes());
-        s.write_all(&frame).expect("frame");
+        c.stream.write_all(&frame).expect("frame");
         let err = g0.all_gather(b"x").expect_err("oversized frame");
         assert!(matches!(err, Error::PeerFailure(_)), "{err:?}");
         assert!(err.to_string().contains("exceeds max_message (1024 bytes)"), "{err}");
-        // just over the limit is rejected too, and the group stays broken
         let err = g0.all_gather(b"x").expect_err("broken group");
         assert!(err.to_string().contains("unusable after an earlier failure"), "{err}");
 
-        let (root, mut s) = raw_rank1(1024);
+        // just over the limit, and properly sealed, is rejected too
+        let (root, mut c) = raw_rank1(1024);
         let mut g0 = root.join().expect("root").expect("group");
-        s.write_all(&encode_frame(Kind::Data, Op::AllGather, 0, 0, &[0u8; 1025])).expect("frame");
+        let frame = sealed(&mut c, Kind::Data as u8, Op::AllGather, &[0u8; 1025]);
+        c.stream.write_all(&frame).expect("frame");
         let err = g0.all_gather(b"x").expect_err("1025 > 1024");
         assert!(err.to_string().contains("a frame of 1025 bytes exceeds max_message"), "{err}");
     }
 
     #[test]
     fn a_frame_that_claims_more_than_it_sends_times_out() {
-        let (root, mut s) = raw_rank1(1 << 20);
+        let (root, mut c) = raw_rank1(1 << 20);
         let mut g0 = root.join().expect("root").expect("group");
         g0.set_timeout(Duration::from_millis(300));
-        let mut frame = encode_frame(Kind::Data, Op::AllGather, 0, 0, b"tiny");
+        let mut frame = sealed(&mut c, Kind::Data as u8, Op::AllGather, b"tiny");
         frame[18..26].copy_from_slice(&(1u64 << 20).to_le_bytes());
-        s.write_all(&frame).expect("frame");
+        c.stream.write_all(&frame).expect("frame");
         let err = g0.all_gather(b"x").expect_err("short frame");
         assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
     }
 
     #[test]
     fn mismatched_collectives_are_an_error() {
-        let (root, mut s) = raw_rank1(1 << 20);
+        let (root, mut c) = raw_rank1(1 << 20);
         let mut g0 = root.join().expect("root").expect("group");
-        s.write_all(&encode_frame(Kind::Data, Op::Barrier, 0, 0, &[])).expect("frame");
+        let frame = sealed(&mut c, Kind::Data as u8, Op::Barrier, &[]);
+        c.stream.write_all(&frame).expect("frame");
         let err = g0.all_gather(b"x").expect_err("rank 1 called barrier");
         assert!(err.to_string().contains("rank 1 called barrier #0"), "{err}");
     }
 
     #[test]
     fn garbage_frame_kind_is_an_error() {
-        let (root, mut s) = raw_rank1(1 << 20);
+        let (root, mut c) = raw_rank1(1 << 20);
         let mut g0 = root.join().expect("root").expect("group");
-        let mut frame = encode_frame(Kind::Data, Op::AllGather, 0, 0, b"x");
-        frame[0] = 0xee;
-        s.write_all(&frame).expect("frame");
+        let frame = sealed(&mut c, 0xee, Op::AllGather, b"x");
+        c.stream.write_all(&frame).expect("frame");
         let err = g0.all_gather(b"x").expect_err("bad kind");
         assert!(err.to_string().contains("unknown frame kind 0xee"), "{err}");
+    }
+
+    #[test]
+    fn changed_forged_and_replayed_frames_fail_authentication() {
+        type Change = fn(&mut Conn) -> Vec<u8>;
+        let changes: [(&str, Change); 3] = [
+            ("changed", |c| {
+                let mut f = sealed(c, Kind::Data as u8, Op::AllGather, b"genuine");
+                f[HEADER_LEN] ^= 0x20;
+                f
+            }),
+            ("forged", |_| {
+                let mut f = encode_header(Kind::Data, Op::AllGather, 0, 0, 6).to_vec();
+                f.extend_from_slice(b"forged");
+                f.extend_from_slice(&[0u8; auth::LEN]);
+                f
+            }),
+            ("replayed", |c| {
+                // the first frame is genuine (frame 0); its replay claims to be frame 1
+                let f = sealed(c, Kind::Data as u8, Op::AllGather, b"genuine");
+                [f.clone(), f].concat()
+            }),
+        ];
+        for (what, make) in changes {
+            let (root, mut c) = raw_rank1(1 << 20);
+            let mut g0 = root.join().expect("root").expect("group");
+            let bytes = make(&mut c);
+            c.stream.write_all(&bytes).expect("frame");
+            let err = match what {
+                "replayed" => {
+                    g0.all_gather(b"x").expect("the genuine frame");
+                    g0.all_gather(b"x").expect_err("its replay")
+                }
+                _ => g0.all_gather(b"x").expect_err(what),
+            };
+            assert!(err.to_string().contains("failed authentication"), "{what}: {err}");
+        }
+    }
+
+    /// A hand-made rank 0 on `listener` that holds `key` (or not): admits one client and returns its connection.
+    fn fake_root(listener: &TcpListener, key: &JobKey) -> (Conn, Vec<u8>) {
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut greeting = preamble().to_vec();
+        greeting.extend_from_slice(&[3u8; auth::LEN]);
+        s.write_all(&greeting).expect("greeting");
+        let mut hello = [0u8; HELLO_LEN];
+        read_exact_by(&mut s, &mut hello, soon()).expect("hello");
+        let t = Transcript {
+            version: PROTOCOL_VERSION,
+            world: u64_at(&hello, PREAMBLE_LEN),
+            rank: u64_at(&hello, PREAMBLE_LEN + 8),
+            client_nonce: array_at(&hello, PREAMBLE_LEN + 16),
+            server_nonce: [3u8; auth::LEN],
+        };
+        let mut reply = vec![ACCEPT];
+        reply.extend_from_slice(&t.server_proof(key).expect("proof"));
+        s.write_all(&reply).expect("verdict");
+        (Conn { stream: s, session: t.session(key, Side::Root).expect("session") }, hello.to_vec())
+    }
+
+    #[test]
+    fn an_impostor_rank_0_is_refused_before_any_payload_and_sees_no_key() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let cfg = RendezvousConfig::new(1, 2, listener.local_addr().expect("addr"))
+            .with_timeout(Duration::from_secs(5))
+            .with_key(key());
+        let client = thread::spawn(move || Rendezvous::connect(cfg).and_then(|mut g| g.all_gather(b"PAYLOAD")));
+        let (mut conn, hello) = fake_root(&listener, &JobKey::from_secret(b"the impostor's guess at it"));
+        let err = client.join().expect("client").expect_err("the impostor's proof is wrong");
+        assert!(err.to_string().contains("did not prove it holds the job key"), "{err}");
+        // the client sent its hello and nothing else, and neither the secret nor the key
+        let mut sent = hello;
+        sent.extend(rest(&mut conn.stream));
+        assert_eq!(sent.len(), HELLO_LEN, "the client sent more than its hello");
+        let has = |needle: &[u8]| sent.windows(needle.len()).any(|w| w == needle);
+        assert!(!has(SECRET) && !has(key().bytes()) && !has(b"PAYLOAD"));
+    }
+
+    #[test]
+    fn peer_text_is_sanitized_in_errors() {
+        let evil = b"\x1b[2J\x1b[31mFAKE\nINFO: all good\x07";
+        // a rank 0 holding the key abandons the rendezvous with escape codes in the reason
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let cfg = RendezvousConfig::new(1, 2, listener.local_addr().expect("addr"))
+            .with_timeout(Duration::from_secs(5))
+            .with_key(key());
+        let c2 = cfg.clone();
+        let client = thread::spawn(move || Rendezvous::connect(cfg));
+        let (mut conn, _) = fake_root(&listener, &key());
+        let abort = Out { kind: Kind::Abort, op: Op::Setup, seq: 0, arg: 0 };
+        let ctx = Ctx { peer: "test", what: "test", after: Duration::from_secs(5), max: 0 };
+        conn.send(abort, evil, soon(), &ctx).expect("abort");
+        let text = client.join().expect("client").expect_err("abandoned").to_string();
+        assert!(!text.contains('\x1b') && !text.contains('\n') && !text.contains('\x07'), "{text:?}");
+        assert!(text.contains("\\u{1b}[2J\\u{1b}[31mFAKE\\nINFO: all good\\u{7}"), "{text:?}");
+
+        // and in the middle of a collective, with a megabyte of it
+        let client = thread::spawn(move || Rendezvous::connect(c2).and_then(|mut g| g.barrier()));
+        let (mut conn, _) = fake_root(&listener, &key());
+        let ready = Out { kind: Kind::Ready, op: Op::Setup, seq: 0, arg: 2 };
+        conn.send(ready, &[], soon(), &ctx).expect("ready");
+        let long: Vec<u8> = evil.iter().copied().cycle().take(1 << 20).collect();
+        conn.send(abort, &long, soon(), &ctx).expect("abort");
+        let text = client.join().expect("client").expect_err("aborted").to_string();
+        assert!(!text.contains('\x1b') && !text.contains('\n'), "{:?}", &text[..100]);
+        assert!(text.len() < MAX_REASON + 200, "{} bytes", text.len());
+    }
+
+    #[test]
+    fn a_protocol_1_rank_0_is_named_at_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let cfg = RendezvousConfig::new(1, 2, listener.local_addr().expect("addr"))
+            .with_timeout(Duration::from_secs(30))
+            .with_key(key());
+        let start = Instant::now();
+        let client = thread::spawn(move || Rendezvous::connect(cfg));
+        let (mut s, _) = listener.accept().expect("accept");
+        let mut v1 = MAGIC.to_vec();
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        s.write_all(&v1).expect("a version-1 preamble, and then nothing");
+        let err = client.join().expect("client").expect_err("another version");
+        assert!(err.to_string().contains("rank 0 speaks protocol version 1, this rank speaks 2"), "{err}");
+        assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    }
+
+    #[test]
+    fn huge_timeouts_and_worlds_are_errors_not_panics() {
+        let addr: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        for cfg in [
+            RendezvousConfig::new(0, 1_000_000_000_000, addr),
+            RendezvousConfig::new(0, usize::MAX, addr),
+            RendezvousConfig::new(0, 2, addr).with_timeout(Duration::from_secs(10_000_000_000_000_000_000)),
+            RendezvousConfig::new(0, 2, addr).with_timeout(Duration::MAX),
+            RendezvousConfig::new(0, 2, addr).with_max_message(usize::MAX),
+        ] {
+            let e = Rendezvous::listen(cfg.clone()).expect_err("out of bounds");
+            assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BadWorld(_))), "{e:?}");
+            let e = Rendezvous::connect(RendezvousConfig { rank: 1, ..cfg }).expect_err("out of bounds");
+            assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BadWorld(_))), "{e:?}");
+        }
+        let mut g = Rendezvous::establish(RendezvousConfig::new(0, 1, addr)).expect("world 1");
+        g.set_timeout(Duration::MAX);
+        assert_eq!(g.config().timeout, MAX_TIMEOUT);
+        g.barrier().expect("a barrier with the longest timeout");
+        assert!(deadline_after(Duration::MAX).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyccl_core::{Error, InvalidArgument};
-use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
+use anyccl_rendezvous::{JobKey, Rendezvous, RendezvousConfig};
 
 fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().expect("addr")
@@ -144,7 +144,8 @@ fn client_without_rank_0_times_out() {
     let addr = std::net::TcpListener::bind(any_port()).expect("bind").local_addr().expect("addr");
     let timeout = Duration::from_millis(300);
     let start = Instant::now();
-    let err = Rendezvous::connect(RendezvousConfig::new(1, 2, addr).with_timeout(timeout)).expect_err("no rank 0");
+    let cfg = RendezvousConfig::new(1, 2, addr).with_timeout(timeout).with_key(JobKey::random().expect("key"));
+    let err = Rendezvous::connect(cfg).expect_err("no rank 0");
     assert!(start.elapsed() < Duration::from_secs(3), "took {:?}", start.elapsed());
     match err {
         Error::Timeout { what, after } => {
@@ -159,7 +160,8 @@ fn client_without_rank_0_times_out() {
 fn rank_0_may_start_after_the_others() {
     // learn a free port, then start rank 1 first: it retries until rank 0 listens
     let addr = std::net::TcpListener::bind(any_port()).expect("bind").local_addr().expect("addr");
-    let cfg0 = RendezvousConfig::new(0, 2, addr).with_timeout(Duration::from_secs(10));
+    let key = JobKey::from_secret(b"a secret both ranks were given");
+    let cfg0 = RendezvousConfig::new(0, 2, addr).with_timeout(Duration::from_secs(10)).with_key(key);
     let cfg1 = RendezvousConfig { rank: 1, ..cfg0.clone() };
     let client = thread::spawn(move || Rendezvous::connect(cfg1).and_then(|mut g| g.all_gather(b"one")));
     thread::sleep(Duration::from_millis(150));
@@ -169,21 +171,33 @@ fn rank_0_may_start_after_the_others() {
 }
 
 #[test]
-fn a_rejected_client_gets_the_reason() {
-    let listener =
-        Rendezvous::listen(RendezvousConfig::new(0, 2, any_port()).with_timeout(Duration::from_secs(5)).with_key(1))
-            .expect("listen");
+fn a_rejected_client_is_told_only_that_it_was_rejected() {
+    let secret = b"the job's secret, 0123456789abcdef";
+    let key = JobKey::from_secret(secret);
+    let listener = Rendezvous::listen(
+        RendezvousConfig::new(0, 2, any_port()).with_timeout(Duration::from_secs(5)).with_key(key.clone()),
+    )
+    .expect("listen");
     let good = listener.client_config(1);
     let wrong_world = RendezvousConfig { world: 3, ..listener.client_config(1) };
-    let wrong_key = listener.client_config(1).with_key(2);
+    let wrong_key = listener.client_config(1).with_key(JobKey::from_secret(b"not the job's secret at all"));
     let root = thread::spawn(move || listener.accept_all());
-    let e = Rendezvous::connect(wrong_world).expect_err("world 3 vs 2");
-    assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
-    assert!(e.to_string().contains("rejected rank 1: world size mismatch"), "{e}");
-    let e = Rendezvous::connect(wrong_key).expect_err("wrong key");
-    assert!(e.to_string().contains("job key mismatch"), "{e}");
+    for (bad, what) in [(wrong_world, "world 3 vs 2"), (wrong_key, "wrong key")] {
+        let e = Rendezvous::connect(bad).expect_err(what);
+        assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("rejected rank 1"), "{text}");
+        // the peer learns nothing about rank 0's world size or key
+        assert!(!text.contains("world size 2") && !text.contains("rank 0 has"), "{text}");
+        assert!(!text.contains(std::str::from_utf8(secret).expect("utf8")), "{text}");
+    }
     let _g1 = Rendezvous::connect(good).expect("the real rank 1");
-    root.join().expect("root").expect("rank 0 survived both rejections");
+    let g0 = root.join().expect("root").expect("rank 0 survived both rejections");
+    // rank 0's own record says why
+    let record = g0.rejections();
+    assert_eq!(record.count(), 2, "{record}");
+    assert!(record.first()[0].contains("has world size 3, rank 0 has 2"), "{record}");
+    assert!(record.first()[1].contains("did not prove it holds the job key"), "{record}");
 }
 
 #[test]
@@ -290,7 +304,8 @@ fn from_env_torchrun() {
     assert_eq!(cfg.master, "127.0.0.1:29500".parse::<SocketAddr>().expect("addr"));
     assert_eq!(cfg.timeout, anyccl_rendezvous::config::DEFAULT_TIMEOUT);
     assert_eq!(cfg.max_message, 1 << 20);
-    assert_eq!(cfg.key, anyccl_rendezvous::config::derive_key("127.0.0.1", 29500, 8));
+    // no secret set and a loopback MASTER_ADDR: the derived key
+    assert_eq!(cfg.key, Some(JobKey::derived("127.0.0.1", 29500, 8)));
 }
 
 #[test]
@@ -302,7 +317,7 @@ fn from_env_slurm_with_options() {
         ("MASTER_ADDR", "localhost"),
         ("MASTER_PORT", "12345"),
         ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "0.3"),
-        ("ANYCCL_RENDEZVOUS_KEY", "job-42"),
+        ("ANYCCL_RENDEZVOUS_KEY", "job-42 0123456789abcdef"),
     ]))
     .expect("slurm config");
     assert_eq!((cfg.rank, cfg.world, cfg.local_rank), (2, 4, Some(2)));
@@ -313,10 +328,11 @@ fn from_env_slurm_with_options() {
         ("SLURM_NTASKS", "4"),
         ("MASTER_ADDR", "localhost"),
         ("MASTER_PORT", "12345"),
-        ("ANYCCL_RENDEZVOUS_KEY", "job-43"),
+        ("ANYCCL_RENDEZVOUS_KEY", "job-43 0123456789abcdef"),
     ]))
     .expect("config");
     assert_ne!(cfg.key, other_job.key);
+    assert_eq!(cfg.key, Some(JobKey::from_secret(b"job-42 0123456789abcdef")));
     assert_eq!(other_job.local_rank, None);
 }
 
