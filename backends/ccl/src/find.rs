@@ -275,8 +275,11 @@ pub fn ld_library_path_entries(value: &OsStr) -> impl Iterator<Item = PathBuf> +
 
 /// The first entry of `LD_LIBRARY_PATH` that makes the dynamic loader search relative to the working directory
 /// (an empty entry, `.`, or any relative path), as text; `None` when every entry is absolute or starts with
-/// `$ORIGIN` (the executable's directory).
+/// `$ORIGIN` (the executable's directory), and for an empty value, which the loader ignores.
 pub fn loader_path_hazard(value: &OsStr) -> Option<String> {
+    if value.is_empty() {
+        return None;
+    }
     ld_library_path_entries(value)
         .find(|e| {
             let b = e.as_os_str().as_bytes();
@@ -594,6 +597,10 @@ fn check_elf(file: &File, exports: &Exports<'_>) -> Result<(), LoadFailure> {
 ///   `dladdr` from the first required entry point) gets the same [`check_candidate`] before any of its functions
 ///   is called.
 pub fn open_checked(candidate: &Path, exports: &Exports<'_>) -> Result<libloading::Library, LoadFailure> {
+    if candidate.as_os_str().is_empty() {
+        // `dlopen("")` would hand back the main program.
+        return Err(LoadFailure::NotFound);
+    }
     let bare = is_bare_name(candidate);
     if bare {
         if let Some(entry) = std::env::var_os("LD_LIBRARY_PATH").as_deref().and_then(loader_path_hazard) {
@@ -740,7 +747,7 @@ mod tests {
                 assert!(places.contains(&Place::Path(PathBuf::from("/a/librccl.so.1"))), "{llp}: {places:?}");
             }
         }
-        for ok in ["/usr/lib", "/a:/b", "$ORIGIN/../lib:/x", "${ORIGIN}/lib"] {
+        for ok in ["", "/usr/lib", "/a:/b", "$ORIGIN/../lib:/x", "${ORIGIN}/lib"] {
             assert_eq!(loader_path_hazard(OsStr::new(ok)), None, "{ok}");
         }
     }
@@ -755,6 +762,8 @@ mod tests {
         assert!(matches!(&other, LoadFailure::Unreadable { detail } if detail.contains("Not a directory")), "{other}");
         assert_eq!(LoadFailure::PermissionDenied.to_string(), "permission denied");
         assert_eq!(LoadFailure::NameTooLong.to_string(), "name too long");
+        // `dlopen("")` would be the main program: an empty candidate is simply not there.
+        assert_eq!(open_checked(Path::new(""), &CCL_EXPORTS).err(), Some(LoadFailure::NotFound));
     }
 
     /// A 64-byte ELF file header: `class`, byte order `data`, `e_type`, `e_machine`, nothing else.
