@@ -213,6 +213,41 @@ pub enum LoadFailure {
     /// Nothing at that path or name.
     #[error("not found")]
     NotFound,
+    /// A relative path or directory (from the named variable): never resolved against the working directory.
+    #[error(
+        "not searched: {origin} is relative; anyccl looks only in absolute directories, never in the working directory"
+    )]
+    RelativePath {
+        /// Where it came from: a variable (`PYTHONPATH entry ""`, `CUDA_HOME`, `ANYCCL_NCCL_PATH`, …).
+        origin: String,
+    },
+    /// A bare soname not handed to the dynamic loader, whose search would include the working directory.
+    #[error(
+        "not handed to the dynamic loader: LD_LIBRARY_PATH entry {entry:?} is relative, so it would search the \
+         working directory; LD_LIBRARY_PATH's absolute entries and the system library directories are searched instead"
+    )]
+    LoaderSearchesWorkingDirectory {
+        /// The relative entry of `LD_LIBRARY_PATH` (empty for `::` or a leading/trailing `:`).
+        entry: String,
+    },
+    /// Something other than a regular file (a FIFO, a directory, a device): never opened for reading or loaded.
+    #[error("not a regular file: {file_type}")]
+    NotRegularFile {
+        /// What it is.
+        file_type: String,
+    },
+    /// The file or a directory on its path may not be read (`EACCES`).
+    #[error("permission denied")]
+    PermissionDenied,
+    /// The path or one of its components is longer than the system allows (`ENAMETOOLONG`).
+    #[error("name too long")]
+    NameTooLong,
+    /// Another error from `stat` or `open`.
+    #[error("cannot be read: {detail}")]
+    Unreadable {
+        /// The system's message.
+        detail: String,
+    },
     /// The file exists but is not an ELF shared library.
     #[error("not a shared library ({detail})")]
     NotALibrary {
@@ -224,6 +259,22 @@ pub enum LoadFailure {
     WrongArchitecture {
         /// What the file is built for.
         detail: String,
+    },
+    /// An entry point anyccl would call is defined as something other than a function (a data object, say).
+    #[error("{symbol} is not a function: {detail}")]
+    SymbolNotAFunction {
+        /// The entry point.
+        symbol: String,
+        /// What it is instead.
+        detail: String,
+    },
+    /// The dynamic loader found a file by soname that fails the checks a path gets.
+    #[error("the dynamic loader found {path}, which is refused: {reason}")]
+    LoadedFileRefused {
+        /// The file the loader mapped.
+        path: String,
+        /// Why it is refused.
+        reason: Box<LoadFailure>,
     },
     /// The dynamic loader refused it (missing dependency, bad ELF, …).
     #[error("the dynamic loader refused it: {message}")]
@@ -369,43 +420,6 @@ impl CclTable {
     }
 }
 
-/// ELF header check: is `path` a shared library for this machine? Gives crisp reasons instead of `dlerror` text.
-pub fn check_elf(path: &Path) -> Result<(), LoadFailure> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|_| LoadFailure::NotFound)?;
-    let mut h = [0u8; 20];
-    let n = f.read(&mut h).map_err(|e| LoadFailure::NotALibrary { detail: e.to_string() })?;
-    if n < 20 || &h[..4] != b"\x7fELF" {
-        return Err(LoadFailure::NotALibrary { detail: "no ELF header".into() });
-    }
-    let class64 = h[4] == 2;
-    let little = h[5] == 1;
-    let e_type = if little { u16::from_le_bytes([h[16], h[17]]) } else { u16::from_be_bytes([h[16], h[17]]) };
-    let machine = if little { u16::from_le_bytes([h[18], h[19]]) } else { u16::from_be_bytes([h[18], h[19]]) };
-    if e_type != 3 {
-        return Err(LoadFailure::NotALibrary { detail: format!("ELF type {e_type}, not a shared object") });
-    }
-    let (want, name) = host_elf_machine();
-    if let Some(want) = want {
-        if machine != want || !class64 || !little {
-            return Err(LoadFailure::WrongArchitecture {
-                detail: format!("ELF machine {machine} (this process is {name})"),
-            });
-        }
-    }
-    Ok(())
-}
-
-fn host_elf_machine() -> (Option<u16>, &'static str) {
-    if cfg!(target_arch = "x86_64") {
-        (Some(62), "x86-64, ELF machine 62")
-    } else if cfg!(target_arch = "aarch64") {
-        (Some(183), "aarch64, ELF machine 183")
-    } else {
-        (None, std::env::consts::ARCH)
-    }
-}
-
 /// The dynamic loader's message for a failed `dlopen`, with every underlying cause appended (libloading nests
 /// the `dlerror` text as a source). Shared by the HIP runtime loader.
 pub fn dl_error_text(e: &libloading::Error) -> String {
@@ -443,31 +457,21 @@ impl fmt::Debug for CclLibrary {
 }
 
 impl CclLibrary {
-    /// Opens the library at `path` (or a bare soname, searched by the dynamic loader) and resolves everything.
+    /// Opens the library at `path` (an absolute path, or a bare soname for the dynamic loader) and resolves
+    /// everything. The file is checked before anything in it is called ([`crate::find::open_checked`]): a path before
+    /// `dlopen`, a soname's file after the loader found it and before `ncclGetVersion` is called.
     pub fn open(path: &Path) -> Result<Self, LoadFailure> {
-        let is_name = path.components().count() == 1 && !path.exists();
-        if !is_name {
-            check_elf(path)?;
-        }
-        // SAFETY: loading a shared library runs its initialisers. anyccl only opens files that are, by name or
-        // explicit choice, NCCL/RCCL builds, whose initialisers do not depend on the caller's state.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| {
-            let message = dl_error_text(&e);
-            if is_name && message.contains("No such file") {
-                LoadFailure::NotFound
-            } else {
-                LoadFailure::LoaderError { message }
-            }
-        })?;
+        let lib = crate::find::open_checked(path, &crate::find::CCL_EXPORTS)?;
         let table = resolve(&mut |name: &CStr| {
             // SAFETY: looking a symbol up by name only reads the library's dynamic symbol table; the pointer is
-            // cast to its nccl.h type in `resolve`.
+            // cast to its nccl.h type in `resolve`, and the file's checks found every such entry point a function.
             match unsafe { lib.get::<*const c_void>(name.to_bytes_with_nul()) } {
                 Ok(sym) => *sym,
                 Err(_) => std::ptr::null(),
             }
         })?;
-        let real_path = loaded_path(&lib, &table).unwrap_or_else(|| path.to_owned());
+        let real_path =
+            crate::find::file_of_address(table.required.get_version as usize).unwrap_or_else(|| path.to_owned());
         Self::finish(table, real_path, Some(std::mem::ManuallyDrop::new(lib)))
     }
 
@@ -515,48 +519,6 @@ impl CclLibrary {
     }
 }
 
-/// The file the dynamic loader actually mapped, found from the address of `ncclGetVersion` (`dladdr`).
-fn loaded_path(_lib: &libloading::Library, table: &CclTable) -> Option<PathBuf> {
-    #[cfg(unix)]
-    {
-        let addr = table.required.get_version as *const c_void;
-        let mut info = std::mem::MaybeUninit::<DlInfo>::uninit();
-        // SAFETY: dladdr only reads the loader's tables and fills `info`; `addr` points into a mapped library.
-        let ok = unsafe { dladdr(addr, info.as_mut_ptr()) };
-        if ok == 0 {
-            return None;
-        }
-        // SAFETY: dladdr returned non-zero, so it initialised `info`.
-        let info = unsafe { info.assume_init() };
-        if info.dli_fname.is_null() {
-            return None;
-        }
-        // SAFETY: `dli_fname` is a NUL-terminated path owned by the loader, valid while the library is loaded.
-        let name = unsafe { CStr::from_ptr(info.dli_fname) };
-        let p = PathBuf::from(name.to_string_lossy().into_owned());
-        p.is_absolute().then_some(p)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = table;
-        None
-    }
-}
-
-#[cfg(unix)]
-#[repr(C)]
-struct DlInfo {
-    dli_fname: *const std::ffi::c_char,
-    dli_fbase: *mut c_void,
-    dli_sname: *const std::ffi::c_char,
-    dli_saddr: *mut c_void,
-}
-
-#[cfg(unix)]
-extern "C" {
-    fn dladdr(addr: *const c_void, info: *mut DlInfo) -> c_int;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -571,24 +533,5 @@ mod tests {
         assert!(CclVersion::decode(-1).is_none());
         assert!(CclVersion::decode(0).is_none());
         assert!(CclVersion::decode(22707).is_some_and(|v| v.at_least(2, 27) && !v.at_least(2, 28)));
-    }
-
-    #[test]
-    fn elf_check_gives_reasons() {
-        let dir = std::env::temp_dir().join(format!("anyccl-elf-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("tmp");
-        let text = dir.join("libnccl.so.2");
-        std::fs::write(&text, b"this is not a library at all").expect("write");
-        assert!(matches!(check_elf(&text), Err(LoadFailure::NotALibrary { .. })));
-        assert_eq!(check_elf(&dir.join("absent.so")), Err(LoadFailure::NotFound));
-        let mut foreign = b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00".to_vec();
-        foreign.extend_from_slice(&3u16.to_le_bytes());
-        foreign.extend_from_slice(&40u16.to_le_bytes()); // ARM (32-bit)
-        foreign.extend_from_slice(&[0; 44]);
-        std::fs::write(&text, &foreign).expect("write");
-        if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) {
-            assert!(matches!(check_elf(&text), Err(LoadFailure::WrongArchitecture { .. })));
-        }
-        std::fs::remove_dir_all(&dir).ok();
     }
 }

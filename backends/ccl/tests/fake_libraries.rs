@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use anyccl_ccl::find::Place;
 use anyccl_ccl::loader::{OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
 use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclRank, CclVendor, LoadFailure, SearchPlan, UniqueId};
 use anyccl_core::{Capabilities, CapabilityState, DataType, Error, ReduceOp};
@@ -270,18 +271,16 @@ fn broken_libraries_fail_with_reasons() {
     // A search that meets all of them reports each one.
     let plan = SearchPlan {
         vendor: CclVendor::Nccl,
-        explicit: Some(text.clone()),
-        sonames: vec!["libnccl.so.2".into()],
-        dirs: vec![fake_dir().join("broken-missing"), fake_dir().join("broken-version")],
+        places: vec![
+            Place::Path(text.clone()),
+            Place::Path(fake_dir().join("broken-missing/libnccl.so.2")),
+            Place::Path(fake_dir().join("broken-version/libnccl.so.2")),
+        ],
     };
-    // The dynamic loader may find a real libnccl.so.2 by name on a machine that has one; only judge the
-    // explicit and directory attempts.
-    if let Err(e) = plan.load() {
-        let msg = e.to_string();
-        assert!(msg.contains("not a shared library"), "{msg}");
-        assert!(msg.contains("missing required symbol ncclAllGather"), "{msg}");
-        assert!(msg.contains("ncclGetVersion returned error 1"), "{msg}");
-    }
+    let msg = plan.load().expect_err("none of them loads").to_string();
+    assert!(msg.contains("not a shared library (no ELF header)"), "{msg}");
+    assert!(msg.contains("missing required symbol ncclAllGather"), "{msg}");
+    assert!(msg.contains("ncclGetVersion returned error 1"), "{msg}");
 }
 
 #[test]
@@ -358,9 +357,11 @@ fn loading_twice_from_two_threads_and_dropping_while_a_communicator_lives() {
 fn library_path_on_failure_names_every_place() {
     let plan = SearchPlan {
         vendor: CclVendor::Rccl,
-        explicit: Some(Path::new("/nonexistent/librccl.so.1").to_owned()),
-        sonames: vec!["librccl-anyccl-absent.so.1".into()],
-        dirs: vec![PathBuf::from("/nonexistent-rocm/lib")],
+        places: vec![
+            Place::Path(Path::new("/nonexistent/librccl.so.1").to_owned()),
+            Place::Soname("librccl-anyccl-absent.so.1".into()),
+            Place::Path(PathBuf::from("/nonexistent-rocm/lib/librccl.so.1")),
+        ],
     };
     let e = plan.load().expect_err("nothing there");
     let msg = e.to_string();

@@ -9,6 +9,8 @@ use std::ffi::{c_void, CStr};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use anyccl_ccl::find::{self, Attempt, Exports, Place, PlaceList, Tried};
+use anyccl_ccl::LoadFailure;
 use serde::Serialize;
 
 use crate::sys;
@@ -16,11 +18,11 @@ use crate::sys;
 /// Why the HIP runtime could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
 pub enum HipLoadError {
-    /// No candidate loaded; every place tried, with the loader's message.
-    #[error("HIP runtime (libamdhip64.so) not found; tried: {}", tried.iter().map(|(c, why)| format!("{c} ({why})")).collect::<Vec<_>>().join("; "))]
+    /// No candidate loaded; every place tried, with its reason.
+    #[error("HIP runtime (libamdhip64.so) not found; tried: {}", find::describe_attempts(tried))]
     NotFound {
-        /// (candidate, why it failed).
-        tried: Vec<(String, String)>,
+        /// Every attempt, in order.
+        tried: Vec<Attempt>,
     },
     /// A symbol anyccl needs is missing.
     #[error("{path} does not export {symbol}, which anyccl needs (HIP runtime too old or not a HIP runtime)")]
@@ -149,52 +151,73 @@ impl fmt::Debug for HipLibrary {
     }
 }
 
-/// The standard candidates: `ANYCCL_HIP_PATH`, the sonames of HIP 7, 6 and 5, then `$ROCM_PATH/lib` and
-/// `/opt/rocm/lib`.
-pub fn candidates(env: &dyn Fn(&str) -> Option<PathBuf>) -> Vec<PathBuf> {
-    let mut c = Vec::new();
-    if let Some(p) = env(ENV_HIP_PATH) {
-        c.push(p);
+/// The entry points anyccl resolves from the HIP runtime: the file is checked for them before anything in it runs.
+pub const HIP_EXPORTS: Exports<'static> = Exports { required: REQUIRED_SYMBOLS, optional: OPTIONAL_SYMBOLS };
+
+/// The HIP runtime's sonames, newest first (HIP 7, 6, 5).
+pub const HIP_SONAMES: &[&str] = &["libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"];
+
+/// The standard places, by the rules of [`anyccl_ccl::find`]: `ANYCCL_HIP_PATH` (absolute), the sonames for the
+/// dynamic loader (unless a relative `LD_LIBRARY_PATH` entry rules that out), then `libamdhip64.so` in
+/// `$ROCM_PATH/lib` (absolute) and `/opt/rocm/lib`. `env` returns `None` for unset or empty variables.
+pub fn places(env: &dyn Fn(&str) -> Option<PathBuf>) -> Vec<Place> {
+    let mut p = PlaceList::new(env, HIP_SONAMES).dir_names(&["libamdhip64.so"]);
+    p.explicit(ENV_HIP_PATH);
+    p.loader();
+    if let Some(r) = env("ROCM_PATH") {
+        p.dir("ROCM_PATH", r.join("lib"));
     }
-    for n in ["libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so"] {
-        c.push(PathBuf::from(n));
-    }
-    for dir in env("ROCM_PATH").into_iter().chain([PathBuf::from("/opt/rocm")]) {
-        c.push(dir.join("lib").join("libamdhip64.so"));
-    }
-    c
+    p.dir("the default", PathBuf::from("/opt/rocm/lib"));
+    p.finish()
 }
 
 impl HipLibrary {
-    /// Finds and loads the HIP runtime with the standard candidates from the process environment.
+    /// Finds and loads the HIP runtime from the standard [`places`] of the process environment.
     pub fn load() -> Result<Self, HipLoadError> {
-        let env = |k: &str| std::env::var_os(k).map(PathBuf::from).filter(|p| !p.as_os_str().is_empty());
-        let mut tried = Vec::new();
-        for c in candidates(&env) {
-            match Self::open(&c) {
-                Ok(l) => return Ok(l),
-                Err(HipLoadError::NotFound { tried: t }) => tried.extend(t),
-                Err(e) => tried.push((c.display().to_string(), e.to_string())),
-            }
-        }
-        Err(HipLoadError::NotFound { tried })
+        Self::load_from(&places(&find::process_env))
     }
 
-    /// Opens the library at `path` (or a bare soname) and resolves every symbol.
+    /// Tries `places` in order; the first runtime that passes the checks and resolves every symbol.
+    pub fn load_from(places: &[Place]) -> Result<Self, HipLoadError> {
+        let t = Self::try_load_from(places);
+        t.loaded.ok_or(HipLoadError::NotFound { tried: t.attempts })
+    }
+
+    /// Like [`HipLibrary::load_from`], and also says which places failed (or were skipped) before the one that
+    /// loaded.
+    pub fn try_load_from(places: &[Place]) -> Tried<Self> {
+        find::try_in_order(places, &mut |c| Self::open_checked(c))
+    }
+
+    /// Opens the runtime at `path` (an absolute path, or a bare soname for the dynamic loader) and resolves every
+    /// symbol. The file is checked before anything in it is called ([`anyccl_ccl::find::open_checked`]).
     pub fn open(path: &Path) -> Result<Self, HipLoadError> {
-        // SAFETY: loading a shared library runs its initialisers; anyccl opens only HIP runtimes, by name or by
-        // the user's explicit choice.
-        let lib = unsafe { libloading::Library::new(path) }.map_err(|e| HipLoadError::NotFound {
-            tried: vec![(path.display().to_string(), anyccl_ccl::loader::dl_error_text(&e))],
-        })?;
+        Self::open_checked(path).map_err(|failure| match failure {
+            LoadFailure::MissingRequired { symbol } => {
+                HipLoadError::MissingRequired { symbol, path: path.display().to_string() }
+            }
+            failure => {
+                HipLoadError::NotFound { tried: vec![Attempt { candidate: path.display().to_string(), failure }] }
+            }
+        })
+    }
+
+    fn open_checked(path: &Path) -> Result<Self, LoadFailure> {
+        let lib = find::open_checked(path, &HIP_EXPORTS)?;
         let table = HipTable::resolve(path, &mut |name: &CStr| {
-            // SAFETY: looking a symbol up only reads the library's dynamic symbol table.
+            // SAFETY: looking a symbol up only reads the library's dynamic symbol table; the file's checks found
+            // every entry point anyccl resolves a function.
             match unsafe { lib.get::<*const c_void>(name.to_bytes_with_nul()) } {
                 Ok(sym) => *sym,
                 Err(_) => std::ptr::null(),
             }
+        })
+        .map_err(|e| match e {
+            HipLoadError::MissingRequired { symbol, .. } => LoadFailure::MissingRequired { symbol },
+            other => LoadFailure::LoaderError { message: other.to_string() },
         })?;
-        Ok(Self::finish(table, path.to_owned(), Some(std::mem::ManuallyDrop::new(lib))))
+        let real_path = find::file_of_address(table.runtime_get_version as usize).unwrap_or_else(|| path.to_owned());
+        Ok(Self::finish(table, real_path, Some(std::mem::ManuallyDrop::new(lib))))
     }
 
     /// Builds a library from symbols supplied by `lookup` (no dlopen): the seam tests use to count lookups.
