@@ -28,6 +28,7 @@ static void count_call(const char* name) {
         if (strcmp(calls[i].name, name) == 0) break;
     if (i == n_call_names && n_call_names < MAX_RECORDS) {
         snprintf(calls[i].name, sizeof calls[i].name, "%s", name);
+        calls[i].n = 0; /* the slot may hold a count from before the last reset */
         n_call_names++;
     }
     if (i < MAX_RECORDS) calls[i].n++;
