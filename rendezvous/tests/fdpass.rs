@@ -108,14 +108,19 @@ fn default_location_is_runtime_dir_or_temp() {
 }
 
 #[test]
-fn a_peer_of_another_uid_is_refused() {
-    let server = FdServer::bind_in(&base()).expect("bind");
-    let client = FdChannel::connect(server.path()).expect("connect");
+fn a_peer_of_another_uid_is_dropped_and_the_wait_goes_on() {
     let other_uid = nix::unistd::getuid().as_raw().wrapping_add(1);
-    let e = server.accept_with_uid(other_uid).expect_err("uid mismatch");
-    assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
-    assert!(e.to_string().contains(&format!("is not the allowed uid {other_uid}")), "{e}");
-    // the refused connection is closed
+    let server = FdServer::bind_in(&base())
+        .expect("bind")
+        .with_timeout(Duration::from_millis(300))
+        .expect("timeout")
+        .with_allowed_uid(other_uid);
+    let client = FdChannel::connect(server.path()).expect("connect");
+    let e = server.accept().expect_err("nobody of the allowed uid comes");
+    assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+    assert!(e.to_string().contains(&format!("a process of uid {other_uid}")), "{e}");
+    assert!(e.to_string().contains("1 connection(s) of another user"), "{e}");
+    // the refused connection was closed, and nothing was sent to it
     let e = client.recv(1).expect_err("closed by the server");
     assert!(e.to_string().contains("closed the connection"), "{e}");
 }
