@@ -23,7 +23,9 @@
 //!
 //! Receiving uses `rustix`'s `recvmsg`, which hands over the descriptors of a truncated control message
 //! (`MSG_CTRUNC`, when this process is at its descriptor limit) as [`OwnedFd`]s; `nix`'s refuses to parse those,
-//! which leaked them.
+//! which leaked them. The rest stays on `nix`: in particular the peer credentials, which `rustix` keeps in a
+//! non-zero pid type that the kernel's pid 0 (a peer in a pid namespace this process cannot see) would break;
+//! for the same reason no socket here asks for `SCM_CREDENTIALS` messages.
 //!
 //! [`FdServer::gather`] is the exchange: it waits for the messages of a number of peers, each connection with its
 //! own deadline, and drops (and logs) every connection that is foreign, malformed, silent or refused by the caller's
@@ -570,7 +572,7 @@ impl FdServer {
                             Err(why) => dropped.refuse(format!("pid {pid}'s message was refused: {why}")),
                         }
                     }
-                    Err(e) => dropped.refuse(format!("pid {pid}: {e}")),
+                    Err(e) => dropped.refuse(e.to_string()),
                     Ok(None) => {}
                 }
             }
