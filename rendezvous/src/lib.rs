@@ -38,9 +38,8 @@
 //! assert_eq!(all[1], b"from rank 1");
 //! ```
 //!
-//! The crate has exactly one `unsafe` block: taking ownership of a file descriptor the kernel just installed for a
-//! received `SCM_RIGHTS` message (the `nix` crate hands those over as raw integers).
-#![deny(unsafe_code)]
+//! The crate has no `unsafe` code: received descriptors arrive as `OwnedFd`s from `rustix`.
+#![forbid(unsafe_code)]
 
 pub mod auth;
 pub mod config;

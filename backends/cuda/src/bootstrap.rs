@@ -106,26 +106,40 @@ pub fn exchange_vmm(rdv: &mut Rendezvous, ctx: &Arc<DeviceContext>, buf: &VmmBuf
         ch.send(&[fd.as_fd()], &payload)?;
         sent.push(ch);
     }
+    // Every peer's message arrives on its own connection; a connection that is foreign, malformed or claims a rank
+    // that is not a new peer's is dropped (and logged) while the exchange goes on, until the server's timeout.
+    let mut seen = vec![false; world];
+    let arrivals = server.gather(world.saturating_sub(1), 1, |a| {
+        let (q, qlen) = vmm_message(&a.payload, a.fds.len())?;
+        if q >= world || q == rank || seen[q] || qlen != len {
+            return Err(format!("rank {q}, {qlen} bytes (expected a new peer rank and {len} bytes)"));
+        }
+        seen[q] = true;
+        Ok(())
+    })?;
     let mut out: Vec<Option<VmmBuffer>> = (0..world).map(|_| None).collect();
-    for _ in 1..world {
-        let ch = server.accept()?;
-        let (mut fds, payload) = ch.recv(1)?;
+    for mut a in arrivals {
         let bad = |m: String| Error::PeerFailure(format!("malformed IPC message: {m}"));
-        if payload.len() != 16 || fds.len() != 1 {
-            return Err(bad(format!("{} payload bytes and {} descriptors", payload.len(), fds.len())));
-        }
-        let mut r = [0u8; 8];
-        r.copy_from_slice(&payload[..8]);
-        let mut l = [0u8; 8];
-        l.copy_from_slice(&payload[8..]);
-        let (q, qlen) = (u64::from_le_bytes(r) as usize, u64::from_le_bytes(l) as usize);
-        if q >= world || q == rank || out[q].is_some() || qlen != len {
-            return Err(bad(format!("rank {q}, {qlen} bytes (expected a new peer rank and {len} bytes)")));
-        }
-        let fd = fds.pop().ok_or_else(|| bad("no descriptor".into()))?;
-        out[q] = Some(VmmBuffer::import(ctx, fd, qlen)?);
+        let (q, qlen) = vmm_message(&a.payload, a.fds.len()).map_err(bad)?;
+        let fd = a.fds.pop().ok_or_else(|| bad("no descriptor".into()))?;
+        let slot = out.get_mut(q).ok_or_else(|| bad(format!("rank {q}")))?;
+        *slot = Some(VmmBuffer::import(ctx, fd, qlen)?);
     }
     rdv.barrier()?;
     drop(sent);
     Ok(out)
+}
+
+/// The sender's rank and buffer length from a VMM handle message (16 payload bytes and one descriptor).
+fn vmm_message(payload: &[u8], fds: usize) -> std::result::Result<(usize, usize), String> {
+    if payload.len() != 16 || fds != 1 {
+        return Err(format!("{} payload bytes and {fds} descriptors", payload.len()));
+    }
+    let mut r = [0u8; 8];
+    r.copy_from_slice(&payload[..8]);
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&payload[8..]);
+    let q = usize::try_from(u64::from_le_bytes(r)).map_err(|_| "a rank beyond usize".to_string())?;
+    let len = usize::try_from(u64::from_le_bytes(l)).map_err(|_| "a length beyond usize".to_string())?;
+    Ok((q, len))
 }
