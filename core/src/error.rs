@@ -78,6 +78,15 @@ pub enum Error {
         expected: String,
     },
 
+    /// Memory for a buffer whose size came from the caller could not be reserved; nothing was changed.
+    #[error("out of memory: cannot allocate {} for {what}", crate::units::format_bytes(*bytes))]
+    OutOfMemory {
+        /// What the memory was for (`"the host backend's staging buffer"`).
+        what: String,
+        /// How many bytes were asked for.
+        bytes: u64,
+    },
+
     /// Another rank of the communicator failed or left; this rank cannot complete the collective.
     #[error("peer failure: {0}")]
     PeerFailure(String),

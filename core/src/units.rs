@@ -33,8 +33,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, Error> {
         } else {
             s.to_owned()
         },
-        expected: format!("{why}; a number with an optional unit: B, KiB, MiB, GiB (or K, M, G), KB, MB, GB"),
+        expected: why.to_owned(),
     };
+    const FORM: &str = "a number with an optional unit: B, KiB, MiB, GiB (or K, M, G), KB, MB, GB";
     if s.len() > MAX_SIZE_TEXT {
         return Err(bad("at most 64 characters"));
     }
@@ -42,24 +43,23 @@ pub fn parse_bytes(s: &str) -> Result<u64, Error> {
     let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim().to_ascii_lowercase();
-    let mult =
-        if unit.is_empty() { 1 } else { UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(|| bad("unknown unit"))?.1 };
+    let mult = if unit.is_empty() { 1 } else { UNITS.iter().find(|(u, _)| *u == unit).ok_or_else(|| bad(FORM))?.1 };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
     if (int.is_empty() && frac.is_empty()) || frac.contains('.') {
-        return Err(bad("not a number"));
+        return Err(bad(FORM));
     }
     // Exact arithmetic in u128: bytes = int·mult + frac·mult/10^k, and the second term must be whole. Trailing
     // zeros of the fraction change nothing, so they are dropped first (`1.50MiB` is `1.5MiB`). The fraction is
     // reduced by gcd(mult, 10^k) before multiplying, so that term stays below `mult` and cannot overflow.
     let frac = frac.trim_end_matches('0');
-    let too_big = || bad("less than 2^64 bytes");
+    let too_big = || bad("a size below 2^64 bytes");
     let digits = |d: &str| -> Option<u128> {
         d.bytes().try_fold(0u128, |acc, b| acc.checked_mul(10)?.checked_add(u128::from(b - b'0')))
     };
     let whole = digits(int).and_then(|n| n.checked_mul(u128::from(mult))).ok_or_else(too_big)?;
     let scale =
-        u32::try_from(frac.len()).ok().and_then(|k| 10u128.checked_pow(k)).ok_or_else(|| bad("fewer decimals"))?;
-    let f = digits(frac).ok_or_else(|| bad("fewer decimals"))?;
+        u32::try_from(frac.len()).ok().and_then(|k| 10u128.checked_pow(k)).ok_or_else(|| bad("at most 38 decimals"))?;
+    let f = digits(frac).ok_or_else(|| bad("at most 38 decimals"))?;
     let g = gcd(u128::from(mult), scale);
     let (m, p) = (u128::from(mult) / g, scale / g);
     if f % p != 0 {
