@@ -292,10 +292,23 @@ pub(crate) fn on_ranks<C: Send, T: Send>(
             .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
             .collect()
     });
+    // The root cause wins: a rank that failed on its own (out of memory, a bad argument) rather than a peer that
+    // only saw it leave.
     let mut first = None;
+    let mut peer_failure = None;
     for r in results {
-        let r = r?;
-        first.get_or_insert(r);
+        match r {
+            Ok(v) => {
+                first.get_or_insert(v);
+            }
+            Err(e @ Error::PeerFailure(_)) => {
+                peer_failure.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if let Some(e) = peer_failure {
+        return Err(e);
     }
     first.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))
 }
@@ -573,7 +586,8 @@ mod tests {
             Err(e) => panic!("{e:?}"),
         };
         assert_eq!(flag_of(&base, Limits::HOST), None);
-        let cases: Vec<(Box<dyn Fn(&mut BenchConfig)>, &str, &str)> = vec![
+        type Change = Box<dyn Fn(&mut BenchConfig)>;
+        let cases: Vec<(Change, &str, &str)> = vec![
             (Box::new(|c| c.sizes = vec![u64::MAX - 3]), "--sizes", "largest message"),
             (Box::new(|c| c.sizes = vec![100 << 30]), "--sizes", "1 GiB"),
             (Box::new(|c| c.sizes = vec![0]), "--sizes", "positive multiple"),

@@ -141,11 +141,35 @@ impl CliError {
     }
 }
 
-/// `s` on one line, with control characters escaped: messages quote paths and values from the user (a file name
-/// may hold a newline), and an error must stay one line.
+/// `s` on one short line: control characters escaped (messages quote paths and values from the user, and a file
+/// name may hold a newline) and any word longer than [`MAX_WORD`] characters cut in the middle (a 10 000-digit
+/// `--sizes` value is not repeated in full).
 fn one_line(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+    let escaped: String =
+        s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect();
+    escaped
+        .split(' ')
+        .map(|w| {
+            let n = w.chars().count();
+            if n <= MAX_WORD {
+                w.to_owned()
+            } else {
+                let head: String = w.chars().take(MAX_WORD / 2).collect();
+                let tail: String = w.chars().skip(n - MAX_WORD / 2).collect();
+                format!("{head}…{tail}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+        .chars()
+        .take(MAX_LINE)
+        .collect()
 }
+
+/// The longest word [`one_line`] prints whole.
+const MAX_WORD: usize = 200;
+/// The longest line [`one_line`] prints (in characters).
+const MAX_LINE: usize = 2000;
 
 /// The selector from the environment (`ANYCCL_ALLREDUCE_ALGO`, `ANYCCL_TUNE_FILE`) and `--table`; a table file's
 /// error gets the hint for how that file was named.
@@ -571,9 +595,35 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use proptest::strategy::Strategy;
 
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn messages_stay_on_one_short_line() {
+        assert_eq!(one_line("a\nb\tc\u{1b}[31m"), "a\\nb\\tc\\u{1b}[31m");
+        let long = format!("'{}' for --sizes", "9".repeat(10_000));
+        let shown = one_line(&long);
+        assert!(shown.len() < 300 && shown.ends_with("for --sizes") && shown.contains('…'), "{shown}");
+        assert_eq!(one_line("error: plain words stay"), "error: plain words stay");
+        assert!(one_line(&"ab ".repeat(10_000)).chars().count() <= MAX_LINE);
+    }
+
+    proptest::proptest! {
+        /// The whole command line parser: arbitrary arguments never panic it (clap reports, never aborts).
+        #[test]
+        fn argument_parser_never_panics(args in proptest::collection::vec(proptest::prop_oneof![
+            proptest::strategy::Just("bench".to_owned()),
+            proptest::strategy::Just("tune".to_owned()),
+            proptest::strategy::Just("probe".to_owned()),
+            "--(sizes|world|iters|warmup|dtype|op|algos|table|plot|out|backend|json|csv|graph|eager)".prop_map(String::from),
+            "\\PC{0,12}",
+            "-?[0-9]{1,25}(KiB|GiB|B)?",
+        ], 0..8)) {
+            let _ = Cli::try_parse_from(std::iter::once("anyccl".to_owned()).chain(args));
+        }
     }
 }
