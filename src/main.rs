@@ -540,7 +540,7 @@ fn init_logging() {
         },
         Ok(_) | Err(std::env::VarError::NotPresent) => EnvFilter::new(DEFAULT),
         Err(std::env::VarError::NotUnicode(_)) => {
-            eprintln!("warning: {VAR} is not valid UTF-8; logging at the default level, {DEFAULT}");
+            eprintln!("warning: {VAR} is not a valid log filter (not UTF-8); logging at the default level, {DEFAULT}");
             EnvFilter::new(DEFAULT)
         }
     };
