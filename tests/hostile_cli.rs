@@ -119,6 +119,8 @@ struct Case {
     env: Vec<(&'static str, OsString)>,
     memory: u64,
     expect: Expect,
+    /// A file that must be unchanged after the run (an existing `--out` or `--plot` target).
+    keeps: Option<PathBuf>,
 }
 
 fn os(s: impl AsRef<OsStr>) -> OsString {
@@ -133,6 +135,7 @@ fn fail(class: &'static str, args: &[&str], needle: &str) -> Case {
         env: Vec::new(),
         memory: MEMORY,
         expect: Expect::Error { needle: needle.to_owned(), hint_has: None, hint_lacks: None },
+        keeps: None,
     }
 }
 
@@ -159,6 +162,11 @@ impl Case {
 
     fn memory(mut self, bytes: u64) -> Self {
         self.memory = bytes;
+        self
+    }
+
+    fn keeps(mut self, file: PathBuf) -> Self {
+        self.keeps = Some(file);
         self
     }
 
@@ -417,6 +425,25 @@ fn cases(f: &Fixtures) -> Vec<Case> {
         )
         .memory(1_000_000_000),
     );
+    // Data: an existing output file survives a run that fails, before or during the sweep.
+    let keep = f.s("existing.toml");
+    let keep_svg = f.s("existing.svg");
+    let sweep_oom = ["--world", "2", "--sizes", "512MiB", "--iters", "1", "--warmup", "0"];
+    v.extend([
+        fail("data", &["tune", "--sizes", "2GiB", "--out", &keep], "--sizes").keeps(f.path("existing.toml")),
+        fail("data", &["tune", "--algos", "nvls-zero-copy", "--out", &keep], "nvls-zero-copy")
+            .keeps(f.path("existing.toml")),
+        fail("data", &[&["tune", "--out", &keep][..], &sweep_oom[..]].concat(), "out of memory")
+            .memory(1_000_000_000)
+            .keeps(f.path("existing.toml")),
+        fail("data", &[&["bench", "--plot", &keep_svg][..], &sweep_oom[..]].concat(), "out of memory")
+            .memory(1_000_000_000)
+            .keeps(f.path("existing.svg")),
+        fail("data", &["tune", "--sizes", "4KiB", "--out", &keep], "existing.toml")
+            .env("ANYCCL_TUNE_FILE", f.path("existing.toml"))
+            .keeps(f.path("existing.toml")),
+        fail("data", &["tune", "--sizes", "4KiB", "--out", ""], "--out"),
+    ]);
     // Accepted: an invalid ANYCCL_LOG warns once and runs; an empty table variable is ignored; a large valid
     // table is read quickly.
     let mut accept =
@@ -428,6 +455,7 @@ fn cases(f: &Fixtures) -> Vec<Case> {
                 env: vec![env],
                 memory: MEMORY,
                 expect: Expect::Accept(check),
+                keeps: None,
             })
         };
     // Other warnings may come from probing this machine's libraries; exactly one line may be about ANYCCL_LOG.
@@ -464,19 +492,29 @@ fn cases(f: &Fixtures) -> Vec<Case> {
 fn hostile_input_gets_one_clean_line() {
     let f = Fixtures::new();
     let cases = cases(&f);
-    // Per class: attempts, clean, panic, hang, crash, unclean.
-    let mut table: Vec<(&str, [usize; 6])> = Vec::new();
+    // Per class: attempts, clean, panic, hang, crash, unclean, data lost.
+    let mut table: Vec<(&str, [usize; 7])> = Vec::new();
     let mut broken = Vec::new();
     for case in &cases {
+        let sentinel = format!("not a table: {}\n", case.name);
+        if let Some(k) = &case.keeps {
+            std::fs::write(k, &sentinel).expect("sentinel");
+        }
         let o = run(&case.args, &case.env, case.memory);
         let row = match table.iter_mut().find(|(c, _)| *c == case.class) {
             Some(r) => r,
             None => {
-                table.push((case.class, [0; 6]));
+                table.push((case.class, [0; 7]));
                 table.last_mut().expect("just pushed")
             }
         };
         row.1[0] += 1;
+        if let Some(k) = &case.keeps {
+            if std::fs::read_to_string(k).ok().as_deref() != Some(sentinel.as_str()) {
+                row.1[6] += 1;
+                broken.push(format!("[data lost] {}: {} was changed", case.name, k.display()));
+            }
+        }
         match case.judge(&o) {
             Ok(()) => row.1[1] += 1,
             Err((kind, why)) => {
@@ -493,11 +531,15 @@ fn hostile_input_gets_one_clean_line() {
         }
     }
     let mut report = format!(
-        "{:<14} {:>8} {:>6} {:>6} {:>5} {:>6} {:>8}\n",
-        "class", "attempts", "clean", "panic", "hang", "crash", "unclean"
+        "{:<14} {:>8} {:>6} {:>6} {:>5} {:>6} {:>8} {:>5}\n",
+        "class", "attempts", "clean", "panic", "hang", "crash", "unclean", "lost"
     );
     for (class, r) in &table {
-        let _ = writeln!(report, "{class:<14} {:>8} {:>6} {:>6} {:>5} {:>6} {:>8}", r[0], r[1], r[2], r[3], r[4], r[5]);
+        let _ = writeln!(
+            report,
+            "{class:<14} {:>8} {:>6} {:>6} {:>5} {:>6} {:>8} {:>5}",
+            r[0], r[1], r[2], r[3], r[4], r[5], r[6]
+        );
     }
     eprintln!("{report}");
     assert!(broken.is_empty(), "{} of {} cases broken:\n{}\n{report}", broken.len(), cases.len(), broken.join("\n"));
