@@ -250,6 +250,22 @@ impl Fixtures {
             );
         }
         std::fs::write(f.path("30k-rules.toml"), many).expect("write");
+        // Just under the 4 MiB cap: deep nesting (the TOML parser has a recursion limit), one huge string, and
+        // 100 000 small rules apart by world.
+        let deep = format!("x = {}{}\n", "[".repeat(1_000_000), "]".repeat(1_000_000));
+        std::fs::write(f.path("deep-arrays.toml"), deep).expect("write");
+        let deep = format!("x = {}1{}\n", "{a=".repeat(300_000), "}".repeat(300_000));
+        std::fs::write(f.path("deep-tables.toml"), deep).expect("write");
+        std::fs::write(f.path("open-array.toml"), format!("[[rule]]\nalgorithms = {}\n", "[".repeat(100_000)))
+            .expect("write");
+        let huge = format!("[[rule]]\nvendor = \"{}\"\nalgorithms = [\"ring\"]\n", "a".repeat(4_000_000));
+        std::fs::write(f.path("huge-string.toml"), huge).expect("write");
+        let mut small = String::new();
+        for i in 1..=100_000u64 {
+            let _ = writeln!(small, "[[rule]]\nworld={i}\nalgorithms=[\"ring\"]");
+        }
+        assert!(small.len() < 4 << 20, "{} bytes", small.len());
+        std::fs::write(f.path("100k-rules.toml"), small).expect("write");
         f
     }
 
@@ -363,6 +379,10 @@ fn cases(f: &Fixtures) -> Vec<Case> {
         (&*f.s("binary.toml"), "binary.toml"),
         (&*f.s("overlap.toml"), "overlap.toml:6"),
         (&*f.s("missing.toml"), "missing.toml"),
+        (&*f.s("deep-arrays.toml"), "deep-arrays.toml:1"),
+        (&*f.s("deep-tables.toml"), "deep-tables.toml:1"),
+        (&*f.s("open-array.toml"), "open-array.toml:2"),
+        (&*f.s("huge-string.toml"), "huge-string.toml:2"),
     ] {
         v.push(
             fail("table files", &["probe"], needle).env("ANYCCL_TUNE_FILE", name).hint("ANYCCL_TUNE_FILE", "--table"),
@@ -485,6 +505,18 @@ fn cases(f: &Fixtures) -> Vec<Case> {
             Err("the last of 30 000 rules is not listed".into())
         }
     });
+    accept(
+        "table files",
+        &["bench", "--world", "1", "--sizes", "4KiB", "--iters", "1", "--warmup", "0", "--json"],
+        ("ANYCCL_TUNE_FILE", os(f.path("100k-rules.toml"))),
+        |o| {
+            if o.stdout.contains("100k-rules.toml:3") {
+                Ok(())
+            } else {
+                Err(format!("the first of 100 000 rules should choose: {}", o.stdout))
+            }
+        },
+    );
     v
 }
 
