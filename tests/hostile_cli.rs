@@ -175,14 +175,15 @@ impl Case {
         if o.timed_out || o.took >= LIMIT {
             return Err(("hang", format!("still running after {:?}", o.took)));
         }
-        if o.stderr.contains("panicked") || o.stderr.contains("RUST_BACKTRACE") {
-            return Err(("panic", o.stderr.clone()));
-        }
+        // An abort (SIGABRT after "memory allocation of … failed") is a crash even though it prints a backtrace.
         if let Some(sig) = o.signal {
             return Err(("crash", format!("killed by signal {sig}: {}", o.stderr)));
         }
         if o.stderr.contains("memory allocation of") {
             return Err(("crash", o.stderr.clone()));
+        }
+        if o.stderr.contains("panicked") || o.stderr.contains("RUST_BACKTRACE") {
+            return Err(("panic", o.stderr.clone()));
         }
         match &self.expect {
             Expect::Accept(check) => match o.code {
