@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::core::units::format_bytes;
-use crate::core::{Algorithm, DataType, ReduceOp, Selector};
+use crate::core::{Algorithm, DataType, Error, ReduceOp, Result, Selector};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -31,6 +31,107 @@ pub struct BenchConfig {
     pub warmup: usize,
     /// The selector `auto` uses.
     pub selector: Arc<Selector>,
+}
+
+/// The most message sizes one sweep takes (`--sizes`).
+pub const MAX_SIZES: usize = 64;
+/// The most timed calls per cell (`--iters`).
+pub const MAX_ITERS: u32 = 10_000;
+/// The most untimed warm-up calls per cell (`--warmup`).
+pub const MAX_WARMUP: u32 = 10_000;
+/// The host backend's largest message (`--sizes`): 1 GiB.
+pub const HOST_MAX_MESSAGE_BYTES: u64 = 1 << 30;
+/// The host backend's largest world × message: 2 GiB. Each rank thread holds about four copies of its message
+/// (input, buffer, two staging halves), so this bounds a host sweep to about 8 GiB of memory.
+pub const HOST_MAX_WORLD_BYTES: u64 = 2 << 30;
+/// A GPU backend's largest message: 64 GiB (each rank also keeps a host copy of its input).
+pub const GPU_MAX_MESSAGE_BYTES: u64 = 64 << 30;
+
+/// The limits a backend puts on a sweep (see [`BenchConfig::check`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest message in bytes.
+    pub max_message: u64,
+    /// Largest world × message in bytes, where memory grows with both.
+    pub max_world_bytes: Option<u64>,
+}
+
+impl Limits {
+    /// The host backend's: [`HOST_MAX_MESSAGE_BYTES`], [`HOST_MAX_WORLD_BYTES`].
+    pub const HOST: Limits =
+        Limits { max_message: HOST_MAX_MESSAGE_BYTES, max_world_bytes: Some(HOST_MAX_WORLD_BYTES) };
+    /// A GPU backend's: [`GPU_MAX_MESSAGE_BYTES`] (device memory is checked by the allocator).
+    pub const GPU: Limits = Limits { max_message: GPU_MAX_MESSAGE_BYTES, max_world_bytes: None };
+}
+
+/// An error about one flag's value (the flag is the error's source).
+fn flag_error(flag: &str, message: String) -> Error {
+    Error::Config { source_name: flag.to_owned(), line: None, message }
+}
+
+impl BenchConfig {
+    /// Checks every number a user gave against `limits`, before anything is allocated: the number of sizes, each
+    /// size (positive, a multiple of the element size, at most `max_message`, and world × size at most
+    /// `max_world_bytes`), the world size and the call counts. Errors name the flag (`--sizes`, `--iters`, …).
+    pub fn check(&self, limits: Limits) -> Result<()> {
+        if self.world == 0 {
+            return Err(flag_error("--world", "a communicator needs at least one rank".into()));
+        }
+        if self.sizes.is_empty() || self.sizes.len() > MAX_SIZES {
+            return Err(flag_error(
+                "--sizes",
+                format!("{} sizes given; a sweep takes 1 to {MAX_SIZES}", self.sizes.len()),
+            ));
+        }
+        let esz = self.dtype.size_bytes() as u64;
+        for &b in &self.sizes {
+            if b == 0 || b % esz != 0 {
+                return Err(flag_error(
+                    "--sizes",
+                    format!(
+                        "{} is not a positive multiple of the {} element size ({esz} B)",
+                        format_bytes(b),
+                        self.dtype
+                    ),
+                ));
+            }
+            if b > limits.max_message {
+                return Err(flag_error(
+                    "--sizes",
+                    format!(
+                        "{} is above this backend's largest message, {}",
+                        format_bytes(b),
+                        format_bytes(limits.max_message)
+                    ),
+                ));
+            }
+            if let Some(cap) = limits.max_world_bytes {
+                let total = (self.world as u64).checked_mul(b);
+                if total.is_none_or(|t| t > cap) {
+                    return Err(flag_error(
+                        "--sizes",
+                        format!(
+                            "{} on each of {} ranks is above this backend's limit of {} for world × message \
+                             (about four copies per rank live in host memory)",
+                            format_bytes(b),
+                            self.world,
+                            format_bytes(cap)
+                        ),
+                    ));
+                }
+            }
+        }
+        if self.iters == 0 || self.iters > MAX_ITERS as usize {
+            return Err(flag_error("--iters", format!("{} timed calls; 1 to {MAX_ITERS} are allowed", self.iters)));
+        }
+        if self.warmup > MAX_WARMUP as usize {
+            return Err(flag_error(
+                "--warmup",
+                format!("{} warm-up calls; 0 to {MAX_WARMUP} are allowed", self.warmup),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The default host sweep: 4 KiB to 16 MiB in steps of 4×.
@@ -188,18 +289,28 @@ pub(crate) fn on_ranks<C: Send, T: Send>(
     let results: Vec<crate::core::Result<T>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| rank(c))).collect();
         hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(crate::core::Error::PeerFailure("a benchmark rank thread panicked".into())))
-            })
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
             .collect()
     });
+    // The root cause wins: a rank that failed on its own (out of memory, a bad argument) rather than a peer that
+    // only saw it leave.
     let mut first = None;
+    let mut peer_failure = None;
     for r in results {
-        let r = r?;
-        first.get_or_insert(r);
+        match r {
+            Ok(v) => {
+                first.get_or_insert(v);
+            }
+            Err(e @ Error::PeerFailure(_)) => {
+                peer_failure.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
     }
-    first.ok_or_else(|| crate::core::Error::PeerFailure("no rank 0 results".into()))
+    if let Some(e) = peer_failure {
+        return Err(e);
+    }
+    first.ok_or_else(|| Error::PeerFailure("no rank 0 results".into()))
 }
 
 /// Progress reporting hook: called with (cells done, cells total).
@@ -207,25 +318,14 @@ pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 
 /// Runs the sweep on the host backend.
 #[cfg(feature = "host")]
-pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Result<BenchReport> {
+pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> Result<BenchReport> {
     use std::time::Instant;
 
-    use crate::core::{Communicator, Error, InOut, Result};
+    use crate::core::{Communicator, InOut};
     use crate::host::{communicators, HostBuffer, HostComm, HostOptions, ALGORITHMS};
 
-    if cfg.iters == 0 {
-        return Err(Error::Parse { what: "iteration count", input: "0".into(), expected: "at least 1".into() });
-    }
+    cfg.check(Limits::HOST)?;
     let esz = cfg.dtype.size_bytes() as u64;
-    for &b in &cfg.sizes {
-        if b == 0 || b % esz != 0 {
-            return Err(Error::Parse {
-                what: "message size",
-                input: format_bytes(b),
-                expected: format!("a positive multiple of the {} element size ({esz} B)", cfg.dtype),
-            });
-        }
-    }
     let requested = cfg.algorithms.clone().unwrap_or_else(|| ALGORITHMS.to_vec());
     let (algorithms, ineligible): (Vec<_>, Vec<_>) = requested.into_iter().partition(|a| ALGORITHMS.contains(a));
     let ineligible: Vec<Ineligible> = ineligible
@@ -242,14 +342,24 @@ pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> crate::core::Resul
         let mut out = Vec::new();
         let mut done = 0u64;
         for &bytes in &cfg.sizes {
-            let count = (bytes / esz) as usize;
+            // Checked against HOST_MAX_MESSAGE_BYTES above, so it fits a usize; the buffers are reserved fallibly.
+            let len = usize::try_from(bytes)
+                .map_err(|_| flag_error("--sizes", format!("{} does not fit this machine", format_bytes(bytes))))?;
+            let count = len / esz as usize;
             // Non-trivial inputs (zeros can hide wrong indexing and run faster than real data).
-            let seed: Vec<u8> = (0..bytes as usize).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f).collect();
-            let mut buf = HostBuffer::zeroed(bytes as usize);
+            let mut seed: Vec<u8> = Vec::new();
+            seed.try_reserve_exact(len)
+                .map_err(|_| Error::OutOfMemory { what: "the bench's input copy".into(), bytes })?;
+            seed.extend((0..len).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f));
+            let mut buf = HostBuffer::try_zeroed(len)?;
             let mut per_algo = Vec::new();
             let mut time =
                 |c: &mut Communicator<HostComm>, algo: Option<Algorithm>| -> Result<(Vec<f64>, (Algorithm, String))> {
-                    let mut samples = Vec::with_capacity(cfg.iters);
+                    let mut samples = Vec::new();
+                    samples.try_reserve_exact(cfg.iters).map_err(|_| Error::OutOfMemory {
+                        what: "the timing samples".into(),
+                        bytes: (cfg.iters as u64).saturating_mul(8),
+                    })?;
                     let mut why = (Algorithm::Ring, String::new());
                     for i in 0..cfg.warmup + cfg.iters {
                         buf.as_bytes_mut().copy_from_slice(&seed);
@@ -457,12 +567,51 @@ mod tests {
     fn bad_sizes_and_unknown_algorithms_are_reported() {
         let mut cfg = smoke_config(Arc::new(Selector::defaults()));
         cfg.sizes = vec![6];
-        assert!(matches!(run_host(&cfg, &|_, _| {}), Err(Error::Parse { .. })));
+        assert!(matches!(run_host(&cfg, &|_, _| {}), Err(Error::Config { .. })));
         cfg.sizes = vec![4096];
         cfg.algorithms = Some(vec![Algorithm::OneShot, Algorithm::NvlsZeroCopy]);
         let r = run_host(&cfg, &|_, _| {}).expect("runs what it can");
         assert_eq!(r.algorithms, vec![Algorithm::OneShot]);
         assert_eq!(r.ineligible.len(), 1);
         assert!(render_table(&r).contains("nvls-zero-copy not measured"));
+    }
+
+    /// Every number a user gives is bounded before anything is allocated, and the error names the flag.
+    #[test]
+    fn limits_name_the_flag() {
+        let base = smoke_config(Arc::new(Selector::defaults()));
+        let flag_of = |cfg: &BenchConfig, limits: Limits| match cfg.check(limits) {
+            Err(Error::Config { source_name, message, .. }) => Some((source_name, message)),
+            Ok(()) => None,
+            Err(e) => panic!("{e:?}"),
+        };
+        assert_eq!(flag_of(&base, Limits::HOST), None);
+        type Change = Box<dyn Fn(&mut BenchConfig)>;
+        let cases: Vec<(Change, &str, &str)> = vec![
+            (Box::new(|c| c.sizes = vec![u64::MAX - 3]), "--sizes", "largest message"),
+            (Box::new(|c| c.sizes = vec![100 << 30]), "--sizes", "1 GiB"),
+            (Box::new(|c| c.sizes = vec![0]), "--sizes", "positive multiple"),
+            (Box::new(|c| c.sizes = vec![]), "--sizes", "1 to 64"),
+            (Box::new(|c| c.sizes = vec![4096; MAX_SIZES + 1]), "--sizes", "65 sizes"),
+            (Box::new(|c| (c.world, c.sizes) = (8, vec![1 << 30])), "--sizes", "world × message"),
+            (Box::new(|c| (c.world, c.sizes) = (usize::MAX, vec![1 << 30])), "--sizes", "world × message"),
+            (Box::new(|c| c.world = 0), "--world", "at least one"),
+            (Box::new(|c| c.iters = 0), "--iters", "1 to 10000"),
+            (Box::new(|c| c.iters = u32::MAX as usize), "--iters", "1 to 10000"),
+            (Box::new(|c| c.warmup = u32::MAX as usize), "--warmup", "0 to 10000"),
+        ];
+        for (change, flag, needle) in cases {
+            let mut cfg = base.clone();
+            change(&mut cfg);
+            let (source, message) = flag_of(&cfg, Limits::HOST).expect("refused");
+            assert_eq!(source, flag);
+            assert!(message.contains(needle), "{flag}: {message}");
+            // The library entry point refuses it too, without allocating.
+            assert!(run_host(&cfg, &|_, _| {}).is_err());
+        }
+        let mut gpu = base.clone();
+        gpu.sizes = vec![8 << 30];
+        assert_eq!(flag_of(&gpu, Limits::GPU), None, "GPUs take messages the host bench refuses");
+        assert!(flag_of(&gpu, Limits::HOST).is_some());
     }
 }

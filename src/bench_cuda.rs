@@ -103,6 +103,7 @@ type RankRow = (Vec<Vec<f64>>, (Vec<f64>, Algorithm, String), Option<(f64, f64)>
 
 /// Runs the sweep on the CUDA backend.
 pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<BenchReport> {
+    cfg.check(crate::bench::Limits::GPU)?;
     let info =
         anyccl_cuda::available().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
     if cfg.world > info.devices.len() {
@@ -168,7 +169,12 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
             }
         }
     }
-    let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0) as usize;
+    let max_bytes = cfg.sizes.iter().copied().max().unwrap_or(0);
+    // Checked against GPU_MAX_MESSAGE_BYTES above; a 32-bit host that cannot address it says so.
+    let max_bytes = usize::try_from(max_bytes).map_err(|_| Error::OutOfMemory {
+        what: "a message larger than this host's address space".into(),
+        bytes: max_bytes,
+    })?;
     let total = (cfg.sizes.len() * (algorithms.len() + 1)) as u64;
 
     let run_rank = |mut c: Communicator<CudaComm>| -> Result<Vec<RankRow>> {
@@ -178,7 +184,12 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
         let ctx = rt.context().clone();
         let dtype = cfg.dtype;
         let op = cfg.op;
-        let seed: Vec<u8> = (0..max_bytes).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f).collect();
+        let mut seed: Vec<u8> = Vec::new();
+        seed.try_reserve_exact(max_bytes).map_err(|_| Error::OutOfMemory {
+            what: "the bench's host copy of its input".into(),
+            bytes: max_bytes as u64,
+        })?;
+        seed.extend((0..max_bytes).map(|i| ((i * 7 + rank * 13) % 61) as u8 & 0x3f));
         let mut send = rt.alloc(max_bytes)?;
         rt.upload(&mut send, &seed, &stream)?;
         let recv = rt.alloc(max_bytes)?;

@@ -43,6 +43,7 @@ pub use half;
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod bench_cuda;
+pub mod output;
 pub mod plot;
 pub mod probe;
 pub mod tune;

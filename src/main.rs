@@ -52,7 +52,7 @@ struct BenchArgs {
     /// Backend to run on (default: the best available; the host backend when there is no GPU backend).
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
-    /// Number of ranks (default: host: the core count, 2 to 8; cuda: every GPU of this machine).
+    /// Number of ranks, 1 to 64 (default: host: the core count, 2 to 8; cuda: every GPU of this machine).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     world: Option<u16>,
     /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
@@ -61,17 +61,18 @@ struct BenchArgs {
     /// Reduction operator.
     #[arg(long, default_value = "sum", value_parser = parse_op)]
     op: ReduceOp,
-    /// Message sizes, comma-separated (4KiB,1MiB,…). Default: 4 KiB to 16 MiB in steps of 4x.
+    /// Message sizes, comma-separated (4KiB,1MiB,…), at most 64. Host backend: each at most 1 GiB, and world ×
+    /// size at most 2 GiB. Default: 4 KiB to 16 MiB in steps of 4x.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Option<Vec<u64>>,
     /// Algorithms to measure, comma-separated (default: every one the backend implements).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
-    /// Timed calls per cell (the median is reported).
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Timed calls per cell, 1 to 10000 (the median is reported).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=i64::from(anyccl::bench::MAX_ITERS)))]
     iters: u32,
-    /// Untimed warm-up calls per cell.
-    #[arg(long, default_value_t = 5)]
+    /// Untimed warm-up calls per cell, 0 to 10000.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(..=i64::from(anyccl::bench::MAX_WARMUP)))]
     warmup: u32,
     /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
     #[arg(long, value_name = "FILE")]
@@ -121,16 +122,116 @@ struct CliError {
 
 impl From<Error> for CliError {
     fn from(e: Error) -> Self {
-        CliError { hint: e.hint().map(str::to_owned), message: e.to_string() }
+        let hint = match &e {
+            // A flag's value out of range: the flag is the error's source.
+            Error::Config { source_name, .. } if source_name.starts_with("--") => {
+                Some(format!("`anyccl bench --help` lists {source_name} and its limits"))
+            }
+            _ => e.hint(),
+        };
+        CliError { hint, message: e.to_string() }
     }
 }
 
+impl CliError {
+    /// The error with `hint` instead of the library's.
+    fn with_hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
+    }
+}
+
+/// `s` on one short line: control characters escaped (messages quote paths and values from the user, and a file
+/// name may hold a newline) and any word longer than [`MAX_WORD`] characters cut in the middle (a 10 000-digit
+/// `--sizes` value is not repeated in full).
+fn one_line(s: &str) -> String {
+    let escaped: String =
+        s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect();
+    escaped
+        .split(' ')
+        .map(|w| {
+            let n = w.chars().count();
+            if n <= MAX_WORD {
+                w.to_owned()
+            } else {
+                let head: String = w.chars().take(MAX_WORD / 2).collect();
+                let tail: String = w.chars().skip(n - MAX_WORD / 2).collect();
+                format!("{head}…{tail}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+        .chars()
+        .take(MAX_LINE)
+        .collect()
+}
+
+/// The longest word [`one_line`] prints whole.
+const MAX_WORD: usize = 200;
+/// The longest line [`one_line`] prints (in characters).
+const MAX_LINE: usize = 2000;
+
+/// The selector from the environment (`ANYCCL_ALLREDUCE_ALGO`, `ANYCCL_TUNE_FILE`) and `--table`; a table file's
+/// error gets the hint for how that file was named.
 fn selector(table: Option<&PathBuf>) -> Result<Selector, CliError> {
-    let s = Selector::from_env()?;
+    let s = Selector::from_env().map_err(|e| {
+        let from_table_file = matches!(&e, Error::Config { source_name, .. }
+            if source_name != anyccl::core::selector::ENV_FORCE_ALGO);
+        let e = CliError::from(e);
+        if from_table_file {
+            e.with_hint("fix the table file named by ANYCCL_TUNE_FILE (format in the README), or unset the variable")
+        } else {
+            e
+        }
+    })?;
     Ok(match table {
-        Some(p) => s.with_table_file(p, "--table")?,
+        Some(p) => s.with_table_file(p, "--table").map_err(|e| {
+            CliError::from(e).with_hint("fix the table file given to --table (format in the README), or drop --table")
+        })?,
         None => s,
     })
+}
+
+/// The capabilities `ANYCCL_DISABLE` turns off. `probe` reports an invalid value as a warning; `bench` and `tune`
+/// refuse it, since they would otherwise run what the user meant to switch off.
+fn disabled_by_env() -> Result<anyccl::Capabilities, CliError> {
+    use anyccl::core::{CapabilityReport, Reason};
+    use anyccl::Capabilities;
+    const VAR: &str = "ANYCCL_DISABLE";
+    let value = match std::env::var(VAR) {
+        Ok(v) => v,
+        Err(std::env::VarError::NotPresent) => return Ok(Capabilities::empty()),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            return Err(Error::Config {
+                source_name: VAR.into(),
+                line: None,
+                message: "the value is not valid UTF-8".into(),
+            }
+            .into())
+        }
+    };
+    let mut all = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: String::new() });
+    all.enable(Capabilities::all());
+    all.apply_disable_list(VAR, &value)?;
+    Ok(Capabilities::all().difference(all.enabled()))
+}
+
+/// Refuses a backend whose capability `ANYCCL_DISABLE` names.
+fn refuse_if_disabled(disabled: anyccl::Capabilities, cap: anyccl::Capabilities) -> Result<(), CliError> {
+    if !disabled.contains(cap) {
+        return Ok(());
+    }
+    let name = cap.name().unwrap_or("backend");
+    Err(CliError {
+        message: format!("{name} is turned off by ANYCCL_DISABLE, so there is nothing to run on"),
+        hint: Some(format!("remove {name} from ANYCCL_DISABLE (or unset it); `anyccl probe` shows what is on")),
+    })
+}
+
+/// Checks before a sweep that `path` can be written (so a bad path fails at once, not after the sweep).
+fn check_output(path: &std::path::Path, flag: &str, what: &str) -> Result<(), CliError> {
+    anyccl::output::check_writable(path, flag, what)
+        .map_err(|e| CliError::from(e).with_hint(format!("give {flag} a writable path to a regular file")))
 }
 
 fn probe(json: bool, table: Option<&PathBuf>) -> Result<(), CliError> {
@@ -154,13 +255,19 @@ fn print_out(s: &str) -> Result<(), CliError> {
     }
 }
 
-fn bench(args: BenchArgs) -> Result<(), CliError> {
+fn bench(mut args: BenchArgs) -> Result<(), CliError> {
+    dedup_algos(&mut args);
+    let disabled = disabled_by_env()?;
     if let Some(p) = &args.plot {
         anyccl::plot::check_path(p)?;
+        check_output(p, "--plot", "the plot")?;
     }
     #[cfg(feature = "cuda")]
     {
-        let cuda_ok = anyccl::cuda::available().is_ok();
+        let cuda_ok = anyccl::cuda::available().is_ok() && !disabled.contains(anyccl::Capabilities::CUDA_RUNTIME);
+        if args.backend == Some(BackendArg::Cuda) {
+            refuse_if_disabled(disabled, anyccl::Capabilities::CUDA_RUNTIME)?;
+        }
         if args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && cuda_ok) {
             return bench_cuda(args);
         }
@@ -192,6 +299,7 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
             hint: Some("rebuild with the default `host` feature".into()),
         });
     }
+    refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
     let selector = Arc::new(selector(args.table.as_ref())?);
     let cfg = anyccl::bench::BenchConfig {
         world: usize::from(args.world.unwrap_or_else(default_world)),
@@ -203,6 +311,7 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
         warmup: args.warmup as usize,
         selector,
     };
+    cfg.check(anyccl::bench::Limits::HOST)?;
     let report = run_with_progress(&cfg)?;
     if args.backend.is_none() && !(args.json || args.csv) {
         eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
@@ -211,6 +320,18 @@ fn bench(args: BenchArgs) -> Result<(), CliError> {
         anyccl::plot::plot(&report, p)?;
     }
     print_report(&report, args.json, args.csv)
+}
+
+/// Each algorithm once, in the order first given (`--algos ring,ring` measures ring once).
+fn dedup_algos(args: &mut BenchArgs) {
+    if let Some(a) = &mut args.algos {
+        let mut seen = Vec::new();
+        a.retain(|x| {
+            let new = !seen.contains(x);
+            seen.push(*x);
+            new
+        });
+    }
 }
 
 fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<(), CliError> {
@@ -229,18 +350,29 @@ fn render(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<
 }
 
 /// Runs the sweep twice: once to pick the winners, once with the written table to check `auto`.
-fn tune(out: &std::path::Path, args: BenchArgs) -> Result<(), CliError> {
+fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
+    dedup_algos(&mut args);
+    let disabled = disabled_by_env()?;
     #[cfg(feature = "cuda")]
-    let on_cuda =
-        args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && anyccl::cuda::available().is_ok());
+    let on_cuda = !disabled.contains(anyccl::Capabilities::CUDA_RUNTIME)
+        && (args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && anyccl::cuda::available().is_ok()));
     #[cfg(not(feature = "cuda"))]
     let on_cuda = false;
+    if args.backend == Some(BackendArg::Cuda) {
+        refuse_if_disabled(disabled, anyccl::Capabilities::CUDA_RUNTIME)?;
+    }
     if matches!(args.backend, Some(BackendArg::Rocm)) || (args.backend == Some(BackendArg::Cuda) && !on_cuda) {
         return Err(CliError {
             message: "tune runs on the host backend or on an available cuda backend".into(),
             hint: Some("`anyccl probe` shows which backends are available".into()),
         });
     }
+    if !on_cuda {
+        refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
+        #[cfg(feature = "host")]
+        anyccl::tune::check_measurable(args.algos.as_deref(), &anyccl::host::ALGORITHMS, "host")?;
+    }
+    check_output(out, "--out", "the tuned table")?;
     let base = selector(args.table.as_ref())?;
     let cfg = |selector: anyccl::Selector| -> anyccl::bench::BenchConfig {
         anyccl::bench::BenchConfig {
@@ -258,6 +390,8 @@ fn tune(out: &std::path::Path, args: BenchArgs) -> Result<(), CliError> {
             selector: Arc::new(selector),
         }
     };
+    let limits = if on_cuda { anyccl::bench::Limits::GPU } else { anyccl::bench::Limits::HOST };
+    cfg(base.clone()).check(limits)?;
     let (first, vendor, arch, fallback) = if on_cuda {
         #[cfg(feature = "cuda")]
         {
@@ -278,7 +412,8 @@ fn tune(out: &std::path::Path, args: BenchArgs) -> Result<(), CliError> {
         (run_with_progress(&cfg(base.clone()))?, "host", "host".to_owned(), anyccl::Algorithm::Ring)
     };
     let text = anyccl::tune::table_text(&first, vendor, &arch, fallback)?;
-    anyccl::tune::write_table(out, &text)?;
+    anyccl::tune::write_table(out, &text)
+        .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
     println!(
         "wrote {} ({} sizes measured on the {} backend, world {})",
         out.display(),
@@ -287,7 +422,9 @@ fn tune(out: &std::path::Path, args: BenchArgs) -> Result<(), CliError> {
         first.world
     );
     print!("{text}");
-    let tuned = base.with_table_file(out, "anyccl tune")?;
+    let tuned = base
+        .with_table_file(out, "anyccl tune")
+        .map_err(|e| CliError::from(e).with_hint("the table just written could not be read back; run tune again"))?;
     let mut second_cfg = cfg(tuned);
     second_cfg.world = first.world;
     let second = if on_cuda {
@@ -342,6 +479,7 @@ fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
         warmup: args.warmup as usize,
         selector,
     };
+    cfg.check(anyccl::bench::Limits::GPU)?;
     let mode = if args.eager { anyccl::bench_cuda::Mode::Eager } else { anyccl::bench_cuda::Mode::Graph };
     let report = anyccl::bench_cuda::run(&cfg, mode, &|_, _| {})?;
     if let Some(p) = &args.plot {
@@ -380,9 +518,32 @@ fn run_with_progress(_cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench:
     Err(CliError { message: "no backend is available in this build".into(), hint: None })
 }
 
+/// Logging to stderr, filtered by `ANYCCL_LOG` (default `warn`). An invalid value is not fatal: one warning
+/// naming the variable and the parse error, then the default.
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("ANYCCL_LOG").unwrap_or_else(|_| EnvFilter::new("warn"));
+    const VAR: &str = "ANYCCL_LOG";
+    const DEFAULT: &str = "warn";
+    let filter = match std::env::var(VAR) {
+        Ok(v) if !v.trim().is_empty() => match EnvFilter::builder().parse(&v) {
+            Ok(f) => f,
+            Err(e) => {
+                let shown: String = v.chars().take(80).collect();
+                let more = if shown.len() < v.len() { "…" } else { "" };
+                eprintln!(
+                    "warning: {VAR}={} is not a valid log filter ({}); logging at the default level, {DEFAULT}",
+                    one_line(&format!("{shown:?}{more}")),
+                    one_line(&e.to_string())
+                );
+                EnvFilter::new(DEFAULT)
+            }
+        },
+        Ok(_) | Err(std::env::VarError::NotPresent) => EnvFilter::new(DEFAULT),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            eprintln!("warning: {VAR} is not a valid log filter (not UTF-8); logging at the default level, {DEFAULT}");
+            EnvFilter::new(DEFAULT)
+        }
+    };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -408,7 +569,7 @@ fn main() -> ExitCode {
             let rendered = e.render().to_string();
             let first = rendered.lines().next().unwrap_or("invalid arguments").trim();
             let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("error: {first}");
+            eprintln!("error: {}", one_line(first));
             eprintln!("hint: run `anyccl --help` (or `anyccl <command> --help`) for the accepted flags");
             return ExitCode::from(2);
         }
@@ -421,9 +582,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", e.message);
+            eprintln!("error: {}", one_line(&e.message));
             if let Some(h) = e.hint {
-                eprintln!("hint: {h}");
+                eprintln!("hint: {}", one_line(&h));
             }
             ExitCode::FAILURE
         }
@@ -434,9 +595,35 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+    use proptest::strategy::Strategy;
 
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn messages_stay_on_one_short_line() {
+        assert_eq!(one_line("a\nb\tc\u{1b}[31m"), "a\\nb\\tc\\u{1b}[31m");
+        let long = format!("'{}' for --sizes", "9".repeat(10_000));
+        let shown = one_line(&long);
+        assert!(shown.len() < 300 && shown.ends_with("for --sizes") && shown.contains('…'), "{shown}");
+        assert_eq!(one_line("error: plain words stay"), "error: plain words stay");
+        assert!(one_line(&"ab ".repeat(10_000)).chars().count() <= MAX_LINE);
+    }
+
+    proptest::proptest! {
+        /// The whole command line parser: arbitrary arguments never panic it (clap reports, never aborts).
+        #[test]
+        fn argument_parser_never_panics(args in proptest::collection::vec(proptest::prop_oneof![
+            proptest::strategy::Just("bench".to_owned()),
+            proptest::strategy::Just("tune".to_owned()),
+            proptest::strategy::Just("probe".to_owned()),
+            "--(sizes|world|iters|warmup|dtype|op|algos|table|plot|out|backend|json|csv|graph|eager)".prop_map(String::from),
+            "\\PC{0,12}",
+            "-?[0-9]{1,25}(KiB|GiB|B)?",
+        ], 0..8)) {
+            let _ = Cli::try_parse_from(std::iter::once("anyccl".to_owned()).chain(args));
+        }
     }
 }

@@ -89,7 +89,23 @@ pub fn plot(report: &BenchReport, path: &Path) -> Result<()> {
     let (l0, l1) = span(&|p| p.1);
     let (b0, b1) = span(&|p| p.2);
 
-    let root = SVGBackend::new(path, (1200, 480)).into_drawing_area();
+    // Drawn into memory, then written whole (a failure leaves an existing file as it was).
+    let mut svg = String::new();
+    draw(&mut svg, report, &series, bw_name, [(x0, x1), (l0, l1), (b0, b1)])?;
+    crate::output::write_atomically(path, svg.as_bytes(), "--plot", "the plot")
+}
+
+/// Draws the two charts (latency, bandwidth) of `series` into `svg`; `spans` are the x, latency and bandwidth
+/// axis ranges.
+fn draw(
+    svg: &mut String,
+    report: &BenchReport,
+    series: &[(String, Vec<Point>)],
+    bw_name: &str,
+    spans: [(f64, f64); 3],
+) -> Result<()> {
+    let [(x0, x1), (l0, l1), (b0, b1)] = spans;
+    let root = SVGBackend::with_string(svg, (1200, 480)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let title = format!(
         "anyccl all-reduce: backend {}, world {}, {} {}",
@@ -131,6 +147,5 @@ pub fn plot(report: &BenchReport, path: &Path) -> Result<()> {
             .draw()
             .map_err(plot_err)?;
     }
-    root.present().map_err(plot_err)?;
-    Ok(())
+    root.present().map_err(plot_err)
 }

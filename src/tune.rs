@@ -50,11 +50,7 @@ pub fn winners(report: &BenchReport) -> Vec<(u64, Algorithm)> {
 pub fn table_text(report: &BenchReport, vendor: &str, arch: &str, fallback: Algorithm) -> Result<String> {
     let w = winners(report);
     if w.is_empty() {
-        return Err(Error::Parse {
-            what: "benchmark",
-            input: "no measured sizes".into(),
-            expected: "at least one".into(),
-        });
+        return Err(nothing_measured(report));
     }
     let mut rules = Vec::new();
     let mut start = 0u64;
@@ -99,14 +95,40 @@ pub fn table_text(report: &BenchReport, vendor: &str, arch: &str, fallback: Algo
     ))
 }
 
-/// Writes `text` to `path` after checking it parses back.
+/// Why a sweep measured no algorithm: each one asked for and why it could not run.
+fn nothing_measured(report: &BenchReport) -> Error {
+    let why = if report.ineligible.is_empty() {
+        "the sweep measured no algorithm at any size".to_owned()
+    } else {
+        report.ineligible.iter().map(|i| format!("{}: {}", i.algorithm, i.reason)).collect::<Vec<_>>().join("; ")
+    };
+    Error::NoEligibleAlgorithm { why: format!("tune has nothing to compare on the {} backend ({why})", report.backend) }
+}
+
+/// Refuses, before any sweep, an `--algos` list of which `backend` implements none (`implemented`): tune would
+/// have nothing to compare. `None` (every algorithm) is fine.
+pub fn check_measurable(requested: Option<&[Algorithm]>, implemented: &[Algorithm], backend: &str) -> Result<()> {
+    let Some(requested) = requested else { return Ok(()) };
+    if requested.iter().any(|a| implemented.contains(a)) {
+        return Ok(());
+    }
+    let names = |v: &[Algorithm]| v.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ");
+    Err(Error::Config {
+        source_name: "--algos".into(),
+        line: None,
+        message: format!(
+            "tune has nothing to measure: {} {} not implemented by the {backend} backend (it implements {})",
+            names(requested),
+            if requested.len() == 1 { "is" } else { "are" },
+            names(implemented)
+        ),
+    })
+}
+
+/// Writes `text` to `path` (whole or not at all) after checking it parses back.
 pub fn write_table(path: &Path, text: &str) -> Result<SelectorTable> {
     let parsed = SelectorTable::parse(text, &path.display().to_string())?;
-    std::fs::write(path, text).map_err(|e| Error::Config {
-        source_name: path.display().to_string(),
-        line: None,
-        message: format!("cannot write the table: {e}"),
-    })?;
+    crate::output::write_atomically(path, text.as_bytes(), "--out", "the tuned table")?;
     Ok(parsed)
 }
 
@@ -207,5 +229,22 @@ mod tests {
         let rows = check(&r);
         assert!(!rows[1].ok, "auto 15 vs best 14 is beyond 5%");
         assert!(rows[0].ok && rows[2].ok);
+    }
+
+    #[test]
+    fn nothing_to_measure_says_which_and_why() {
+        use Algorithm::*;
+        let e = check_measurable(Some(&[NvlsZeroCopy]), &[OneShot, TwoShot, Ring], "host").expect_err("none");
+        let Error::Config { source_name, message, .. } = &e else { panic!("{e:?}") };
+        assert_eq!(source_name, "--algos");
+        assert!(message.contains("nvls-zero-copy is not implemented by the host backend"), "{message}");
+        assert!(message.contains("one-shot, two-shot, ring"), "{message}");
+        assert!(check_measurable(Some(&[NvlsZeroCopy, Ring]), &[Ring], "host").is_ok());
+        assert!(check_measurable(None, &[Ring], "host").is_ok());
+        // A report with nothing measured: the error names the algorithm and the reason, not "cannot parse".
+        let mut r = report(&[]);
+        r.ineligible = vec![crate::bench::Ineligible { algorithm: NvlsZeroCopy, reason: "no multicast".into() }];
+        let e = table_text(&r, "host", "host", Ring).expect_err("empty").to_string();
+        assert!(e.contains("nvls-zero-copy: no multicast") && !e.contains("cannot parse"), "{e}");
     }
 }

@@ -144,7 +144,7 @@ fn bad_flags_give_one_line_and_nonzero_exit() {
     assert_one_line_error(&anyccl(&["bench", "--sizes", "12parsecs"], &[]), "12parsecs");
     assert_one_line_error(&anyccl(&["bench", "--world", "0"], &[]), "0");
     assert_one_line_error(&anyccl(&["bench", "--algos", "warp-drive"], &[]), "warp-drive");
-    assert_one_line_error(&anyccl(&["bench", "--sizes", "3", "--dtype", "f32"], &[]), "message size");
+    assert_one_line_error(&anyccl(&["bench", "--sizes", "3", "--dtype", "f32"], &[]), "--sizes: 3 B");
     assert_one_line_error(&anyccl(&["bench", "--backend", "cuda"], &[]), "cuda");
     assert_eq!(anyccl(&["bench", "--frobnicate"], &[]).status.code(), Some(2));
 }

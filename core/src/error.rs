@@ -68,7 +68,7 @@ pub enum Error {
     },
 
     /// A value on the command line or in the environment could not be parsed.
-    #[error("cannot parse '{input}' as a {what} (expected {expected})")]
+    #[error("cannot parse '{input}' as {} {what} (expected {expected})", article(what))]
     Parse {
         /// What was being parsed.
         what: &'static str,
@@ -76,6 +76,15 @@ pub enum Error {
         input: String,
         /// What is accepted.
         expected: String,
+    },
+
+    /// Memory for a buffer whose size came from the caller could not be reserved; nothing was changed.
+    #[error("out of memory: cannot allocate {} for {what}", crate::units::format_bytes(*bytes))]
+    OutOfMemory {
+        /// What the memory was for (`"the host backend's staging buffer"`).
+        what: String,
+        /// How many bytes were asked for.
+        bytes: u64,
     },
 
     /// Another rank of the communicator failed or left; this rank cannot complete the collective.
@@ -94,15 +103,52 @@ pub enum Error {
 
 impl Error {
     /// A hint for the user, where one helps (printed by the CLI below the error).
-    pub fn hint(&self) -> Option<&'static str> {
+    ///
+    /// A [`Error::Config`] hint follows its source: an environment variable gets a hint naming that variable (and
+    /// what it accepts, for the ones anyccl reads); a file or anything else gets none here, because only the caller
+    /// knows how it was named (the CLI adds "unset ANYCCL_TUNE_FILE" or "fix --table" itself).
+    pub fn hint(&self) -> Option<String> {
         match self {
-            Error::Config { .. } => Some("fix the file or unset ANYCCL_TUNE_FILE; see docs in the README"),
-            Error::AlgorithmNotEligible { .. } => {
-                Some("unset ANYCCL_ALLREDUCE_ALGO or choose an algorithm that `anyccl probe` lists as eligible")
-            }
-            Error::Unsupported { .. } => Some("`anyccl probe` shows every capability and why it is off"),
+            Error::Config { source_name, .. } => config_hint(source_name),
+            Error::AlgorithmNotEligible { .. } => Some(
+                "unset ANYCCL_ALLREDUCE_ALGO or choose an algorithm that `anyccl probe` lists as eligible".to_owned(),
+            ),
+            Error::Unsupported { .. } => Some("`anyccl probe` shows every capability and why it is off".to_owned()),
             _ => None,
         }
+    }
+}
+
+/// `"an"` before a vowel sound we produce (`an all-reduce algorithm`, `an element type`), else `"a"`.
+fn article(what: &str) -> &'static str {
+    if what.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    }
+}
+
+/// Whether `s` looks like an environment variable name (`ANYCCL_TUNE_FILE`, `WORLD_SIZE`, `RANK`).
+fn is_env_var_name(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_uppercase())
+        && s.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// The hint of a configuration error from `source_name` (see [`Error::hint`]).
+fn config_hint(source_name: &str) -> Option<String> {
+    match source_name {
+        crate::selector::ENV_FORCE_ALGO => {
+            Some(format!("set {source_name} to `auto` or one of {}, or unset it", crate::algo::Algorithm::all_names()))
+        }
+        crate::selector::ENV_TABLE_FILE => {
+            Some(format!("point {source_name} at a readable table file (format in the README), or unset it"))
+        }
+        "ANYCCL_DISABLE" => Some(format!(
+            "fix or unset {source_name}; it takes a comma-separated list of the capability names `anyccl probe` shows"
+        )),
+        "ANYCCL_LOG" => Some(format!("fix or unset {source_name}; it takes a tracing filter such as `info`")),
+        s if is_env_var_name(s) => Some(format!("fix or unset {s}; the README lists the values it accepts")),
+        _ => None,
     }
 }
 
@@ -233,4 +279,39 @@ pub enum InvalidArgument {
         /// Bytes expected.
         expected: usize,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(source: &str) -> Error {
+        Error::Config { source_name: source.to_owned(), line: None, message: "bad".to_owned() }
+    }
+
+    /// Each configuration error's hint is about its own source: never "unset ANYCCL_TUNE_FILE" for another one.
+    #[test]
+    fn config_hints_follow_their_source() {
+        let hint = |s: &str| config(s).hint();
+        for var in ["ANYCCL_ALLREDUCE_ALGO", "ANYCCL_DISABLE", "ANYCCL_LOG", "WORLD_SIZE", "ANYCCL_RENDEZVOUS_TIMEOUT"]
+        {
+            let h = hint(var).unwrap_or_default();
+            assert!(h.contains(var), "{var}: {h}");
+            assert!(!h.contains("ANYCCL_TUNE_FILE"), "{var}: {h}");
+        }
+        assert!(hint("ANYCCL_ALLREDUCE_ALGO").is_some_and(|h| h.contains("one-shot") && h.contains("auto")));
+        assert!(hint("ANYCCL_TUNE_FILE").is_some_and(|h| h.contains("ANYCCL_TUNE_FILE")));
+        // Files and other sources: the caller knows how they were named, so the library adds nothing misleading.
+        for other in ["/etc/anyccl.toml", "tune.toml", "multicast object size", "tuned table", ""] {
+            assert_eq!(hint(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn parse_errors_read_naturally() {
+        let e = Error::Parse { what: "all-reduce algorithm", input: "x".into(), expected: "y".into() };
+        assert_eq!(e.to_string(), "cannot parse 'x' as an all-reduce algorithm (expected y)");
+        let e = Error::Parse { what: "byte size", input: "x".into(), expected: "y".into() };
+        assert_eq!(e.to_string(), "cannot parse 'x' as a byte size (expected y)");
+    }
 }

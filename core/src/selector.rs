@@ -252,7 +252,10 @@ impl SelectorTable {
 
     /// Parses a table file's text. `source_name` (the path) is used in error messages, which name the line.
     pub fn parse(text: &str, source_name: &str) -> Result<Self> {
-        let line_of = |offset: usize| text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1;
+        // Byte offsets of the line ends, once, so a span's line is a binary search (counting newlines before each
+        // span made a table of n rules cost O(n²)).
+        let newlines: Vec<usize> = text.bytes().enumerate().filter(|(_, b)| *b == b'\n').map(|(i, _)| i).collect();
+        let line_of = |offset: usize| newlines.partition_point(|&nl| nl < offset) + 1;
         let err =
             |line: Option<usize>, message: String| Error::Config { source_name: source_name.to_owned(), line, message };
         let file: RawFile = toml::from_str(text).map_err(|e| {
@@ -336,32 +339,110 @@ impl SelectorTable {
                 .labelled(),
             );
             lines.push(rule_line);
-            // A table file is a partition: two rules that could both match one call are a mistake (the second
-            // would never apply where they overlap).
-            let newest = rules.len() - 1;
-            if let Some(k) = rules[..newest].iter().position(|o| o.overlaps(&rules[newest])) {
-                return Err(err(
-                    Some(rule_line),
-                    format!(
-                        "this rule overlaps the rule at line {} (their vendors, arch, world, dtype, capture and \
-                         byte ranges intersect)",
-                        lines[k]
-                    ),
-                ));
-            }
+        }
+        // A table file is a partition: two rules that could both match one call are a mistake (the second would
+        // never apply where they overlap).
+        if let Some((i, j)) = overlap::find(&rules) {
+            return Err(err(
+                Some(lines[j]),
+                format!(
+                    "this rule overlaps the rule at line {} (their vendors, arch, world, dtype, capture and byte \
+                     ranges intersect)",
+                    lines[i]
+                ),
+            ));
         }
         Ok(SelectorTable { rules })
     }
 
-    /// Reads and parses a table file.
+    /// Reads and parses a table file: a regular file of at most [`MAX_TABLE_FILE_BYTES`], UTF-8. A FIFO, device,
+    /// directory or socket is refused without reading from it (and opening never blocks), so a path like
+    /// `/dev/urandom` or a named pipe gives an error naming it instead of filling memory or hanging.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
-            source_name: path.display().to_string(),
+        let name = path.display().to_string();
+        let text = read_table_file(path).map_err(|message| Error::Config {
+            source_name: name.clone(),
             line: None,
-            message: format!("cannot read the table file: {e}"),
+            message,
         })?;
-        Self::parse(&text, &path.display().to_string())
+        Self::parse(&text, &name)
     }
+}
+
+/// The largest table file [`SelectorTable::load`] reads: 4 MiB (`anyccl tune` writes a few KiB; 4 MiB holds
+/// some 70 000 rules).
+pub const MAX_TABLE_FILE_BYTES: u64 = 4 << 20;
+
+/// Why `meta` is not a regular file, or `Ok`.
+fn regular_file(meta: &std::fs::Metadata) -> std::result::Result<(), String> {
+    let ft = meta.file_type();
+    if ft.is_file() {
+        return Ok(());
+    }
+    let kind = if ft.is_dir() {
+        "a directory"
+    } else {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileTypeExt;
+            if ft.is_fifo() {
+                "a FIFO (named pipe)"
+            } else if ft.is_char_device() {
+                "a character device"
+            } else if ft.is_block_device() {
+                "a block device"
+            } else if ft.is_socket() {
+                "a socket"
+            } else {
+                "not a regular file"
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            "not a regular file"
+        }
+    };
+    Err(format!("cannot read the table file: it is {kind}; a table file must be a regular file"))
+}
+
+/// The text of the table file at `path`, or why not (the caller adds the path).
+fn read_table_file(path: &Path) -> std::result::Result<String, String> {
+    use std::io::Read;
+    let cannot = |e: std::io::Error| format!("cannot read the table file: {e}");
+    // Refuse what is not a regular file before opening it (opening some devices has effects of its own) ...
+    regular_file(&std::fs::metadata(path).map_err(cannot)?)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // ... and open without blocking, then check again on the open file, in case the path changed in between.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+    }
+    let file = options.open(path).map_err(cannot)?;
+    let meta = file.metadata().map_err(cannot)?;
+    regular_file(&meta)?;
+    let too_big = |len: u64| {
+        format!(
+            "the table file holds {} or more; table files are limited to {} (anyccl tune writes a few KiB)",
+            format_bytes(len),
+            format_bytes(MAX_TABLE_FILE_BYTES)
+        )
+    };
+    if meta.len() > MAX_TABLE_FILE_BYTES {
+        return Err(too_big(meta.len()));
+    }
+    // At most the cap and one byte more, whatever the size said (files in /proc say 0; a file may grow).
+    let mut bytes = Vec::new();
+    let want = usize::try_from(meta.len().min(MAX_TABLE_FILE_BYTES) + 1).unwrap_or(usize::MAX);
+    bytes.try_reserve(want).map_err(|e| format!("cannot read the table file: {e}"))?;
+    file.take(MAX_TABLE_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(cannot)?;
+    if bytes.len() as u64 > MAX_TABLE_FILE_BYTES {
+        return Err(too_big(bytes.len() as u64));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        format!("the table file is not UTF-8 text (invalid byte at offset {})", e.utf8_error().valid_up_to())
+    })
 }
 
 fn parse_world(w: &WorldSpec) -> std::result::Result<(usize, usize), String> {
@@ -481,7 +562,18 @@ impl Selector {
         if let Some(path) = std::env::var_os(ENV_TABLE_FILE).filter(|p| !p.is_empty()) {
             s = s.with_table_file(Path::new(&path), ENV_TABLE_FILE)?;
         }
-        if let Ok(v) = std::env::var(ENV_FORCE_ALGO) {
+        let forced = match std::env::var(ENV_FORCE_ALGO) {
+            Ok(v) => Some(v),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(Error::Config {
+                    source_name: ENV_FORCE_ALGO.to_owned(),
+                    line: None,
+                    message: "the value is not valid UTF-8".to_owned(),
+                })
+            }
+        };
+        if let Some(v) = forced {
             if !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("auto") {
                 let a = v.parse::<Algorithm>().map_err(|e| Error::Config {
                     source_name: ENV_FORCE_ALGO.to_owned(),
@@ -562,6 +654,252 @@ impl Selector {
         }
         let why = refused.iter().map(|(a, w)| format!("{a}: {w}")).collect::<Vec<_>>().join("; ");
         Err(Error::NoEligibleAlgorithm { why })
+    }
+}
+
+/// Finding two rules of a table that could both match one call, in near-linear time.
+///
+/// Rules are boxes: categorical sets (vendor, capture state, dtype, arch) times an inclusive world range times a
+/// half-open byte range. Comparing every pair cost O(n²) (16 000 rules took 19 s). Here:
+/// - each categorical dimension's values are split into the classes the table tells apart (values every rule
+///   treats alike share one class), so the common table needs one class per rule and the worst needs 72;
+/// - a sweep over the byte axis keeps the rules whose byte range holds the sweep point ("active");
+/// - for each (class, arch) the active rules' world ranges are counted in a Fenwick tree over the world values
+///   that occur, so "does an active compatible rule share a world size with this one" is a range sum.
+///
+/// That is O(C·n log n) for n rules each in at most C classes. Once a rule is found to overlap, its partner (the
+/// first rule that overlaps it) is found by one linear scan with [`Rule::overlaps`], which stays the definition.
+mod overlap {
+    use std::collections::HashMap;
+
+    use super::Rule;
+    use crate::algo::Vendor;
+    use crate::dtype::DataType;
+
+    /// Range add, range sum over `n` points (two Fenwick trees).
+    struct Fenwick {
+        b1: Vec<i64>,
+        b2: Vec<i64>,
+    }
+
+    impl Fenwick {
+        fn new(n: usize) -> Self {
+            Fenwick { b1: vec![0; n + 1], b2: vec![0; n + 1] }
+        }
+
+        fn update(tree: &mut [i64], mut i: usize, v: i64) {
+            while i < tree.len() {
+                tree[i] += v;
+                i += i & i.wrapping_neg();
+            }
+        }
+
+        fn sum(tree: &[i64], mut i: usize) -> i64 {
+            let mut s = 0;
+            while i > 0 {
+                s += tree[i];
+                i -= i & i.wrapping_neg();
+            }
+            s
+        }
+
+        /// Adds `v` to points `l..=r` (0-based).
+        fn add(&mut self, l: usize, r: usize, v: i64) {
+            let (l, r) = (l + 1, r + 1);
+            Self::update(&mut self.b1, l, v);
+            Self::update(&mut self.b1, r + 1, -v);
+            Self::update(&mut self.b2, l, v * (l as i64 - 1));
+            Self::update(&mut self.b2, r + 1, -v * r as i64);
+        }
+
+        fn prefix(&self, i: usize) -> i64 {
+            Self::sum(&self.b1, i) * i as i64 - Self::sum(&self.b2, i)
+        }
+
+        /// The sum over points `l..=r` (0-based).
+        fn range(&self, l: usize, r: usize) -> i64 {
+            self.prefix(r + 1) - self.prefix(l)
+        }
+    }
+
+    /// Active world ranges of one (class, arch slot), over the world values of every rule that uses it.
+    struct Slot {
+        coords: Vec<usize>,
+        tree: Fenwick,
+    }
+
+    impl Slot {
+        /// The compressed range of `lo..=hi`; both are in `coords` by construction.
+        fn span(&self, lo: usize, hi: usize) -> (usize, usize) {
+            (self.coords.partition_point(|&c| c < lo), self.coords.partition_point(|&c| c <= hi).saturating_sub(1))
+        }
+    }
+
+    /// Splits the values `0..domain` into the classes the masks tell apart; returns each mask's classes.
+    fn classes(masks: &[u32], domain: usize) -> (usize, Vec<Vec<u32>>) {
+        let mut distinct: Vec<u32> = masks.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        // A value's signature: which distinct masks hold it. Equal signatures, one class.
+        let mut class_of = vec![0u32; domain];
+        let mut signatures: Vec<Vec<bool>> = Vec::new();
+        for (v, class) in class_of.iter_mut().enumerate() {
+            let sig: Vec<bool> = distinct.iter().map(|m| m & (1 << v) != 0).collect();
+            let k = match signatures.iter().position(|s| *s == sig) {
+                Some(k) => k,
+                None => {
+                    signatures.push(sig);
+                    signatures.len() - 1
+                }
+            };
+            *class = k as u32;
+        }
+        let of_mask = |m: u32| -> Vec<u32> {
+            let mut c: Vec<u32> = (0..domain).filter(|v| m & (1 << v) != 0).map(|v| class_of[v]).collect();
+            c.sort_unstable();
+            c.dedup();
+            c
+        };
+        let per_distinct: Vec<Vec<u32>> = distinct.iter().map(|&m| of_mask(m)).collect();
+        let out = masks
+            .iter()
+            .map(|m| distinct.binary_search(m).map(|i| per_distinct[i].clone()).unwrap_or_default())
+            .collect();
+        (signatures.len(), out)
+    }
+
+    fn vendor_bit(v: Vendor) -> u32 {
+        match v {
+            Vendor::Host => 1,
+            Vendor::Nvidia => 2,
+            Vendor::Amd => 4,
+        }
+    }
+
+    fn dtype_bit(d: DataType) -> u32 {
+        DataType::ALL.iter().position(|x| *x == d).map_or(0, |i| 1 << i)
+    }
+
+    /// Slot 0 holds rules of any arch (`arch` unset), slot 1 every rule, slot 2 + k the rules of named arch k.
+    const ANY_ARCH: u32 = 0;
+    const ALL: u32 = 1;
+
+    /// A pair `(i, j)`, `i < j`, of rules that overlap, if there is one.
+    pub(super) fn find(rules: &[Rule]) -> Option<(usize, usize)> {
+        if rules.len() < 2 {
+            return None;
+        }
+        let full = |mask: u32, all: u32| if mask == 0 { all } else { mask };
+        let vmasks: Vec<u32> =
+            rules.iter().map(|r| full(r.vendors.iter().map(|v| vendor_bit(*v)).fold(0, |a, b| a | b), 7)).collect();
+        let cmasks: Vec<u32> = rules.iter().map(|r| r.capturing.map_or(3, |c| 1 << u32::from(c))).collect();
+        let dall = (1u32 << DataType::ALL.len()) - 1;
+        let dmasks: Vec<u32> =
+            rules.iter().map(|r| full(r.dtypes.iter().map(|d| dtype_bit(*d)).fold(0, |a, b| a | b), dall)).collect();
+        let (_, vcls) = classes(&vmasks, 3);
+        let (nc, ccls) = classes(&cmasks, 2);
+        let (nd, dcls) = classes(&dmasks, DataType::ALL.len());
+        let mut arch_ids: HashMap<String, u32> = HashMap::new();
+        let arch_slot: Vec<u32> = rules
+            .iter()
+            .map(|r| match &r.arch {
+                None => ANY_ARCH,
+                Some(a) => {
+                    let next = arch_ids.len() as u32 + 2;
+                    *arch_ids.entry(a.to_ascii_lowercase()).or_insert(next)
+                }
+            })
+            .collect();
+        // Each rule's classes, flattened to one id per (vendor, capture, dtype) class triple.
+        let (nc, nd) = (nc as u64, nd as u64);
+        let class_ids = |i: usize| -> Vec<u64> {
+            let mut out = Vec::new();
+            for &v in &vcls[i] {
+                for &c in &ccls[i] {
+                    for &d in &dcls[i] {
+                        out.push((u64::from(v) * nc + u64::from(c)) * nd + u64::from(d));
+                    }
+                }
+            }
+            out
+        };
+        let ids: Vec<Vec<u64>> = (0..rules.len()).map(class_ids).collect();
+
+        // The slots each rule is counted in, and the slots it queries; each slot's world values.
+        let mut slot_index: HashMap<(u64, u32), usize> = HashMap::new();
+        let mut coords: Vec<Vec<usize>> = Vec::new();
+        let mut slot = |key: (u64, u32), coords: &mut Vec<Vec<usize>>| -> usize {
+            *slot_index.entry(key).or_insert_with(|| {
+                coords.push(Vec::new());
+                coords.len() - 1
+            })
+        };
+        // (member slots, query slots) per rule.
+        let mut member: Vec<Vec<usize>> = Vec::with_capacity(rules.len());
+        let mut query: Vec<Vec<usize>> = Vec::with_capacity(rules.len());
+        for (i, r) in rules.iter().enumerate() {
+            let (mut m, mut q) = (Vec::new(), Vec::new());
+            for &class in &ids[i] {
+                let all = slot((class, ALL), &mut coords);
+                let own = slot((class, arch_slot[i]), &mut coords);
+                let any = slot((class, ANY_ARCH), &mut coords);
+                m.extend([all, own]);
+                if arch_slot[i] == ANY_ARCH {
+                    q.push(all);
+                } else {
+                    q.extend([own, any]);
+                }
+                // Every rule that counts in or queries a slot puts its world bounds there, so that two ranges
+                // that share a world size share one of these values.
+                for s in [all, own, any] {
+                    coords[s].extend([r.world_min, r.world_max]);
+                }
+            }
+            m.dedup();
+            member.push(m);
+            query.push(q);
+        }
+        let mut slots: Vec<Slot> = coords
+            .into_iter()
+            .map(|mut c| {
+                c.sort_unstable();
+                c.dedup();
+                let tree = Fenwick::new(c.len());
+                Slot { coords: c, tree }
+            })
+            .collect();
+
+        // The sweep over bytes: a range [min, max) ends before another starts at its max.
+        let mut events: Vec<(u64, bool, usize)> = Vec::with_capacity(2 * rules.len());
+        for (i, r) in rules.iter().enumerate() {
+            events.push((r.bytes_min, true, i));
+            if let Some(max) = r.bytes_max {
+                events.push((max, false, i));
+            }
+        }
+        events.sort_unstable();
+        for (_, start, i) in events {
+            let r = &rules[i];
+            if start {
+                let hit = query[i].iter().any(|&s| {
+                    let (l, h) = slots[s].span(r.world_min, r.world_max);
+                    l <= h && slots[s].tree.range(l, h) > 0
+                });
+                if hit {
+                    if let Some(k) = (0..rules.len()).find(|&k| k != i && rules[k].overlaps(r)) {
+                        return Some((k.min(i), k.max(i)));
+                    }
+                }
+            }
+            let v = if start { 1 } else { -1 };
+            for &s in &member[i] {
+                let (l, h) = slots[s].span(r.world_min, r.world_max);
+                if l <= h {
+                    slots[s].tree.add(l, h, v);
+                }
+            }
+        }
+        None
     }
 }
 
@@ -724,6 +1062,191 @@ mod tests {
             assert_eq!(*got, Some(*line), "{text:?}: {message}");
             assert!(message.contains(needle), "{text:?}: {message}");
             assert!(!err.to_string().contains('\n'), "one line: {err}");
+        }
+    }
+
+    /// A generated table of `n` disjoint rules in the shape `anyccl tune` writes (vendor, arch, world, dtype,
+    /// bytes), spread over several worlds, dtypes and archs, with some rules of any arch and any dtype.
+    fn big_table(n: usize) -> String {
+        use std::fmt::Write;
+        let mut t = String::from("version = 1\n");
+        for i in 0..n {
+            let (world, arch, dtype) =
+                (2 + i % 7, ["sm_90", "sm_80", "gfx942"][i % 3], ["bf16", "f16", "f32"][i % 5 % 3]);
+            // Rule i of its (world, arch, dtype) group covers [16k, 16(k+1)); rules of any arch / any dtype get a
+            // world of their own (9+), so the table stays a partition.
+            let k = i / 105;
+            let _ = match i % 105 {
+                0 => writeln!(
+                    t,
+                    "[[rule]]\nworld = {}\nbytes = \"{}-{}\"\nalgorithms = [\"ring\"]",
+                    9 + i % 3,
+                    16 * k,
+                    16 * (k + 1)
+                ),
+                _ => writeln!(
+                    t,
+                    "[[rule]]\nvendor = \"nvidia\"\narch = \"{arch}\"\nworld = {world}\ndtype = [\"{dtype}\"]\n\
+                     bytes = \"{}-{}\"\nalgorithms = [\"one-shot\", \"ccl\"]",
+                    16 * i,
+                    16 * (i + 1)
+                ),
+            };
+        }
+        t
+    }
+
+    /// 100 000 rules parse (the overlap check was O(n²) and so was finding each rule's line: 16 000 rules took
+    /// 19 s). This runs in well under a second at opt-level 1; the timing itself is measured by the
+    /// `selector_parse` example, not asserted here.
+    #[test]
+    fn a_hundred_thousand_rules_parse() {
+        let text = big_table(100_000);
+        let t = SelectorTable::parse(&text, "big.toml").expect("a partition");
+        assert_eq!(t.rules.len(), 100_000);
+        // The last rule's origin names its real line (the `algorithms` line, the last of the file).
+        assert_eq!(t.rules[99_999].origin, format!("big.toml:{}", text.lines().count()));
+        // One overlapping rule after 30 000 good ones is found, and named with a rule it overlaps.
+        let cut = text.match_indices("[[rule]]").nth(30_000).map_or(text.len(), |(i, _)| i);
+        let head = &text[..cut];
+        let bad = format!(
+            "{head}[[rule]]\nvendor = \"nvidia\"\narch = \"SM_90\"\nbytes = \"16-48\"\nalgorithms = [\"ccl\"]\n"
+        );
+        let Err(Error::Config { line, message, .. }) = SelectorTable::parse(&bad, "big.toml") else {
+            panic!("the overlap was not found")
+        };
+        assert_eq!(line, Some(bad.lines().count()), "{message}");
+        assert!(message.contains("overlaps the rule at line"), "{message}");
+    }
+
+    fn rule(
+        vendors: Vec<Vendor>,
+        arch: Option<&str>,
+        world: (usize, usize),
+        bytes: (u64, Option<u64>),
+        dtypes: Vec<DataType>,
+        capturing: Option<bool>,
+    ) -> Rule {
+        Rule {
+            vendors,
+            arch: arch.map(str::to_owned),
+            world_min: world.0,
+            world_max: world.1,
+            bytes_min: bytes.0,
+            bytes_max: bytes.1,
+            dtypes,
+            capturing,
+            algorithms: vec![Algorithm::Ccl],
+            origin: String::new(),
+            label: Arc::from(""),
+        }
+    }
+
+    fn arb_rule() -> impl proptest::strategy::Strategy<Value = Rule> {
+        use proptest::prelude::*;
+        let vendors = proptest::sample::subsequence(vec![Vendor::Host, Vendor::Nvidia, Vendor::Amd], 0..=3);
+        let dtypes = proptest::sample::subsequence(DataType::ALL.to_vec(), 0..=3);
+        let arch = proptest::option::of(proptest::sample::select(vec!["sm_90", "SM_90", "sm_80", "gfx942"]));
+        let world = (1usize..6, 0usize..4, any::<bool>())
+            .prop_map(|(lo, w, open)| (lo, if open { usize::MAX } else { lo + w }));
+        let bytes = (0u64..8, 1u64..6, any::<bool>())
+            .prop_map(|(lo, w, open)| (lo * 64, if open { None } else { Some((lo + w) * 64) }));
+        let capturing = proptest::option::of(any::<bool>());
+        (vendors, arch, world, bytes, dtypes, capturing).prop_map(|(v, a, w, b, d, c)| rule(v, a, w, b, d, c))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3000))]
+        /// The sweep finds an overlap exactly when comparing every pair does, and the pair it names overlaps.
+        #[test]
+        fn overlap_sweep_agrees_with_every_pair(rules in proptest::collection::vec(arb_rule(), 0..12)) {
+            let naive = (0..rules.len()).any(|j| (0..j).any(|i| rules[i].overlaps(&rules[j])));
+            let found = overlap::find(&rules);
+            proptest::prop_assert_eq!(found.is_some(), naive, "{:#?}", rules);
+            if let Some((i, j)) = found {
+                proptest::prop_assert!(i < j && rules[i].overlaps(&rules[j]));
+            }
+        }
+
+        /// Arbitrary text (any Unicode) never panics the table parser.
+        #[test]
+        fn parser_never_panics_on_any_text(text in "\\PC{0,200}") {
+            let _ = SelectorTable::parse(&text, "any.toml");
+        }
+    }
+
+    #[cfg(unix)]
+    mod files {
+        use super::super::*;
+
+        fn dir(name: &str) -> PathBuf {
+            let d = std::env::temp_dir().join(format!("anyccl-selector-{}-{name}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir_all(&d).expect("temp dir");
+            d
+        }
+
+        /// Through the `mkfifo` tool: this crate has no unsafe code, not even in tests.
+        fn mkfifo(p: &Path) {
+            let st = std::process::Command::new("mkfifo").arg(p).status().expect("mkfifo runs");
+            assert!(st.success(), "mkfifo {}", p.display());
+        }
+
+        fn load_err(p: &Path) -> String {
+            match SelectorTable::load(p) {
+                Err(Error::Config { source_name, line: None, message }) => {
+                    assert_eq!(source_name, p.display().to_string());
+                    message
+                }
+                other => panic!("{}: {other:?}", p.display()),
+            }
+        }
+
+        /// Devices, FIFOs (directly or through a symlink) and directories are refused without reading, so none
+        /// can hang the caller or fill its memory; each error names the file and what it is.
+        #[test]
+        fn only_regular_files_are_read() {
+            let d = dir("kinds");
+            let fifo = d.join("fifo");
+            mkfifo(&fifo);
+            let link = d.join("link");
+            std::os::unix::fs::symlink(&fifo, &link).expect("symlink");
+            assert!(load_err(&fifo).contains("a FIFO"));
+            assert!(load_err(&link).contains("a FIFO"));
+            assert!(load_err(&d).contains("a directory"));
+            assert!(load_err(Path::new("/dev/zero")).contains("a character device"));
+            assert!(load_err(Path::new("/dev/urandom")).contains("a character device"));
+            assert!(load_err(&d.join("missing")).contains("No such file"));
+            std::fs::remove_dir_all(&d).ok();
+        }
+
+        #[test]
+        fn size_cap_and_encoding() {
+            let d = dir("size");
+            let big = d.join("big.toml");
+            let f = std::fs::File::create(&big).expect("create");
+            // Sparse: 100 MB on paper, nothing on disk; refused from its size alone.
+            f.set_len(100_000_000).expect("set_len");
+            assert!(load_err(&big).contains("limited to 4 MiB"), "{}", load_err(&big));
+            f.set_len(MAX_TABLE_FILE_BYTES + 1).expect("set_len");
+            assert!(load_err(&big).contains("limited to 4 MiB"));
+            let latin1 = d.join("latin1.toml");
+            std::fs::write(&latin1, b"# caf\xe9\n").expect("write");
+            assert!(load_err(&latin1).contains("not UTF-8"));
+            let ok = d.join("ok.toml");
+            std::fs::write(&ok, "[[rule]]\nalgorithms = [\"ring\"]\n").expect("write");
+            assert_eq!(SelectorTable::load(&ok).expect("loads").rules.len(), 1);
+            std::fs::remove_dir_all(&d).ok();
+        }
+
+        /// A "regular" file whose read fails (reading offset 0 of /proc/self/mem is an I/O error even for root)
+        /// is an error naming the file, not a panic.
+        #[test]
+        fn read_errors_name_the_file() {
+            let p = Path::new("/proc/self/mem");
+            if p.exists() {
+                assert!(load_err(p).contains("cannot read the table file"));
+            }
         }
     }
 }

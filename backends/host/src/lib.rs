@@ -77,9 +77,15 @@ pub struct HostBuffer {
 }
 
 impl HostBuffer {
-    /// `len` zero bytes.
+    /// `len` zero bytes. Aborts the process if the memory cannot be had, like `vec!`; for a length that comes
+    /// from outside, use [`HostBuffer::try_zeroed`].
     pub fn zeroed(len: usize) -> Self {
         HostBuffer { words: vec![0; len.div_ceil(8)], len }
+    }
+
+    /// `len` zero bytes, or [`Error::OutOfMemory`] if they cannot be reserved.
+    pub fn try_zeroed(len: usize) -> Result<Self> {
+        Ok(HostBuffer { words: try_filled(len.div_ceil(8), 0u64, "a host buffer")?, len })
     }
 
     /// A copy of `elems`.
@@ -143,7 +149,7 @@ impl MemoryRuntime for HostRuntime {
     }
 
     fn alloc(&self, bytes: usize) -> Result<HostBuffer> {
-        Ok(HostBuffer::zeroed(bytes))
+        HostBuffer::try_zeroed(bytes)
     }
 
     fn upload(&self, dst: &mut [u8], src: &[u8], _stream: &()) -> Result<()> {
@@ -176,6 +182,27 @@ fn short_copy(what: &'static str, need: usize, have: usize) -> Error {
         count: need,
         dtype: DataType::U8,
     })
+}
+
+/// `n` copies of `v`, reserved fallibly: [`Error::OutOfMemory`] naming `what` instead of an abort.
+pub(crate) fn try_filled<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| out_of_memory::<T>(n, what))?;
+    out.resize(n, v);
+    Ok(out)
+}
+
+/// A copy of `src`, reserved fallibly.
+fn try_copy(src: &[u8], what: &str) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(src.len()).map_err(|_| out_of_memory::<u8>(src.len(), what))?;
+    out.extend_from_slice(src);
+    Ok(out)
+}
+
+fn out_of_memory<T>(n: usize, what: &str) -> Error {
+    let bytes = (n as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+    Error::OutOfMemory { what: what.to_owned(), bytes }
 }
 
 /// The capability report of the host backend: the backend itself, and nothing that needs a vendor library.
@@ -221,13 +248,18 @@ pub fn create_group(world: usize, timeout: Duration) -> Result<Vec<HostComm>> {
     if world == 0 {
         return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
     }
-    let shared = Arc::new(Shared {
-        world,
-        sync: GroupSync::new(world),
-        staging: (0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]).collect(),
-        mail: (0..world * world).map(|_| Mutex::new(VecDeque::new())).collect(),
-        caps: host_capabilities(),
-    });
+    // One mailbox per (sender, receiver): world² of them, so the count is checked and reserved fallibly.
+    let boxes = world.checked_mul(world).ok_or_else(|| {
+        Error::from(InvalidArgument::BadWorld(format!("a host group of {world} ranks needs {world}² mailboxes")))
+    })?;
+    let mut mail = Vec::new();
+    mail.try_reserve_exact(boxes)
+        .map_err(|_| out_of_memory::<Mutex<VecDeque<Vec<u8>>>>(boxes, "the host mailboxes"))?;
+    mail.extend((0..boxes).map(|_| Mutex::new(VecDeque::new())));
+    let mut staging = Vec::new();
+    staging.try_reserve_exact(world).map_err(|_| out_of_memory::<Staging>(world, "the host staging buffers"))?;
+    staging.extend((0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]));
+    let shared = Arc::new(Shared { world, sync: GroupSync::new(world), staging, mail, caps: host_capabilities() });
     Ok((0..world).map(|rank| HostComm { rank, shared: shared.clone(), runtime: HostRuntime, timeout }).collect())
 }
 
@@ -268,14 +300,17 @@ impl HostComm {
         self.shared.sync.wait(self.rank, self.timeout)
     }
 
-    /// Copies `src` into this rank's staging buffer `which`.
-    fn publish(&self, which: usize, src: &[u8]) {
+    /// Copies `src` into this rank's staging buffer `which`, growing it (fallibly) where needed.
+    fn publish(&self, which: usize, src: &[u8]) -> Result<()> {
         let mut g = write_lock(&self.shared.staging[self.rank][which]);
         let words = src.len().div_ceil(8);
         if g.len() < words {
+            let more = words - g.len();
+            g.try_reserve_exact(more).map_err(|_| out_of_memory::<u64>(words, "the host staging buffer"))?;
             g.resize(words, 0);
         }
         bytemuck::cast_slice_mut::<u64, u8>(&mut g)[..src.len()].copy_from_slice(src);
+        Ok(())
     }
 
     fn staged(&self, rank: usize, which: usize) -> RwLockReadGuard<'_, Vec<u64>> {
@@ -288,7 +323,7 @@ impl HostComm {
 
     fn one_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
         let len = buf.len();
-        self.publish(0, input.unwrap_or(buf));
+        self.publish(0, input.unwrap_or(buf))?;
         self.barrier_wait()?;
         {
             let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
@@ -302,7 +337,7 @@ impl HostComm {
         let esz = std::mem::size_of::<T>();
         let count = buf.len() / esz;
         let world = self.world();
-        self.publish(0, input.unwrap_or(buf));
+        self.publish(0, input.unwrap_or(buf))?;
         self.barrier_wait()?;
         let (s, e) = chunk(count, world, self.rank);
         {
@@ -312,7 +347,7 @@ impl HostComm {
             let mine = &mut cast_mut::<T>(buf)?[s..e];
             reduce_into(&ins, mine, op, world);
         }
-        self.publish(1, &buf[s * esz..e * esz]);
+        self.publish(1, &buf[s * esz..e * esz])?;
         self.barrier_wait()?;
         for q in (0..world).filter(|q| *q != self.rank) {
             let (qs, qe) = chunk(count, world, q);
@@ -335,8 +370,8 @@ impl HostComm {
         let count = buf.len() / esz;
         let pred = (rank + world - 1) % world;
         let max_chunk = count.div_ceil(world);
-        let mut acc = vec![T::Acc::zeroed(); max_chunk];
-        let mut next = vec![T::Acc::zeroed(); max_chunk];
+        let mut acc = try_filled(max_chunk, T::Acc::zeroed(), "the ring's accumulator")?;
+        let mut next = try_filled(max_chunk, T::Acc::zeroed(), "the ring's accumulator")?;
 
         let (s0, e0) = chunk(count, world, rank);
         load_acc::<T>(&cast::<T>(buf)?[s0..e0], &mut acc[..e0 - s0]);
@@ -344,7 +379,7 @@ impl HostComm {
         let mut k = 0usize;
         for s in 1..world {
             k += 1;
-            self.publish(k % 2, bytemuck::cast_slice(&acc[..acc_len]));
+            self.publish(k % 2, bytemuck::cast_slice(&acc[..acc_len]))?;
             self.barrier_wait()?;
             let c = (rank + world - s) % world;
             let (cs, ce) = chunk(count, world, c);
@@ -364,8 +399,8 @@ impl HostComm {
         for t in 1..world {
             k += 1;
             let (hs, he) = chunk(count, world, held);
-            let out = buf[hs * esz..he * esz].to_vec();
-            self.publish(k % 2, &out);
+            let out = try_copy(&buf[hs * esz..he * esz], "the ring's outgoing chunk")?;
+            self.publish(k % 2, &out)?;
             self.barrier_wait()?;
             let c = (rank + world + 1 - t) % world;
             let (cs, ce) = chunk(count, world, c);
@@ -457,10 +492,10 @@ impl CommBackend for HostComm {
         let own = self.rank * part..(self.rank + 1) * part;
         match input {
             Some(i) => {
-                self.publish(0, &i[..part]);
+                self.publish(0, &i[..part])?;
                 buf[own].copy_from_slice(&i[..part]);
             }
-            None => self.publish(0, &buf[own]),
+            None => self.publish(0, &buf[own])?,
         }
         self.barrier_wait()?;
         for q in (0..self.world()).filter(|q| *q != self.rank) {
@@ -485,7 +520,7 @@ impl CommBackend for HostComm {
             Some(i) => &i[..total],
             None => &buf[..total],
         };
-        self.publish(0, src);
+        self.publish(0, src)?;
         self.barrier_wait()?;
         let mine = self.rank * part..(self.rank + 1) * part;
         let out = if input.is_some() { &mut buf[..part] } else { &mut buf[mine.clone()] };
@@ -507,7 +542,7 @@ impl CommBackend for HostComm {
         let (input, buf) = split_io(bufs);
         if self.rank == root {
             let src = input.map_or(&buf[..bytes], |i| &i[..bytes]);
-            self.publish(0, src);
+            self.publish(0, src)?;
             if let Some(i) = input {
                 buf[..bytes].copy_from_slice(&i[..bytes]);
             }
@@ -531,7 +566,7 @@ impl CommBackend for HostComm {
     ) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         let (input, buf) = split_io(bufs);
-        self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]));
+        self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
         self.barrier_wait()?;
         if self.rank == root {
             let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
@@ -546,7 +581,8 @@ impl CommBackend for HostComm {
     fn send(&mut self, buf: &[u8], count: usize, dtype: DataType, peer: usize, _stream: &()) -> Result<()> {
         let bytes = count * dtype.size_bytes();
         let idx = self.rank * self.world() + peer;
-        self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_back(buf[..bytes].to_vec());
+        let msg = try_copy(&buf[..bytes], "a point-to-point message")?;
+        self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_back(msg);
         self.shared.sync.notify_all();
         Ok(())
     }
@@ -598,5 +634,21 @@ mod tests {
             create_group(0, Duration::from_secs(1)),
             Err(Error::InvalidArgument(InvalidArgument::BadWorld(_)))
         ));
+    }
+
+    /// Sizes from outside never abort the process: an impossible buffer or group is a typed error.
+    #[test]
+    fn impossible_sizes_are_errors_not_aborts() {
+        let e = HostBuffer::try_zeroed(usize::MAX).expect_err("no such buffer");
+        assert!(matches!(&e, Error::OutOfMemory { bytes, .. } if *bytes >= u64::MAX / 2), "{e:?}");
+        assert!(e.to_string().starts_with("out of memory: cannot allocate"), "{e}");
+        let e = HostRuntime.alloc(usize::MAX - 7).expect_err("no such buffer");
+        assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
+        assert!(matches!(
+            create_group(usize::MAX, Duration::from_secs(1)),
+            Err(Error::InvalidArgument(InvalidArgument::BadWorld(_)))
+        ));
+        assert!(matches!(create_group(1 << 31, Duration::from_secs(1)), Err(Error::OutOfMemory { .. })));
+        assert_eq!(HostBuffer::try_zeroed(13).map(|b| b.len()).ok(), Some(13));
     }
 }
