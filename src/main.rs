@@ -145,9 +145,8 @@ impl CliError {
 /// name may hold a newline) and any word longer than [`MAX_WORD`] characters cut in the middle (a 10 000-digit
 /// `--sizes` value is not repeated in full).
 fn one_line(s: &str) -> String {
-    let escaped: String =
-        s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect();
-    escaped
+    // Escaping is core's (control, bidirectional-override and separator characters); the line cap comes below.
+    anyccl::core::text::sanitize_with_limit(s, usize::MAX)
         .split(' ')
         .map(|w| {
             let n = w.chars().count();

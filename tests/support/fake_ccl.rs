@@ -126,7 +126,7 @@ pub fn c_source(symbols: &[&str], version: i32, version_status: i32) -> String {
             "ncclGetErrorString" => "const char* ncclGetErrorString(int s) { return s == 4 ? \
                  \"invalid argument (fake)\" : \"unhandled error (fake)\"; }"
                 .into(),
-            "ncclGetLastError" => "const char* ncclGetLastError(void* c) { return \"fake last error\"; }".into(),
+            "ncclGetLastError" => "const char* ncclGetLastError(void* c) { return \"fake last error\\033[2J\\n\"; }".into(),
             other => format!("int {other}(void) {{ return 0; }}"),
         };
         s.push_str(&body);

@@ -61,7 +61,8 @@ pub(crate) fn check(lib: &CclLibrary, call: &str, status: sys::ncclResult_t, com
     Err(Error::Backend { backend: backend_name(lib).into(), call: call.into(), code: Some(i64::from(status)), message })
 }
 
-/// Copies a C string owned by the library.
+/// Copies a C string owned by the library, sanitised (control characters escaped, length bounded): it reaches
+/// error messages and terminals.
 ///
 /// # Safety
 /// `p` is null or points to a NUL-terminated string valid for the duration of the call.
@@ -70,7 +71,8 @@ unsafe fn cstr(p: *const std::ffi::c_char) -> Option<String> {
         return None;
     }
     // SAFETY: non-null and NUL-terminated per this function's contract.
-    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    let bytes = unsafe { CStr::from_ptr(p) }.to_bytes();
+    Some(anyccl_core::text::sanitize_bytes(bytes, anyccl_core::text::DEFAULT_MAX_LEN))
 }
 
 /// An `ncclUniqueId`: created by one rank, sent to the others as bytes.
