@@ -31,6 +31,9 @@ cargo fmt --all -- --check
 step "lint (all targets, all features)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
+step "every crate with its default features, in the workspace (as users and crates.io build them)"
+cargo check --workspace --locked
+
 step "build without the host backend"
 cargo clippy --locked --no-default-features -- -D warnings
 

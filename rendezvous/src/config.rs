@@ -52,6 +52,11 @@ pub const KEY_FILE_VAR: &str = "ANYCCL_RENDEZVOUS_KEY_FILE";
 /// The variable holding the timeout in seconds.
 pub const TIMEOUT_VAR: &str = "ANYCCL_RENDEZVOUS_TIMEOUT_SECS";
 
+/// The variable that names the rendezvous's own port. Unset, the rendezvous uses `MASTER_PORT + 1`: under
+/// `torchrun` the launcher's agent already listens on `MASTER_PORT` itself (its TCP store, which the workers join),
+/// so rank 0 cannot bind it.
+pub const PORT_VAR: &str = "ANYCCL_MASTER_PORT";
+
 /// Where a rank finds rank 0, who it is, and the limits it works under.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RendezvousConfig {
@@ -124,7 +129,8 @@ impl RendezvousConfig {
     ///
     /// - rank: `RANK`, else `SLURM_PROCID`; world: `WORLD_SIZE`, else `SLURM_NTASKS` (`1..=`[`MAX_WORLD`]); local
     ///   rank: `LOCAL_RANK`, else `SLURM_LOCALID` (optional);
-    /// - `MASTER_ADDR` (host name or IP address, resolved here) and `MASTER_PORT` (required);
+    /// - `MASTER_ADDR` (host name or IP address, resolved here); the port: [`PORT_VAR`] (`ANYCCL_MASTER_PORT`), else
+    ///   `MASTER_PORT + 1`, since `torchrun`'s agent holds `MASTER_PORT` itself;
     /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
     /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (text) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
     ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
@@ -165,17 +171,7 @@ impl RendezvousConfig {
         if addr_text.is_empty() {
             return Err(config("MASTER_ADDR", "is empty; set it to rank 0's host name or IP address"));
         }
-        let port_text =
-            get("MASTER_PORT").ok_or_else(|| config("MASTER_PORT", "not set; set it to a free TCP port"))?;
-        let port = match port_text.trim().parse::<u16>() {
-            Ok(p) if p != 0 => p,
-            _ => {
-                return Err(config(
-                    "MASTER_PORT",
-                    format!("'{}' is not a TCP port (expected 1..=65535)", sanitize(&port_text)),
-                ));
-            }
-        };
+        let port = rendezvous_port(get)?;
         let master = resolve(&addr_text, port)?;
 
         let timeout = match get(TIMEOUT_VAR) {
@@ -340,6 +336,27 @@ fn read_key_file(path_text: &str) -> Result<JobKey> {
     let key = check_secret(var, &secret).map(JobKey::from_secret);
     secret.fill(0);
     key
+}
+
+/// The rendezvous's port: [`PORT_VAR`] where set, else `MASTER_PORT + 1` (see [`PORT_VAR`] for why not
+/// `MASTER_PORT`).
+fn rendezvous_port(get: &dyn Fn(&str) -> Option<String>) -> Result<u16> {
+    let parse = |var: &str, text: &str| match text.trim().parse::<u16>() {
+        Ok(p) if p != 0 => Ok(p),
+        _ => Err(config(var, format!("'{}' is not a TCP port (expected 1..=65535)", sanitize(text)))),
+    };
+    if let Some(text) = get(PORT_VAR) {
+        return parse(PORT_VAR, &text);
+    }
+    let text = get("MASTER_PORT").ok_or_else(|| {
+        config("MASTER_PORT", format!("not set; set it (the rendezvous uses MASTER_PORT + 1), or set {PORT_VAR}"))
+    })?;
+    parse("MASTER_PORT", &text)?.checked_add(1).ok_or_else(|| {
+        config(
+            "MASTER_PORT",
+            format!("is 65535, so the rendezvous's port MASTER_PORT + 1 does not exist; set {PORT_VAR}"),
+        )
+    })
 }
 
 fn config(var: &str, message: impl Into<String>) -> Error {

@@ -301,11 +301,12 @@ fn from_env_torchrun() {
     ]))
     .expect("torchrun config");
     assert_eq!((cfg.rank, cfg.world, cfg.local_rank), (3, 8, Some(1)));
-    assert_eq!(cfg.master, "127.0.0.1:29500".parse::<SocketAddr>().expect("addr"));
+    // torchrun's agent holds MASTER_PORT: the rendezvous listens one port above
+    assert_eq!(cfg.master, "127.0.0.1:29501".parse::<SocketAddr>().expect("addr"));
     assert_eq!(cfg.timeout, anyccl_rendezvous::config::DEFAULT_TIMEOUT);
     assert_eq!(cfg.max_message, 1 << 20);
     // no secret set and a loopback MASTER_ADDR: the derived key
-    assert_eq!(cfg.key, Some(JobKey::derived("127.0.0.1", 29500, 8)));
+    assert_eq!(cfg.key, Some(JobKey::derived("127.0.0.1", 29501, 8)));
 }
 
 #[test]
@@ -321,7 +322,7 @@ fn from_env_slurm_with_options() {
     ]))
     .expect("slurm config");
     assert_eq!((cfg.rank, cfg.world, cfg.local_rank), (2, 4, Some(2)));
-    assert!(cfg.master.ip().is_loopback() && cfg.master.port() == 12345, "{}", cfg.master);
+    assert!(cfg.master.ip().is_loopback() && cfg.master.port() == 12346, "{}", cfg.master);
     assert_eq!(cfg.timeout, Duration::from_millis(300));
     let other_job = RendezvousConfig::from_env_with(&env(&[
         ("SLURM_PROCID", "2"),
@@ -365,6 +366,18 @@ fn from_env_errors_name_the_variable() {
     assert_eq!(config_error(&without("MASTER_ADDR")).0, "MASTER_ADDR");
     assert_eq!(config_error(&without("MASTER_PORT")).0, "MASTER_PORT");
     assert_eq!(config_error(&with("MASTER_PORT", "70000")).0, "MASTER_PORT");
+    // MASTER_PORT + 1 must exist, and ANYCCL_MASTER_PORT, when set, is the port and is checked the same way
+    let (var, msg) = config_error(&with("MASTER_PORT", "65535"));
+    assert!(var == "MASTER_PORT" && msg.contains("ANYCCL_MASTER_PORT"), "{var}: {msg}");
+    let mut v = base.to_vec();
+    v.push(("ANYCCL_MASTER_PORT", "0"));
+    assert_eq!(config_error(&v).0, "ANYCCL_MASTER_PORT");
+    let mut v = base.to_vec();
+    v.push(("ANYCCL_MASTER_PORT", "40000"));
+    assert_eq!(RendezvousConfig::from_env_with(&env(&v)).expect("own port").master.port(), 40000);
+    let v: Vec<_> =
+        base.iter().copied().filter(|(k, _)| *k != "MASTER_PORT").chain([("ANYCCL_MASTER_PORT", "40000")]).collect();
+    assert_eq!(RendezvousConfig::from_env_with(&env(&v)).expect("no MASTER_PORT needed").master.port(), 40000);
     assert_eq!(config_error(&with("MASTER_ADDR", "no such host!")).0, "MASTER_ADDR");
     assert_eq!(config_error(&with("LOCAL_RANK", "first")).0, "LOCAL_RANK");
 

@@ -63,7 +63,8 @@ pub fn communicator(
 }
 
 /// [`communicator`] with the configuration read from the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-/// `MASTER_PORT`, `LOCAL_RANK`, or Slurm's variables, and the job's secret `ANYCCL_RENDEZVOUS_KEY` or
+/// `LOCAL_RANK`, or Slurm's variables; the rendezvous port `ANYCCL_MASTER_PORT`, else `MASTER_PORT + 1`, since
+/// torchrun's agent holds `MASTER_PORT`; and the job's secret `ANYCCL_RENDEZVOUS_KEY` or
 /// `ANYCCL_RENDEZVOUS_KEY_FILE`, required unless `MASTER_ADDR` is a loopback address).
 pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<CudaComm>, Rendezvous)> {
     communicator(RendezvousConfig::from_env()?, None, selector)
