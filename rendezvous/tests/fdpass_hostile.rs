@@ -92,6 +92,11 @@ fn require_root(what: &str) {
     assert!(getuid().is_root(), "{what} needs root (to start a process of another user); CI runs the tests as root");
 }
 
+/// A server in the system temp folder with `timeout` for each exchange.
+fn server_in_tmp(timeout: Duration) -> FdServer {
+    FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(timeout).expect("t")
+}
+
 /// A raw SEQPACKET connection to `path`, to send hand-made packets.
 fn raw_client(path: &Path) -> OwnedFd {
     let sock = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).expect("socket");
@@ -173,8 +178,7 @@ fn descriptors_cut_short_at_the_fd_limit_are_closed_and_the_channel_recovers() {
         return expect_child_ok(child, None);
     }
     // In the child: a server and a client in this process.
-    let server =
-        FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(Duration::from_secs(5)).expect("t");
+    let server = server_in_tmp(Duration::from_secs(5));
     let client = FdChannel::connect(server.path()).expect("connect");
     let ch = server.accept().expect("accept");
     let pipes: Vec<(OwnedFd, OwnedFd)> = (0..4).map(|_| pipe()).collect();
@@ -229,8 +233,7 @@ fn descriptors_cut_short_at_the_fd_limit_are_closed_and_the_channel_recovers() {
 
 #[test]
 fn more_descriptors_than_the_receiver_takes_are_all_closed() {
-    let server =
-        FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(Duration::from_secs(5)).expect("t");
+    let server = server_in_tmp(Duration::from_secs(5));
     let raw = raw_client(server.path());
     let ch = server.accept().expect("accept");
     let (r, w) = pipe();
@@ -301,11 +304,7 @@ fn real_peers(path: &Path, ranks: &[u64]) -> (Vec<FdChannel>, OwnedFd) {
 
 #[test]
 fn foreign_malformed_and_silent_connections_do_not_end_the_exchange() {
-    let server = FdServer::bind_in(&std::env::temp_dir())
-        .expect("bind")
-        .with_timeout(Duration::from_secs(5))
-        .expect("t")
-        .with_pending_timeout(Duration::from_secs(3));
+    let server = server_in_tmp(Duration::from_secs(5)).with_pending_timeout(Duration::from_secs(3));
     let hostile = hostile_connections(server.path());
     let (_peers, _r) = real_peers(server.path(), &[1, 2]);
     let t = Instant::now();
@@ -324,11 +323,7 @@ fn foreign_malformed_and_silent_connections_do_not_end_the_exchange() {
 
 #[test]
 fn the_timeout_of_an_exchange_says_what_was_dropped() {
-    let server = FdServer::bind_in(&std::env::temp_dir())
-        .expect("bind")
-        .with_timeout(Duration::from_secs(1))
-        .expect("t")
-        .with_pending_timeout(Duration::from_millis(150));
+    let server = server_in_tmp(Duration::from_secs(1)).with_pending_timeout(Duration::from_millis(150));
     let hostile = hostile_connections(server.path());
     let (_peers, _r) = real_peers(server.path(), &[1, 2]);
     let e = server.gather(3, 1, |_| Ok(())).expect_err("a third peer never comes");
@@ -344,8 +339,7 @@ fn the_timeout_of_an_exchange_says_what_was_dropped() {
 
 #[test]
 fn a_message_the_caller_refuses_is_dropped_and_the_exchange_goes_on() {
-    let server =
-        FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(Duration::from_secs(5)).expect("t");
+    let server = server_in_tmp(Duration::from_secs(5));
     let (_impostor, _r1) = real_peers(server.path(), &[7]);
     let (_peer, _r2) = real_peers(server.path(), &[1]);
     let mut asked = Vec::new();
@@ -367,11 +361,7 @@ fn a_message_the_caller_refuses_is_dropped_and_the_exchange_goes_on() {
 
 #[test]
 fn each_pending_connection_has_its_own_deadline() {
-    let server = FdServer::bind_in(&std::env::temp_dir())
-        .expect("bind")
-        .with_timeout(Duration::from_secs(5))
-        .expect("t")
-        .with_pending_timeout(Duration::from_millis(200));
+    let server = server_in_tmp(Duration::from_secs(5)).with_pending_timeout(Duration::from_millis(200));
     // more silent connections than the server holds at once: the real peer waits in the backlog behind them
     let silent: Vec<OwnedFd> = (0..MAX_PENDING).map(|_| raw_client(server.path())).collect();
     let (_peer, _r) = real_peers(server.path(), &[1]);
@@ -386,8 +376,7 @@ fn each_pending_connection_has_its_own_deadline() {
 
 #[test]
 fn an_empty_packet_is_not_the_close() {
-    let server =
-        FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(Duration::from_secs(5)).expect("t");
+    let server = server_in_tmp(Duration::from_secs(5));
     let raw = raw_client(server.path());
     let ch = server.accept().expect("accept");
     send_raw(&raw, b"", &[]);
@@ -496,7 +485,7 @@ fn a_process_of_another_user_is_dropped_while_the_exchange_goes_on() {
     }
     require_root(TEST);
     for (peers, timeout) in [(2, Duration::from_secs(5)), (3, Duration::from_millis(500))] {
-        let server = FdServer::bind_in(&std::env::temp_dir()).expect("bind").with_timeout(timeout).expect("t");
+        let server = server_in_tmp(timeout);
         // The directory and socket are private, so a stranger cannot even reach the socket; open them up here to
         // test the second wall, the uid check.
         fs::set_permissions(server.dir(), fs::Permissions::from_mode(0o711)).expect("chmod dir");

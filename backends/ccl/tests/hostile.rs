@@ -7,75 +7,24 @@
 
 #[path = "../../../tests/support/fake_ccl.rs"]
 mod fake_ccl;
+#[path = "../../../tests/support/hostile_child.rs"]
+mod hostile_child;
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use anyccl_ccl::find::Place;
 use anyccl_ccl::loader::REQUIRED_SYMBOLS;
 use anyccl_ccl::{CclLibrary, CclVendor, LoadFailure, SearchPlan};
+use hostile_child::{bounded, case_dir, lose_root_read_override, mkfifo, nothing_from, os, plant, run_child};
 
-/// Printed by the constructor of every planted library: it must never appear.
-const PLANTED: &str = "PLANTED-CONSTRUCTOR-RAN";
-/// A child that has not finished by then is taken as hung.
-const DEADLINE: Duration = Duration::from_secs(10);
-
-/// How a child run ended.
-#[derive(Debug)]
-enum Outcome {
-    /// It exited; its stdout.
-    Exited { code: Option<i32>, stdout: String },
-    /// A signal killed it (a crash).
-    Crashed { signal: i32, stdout: String },
-    /// Still running at the deadline (killed then).
-    Hung,
-}
-
-impl Outcome {
-    /// The `RESULT` line the child printed, and proof that no planted constructor ran.
-    fn result(&self) -> String {
-        match self {
-            Outcome::Exited { code: Some(0), stdout } => {
-                assert!(!stdout.contains(PLANTED), "a planted library's constructor ran:\n{stdout}");
-                stdout
-                    .lines()
-                    .find_map(|l| l.strip_prefix("RESULT "))
-                    .unwrap_or_else(|| panic!("no RESULT line:\n{stdout}"))
-                    .to_owned()
-            }
-            Outcome::Crashed { signal, stdout } => panic!("the child crashed with signal {signal}:\n{stdout}"),
-            Outcome::Exited { code, stdout } => panic!("the child failed ({code:?}):\n{stdout}"),
-            Outcome::Hung => panic!("the child still ran after {DEADLINE:?}: a hang"),
-        }
-    }
-}
-
-/// A fresh folder for one case (absolute; under the target dir, removed first).
-fn case_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("hostile-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("case dir");
-    d
-}
-
-fn mkfifo(p: &Path) {
-    std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
-    nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
-}
-
-/// A working fake NCCL (or RCCL, by `file`'s name) whose constructor prints [`PLANTED`].
+/// A working fake NCCL (or RCCL, by `file`'s name) whose constructor prints [`hostile_child::PLANTED`].
 fn planted_library(file: &str) -> PathBuf {
     let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
     if file.contains("rccl") {
         syms.push("ncclAllToAllv");
     }
     let mut c = fake_ccl::c_source(&syms, 22809, 0);
-    c.push_str(&format!(
-        "#include <unistd.h>\n__attribute__((constructor)) static void anyccl_planted(void) {{ \
-         static const char m[] = \"{PLANTED}\\n\"; (void)!write(1, m, sizeof m - 1); }}\n"
-    ));
+    c.push_str(&hostile_child::planted_constructor_c());
     fake_ccl::compile_once(&format!("planted/{file}"), &c, &[])
 }
 
@@ -85,55 +34,6 @@ fn data_object_library() -> PathBuf {
     let mut c = fake_ccl::c_source(&syms, 0, 0);
     c.push_str("int ncclGetVersion = 0;\n");
     fake_ccl::compile_once("data-object/libnccl.so.2", &c, &[])
-}
-
-/// Copies `from` to `dir/rel`.
-fn plant(from: &Path, dir: &Path, rel: &str) -> PathBuf {
-    let to = dir.join(rel);
-    std::fs::create_dir_all(to.parent().expect("parent")).expect("dir");
-    std::fs::copy(from, &to).expect("copy");
-    to
-}
-
-/// Runs this test binary's `child` test in `cwd` with only `env` set, and waits at most [`DEADLINE`].
-fn run_child(case: &str, cwd: &Path, env: &[(&str, OsString)]) -> Outcome {
-    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["child", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
-        .current_dir(cwd)
-        .env_clear()
-        .env("ANYCCL_HOSTILE_CASE", case)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("spawn the child");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break Some(st);
-        }
-        if start.elapsed() > DEADLINE {
-            break None;
-        }
-        // Polling the child's exit: no event to wait on with a deadline in std.
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let Some(status) = status else {
-        child.kill().expect("kill the hung child");
-        let _ = child.wait();
-        return Outcome::Hung;
-    };
-    let mut stdout = String::new();
-    if let Some(mut out) = child.stdout.take() {
-        use std::io::Read;
-        out.read_to_string(&mut stdout).expect("read stdout");
-    }
-    use std::os::unix::process::ExitStatusExt;
-    match status.signal() {
-        Some(signal) => Outcome::Crashed { signal, stdout },
-        None => Outcome::Exited { code: status.code(), stdout },
-    }
 }
 
 /// The child half: runs one search in the working directory it was given and prints `RESULT ok PATH; tried: …`
@@ -152,25 +52,7 @@ fn child() {
         }
         other => panic!("unknown case {other}"),
     };
-    let tried = anyccl_ccl::find::describe_attempts(&t.attempts);
-    match t.loaded {
-        Some(lib) => println!("RESULT ok {}; tried: {tried}", lib.path().display()),
-        None => println!("RESULT err tried: {tried}"),
-    }
-}
-
-/// Loaded from an absolute place outside `cwd` (a real library on this machine), or not loaded at all.
-fn nothing_from(r: &str, cwd: &Path) {
-    if let Some(rest) = r.strip_prefix("ok ") {
-        let path = rest.split("; tried:").next().unwrap_or(rest);
-        assert!(path.starts_with('/') && !Path::new(path).starts_with(cwd), "loaded from the working directory: {r}");
-    } else {
-        assert!(r.starts_with("err "), "{r}");
-    }
-}
-
-fn os(s: impl Into<OsString>) -> OsString {
-    s.into()
+    hostile_child::print_result(t.loaded.as_ref().map(|l| l.path()), &anyccl_ccl::find::describe_attempts(&t.attempts));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -316,30 +198,6 @@ fn a_name_too_long_is_reported_as_such() {
         let r = run_child("open", &dir, &[("ANYCCL_HOSTILE_PATH", os(&long))]).result();
         assert_eq!(r, format!("err tried: {} (name too long)", long.display()));
         assert_eq!(bounded(move || CclLibrary::open(&long).map(|_| ())), Err(LoadFailure::NameTooLong));
-    }
-}
-
-/// Runs `f` on its own thread and waits at most [`DEADLINE`] for it: a hang fails the test instead of hanging it.
-fn bounded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(DEADLINE) {
-        Ok(v) => v,
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("still running after {DEADLINE:?}: a hang"),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the checked call panicked"),
-    }
-}
-
-/// Drops, on the calling thread only, the capabilities that let root read any file (Linux capabilities are per
-/// thread); a no-op for a user who lacks them. Returns whether the thread now really gets `EACCES`.
-fn lose_root_read_override() {
-    use caps::{CapSet, Capability};
-    for cap in [Capability::CAP_DAC_OVERRIDE, Capability::CAP_DAC_READ_SEARCH] {
-        if caps::has_cap(None, CapSet::Effective, cap).expect("capget") {
-            caps::drop(None, CapSet::Effective, cap).expect("drop a capability from this thread");
-        }
     }
 }
 

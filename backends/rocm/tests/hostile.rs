@@ -10,39 +10,17 @@
 mod fake_ccl;
 #[path = "../../../tests/support/fake_hip.rs"]
 mod fake_hip;
+#[path = "../../../tests/support/hostile_child.rs"]
+mod hostile_child;
 
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use anyccl_rocm::HipLibrary;
+use hostile_child::{bounded, case_dir, lose_root_read_override, mkfifo, os, plant};
 
-/// Printed by the constructor of every planted library: it must never appear.
-const PLANTED: &str = "PLANTED-CONSTRUCTOR-RAN";
-/// A child or call that has not finished by then is taken as hung.
-const DEADLINE: Duration = Duration::from_secs(10);
-
-/// A fresh folder for one case (absolute; under the target dir, removed first).
-fn case_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("hostile-hip-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).expect("case dir");
-    d
-}
-
-fn mkfifo(p: &Path) {
-    std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
-    nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("mkfifo");
-}
-
-/// A shared library with no HIP symbols whose constructor prints [`PLANTED`].
+/// A shared library with no HIP symbols whose constructor prints [`hostile_child::PLANTED`].
 fn planted_library() -> PathBuf {
-    let c = format!(
-        "#include <unistd.h>\n__attribute__((constructor)) static void anyccl_planted(void) {{ \
-         static const char m[] = \"{PLANTED}\\n\"; (void)!write(1, m, sizeof m - 1); }}\n"
-    );
-    fake_ccl::compile_once("planted-hip/libamdhip64.so", &c, &[])
+    fake_ccl::compile_once("planted-hip/libamdhip64.so", &hostile_child::planted_constructor_c(), &[])
 }
 
 /// A HIP runtime exporting every symbol anyccl needs as a function, except `hipRuntimeGetVersion`: an `int`.
@@ -55,56 +33,10 @@ fn data_object_runtime() -> PathBuf {
     fake_ccl::compile_once("data-object-hip/libamdhip64.so.7", &c, &[])
 }
 
-fn plant(from: &Path, dir: &Path, rel: &str) -> PathBuf {
-    let to = dir.join(rel);
-    std::fs::create_dir_all(to.parent().expect("parent")).expect("dir");
-    std::fs::copy(from, &to).expect("copy");
-    to
-}
-
 /// Runs this test binary's `child` test in `cwd` with only `env` set; the `RESULT` line it printed, after
 /// checking that it ended cleanly in time and that no planted constructor ran.
-fn run_child(case: &str, cwd: &Path, env: &[(&str, OsString)]) -> String {
-    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["child", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
-        .current_dir(cwd)
-        .env_clear()
-        .env("ANYCCL_HOSTILE_CASE", case)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let mut child = cmd.spawn().expect("spawn the child");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().expect("wait") {
-            break st;
-        }
-        if start.elapsed() > DEADLINE {
-            child.kill().expect("kill the hung child");
-            let _ = child.wait();
-            panic!("case {case}: the child still ran after {DEADLINE:?}: a hang");
-        }
-        // Polling the child's exit: std has no wait with a deadline.
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut stdout = String::new();
-    if let Some(mut out) = child.stdout.take() {
-        use std::io::Read;
-        out.read_to_string(&mut stdout).expect("read stdout");
-    }
-    use std::os::unix::process::ExitStatusExt;
-    if let Some(sig) = status.signal() {
-        panic!("case {case}: the child crashed with signal {sig}:\n{stdout}");
-    }
-    assert!(status.success(), "case {case}: the child failed:\n{stdout}");
-    assert!(!stdout.contains(PLANTED), "case {case}: a planted library's constructor ran:\n{stdout}");
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .unwrap_or_else(|| panic!("no RESULT line:\n{stdout}"))
-        .to_owned()
+fn run_child(case: &str, cwd: &Path, env: &[(&str, std::ffi::OsString)]) -> String {
+    hostile_child::run_child(case, cwd, env).result()
 }
 
 /// The child half: loads the HIP runtime as the probe does and prints `RESULT ok PATH; tried: …` or
@@ -120,26 +52,13 @@ fn child() {
         other => panic!("unknown case {other}"),
     };
     let t = HipLibrary::try_load_from(&places);
-    let tried = find::describe_attempts(&t.attempts);
-    match t.loaded {
-        Some(lib) => println!("RESULT ok {}; tried: {tried}", lib.path().display()),
-        None => println!("RESULT err tried: {tried}"),
-    }
-}
-
-fn os(s: impl Into<OsString>) -> OsString {
-    s.into()
+    hostile_child::print_result(t.loaded.as_ref().map(|l| l.path()), &find::describe_attempts(&t.attempts));
 }
 
 /// Not from the working directory: loaded from an absolute place outside `cwd` (a real runtime on this machine)
 /// or not found; and `must_mention` is among the reasons either way.
 fn nothing_from_cwd(r: &str, cwd: &Path, must_mention: &str) {
-    if let Some(rest) = r.strip_prefix("ok ") {
-        let path = rest.split("; tried:").next().unwrap_or(rest);
-        assert!(path.starts_with('/') && !Path::new(path).starts_with(cwd), "loaded from the working directory: {r}");
-    } else {
-        assert!(r.starts_with("err "), "{r}");
-    }
+    hostile_child::nothing_from(r, cwd);
     assert!(r.contains(must_mention), "{r}");
 }
 
@@ -271,19 +190,6 @@ fn the_plan_skips_relative_entries_and_keeps_sonames_from_a_relative_ld_library_
     assert_eq!(places.last(), Some(&Place::Path(PathBuf::from("/opt/rocm/lib/libamdhip64.so"))));
 }
 
-/// Runs `f` on its own thread and waits at most [`DEADLINE`] for it: a hang fails the test instead of hanging it.
-fn bounded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(DEADLINE) {
-        Ok(v) => v,
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("still running after {DEADLINE:?}: a hang"),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the checked call panicked"),
-    }
-}
-
 /// The reason `HipLibrary::open` gave for its one candidate.
 fn open_failure(p: PathBuf) -> anyccl_ccl::LoadFailure {
     match HipLibrary::open(&p) {
@@ -306,11 +212,7 @@ fn unreadable_and_non_regular_candidates_get_precise_reasons() {
     // The tests run as root in CI, and root reads anything: the check runs on a thread that lost that privilege
     // (Linux capabilities are per thread), which is asserted first.
     let got = bounded(move || {
-        for cap in [caps::Capability::CAP_DAC_OVERRIDE, caps::Capability::CAP_DAC_READ_SEARCH] {
-            if caps::has_cap(None, caps::CapSet::Effective, cap).expect("capget") {
-                caps::drop(None, caps::CapSet::Effective, cap).expect("drop a capability from this thread");
-            }
-        }
+        lose_root_read_override();
         let e = std::fs::File::open(&denied).map_err(|e| e.raw_os_error()).err();
         assert_eq!(e, Some(Some(nix::libc::EACCES)), "this thread can still read a mode-000 file");
         (open_failure(denied), open_failure(behind))
