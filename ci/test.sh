@@ -34,6 +34,12 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "every crate with its default features, in the workspace (as users and crates.io build them)"
 cargo check --workspace --locked
 
+step "the declared MSRV (workspace rust-version, 1.88): every crate and target with all features"
+msrv="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"
+[ -n "$msrv" ] || { echo "error: no rust-version in Cargo.toml"; exit 1; }
+rustup toolchain install "$msrv" --profile minimal >/dev/null
+CARGO_TARGET_DIR=target/msrv cargo "+$msrv" check --workspace --all-targets --all-features --locked
+
 step "build without the host backend"
 cargo clippy --locked --no-default-features -- -D warnings
 

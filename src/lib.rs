@@ -25,15 +25,21 @@
 //! });
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+/// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library).
+pub use anyccl_ccl as ccl;
 pub use anyccl_core as core;
 pub use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, Selector,
 };
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use anyccl_cuda as cuda;
 #[cfg(feature = "host")]
 pub use anyccl_host as host;
 #[cfg(feature = "rocm")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rocm")))]
 pub use anyccl_rocm as rocm;
 /// The fp8 element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) the typed APIs take.
 pub use float8;
