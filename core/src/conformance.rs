@@ -380,7 +380,7 @@ pub fn encode_hashes(hashes: &[(u64, u64)]) -> Vec<u8> {
 
 /// Reads [`encode_hashes`]' bytes back; a length that is not a multiple of 16 is an error.
 pub fn decode_hashes(bytes: &[u8]) -> Result<Vec<(u64, u64)>> {
-    if bytes.len() % 16 != 0 {
+    if !bytes.len().is_multiple_of(16) {
         return Err(Error::PeerFailure(format!(
             "conformance hashes: {} bytes is not a whole number of 16-byte entries",
             bytes.len()
@@ -658,7 +658,7 @@ fn run_case<B: CommBackend>(
             let mut inp = comm.runtime().alloc(part)?;
             comm.runtime().upload(inp.borrow_mut(), &mine, stream)?;
             let mut out = alloc_poisoned(comm, part, stream)?;
-            if rank % 2 == 0 {
+            if rank.is_multiple_of(2) {
                 comm.send(std::borrow::Borrow::borrow(&inp), n, dtype, next, stream)?;
                 comm.recv(out.borrow_mut(), n, dtype, prev, stream)?;
             } else {

@@ -83,7 +83,7 @@ pub fn format_bytes(n: u64) -> String {
     for (u, m) in STEPS {
         if n >= m {
             let v = n as f64 / m as f64;
-            return if n % m == 0 { format!("{} {u}", n / m) } else { format!("{v:.2} {u}") };
+            return if n.is_multiple_of(m) { format!("{} {u}", n / m) } else { format!("{v:.2} {u}") };
         }
     }
     format!("{n} B")

@@ -52,7 +52,7 @@ pub fn check_buffer(
         return Err(InvalidArgument::WrongDevice { which, found: desc.location, expected: shape.location });
     }
     let align = dtype.size_bytes();
-    if desc.addr % align != 0 {
+    if !desc.addr.is_multiple_of(align) {
         return Err(InvalidArgument::Misaligned { which, addr: desc.addr, align, dtype });
     }
     if desc.len < need {

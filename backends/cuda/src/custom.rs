@@ -123,7 +123,7 @@ pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String>
     if dtype_suffix(dtype).is_none() {
         return Some(format!("the custom kernels handle f32, f16 and bf16, not {dtype}"));
     }
-    if bytes % kernels::VECTOR_BYTES != 0 {
+    if !bytes.is_multiple_of(kernels::VECTOR_BYTES) {
         return Some(format!("{bytes} bytes is not a multiple of {} (16-byte vectors)", kernels::VECTOR_BYTES));
     }
     None
@@ -333,7 +333,7 @@ impl CustomKernels {
         if peers.iter().chain(scratch).chain([&out, &own]).any(|p| p % 16 != 0) || table % 8 != 0 {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        if two_shot_round % kernels::VECTOR_BYTES != 0 {
+        if !two_shot_round.is_multiple_of(kernels::VECTOR_BYTES) {
             return Err(bad(format!("a two-shot round of {two_shot_round} bytes is not a multiple of 16")));
         }
         let (mut in_p, mut sc_p, mut out_p, mut own_p, mut table_p) = (ptrs(peers), ptrs(scratch), out, own, table);

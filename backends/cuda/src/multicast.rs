@@ -855,7 +855,7 @@ mod tests {
             const C: &str = "cuMulticastCreate";
             let mut st = self.st();
             st.record(C, Call::Create { n, size })?;
-            if n == 0 || size == 0 || size % G != 0 {
+            if n == 0 || size == 0 || !size.is_multiple_of(G) {
                 return Err(err(C, INVALID, "size not a multiple of the granularity"));
             }
             let obj = st.id();
@@ -945,7 +945,7 @@ mod tests {
             let obj = st.obj_of(C, mc)?;
             let (device, mem_size) = *st.mems.get(&mem).ok_or_else(|| err(C, INVALID, "bad memory handle"))?;
             let o = st.objects.get(&obj).ok_or_else(|| err(C, INVALID, "no object"))?;
-            let aligned = offset % G == 0 && size % G == 0 && mem_offset % G == 0;
+            let aligned = offset.is_multiple_of(G) && size.is_multiple_of(G) && mem_offset.is_multiple_of(G);
             if !o.devices.contains(&device) || !aligned || offset + size > o.size || mem_offset + size > mem_size {
                 return Err(err(C, INVALID, "bad binding"));
             }
@@ -995,7 +995,7 @@ mod tests {
             let obj_size = st.objects.get(&obj).map_or(0, |o| o.size);
             let reserved =
                 st.reservations.range(..=va).next_back().is_some_and(|(&b, &s)| va + size as u64 <= b + s as u64);
-            if size == 0 || size % G != 0 || size > obj_size || !reserved || st.mappings.contains_key(&va) {
+            if size == 0 || !size.is_multiple_of(G) || size > obj_size || !reserved || st.mappings.contains_key(&va) {
                 return Err(err(C, INVALID, "bad mapping"));
             }
             st.mappings.insert(va, (size, obj));
