@@ -68,3 +68,23 @@ fn short_buffers_with_large_counts_are_invalid_arguments_and_lose_nothing() {
     });
     assert_eq!(sums, vec![vec![15.0f32]; world]);
 }
+
+/// What `backend_mut()` was used for is a named method now: graph-buffer registration through any bootstrap
+/// (the host backend has nothing to register), refused with `InvalidArgument` when the bootstrap is not this
+/// communicator's group, before the backend sees it.
+#[test]
+fn graph_buffer_registration_is_a_communicator_method_that_checks_its_bootstrap() {
+    use anyccl_core::bootstrap::LocalGroup;
+    use anyccl_core::GraphRegistration;
+
+    let mut comm = communicators(1, HostOptions::default()).expect("host group").remove(0);
+    assert_eq!(comm.pending_graph_buffers(), 0);
+    assert_eq!(comm.register_graph_buffers(None).expect("nothing to register"), GraphRegistration::default());
+    let solo = LocalGroup::new(1, Duration::from_secs(5));
+    let reg = comm.register_graph_buffers(Some(&mut solo.member(0))).expect("a matching bootstrap");
+    assert_eq!(reg, GraphRegistration::default());
+    let other = LocalGroup::new(2, Duration::from_secs(5));
+    let e = comm.register_graph_buffers(Some(&mut other.member(1))).expect_err("rank 1 of 2 is not this group");
+    assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BadWorld(_))), "{e}");
+    assert!(e.to_string().contains("the bootstrap is rank 1 of 2, but the communicator is rank 0 of 1"), "{e}");
+}
