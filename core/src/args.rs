@@ -1,12 +1,13 @@
-//! Validated call descriptions: the proof that a collective's arguments passed [`Communicator`](crate::Communicator)'s checks.
+//! Validated call descriptions: the proof that a collective's arguments passed the checks of
+//! [`Communicator`](crate::Communicator).
 //!
-//! A backend's collective methods ([`CommBackend::all_reduce`](crate::CommBackend::all_reduce) and the others) take one of these instead of loose
-//! buffers and counts. They have private fields and no public constructor: only the [`Communicator`](crate::Communicator) front-end of
-//! this crate makes them, after [`crate::validate`] has accepted the call against the very backend that receives
-//! it (its rank, world and memory location). Each carries the buffers it validated, so a backend may rely on it
-//! (for example to enter `unsafe` for a vendor call) without checking again: a short buffer with a large count
-//! cannot reach a backend except through the front-end, which refuses it with
-//! [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+//! A backend's collective methods ([`crate::CommBackend::all_reduce`] and the others)
+//! take one of these instead of loose buffers and counts. They have private fields and no public constructor: only
+//! the [`Communicator`](crate::Communicator) front-end of this crate makes them, after [`crate::validate`] has
+//! accepted the call against the very backend that receives it (its rank, world and memory location). Each carries
+//! the buffers it validated, so a backend may rely on it (for example to enter `unsafe` for a vendor call) without
+//! checking again: a short buffer with a large count cannot reach a backend except through the front-end, which
+//! refuses it with [`Error::InvalidArgument`](crate::Error::InvalidArgument).
 //!
 //! The tokens are typed by the backend (`AllReduceArgs<'_, CudaComm>`), so a token made for one backend type
 //! cannot be handed to another whose shape was never checked.

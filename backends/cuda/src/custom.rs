@@ -406,8 +406,9 @@ impl CustomKernels {
         unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
     }
 
-    /// Takes `kind`'s `dtype` kernel from the table resolved at load, binds the context and launches it with the parameters `head` followed by
-    /// the ones every kernel ends with: the flag pointers, rank, world and vector count.
+    /// Takes `kind`'s `dtype` kernel from the table resolved at load, binds the context and launches it with the
+    /// parameters `head` followed by the ones every kernel ends with: the flag pointers, rank, world and vector
+    /// count.
     ///
     /// # Safety
     /// `head` points to live values matching the kernel's leading parameters; the caller's contract of
