@@ -70,7 +70,7 @@ fn time_device(
             })?;
             // As an engine does after capturing: the custom kernels' captured inputs are registered (collective;
             // every rank captured the same calls), so replays read every rank's input directly.
-            c.backend_mut().register_graph_buffers(None)?;
+            c.register_graph_buffers(None)?;
             for _ in 0..cfg.warmup.max(1) {
                 graph.launch(stream)?;
             }

@@ -5,9 +5,11 @@
 use std::sync::Arc;
 
 use crate::algo::{Algorithm, Vendor};
+pub use crate::args::{AllGatherArgs, AllReduceArgs, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs};
+pub use crate::bootstrap::Bootstrap;
 use crate::caps::CapabilityReport;
 use crate::dtype::{DataType, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Error, InvalidArgument, Result};
 use crate::runtime::{BufferLike, MemoryRuntime};
 use crate::selector::{Selection, SelectionQuery, Selector};
 use crate::validate::{self, CallShape, InOutDesc};
@@ -67,8 +69,13 @@ pub struct AllReduceCall {
     pub bufs: Option<InOutDesc>,
 }
 
-/// What a backend implements for one rank. Arguments reach it already validated by [`Communicator`]; the
-/// backend still returns errors for what only it can detect (vendor failures, peers that leave, timeouts).
+/// What a backend implements for one rank.
+///
+/// Its collective methods take a validated description ([`AllReduceArgs`] and the others, see [`crate::args`]),
+/// which only [`Communicator`] can make, after validating the call against this very backend: the methods are
+/// safe, and a backend may rely on the description's buffers holding what it says (to enter `unsafe` for a vendor
+/// call) without checking again. The backend still returns errors for what only it can detect (vendor failures,
+/// peers that leave, timeouts).
 pub trait CommBackend: Send {
     /// The memory runtime the backend's buffers and streams come from.
     type Runtime: MemoryRuntime;
@@ -97,70 +104,32 @@ pub trait CommBackend: Send {
         Ok(())
     }
 
-    /// All-reduce with the given algorithm.
-    fn all_reduce(
-        &mut self,
-        algorithm: Algorithm,
-        bufs: InOut<'_, BufOf<Self>>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
+    /// All-reduce with the algorithm the description carries (chosen and found eligible by the front-end).
+    fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()>;
     /// All-gather of `count` elements per rank.
-    fn all_gather(
-        &mut self,
-        bufs: InOut<'_, BufOf<Self>>,
-        count: usize,
-        dtype: DataType,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
+    fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()>;
     /// Reduce-scatter to `count` elements per rank.
-    fn reduce_scatter(
-        &mut self,
-        bufs: InOut<'_, BufOf<Self>>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
-    /// Broadcast from `root`.
-    fn broadcast(
-        &mut self,
-        bufs: InOut<'_, BufOf<Self>>,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
-    /// Reduce to `root`.
-    fn reduce(
-        &mut self,
-        bufs: InOut<'_, BufOf<Self>>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        root: usize,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
-    /// Send `count` elements to `peer`.
-    fn send(
-        &mut self,
-        buf: &BufOf<Self>,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
-    /// Receive `count` elements from `peer`.
-    fn recv(
-        &mut self,
-        buf: &mut BufOf<Self>,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: &StreamOf<Self>,
-    ) -> Result<()>;
+    fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()>;
+    /// Broadcast from the description's root.
+    fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()>;
+    /// Reduce to the description's root.
+    fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()>;
+    /// Send `count` elements to the description's peer.
+    fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()>;
+    /// Receive `count` elements from the description's peer.
+    fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()>;
+    /// Registers the inputs of collectives captured in graphs since the last call, so that replays read every
+    /// rank's input directly (see the CUDA backend). Collective. `bootstrap` is how the ranks reach each other
+    /// when they live in different processes; communicators of one process exchange among themselves. The
+    /// default: nothing to register.
+    fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
+        let _ = bootstrap;
+        Ok(GraphRegistration::default())
+    }
+    /// Inputs of captured collectives not registered yet ([`CommBackend::register_graph_buffers`]).
+    fn pending_graph_buffers(&self) -> usize {
+        0
+    }
     /// Wait until every rank has reached the barrier.
     fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
     /// Waits until the work queued on `stream` has finished, for at most `timeout`. A backend that can watch its
@@ -172,10 +141,21 @@ pub trait CommBackend: Send {
     }
 }
 
+/// What a graph-buffer registration did ([`Communicator::register_graph_buffers`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraphRegistration {
+    /// Inputs whose tables now point at every rank's input.
+    pub registered: usize,
+    /// Inputs left copying through staging, with the reason (still correct, one copy slower).
+    pub kept_staged: Vec<String>,
+}
+
 /// One rank's communicator: the validation and selection front-end over a backend.
 ///
 /// Every collective is validated first ([`crate::validate`]); a bad call returns
-/// [`Error::InvalidArgument`] and the backend never sees it. All-reduce then asks the [`Selector`] which algorithm
+/// [`Error::InvalidArgument`] and the backend never sees it. The communicator is the only door to the backend's
+/// collectives: it alone makes the validated descriptions they take ([`crate::args`]), and it does not hand the
+/// backend out mutably. All-reduce then asks the [`Selector`] which algorithm
 /// runs, logs the choice and the rule behind it at `debug` level, and returns it.
 ///
 /// Thread-safety: a `Communicator` is `Send` when its backend is; it is used from one thread at a time (`&mut`).
@@ -210,14 +190,10 @@ impl<B: CommBackend> Communicator<B> {
         &self.selector
     }
 
-    /// The backend.
+    /// The backend, for its own queries and operations that take `&self` (e.g. symmetric buffers). There is no
+    /// mutable access: every collective goes through the validating methods of the communicator.
     pub fn backend(&self) -> &B {
         &self.backend
-    }
-
-    /// The backend, for its own operations (e.g. registering graph buffers).
-    pub fn backend_mut(&mut self) -> &mut B {
-        &mut self.backend
     }
 
     /// The backend's memory runtime (allocation, copies, streams).
@@ -300,7 +276,7 @@ impl<B: CommBackend> Communicator<B> {
             rule = %sel.why,
             "all-reduce"
         );
-        self.backend.all_reduce(sel.algorithm, bufs, count, dtype, op, stream)?;
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, sel.algorithm))?;
         Ok(sel)
     }
 
@@ -316,7 +292,7 @@ impl<B: CommBackend> Communicator<B> {
     ) -> Result<()> {
         let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
         self.check_algorithm(algorithm, &call)?;
-        self.backend.all_reduce(algorithm, bufs, count, dtype, op, stream)
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, algorithm))
     }
 
     /// All-gather: every rank contributes `count` elements; the output holds `world × count`.
@@ -327,8 +303,8 @@ impl<B: CommBackend> Communicator<B> {
         dtype: DataType,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        validate::all_gather(&self.shape(), &bufs.desc(), count, dtype)?;
-        self.backend.all_gather(bufs, count, dtype, stream)
+        let bytes = validate::all_gather(&self.shape(), &bufs.desc(), count, dtype)?;
+        self.backend.all_gather(AllGatherArgs::new(bufs, stream, count, dtype, bytes))
     }
 
     /// Reduce-scatter: the input holds `world × count` elements; each rank gets its reduced `count`.
@@ -341,8 +317,8 @@ impl<B: CommBackend> Communicator<B> {
         stream: &StreamOf<B>,
     ) -> Result<()> {
         self.check_reduction(dtype, op)?;
-        validate::reduce_scatter(&self.shape(), &bufs.desc(), count, dtype, op)?;
-        self.backend.reduce_scatter(bufs, count, dtype, op, stream)
+        let bytes = validate::reduce_scatter(&self.shape(), &bufs.desc(), count, dtype, op)?;
+        self.backend.reduce_scatter(ReduceScatterArgs::new(bufs, stream, count, dtype, bytes, op))
     }
 
     /// Broadcast `count` elements from `root`.
@@ -354,8 +330,8 @@ impl<B: CommBackend> Communicator<B> {
         root: usize,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        validate::broadcast(&self.shape(), &bufs.desc(), count, dtype, root)?;
-        self.backend.broadcast(bufs, count, dtype, root, stream)
+        let bytes = validate::broadcast(&self.shape(), &bufs.desc(), count, dtype, root)?;
+        self.backend.broadcast(BroadcastArgs::new(bufs, stream, count, dtype, bytes, root))
     }
 
     /// Reduce `count` elements to `root` (the output is written on the root only).
@@ -369,8 +345,8 @@ impl<B: CommBackend> Communicator<B> {
         stream: &StreamOf<B>,
     ) -> Result<()> {
         self.check_reduction(dtype, op)?;
-        validate::reduce(&self.shape(), &bufs.desc(), count, dtype, op, root)?;
-        self.backend.reduce(bufs, count, dtype, op, root, stream)
+        let bytes = validate::reduce(&self.shape(), &bufs.desc(), count, dtype, op, root)?;
+        self.backend.reduce(ReduceArgs::new(bufs, stream, count, dtype, bytes, op, root))
     }
 
     /// Send `count` elements to `peer`.
@@ -382,8 +358,8 @@ impl<B: CommBackend> Communicator<B> {
         peer: usize,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        validate::point_to_point(&self.shape(), "send", &buf.desc(), count, dtype, peer)?;
-        self.backend.send(buf, count, dtype, peer, stream)
+        let bytes = validate::point_to_point(&self.shape(), "send", &buf.desc(), count, dtype, peer)?;
+        self.backend.send(SendArgs::new(buf, stream, count, dtype, bytes, peer))
     }
 
     /// Receive `count` elements from `peer`.
@@ -395,8 +371,29 @@ impl<B: CommBackend> Communicator<B> {
         peer: usize,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        validate::point_to_point(&self.shape(), "recv", &buf.desc(), count, dtype, peer)?;
-        self.backend.recv(buf, count, dtype, peer, stream)
+        let bytes = validate::point_to_point(&self.shape(), "recv", &buf.desc(), count, dtype, peer)?;
+        self.backend.recv(RecvArgs::new(buf, stream, count, dtype, bytes, peer))
+    }
+
+    /// Registers the inputs of all-reduces captured in graphs since the last call, so that replays read every
+    /// rank's input directly instead of copying it through staging (the CUDA backend's custom kernels; other
+    /// backends have nothing to register). Collective: every rank calls it after the same captures and before
+    /// replaying them, with no graph of this communicator running.
+    ///
+    /// `bootstrap` is how the ranks of a one-process-per-GPU communicator reach each other (the rendezvous it was
+    /// made with, or the engine's own [`Bootstrap`]); communicators of one process exchange among themselves and
+    /// take `None`. A bootstrap whose rank or world differs from this communicator's is an
+    /// [`Error::InvalidArgument`].
+    pub fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
+        if let Some(b) = &bootstrap {
+            check_bootstrap(&**b, self.rank(), self.world_size())?;
+        }
+        self.backend.register_graph_buffers(bootstrap)
+    }
+
+    /// Inputs of captured all-reduces not registered yet ([`Communicator::register_graph_buffers`]).
+    pub fn pending_graph_buffers(&self) -> usize {
+        self.backend.pending_graph_buffers()
     }
 
     /// Wait until every rank reaches the barrier.
@@ -411,4 +408,16 @@ impl<B: CommBackend> Communicator<B> {
     pub fn wait(&mut self, stream: &StreamOf<B>, timeout: std::time::Duration) -> Result<()> {
         self.backend.wait(stream, timeout)
     }
+}
+
+/// Refuses a bootstrap that is not this communicator's group: its rank and world must be `rank` and `world`.
+pub fn check_bootstrap(bootstrap: &dyn Bootstrap, rank: usize, world: usize) -> Result<()> {
+    let (br, bw) = (bootstrap.rank(), bootstrap.world());
+    if (br, bw) != (rank, world) {
+        return Err(InvalidArgument::BadWorld(format!(
+            "the bootstrap is rank {br} of {bw}, but the communicator is rank {rank} of {world}"
+        ))
+        .into());
+    }
+    Ok(())
 }

@@ -7,11 +7,15 @@
 //! - the error types ([`Error`], [`InvalidArgument`]);
 //! - the traits a backend implements ([`CommBackend`], [`MemoryRuntime`]) and the [`Communicator`] front-end that
 //!   validates every call and picks the all-reduce algorithm before the backend sees it ([`comm`], [`validate`]);
+//! - the validated call descriptions only the front-end makes ([`args`]) and the [`Bootstrap`] trait through
+//!   which ranks exchange setup bytes ([`bootstrap`]);
 //! - the all-reduce algorithm family and its selector ([`algo`], [`selector`]);
 //! - with the `conformance` feature, the conformance suite every backend runs ([`conformance`]).
 #![forbid(unsafe_code)]
 
 pub mod algo;
+pub mod args;
+pub mod bootstrap;
 pub mod caps;
 pub mod comm;
 #[cfg(feature = "conformance")]
@@ -25,8 +29,9 @@ pub mod units;
 pub mod validate;
 
 pub use algo::{Algorithm, Vendor};
+pub use bootstrap::Bootstrap;
 pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
-pub use comm::{CommBackend, Communicator, InOut};
+pub use comm::{CommBackend, Communicator, GraphRegistration, InOut};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
 pub use runtime::{check_allocation, check_non_null, round_allocation, BufferDesc, Location, MemoryRuntime};

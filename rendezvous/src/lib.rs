@@ -53,6 +53,30 @@ pub use config::RendezvousConfig;
 pub use fdpass::{FdChannel, FdServer};
 pub use tcp::{Listener, Rejections, Rendezvous};
 
+/// The TCP rendezvous as a [`Bootstrap`](anyccl_core::Bootstrap): what the GPU backends' setup takes
+/// (`&mut dyn Bootstrap`), so an engine may pass this one or its own.
+impl anyccl_core::Bootstrap for Rendezvous {
+    fn rank(&self) -> usize {
+        Rendezvous::rank(self)
+    }
+
+    fn world(&self) -> usize {
+        Rendezvous::world(self)
+    }
+
+    fn all_gather(&mut self, mine: &[u8]) -> anyccl_core::Result<Vec<Vec<u8>>> {
+        Rendezvous::all_gather(self, mine)
+    }
+
+    fn broadcast(&mut self, root: usize, data: Option<&[u8]>) -> anyccl_core::Result<Vec<u8>> {
+        Rendezvous::broadcast(self, root, data)
+    }
+
+    fn barrier(&mut self) -> anyccl_core::Result<()> {
+        Rendezvous::barrier(self)
+    }
+}
+
 /// The `backend` name this crate's [`Error::Backend`](anyccl_core::Error::Backend) errors carry.
 pub const BACKEND_NAME: &str = "rendezvous";
 

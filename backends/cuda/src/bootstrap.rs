@@ -1,12 +1,18 @@
 //! Multi-process setup: ranks find each other through the rendezvous (torchrun / Slurm environment), rank 0
 //! creates the NCCL unique id and sends it to the others, and every rank joins the communicator on its GPU. The
 //! same rendezvous then exchanges IPC handles.
+//!
+//! Bring your own bootstrap: an engine that moves the NCCL id itself ([`new_unique_id`], [`UniqueId::as_bytes`],
+//! [`UniqueId::from_bytes`]) joins with [`communicator_with_id`], passing any [`Bootstrap`] (its own byte exchange,
+//! or the TCP [`Rendezvous`]) for the custom kernels' and graph buffers' handles. Every function here that needs
+//! peers takes `&mut dyn Bootstrap`.
 
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use anyccl_ccl::{CclVendor, UniqueId};
-use anyccl_core::{Communicator, Error, Reason, Result, Selector};
+pub use anyccl_ccl::UniqueId;
+use anyccl_ccl::{CclLibrary, CclVendor};
+use anyccl_core::{Bootstrap, Communicator, Error, InvalidArgument, Reason, Result, Selector};
 use anyccl_rendezvous::{FdChannel, FdServer, Rendezvous, RendezvousConfig};
 
 use crate::comm::CudaComm;
@@ -14,10 +20,12 @@ use crate::ipc::{LegacyMapping, VmmBuffer};
 use crate::runtime::{DeviceBuffer, DeviceContext};
 
 /// Joins the communicator described by `cfg` on GPU `device` (default: `LOCAL_RANK`, else rank modulo the GPU
-/// count). Returns the communicator and the rendezvous, which stays usable for exchanging handles.
+/// count). Returns the communicator and the rendezvous, which stays usable for exchanging handles (it is a
+/// [`Bootstrap`]: pass it to [`Communicator::register_graph_buffers`]).
 ///
 /// The rendezvous comes first, so a peer that never arrives fails with [`Error::Timeout`] naming it, before any
-/// GPU work.
+/// GPU work. Rank 0 then makes the NCCL unique id and sends it to the others ([`broadcast_unique_id`]), and every
+/// rank joins through [`communicator_with_id`].
 pub fn communicator(
     cfg: RendezvousConfig,
     device: Option<i32>,
@@ -26,40 +34,119 @@ pub fn communicator(
     let local_rank = cfg.local_rank;
     let mut rdv = Rendezvous::establish(cfg)?;
     let (rank, world) = (rdv.rank(), rdv.world());
-    let lib = anyccl_ccl::load(CclVendor::Nccl).map_err(|e| Error::Unsupported {
-        capability: "ccl".into(),
-        reason: Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
-    });
-    // Every rank must reach the broadcast even if its own load failed, or the others wait for the timeout.
-    let id = match (&lib, rank) {
-        (Ok(l), 0) => UniqueId::new(l).map(|id| id.as_bytes().to_vec()),
-        _ => Ok(Vec::new()),
-    };
-    let payload = match &id {
-        Ok(b) => b.clone(),
-        Err(_) => Vec::new(),
-    };
-    let got = rdv.broadcast(0, (rank == 0).then_some(payload.as_slice()))?;
-    id?;
+    let lib = load_nccl();
+    // Every rank reaches the broadcast even if its own load failed, or the others wait for the timeout.
+    let id = share_unique_id(&mut rdv, lib.as_ref().ok());
     let lib = lib?;
-    if got.is_empty() {
-        return Err(Error::PeerFailure("rank 0 could not create an NCCL unique id".into()));
-    }
-    let id = UniqueId::from_bytes(&got)?;
+    let id = id?;
     let info =
         crate::driver::probe().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
     let count = i32::try_from(info.devices.len()).unwrap_or(i32::MAX).max(1);
     let ordinal = device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count));
+    let comm = join(lib, &id, rank, world, ordinal, &mut rdv, selector)?;
+    Ok((comm, rdv))
+}
+
+/// Loads NCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
+pub fn load_nccl() -> Result<Arc<CclLibrary>> {
+    anyccl_ccl::load(CclVendor::Nccl).map_err(|e| Error::Unsupported {
+        capability: "ccl".into(),
+        reason: Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
+    })
+}
+
+/// A fresh NCCL unique id, made on one rank. Move its bytes ([`UniqueId::as_bytes`]) to the other ranks however the
+/// engine does (a file, an environment variable, its own store), rebuild it there with [`UniqueId::from_bytes`],
+/// and join with [`communicator_with_id`]; or let [`broadcast_unique_id`] do it through a [`Bootstrap`].
+pub fn new_unique_id() -> Result<UniqueId> {
+    let lib = load_nccl()?;
+    UniqueId::new(&lib)
+}
+
+/// Rank 0 makes an NCCL unique id and sends it to every rank through `bootstrap`. Collective.
+pub fn broadcast_unique_id(bootstrap: &mut dyn Bootstrap) -> Result<UniqueId> {
+    let lib = load_nccl();
+    share_unique_id(bootstrap, lib.as_ref().ok())
+}
+
+/// [`broadcast_unique_id`] with the library already loaded (or not: rank 0 then sends nothing, and every rank
+/// fails alike instead of waiting).
+fn share_unique_id(bootstrap: &mut dyn Bootstrap, lib: Option<&Arc<CclLibrary>>) -> Result<UniqueId> {
+    let rank = bootstrap.rank();
+    let made = match (lib, rank) {
+        (Some(l), 0) => Some(UniqueId::new(l)),
+        (None, 0) => Some(Err(Error::PeerFailure("rank 0 could not load NCCL".into()))),
+        _ => None,
+    };
+    let payload = match &made {
+        Some(Ok(id)) => id.as_bytes().to_vec(),
+        _ => Vec::new(),
+    };
+    let got = bootstrap.broadcast(0, (rank == 0).then_some(payload.as_slice()))?;
+    if let Some(Err(e)) = made {
+        return Err(e);
+    }
+    if got.is_empty() {
+        return Err(Error::PeerFailure("rank 0 could not create an NCCL unique id".into()));
+    }
+    UniqueId::from_bytes(&got)
+}
+
+/// Joins communicator `id` as `rank` of `world` on GPU `device`, with everything the rendezvous path gives: NCCL,
+/// and the custom all-reduce kernels set up over `bootstrap` (legacy IPC handles; if they cannot be set up, NCCL
+/// still serves every call). For an engine that moves the NCCL id itself (a file, an environment variable, MPI, its
+/// own store) and has its own way to exchange bytes: implement [`Bootstrap`] over it, or use the TCP
+/// [`Rendezvous`]. Keep the bootstrap for [`Communicator::register_graph_buffers`].
+///
+/// Collective: every rank calls it with the same `id` and `world`. `bootstrap` must be this rank's view of the
+/// same group (its rank and world are checked before any GPU work: a mismatch is [`Error::InvalidArgument`]).
+pub fn communicator_with_id(
+    id: &UniqueId,
+    rank: usize,
+    world: usize,
+    device: i32,
+    bootstrap: &mut dyn Bootstrap,
+    selector: Arc<Selector>,
+) -> Result<Communicator<CudaComm>> {
+    check_shape(rank, world, device)?;
+    anyccl_core::comm::check_bootstrap(bootstrap, rank, world)?;
+    join(load_nccl()?, id, rank, world, device, bootstrap, selector)
+}
+
+/// Refuses a shape no communicator has: no ranks, a rank outside the world, a negative device.
+fn check_shape(rank: usize, world: usize, device: i32) -> Result<()> {
+    if world == 0 {
+        return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
+    }
+    if rank >= world {
+        return Err(InvalidArgument::RankOutOfRange { what: "this", rank, world }.into());
+    }
+    if device < 0 {
+        return Err(InvalidArgument::BadWorld(format!("device {device} is not a CUDA device ordinal")).into());
+    }
+    Ok(())
+}
+
+/// NCCL, then the custom kernels over `bootstrap`.
+fn join(
+    lib: Arc<CclLibrary>,
+    id: &UniqueId,
+    rank: usize,
+    world: usize,
+    ordinal: i32,
+    bootstrap: &mut dyn Bootstrap,
+    selector: Arc<Selector>,
+) -> Result<Communicator<CudaComm>> {
     let mut caps = crate::capabilities(Some(&lib), &|k| std::env::var(k).ok());
     caps.apply_env()?;
-    let mut comm = CudaComm::init_rank(lib, ordinal, world, rank, &id, Arc::new(caps))?;
+    let mut comm = CudaComm::init_rank(lib, ordinal, world, rank, id, Arc::new(caps))?;
     // The custom kernels over IPC; if they cannot be set up, NCCL still serves every call.
     if world > 1 {
-        if let Err(e) = comm.enable_custom_ipc(&mut rdv) {
+        if let Err(e) = comm.enable_custom_ipc(bootstrap) {
             tracing::info!(error = %e, "custom all-reduce kernels off for this communicator");
         }
     }
-    Ok((Communicator::new(comm, selector), rdv))
+    Ok(Communicator::new(comm, selector))
 }
 
 /// [`communicator`] with the configuration read from the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
@@ -72,12 +159,12 @@ pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<Cu
 
 /// Exchanges legacy IPC handles of `buf` and opens every peer's buffer (index = rank; own = `None`).
 pub fn exchange_legacy(
-    rdv: &mut Rendezvous,
+    rdv: &mut dyn Bootstrap,
     ctx: &Arc<DeviceContext>,
     buf: &DeviceBuffer,
 ) -> Result<Vec<Option<LegacyMapping>>> {
     let mine = crate::ipc::export_legacy(ctx, buf)?;
-    let all = rdv.all_gather(&mine)?;
+    let all = anyccl_core::bootstrap::checked_all_gather(rdv, &mine)?;
     all.iter()
         .enumerate()
         .map(|(q, h)| if q == rdv.rank() { Ok(None) } else { LegacyMapping::open(ctx, h, buf.len()).map(Some) })
@@ -86,11 +173,15 @@ pub fn exchange_legacy(
 
 /// Exchanges cuMem allocations as file descriptors over private Unix sockets (peer uid checked) and maps every
 /// peer's buffer (index = rank; own = `None`).
-pub fn exchange_vmm(rdv: &mut Rendezvous, ctx: &Arc<DeviceContext>, buf: &VmmBuffer) -> Result<Vec<Option<VmmBuffer>>> {
+pub fn exchange_vmm(
+    rdv: &mut dyn Bootstrap,
+    ctx: &Arc<DeviceContext>,
+    buf: &VmmBuffer,
+) -> Result<Vec<Option<VmmBuffer>>> {
     let (rank, world) = (rdv.rank(), rdv.world());
     let server = FdServer::bind()?;
     let path = server.path().to_string_lossy().into_owned();
-    let paths = rdv.all_gather(path.as_bytes())?;
+    let paths = anyccl_core::bootstrap::checked_all_gather(rdv, path.as_bytes())?;
     let fd = buf.export_fd()?;
     let len = buf.view().len();
     // Send first (a Unix-socket connect completes in the listen backlog), then accept from every peer. The
@@ -143,4 +234,52 @@ fn vmm_message(payload: &[u8], fds: usize) -> std::result::Result<(usize, usize)
     let q = usize::try_from(u64::from_le_bytes(r)).map_err(|_| "a rank beyond usize".to_string())?;
     let len = usize::try_from(u64::from_le_bytes(l)).map_err(|_| "a length beyond usize".to_string())?;
     Ok((q, len))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use anyccl_core::bootstrap::LocalGroup;
+
+    use super::*;
+
+    /// Bring-your-own-id checks its arguments before loading NCCL or touching a GPU: a world of 0, a rank outside
+    /// the world, a negative device, and a bootstrap of another shape are `InvalidArgument`s naming the culprit.
+    #[test]
+    fn communicator_with_id_refuses_bad_shapes_before_any_gpu_work() {
+        let id = UniqueId::from_bytes(&[7u8; 128]).expect("128 bytes");
+        let sel = Arc::new(Selector::defaults());
+        let group = LocalGroup::new(2, Duration::from_secs(1));
+        let mut me = group.member(1);
+        let cases: [(usize, usize, i32, &str); 4] = [
+            (0, 0, 0, "at least one rank"),
+            (2, 2, 0, "this rank 2 is out of range"),
+            (1, 2, -1, "device -1"),
+            (1, 3, 0, "the bootstrap is rank 1 of 2, but the communicator is rank 1 of 3"),
+        ];
+        for (rank, world, device, want) in cases {
+            let e = communicator_with_id(&id, rank, world, device, &mut me, sel.clone()).err().expect("refused");
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+            assert!(e.to_string().contains(want), "{e} (wanted {want:?})");
+        }
+    }
+
+    /// The unique id travels through any bootstrap: here an in-process group whose rank 0 has no NCCL, so every
+    /// rank fails alike (rank 0 with its own error, the others told by the empty broadcast) instead of waiting.
+    #[test]
+    fn a_rank_0_without_nccl_fails_every_rank_through_the_bootstrap() {
+        let group = LocalGroup::new(3, Duration::from_secs(20));
+        let errs: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    let mut me = group.member(r);
+                    s.spawn(move || share_unique_id(&mut me, None).err().map(|e| e.to_string()))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect::<Option<Vec<_>>>().expect("every rank fails")
+        });
+        assert!(errs[0].contains("rank 0 could not load NCCL"), "{}", errs[0]);
+        assert!(errs[1..].iter().all(|e| e.contains("rank 0 could not create an NCCL unique id")), "{errs:?}");
+    }
 }

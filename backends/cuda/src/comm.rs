@@ -3,10 +3,12 @@
 use std::sync::Arc;
 
 use anyccl_ccl::{CclComm, CclLibrary, CclRank, UniqueId};
-use anyccl_core::comm::AllReduceCall;
+use anyccl_core::comm::{
+    AllGatherArgs, AllReduceArgs, AllReduceCall, Bootstrap, BroadcastArgs, GraphRegistration, RecvArgs, ReduceArgs,
+    ReduceScatterArgs, SendArgs,
+};
 use anyccl_core::{
-    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result,
-    Vendor,
+    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, MemoryRuntime, ReduceOp, Result, Vendor,
 };
 
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
@@ -187,11 +189,12 @@ impl CudaComm {
     }
 
     /// Sets the custom kernels up for a communicator with one process per GPU: allocates this rank's staging,
-    /// scratch and flag buffers, exchanges their legacy IPC handles through the rendezvous, and opens every peer's.
-    /// Collective: every rank calls it. A failure turns the kernels off for this communicator, with the reason,
-    /// and is returned too (the communicator stays usable through NCCL).
-    pub fn enable_custom_ipc(&mut self, rdv: &mut anyccl_rendezvous::Rendezvous) -> Result<()> {
-        let r = self.setup_custom_ipc(rdv);
+    /// scratch and flag buffers, exchanges their legacy IPC handles through `bootstrap` (the TCP rendezvous or the
+    /// engine's own; its rank and world must be this communicator's), and opens every peer's. Collective: every
+    /// rank calls it. A failure turns the kernels off for this communicator, with the reason, and is returned too
+    /// (the communicator stays usable through NCCL).
+    pub fn enable_custom_ipc(&mut self, bootstrap: &mut dyn Bootstrap) -> Result<()> {
+        let r = self.setup_custom_ipc(bootstrap);
         match r {
             Ok(st) => {
                 self.custom = Ok(st);
@@ -207,8 +210,9 @@ impl CudaComm {
         }
     }
 
-    fn setup_custom_ipc(&self, rdv: &mut anyccl_rendezvous::Rendezvous) -> Result<CustomState> {
+    fn setup_custom_ipc(&self, bootstrap: &mut dyn Bootstrap) -> Result<CustomState> {
         let world = self.ccl.world();
+        anyccl_core::comm::check_bootstrap(bootstrap, self.ccl.rank(), world)?;
         let off = |why: String| Error::AlgorithmNotEligible { algorithm: Algorithm::OneShot, why };
         // Every rank reaches every exchange below, even after a local failure, so nobody waits for a timeout:
         // failures travel as an empty handle.
@@ -232,7 +236,7 @@ impl CudaComm {
             Ok(l) => &l.6,
             Err(_) => &[],
         };
-        let all = rdv.all_gather(mine)?;
+        let all = anyccl_core::bootstrap::checked_all_gather(bootstrap, mine)?;
         let (kernels, staging, scratch, flags, capacity, max_blocks, _) = local?;
         let h = crate::ipc::LEGACY_HANDLE_BYTES;
         if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 16) {
@@ -269,7 +273,7 @@ impl CudaComm {
             crate::graph_inputs::Transport::Ipc,
         )?;
         // Nobody launches before every rank has mapped everything.
-        rdv.barrier()?;
+        bootstrap.barrier()?;
         Ok(CustomState {
             kernels,
             _staging: staging,
@@ -311,13 +315,13 @@ impl CudaComm {
         let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
         let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();
         let all_flags: Vec<u64> = parts.iter().map(|p| p.3.device_ptr()).collect();
-        let exchange = crate::graph_inputs::LocalExchange::new(world, GRAPH_EXCHANGE_TIMEOUT);
+        let group = anyccl_core::bootstrap::LocalGroup::new(world, GRAPH_EXCHANGE_TIMEOUT);
         parts
             .into_iter()
             .zip(comms)
             .enumerate()
             .map(|(rank, ((kernels, staging, scratch, flags), comm))| {
-                let transport = crate::graph_inputs::Transport::InProcess(exchange.rank(rank));
+                let transport = crate::graph_inputs::Transport::InProcess(group.member(rank));
                 let ctx = comm.runtime.context();
                 let graph = crate::graph_inputs::GraphInputs::new(ctx, all_staging.clone(), rank, transport)
                     .map_err(|e| e.to_string())?;
@@ -388,21 +392,16 @@ impl CudaComm {
     /// Launches a custom all-reduce. Eager: the kernel copies this rank's input into its staging buffer, which the
     /// peers read. During capture: the kernel reads the input through a table in device memory that starts as the
     /// same staging copy and switches to reading every rank's input directly once
-    /// [`CudaComm::register_graph_buffers`] has run (not for in-place one-shot, where a rank would overwrite its
+    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers) has run (not for in-place one-shot, where a rank would overwrite its
     /// input while peers still read it). Stream-ordered and capture-safe (nothing is allocated).
-    fn custom_all_reduce(
-        &mut self,
-        algorithm: Algorithm,
-        bufs: InOut<'_, DeviceBuffer>,
-        bytes: usize,
-        dtype: DataType,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        let capturing = stream.is_capturing()?;
+    fn custom_all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+        let (algorithm, bytes, dtype, stream) = (args.algorithm(), args.bytes(), args.dtype(), args.stream());
+        // Queried once, by the front-end, on this stream.
+        let capturing = args.capturing();
         let rank = self.ccl.rank();
         let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
         self.runtime.context().bind()?;
-        let (src, dst) = anyccl_ccl::rank::io_ptrs(&bufs);
+        let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
         let table =
             if capturing && !(algorithm == Algorithm::OneShot && src == dst) { st.graph.table_for(src) } else { None };
@@ -433,25 +432,6 @@ impl CudaComm {
         }
     }
 
-    /// Registers the inputs of custom all-reduces captured in CUDA graphs since the last call, so that replays
-    /// read every rank's input directly instead of copying it through staging. Collective: every rank calls it
-    /// after the same captures and before replaying them, with no graph of this communicator running.
-    ///
-    /// `rdv` is the rendezvous a one-process-per-GPU communicator was made with ([`crate::bootstrap`]), through
-    /// which the inputs' IPC handles travel; communicators of one process ([`crate::communicators_single_process`])
-    /// exchange pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`
-    /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.
-    pub fn register_graph_buffers(
-        &mut self,
-        rdv: Option<&mut anyccl_rendezvous::Rendezvous>,
-    ) -> Result<crate::graph_inputs::GraphRegistration> {
-        match &mut self.custom {
-            // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
-            Err(_) => Ok(crate::graph_inputs::GraphRegistration::default()),
-            Ok(st) => st.graph.register(rdv.map(|r| r as &mut dyn crate::graph_inputs::Exchange)),
-        }
-    }
-
     /// Why the NVLS algorithms cannot run on this communicator.
     fn nvls_unavailable(&self) -> String {
         match self.caps.require(Capabilities::MULTICAST) {
@@ -460,11 +440,6 @@ impl CudaComm {
                        unicast emulation runs only in tests and anyccl-cuda-emulated-bench"
                 .into(),
         }
-    }
-
-    /// Inputs of captured custom all-reduces not registered yet ([`CudaComm::register_graph_buffers`]).
-    pub fn pending_graph_buffers(&self) -> usize {
-        self.custom.as_ref().map_or(0, |st| st.graph.pending())
     }
 }
 
@@ -535,17 +510,10 @@ impl CommBackend for CudaComm {
         self.ccl.check_reduction(dtype, op)
     }
 
-    fn all_reduce(
-        &mut self,
-        algorithm: Algorithm,
-        bufs: InOut<'_, DeviceBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+        let algorithm = args.algorithm();
         if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
-            return self.custom_all_reduce(algorithm, bufs, count * dtype.size_bytes(), dtype, stream);
+            return self.custom_all_reduce(args);
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
             // The NVLS algorithms: listed, never eligible (see `nvls_unavailable`).
@@ -554,86 +522,75 @@ impl CommBackend for CudaComm {
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
         // registered window, which eligibility has checked.
         self.bind()?;
-        // SAFETY: validated: both buffers hold `count` elements of this device; the stream is live.
-        unsafe { self.ccl.all_reduce(&bufs, count, dtype, op, stream.raw() as _) }
+        let stream = args.stream().raw() as _;
+        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
+        // buffers hold `count` elements of this device and do not overlap unless in place; the stream is live
+        // (borrowed for the call).
+        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.dtype(), args.op(), stream) }
     }
 
-    fn all_gather(
-        &mut self,
-        bufs: InOut<'_, DeviceBuffer>,
-        count: usize,
-        dtype: DataType,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated sizes (recv holds world × count); the stream is live.
-        unsafe { self.ccl.all_gather(&bufs, count, dtype, stream.raw() as _) }
+        // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements of this
+        // device); the stream is live.
+        unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw() as _) }
     }
 
-    fn reduce_scatter(
-        &mut self,
-        bufs: InOut<'_, DeviceBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated sizes (send holds world × count); the stream is live.
-        unsafe { self.ccl.reduce_scatter(&bufs, count, dtype, op, stream.raw() as _) }
+        let stream = args.stream().raw() as _;
+        // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements of this
+        // device); the stream is live.
+        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.dtype(), args.op(), stream) }
     }
 
-    fn broadcast(
-        &mut self,
-        bufs: InOut<'_, DeviceBuffer>,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated sizes and root.
-        unsafe { self.ccl.broadcast(&bufs, count, dtype, root, stream.raw() as _) }
+        let stream = args.stream().raw() as _;
+        // SAFETY: validated by this backend's `Communicator`: sizes and root.
+        unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), stream) }
     }
 
-    fn reduce(
-        &mut self,
-        bufs: InOut<'_, DeviceBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated sizes and root.
-        unsafe { self.ccl.reduce(&bufs, count, dtype, op, root, stream.raw() as _) }
+        let stream = args.stream().raw() as _;
+        // SAFETY: validated by this backend's `Communicator`: sizes and root.
+        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.root(), stream) }
     }
 
-    fn send(
-        &mut self,
-        buf: &DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated size and peer.
-        unsafe { self.ccl.send(buf, count, dtype, peer, stream.raw() as _) }
+        let stream = args.stream().raw() as _;
+        // SAFETY: validated by this backend's `Communicator`: size and peer.
+        unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), stream) }
     }
 
-    fn recv(
-        &mut self,
-        buf: &mut DeviceBuffer,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
+    fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         self.bind()?;
-        // SAFETY: validated size and peer.
-        unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw() as _) }
+        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw() as _);
+        // SAFETY: validated by this backend's `Communicator`: size and peer.
+        unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
+    }
+
+    /// Registers the inputs of custom all-reduces captured in CUDA graphs since the last call, so that replays
+    /// read every rank's input directly instead of copying it through staging (through
+    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers)).
+    ///
+    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`crate::bootstrap`]):
+    /// the inputs' IPC handles travel through it; communicators of one process
+    /// ([`crate::communicators_single_process`]) exchange pointers among themselves and take `None`. Inputs that
+    /// cannot be shared (not `cuMemAlloc` memory, e.g. cuMem/VMM allocations) stay on staging, still correct;
+    /// the result lists them with the reason.
+    fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
+        match &mut self.custom {
+            // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
+            Err(_) => Ok(GraphRegistration::default()),
+            Ok(st) => st.graph.register(bootstrap),
+        }
+    }
+
+    fn pending_graph_buffers(&self) -> usize {
+        self.custom.as_ref().map_or(0, |st| st.graph.pending())
     }
 
     fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {

@@ -106,6 +106,34 @@ pub fn input_table(ptrs: &[u64], registered: bool) -> [u8; INPUT_TABLE_BYTES] {
 /// `anyccl-cuda-emulated-bench --two-shot-rounds` measures them again.
 pub const TWO_SHOT_ROUND_BYTES: usize = 0;
 
+/// The element types the custom kernels are built for, in [`function_slot`] order.
+const KERNEL_DTYPES: [DataType; 3] = [DataType::F32, DataType::F16, DataType::Bf16];
+/// Kernels × input-table or not × element types.
+const FUNCTION_SLOTS: usize = Kind::ALL.len() * 2 * KERNEL_DTYPES.len();
+
+/// Where `kind`'s `dtype` kernel (with an input table or not) sits in [`CustomKernels`]' function table; `None`
+/// for an element type without kernels.
+fn function_slot(kind: Kind, dtype: DataType, table: bool) -> Option<usize> {
+    let d = KERNEL_DTYPES.iter().position(|t| *t == dtype)?;
+    let k = Kind::ALL.iter().position(|x| *x == kind)?;
+    Some((k * 2 + usize::from(table)) * KERNEL_DTYPES.len() + d)
+}
+
+/// The kernel's symbol in the module; `None` where there is none (another element type, or an NVLS variant with
+/// an input table).
+fn kernel_name(kind: Kind, dtype: DataType, table: bool) -> Option<String> {
+    let suffix = dtype_suffix(dtype)?;
+    let t = if table { "table_" } else { "" };
+    Some(match (kind, table) {
+        (Kind::OneShot, _) => format!("anyccl_one_shot_{t}{suffix}"),
+        (Kind::TwoShot, _) => format!("anyccl_two_shot_{t}{suffix}"),
+        (_, true) => return None,
+        (Kind::NvlsZeroCopyEmulated, false) => format!("anyccl_nvls_zero_copy_emu_{suffix}"),
+        (Kind::NvlsBlockPipelineEmulated, false) => format!("anyccl_nvls_block_pipeline_emu_{suffix}"),
+        (Kind::NvlsWarpPipelineEmulated, false) => format!("anyccl_nvls_warp_pipeline_emu_{suffix}"),
+    })
+}
+
 fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
     match dtype {
         DataType::F32 => Some("f32"),
@@ -181,6 +209,9 @@ pub fn stop_waiting(
 /// The kernels loaded for one device.
 pub struct CustomKernels {
     module: sys::CUmodule,
+    /// Every kernel of the module, looked up once at load ([`function_slot`] indexes it); `None` where the module
+    /// lacks it (the launch then says so).
+    functions: [Option<sys::CUfunction>; FUNCTION_SLOTS],
     ctx: Arc<DeviceContext>,
     /// The device's multiprocessor count.
     sms: usize,
@@ -237,7 +268,27 @@ impl CustomKernels {
                 }
             })
             .map_err(|e| cu_err("cuDeviceGetAttribute", e))?;
-        Ok(CustomKernels { module, ctx: ctx.clone(), sms: sms.max(0) as usize })
+        let mut functions = [None; FUNCTION_SLOTS];
+        for kind in Kind::ALL {
+            for table in [false, true] {
+                for dtype in KERNEL_DTYPES {
+                    let (Some(slot), Some(name)) = (function_slot(kind, dtype, table), kernel_name(kind, dtype, table))
+                    else {
+                        continue;
+                    };
+                    // Kernel names are fixed ASCII without NUL bytes.
+                    let Ok(c) = CString::new(name.clone()) else { continue };
+                    // SAFETY: live module; looking a function up by name only reads the module.
+                    match unsafe { result::module::get_function(module, c) } {
+                        Ok(f) => functions[slot] = Some(f),
+                        Err(e) => {
+                            tracing::debug!(kernel = %name, error = %cu_err("cuModuleGetFunction", e), "no such kernel")
+                        }
+                    }
+                }
+            }
+        }
+        Ok(CustomKernels { module, functions, ctx: ctx.clone(), sms: sms.max(0) as usize })
     }
 
     /// How many blocks of `kind`'s `dtype` kernel fit on the device at once (every SM's worth). Ranks emulated on
@@ -251,27 +302,23 @@ impl CustomKernels {
         Ok(per_sm.max(0) as usize * self.sms)
     }
 
+    /// `kind`'s `dtype` kernel (reading its inputs through a table or not), resolved when the module was loaded.
     fn function(&self, kind: Kind, dtype: DataType, table: bool) -> Result<sys::CUfunction> {
-        let suffix = dtype_suffix(dtype).ok_or_else(|| Error::AlgorithmNotEligible {
-            algorithm: anyccl_core::Algorithm::OneShot,
-            why: format!("the custom kernels handle f32, f16 and bf16, not {dtype}"),
-        })?;
-        let table = if table { "table_" } else { "" };
-        let name = match kind {
-            Kind::OneShot => format!("anyccl_one_shot_{table}{suffix}"),
-            Kind::TwoShot => format!("anyccl_two_shot_{table}{suffix}"),
-            Kind::NvlsZeroCopyEmulated => format!("anyccl_nvls_zero_copy_emu_{suffix}"),
-            Kind::NvlsBlockPipelineEmulated => format!("anyccl_nvls_block_pipeline_emu_{suffix}"),
-            Kind::NvlsWarpPipelineEmulated => format!("anyccl_nvls_warp_pipeline_emu_{suffix}"),
+        let Some(slot) = function_slot(kind, dtype, table) else {
+            return Err(Error::AlgorithmNotEligible {
+                algorithm: anyccl_core::Algorithm::OneShot,
+                why: format!("the custom kernels handle f32, f16 and bf16, not {dtype}"),
+            });
         };
-        let c = CString::new(name).map_err(|e| Error::Backend {
+        self.functions[slot].ok_or_else(|| Error::Backend {
             backend: "cuda".into(),
-            call: "kernel name".into(),
+            call: "cuModuleGetFunction".into(),
             code: None,
-            message: e.to_string(),
-        })?;
-        // SAFETY: live module; looking a function up by name only reads the module.
-        unsafe { result::module::get_function(self.module, c) }.map_err(|e| cu_err("cuModuleGetFunction", e))
+            message: format!(
+                "the loaded module has no kernel {}",
+                kernel_name(kind, dtype, table).unwrap_or_else(|| format!("{kind:?} with an input table"))
+            ),
+        })
     }
 
     /// Launches one rank's all-reduce of `bytes` bytes.
@@ -359,8 +406,9 @@ impl CustomKernels {
         unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
     }
 
-    /// Looks `kind`'s `dtype` kernel up, binds the context and launches it with the parameters `head` followed by
-    /// the ones every kernel ends with: the flag pointers, rank, world and vector count.
+    /// Takes `kind`'s `dtype` kernel from the table resolved at load, binds the context and launches it with the
+    /// parameters `head` followed by the ones every kernel ends with: the flag pointers, rank, world and vector
+    /// count.
     ///
     /// # Safety
     /// `head` points to live values matching the kernel's leading parameters; the caller's contract of
@@ -479,6 +527,49 @@ impl Drop for CustomKernels {
         // SAFETY: loaded in `load`, unloaded once.
         if let Err(e) = unsafe { result::module::unload(self.module) } {
             tracing::warn!(error = %cu_err("cuModuleUnload", e), "unloading the kernels failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The function table resolved at load: every kernel has its own slot inside the table, types without
+    /// kernels have none, and every name looked up at load is a symbol of every all-reduce cubin built.
+    #[test]
+    fn every_kernel_has_one_slot_and_a_name_the_cubins_define() {
+        let mut seen = std::collections::HashSet::new();
+        let mut names = Vec::new();
+        for kind in Kind::ALL {
+            for table in [false, true] {
+                for dtype in KERNEL_DTYPES {
+                    let slot = function_slot(kind, dtype, table).expect("a kernel type has a slot");
+                    assert!(slot < FUNCTION_SLOTS && seen.insert(slot), "{kind:?} {dtype} {table}: slot {slot}");
+                    names.extend(kernel_name(kind, dtype, table));
+                }
+                assert_eq!(function_slot(kind, DataType::F64, table), None);
+                assert_eq!(kernel_name(kind, DataType::I32, table), None);
+            }
+        }
+        assert_eq!(seen.len(), FUNCTION_SLOTS);
+        // One-shot and two-shot with and without a table, the three NVLS emulations without: 7 per type.
+        assert_eq!(names.len(), 7 * KERNEL_DTYPES.len());
+        assert_eq!(kernel_name(Kind::TwoShot, DataType::Bf16, true).as_deref(), Some("anyccl_two_shot_table_bf16"));
+
+        let required = std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_some();
+        if let Some(why) = kernels::NOT_BUILT {
+            assert!(!required, "kernels missing in a run that requires them: {why}");
+            eprintln!("NOT CHECKED against the cubins: {why} (CI builds them)");
+            return;
+        }
+        let cubins: Vec<_> = kernels::CUBINS.iter().filter(|(src, _, _)| *src == "allreduce").collect();
+        assert!(!cubins.is_empty());
+        for (_, arch, bytes) in cubins {
+            for name in &names {
+                let sym = format!("{name}\0");
+                assert!(bytes.windows(sym.len()).any(|w| w == sym.as_bytes()), "{arch}: no symbol {name}");
+            }
         }
     }
 }

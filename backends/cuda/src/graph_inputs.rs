@@ -14,11 +14,11 @@
 //! same captures in the same order on every rank) and stay allocated while their graphs may be replayed.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
+use anyccl_core::bootstrap::{Bootstrap, LocalRank};
+pub use anyccl_core::comm::GraphRegistration;
 use anyccl_core::{Error, Result};
-use anyccl_rendezvous::Rendezvous;
 use cudarc::driver::sys;
 
 use crate::custom::{input_table, INPUT_TABLE_BYTES};
@@ -36,108 +36,11 @@ const BATCH: usize = 256;
 /// input's offset in it (between processes) or its address (within one process).
 const ENTRY: usize = 1 + LEGACY_HANDLE_BYTES + 8 + 8;
 
-/// How ranks swap bytes: every rank's contribution, indexed by rank.
-pub trait Exchange {
-    /// Every rank's `mine`, indexed by rank. Collective.
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>>;
-}
-
-impl Exchange for Rendezvous {
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        Rendezvous::all_gather(self, mine)
-    }
-}
-
-/// An all-gather among the communicators of one process, each driven by its own thread.
-pub struct LocalExchange {
-    world: usize,
-    timeout: Duration,
-    state: Mutex<LocalState>,
-    changed: Condvar,
-}
-
-/// A finished round's contributions and how many ranks have yet to read them.
-type Finished = (Vec<Vec<u8>>, usize);
-
-#[derive(Default)]
-struct LocalState {
-    /// The round being filled and its contributions.
-    round: u64,
-    contributions: Vec<Option<Vec<u8>>>,
-    /// Finished rounds not yet read by every rank: round → (result, readers left).
-    done: HashMap<u64, Finished>,
-}
-
-impl LocalExchange {
-    /// An exchange for `world` ranks; a rank waits at most `timeout` for the others.
-    pub fn new(world: usize, timeout: Duration) -> Arc<Self> {
-        let state = LocalState { contributions: vec![None; world], ..LocalState::default() };
-        Arc::new(LocalExchange { world, timeout, state: Mutex::new(state), changed: Condvar::new() })
-    }
-
-    fn all_gather_as(&self, rank: usize, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let poisoned = || Error::PeerFailure("a rank panicked during an in-process exchange".into());
-        let mut st = self.state.lock().map_err(|_| poisoned())?;
-        if rank >= self.world || st.contributions[rank].is_some() {
-            return Err(Error::PeerFailure(format!("rank {rank} joined an in-process exchange twice")));
-        }
-        let round = st.round;
-        st.contributions[rank] = Some(mine.to_vec());
-        if st.contributions.iter().all(Option::is_some) {
-            let all: Vec<Vec<u8>> = st.contributions.iter_mut().map(|c| c.take().unwrap_or_default()).collect();
-            st.done.insert(round, (all, self.world));
-            st.round += 1;
-            self.changed.notify_all();
-        }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            if let Some((all, left)) = st.done.get_mut(&round) {
-                *left -= 1;
-                if *left > 0 {
-                    return Ok(all.clone());
-                }
-                return Ok(st.done.remove(&round).map(|(all, _)| all).unwrap_or_default());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                // Withdraw, so a late peer does not complete a round this rank has given up on.
-                st.contributions[rank] = None;
-                let missing: Vec<String> = (0..self.world)
-                    .filter(|q| *q != rank && st.contributions[*q].is_none())
-                    .map(|q| q.to_string())
-                    .collect();
-                return Err(Error::Timeout {
-                    what: format!("in-process exchange of rank {rank}: ranks [{}] did not arrive", missing.join(", ")),
-                    after: self.timeout,
-                });
-            }
-            st = self.changed.wait_timeout(st, deadline - now).map_err(|_| poisoned())?.0;
-        }
-    }
-
-    /// This exchange as seen by `rank`.
-    pub fn rank(self: &Arc<Self>, rank: usize) -> LocalRank {
-        LocalRank { exchange: self.clone(), rank }
-    }
-}
-
-/// One rank's handle on a [`LocalExchange`].
-pub struct LocalRank {
-    exchange: Arc<LocalExchange>,
-    rank: usize,
-}
-
-impl Exchange for LocalRank {
-    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.exchange.all_gather_as(self.rank, mine)
-    }
-}
-
 /// How the ranks of a communicator reach each other's memory.
 pub enum Transport {
-    /// One process per GPU: legacy IPC handles through the caller's rendezvous.
+    /// One process per GPU: legacy IPC handles through the caller's bootstrap.
     Ipc,
-    /// One process for all ranks (peer access enabled): plain pointers through an in-process exchange.
+    /// One process for all ranks (peer access enabled): plain pointers through an in-process group.
     InProcess(LocalRank),
 }
 
@@ -145,15 +48,6 @@ struct Slot {
     ptr: u64,
     /// Whether a registration has dealt with it (registered, or left on staging for good).
     handled: bool,
-}
-
-/// What [`GraphInputs::register`] did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GraphRegistration {
-    /// Inputs whose tables now point at every rank's input.
-    pub registered: usize,
-    /// Inputs left copying through staging, with the reason (still correct, one copy slower).
-    pub kept_staged: Vec<String>,
 }
 
 /// One rank's graph-input tables and registrations.
@@ -314,20 +208,22 @@ impl GraphInputs {
     }
 
     /// Registers every input seen in captures since the last call: collective (every rank calls it after the
-    /// same captures, before replaying them). `ex` is the rendezvous for [`Transport::Ipc`]; in-process
-    /// communicators use their own exchange and ignore it. No graph of this communicator may be running.
-    pub fn register(&mut self, ex: Option<&mut dyn Exchange>) -> Result<GraphRegistration> {
+    /// same captures, before replaying them). `ex` is the bootstrap for [`Transport::Ipc`]; in-process
+    /// communicators use their own group and ignore it. No graph of this communicator may be running.
+    pub fn register(&mut self, ex: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
         let mut local;
-        let ex: &mut dyn Exchange = match (&self.device.transport, ex) {
+        let ex: &mut dyn Bootstrap = match (&self.device.transport, ex) {
             (Transport::InProcess(l), _) => {
-                local = l.exchange.rank(l.rank);
+                local = l.clone();
                 &mut local
             }
             (Transport::Ipc, Some(ex)) => ex,
             (Transport::Ipc, None) => {
                 return Err(backend(
                     "register_graph_buffers",
-                    "a one-process-per-GPU communicator registers graph buffers through its rendezvous; pass it".into(),
+                    "a one-process-per-GPU communicator registers graph buffers through its bootstrap (the \
+                     rendezvous it was made with, or the engine's own); pass it"
+                        .into(),
                 ))
             }
         };
@@ -350,7 +246,7 @@ fn register_inputs(
     todo: &[(usize, u64)],
     rank: usize,
     world: usize,
-    ex: &mut dyn Exchange,
+    ex: &mut dyn Bootstrap,
 ) -> Result<GraphRegistration> {
     // Every rank must run the same number of rounds: agree on the count first.
     let counts = ex.all_gather(&(todo.len() as u64).to_le_bytes())?;
@@ -423,6 +319,10 @@ fn register_inputs(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use anyccl_core::bootstrap::LocalGroup;
+
     use super::*;
 
     /// A registrar over host bookkeeping: rank `rank`'s input `ptr` is exportable unless listed in
@@ -467,11 +367,11 @@ mod tests {
         todo: &(dyn Fn(usize) -> Vec<(usize, u64)> + Sync),
         fake: &(dyn Fn(usize) -> FakeRegistrar + Sync),
     ) -> Vec<(Result<GraphRegistration>, FakeRegistrar)> {
-        let ex = LocalExchange::new(world, Duration::from_secs(30));
+        let group = LocalGroup::new(world, Duration::from_secs(30));
         std::thread::scope(|sc| {
             let hs: Vec<_> = (0..world)
                 .map(|r| {
-                    let mut me = ex.rank(r);
+                    let mut me = group.member(r);
                     sc.spawn(move || {
                         let mut f = fake(r);
                         let out = register_inputs(&mut f, &todo(r), r, world, &mut me);
@@ -538,63 +438,5 @@ mod tests {
             assert!(err.to_string().contains("must capture the same all-reduces"), "{err}");
             assert!(f.written.is_empty());
         }
-    }
-
-    #[test]
-    fn local_exchange_gathers_every_rank_round_after_round() {
-        let world = 4;
-        let ex = LocalExchange::new(world, Duration::from_secs(30));
-        let results: Vec<Vec<Vec<Vec<u8>>>> = std::thread::scope(|sc| {
-            let hs: Vec<_> = (0..world)
-                .map(|r| {
-                    let mut me = ex.rank(r);
-                    sc.spawn(move || {
-                        (0..50u8).map(|round| me.all_gather(&[r as u8, round]).expect("all-gather")).collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
-        });
-        for per_rank in &results {
-            for (round, all) in per_rank.iter().enumerate() {
-                let want: Vec<Vec<u8>> = (0..world).map(|q| vec![q as u8, round as u8]).collect();
-                assert_eq!(all, &want, "round {round}");
-            }
-        }
-        assert!(ex.state.lock().expect("lock").done.is_empty(), "every finished round was read and dropped");
-    }
-
-    #[test]
-    fn a_missing_rank_is_a_timeout_naming_it() {
-        let ex = LocalExchange::new(3, Duration::from_millis(200));
-        let err = std::thread::scope(|sc| {
-            let mut r1 = ex.rank(1);
-            let h = sc.spawn(move || r1.all_gather(b"x"));
-            let mut r0 = ex.rank(0);
-            let e0 = r0.all_gather(b"y").expect_err("rank 2 never comes");
-            let e1 = h.join().expect("rank thread").expect_err("rank 2 never comes");
-            (e0, e1)
-        });
-        for e in [err.0, err.1] {
-            assert!(matches!(e, Error::Timeout { .. }), "{e}");
-            assert!(e.to_string().contains("2] did not arrive"), "{e}");
-        }
-    }
-
-    #[test]
-    fn the_same_rank_joining_a_round_twice_is_refused() {
-        let ex = LocalExchange::new(2, Duration::from_millis(500));
-        std::thread::scope(|sc| {
-            let mut first = ex.rank(0);
-            let h = sc.spawn(move || first.all_gather(b"1"));
-            // Wait until the first call has deposited its contribution.
-            while ex.state.lock().expect("lock").contributions[0].is_none() {
-                std::thread::yield_now();
-            }
-            let twice = ex.rank(0).all_gather(b"2").expect_err("rank 0 is already in this round");
-            assert!(twice.to_string().contains("twice"), "{twice}");
-            let first = h.join().expect("thread").expect_err("rank 1 never comes");
-            assert!(matches!(first, Error::Timeout { .. }), "{first}");
-        });
     }
 }

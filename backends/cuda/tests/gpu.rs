@@ -421,14 +421,14 @@ fn graph_buffers_single_process_replays_before_and_after_registration() {
                         Ok(())
                     })
                     .map_err(e)?;
-                    let pending = comm.backend().pending_graph_buffers();
+                    let pending = comm.pending_graph_buffers();
                     if pending != 2 {
                         return Err(format!("rank {rank}: {pending} pending graph inputs, expected 2"));
                     }
                     let mut registered = 0;
                     for round in 0..3 {
                         if round == 1 {
-                            let reg = comm.backend_mut().register_graph_buffers(None).map_err(e)?;
+                            let reg = comm.register_graph_buffers(None).map_err(e)?;
                             if reg.registered != 2 || !reg.kept_staged.is_empty() {
                                 return Err(format!("rank {rank}: registration {reg:?}"));
                             }

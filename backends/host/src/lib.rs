@@ -40,7 +40,9 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
-use anyccl_core::comm::AllReduceCall;
+use anyccl_core::comm::{
+    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
+};
 use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error, InOut,
     InvalidArgument, Location, MemoryRuntime, Reason, ReduceOp, Result, Selector, Vendor,
@@ -236,6 +238,40 @@ struct Shared {
 ///
 /// Dropping a rank tells its peers: their next (or current) wait fails with [`Error::PeerFailure`] instead of
 /// hanging.
+///
+/// The backend's collectives take a validated description that only [`Communicator`] makes
+/// ([`anyccl_core::args`]): holding the raw backend does not let a caller describe a 4-byte buffer as 2^20
+/// elements. Neither the old loose-argument call nor a forged description compiles:
+///
+/// ```compile_fail,E0061
+/// use anyccl_core::{Algorithm, CommBackend, DataType, InOut, ReduceOp};
+///
+/// let mut raw = anyccl_host::create_group(1, std::time::Duration::from_secs(1)).unwrap().remove(0);
+/// let mut short = [0u8; 4];
+/// raw.all_reduce(Algorithm::OneShot, InOut::InPlace(&mut short[..]), 1 << 20, DataType::F32, ReduceOp::Sum, &());
+/// ```
+///
+/// ```compile_fail,E0624
+/// use anyccl_core::comm::{AllReduceArgs, AllReduceCall};
+/// use anyccl_core::{Algorithm, CommBackend, DataType, InOut, ReduceOp};
+///
+/// let mut raw = anyccl_host::create_group(1, std::time::Duration::from_secs(1)).unwrap().remove(0);
+/// let mut short = [0u8; 4];
+/// let (count, dtype, op) = (1 << 20, DataType::F32, ReduceOp::Sum);
+/// let call = AllReduceCall { count, dtype, op, bytes: 4 << 20, in_place: true, capturing: false, bufs: None };
+/// raw.all_reduce(AllReduceArgs::new(InOut::InPlace(&mut short[..]), &(), call, Algorithm::OneShot)).unwrap();
+/// ```
+///
+/// Through the communicator the same call is an [`Error::InvalidArgument`] and the backend never sees it:
+///
+/// ```
+/// use anyccl_core::{DataType, Error, InOut, ReduceOp};
+///
+/// let mut comm = anyccl_host::communicators(1, Default::default()).unwrap().remove(0);
+/// let mut short = [0u8; 4];
+/// let r = comm.all_reduce(InOut::InPlace(&mut short[..]), 1 << 20, DataType::F32, ReduceOp::Sum, &());
+/// assert!(matches!(r, Err(Error::InvalidArgument(_))));
+/// ```
 pub struct HostComm {
     rank: usize,
     shared: Arc<Shared>,
@@ -462,17 +498,9 @@ impl CommBackend for HostComm {
         }
     }
 
-    fn all_reduce(
-        &mut self,
-        algorithm: Algorithm,
-        bufs: InOut<'_, [u8]>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        _stream: &(),
-    ) -> Result<()> {
-        let (input, buf) = split_io(bufs);
-        let bytes = count * dtype.size_bytes();
+    fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+        let (algorithm, dtype, op, bytes) = (args.algorithm(), args.dtype(), args.op(), args.bytes());
+        let (input, buf) = split_io(args.into_bufs());
         let input = input.map(|i| &i[..bytes]);
         let buf = &mut buf[..bytes];
         with_type!(dtype, T => match algorithm {
@@ -486,9 +514,9 @@ impl CommBackend for HostComm {
         })
     }
 
-    fn all_gather(&mut self, bufs: InOut<'_, [u8]>, count: usize, dtype: DataType, _stream: &()) -> Result<()> {
-        let part = count * dtype.size_bytes();
-        let (input, buf) = split_io(bufs);
+    fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
+        let part = args.count() * args.dtype().size_bytes();
+        let (input, buf) = split_io(args.into_bufs());
         let own = self.rank * part..(self.rank + 1) * part;
         match input {
             Some(i) => {
@@ -505,17 +533,10 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn reduce_scatter(
-        &mut self,
-        bufs: InOut<'_, [u8]>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        _stream: &(),
-    ) -> Result<()> {
-        let part = count * dtype.size_bytes();
-        let total = part * self.world();
-        let (input, buf) = split_io(bufs);
+    fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
+        let (dtype, op, total) = (args.dtype(), args.op(), args.bytes());
+        let part = args.count() * dtype.size_bytes();
+        let (input, buf) = split_io(args.into_bufs());
         let src = match input {
             Some(i) => &i[..total],
             None => &buf[..total],
@@ -537,9 +558,9 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn broadcast(&mut self, bufs: InOut<'_, [u8]>, count: usize, dtype: DataType, root: usize, _s: &()) -> Result<()> {
-        let bytes = count * dtype.size_bytes();
-        let (input, buf) = split_io(bufs);
+    fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
+        let (bytes, root) = (args.bytes(), args.root());
+        let (input, buf) = split_io(args.into_bufs());
         if self.rank == root {
             let src = input.map_or(&buf[..bytes], |i| &i[..bytes]);
             self.publish(0, src)?;
@@ -555,17 +576,9 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn reduce(
-        &mut self,
-        bufs: InOut<'_, [u8]>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        root: usize,
-        _stream: &(),
-    ) -> Result<()> {
-        let bytes = count * dtype.size_bytes();
-        let (input, buf) = split_io(bufs);
+    fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
+        let (bytes, dtype, op, root) = (args.bytes(), args.dtype(), args.op(), args.root());
+        let (input, buf) = split_io(args.into_bufs());
         self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
         self.barrier_wait()?;
         if self.rank == root {
@@ -578,17 +591,16 @@ impl CommBackend for HostComm {
         self.barrier_wait()
     }
 
-    fn send(&mut self, buf: &[u8], count: usize, dtype: DataType, peer: usize, _stream: &()) -> Result<()> {
-        let bytes = count * dtype.size_bytes();
-        let idx = self.rank * self.world() + peer;
-        let msg = try_copy(&buf[..bytes], "a point-to-point message")?;
+    fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
+        let idx = self.rank * self.world() + args.peer();
+        let msg = try_copy(&args.buf()[..args.bytes()], "a point-to-point message")?;
         self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_back(msg);
         self.shared.sync.notify_all();
         Ok(())
     }
 
-    fn recv(&mut self, buf: &mut [u8], count: usize, dtype: DataType, peer: usize, _stream: &()) -> Result<()> {
-        let bytes = count * dtype.size_bytes();
+    fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
+        let (bytes, peer) = (args.bytes(), args.peer());
         let idx = peer * self.world() + self.rank;
         let msg = self.shared.sync.wait_for(self.rank, peer, self.timeout, || {
             self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).pop_front()
@@ -599,7 +611,7 @@ impl CommBackend for HostComm {
             self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_front(msg);
             return Err(InvalidArgument::MessageMismatch { peer, got, expected: bytes }.into());
         }
-        buf[..bytes].copy_from_slice(&msg);
+        args.into_buf()[..bytes].copy_from_slice(&msg);
         Ok(())
     }
 

@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use anyccl_ccl::{CclLibrary, CclRank};
-use anyccl_core::comm::AllReduceCall;
-use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, InOut, ReduceOp, Result, Vendor};
+use anyccl_core::comm::{
+    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
+};
+use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, ReduceOp, Result, Vendor};
 
 use crate::runtime::{HipBuffer, HipDevice, HipRuntime, HipStream};
 
@@ -131,91 +133,53 @@ impl CommBackend for RocmComm {
         self.ccl.check_reduction(dtype, op)
     }
 
-    fn all_reduce(
-        &mut self,
-        _algorithm: Algorithm,
-        bufs: InOut<'_, HipBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         // Only ccl and ccl-symmetric are eligible here (the same RCCL call: RCCL picks its symmetric path when the
         // buffers lie in a registered window).
         self.runtime.device().bind()?;
-        // SAFETY: validated: both buffers hold `count` elements of this device; the stream is live.
-        unsafe { self.ccl.all_reduce(&bufs, count, dtype, op, stream.raw()) }
+        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
+        // buffers hold `count` elements of this device; the stream is live (borrowed for the call).
+        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.stream().raw()) }
     }
 
-    fn all_gather(
-        &mut self,
-        bufs: InOut<'_, HipBuffer>,
-        count: usize,
-        dtype: DataType,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated sizes (the output holds world × count); the stream is live.
-        unsafe { self.ccl.all_gather(&bufs, count, dtype, stream.raw()) }
+        // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements); the stream
+        // is live.
+        unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw()) }
     }
 
-    fn reduce_scatter(
-        &mut self,
-        bufs: InOut<'_, HipBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated sizes (the input holds world × count); the stream is live.
-        unsafe { self.ccl.reduce_scatter(&bufs, count, dtype, op, stream.raw()) }
+        // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements); the stream
+        // is live.
+        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.dtype(), args.op(), args.stream().raw()) }
     }
 
-    fn broadcast(
-        &mut self,
-        bufs: InOut<'_, HipBuffer>,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated sizes and root.
-        unsafe { self.ccl.broadcast(&bufs, count, dtype, root, stream.raw()) }
+        // SAFETY: validated by this backend's `Communicator`: sizes and root.
+        unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), args.stream().raw()) }
     }
 
-    fn reduce(
-        &mut self,
-        bufs: InOut<'_, HipBuffer>,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        root: usize,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated sizes and root.
-        unsafe { self.ccl.reduce(&bufs, count, dtype, op, root, stream.raw()) }
+        let stream = args.stream().raw();
+        // SAFETY: validated by this backend's `Communicator`: sizes and root.
+        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.root(), stream) }
     }
 
-    fn send(&mut self, buf: &HipBuffer, count: usize, dtype: DataType, peer: usize, stream: &HipStream) -> Result<()> {
+    fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated size and peer.
-        unsafe { self.ccl.send(buf, count, dtype, peer, stream.raw()) }
+        // SAFETY: validated by this backend's `Communicator`: size and peer.
+        unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), args.stream().raw()) }
     }
 
-    fn recv(
-        &mut self,
-        buf: &mut HipBuffer,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: &HipStream,
-    ) -> Result<()> {
+    fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated size and peer.
-        unsafe { self.ccl.recv(buf, count, dtype, peer, stream.raw()) }
+        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw());
+        // SAFETY: validated by this backend's `Communicator`: size and peer.
+        unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
     }
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {

@@ -205,14 +205,14 @@ fn graph_buffers(
         Ok(())
     })?;
     let fail = |m: String| anyccl_core::Error::PeerFailure(format!("rank {rank}: graph buffers: {m}"));
-    let pending = comm.backend().pending_graph_buffers();
+    let pending = comm.pending_graph_buffers();
     if pending != 2 {
         return Err(fail(format!("{pending} pending graph inputs, expected 2")));
     }
     let mut registered = 0;
     for round in 0..3 {
         if round == 1 {
-            let reg = comm.backend_mut().register_graph_buffers(Some(rdv))?;
+            let reg = comm.register_graph_buffers(Some(rdv))?;
             if reg.registered != 2 || !reg.kept_staged.is_empty() {
                 return Err(fail(format!("registration {reg:?}")));
             }
