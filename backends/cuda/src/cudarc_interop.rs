@@ -50,8 +50,9 @@ pub trait CudarcAllReduce {
         stream: &CudarcStream,
     ) -> Result<Selection>;
 
-    /// All-reduces every element of `send` into the first `send.len()` elements of `recv` on `stream`.
-    fn all_reduce<T: Element, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    /// All-reduces every element of `send` into the first `send.len()` elements of `recv` on `stream`. (Named
+    /// apart from [`Communicator::all_reduce`], the untyped front door, which an inherent method would shadow.)
+    fn all_reduce_into<T: Element, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
         &mut self,
         send: &Src,
         recv: &mut Dst,
@@ -142,7 +143,7 @@ impl CudarcAllReduce for Communicator<CudaComm> {
         self.all_reduce(InOut::InPlace(&mut view), count, dtype, op, &on)
     }
 
-    fn all_reduce<T: Element, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    fn all_reduce_into<T: Element, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
         &mut self,
         send: &Src,
         recv: &mut Dst,
