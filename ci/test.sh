@@ -40,6 +40,16 @@ msrv="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"
 rustup toolchain install "$msrv" --profile minimal >/dev/null
 CARGO_TARGET_DIR=target/msrv cargo "+$msrv" check --workspace --all-targets --all-features --locked
 
+step "beside candle: a crate choosing cudarc's linking and version as candle does checks with anyccl's cuda + cudarc"
+# ci/neighbour-candle depends on cudarc 0.19 with candle's features (dynamic-linking, cuda-version-from-build-system,
+# nccl, driver) and on anyccl (cuda, cudarc): cudarc's build script panicked when anyccl chose dynamic-loading too.
+# Its lock is the workspace's (every version as tested above; cargo only adds the neighbour's own entry, and a
+# committed copy would go stale with each dependency change here). cudarc 0.19.10 knows CUDA up to 13.4 and
+# panics on the CI nvcc (13.5), so CUDARC_CUDA_VERSION (which its build script reads before asking nvcc) stands in
+# for the version the build system would report. No kernels: only cudarc's features are under test.
+cp Cargo.lock ci/neighbour-candle/Cargo.lock
+env -u ANYCCL_CUDA_TOOLKIT CUDARC_CUDA_VERSION=13000 cargo check --manifest-path ci/neighbour-candle/Cargo.toml
+
 step "build without the host backend"
 cargo clippy --locked --no-default-features -- -D warnings
 

@@ -62,10 +62,24 @@ pub fn probe() -> Result<&'static DriverInfo, Reason> {
     PROBE.get_or_init(probe_uncached).as_ref().map_err(Clone::clone)
 }
 
+/// The driver library's names: the soname first, then the development link (what cudarc also tries).
+const LIBCUDA_NAMES: &[&str] = if cfg!(windows) { &["nvcuda.dll"] } else { &["libcuda.so.1", "libcuda.so"] };
+
+/// Whether the dynamic loader finds the driver library. Asked here rather than through cudarc's
+/// `is_culib_present`, which exists only when the binary chose cudarc's `dynamic-loading`: with
+/// `dynamic-linking` (candle's choice) the library is already loaded and the answer is yes.
+fn libcuda_loadable() -> bool {
+    LIBCUDA_NAMES.iter().any(|name| {
+        // SAFETY: loads the NVIDIA driver library by its system name, as cudarc itself does before its first call;
+        // its initialisers are the driver's own. No symbol is called here, and the handle is closed on drop (the
+        // library stays loaded while cudarc holds it).
+        unsafe { libloading::Library::new(*name) }.is_ok()
+    })
+}
+
 fn probe_uncached() -> Result<DriverInfo, Reason> {
     let unavailable = |detail: String| Reason::Unavailable { component: "libcuda.so.1".into(), detail };
-    // SAFETY: only tries to dlopen the driver library by its usual names; no symbol is called.
-    if !unsafe { sys::is_culib_present() } {
+    if !libcuda_loadable() {
         return Err(unavailable("not found by the dynamic loader (no NVIDIA driver installed)".into()));
     }
     result::init().map_err(|e| unavailable(format!("cuInit failed: {}", cu_err("cuInit", e))))?;

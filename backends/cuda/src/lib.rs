@@ -12,6 +12,8 @@
 
 pub mod bootstrap;
 pub mod comm;
+#[cfg(feature = "cudarc")]
+pub mod cudarc_interop;
 pub mod custom;
 pub mod driver;
 pub mod emulated;
@@ -28,6 +30,11 @@ use anyccl_ccl::CclLibrary;
 use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
 
 pub use comm::{CudaComm, SymmetricBuffer};
+/// cudarc itself (feature `cudarc`), the version the typed API takes.
+#[cfg(feature = "cudarc")]
+pub use cudarc;
+#[cfg(feature = "cudarc")]
+pub use cudarc_interop::CudarcAllReduce;
 pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext};
 
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective
