@@ -1,4 +1,5 @@
-//! anyccl-host: N ranks as threads over host memory.
+//! anyccl-host: N ranks as threads over host memory, or one process per rank ([`communicator_over`] a bootstrap,
+//! [`from_env`] under `torchrun`; see [`ProcessComm`] for how its data moves).
 //!
 //! The embedded default backend — what `anyccl bench` runs when no GPU backend is available — and the reference
 //! the GPU backends are tested against. It implements every collective for every data type and operator, and the
@@ -32,6 +33,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod process;
 mod reduce;
 mod sync;
 
@@ -51,6 +53,8 @@ use bytemuck::Zeroable;
 
 use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, store_acc, with_type, Reducible};
 use crate::sync::GroupSync;
+
+pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGORITHMS};
 
 /// The all-reduce algorithms of the host backend.
 pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];

@@ -1,0 +1,262 @@
+//! The host backend with one process per rank, started the way `torchrun` starts ranks: a stand-in launcher holds
+//! `MASTER_PORT` (as torchrun's agent store does) and starts the ranks as child processes of this test binary
+//! (test `rank`) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Each rank joins through
+//! `anyccl_host::from_env` and runs core's conformance suite as one rank; the launcher compares the ranks'
+//! all-reduce hashes and an all-reduce against its own reference. Also: a rank killed with SIGKILL makes the
+//! survivors fail with a clear error within the timeout, and the same API over a bring-your-own bootstrap.
+
+use std::net::{Ipv4Addr, TcpListener};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyccl_core::bootstrap::{Bootstrap, LocalGroup};
+use anyccl_core::conformance::{compare_hashes, run_one_rank, Config, RankReport};
+use anyccl_core::{DataType, Error, InOut, ReduceOp};
+use anyccl_host::{communicator_over, from_env, HostBuffer, HostOptions};
+
+/// A rank that has not finished by then is taken as hung.
+const DEADLINE: Duration = Duration::from_secs(40);
+
+/// The per-rank timeout of the killed-rank test (rendezvous and receives).
+const KILL_TIMEOUT_SECS: u64 = 5;
+
+fn suite() -> Config {
+    Config { worlds: vec![], counts: vec![0, 1, 5, 77], dtypes: DataType::ALL.to_vec(), seed: 0x15 }
+}
+
+/// The launcher's own listener on `MASTER_PORT`, at a port whose successor (the rendezvous's) is free when checked.
+fn hold_master_port() -> TcpListener {
+    for _ in 0..50 {
+        let held = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind the launcher's port");
+        let port = held.local_addr().expect("addr").port();
+        if port < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, port + 1)).is_ok() {
+            return held;
+        }
+    }
+    panic!("found no port whose successor is free in 50 tries");
+}
+
+fn start(world: usize, port: u16, mode: &str, extra: &[(&str, String)]) -> Vec<Child> {
+    let exe = std::env::current_exe().expect("test binary");
+    (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["rank", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
+                .env_clear()
+                .env("ANYCCL_HOST_CHILD", mode)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().expect("start a rank")
+        })
+        .collect()
+}
+
+/// Waits for `child` until `start + DEADLINE`, killing it then.
+fn finish(rank: usize, mut child: Child, start: Instant) -> Output {
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if start.elapsed() > DEADLINE {
+            let _ = child.kill();
+            panic!("rank {rank} still ran after {DEADLINE:?}");
+        }
+        // std has no wait with a deadline: poll the child's exit.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.wait_with_output().expect("output")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+fn result_line(rank: usize, out: &Output) -> String {
+    assert!(out.status.success(), "rank {rank} failed ({}):\n{}", out.status, text(out));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .unwrap_or_else(|| panic!("rank {rank} printed no RESULT:\n{}", text(out)))
+        .to_owned()
+}
+
+/// Each rank's all-reduce result is `sum over q of (q + 1) * (i + 1)` for element `i`; the hash line of every rank
+/// must be the same (bitwise identical all-reduce results across processes).
+fn run_world(world: usize) {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let t0 = Instant::now();
+    let kids = start(world, port, "suite", &[]);
+    let lines: Vec<String> = kids.into_iter().enumerate().map(|(r, c)| result_line(r, &finish(r, c, t0))).collect();
+    let sum: f32 = (1..=world).map(|q| q as f32).sum();
+    let want: Vec<String> = (0..4).map(|i| format!("{}", sum * (i + 1) as f32)).collect();
+    let mut hashes = Vec::new();
+    for (rank, l) in lines.iter().enumerate() {
+        let mut parts = l.split(' ');
+        assert_eq!(parts.next(), Some(format!("rank={rank}").as_str()), "{l}");
+        assert_eq!(parts.next(), Some(format!("world={world}").as_str()), "{l}");
+        assert_eq!(parts.next(), Some(format!("allreduce={}", want.join(",")).as_str()), "{l}");
+        let checks: usize = parts.next().and_then(|c| c.strip_prefix("checks=")).expect("checks").parse().expect("n");
+        assert!(checks > 100, "rank {rank} checked only {checks} calls: {l}");
+        hashes.push(parts.next().expect("hashes").to_owned());
+    }
+    assert!(hashes.iter().all(|h| h == &hashes[0]), "all-reduce results differ between the processes: {hashes:?}");
+}
+
+#[test]
+fn world_1_under_a_torchrun_stand_in() {
+    run_world(1);
+}
+
+#[test]
+fn world_2_under_a_torchrun_stand_in() {
+    run_world(2);
+}
+
+#[test]
+fn world_3_under_a_torchrun_stand_in() {
+    run_world(3);
+}
+
+/// Rank 1 of 3 is killed with SIGKILL while its peers wait in an all-reduce: both survivors exit with a typed
+/// error (peer failure or timeout) well within the rendezvous timeout plus a margin, not hang.
+#[test]
+fn a_killed_rank_makes_the_survivors_fail_within_the_timeout() {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ready = dir.path().join("victim-ready");
+    let extra = [
+        ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", KILL_TIMEOUT_SECS.to_string()),
+        ("ANYCCL_HOST_READY_FILE", ready.display().to_string()),
+    ];
+    let t0 = Instant::now();
+    let mut kids = start(3, port, "victim", &extra);
+    while !ready.exists() {
+        assert!(t0.elapsed() < DEADLINE, "the victim never became ready");
+        for (r, k) in kids.iter_mut().enumerate() {
+            if let Some(st) = k.try_wait().expect("wait") {
+                panic!("rank {r} exited ({st}) before the victim was ready");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut victim = kids.remove(1);
+    victim.kill().expect("SIGKILL rank 1");
+    let killed_at = Instant::now();
+    let _ = victim.wait();
+    for (i, k) in kids.into_iter().enumerate() {
+        let rank = if i == 0 { 0 } else { 2 };
+        let out = finish(rank, k, t0);
+        let waited = killed_at.elapsed();
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(3), "rank {rank} should report the failure and exit 3:\n{all}");
+        assert!(all.contains("FAILED "), "{all}");
+        assert!(
+            all.contains("peer failure") || all.contains("timed out") || all.contains("PeerFailure"),
+            "rank {rank}'s error does not say a peer failed or timed out:\n{all}"
+        );
+        assert!(waited < Duration::from_secs(KILL_TIMEOUT_SECS * 2 + 5), "rank {rank} took {waited:?}");
+    }
+}
+
+fn all_reduce_sample(comm: &mut anyccl_core::Communicator<anyccl_host::ProcessComm>) -> anyccl_core::Result<String> {
+    let me = (comm.rank() + 1) as f32;
+    let mut buf = HostBuffer::from_elems(&[me, 2.0 * me, 3.0 * me, 4.0 * me]);
+    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 4, DataType::F32, ReduceOp::Sum, &())?;
+    Ok(buf.to_vec::<f32>().iter().map(|v| v.to_string()).collect::<Vec<_>>().join(","))
+}
+
+fn report_line(rank: usize, world: usize, sample: &str, report: &RankReport) -> String {
+    assert!(report.failures.is_empty(), "rank {rank}: {:#?}", report.failures);
+    let fold = report.all_reduce_hashes.iter().fold(0u64, |a, (id, h)| a.rotate_left(7) ^ id ^ h);
+    format!("rank={rank} world={world} allreduce={sample} checks={} {fold:016x}", report.checks)
+}
+
+/// The rank half, started by the tests above with torchrun's variables.
+#[test]
+#[ignore = "one rank of the launcher tests, which start it with torchrun's variables"]
+fn rank() {
+    let mode = std::env::var("ANYCCL_HOST_CHILD").expect("run by the launcher tests");
+    let opts = HostOptions { timeout: Duration::from_secs(KILL_TIMEOUT_SECS), ..HostOptions::default() };
+    let mut comm = from_env(opts).expect("the host communicator forms");
+    let (rank, world) = (comm.rank(), comm.world_size());
+    match mode.as_str() {
+        "suite" => {
+            let sample = all_reduce_sample(&mut comm).expect("all-reduce");
+            let report = run_one_rank(&mut comm, &(), &suite());
+            println!("RESULT {}", report_line(rank, world, &sample, &report));
+        }
+        "victim" => {
+            all_reduce_sample(&mut comm).expect("a first all-reduce with every rank alive");
+            if rank == 1 {
+                std::fs::write(std::env::var("ANYCCL_HOST_READY_FILE").expect("ready file"), b"").expect("ready");
+                // Wait here to be killed; the launcher fails the test if that never happens.
+                std::thread::sleep(DEADLINE);
+                std::process::exit(4);
+            }
+            loop {
+                if let Err(e) = all_reduce_sample(&mut comm) {
+                    println!("FAILED {e} ({e:?})");
+                    std::process::exit(3);
+                }
+            }
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+/// Bring your own bootstrap: ranks as threads over core's `LocalGroup`, through the same `communicator_over`,
+/// run the conformance suite; every rank passes and all-reduce results are bitwise identical.
+#[test]
+fn ranks_as_threads_over_a_bring_your_own_bootstrap() {
+    let world = 3;
+    let group = LocalGroup::new(world, Duration::from_secs(20));
+    let reports: Vec<(String, RankReport)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let me: Box<dyn Bootstrap + Send> = Box::new(group.member(r));
+                s.spawn(move || {
+                    let mut comm = communicator_over(me, HostOptions::default()).expect("communicator");
+                    let sample = all_reduce_sample(&mut comm).expect("all-reduce");
+                    (sample, run_one_rank(&mut comm, &(), &suite()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    let hashes: Vec<Vec<(u64, u64)>> = reports.iter().map(|(_, r)| r.all_reduce_hashes.clone()).collect();
+    for (rank, (sample, report)) in reports.iter().enumerate() {
+        assert_eq!(sample, "6,12,18,24", "rank {rank}");
+        assert!(report.failures.is_empty(), "rank {rank}: {:#?}", report.failures);
+        assert!(report.checks > 100, "rank {rank} checked only {}", report.checks);
+    }
+    assert!(compare_hashes(&hashes).is_empty(), "{:?}", compare_hashes(&hashes));
+}
+
+/// A bootstrap whose rank is out of its world is refused with a typed error.
+#[test]
+fn a_bootstrap_claiming_a_rank_outside_its_world_is_refused() {
+    struct Liar;
+    impl Bootstrap for Liar {
+        fn rank(&self) -> usize {
+            2
+        }
+        fn world(&self) -> usize {
+            2
+        }
+        fn all_gather(&mut self, mine: &[u8]) -> anyccl_core::Result<Vec<Vec<u8>>> {
+            Ok(vec![mine.to_vec(); 2])
+        }
+    }
+    let e = communicator_over(Box::new(Liar), HostOptions::default()).err().expect("rank 2 of 2");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
