@@ -56,6 +56,11 @@ cargo clippy --locked --no-default-features -- -D warnings
 step "tests (all features)"
 cargo test --workspace --all-features --locked
 
+step "examples/torchrun.rs at world 2 under a torchrun stand-in (holds MASTER_PORT; the host backend across processes)"
+cargo build --locked --example torchrun
+# Each rank contributes rank + 1: the sum at world 2 is 3.
+python3 ci/torchrun_stand_in.py 2 "RESULT rank {rank} of {world}: 3" "${CARGO_TARGET_DIR:-target}/debug/examples/torchrun"
+
 step "real NCCL from the PyPI wheels (cached in \${ANYCCL_CACHE_DIR:-\$HOME/.cache/anyccl})"
 command -v nm >/dev/null || { echo "error: nm (binutils) is needed by the real-NCCL test"; exit 1; }
 ANYCCL_TEST_REAL_NCCL="$(ci/install-nccl.sh)"
