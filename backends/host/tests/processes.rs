@@ -165,6 +165,8 @@ fn a_killed_rank_makes_the_survivors_fail_within_the_timeout() {
             "rank {rank}'s error does not say a peer failed or timed out:\n{all}"
         );
         assert!(waited < Duration::from_secs(KILL_TIMEOUT_SECS * 2 + 5), "rank {rank} took {waited:?}");
+        let line = all.lines().find(|l| l.starts_with("FAILED ")).unwrap_or_default();
+        eprintln!("rank {rank} failed {waited:?} after the kill: {line}");
     }
 }
 
@@ -259,4 +261,39 @@ fn a_bootstrap_claiming_a_rank_outside_its_world_is_refused() {
     }
     let e = communicator_over(Box::new(Liar), HostOptions::default()).err().expect("rank 2 of 2");
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+/// Point-to-point over the mesh: a receive whose size does not match the message is an `InvalidArgument` that loses
+/// nothing (the next receive of the right size gets the message), and messages keep their order.
+#[test]
+fn a_mismatched_receive_loses_nothing() {
+    let group = LocalGroup::new(2, Duration::from_secs(20));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let me: Box<dyn Bootstrap + Send> = Box::new(group.member(r));
+                s.spawn(move || {
+                    let mut comm = communicator_over(me, HostOptions::default()).expect("communicator");
+                    if r == 0 {
+                        comm.send(HostBuffer::from_elems(&[1u32, 2]).as_bytes(), 2, DataType::U32, 1, &())
+                            .expect("send");
+                        comm.send(HostBuffer::from_elems(&[3u32]).as_bytes(), 1, DataType::U32, 1, &()).expect("send");
+                    } else {
+                        let mut one = HostBuffer::from_elems(&[0u32]);
+                        let e = comm.recv(one.as_bytes_mut(), 1, DataType::U32, 0, &()).expect_err("2 elements came");
+                        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+                        let mut two = HostBuffer::from_elems(&[0u32, 0]);
+                        comm.recv(two.as_bytes_mut(), 2, DataType::U32, 0, &()).expect("the same message, whole");
+                        assert_eq!(two.to_vec::<u32>(), [1, 2]);
+                        comm.recv(one.as_bytes_mut(), 1, DataType::U32, 0, &()).expect("the next message");
+                        assert_eq!(one.to_vec::<u32>(), [3]);
+                    }
+                    comm.barrier(&()).expect("barrier");
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().expect("rank thread");
+        }
+    });
 }
