@@ -451,6 +451,13 @@ fn run_rank<B: CommBackend>(
             }
         }
     }
+    // Once the stream has drained, the non-blocking completion query must say so.
+    res.checks += 1;
+    match comm.runtime().synchronize(stream).and_then(|()| comm.query(stream)) {
+        Ok(true) => {}
+        Ok(false) => res.failures.push(format!("rank {rank}: query: a drained stream was reported busy")),
+        Err(e) => res.failures.push(format!("rank {rank}: query on a drained stream: {e}")),
+    }
     res
 }
 
