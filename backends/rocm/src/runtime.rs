@@ -7,23 +7,56 @@
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyccl_core::runtime::BufferLike;
-use anyccl_core::{BufferDesc, Error, Location, MemoryRuntime, Result};
+use anyccl_core::{BufferDesc, CaptureMode, Error, Location, MemoryRuntime, Result};
 
 use crate::loader::HipLibrary;
 use crate::sys;
 
 thread_local! {
-    /// Captures begun through [`HipGraph::capture`] on this thread and not yet ended. They use HIP's thread-local
-    /// mode, in which unsafe calls (allocation, free) are illegal on the capturing thread only, so allocation is
-    /// refused on this thread while one is active.
+    /// Captures begun through [`HipGraph::capture`] on this thread in thread-local (or global) mode and not yet
+    /// ended: unsafe calls (allocation, free) are illegal on the capturing thread, so they are refused on this
+    /// thread while one is active.
     static ACTIVE_CAPTURES: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Global-mode captures begun through [`HipGraph::capture_with`] anywhere in the process and not yet ended: unsafe
+/// calls are illegal on every thread while one is active.
+static GLOBAL_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
 fn capturing_on_this_thread() -> bool {
-    ACTIVE_CAPTURES.with(|c| c.get() > 0)
+    ACTIVE_CAPTURES.with(|c| c.get() > 0) || GLOBAL_CAPTURES.load(Ordering::SeqCst) > 0
+}
+
+/// Counts one capture of `mode` begun on this thread (see [`capturing_on_this_thread`]) until dropped.
+struct CaptureCount {
+    mode: CaptureMode,
+}
+
+impl CaptureCount {
+    fn begin(mode: CaptureMode) -> Self {
+        if mode != CaptureMode::Relaxed {
+            ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
+        }
+        if mode == CaptureMode::Global {
+            GLOBAL_CAPTURES.fetch_add(1, Ordering::SeqCst);
+        }
+        CaptureCount { mode }
+    }
+}
+
+impl Drop for CaptureCount {
+    fn drop(&mut self) {
+        if self.mode != CaptureMode::Relaxed {
+            ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        }
+        if self.mode == CaptureMode::Global {
+            GLOBAL_CAPTURES.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// Turns a HIP status into a `Result`, with HIP's error text.
@@ -340,21 +373,36 @@ unsafe impl Send for HipGraph {}
 
 impl HipGraph {
     /// Captures what `f` submits to `stream` (thread-local mode: other threads' calls are not checked against
-    /// it) and instantiates it. The capture is always ended, also when `f` fails.
+    /// it) and instantiates it. The capture is always ended, also when `f` fails. [`HipGraph::capture_with`]
+    /// chooses the mode.
     pub fn capture<F: FnOnce(&HipStream) -> Result<()>>(stream: &HipStream, f: F) -> Result<Self> {
+        Self::capture_with(stream, CaptureMode::ThreadLocal, f)
+    }
+
+    /// [`HipGraph::capture`] in capture mode `mode`. In [`CaptureMode::Global`] (as engines capture) anyccl
+    /// refuses allocation on every thread of the process while the capture lasts, and HIP invalidates the
+    /// capture if another thread makes an unsafe call itself (this then returns HIP's error).
+    pub fn capture_with<F: FnOnce(&HipStream) -> Result<()>>(
+        stream: &HipStream,
+        mode: CaptureMode,
+        f: F,
+    ) -> Result<Self> {
         let lib = stream.dev.lib.clone();
         let t = lib.table();
         stream.dev.bind()?;
+        let hip_mode = match mode {
+            CaptureMode::Global => sys::HIP_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => sys::HIP_STREAM_CAPTURE_MODE_RELAXED,
+        };
         // SAFETY: the stream is live and not capturing (HIP checks and returns an error otherwise).
-        check(&lib, "hipStreamBeginCapture", unsafe {
-            (t.stream_begin_capture)(stream.raw, sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        })?;
-        ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
+        check(&lib, "hipStreamBeginCapture", unsafe { (t.stream_begin_capture)(stream.raw, hip_mode) })?;
+        let count = CaptureCount::begin(mode);
         let body = f(stream);
         let mut graph: sys::hipGraph_t = std::ptr::null_mut();
         // SAFETY: ends the capture begun above; writes the graph handle.
         let end = unsafe { (t.stream_end_capture)(stream.raw, &mut graph) };
-        ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        drop(count);
         let ended = check(&lib, "hipStreamEndCapture", end);
         if let Err(e) = body {
             Self::destroy_graph(&lib, graph);
@@ -421,6 +469,26 @@ impl HipRuntime {
         HipStream::new(&self.dev)
     }
 
+    /// Free and total memory of this device in bytes (`hipMemGetInfo`), as HIP sees it now. A HIP runtime that
+    /// lacks the call gives [`Error::Unsupported`].
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        let Some(get) = self.dev.lib.table().mem_get_info else {
+            return Err(Error::Unsupported {
+                capability: "memory-info".into(),
+                reason: anyccl_core::Reason::MissingSymbol {
+                    symbol: "hipMemGetInfo".into(),
+                    library: self.dev.lib.path().display().to_string(),
+                    version: None,
+                },
+            });
+        };
+        self.dev.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two sizes for the current device.
+        check(&self.dev.lib, "hipMemGetInfo", unsafe { get(&mut free, &mut total) })?;
+        Ok((free, total))
+    }
+
     fn copy(&self, dst: u64, src: u64, bytes: usize, kind: c_int, stream: &HipStream, what: &str) -> Result<()> {
         if stream.is_capturing()? {
             return Err(refuse_capture(what));
@@ -463,6 +531,10 @@ impl MemoryRuntime for HipRuntime {
 
     fn is_capturing(&self, stream: &HipStream) -> Result<bool> {
         stream.is_capturing()
+    }
+
+    fn query(&self, stream: &HipStream) -> Result<bool> {
+        stream.query()
     }
 }
 
