@@ -275,6 +275,18 @@ impl DeviceBuffer {
     /// [`InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively, so it cannot outlive it and
     /// nothing else uses the buffer meanwhile. A view of a buffer made by [`DeviceBuffer::from_raw`] is bound by
     /// that call's contract.
+    ///
+    /// The borrow checker holds the view to its buffer: this does not compile.
+    /// ```compile_fail
+    /// # fn demo(ctx: &std::sync::Arc<anyccl_cuda::DeviceContext>) -> anyccl_core::Result<()> {
+    /// let view = {
+    ///     let mut buf = anyccl_cuda::DeviceBuffer::alloc(ctx, 1024)?;
+    ///     buf.view_mut(256..512)?
+    /// }; // `buf` is freed here while `view` would still point into it
+    /// # drop(view);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceViewMut<'_>> {
         Ok(DeviceViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
     }
@@ -418,5 +430,34 @@ impl MemoryRuntime for CudaRuntime {
 unsafe impl anyccl_ccl::DeviceAddress for DeviceBuffer {
     fn device_addr(&self) -> u64 {
         self.device_ptr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_cover_exactly_their_range_and_refuse_the_rest() {
+        // SAFETY: never dereferenced: only addresses and lengths are computed, no driver call is made.
+        let mut buf = unsafe { DeviceBuffer::from_raw(0x10_0000, 4096, 3) };
+        let v = buf.view(1024..2048).expect("inside");
+        assert_eq!(v.desc(), BufferDesc { addr: 0x10_0400, len: 1024, location: Location::Device { ordinal: 3 } });
+        let nested = v.view(512..).expect("a view of a view");
+        assert_eq!((nested.device_ptr(), nested.len()), (0x10_0600, 512));
+        assert!(matches!(
+            v.view(..1025).err(),
+            Some(Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { start: 0, end: 1025, len: 1024 }))
+        ));
+        drop(nested);
+        drop(v);
+        let m = buf.view_mut(4096..).expect("an empty view at the end");
+        assert!(m.is_empty());
+        drop(m);
+        assert!(buf.view_mut(0..4097).is_err(), "one byte past the end");
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = buf.view(8..4);
+        assert!(backwards.is_err(), "a range that ends before it starts");
+        assert!(buf.view(..).expect("whole").len() == 4096);
     }
 }
