@@ -193,13 +193,42 @@ fn find_gfx(buf: &[u8]) -> Option<String> {
     None
 }
 
-/// Device memory: owned (freed on drop) or a view of memory owned elsewhere.
+/// One `hipMalloc` allocation, freed when the last buffer or view holding it drops.
+#[derive(Debug)]
+struct HipAllocation {
+    ptr: u64,
+    len: usize,
+    dev: Arc<HipDevice>,
+}
+
+impl Drop for HipAllocation {
+    fn drop(&mut self) {
+        if capturing_on_this_thread() {
+            // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
+            tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
+            return;
+        }
+        if let Err(e) = self.dev.bind() {
+            tracing::warn!(error = %e, "binding the device to free a HIP buffer failed");
+        }
+        // SAFETY: allocated by hipMalloc in `HipBuffer::alloc`, freed once, when its last holder drops.
+        let st = unsafe { (self.dev.lib.table().free)(self.ptr as *mut c_void) };
+        if let Err(e) = check(&self.dev.lib, "hipFree", st) {
+            tracing::warn!(error = %e, "hipFree failed");
+        }
+    }
+}
+
+/// Device memory: owned (freed on drop), a view of memory owned elsewhere, or a range of another buffer
+/// ([`HipBuffer::view`], [`HipBuffer::view_mut`]).
 #[derive(Debug)]
 pub struct HipBuffer {
     ptr: u64,
     len: usize,
     ordinal: i32,
-    owner: Option<Arc<HipDevice>>,
+    /// The allocation when anyccl made it; views share it, so the memory stays allocated while any of them
+    /// exists, even one moved out of its [`HipViewMut`] with `std::mem::swap`.
+    owner: Option<Arc<HipAllocation>>,
 }
 
 // SAFETY: a device address; HIP allows using it from any thread.
@@ -209,7 +238,7 @@ unsafe impl Sync for HipBuffer {}
 
 impl HipBuffer {
     /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused while a
-    /// capture begun through anyccl on this thread is active.
+    /// capture begun through anyccl on this thread (or a global-mode one anywhere) is active.
     pub fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<Self> {
         if capturing_on_this_thread() {
             return Err(refuse_capture("hipMalloc"));
@@ -221,13 +250,14 @@ impl HipBuffer {
         let st = unsafe { (dev.lib.table().malloc)(&mut p, size) };
         check(&dev.lib, "hipMalloc", st)?;
         anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
-        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner: Some(dev.clone()) })
+        let owner = Some(Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() }));
+        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner })
     }
 
     /// A view of `len` bytes at `ptr` on device `ordinal`, owned elsewhere.
     ///
     /// # Safety
-    /// `ptr` is the start of `len` bytes of device memory that outlive the view.
+    /// `ptr` is the start of `len` bytes of device memory that outlive the view (and the views made of it).
     pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: i32) -> Self {
         HipBuffer { ptr, len, ordinal, owner: None }
     }
@@ -246,25 +276,63 @@ impl HipBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    fn sub(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipBuffer> {
+        let (offset, len) = anyccl_core::runtime::view_range(self.len, range)?;
+        // `offset <= self.len` and `[self.ptr, +self.len)` is device memory (allocated here, or promised by
+        // `from_raw`'s contract), so the sum does not wrap.
+        let ptr = self.ptr.wrapping_add(offset as u64);
+        Ok(HipBuffer { ptr, len, ordinal: self.ordinal, owner: self.owner.clone() })
+    }
+
+    /// A read-only view of the bytes `range` of this buffer, to pass as the input of a collective without
+    /// `unsafe`. A range past the end (or ending before it starts) is
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
+    pub fn view(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipView<'_>> {
+        Ok(HipView { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
+
+    /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
+    /// `unsafe`; the bytes outside it are not touched. A range past the end is
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively.
+    pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<HipViewMut<'_>> {
+        Ok(HipViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
 }
 
-impl Drop for HipBuffer {
-    fn drop(&mut self) {
-        if let Some(dev) = self.owner.take() {
-            if capturing_on_this_thread() {
-                // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
-                tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
-                return;
-            }
-            if let Err(e) = dev.bind() {
-                tracing::warn!(error = %e, "binding the device to free a HIP buffer failed");
-            }
-            // SAFETY: allocated by hipMalloc in `alloc`, freed once.
-            let st = unsafe { (dev.lib.table().free)(self.ptr as *mut c_void) };
-            if let Err(e) = check(&dev.lib, "hipFree", st) {
-                tracing::warn!(error = %e, "hipFree failed");
-            }
-        }
+/// A read-only view of a byte range of a [`HipBuffer`] ([`HipBuffer::view`]); it dereferences to a [`HipBuffer`]
+/// and cannot outlive the buffer it borrows.
+#[derive(Debug)]
+pub struct HipView<'a> {
+    buf: HipBuffer,
+    _parent: std::marker::PhantomData<&'a HipBuffer>,
+}
+
+impl std::ops::Deref for HipView<'_> {
+    type Target = HipBuffer;
+    fn deref(&self) -> &HipBuffer {
+        &self.buf
+    }
+}
+
+/// A writable view of a byte range of a [`HipBuffer`] ([`HipBuffer::view_mut`]); it dereferences mutably to a
+/// [`HipBuffer`] and borrows its buffer exclusively for its lifetime.
+#[derive(Debug)]
+pub struct HipViewMut<'a> {
+    buf: HipBuffer,
+    _parent: std::marker::PhantomData<&'a mut HipBuffer>,
+}
+
+impl std::ops::Deref for HipViewMut<'_> {
+    type Target = HipBuffer;
+    fn deref(&self) -> &HipBuffer {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for HipViewMut<'_> {
+    fn deref_mut(&mut self) -> &mut HipBuffer {
+        &mut self.buf
     }
 }
 

@@ -580,3 +580,50 @@ fn memory_info_reports_free_and_total_memory() {
     drop(b);
     assert_eq!(rt.memory_info().expect("memory info").0, free0);
 }
+
+#[test]
+fn an_all_reduce_into_a_view_touches_only_its_range() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let mut cs = comms(&s, 1, false);
+    let c = &mut cs[0];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    let (n, off, m) = (1024usize, 256usize, 128usize);
+    let mut buf = rt.alloc(n * 4).expect("alloc");
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    rt.upload(&mut buf, &f32_bytes(&host), &st).expect("upload");
+    let mut src = rt.alloc(m * 4).expect("alloc");
+    rt.upload(&mut src, &f32_bytes(&vec![7.0; m]), &st).expect("upload");
+    let base = buf.device_ptr();
+    {
+        let mut view = buf.view_mut(off * 4..(off + m) * 4).expect("view");
+        assert_eq!((view.len(), view.device_ptr()), (m * 4, base + off as u64 * 4));
+        c.all_reduce(InOut::Separate { send: &src, recv: &mut view }, m, DataType::F32, ReduceOp::Sum, &st)
+            .expect("all-reduce into the view");
+        let e = c.all_reduce(InOut::InPlace(&mut view), m + 1, DataType::F32, ReduceOp::Sum, &st).expect_err("short");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BufferTooSmall { .. })), "{e}");
+    }
+    let e = buf.view(..n * 4 + 1).expect_err("past the end");
+    assert!(matches!(e, Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { .. })), "{e}");
+    let mut out = vec![0u8; n * 4];
+    rt.download(&buf, &mut out, &st).expect("download");
+    for (i, v) in f32_from(&out).into_iter().enumerate() {
+        let want = if (off..off + m).contains(&i) { 7.0 } else { i as f32 };
+        assert_eq!(v, want, "element {i}");
+    }
+    // A view swapped out of its `HipViewMut` keeps the allocation alive: the memory is freed with the last holder.
+    let (free_before, _) = rt.memory_info().expect("memory info");
+    let mut escaped = rt.alloc(16).expect("alloc");
+    {
+        let mut view = buf.view_mut(..64).expect("view");
+        std::mem::swap(&mut *view, &mut escaped);
+    }
+    drop(buf);
+    assert_eq!(escaped.len(), 64);
+    // The 16-byte buffer went out with the view and was freed; `buf`'s 4 KiB are still held by `escaped`.
+    assert_eq!(rt.memory_info().expect("memory info").0, free_before, "the big allocation is still held");
+    rt.upload(&mut escaped, &f32_bytes(&[1.0; 16]), &st).expect("the escaped view is still valid memory");
+    drop(escaped);
+    assert_eq!(rt.memory_info().expect("memory info").0, free_before + n * 4, "freed with the last holder");
+}
