@@ -150,6 +150,7 @@ pub trait CommBackend: Send {
 
 /// What a graph-buffer registration did ([`Communicator::register_graph_buffers`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GraphRegistration {
     /// Inputs whose tables now point at every rank's input.
     pub registered: usize,

@@ -62,6 +62,7 @@ impl Default for Config {
 
 /// What the suite ran and what failed.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct Summary {
     /// Calls checked (per rank, summed).
     pub checks: usize,
@@ -339,6 +340,7 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
 
 /// What one rank found when it ran the suite by itself, in its own process ([`run_one_rank`]).
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct RankReport {
     /// Calls checked.
     pub checks: usize,
