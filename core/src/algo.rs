@@ -11,6 +11,7 @@ use crate::error::Error;
 /// runs, the [`crate::Selector`] decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Algorithm {
     /// The vendor collective library's own all-reduce (NCCL or RCCL).
     Ccl,
@@ -85,6 +86,7 @@ impl FromStr for Algorithm {
 /// Who made the accelerator a backend drives (the host backend is its own vendor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Vendor {
     /// Host memory, threads as ranks.
     Host,

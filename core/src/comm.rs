@@ -139,10 +139,18 @@ pub trait CommBackend: Send {
         let _ = timeout;
         self.runtime().synchronize(stream)
     }
+    /// Whether the work queued on `stream` has finished, without blocking: `Ok(false)` while it runs. A backend
+    /// that can watch its collective library reports a library error (a peer that died) as an error, without
+    /// aborting; [`CommBackend::wait`] then sees the same error and aborts. A capturing stream is refused. The
+    /// default asks the runtime ([`MemoryRuntime::query`]).
+    fn query(&mut self, stream: &StreamOf<Self>) -> Result<bool> {
+        self.runtime().query(stream)
+    }
 }
 
 /// What a graph-buffer registration did ([`Communicator::register_graph_buffers`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GraphRegistration {
     /// Inputs whose tables now point at every rank's input.
     pub registered: usize,
@@ -407,6 +415,18 @@ impl<B: CommBackend> Communicator<B> {
     /// time they give the library's abort before leaving it to finish in the background.
     pub fn wait(&mut self, stream: &StreamOf<B>, timeout: std::time::Duration) -> Result<()> {
         self.backend.wait(stream, timeout)
+    }
+
+    /// Whether the work queued on `stream` has finished, without blocking: `Ok(true)` when it has, `Ok(false)`
+    /// while it still runs (the communicator stays usable; ask again, or [`Communicator::wait`]). A stream being
+    /// captured is refused with an error, as `wait` refuses it.
+    ///
+    /// On the CUDA and ROCm backends an error the collective library reports while the work runs (a peer that
+    /// died) is returned as [`Error::PeerFailure`] but, unlike `wait`, does not abort the communicator: call
+    /// [`Communicator::wait`] next, which sees the same error at once and aborts (so queued kernels stop), or drop
+    /// the communicator. The host backend's work is done when its call returns: `query` answers `Ok(true)`.
+    pub fn query(&mut self, stream: &StreamOf<B>) -> Result<bool> {
+        self.backend.query(stream)
     }
 }
 

@@ -62,6 +62,7 @@ impl Default for Config {
 
 /// What the suite ran and what failed.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct Summary {
     /// Calls checked (per rank, summed).
     pub checks: usize,
@@ -339,6 +340,7 @@ pub fn run<T: ConformanceTarget>(target: &T, cfg: &Config) -> Summary {
 
 /// What one rank found when it ran the suite by itself, in its own process ([`run_one_rank`]).
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct RankReport {
     /// Calls checked.
     pub checks: usize,
@@ -450,6 +452,13 @@ fn run_rank<B: CommBackend>(
                 return res;
             }
         }
+    }
+    // Once the stream has drained, the non-blocking completion query must say so.
+    res.checks += 1;
+    match comm.runtime().synchronize(stream).and_then(|()| comm.query(stream)) {
+        Ok(true) => {}
+        Ok(false) => res.failures.push(format!("rank {rank}: query: a drained stream was reported busy")),
+        Err(e) => res.failures.push(format!("rank {rank}: query on a drained stream: {e}")),
     }
     res
 }

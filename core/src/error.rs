@@ -171,6 +171,17 @@ pub enum InvalidArgument {
         dtype: DataType,
     },
 
+    /// A view asked for bytes outside its buffer (or a range that ends before it starts).
+    #[error("view range {start}..{end} lies outside the {len}-byte buffer")]
+    RangeOutOfBounds {
+        /// First byte asked for.
+        start: usize,
+        /// One past the last byte asked for (saturated at `usize::MAX` for an inclusive end that overflows).
+        end: usize,
+        /// Length of the buffer in bytes.
+        len: usize,
+    },
+
     /// The element count times the element size (times the world size, where it applies) overflows.
     #[error("element count {count} × {dtype} (× world {world}) overflows the address space")]
     CountOverflow {

@@ -34,5 +34,7 @@ pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
 pub use comm::{CommBackend, Communicator, GraphRegistration, InOut};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
-pub use runtime::{check_allocation, check_non_null, round_allocation, BufferDesc, Location, MemoryRuntime};
+pub use runtime::{
+    check_allocation, check_non_null, round_allocation, BufferDesc, CaptureMode, Location, MemoryRuntime,
+};
 pub use selector::{Selection, SelectionQuery, Selector, SelectorTable};

@@ -4,6 +4,7 @@
 
 use std::borrow::BorrowMut;
 use std::fmt;
+use std::ops::{Bound, RangeBounds};
 
 use serde::Serialize;
 
@@ -29,6 +30,22 @@ impl fmt::Display for Location {
             Location::Device { ordinal } => write!(f, "device {ordinal}"),
         }
     }
+}
+
+/// How a stream capture treats calls from other threads that are unsafe during capture (the CUDA and HIP
+/// `StreamCaptureMode`).
+///
+/// Not `#[non_exhaustive]`: the three modes are the vendors' complete set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CaptureMode {
+    /// Any thread's unsafe call (a synchronous allocation, a stream synchronize) fails while the capture lasts.
+    /// What engines that capture whole forward passes (PyTorch, vLLM) use.
+    Global,
+    /// Only the capturing thread's own unsafe calls fail; other threads (other ranks driving other GPUs) go on.
+    #[default]
+    ThreadLocal,
+    /// No call is refused on behalf of the capture; the caller answers for what it does.
+    Relaxed,
 }
 
 /// What the validation front-end needs to know of a buffer: where it starts, how long it is, where it lives.
@@ -95,6 +112,37 @@ pub trait MemoryRuntime: Send + Sync {
 
     /// Whether `stream` is being captured into a graph right now (the path chosen depends on it).
     fn is_capturing(&self, stream: &Self::Stream) -> Result<bool>;
+
+    /// Whether all work queued on `stream` has finished, without blocking where the runtime can tell (`true`:
+    /// done). Refused while `stream` is being captured. The default synchronizes and answers `true`: right for a
+    /// runtime whose work is done when the call that queued it returns (the host); GPU runtimes override it.
+    fn query(&self, stream: &Self::Stream) -> Result<bool> {
+        self.synchronize(stream).map(|()| true)
+    }
+}
+
+/// The byte range `range` of a `len`-byte buffer as `(offset, length)`, for the views of device buffers. Refused
+/// with [`InvalidArgument::RangeOutOfBounds`] when it ends past `len` or before it starts.
+pub fn view_range(len: usize, range: impl RangeBounds<usize>) -> Result<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(start), Some(end)) if start <= end && end <= len => Ok((start, end - start)),
+        _ => Err(InvalidArgument::RangeOutOfBounds {
+            start: start.unwrap_or(usize::MAX),
+            end: end.unwrap_or(usize::MAX),
+            len,
+        }
+        .into()),
+    }
 }
 
 /// The largest single allocation anyccl asks of a vendor allocator: `isize::MAX` bytes, the most a slice can
@@ -166,6 +214,28 @@ mod tests {
                 "{err:?}"
             );
         }
+    }
+
+    #[test]
+    fn view_ranges_stay_inside_the_buffer() {
+        assert_eq!(view_range(100, ..), Ok((0, 100)));
+        assert_eq!(view_range(100, 10..20), Ok((10, 10)));
+        assert_eq!(view_range(100, 10..=19), Ok((10, 10)));
+        assert_eq!(view_range(100, 90..), Ok((90, 10)));
+        assert_eq!(view_range(100, ..100), Ok((0, 100)));
+        assert_eq!(view_range(100, 100..100), Ok((100, 0)), "an empty view at the end");
+        assert_eq!(view_range(0, ..), Ok((0, 0)));
+        let refused = |len: usize, r: (Bound<usize>, Bound<usize>), start: usize, end: usize| {
+            let err = view_range(len, r).expect_err("out of range");
+            assert_eq!(err, Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { start, end, len }), "{r:?}");
+        };
+        refused(100, (Bound::Included(0), Bound::Excluded(101)), 0, 101);
+        refused(100, (Bound::Included(101), Bound::Unbounded), 101, 100);
+        refused(100, (Bound::Included(20), Bound::Excluded(10)), 20, 10);
+        refused(100, (Bound::Included(0), Bound::Included(usize::MAX)), 0, usize::MAX);
+        refused(100, (Bound::Excluded(usize::MAX), Bound::Unbounded), usize::MAX, 100);
+        let msg = view_range(16, 8..32).expect_err("past the end").to_string();
+        assert!(msg.contains("8..32") && msg.contains("16-byte"), "{msg}");
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub struct SelectionQuery<'a> {
 
 /// The outcome of a selection: which algorithm, and the rule (or override) that chose it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Selection {
     /// The algorithm that runs.
     pub algorithm: Algorithm,

@@ -233,6 +233,18 @@ hipError_t hipFree(void* p) {
     free(p);
     return 0;
 }
+/* A 64 GiB device whose free memory shrinks by what is allocated now. */
+#define FAKE_TOTAL_MEMORY ((size_t)64 << 30)
+hipError_t hipMemGetInfo(size_t* free_bytes, size_t* total) {
+    count_call("hipMemGetInfo");
+    size_t used = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n_allocs; i++) used += allocs[i].size;
+    pthread_mutex_unlock(&mu);
+    *total = FAKE_TOTAL_MEMORY;
+    *free_bytes = used < FAKE_TOTAL_MEMORY ? FAKE_TOTAL_MEMORY - used : 0;
+    return 0;
+}
 hipError_t hipMemGetAddressRange(void** base, size_t* size, void* ptr) {
     count_call("hipMemGetAddressRange");
     hipError_t e = 1;

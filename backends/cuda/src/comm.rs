@@ -625,6 +625,14 @@ impl CommBackend for CudaComm {
         r
     }
 
+    fn query(&mut self, stream: &CudaStream) -> Result<bool> {
+        // `cuStreamQuery` refuses a capturing stream before NCCL is asked anything.
+        if stream.query()? {
+            return Ok(true);
+        }
+        library_still_running(&self.ccl)
+    }
+
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
         // An all-reduce of one element, then wait: every rank has arrived when it completes.
         self.bind()?;
@@ -636,6 +644,20 @@ impl CommBackend for CudaComm {
         }
         stream.synchronize()
     }
+}
+
+/// `Ok(false)` for work still running on a healthy communicator; the library's asynchronous error (a peer that
+/// died) as [`anyccl_core::Error::PeerFailure`], without aborting: [`CommBackend::wait`] sees it again and aborts.
+fn library_still_running(ccl: &CclRank) -> Result<bool> {
+    ccl.ccl().async_error().map_err(|e| {
+        anyccl_core::Error::PeerFailure(format!(
+            "rank {} of {}: the collective library reported an error while the work ran: {e}; call wait to abort \
+             the communicator",
+            ccl.rank(),
+            ccl.world()
+        ))
+    })?;
+    Ok(false)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use anyccl_core::Result;
+use anyccl_core::{CaptureMode, Result};
 use cudarc::driver::{result, sys};
 
 use crate::driver::cu_err;
@@ -24,18 +24,28 @@ impl Graph {
     ///
     /// Thread-local capture mode: other threads of the process (other ranks driving other GPUs) may keep making
     /// calls that global mode forbids while one thread captures. In global mode a second rank's thread invalidated
-    /// the capture at world 2 on an H200 pair.
+    /// the capture at world 2 on an H200 pair. [`Graph::capture_with`] chooses the mode.
     pub fn capture(
         ctx: &Arc<DeviceContext>,
         stream: &CudaStream,
         body: impl FnOnce(&CudaStream) -> Result<()>,
     ) -> Result<Self> {
+        Self::capture_with(ctx, stream, CaptureMode::ThreadLocal, body)
+    }
+
+    /// [`Graph::capture`] in capture mode `mode`: [`CaptureMode::Global`] as engines such as PyTorch capture
+    /// (then no other thread of the process may allocate or synchronize while `body` runs, or the capture is
+    /// invalidated and this returns the driver's error), or [`CaptureMode::Relaxed`].
+    pub fn capture_with(
+        ctx: &Arc<DeviceContext>,
+        stream: &CudaStream,
+        mode: CaptureMode,
+        body: impl FnOnce(&CudaStream) -> Result<()>,
+    ) -> Result<Self> {
         ctx.bind()?;
         // SAFETY: live stream, not already capturing (the driver reports an error otherwise).
-        unsafe {
-            result::stream::begin_capture(stream.raw(), sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        }
-        .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
+        unsafe { result::stream::begin_capture(stream.raw(), cu_capture_mode(mode)) }
+            .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
         let r = body(stream);
         // SAFETY: ends the capture begun above, whatever `body` did.
         let graph = unsafe { result::stream::end_capture(stream.raw()) };
@@ -73,6 +83,15 @@ impl Drop for Graph {
                 tracing::warn!(error = %cu_err("cuGraphDestroy", e), "destroying a graph failed");
             }
         }
+    }
+}
+
+/// The driver's value of `mode`.
+pub(crate) fn cu_capture_mode(mode: CaptureMode) -> sys::CUstreamCaptureMode {
+    match mode {
+        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
     }
 }
 

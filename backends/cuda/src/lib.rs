@@ -35,7 +35,7 @@ pub use comm::{CudaComm, SymmetricBuffer};
 pub use cudarc;
 #[cfg(feature = "cudarc")]
 pub use cudarc_interop::CudarcAllReduce;
-pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext};
+pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceView, DeviceViewMut};
 
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective
 /// library's capabilities when one is loaded.

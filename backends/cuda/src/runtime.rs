@@ -184,12 +184,32 @@ impl Drop for CudaStream {
     }
 }
 
-/// Device memory: allocated by anyccl (freed on drop) or a view of the engine's memory.
+/// One `cuMemAlloc` allocation, freed when the last buffer or view holding it drops.
+struct Allocation {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<DeviceContext>,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if self.ctx.bind().is_ok() {
+            // SAFETY: allocated by `DeviceBuffer::alloc` and freed once, when its last holder drops.
+            if let Err(e) = unsafe { result::free_sync(self.ptr) } {
+                tracing::warn!(error = %cu_err("cuMemFree", e), "freeing device memory failed");
+            }
+        }
+    }
+}
+
+/// Device memory: allocated by anyccl (freed on drop), a view of the engine's memory, or a range of another
+/// buffer ([`DeviceBuffer::view`], [`DeviceBuffer::view_mut`]).
 pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     ordinal: u32,
-    owner: Option<Arc<DeviceContext>>,
+    /// The allocation this memory belongs to when anyccl made it; views share it, so the memory stays allocated
+    /// while any of them exists, even one moved out of its [`DeviceViewMut`] with `std::mem::swap`.
+    owner: Option<Arc<Allocation>>,
 }
 
 // SAFETY: a device pointer is an address; using it from any thread is allowed by the driver.
@@ -206,7 +226,8 @@ impl DeviceBuffer {
         // SAFETY: plain allocation in the current context.
         let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cu_err("cuMemAlloc", e))?;
         anyccl_core::runtime::check_non_null("cuda", "cuMemAlloc", ptr, bytes)?;
-        Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner: Some(ctx.clone()) })
+        let owner = Some(Arc::new(Allocation { ptr, ctx: ctx.clone() }));
+        Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner })
     }
 
     /// A view of `len` bytes at device address `ptr` on device `ordinal`, owned by someone else (a PyTorch
@@ -232,18 +253,77 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// A non-owning buffer of `range` (in bytes) of this one, sharing its allocation.
+    fn sub(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceBuffer> {
+        let (offset, len) = anyccl_core::runtime::view_range(self.len, range)?;
+        // `offset <= self.len` and `[self.ptr, +self.len)` is device memory (allocated here, or promised by
+        // `from_raw`'s contract), so the sum does not wrap.
+        let ptr = self.ptr.wrapping_add(offset as u64);
+        Ok(DeviceBuffer { ptr, len, ordinal: self.ordinal, owner: self.owner.clone() })
+    }
+
+    /// A read-only view of the bytes `range` of this buffer (for example `1024..2048`), to pass as the input of a
+    /// collective without `unsafe`. A range past the end (or ending before it starts) is
+    /// [`InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
+    pub fn view(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceView<'_>> {
+        Ok(DeviceView { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
+
+    /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
+    /// `unsafe`; the bytes outside the range are not touched. A range past the end is
+    /// [`InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively, so it cannot outlive it and
+    /// nothing else uses the buffer meanwhile. A view of a buffer made by [`DeviceBuffer::from_raw`] is bound by
+    /// that call's contract.
+    ///
+    /// The borrow checker holds the view to its buffer: this does not compile.
+    /// ```compile_fail
+    /// # fn demo(ctx: &std::sync::Arc<anyccl_cuda::DeviceContext>) -> anyccl_core::Result<()> {
+    /// let view = {
+    ///     let mut buf = anyccl_cuda::DeviceBuffer::alloc(ctx, 1024)?;
+    ///     buf.view_mut(256..512)?
+    /// }; // `buf` is freed here while `view` would still point into it
+    /// # drop(view);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceViewMut<'_>> {
+        Ok(DeviceViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
 }
 
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        if let Some(ctx) = &self.owner {
-            if ctx.bind().is_ok() {
-                // SAFETY: allocated by `alloc` and freed once.
-                if let Err(e) = unsafe { result::free_sync(self.ptr) } {
-                    tracing::warn!(error = %cu_err("cuMemFree", e), "freeing device memory failed");
-                }
-            }
-        }
+/// A read-only view of a byte range of a [`DeviceBuffer`] ([`DeviceBuffer::view`]); it dereferences to a
+/// [`DeviceBuffer`], so every collective takes it as an input, and it cannot outlive the buffer it borrows.
+pub struct DeviceView<'a> {
+    buf: DeviceBuffer,
+    _parent: std::marker::PhantomData<&'a DeviceBuffer>,
+}
+
+impl std::ops::Deref for DeviceView<'_> {
+    type Target = DeviceBuffer;
+    fn deref(&self) -> &DeviceBuffer {
+        &self.buf
+    }
+}
+
+/// A writable view of a byte range of a [`DeviceBuffer`] ([`DeviceBuffer::view_mut`]); it dereferences mutably to
+/// a [`DeviceBuffer`], so every collective takes it as an output or in place, and it borrows its buffer
+/// exclusively for its lifetime.
+pub struct DeviceViewMut<'a> {
+    buf: DeviceBuffer,
+    _parent: std::marker::PhantomData<&'a mut DeviceBuffer>,
+}
+
+impl std::ops::Deref for DeviceViewMut<'_> {
+    type Target = DeviceBuffer;
+    fn deref(&self) -> &DeviceBuffer {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for DeviceViewMut<'_> {
+    fn deref_mut(&mut self) -> &mut DeviceBuffer {
+        &mut self.buf
     }
 }
 
@@ -273,6 +353,13 @@ impl CudaRuntime {
     /// A new stream on this device.
     pub fn stream(&self) -> Result<CudaStream> {
         CudaStream::new(&self.ctx)
+    }
+
+    /// Free and total memory of this device in bytes (`cuMemGetInfo`), as the driver sees it now: free memory
+    /// shrinks as this and other processes allocate.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.bind()?;
+        result::mem_get_info().map_err(|e| cu_err("cuMemGetInfo", e))
     }
 }
 
@@ -333,11 +420,44 @@ impl MemoryRuntime for CudaRuntime {
     fn is_capturing(&self, stream: &CudaStream) -> Result<bool> {
         stream.is_capturing()
     }
+
+    fn query(&self, stream: &CudaStream) -> Result<bool> {
+        stream.query()
+    }
 }
 
 // SAFETY: `device_ptr` is the start of `len` bytes of device memory, owned or borrowed for the value's lifetime.
 unsafe impl anyccl_ccl::DeviceAddress for DeviceBuffer {
     fn device_addr(&self) -> u64 {
         self.device_ptr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_cover_exactly_their_range_and_refuse_the_rest() {
+        // SAFETY: never dereferenced: only addresses and lengths are computed, no driver call is made.
+        let mut buf = unsafe { DeviceBuffer::from_raw(0x10_0000, 4096, 3) };
+        let v = buf.view(1024..2048).expect("inside");
+        assert_eq!(v.desc(), BufferDesc { addr: 0x10_0400, len: 1024, location: Location::Device { ordinal: 3 } });
+        let nested = v.view(512..).expect("a view of a view");
+        assert_eq!((nested.device_ptr(), nested.len()), (0x10_0600, 512));
+        assert!(matches!(
+            v.view(..1025).err(),
+            Some(Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { start: 0, end: 1025, len: 1024 }))
+        ));
+        drop(nested);
+        drop(v);
+        let m = buf.view_mut(4096..).expect("an empty view at the end");
+        assert!(m.is_empty());
+        drop(m);
+        assert!(buf.view_mut(0..4097).is_err(), "one byte past the end");
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = buf.view(8..4);
+        assert!(backwards.is_err(), "a range that ends before it starts");
+        assert!(buf.view(..).expect("whole").len() == 4096);
     }
 }

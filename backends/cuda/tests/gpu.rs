@@ -543,3 +543,74 @@ fn wait_on_a_stream_that_never_finishes_times_out_aborts_nccl_and_later_calls_fa
     drop(comm); // destroys nothing twice: the communicator was aborted
     eprintln!("wait returned after {took:?}; gate opened at {opened:?}; stream drained at {drained:?}; error: {text}");
 }
+
+/// A communicator of world 1 on device 0, its runtime and a stream.
+fn world_one() -> (Communicator<CudaComm>, anyccl_cuda::CudaRuntime, CudaStream) {
+    let mut cs =
+        anyccl_cuda::communicators_single_process(nccl(), &[0], Arc::new(Selector::defaults())).expect("communicator");
+    let c = cs.pop().expect("one communicator");
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    (c, rt, st)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn all_reduce_of_a_view_touches_only_its_range() {
+    use anyccl_core::MemoryRuntime;
+    let (mut c, rt, st) = world_one();
+    let (n, off, m) = (1024usize, 256usize, 128usize);
+    let mut buf = rt.alloc(n * 4).expect("alloc");
+    let host: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    rt.upload(&mut buf, &host, &st).expect("upload");
+    let mut src = rt.alloc(m * 4).expect("alloc");
+    rt.upload(&mut src, &[7.0f32.to_le_bytes(); 128].concat(), &st).expect("upload");
+    let base = buf.device_ptr();
+    {
+        let mut view = buf.view_mut(off * 4..(off + m) * 4).expect("view");
+        assert_eq!((view.len(), view.device_ptr()), (m * 4, base + off as u64 * 4));
+        // World 1: the all-reduce copies `src` into the view.
+        c.all_reduce(InOut::Separate { send: &src, recv: &mut view }, m, DataType::F32, ReduceOp::Sum, &st)
+            .expect("all-reduce into the view");
+        // More elements than the view holds: refused, nothing queued.
+        let e = c.all_reduce(InOut::InPlace(&mut view), m + 1, DataType::F32, ReduceOp::Sum, &st).expect_err("short");
+        assert!(matches!(e, anyccl_core::Error::InvalidArgument(_)), "{e}");
+    }
+    assert!(matches!(
+        buf.view(0..n * 4 + 1).err(),
+        Some(anyccl_core::Error::InvalidArgument(anyccl_core::InvalidArgument::RangeOutOfBounds { .. }))
+    ));
+    c.wait(&st, std::time::Duration::from_secs(30)).expect("wait");
+    assert!(c.query(&st).expect("query"), "the stream drained");
+    let mut out = vec![0u8; n * 4];
+    rt.download(&buf, &mut out, &st).expect("download");
+    let got: Vec<f32> = out.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    for (i, v) in got.iter().enumerate() {
+        let want = if (off..off + m).contains(&i) { 7.0 } else { i as f32 };
+        assert_eq!(*v, want, "element {i}");
+    }
+    let (free, total) = rt.memory_info().expect("memory info");
+    assert!(free > 0 && free <= total, "{free} of {total}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn a_global_mode_capture_of_an_all_reduce_replays_correctly() {
+    use anyccl_core::{CaptureMode, MemoryRuntime};
+    let (mut c, rt, st) = world_one();
+    let n = 256usize;
+    let mut buf = rt.alloc(n * 4).expect("alloc");
+    rt.upload(&mut buf, &[3.0f32.to_le_bytes(); 256].concat(), &st).expect("upload");
+    let mut out_buf = rt.alloc(n * 4).expect("alloc");
+    let g = anyccl_cuda::graph::Graph::capture_with(rt.context(), &st, CaptureMode::Global, |st| {
+        assert!(c.query(st).is_err(), "query is refused during capture");
+        c.all_reduce(InOut::Separate { send: &buf, recv: &mut out_buf }, n, DataType::F32, ReduceOp::Sum, st)
+            .map(|_| ())
+    })
+    .expect("global-mode capture");
+    g.launch(&st).expect("launch");
+    c.wait(&st, std::time::Duration::from_secs(30)).expect("wait");
+    let mut out = vec![0u8; n * 4];
+    rt.download(&out_buf, &mut out, &st).expect("download");
+    assert_eq!(out, [3.0f32.to_le_bytes(); 256].concat());
+}

@@ -187,6 +187,14 @@ impl CommBackend for RocmComm {
         self.ccl.wait_or_abort(timeout, &mut || stream.query(), &mut || {})
     }
 
+    fn query(&mut self, stream: &HipStream) -> Result<bool> {
+        // `hipStreamQuery` refuses a capturing stream before RCCL is asked anything.
+        if stream.query()? {
+            return Ok(true);
+        }
+        library_still_running(&self.ccl)
+    }
+
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
         self.runtime.device().bind()?;
         // SAFETY: a 4-byte buffer of this device; the stream is live.
@@ -197,4 +205,18 @@ impl CommBackend for RocmComm {
         }
         stream.synchronize()
     }
+}
+
+/// `Ok(false)` for work still running on a healthy communicator; the library's asynchronous error (a peer that
+/// died) as [`anyccl_core::Error::PeerFailure`], without aborting: [`CommBackend::wait`] sees it again and aborts.
+fn library_still_running(ccl: &CclRank) -> Result<bool> {
+    ccl.ccl().async_error().map_err(|e| {
+        anyccl_core::Error::PeerFailure(format!(
+            "rank {} of {}: the collective library reported an error while the work ran: {e}; call wait to abort \
+             the communicator",
+            ccl.rank(),
+            ccl.world()
+        ))
+    })?;
+    Ok(false)
 }

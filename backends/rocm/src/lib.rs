@@ -23,7 +23,7 @@ use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, 
 
 pub use comm::{RocmComm, SymmetricBuffer};
 pub use loader::{HipLibrary, HipLoadError};
-pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream};
+pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
 
 /// What the ROCm backend can do with `hip` (the HIP runtime, or why it did not load) and `ccl` (RCCL, if one
 /// loaded); `env` reads environment variables.

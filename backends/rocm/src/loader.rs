@@ -134,6 +134,8 @@ hip_table! {
         // HIP 6 renamed the struct's layout into a versioned entry point and kept the old one for old binaries.
         get_device_properties_r0600: GetDeviceProperties = "hipGetDevicePropertiesR0600",
         get_device_properties: GetDeviceProperties = "hipGetDeviceProperties",
+        // Optional so a runtime without it still loads; `HipRuntime::memory_info` says it is missing.
+        mem_get_info: MemGetInfo = "hipMemGetInfo",
     }
 }
 

@@ -7,23 +7,56 @@
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyccl_core::runtime::BufferLike;
-use anyccl_core::{BufferDesc, Error, Location, MemoryRuntime, Result};
+use anyccl_core::{BufferDesc, CaptureMode, Error, Location, MemoryRuntime, Result};
 
 use crate::loader::HipLibrary;
 use crate::sys;
 
 thread_local! {
-    /// Captures begun through [`HipGraph::capture`] on this thread and not yet ended. They use HIP's thread-local
-    /// mode, in which unsafe calls (allocation, free) are illegal on the capturing thread only, so allocation is
-    /// refused on this thread while one is active.
+    /// Captures begun through [`HipGraph::capture`] on this thread in thread-local (or global) mode and not yet
+    /// ended: unsafe calls (allocation, free) are illegal on the capturing thread, so they are refused on this
+    /// thread while one is active.
     static ACTIVE_CAPTURES: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Global-mode captures begun through [`HipGraph::capture_with`] anywhere in the process and not yet ended: unsafe
+/// calls are illegal on every thread while one is active.
+static GLOBAL_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
 fn capturing_on_this_thread() -> bool {
-    ACTIVE_CAPTURES.with(|c| c.get() > 0)
+    ACTIVE_CAPTURES.with(|c| c.get() > 0) || GLOBAL_CAPTURES.load(Ordering::SeqCst) > 0
+}
+
+/// Counts one capture of `mode` begun on this thread (see [`capturing_on_this_thread`]) until dropped.
+struct CaptureCount {
+    mode: CaptureMode,
+}
+
+impl CaptureCount {
+    fn begin(mode: CaptureMode) -> Self {
+        if mode != CaptureMode::Relaxed {
+            ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
+        }
+        if mode == CaptureMode::Global {
+            GLOBAL_CAPTURES.fetch_add(1, Ordering::SeqCst);
+        }
+        CaptureCount { mode }
+    }
+}
+
+impl Drop for CaptureCount {
+    fn drop(&mut self) {
+        if self.mode != CaptureMode::Relaxed {
+            ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        }
+        if self.mode == CaptureMode::Global {
+            GLOBAL_CAPTURES.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
 }
 
 /// Turns a HIP status into a `Result`, with HIP's error text.
@@ -160,13 +193,42 @@ fn find_gfx(buf: &[u8]) -> Option<String> {
     None
 }
 
-/// Device memory: owned (freed on drop) or a view of memory owned elsewhere.
+/// One `hipMalloc` allocation, freed when the last buffer or view holding it drops.
+#[derive(Debug)]
+struct HipAllocation {
+    ptr: u64,
+    len: usize,
+    dev: Arc<HipDevice>,
+}
+
+impl Drop for HipAllocation {
+    fn drop(&mut self) {
+        if capturing_on_this_thread() {
+            // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
+            tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
+            return;
+        }
+        if let Err(e) = self.dev.bind() {
+            tracing::warn!(error = %e, "binding the device to free a HIP buffer failed");
+        }
+        // SAFETY: allocated by hipMalloc in `HipBuffer::alloc`, freed once, when its last holder drops.
+        let st = unsafe { (self.dev.lib.table().free)(self.ptr as *mut c_void) };
+        if let Err(e) = check(&self.dev.lib, "hipFree", st) {
+            tracing::warn!(error = %e, "hipFree failed");
+        }
+    }
+}
+
+/// Device memory: owned (freed on drop), a view of memory owned elsewhere, or a range of another buffer
+/// ([`HipBuffer::view`], [`HipBuffer::view_mut`]).
 #[derive(Debug)]
 pub struct HipBuffer {
     ptr: u64,
     len: usize,
     ordinal: i32,
-    owner: Option<Arc<HipDevice>>,
+    /// The allocation when anyccl made it; views share it, so the memory stays allocated while any of them
+    /// exists, even one moved out of its [`HipViewMut`] with `std::mem::swap`.
+    owner: Option<Arc<HipAllocation>>,
 }
 
 // SAFETY: a device address; HIP allows using it from any thread.
@@ -176,7 +238,7 @@ unsafe impl Sync for HipBuffer {}
 
 impl HipBuffer {
     /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused while a
-    /// capture begun through anyccl on this thread is active.
+    /// capture begun through anyccl on this thread (or a global-mode one anywhere) is active.
     pub fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<Self> {
         if capturing_on_this_thread() {
             return Err(refuse_capture("hipMalloc"));
@@ -188,13 +250,14 @@ impl HipBuffer {
         let st = unsafe { (dev.lib.table().malloc)(&mut p, size) };
         check(&dev.lib, "hipMalloc", st)?;
         anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
-        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner: Some(dev.clone()) })
+        let owner = Some(Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() }));
+        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner })
     }
 
     /// A view of `len` bytes at `ptr` on device `ordinal`, owned elsewhere.
     ///
     /// # Safety
-    /// `ptr` is the start of `len` bytes of device memory that outlive the view.
+    /// `ptr` is the start of `len` bytes of device memory that outlive the view (and the views made of it).
     pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: i32) -> Self {
         HipBuffer { ptr, len, ordinal, owner: None }
     }
@@ -213,25 +276,63 @@ impl HipBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    fn sub(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipBuffer> {
+        let (offset, len) = anyccl_core::runtime::view_range(self.len, range)?;
+        // `offset <= self.len` and `[self.ptr, +self.len)` is device memory (allocated here, or promised by
+        // `from_raw`'s contract), so the sum does not wrap.
+        let ptr = self.ptr.wrapping_add(offset as u64);
+        Ok(HipBuffer { ptr, len, ordinal: self.ordinal, owner: self.owner.clone() })
+    }
+
+    /// A read-only view of the bytes `range` of this buffer, to pass as the input of a collective without
+    /// `unsafe`. A range past the end (or ending before it starts) is
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
+    pub fn view(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipView<'_>> {
+        Ok(HipView { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
+
+    /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
+    /// `unsafe`; the bytes outside it are not touched. A range past the end is
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively.
+    pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<HipViewMut<'_>> {
+        Ok(HipViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+    }
 }
 
-impl Drop for HipBuffer {
-    fn drop(&mut self) {
-        if let Some(dev) = self.owner.take() {
-            if capturing_on_this_thread() {
-                // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
-                tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
-                return;
-            }
-            if let Err(e) = dev.bind() {
-                tracing::warn!(error = %e, "binding the device to free a HIP buffer failed");
-            }
-            // SAFETY: allocated by hipMalloc in `alloc`, freed once.
-            let st = unsafe { (dev.lib.table().free)(self.ptr as *mut c_void) };
-            if let Err(e) = check(&dev.lib, "hipFree", st) {
-                tracing::warn!(error = %e, "hipFree failed");
-            }
-        }
+/// A read-only view of a byte range of a [`HipBuffer`] ([`HipBuffer::view`]); it dereferences to a [`HipBuffer`]
+/// and cannot outlive the buffer it borrows.
+#[derive(Debug)]
+pub struct HipView<'a> {
+    buf: HipBuffer,
+    _parent: std::marker::PhantomData<&'a HipBuffer>,
+}
+
+impl std::ops::Deref for HipView<'_> {
+    type Target = HipBuffer;
+    fn deref(&self) -> &HipBuffer {
+        &self.buf
+    }
+}
+
+/// A writable view of a byte range of a [`HipBuffer`] ([`HipBuffer::view_mut`]); it dereferences mutably to a
+/// [`HipBuffer`] and borrows its buffer exclusively for its lifetime.
+#[derive(Debug)]
+pub struct HipViewMut<'a> {
+    buf: HipBuffer,
+    _parent: std::marker::PhantomData<&'a mut HipBuffer>,
+}
+
+impl std::ops::Deref for HipViewMut<'_> {
+    type Target = HipBuffer;
+    fn deref(&self) -> &HipBuffer {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for HipViewMut<'_> {
+    fn deref_mut(&mut self) -> &mut HipBuffer {
+        &mut self.buf
     }
 }
 
@@ -340,21 +441,36 @@ unsafe impl Send for HipGraph {}
 
 impl HipGraph {
     /// Captures what `f` submits to `stream` (thread-local mode: other threads' calls are not checked against
-    /// it) and instantiates it. The capture is always ended, also when `f` fails.
+    /// it) and instantiates it. The capture is always ended, also when `f` fails. [`HipGraph::capture_with`]
+    /// chooses the mode.
     pub fn capture<F: FnOnce(&HipStream) -> Result<()>>(stream: &HipStream, f: F) -> Result<Self> {
+        Self::capture_with(stream, CaptureMode::ThreadLocal, f)
+    }
+
+    /// [`HipGraph::capture`] in capture mode `mode`. In [`CaptureMode::Global`] (as engines capture) anyccl
+    /// refuses allocation on every thread of the process while the capture lasts, and HIP invalidates the
+    /// capture if another thread makes an unsafe call itself (this then returns HIP's error).
+    pub fn capture_with<F: FnOnce(&HipStream) -> Result<()>>(
+        stream: &HipStream,
+        mode: CaptureMode,
+        f: F,
+    ) -> Result<Self> {
         let lib = stream.dev.lib.clone();
         let t = lib.table();
         stream.dev.bind()?;
+        let hip_mode = match mode {
+            CaptureMode::Global => sys::HIP_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => sys::HIP_STREAM_CAPTURE_MODE_RELAXED,
+        };
         // SAFETY: the stream is live and not capturing (HIP checks and returns an error otherwise).
-        check(&lib, "hipStreamBeginCapture", unsafe {
-            (t.stream_begin_capture)(stream.raw, sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        })?;
-        ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
+        check(&lib, "hipStreamBeginCapture", unsafe { (t.stream_begin_capture)(stream.raw, hip_mode) })?;
+        let count = CaptureCount::begin(mode);
         let body = f(stream);
         let mut graph: sys::hipGraph_t = std::ptr::null_mut();
         // SAFETY: ends the capture begun above; writes the graph handle.
         let end = unsafe { (t.stream_end_capture)(stream.raw, &mut graph) };
-        ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
+        drop(count);
         let ended = check(&lib, "hipStreamEndCapture", end);
         if let Err(e) = body {
             Self::destroy_graph(&lib, graph);
@@ -421,6 +537,26 @@ impl HipRuntime {
         HipStream::new(&self.dev)
     }
 
+    /// Free and total memory of this device in bytes (`hipMemGetInfo`), as HIP sees it now. A HIP runtime that
+    /// lacks the call gives [`Error::Unsupported`].
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        let Some(get) = self.dev.lib.table().mem_get_info else {
+            return Err(Error::Unsupported {
+                capability: "memory-info".into(),
+                reason: anyccl_core::Reason::MissingSymbol {
+                    symbol: "hipMemGetInfo".into(),
+                    library: self.dev.lib.path().display().to_string(),
+                    version: None,
+                },
+            });
+        };
+        self.dev.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: writes two sizes for the current device.
+        check(&self.dev.lib, "hipMemGetInfo", unsafe { get(&mut free, &mut total) })?;
+        Ok((free, total))
+    }
+
     fn copy(&self, dst: u64, src: u64, bytes: usize, kind: c_int, stream: &HipStream, what: &str) -> Result<()> {
         if stream.is_capturing()? {
             return Err(refuse_capture(what));
@@ -463,6 +599,10 @@ impl MemoryRuntime for HipRuntime {
 
     fn is_capturing(&self, stream: &HipStream) -> Result<bool> {
         stream.is_capturing()
+    }
+
+    fn query(&self, stream: &HipStream) -> Result<bool> {
+        stream.query()
     }
 }
 

@@ -52,8 +52,12 @@ pub const HIP_STREAM_CAPTURE_STATUS_ACTIVE: hipStreamCaptureStatus = 1;
 pub const HIP_STREAM_CAPTURE_STATUS_INVALIDATED: hipStreamCaptureStatus = 2;
 /// `hipStreamCaptureMode`.
 pub type hipStreamCaptureMode = c_int;
+/// `hipStreamCaptureModeGlobal`: every thread's unsafe calls are checked against the capture.
+pub const HIP_STREAM_CAPTURE_MODE_GLOBAL: hipStreamCaptureMode = 0;
 /// `hipStreamCaptureModeThreadLocal`: only this thread's unsafe calls are checked against the capture.
 pub const HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL: hipStreamCaptureMode = 1;
+/// `hipStreamCaptureModeRelaxed`: no call is checked against the capture.
+pub const HIP_STREAM_CAPTURE_MODE_RELAXED: hipStreamCaptureMode = 2;
 /// `hipStreamNonBlocking`.
 pub const HIP_STREAM_NON_BLOCKING: c_uint = 1;
 /// `hipMemcpyHostToDevice`.
@@ -80,6 +84,8 @@ pub type Malloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> hipError_t;
 /// `hipMemGetAddressRange(base, size, ptr)`: the allocation that contains `ptr`.
 pub type MemGetAddressRange = unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> hipError_t;
 pub type Free = unsafe extern "C" fn(*mut c_void) -> hipError_t;
+/// `hipMemGetInfo(free, total)`: free and total memory of the current device in bytes.
+pub type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> hipError_t;
 pub type MemcpyAsync = unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, hipStream_t) -> hipError_t;
 pub type MemsetAsync = unsafe extern "C" fn(*mut c_void, c_int, usize, hipStream_t) -> hipError_t;
 pub type StreamCreateWithFlags = unsafe extern "C" fn(*mut hipStream_t, c_uint) -> hipError_t;

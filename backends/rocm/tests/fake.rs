@@ -466,3 +466,164 @@ fn a_wait_on_work_that_never_finishes_times_out_and_aborts_instead_of_hanging() 
     assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
     drop(cs);
 }
+
+#[test]
+fn query_polls_without_aborting_and_reports_a_library_error() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    // SAFETY: the fake RCCL built for this test; it exports these test hooks with these C signatures.
+    let rccl = unsafe { libloading::Library::new(&s.rccl_path) }.expect("fake RCCL");
+    // SAFETY: as above.
+    let (set_async_error, aborted_count) = unsafe {
+        (
+            *rccl.get::<unsafe extern "C" fn(i32)>(b"fakerccl_set_async_error\0").expect("hook"),
+            *rccl.get::<unsafe extern "C" fn() -> i32>(b"fakerccl_aborted\0").expect("hook"),
+        )
+    };
+    let mut cs = comms(&s, 1, false);
+    let c = &mut cs[0];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    // SAFETY: the hook only reads an int.
+    let before = unsafe { aborted_count() };
+    assert!(c.query(&st).expect("idle"), "an idle stream is done");
+    s.fake.set_busy(st.raw(), true);
+    assert!(!c.query(&st).expect("busy"), "a busy stream is not done");
+    assert!(!c.query(&st).expect("busy again"), "asking again changes nothing");
+    // A library error while the work runs is an error, but the communicator is not aborted.
+    // SAFETY: the hook only sets an int.
+    unsafe { set_async_error(1) };
+    let e = c.query(&st).expect_err("library error");
+    // SAFETY: as above.
+    unsafe { set_async_error(0) };
+    assert!(matches!(e, Error::PeerFailure(_)), "{e}");
+    assert!(e.to_string().contains("unhandled cuda error (fake RCCL)"), "{e}");
+    // SAFETY: the hook only reads an int.
+    assert_eq!(unsafe { aborted_count() }, before, "query does not abort");
+    s.fake.set_busy(st.raw(), false);
+    assert!(c.query(&st).expect("drained"), "done once the work finished");
+    // The communicator is still usable after a `false`: an all-reduce runs and its result is right.
+    let n = 64;
+    let mut b = rt.alloc(n * 4).expect("alloc");
+    rt.upload(&mut b, &f32_bytes(&vec![2.5; n]), &st).expect("upload");
+    c.all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &st).expect("all-reduce");
+    assert!(c.query(&st).expect("done"));
+    let mut out = vec![0u8; n * 4];
+    rt.download(&b, &mut out, &st).expect("download");
+    assert_eq!(f32_from(&out), vec![2.5; n]);
+    // A capturing stream is refused before HIP is queried: no capture violation.
+    let mut refused = None;
+    let g = HipGraph::capture(&st, |st| {
+        refused = Some(c.query(st));
+        Ok(())
+    });
+    assert!(g.is_ok(), "the capture stays valid");
+    let refused = refused.expect("ran").expect_err("refused during capture").to_string();
+    assert!(refused.contains("hipStreamQuery"), "{refused}");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+}
+
+#[test]
+fn capture_modes_follow_hips_rules() {
+    use anyccl_core::CaptureMode;
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let dev = HipDevice::new(s.hip.clone(), 0).expect("device");
+    let stream = HipStream::new(&dev).expect("stream");
+    let rt = anyccl_rocm::HipRuntime::new(dev.clone());
+    // Global mode: anyccl refuses allocation on any thread while the capture lasts, before HIP sees it.
+    let mut other = None;
+    let g = HipGraph::capture_with(&stream, CaptureMode::Global, |_| {
+        other = Some(std::thread::scope(|sc| sc.spawn(|| rt.alloc(64).map(drop)).join().expect("thread")));
+        Ok(())
+    });
+    assert!(g.is_ok(), "the global capture stays valid");
+    let refused = other.expect("ran").expect_err("refused on another thread").to_string();
+    assert!(refused.contains("hipMalloc"), "{refused}");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+    // ... and a raw hipMalloc on another thread invalidates a global capture (the fake enforces HIP's rule).
+    let r = HipGraph::capture_with(&stream, CaptureMode::Global, |_| {
+        let code = std::thread::scope(|sc| sc.spawn(|| s.fake.raw_malloc(64)).join().expect("thread"));
+        assert_eq!(code, 900);
+        Ok(())
+    });
+    assert!(r.err().expect("invalidated").to_string().contains("hipErrorStreamCaptureInvalidated"));
+    s.fake.reset();
+    // Thread-local mode: another thread may allocate.
+    let mut other = None;
+    let g = HipGraph::capture_with(&stream, CaptureMode::ThreadLocal, |_| {
+        other = Some(std::thread::scope(|sc| sc.spawn(|| rt.alloc(64).map(drop)).join().expect("thread")));
+        Ok(())
+    });
+    assert!(g.is_ok());
+    assert!(other.expect("ran").is_ok(), "thread-local capture lets other threads allocate");
+    // Relaxed mode: even the capturing thread may allocate.
+    let g = HipGraph::capture_with(&stream, CaptureMode::Relaxed, |_| rt.alloc(64).map(drop));
+    assert!(g.is_ok(), "{:?}", g.err());
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+    // After the captures nothing is refused any more.
+    rt.alloc(64).expect("allocation after the captures");
+}
+
+#[test]
+fn memory_info_reports_free_and_total_memory() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let dev = HipDevice::new(s.hip.clone(), 0).expect("device");
+    let rt = anyccl_rocm::HipRuntime::new(dev);
+    let (free0, total) = rt.memory_info().expect("memory info");
+    assert_eq!(total, 64 << 30, "the fake device's size");
+    let b = rt.alloc(1 << 20).expect("alloc");
+    let (free1, total1) = rt.memory_info().expect("memory info");
+    assert_eq!(total1, total);
+    assert_eq!(free0 - free1, 1 << 20, "an allocation takes its size off the free memory");
+    drop(b);
+    assert_eq!(rt.memory_info().expect("memory info").0, free0);
+}
+
+#[test]
+fn an_all_reduce_into_a_view_touches_only_its_range() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let mut cs = comms(&s, 1, false);
+    let c = &mut cs[0];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    let (n, off, m) = (1024usize, 256usize, 128usize);
+    let mut buf = rt.alloc(n * 4).expect("alloc");
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    rt.upload(&mut buf, &f32_bytes(&host), &st).expect("upload");
+    let mut src = rt.alloc(m * 4).expect("alloc");
+    rt.upload(&mut src, &f32_bytes(&vec![7.0; m]), &st).expect("upload");
+    let base = buf.device_ptr();
+    {
+        let mut view = buf.view_mut(off * 4..(off + m) * 4).expect("view");
+        assert_eq!((view.len(), view.device_ptr()), (m * 4, base + off as u64 * 4));
+        c.all_reduce(InOut::Separate { send: &src, recv: &mut view }, m, DataType::F32, ReduceOp::Sum, &st)
+            .expect("all-reduce into the view");
+        let e = c.all_reduce(InOut::InPlace(&mut view), m + 1, DataType::F32, ReduceOp::Sum, &st).expect_err("short");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BufferTooSmall { .. })), "{e}");
+    }
+    let e = buf.view(..n * 4 + 1).expect_err("past the end");
+    assert!(matches!(e, Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { .. })), "{e}");
+    let mut out = vec![0u8; n * 4];
+    rt.download(&buf, &mut out, &st).expect("download");
+    for (i, v) in f32_from(&out).into_iter().enumerate() {
+        let want = if (off..off + m).contains(&i) { 7.0 } else { i as f32 };
+        assert_eq!(v, want, "element {i}");
+    }
+    // A view swapped out of its `HipViewMut` keeps the allocation alive: the memory is freed with the last holder.
+    let (free_before, _) = rt.memory_info().expect("memory info");
+    let mut escaped = rt.alloc(16).expect("alloc");
+    {
+        let mut view = buf.view_mut(..64).expect("view");
+        std::mem::swap(&mut *view, &mut escaped);
+    }
+    drop(buf);
+    assert_eq!(escaped.len(), 64);
+    // The 16-byte buffer went out with the view and was freed; `buf`'s 4 KiB are still held by `escaped`.
+    assert_eq!(rt.memory_info().expect("memory info").0, free_before, "the big allocation is still held");
+    rt.upload(&mut escaped, &f32_bytes(&[1.0; 16]), &st).expect("the escaped view is still valid memory");
+    drop(escaped);
+    assert_eq!(rt.memory_info().expect("memory info").0, free_before + n * 4, "freed with the last holder");
+}
