@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. Installs what the tests need, then checks formatting, lints, the test suite, and
-# the two README commands (probe and a short bench) in release mode.
+# the two README commands (probe and a short bench) in release mode. `cargo run` at the root runs the `anyccl`
+# command (the workspace's default member, cli/), so `--features rocm` there is the command's feature.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,8 +51,13 @@ step "beside candle: a crate choosing cudarc's linking and version as candle doe
 cp Cargo.lock ci/neighbour-candle/Cargo.lock
 env -u ANYCCL_CUDA_TOOLKIT CUDARC_CUDA_VERSION=13000 cargo check --manifest-path ci/neighbour-candle/Cargo.toml
 
-step "build without the host backend"
-cargo clippy --locked --no-default-features -- -D warnings
+step "build without the host backend (the library and the command)"
+cargo clippy --locked --no-default-features -p anyccl -p anyccl-cli -- -D warnings
+
+step "the anyccl library has no command-line dependencies (they live in the anyccl-cli crate)"
+cli_deps="$(cargo tree --locked -p anyccl --all-features -e normal --prefix none |
+    awk '$1 ~ /^(clap|plotters|indicatif|tracing-subscriber)$/ {print $1}' | sort -u)"
+[ -z "$cli_deps" ] || { echo "error: the anyccl library depends on: $(echo $cli_deps)"; exit 1; }
 
 step "tests (all features)"
 cargo test --workspace --all-features --locked

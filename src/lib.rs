@@ -2,8 +2,9 @@
 //!
 //! This facade re-exports the vendor-neutral core ([`core`]) and the backends compiled in: the host backend
 //! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels) and ROCm (feature
-//! `rocm`: HIP runtime and RCCL, loaded at run time). The `anyccl` binary (`probe`, `bench`, `tune`) is built from
-//! [`probe`], [`bench`] and [`tune`].
+//! `rocm`: HIP runtime and RCCL, loaded at run time), and the machine-level capability report
+//! ([`report::MachineReport`]). The `anyccl` command (`probe`, `bench`, `tune`) lives in the `anyccl-cli` crate; this
+//! library has no command-line dependencies.
 //!
 //! ```
 //! use anyccl::core::{DataType, InOut, ReduceOp};
@@ -46,13 +47,7 @@ pub use float8;
 /// The 16-bit float element types ([`half::f16`], [`half::bf16`]) the typed APIs take.
 pub use half;
 
-pub mod bench;
-#[cfg(feature = "cuda")]
-pub mod bench_cuda;
-pub mod output;
-pub mod plot;
-pub mod probe;
-pub mod tune;
+pub mod report;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

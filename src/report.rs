@@ -1,6 +1,8 @@
-//! `anyccl probe`: what this build contains, what this machine offers, and what anyccl will use.
+//! The machine-level capability report: what this build contains, what this machine offers, and what anyccl will
+//! use ([`MachineReport::probe`]). The `anyccl probe` command prints it as text, or as JSON (`anyccl probe --json`,
+//! its serde serialisation).
 //!
-//! The JSON form (`anyccl probe --json`) is a stable schema, versioned by its `schema` field:
+//! The JSON form is a stable schema, versioned by its `schema` field:
 //!
 //! | field | type | meaning |
 //! | --- | --- | --- |
@@ -27,6 +29,7 @@ use crate::core::{Algorithm, Capabilities, CapabilityReport, Reason, Selector};
 
 /// One backend: compiled in, usable here, and why (not).
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct BackendStatus {
     /// `host`, `cuda` or `rocm`.
     pub name: &'static str,
@@ -40,6 +43,7 @@ pub struct BackendStatus {
 
 /// Whether an accelerator is present.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct GpuStatus {
     /// True when a GPU device node was found.
     pub found: bool,
@@ -49,6 +53,7 @@ pub struct GpuStatus {
 
 /// A vendor library anyccl looks for.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct LibraryStatus {
     /// `NCCL`, `RCCL`, `CUDA driver`, `HIP runtime`.
     pub name: &'static str,
@@ -66,6 +71,7 @@ pub struct LibraryStatus {
 
 /// The active algorithm table.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct SelectorInfo {
     /// Where it came from.
     pub source: TableSource,
@@ -75,9 +81,10 @@ pub struct SelectorInfo {
     pub rules: Vec<String>,
 }
 
-/// Everything `anyccl probe` reports.
+/// Everything `anyccl probe` reports: the machine-level capability report of this build.
 #[derive(Debug, Clone, Serialize)]
-pub struct ProbeReport {
+#[non_exhaustive]
+pub struct MachineReport {
     /// JSON schema version.
     pub schema: u32,
     /// The crate version.
@@ -411,8 +418,19 @@ fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
     caps
 }
 
-/// Runs the probe. `selector` is the active selector (from the environment and flags).
-pub fn probe(selector: &Selector) -> ProbeReport {
+impl MachineReport {
+    /// The JSON schema version this struct serialises to ([`MachineReport::schema`]).
+    pub const SCHEMA: u32 = 1;
+
+    /// Probes this machine for this build. `selector` is the active algorithm selector (from the environment and
+    /// flags, e.g. [`Selector::from_env`]). Problems that do not stop the probe (an invalid `ANYCCL_DISABLE`, a GPU
+    /// with no GPU backend compiled in) are in [`MachineReport::warnings`].
+    pub fn probe(selector: &Selector) -> MachineReport {
+        probe(selector)
+    }
+}
+
+fn probe(selector: &Selector) -> MachineReport {
     let mut warnings = Vec::new();
     let (libraries, ccl) = collective_libraries();
     let mut caps = capabilities_with(ccl.as_deref());
@@ -423,8 +441,8 @@ pub fn probe(selector: &Selector) -> ProbeReport {
     if gpu.found && !cfg!(any(feature = "cuda", feature = "rocm")) {
         warnings.push("a GPU is present, but this build has no GPU backend; anyccl runs on the host backend".into());
     }
-    ProbeReport {
-        schema: 1,
+    MachineReport {
+        schema: MachineReport::SCHEMA,
         anyccl_version: env!("CARGO_PKG_VERSION"),
         default_backend: default_backend(),
         backends: backend_statuses(),
@@ -438,67 +456,6 @@ pub fn probe(selector: &Selector) -> ProbeReport {
         },
         warnings,
     }
-}
-
-/// The human-readable form.
-pub fn render_text(r: &ProbeReport) -> String {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let _ = writeln!(s, "anyccl {} probe", r.anyccl_version);
-    let _ = writeln!(s, "\nGPU: {}", r.gpu.detail);
-    let _ = writeln!(s, "Default backend for `anyccl bench`: {}", r.default_backend);
-    let _ = writeln!(s, "\nBackends:");
-    for b in &r.backends {
-        let state = match (b.compiled_in, b.available) {
-            (true, true) => "available",
-            (true, false) => "unavailable",
-            (false, _) => "not compiled in",
-        };
-        let _ = writeln!(s, "  {:<6} {:<16} {}", b.name, state, b.detail);
-    }
-    let _ = writeln!(s, "\nVendor libraries:");
-    for l in &r.libraries {
-        let where_ = match (&l.path, &l.version) {
-            (Some(p), Some(v)) => format!("{v} at {p}"),
-            (Some(p), None) => p.clone(),
-            _ => l.detail.clone(),
-        };
-        let _ = writeln!(s, "  {:<12} {}", l.name, where_);
-        for a in &l.tried {
-            let _ = writeln!(s, "  {:<12}   tried {}: {}", "", a.candidate, a.failure);
-        }
-    }
-    let _ = writeln!(s, "\nCapabilities:");
-    for (c, st) in r.capabilities.iter() {
-        let name = c.name().unwrap_or("?");
-        match st {
-            crate::core::CapabilityState::Enabled => {
-                let _ = writeln!(s, "  [on ] {name}");
-            }
-            crate::core::CapabilityState::Disabled(reason) => {
-                let _ = writeln!(s, "  [off] {name:<20} {reason}");
-            }
-        }
-    }
-    let _ = writeln!(s, "\nAll-reduce selection:");
-    match &r.selector.source {
-        TableSource::Defaults => {
-            let _ = writeln!(s, "  table: built-in defaults");
-        }
-        TableSource::File { path, via } => {
-            let _ = writeln!(s, "  table: {} (via {via}), then the built-in defaults", path.display());
-        }
-    }
-    if let Some(a) = r.selector.forced {
-        let _ = writeln!(s, "  forced: {a} (ANYCCL_ALLREDUCE_ALGO)");
-    }
-    for rule in &r.selector.rules {
-        let _ = writeln!(s, "  {rule}");
-    }
-    for w in &r.warnings {
-        let _ = writeln!(s, "\nwarning: {w}");
-    }
-    s
 }
 
 #[cfg(test)]
@@ -516,6 +473,19 @@ mod tests {
         let g = detect_gpu(&dir);
         assert!(g.found && g.detail.contains("1 NVIDIA"), "{}", g.detail);
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn machine_report_lists_every_backend_with_this_builds_features() {
+        let r = MachineReport::probe(&Selector::defaults());
+        assert_eq!(r.schema, 1);
+        let names: Vec<&str> = r.backends.iter().map(|b| b.name).collect();
+        assert_eq!(names, ["host", "cuda", "rocm"]);
+        let compiled: Vec<bool> = r.backends.iter().map(|b| b.compiled_in).collect();
+        assert_eq!(compiled, [cfg!(feature = "host"), cfg!(feature = "cuda"), cfg!(feature = "rocm")]);
+        assert_eq!(r.capabilities.has(Capabilities::HOST_BACKEND), cfg!(feature = "host"));
+        assert_eq!(r.selector.rules.len(), Selector::defaults().table().rules.len());
+        assert!(r.selector.forced.is_none());
     }
 
     #[test]

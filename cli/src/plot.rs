@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use crate::bench::{BenchReport, Cell};
-use crate::core::{Error, Result};
+use anyccl::core::{Error, Result};
 
 const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
@@ -125,7 +125,7 @@ fn draw(
             .configure_mesh()
             .x_desc("message size (bytes)")
             .y_desc(desc)
-            .x_label_formatter(&|v| crate::core::units::format_bytes(*v as u64))
+            .x_label_formatter(&|v| anyccl::core::units::format_bytes(*v as u64))
             .y_label_formatter(&|v| short(*v))
             .draw()
             .map_err(plot_err)?;

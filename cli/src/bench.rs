@@ -5,12 +5,11 @@
 //! measured on rank 0; the median is reported. `algbw = bytes / time`; `busbw = algbw × 2(n−1)/n` (nccl-tests).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::core::units::format_bytes;
-use crate::core::{Algorithm, DataType, Error, ReduceOp, Result, Selector};
+use anyccl::core::units::format_bytes;
+use anyccl::core::{Algorithm, DataType, Error, ReduceOp, Result, Selector};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -284,9 +283,9 @@ pub(crate) fn make_row(
 #[cfg(any(feature = "host", feature = "cuda"))]
 pub(crate) fn on_ranks<C: Send, T: Send>(
     comms: Vec<C>,
-    rank: impl Fn(C) -> crate::core::Result<T> + Sync,
-) -> crate::core::Result<T> {
-    let results: Vec<crate::core::Result<T>> = std::thread::scope(|s| {
+    rank: impl Fn(C) -> anyccl::core::Result<T> + Sync,
+) -> anyccl::core::Result<T> {
+    let results: Vec<anyccl::core::Result<T>> = std::thread::scope(|s| {
         let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| rank(c))).collect();
         hs.into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err(Error::PeerFailure("a benchmark rank thread panicked".into()))))
@@ -321,8 +320,8 @@ pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> Result<BenchReport> {
     use std::time::Instant;
 
-    use crate::core::{Communicator, InOut};
-    use crate::host::{communicators, HostBuffer, HostComm, HostOptions, ALGORITHMS};
+    use anyccl::core::{Communicator, InOut};
+    use anyccl::host::{communicators, HostBuffer, HostComm, HostOptions, ALGORITHMS};
 
     cfg.check(Limits::HOST)?;
     let esz = cfg.dtype.size_bytes() as u64;
@@ -521,7 +520,8 @@ pub fn render_csv(r: &BenchReport) -> String {
     s
 }
 
-/// A quick, small default for tests and smoke runs.
+/// A quick, small default for the host tests.
+#[cfg(all(test, feature = "host"))]
 pub fn smoke_config(selector: Arc<Selector>) -> BenchConfig {
     BenchConfig {
         world: 2,
@@ -535,13 +535,14 @@ pub fn smoke_config(selector: Arc<Selector>) -> BenchConfig {
     }
 }
 
-/// How long a sweep must run before a progress bar appears.
-pub const PROGRESS_AFTER: Duration = Duration::from_secs(1);
+/// How long a sweep must run before a progress bar appears (host sweeps).
+#[cfg(feature = "host")]
+pub const PROGRESS_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[cfg(all(test, feature = "host"))]
 mod tests {
     use super::*;
-    use crate::core::Error;
+    use anyccl::core::Error;
 
     #[test]
     fn host_sweep_measures_every_algorithm_and_auto() {

@@ -11,12 +11,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyccl_cuda::graph::{Event, Graph};
-use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
+use anyccl::cuda::graph::{Event, Graph};
+use anyccl::cuda::{CudaComm, CudaStream, DeviceBuffer, DeviceContext};
 use serde::Serialize;
 
 use crate::bench::{make_row, median, on_ranks, BenchConfig, BenchReport, Ineligible, Progress};
-use crate::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
+use anyccl::core::{Algorithm, Capabilities, Communicator, Error, InOut, MemoryRuntime, Result};
 
 /// How GPU latency is timed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -105,7 +105,7 @@ type RankRow = (Vec<Vec<f64>>, (Vec<f64>, Algorithm, String), Option<(f64, f64)>
 pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<BenchReport> {
     cfg.check(crate::bench::Limits::GPU)?;
     let info =
-        anyccl_cuda::available().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+        anyccl::cuda::available().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
     if cfg.world > info.devices.len() {
         return Err(Error::Parse {
             what: "world size",
@@ -116,9 +116,9 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
             ),
         });
     }
-    let lib = anyccl_ccl::load(anyccl_ccl::CclVendor::Nccl).map_err(|e| Error::Unsupported {
+    let lib = anyccl::ccl::load(anyccl::ccl::CclVendor::Nccl).map_err(|e| Error::Unsupported {
         capability: "ccl".into(),
-        reason: crate::core::Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
+        reason: anyccl::core::Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
     })?;
     let esz = cfg.dtype.size_bytes() as u64;
     for &b in &cfg.sizes {
@@ -131,9 +131,9 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
         }
     }
     let ordinals: Vec<i32> = (0..cfg.world as i32).collect();
-    let comms = anyccl_cuda::communicators_single_process(lib, &ordinals, cfg.selector.clone())?;
+    let comms = anyccl::cuda::communicators_single_process(lib, &ordinals, cfg.selector.clone())?;
     let symmetric = comms.first().is_some_and(|c| c.capabilities().has(Capabilities::SYMMETRIC_WINDOWS));
-    let requested = cfg.algorithms.clone().unwrap_or_else(|| anyccl_cuda::comm::ALGORITHMS.to_vec());
+    let requested = cfg.algorithms.clone().unwrap_or_else(|| anyccl::cuda::comm::ALGORITHMS.to_vec());
     let mut algorithms = Vec::new();
     let mut ineligible = Vec::new();
     for a in requested {
@@ -149,7 +149,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
             }
             other => {
                 // Whether the backend could run a 4 KiB call of this kind at all (the table shows why not).
-                let probe = crate::core::comm::AllReduceCall {
+                let probe = anyccl::core::comm::AllReduceCall {
                     count: 4096 / esz as usize,
                     dtype: cfg.dtype,
                     op: cfg.op,
@@ -229,7 +229,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
                         c.all_reduce_with(a, InOut::Separate { send: &ws, recv: &mut wr }, count, dtype, op, s)
                     })?
                 } else {
-                    let call = crate::core::comm::AllReduceCall {
+                    let call = anyccl::core::comm::AllReduceCall {
                         count,
                         dtype,
                         op,

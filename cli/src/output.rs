@@ -5,7 +5,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::core::{Error, Result};
+use anyccl::core::{Error, Result};
 
 fn config(path: &Path, message: String) -> Error {
     Error::Config { source_name: path.display().to_string(), line: None, message }

@@ -1,4 +1,8 @@
-//! The `anyccl` command: `probe` and `bench`.
+//! The `anyccl` command: `probe`, `bench` and `tune`, built on the `anyccl` library.
+
+// Built with neither the host nor the CUDA backend, `bench` and `tune` only refuse (no backend to measure), so the
+// measuring code is compiled but unused.
+#![cfg_attr(not(any(feature = "host", feature = "cuda")), allow(dead_code))]
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -8,6 +12,14 @@ use std::sync::Arc;
 use anyccl::core::units::parse_bytes;
 use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
 use clap::{Parser, Subcommand, ValueEnum};
+
+mod bench;
+#[cfg(feature = "cuda")]
+mod bench_cuda;
+mod output;
+mod plot;
+mod probe;
+mod tune;
 
 /// One API for GPU collectives: probe what this machine offers, benchmark all-reduce.
 #[derive(Parser, Debug)]
@@ -69,10 +81,10 @@ struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=i64::from(anyccl::bench::MAX_ITERS)))]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::bench::MAX_ITERS)))]
     iters: u32,
     /// Untimed warm-up calls per cell, 0 to 10000.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(..=i64::from(anyccl::bench::MAX_WARMUP)))]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(..=i64::from(crate::bench::MAX_WARMUP)))]
     warmup: u32,
     /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
     #[arg(long, value_name = "FILE")]
@@ -229,16 +241,16 @@ fn refuse_if_disabled(disabled: anyccl::Capabilities, cap: anyccl::Capabilities)
 
 /// Checks before a sweep that `path` can be written (so a bad path fails at once, not after the sweep).
 fn check_output(path: &std::path::Path, flag: &str, what: &str) -> Result<(), CliError> {
-    anyccl::output::check_writable(path, flag, what)
+    crate::output::check_writable(path, flag, what)
         .map_err(|e| CliError::from(e).with_hint(format!("give {flag} a writable path to a regular file")))
 }
 
 fn probe(json: bool, table: Option<&PathBuf>) -> Result<(), CliError> {
-    let report = anyccl::probe::probe(&selector(table)?);
+    let report = anyccl::report::MachineReport::probe(&selector(table)?);
     let out = if json {
         serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
     } else {
-        anyccl::probe::render_text(&report)
+        probe::render_text(&report)
     };
     print_out(&out)
 }
@@ -258,7 +270,7 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
     dedup_algos(&mut args);
     let disabled = disabled_by_env()?;
     if let Some(p) = &args.plot {
-        anyccl::plot::check_path(p)?;
+        crate::plot::check_path(p)?;
         check_output(p, "--plot", "the plot")?;
     }
     #[cfg(feature = "cuda")]
@@ -300,23 +312,23 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
     }
     refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
     let selector = Arc::new(selector(args.table.as_ref())?);
-    let cfg = anyccl::bench::BenchConfig {
+    let cfg = crate::bench::BenchConfig {
         world: usize::from(args.world.unwrap_or_else(default_world)),
         dtype: args.dtype,
         op: args.op,
-        sizes: args.sizes.unwrap_or_else(anyccl::bench::default_host_sizes),
+        sizes: args.sizes.unwrap_or_else(crate::bench::default_host_sizes),
         algorithms: args.algos,
         iters: args.iters as usize,
         warmup: args.warmup as usize,
         selector,
     };
-    cfg.check(anyccl::bench::Limits::HOST)?;
+    cfg.check(crate::bench::Limits::HOST)?;
     let report = run_with_progress(&cfg)?;
     if args.backend.is_none() && !(args.json || args.csv) {
         eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
     }
     if let Some(p) = &args.plot {
-        anyccl::plot::plot(&report, p)?;
+        crate::plot::plot(&report, p)?;
     }
     print_report(&report, args.json, args.csv)
 }
@@ -333,17 +345,17 @@ fn dedup_algos(args: &mut BenchArgs) {
     }
 }
 
-fn print_report(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<(), CliError> {
+fn print_report(report: &crate::bench::BenchReport, json: bool, csv: bool) -> Result<(), CliError> {
     print_out(&render(report, json, csv)?)
 }
 
-fn render(report: &anyccl::bench::BenchReport, json: bool, csv: bool) -> Result<String, CliError> {
+fn render(report: &crate::bench::BenchReport, json: bool, csv: bool) -> Result<String, CliError> {
     let out = if json {
         serde_json::to_string_pretty(report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
     } else if csv {
-        anyccl::bench::render_csv(report)
+        crate::bench::render_csv(report)
     } else {
-        anyccl::bench::render_table(report)
+        crate::bench::render_table(report)
     };
     Ok(out)
 }
@@ -369,19 +381,19 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     if !on_cuda {
         refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
         #[cfg(feature = "host")]
-        anyccl::tune::check_measurable(args.algos.as_deref(), &anyccl::host::ALGORITHMS, "host")?;
+        crate::tune::check_measurable(args.algos.as_deref(), &anyccl::host::ALGORITHMS, "host")?;
     }
     check_output(out, "--out", "the tuned table")?;
     let base = selector(args.table.as_ref())?;
-    let cfg = |selector: anyccl::Selector| -> anyccl::bench::BenchConfig {
-        anyccl::bench::BenchConfig {
+    let cfg = |selector: anyccl::Selector| -> crate::bench::BenchConfig {
+        crate::bench::BenchConfig {
             world: usize::from(args.world.unwrap_or_else(default_world)),
             dtype: args.dtype,
             op: args.op,
             sizes: args.sizes.clone().unwrap_or_else(if on_cuda {
-                anyccl::bench::default_gpu_sizes
+                crate::bench::default_gpu_sizes
             } else {
-                anyccl::bench::default_host_sizes
+                crate::bench::default_host_sizes
             }),
             algorithms: args.algos.clone(),
             iters: args.iters as usize,
@@ -389,7 +401,7 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
             selector: Arc::new(selector),
         }
     };
-    let limits = if on_cuda { anyccl::bench::Limits::GPU } else { anyccl::bench::Limits::HOST };
+    let limits = if on_cuda { crate::bench::Limits::GPU } else { crate::bench::Limits::HOST };
     cfg(base.clone()).check(limits)?;
     let (first, vendor, arch, fallback) = if on_cuda {
         #[cfg(feature = "cuda")]
@@ -399,7 +411,7 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
             let mut c = cfg(base.clone());
             c.world = args.world.map_or(info.devices.len(), usize::from);
             (
-                anyccl::bench_cuda::run(&c, anyccl::bench_cuda::Mode::Graph, &|_, _| {})?,
+                crate::bench_cuda::run(&c, crate::bench_cuda::Mode::Graph, &|_, _| {})?,
                 "nvidia",
                 arch,
                 anyccl::Algorithm::Ccl,
@@ -410,8 +422,8 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     } else {
         (run_with_progress(&cfg(base.clone()))?, "host", "host".to_owned(), anyccl::Algorithm::Ring)
     };
-    let text = anyccl::tune::table_text(&first, vendor, &arch, fallback)?;
-    anyccl::tune::write_table(out, &text)
+    let text = crate::tune::table_text(&first, vendor, &arch, fallback)?;
+    crate::tune::write_table(out, &text)
         .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
     println!(
         "wrote {} ({} sizes measured on the {} backend, world {})",
@@ -429,7 +441,7 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     let second = if on_cuda {
         #[cfg(feature = "cuda")]
         {
-            anyccl::bench_cuda::run(&second_cfg, anyccl::bench_cuda::Mode::Graph, &|_, _| {})?
+            crate::bench_cuda::run(&second_cfg, crate::bench_cuda::Mode::Graph, &|_, _| {})?
         }
         #[cfg(not(feature = "cuda"))]
         unreachable!("on_cuda is false without the cuda feature")
@@ -438,9 +450,9 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     };
     println!(
         "\ncheck: auto with the tuned table against the best algorithm of the same run (tolerance {:.0}%)",
-        anyccl::tune::TOLERANCE * 100.0
+        crate::tune::TOLERANCE * 100.0
     );
-    let rows = anyccl::tune::check(&second);
+    let rows = crate::tune::check(&second);
     for r in &rows {
         println!(
             "  {:>10}  auto {:<14} {:>9.1} us   best {:<14} {:>9.1} us   {}",
@@ -453,7 +465,7 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
         );
     }
     let slow = rows.iter().filter(|r| !r.ok).count();
-    println!("check: {} of {} sizes within {:.0}%", rows.len() - slow, rows.len(), anyccl::tune::TOLERANCE * 100.0);
+    println!("check: {} of {} sizes within {:.0}%", rows.len() - slow, rows.len(), crate::tune::TOLERANCE * 100.0);
     Ok(())
 }
 
@@ -468,27 +480,27 @@ fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
     let selector = Arc::new(selector(args.table.as_ref())?);
     let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
     let world = args.world.map_or(gpus, usize::from);
-    let cfg = anyccl::bench::BenchConfig {
+    let cfg = crate::bench::BenchConfig {
         world,
         dtype: args.dtype,
         op: args.op,
-        sizes: args.sizes.unwrap_or_else(anyccl::bench::default_gpu_sizes),
+        sizes: args.sizes.unwrap_or_else(crate::bench::default_gpu_sizes),
         algorithms: args.algos,
         iters: args.iters as usize,
         warmup: args.warmup as usize,
         selector,
     };
-    cfg.check(anyccl::bench::Limits::GPU)?;
-    let mode = if args.eager { anyccl::bench_cuda::Mode::Eager } else { anyccl::bench_cuda::Mode::Graph };
-    let report = anyccl::bench_cuda::run(&cfg, mode, &|_, _| {})?;
+    cfg.check(crate::bench::Limits::GPU)?;
+    let mode = if args.eager { crate::bench_cuda::Mode::Eager } else { crate::bench_cuda::Mode::Graph };
+    let report = crate::bench_cuda::run(&cfg, mode, &|_, _| {})?;
     if let Some(p) = &args.plot {
-        anyccl::plot::plot(&report, p)?;
+        crate::plot::plot(&report, p)?;
     }
     print_report(&report, args.json, args.csv)
 }
 
 #[cfg(feature = "host")]
-fn run_with_progress(cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench::BenchReport, CliError> {
+fn run_with_progress(cfg: &crate::bench::BenchConfig) -> Result<crate::bench::BenchReport, CliError> {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use std::sync::Mutex;
     let start = std::time::Instant::now();
@@ -502,18 +514,18 @@ fn run_with_progress(cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench::
         bar.set_length(total);
         bar.set_position(done);
         let mut s = shown.lock().unwrap_or_else(|e| e.into_inner());
-        if tty && !*s && start.elapsed() >= anyccl::bench::PROGRESS_AFTER && done < total {
+        if tty && !*s && start.elapsed() >= crate::bench::PROGRESS_AFTER && done < total {
             bar.set_draw_target(ProgressDrawTarget::stderr());
             *s = true;
         }
     };
-    let r = anyccl::bench::run_host(cfg, &progress);
+    let r = crate::bench::run_host(cfg, &progress);
     bar.finish_and_clear();
     Ok(r?)
 }
 
 #[cfg(not(feature = "host"))]
-fn run_with_progress(_cfg: &anyccl::bench::BenchConfig) -> Result<anyccl::bench::BenchReport, CliError> {
+fn run_with_progress(_cfg: &crate::bench::BenchConfig) -> Result<crate::bench::BenchReport, CliError> {
     Err(CliError { message: "no backend is available in this build".into(), hint: None })
 }
 

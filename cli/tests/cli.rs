@@ -1,9 +1,9 @@
 //! The `anyccl` command as a user runs it.
 
-#[path = "support/fake_ccl.rs"]
+#[path = "../../tests/support/fake_ccl.rs"]
 mod fake_ccl;
 #[cfg(feature = "rocm")]
-#[path = "support/fake_hip.rs"]
+#[path = "../../tests/support/fake_hip.rs"]
 mod fake_hip;
 
 use std::process::{Command, Output};

@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use crate::bench::BenchReport;
-use crate::core::{Algorithm, Error, Result, SelectorTable};
+use anyccl::core::{Algorithm, Error, Result, SelectorTable};
 
 /// How far `auto` may be from the best measured algorithm, at any size of the sweep.
 pub const TOLERANCE: f64 = 0.05;
@@ -106,7 +106,8 @@ fn nothing_measured(report: &BenchReport) -> Error {
 }
 
 /// Refuses, before any sweep, an `--algos` list of which `backend` implements none (`implemented`): tune would
-/// have nothing to compare. `None` (every algorithm) is fine.
+/// have nothing to compare. `None` (every algorithm) is fine. Only the host backend implements a subset.
+#[cfg(feature = "host")]
 pub fn check_measurable(requested: Option<&[Algorithm]>, implemented: &[Algorithm], backend: &str) -> Result<()> {
     let Some(requested) = requested else { return Ok(()) };
     if requested.iter().any(|a| implemented.contains(a)) {
@@ -176,7 +177,7 @@ pub fn check(report: &BenchReport) -> Vec<CheckRow> {
 mod tests {
     use super::*;
     use crate::bench::{cell, Row};
-    use crate::core::{DataType, ReduceOp};
+    use anyccl::core::{DataType, ReduceOp};
 
     /// (bytes, measured cells, auto cell) per row.
     type Rows<'a> = &'a [(u64, &'a [(Algorithm, f64)], (Algorithm, f64))];
