@@ -63,7 +63,7 @@ step "tests (all features)"
 cargo test --workspace --all-features --locked
 
 step "examples/torchrun.rs at world 2 under a torchrun stand-in (holds MASTER_PORT; the host backend across processes)"
-cargo build --locked --example torchrun
+cargo build --locked -p anyccl --example torchrun
 # Each rank contributes rank + 1: the sum at world 2 is 3.
 python3 ci/torchrun_stand_in.py 2 "RESULT rank {rank} of {world}: 3" "${CARGO_TARGET_DIR:-target}/debug/examples/torchrun"
 
