@@ -42,9 +42,11 @@ fn cuda() -> Result<(usize, usize, f32), Box<dyn std::error::Error>> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     #[cfg(feature = "cudarc")]
-    let (rank, world, sum) = if anyccl::cuda::driver::probe().is_ok() { cuda()? } else { host()? };
+    let ((rank, world, sum), backend) =
+        if anyccl::cuda::driver::probe().is_ok() { (cuda()?, "cuda") } else { (host()?, "host") };
     #[cfg(not(feature = "cudarc"))]
-    let (rank, world, sum) = host()?;
+    let ((rank, world, sum), backend) = (host()?, "host");
+    eprintln!("rank {rank}: all-reduced on the {backend} backend");
     println!("RESULT rank {rank} of {world}: {sum}");
     Ok(())
 }
