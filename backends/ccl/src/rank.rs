@@ -70,6 +70,20 @@ impl Drop for CclRank {
 }
 
 impl CclRank {
+    /// For a backend's non-blocking query whose stream still has work queued: `Ok(false)` while the communicator is
+    /// healthy; the library's asynchronous error (a peer that died) as [`Error::PeerFailure`], without aborting
+    /// (the backend's `wait` sees it again and aborts).
+    pub fn still_running(&self) -> Result<bool> {
+        self.ccl.async_error().map_err(|e| {
+            Error::PeerFailure(format!(
+                "rank {} of {}: the collective library reported an error while the work ran: {e}; call wait to abort \
+                 the communicator",
+                self.rank, self.world
+            ))
+        })?;
+        Ok(false)
+    }
+
     /// Waits until `done` (the backend's stream query: `Ok(true)` once the queued work has finished) says so,
     /// watching the library for asynchronous errors. When the library reports one, or `timeout` passes first (a
     /// peer died or never arrived), the communicator is aborted, which stops the library's kernels, and the error

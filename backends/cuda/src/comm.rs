@@ -630,7 +630,7 @@ impl CommBackend for CudaComm {
         if stream.query()? {
             return Ok(true);
         }
-        library_still_running(&self.ccl)
+        self.ccl.still_running()
     }
 
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
@@ -644,20 +644,6 @@ impl CommBackend for CudaComm {
         }
         stream.synchronize()
     }
-}
-
-/// `Ok(false)` for work still running on a healthy communicator; the library's asynchronous error (a peer that
-/// died) as [`anyccl_core::Error::PeerFailure`], without aborting: [`CommBackend::wait`] sees it again and aborts.
-fn library_still_running(ccl: &CclRank) -> Result<bool> {
-    ccl.ccl().async_error().map_err(|e| {
-        anyccl_core::Error::PeerFailure(format!(
-            "rank {} of {}: the collective library reported an error while the work ran: {e}; call wait to abort \
-             the communicator",
-            ccl.rank(),
-            ccl.world()
-        ))
-    })?;
-    Ok(false)
 }
 
 #[cfg(test)]

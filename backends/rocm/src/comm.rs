@@ -192,7 +192,7 @@ impl CommBackend for RocmComm {
         if stream.query()? {
             return Ok(true);
         }
-        library_still_running(&self.ccl)
+        self.ccl.still_running()
     }
 
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
@@ -205,18 +205,4 @@ impl CommBackend for RocmComm {
         }
         stream.synchronize()
     }
-}
-
-/// `Ok(false)` for work still running on a healthy communicator; the library's asynchronous error (a peer that
-/// died) as [`anyccl_core::Error::PeerFailure`], without aborting: [`CommBackend::wait`] sees it again and aborts.
-fn library_still_running(ccl: &CclRank) -> Result<bool> {
-    ccl.ccl().async_error().map_err(|e| {
-        anyccl_core::Error::PeerFailure(format!(
-            "rank {} of {}: the collective library reported an error while the work ran: {e}; call wait to abort \
-             the communicator",
-            ccl.rank(),
-            ccl.world()
-        ))
-    })?;
-    Ok(false)
 }
