@@ -6,78 +6,30 @@
 //! that the ranks form their group beside it — on `MASTER_PORT + 1`, or on `ANYCCL_MASTER_PORT` — and that none
 //! of them knocked on the launcher's port.
 
+#[path = "../../tests/support/launcher.rs"]
+mod launcher;
+
 use std::io::ErrorKind;
 use std::net::{Ipv4Addr, TcpListener};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use launcher::hold_master_port;
 
 use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
 
 /// A rank that has not finished by then is taken as hung.
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// The launcher's own listener on `MASTER_PORT` (as torchrun's agent store), at a port whose successor is free
-/// when checked (another process could still take it before rank 0 binds it; then the test fails loudly).
-fn hold_master_port() -> TcpListener {
-    for _ in 0..50 {
-        let held = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind the launcher's port");
-        let port = held.local_addr().expect("addr").port();
-        if port < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, port + 1)).is_ok() {
-            return held;
-        }
-    }
-    panic!("found no port whose successor is free in 50 tries");
-}
-
 /// Starts `world` ranks with torchrun's variables (and `extra`), and returns each one's `RESULT` line.
 fn launch(world: usize, master_port: u16, extra: &[(&str, String)]) -> Vec<String> {
-    let exe = std::env::current_exe().expect("test binary");
-    let children: Vec<Child> = (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["rank", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
-                .env_clear()
-                .env("ANYCCL_LAUNCHER_CHILD", "1")
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", master_port.to_string())
-                .env("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "20")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("start a rank")
-        })
-        .collect();
+    let mut env = vec![("ANYCCL_LAUNCHER_CHILD", "1".to_owned()), ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "20".to_owned())];
+    env.extend(extra.iter().cloned());
     let start = Instant::now();
+    let children = launcher::start_ranks(world, master_port, &env);
     children
         .into_iter()
         .enumerate()
-        .map(|(rank, mut child)| {
-            let status = loop {
-                if let Some(st) = child.try_wait().expect("wait") {
-                    break st;
-                }
-                if start.elapsed() > DEADLINE {
-                    let _ = child.kill();
-                    panic!("rank {rank} still ran after {DEADLINE:?}");
-                }
-                // std has no wait with a deadline: poll the child's exit.
-                std::thread::sleep(Duration::from_millis(10));
-            };
-            let out = child.wait_with_output().expect("output");
-            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            assert!(status.success(), "rank {rank} failed ({status}):\n{stdout}\n{stderr}");
-            stdout
-                .lines()
-                .find_map(|l| l.strip_prefix("RESULT "))
-                .unwrap_or_else(|| panic!("rank {rank} printed no RESULT:\n{stdout}\n{stderr}"))
-                .to_owned()
-        })
+        .map(|(r, c)| launcher::result_line(r, &launcher::finish(r, c, start, DEADLINE)))
         .collect()
 }
 

@@ -5,9 +5,13 @@
 //! all-reduce hashes and an all-reduce against its own reference. Also: a rank killed with SIGKILL makes the
 //! survivors fail with a clear error within the timeout, and the same API over a bring-your-own bootstrap.
 
-use std::net::{Ipv4Addr, TcpListener};
-use std::process::{Child, Command, Output, Stdio};
+#[path = "../../../tests/support/launcher.rs"]
+mod launcher;
+
+use std::process::{Child, Output};
 use std::time::{Duration, Instant};
+
+use launcher::{hold_master_port, result_line, text};
 
 use anyccl_core::bootstrap::{Bootstrap, LocalGroup};
 use anyccl_core::conformance::{compare_hashes, run_one_rank, Config, RankReport};
@@ -24,68 +28,14 @@ fn suite() -> Config {
     Config { worlds: vec![], counts: vec![0, 1, 5, 77], dtypes: DataType::ALL.to_vec(), seed: 0x15 }
 }
 
-/// The launcher's own listener on `MASTER_PORT`, at a port whose successor (the rendezvous's) is free when checked.
-fn hold_master_port() -> TcpListener {
-    for _ in 0..50 {
-        let held = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind the launcher's port");
-        let port = held.local_addr().expect("addr").port();
-        if port < u16::MAX && TcpListener::bind((Ipv4Addr::LOCALHOST, port + 1)).is_ok() {
-            return held;
-        }
-    }
-    panic!("found no port whose successor is free in 50 tries");
-}
-
 fn start(world: usize, port: u16, mode: &str, extra: &[(&str, String)]) -> Vec<Child> {
-    let exe = std::env::current_exe().expect("test binary");
-    (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["rank", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
-                .env_clear()
-                .env("ANYCCL_HOST_CHILD", mode)
-                .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("start a rank")
-        })
-        .collect()
+    let mut env = vec![("ANYCCL_HOST_CHILD", mode.to_owned())];
+    env.extend(extra.iter().cloned());
+    launcher::start_ranks(world, port, &env)
 }
 
-/// Waits for `child` until `start + DEADLINE`, killing it then.
-fn finish(rank: usize, mut child: Child, start: Instant) -> Output {
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            break;
-        }
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            panic!("rank {rank} still ran after {DEADLINE:?}");
-        }
-        // std has no wait with a deadline: poll the child's exit.
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().expect("output")
-}
-
-fn text(out: &Output) -> String {
-    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
-}
-
-fn result_line(rank: usize, out: &Output) -> String {
-    assert!(out.status.success(), "rank {rank} failed ({}):\n{}", out.status, text(out));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .unwrap_or_else(|| panic!("rank {rank} printed no RESULT:\n{}", text(out)))
-        .to_owned()
+fn finish(rank: usize, child: Child, start: Instant) -> Output {
+    launcher::finish(rank, child, start, DEADLINE)
 }
 
 /// Each rank's all-reduce result is `sum over q of (q + 1) * (i + 1)` for element `i`; the hash line of every rank
