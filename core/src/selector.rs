@@ -624,6 +624,38 @@ impl Selector {
     pub fn select(
         &self,
         q: &SelectionQuery<'_>,
+        eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
+    ) -> Result<Selection> {
+        self.select_from(self.table.rules.iter(), q, eligible)
+    }
+
+    /// The indices of the rules that can match some call of a communicator of `vendor`, `arch` and `world`
+    /// (which never change for one communicator), in table order. [`Selector::select_among`] then looks at
+    /// those alone: the per-call scan stays a few rules long however long the table is.
+    pub(crate) fn candidates(&self, vendor: Vendor, arch: &str, world: usize) -> Vec<usize> {
+        let fixed = |r: &Rule| {
+            (r.vendors.is_empty() || r.vendors.contains(&vendor))
+                && r.arch.as_deref().is_none_or(|a| a.eq_ignore_ascii_case(arch))
+                && (r.world_min..=r.world_max).contains(&world)
+        };
+        self.table.rules.iter().enumerate().filter(|(_, r)| fixed(r)).map(|(i, _)| i).collect()
+    }
+
+    /// [`Selector::select`] over the rules at `candidates` (from [`Selector::candidates`] with `q`'s vendor,
+    /// arch and world): the same choice, without scanning the rules that cannot match.
+    pub(crate) fn select_among(
+        &self,
+        candidates: &[usize],
+        q: &SelectionQuery<'_>,
+        eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
+    ) -> Result<Selection> {
+        self.select_from(candidates.iter().filter_map(|&i| self.table.rules.get(i)), q, eligible)
+    }
+
+    fn select_from<'r>(
+        &'r self,
+        rules: impl Iterator<Item = &'r Rule>,
+        q: &SelectionQuery<'_>,
         mut eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
     ) -> Result<Selection> {
         if let Some(a) = self.forced {
@@ -633,7 +665,7 @@ impl Selector {
             };
         }
         let mut refused: Vec<(Algorithm, String)> = Vec::new();
-        for rule in self.table.rules.iter().filter(|r| r.matches(q)) {
+        for rule in rules.filter(|r| r.matches(q)) {
             for &a in &rule.algorithms {
                 if refused.iter().any(|(r, _)| *r == a) {
                     continue;
@@ -1154,6 +1186,39 @@ mod tests {
             .prop_map(|(lo, w, open)| (lo * 64, if open { None } else { Some((lo + w) * 64) }));
         let capturing = proptest::option::of(any::<bool>());
         (vendors, arch, world, bytes, dtypes, capturing).prop_map(|(v, a, w, b, d, c)| rule(v, a, w, b, d, c))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3000))]
+        /// The per-communicator shortcut (the rules that can match its vendor, arch and world, found once) chooses
+        /// exactly what scanning the whole table does, with the same reason, or fails the same way.
+        #[test]
+        fn selecting_among_a_communicators_candidates_equals_scanning_the_table(
+            rules in proptest::collection::vec((arb_rule(), proptest::sample::subsequence(Algorithm::ALL.to_vec(), 1..=3)), 0..10),
+            vendor in proptest::sample::select(vec![Vendor::Host, Vendor::Nvidia, Vendor::Amd]),
+            arch in proptest::sample::select(vec!["sm_90", "sm_80", "gfx942", "host"]),
+            world in 1usize..8,
+            bytes in 0u64..600,
+            dtype in proptest::sample::select(DataType::ALL.to_vec()),
+            capturing in proptest::prelude::any::<bool>(),
+            refused in proptest::sample::subsequence(Algorithm::ALL.to_vec(), 0..=Algorithm::ALL.len()),
+        ) {
+            let rules = rules
+                .into_iter()
+                .enumerate()
+                .map(|(n, (mut r, algorithms))| {
+                    r.algorithms = algorithms;
+                    r.origin = format!("rule {n}");
+                    r.labelled()
+                })
+                .collect();
+            let sel = Selector { table: SelectorTable { rules }, ..Selector::default() };
+            let q = SelectionQuery { vendor, arch, world, bytes, dtype, capturing };
+            let eligible = |a: Algorithm| if refused.contains(&a) { Err(format!("{a} refused")) } else { Ok(()) };
+            let whole = sel.select(&q, eligible);
+            let among = sel.select_among(&sel.candidates(vendor, arch, world), &q, eligible);
+            proptest::prop_assert_eq!(format!("{whole:?}"), format!("{among:?}"));
+        }
     }
 
     proptest::proptest! {
