@@ -22,7 +22,7 @@
 //! fn forge<'a, B: CommBackend>(bufs: InOut<'a, BufOf<B>>, stream: &'a StreamOf<B>) -> AllReduceArgs<'a, B> {
 //!     let (count, dtype, op) = (1 << 30, DataType::F32, ReduceOp::Sum);
 //!     let call = AllReduceCall { count, dtype, op, bytes: 4 << 30, in_place: true, capturing: false, bufs: None };
-//!     AllReduceArgs::new(bufs, stream, call, Algorithm::Ccl)
+//!     AllReduceArgs::new(bufs, stream, call, todo!(), Algorithm::Ccl)
 //! }
 //! ```
 //!
@@ -68,6 +68,7 @@ pub struct AllReduceArgs<'a, B: CommBackend + ?Sized> {
     bufs: InOut<'a, BufOf<B>>,
     stream: &'a StreamOf<B>,
     call: AllReduceCall,
+    reduction: B::Reduction,
     algorithm: Algorithm,
 }
 
@@ -77,9 +78,10 @@ impl<'a, B: CommBackend + ?Sized> AllReduceArgs<'a, B> {
         bufs: InOut<'a, BufOf<B>>,
         stream: &'a StreamOf<B>,
         call: AllReduceCall,
+        reduction: B::Reduction,
         algorithm: Algorithm,
     ) -> Self {
-        AllReduceArgs { bufs, stream, call, algorithm }
+        AllReduceArgs { bufs, stream, call, reduction, algorithm }
     }
 
     /// The buffers: each holds at least [`Self::bytes`] bytes of this rank's memory; separate ones do not overlap.
@@ -120,6 +122,12 @@ impl<'a, B: CommBackend + ?Sized> AllReduceArgs<'a, B> {
     /// Operator (a valid pair with the type, for core and for this backend).
     pub fn op(&self) -> ReduceOp {
         self.call.op
+    }
+
+    /// What the backend derived from the (type, operator) pair when it accepted it
+    /// ([`CommBackend::check_reduction`]).
+    pub fn reduction(&self) -> B::Reduction {
+        self.reduction
     }
 
     /// Message size in bytes (`count × dtype size`, without overflow).
@@ -211,7 +219,8 @@ collective_args!(
 collective_args!(
     /// A validated reduce-scatter: the input holds `world × count` elements, the output `count`.
     ReduceScatterArgs, bytes: "The input's size in bytes (`world × count` elements, without overflow).",
-    op: ReduceOp => "Operator (a valid pair with the type, for core and for this backend)."
+    op: ReduceOp => "Operator (a valid pair with the type, for core and for this backend).",
+    reduction: B::Reduction => "What the backend derived from the (type, operator) pair when it accepted it."
 );
 
 collective_args!(
@@ -224,6 +233,7 @@ collective_args!(
     /// A validated reduce: both buffers hold `count` elements; `root` is a rank of the communicator.
     ReduceArgs, bytes: "Message size in bytes (`count` elements, without overflow).",
     op: ReduceOp => "Operator (a valid pair with the type, for core and for this backend).",
+    reduction: B::Reduction => "What the backend derived from the (type, operator) pair when it accepted it.",
     root: usize => "The rank that receives the result (below the world size)."
 );
 

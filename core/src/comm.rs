@@ -98,11 +98,15 @@ pub trait CommBackend: Send {
     fn allreduce_algorithms(&self) -> &[Algorithm];
     /// Whether `algorithm` can run `call` (`Err` says why not).
     fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String>;
-    /// Reductions this backend refuses beyond core's rules (for example fp8 on an old NCCL).
-    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
-        let _ = (dtype, op);
-        Ok(())
-    }
+    /// What the backend derives once from a (type, operator) pair it accepts, such as the vendor library's codes
+    /// for them. The front-end gets it from [`CommBackend::check_reduction`] and hands it back inside the
+    /// validated description of the call ([`AllReduceArgs::reduction`] and the others), so a pair is checked and
+    /// mapped once per call. `()` for a backend with nothing to derive.
+    type Reduction: Copy + Send + Sync + std::fmt::Debug;
+
+    /// Accepts `op` on `dtype` for this backend, or refuses what it cannot do beyond core's rules (for example
+    /// fp8 on an old NCCL). Called by the front-end after core's own check has accepted the pair.
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<Self::Reduction>;
 
     /// All-reduce with the algorithm the description carries (chosen and found eligible by the front-end).
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()>;
@@ -129,6 +133,15 @@ pub trait CommBackend: Send {
     /// Inputs of captured collectives not registered yet ([`CommBackend::register_graph_buffers`]).
     fn pending_graph_buffers(&self) -> usize {
         0
+    }
+    /// A number that changes whenever [`CommBackend::check_reduction`] or
+    /// [`CommBackend::allreduce_eligible`] could answer differently for the same call (a window registered or
+    /// freed, custom kernels turned off). With it, the front-end reuses the decision of an all-reduce identical to
+    /// the previous one (same buffers, size, type, operator and capture state) instead of asking again: the
+    /// selection is a measurable part of a call's host time. `None`, the default: the answers may change at any
+    /// time, so every call asks.
+    fn eligibility_epoch(&self) -> Option<u64> {
+        None
     }
     /// Wait until every rank has reached the barrier.
     fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
@@ -170,12 +183,25 @@ pub struct GraphRegistration {
 pub struct Communicator<B: CommBackend> {
     backend: B,
     selector: Arc<Selector>,
+    /// The selector's rules that can apply to this communicator (its vendor, arch and world are fixed).
+    candidates: Vec<usize>,
+    /// The last all-reduce's decision, for a backend that says when its eligibility changes.
+    memo: Option<Memo<B::Reduction>>,
+}
+
+/// One remembered all-reduce decision ([`CommBackend::eligibility_epoch`]).
+struct Memo<R> {
+    call: AllReduceCall,
+    epoch: u64,
+    reduction: R,
+    selection: Selection,
 }
 
 impl<B: CommBackend> Communicator<B> {
     /// Wraps a backend communicator with `selector`.
     pub fn new(backend: B, selector: Arc<Selector>) -> Self {
-        Communicator { backend, selector }
+        let candidates = selector.candidates(backend.vendor(), backend.arch(), backend.world_size());
+        Communicator { backend, selector, candidates, memo: None }
     }
 
     /// This rank.
@@ -213,7 +239,8 @@ impl<B: CommBackend> Communicator<B> {
         CallShape { rank: self.backend.rank(), world: self.backend.world_size(), location: self.runtime().location() }
     }
 
-    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+    /// Core's rules, then the backend's: one check and one mapping per call.
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<B::Reduction> {
         crate::dtype::check_reduction(dtype, op)?;
         self.backend.check_reduction(dtype, op)
     }
@@ -229,7 +256,7 @@ impl<B: CommBackend> Communicator<B> {
             capturing: call.capturing,
         };
         let algos = self.backend.allreduce_algorithms();
-        self.selector.select(&q, |a| {
+        self.selector.select_among(&self.candidates, &q, |a| {
             if !algos.contains(&a) {
                 return Err(format!("not implemented by the {} backend", self.backend.name()));
             }
@@ -248,6 +275,7 @@ impl<B: CommBackend> Communicator<B> {
         self.backend.allreduce_eligible(algorithm, call).map_err(|why| Error::AlgorithmNotEligible { algorithm, why })
     }
 
+    /// Validates an all-reduce and asks the capture state once.
     fn prepare_all_reduce(
         &self,
         bufs: &InOut<'_, BufOf<B>>,
@@ -256,10 +284,27 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<AllReduceCall> {
-        self.check_reduction(dtype, op)?;
-        let bytes = validate::all_reduce(&self.shape(), &bufs.desc(), count, dtype, op)?;
+        let desc = bufs.desc();
+        // Core's rules on the pair come first inside `validate`.
+        let bytes = validate::all_reduce(&self.shape(), &desc, count, dtype, op)?;
         let capturing = self.runtime().is_capturing(stream)?;
-        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing, bufs: Some(bufs.desc()) })
+        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing, bufs: Some(desc) })
+    }
+
+    /// The backend's reduction and the selection for a validated `call`: from the memo when the previous call
+    /// was the same call and the backend's eligibility has not changed since ([`CommBackend::eligibility_epoch`]),
+    /// else asked afresh (and remembered).
+    fn decide_all_reduce(&mut self, call: &AllReduceCall) -> Result<(B::Reduction, Selection)> {
+        let epoch = self.backend.eligibility_epoch();
+        if let (Some(epoch), Some(m)) = (epoch, &self.memo) {
+            if m.epoch == epoch && m.call == *call {
+                return Ok((m.reduction, m.selection.clone()));
+            }
+        }
+        let reduction = self.backend.check_reduction(call.dtype, call.op)?;
+        let selection = self.select_all_reduce(call)?;
+        self.memo = epoch.map(|epoch| Memo { call: *call, epoch, reduction, selection: selection.clone() });
+        Ok((reduction, selection))
     }
 
     /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.
@@ -272,7 +317,7 @@ impl<B: CommBackend> Communicator<B> {
         stream: &StreamOf<B>,
     ) -> Result<Selection> {
         let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
-        let sel = self.select_all_reduce(&call)?;
+        let (reduction, sel) = self.decide_all_reduce(&call)?;
         tracing::debug!(
             rank = self.rank(),
             world = self.world_size(),
@@ -284,7 +329,7 @@ impl<B: CommBackend> Communicator<B> {
             rule = %sel.why,
             "all-reduce"
         );
-        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, sel.algorithm))?;
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, sel.algorithm))?;
         Ok(sel)
     }
 
@@ -299,8 +344,9 @@ impl<B: CommBackend> Communicator<B> {
         stream: &StreamOf<B>,
     ) -> Result<()> {
         let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
+        let reduction = self.backend.check_reduction(dtype, op)?;
         self.check_algorithm(algorithm, &call)?;
-        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, algorithm))
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, algorithm))
     }
 
     /// All-gather: every rank contributes `count` elements; the output holds `world × count`.
@@ -324,9 +370,9 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        self.check_reduction(dtype, op)?;
+        let reduction = self.check_reduction(dtype, op)?;
         let bytes = validate::reduce_scatter(&self.shape(), &bufs.desc(), count, dtype, op)?;
-        self.backend.reduce_scatter(ReduceScatterArgs::new(bufs, stream, count, dtype, bytes, op))
+        self.backend.reduce_scatter(ReduceScatterArgs::new(bufs, stream, count, dtype, bytes, op, reduction))
     }
 
     /// Broadcast `count` elements from `root`.
@@ -352,9 +398,9 @@ impl<B: CommBackend> Communicator<B> {
         root: usize,
         stream: &StreamOf<B>,
     ) -> Result<()> {
-        self.check_reduction(dtype, op)?;
+        let reduction = self.check_reduction(dtype, op)?;
         let bytes = validate::reduce(&self.shape(), &bufs.desc(), count, dtype, op, root)?;
-        self.backend.reduce(ReduceArgs::new(bufs, stream, count, dtype, bytes, op, root))
+        self.backend.reduce(ReduceArgs::new(bufs, stream, count, dtype, bytes, op, reduction, root))
     }
 
     /// Send `count` elements to `peer`.
@@ -440,4 +486,182 @@ pub fn check_bootstrap(bootstrap: &dyn Bootstrap, rank: usize, world: usize) -> 
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::caps::Reason;
+    use crate::runtime::Location;
+
+    /// Host memory, no streams: just enough runtime for the front-end.
+    struct Bytes;
+
+    impl MemoryRuntime for Bytes {
+        type Buffer = [u8];
+        type OwnedBuffer = Vec<u8>;
+        type Stream = ();
+
+        fn location(&self) -> Location {
+            Location::Host
+        }
+        fn alloc(&self, bytes: usize) -> Result<Vec<u8>> {
+            Ok(vec![0; bytes])
+        }
+        fn upload(&self, _: &mut [u8], _: &[u8], _: &()) -> Result<()> {
+            Ok(())
+        }
+        fn download(&self, _: &[u8], _: &mut [u8], _: &()) -> Result<()> {
+            Ok(())
+        }
+        fn synchronize(&self, _: &()) -> Result<()> {
+            Ok(())
+        }
+        fn is_capturing(&self, _: &()) -> Result<bool> {
+            Ok(false)
+        }
+    }
+
+    /// Counts how often the front-end asks it; refuses `one-shot` while `refuse_one_shot` is set.
+    struct Counting {
+        caps: CapabilityReport,
+        epoch: Option<u64>,
+        refuse_one_shot: bool,
+        reductions: Cell<usize>,
+        eligibility: Cell<usize>,
+        ran: Vec<Algorithm>,
+    }
+
+    impl CommBackend for Counting {
+        type Reduction = (DataType, ReduceOp);
+        type Runtime = Bytes;
+
+        fn runtime(&self) -> &Bytes {
+            &Bytes
+        }
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            1
+        }
+        fn vendor(&self) -> Vendor {
+            Vendor::Host
+        }
+        fn arch(&self) -> &str {
+            "host"
+        }
+        fn capabilities(&self) -> &CapabilityReport {
+            &self.caps
+        }
+        fn allreduce_algorithms(&self) -> &[Algorithm] {
+            &[Algorithm::OneShot, Algorithm::Ring]
+        }
+        fn allreduce_eligible(&self, algorithm: Algorithm, _: &AllReduceCall) -> std::result::Result<(), String> {
+            self.eligibility.set(self.eligibility.get() + 1);
+            match algorithm {
+                Algorithm::OneShot if self.refuse_one_shot => Err("refused".into()),
+                Algorithm::OneShot | Algorithm::Ring => Ok(()),
+                _ => Err("not here".into()),
+            }
+        }
+        fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<(DataType, ReduceOp)> {
+            self.reductions.set(self.reductions.get() + 1);
+            Ok((dtype, op))
+        }
+        fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+            assert_eq!(args.reduction(), (args.dtype(), args.op()), "the reduction of this very call");
+            self.ran.push(args.algorithm());
+            Ok(())
+        }
+        fn all_gather(&mut self, _: AllGatherArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn reduce_scatter(&mut self, _: ReduceScatterArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn broadcast(&mut self, _: BroadcastArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn reduce(&mut self, _: ReduceArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn send(&mut self, _: SendArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn recv(&mut self, _: RecvArgs<'_, Self>) -> Result<()> {
+            Ok(())
+        }
+        fn barrier(&mut self, _: &()) -> Result<()> {
+            Ok(())
+        }
+        fn eligibility_epoch(&self) -> Option<u64> {
+            self.epoch
+        }
+    }
+
+    fn counting(epoch: Option<u64>) -> Communicator<Counting> {
+        // The defaults for the host at world 1: one-shot, two-shot (not implemented here), ring.
+        let selector = Selector::default();
+        let caps =
+            CapabilityReport::all_disabled(|_| Reason::Unavailable { component: "x".into(), detail: "y".into() });
+        let backend = Counting {
+            caps,
+            epoch,
+            refuse_one_shot: false,
+            reductions: Cell::new(0),
+            eligibility: Cell::new(0),
+            ran: Vec::new(),
+        };
+        Communicator::new(backend, Arc::new(selector))
+    }
+
+    fn sum(c: &mut Communicator<Counting>, buf: &mut [u8], dtype: DataType) -> Algorithm {
+        let count = buf.len() / dtype.size_bytes();
+        c.all_reduce(InOut::InPlace(buf), count, dtype, ReduceOp::Sum, &()).expect("valid call").algorithm
+    }
+
+    #[test]
+    fn a_repeated_call_reuses_the_decision_until_the_backend_changes() {
+        let mut c = counting(Some(7));
+        let mut a = vec![0u8; 64];
+        let mut b = vec![0u8; 64];
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        let asked = (c.backend().reductions.get(), c.backend().eligibility.get());
+        assert_eq!(asked, (1, 1));
+        // The same call again: nothing asked.
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        assert_eq!((c.backend().reductions.get(), c.backend().eligibility.get()), asked);
+        // Another buffer, then another type: asked again.
+        sum(&mut c, &mut b, DataType::F32);
+        assert_eq!((c.backend().reductions.get(), c.backend().eligibility.get()), (2, 2));
+        sum(&mut c, &mut b, DataType::I32);
+        assert_eq!((c.backend().reductions.get(), c.backend().eligibility.get()), (3, 3));
+        // The backend's answer changes, and says so through its epoch: the new answer is used at once.
+        c.backend.refuse_one_shot = true;
+        c.backend.epoch = Some(8);
+        assert_eq!(sum(&mut c, &mut b, DataType::I32), Algorithm::Ring);
+        assert_eq!(
+            c.backend().ran,
+            [Algorithm::OneShot, Algorithm::OneShot, Algorithm::OneShot, Algorithm::OneShot, Algorithm::Ring]
+        );
+    }
+
+    #[test]
+    fn a_backend_without_an_epoch_is_asked_every_call() {
+        let mut c = counting(None);
+        let mut a = vec![0u8; 64];
+        for n in 1..=3 {
+            sum(&mut c, &mut a, DataType::F32);
+            assert_eq!((c.backend().reductions.get(), c.backend().eligibility.get()), (n, n));
+        }
+        // Its answer may change at any time, and the next call follows it.
+        c.backend.refuse_one_shot = true;
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
+    }
 }

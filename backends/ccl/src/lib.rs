@@ -181,6 +181,48 @@ pub fn nccl_op(lib: &CclLibrary, op: ReduceOp, dtype: DataType) -> Result<sys::n
     })
 }
 
+/// A (type, operator) pair one loaded library accepts, in that library's own codes: mapped once per call by
+/// [`CclReduction::new`] (the backends do it when the front-end checks the pair) and handed to the collective
+/// calls, which check that it was mapped for their library.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CclReduction {
+    dtype: sys::ncclDataType_t,
+    op: sys::ncclRedOp_t,
+    pair: (DataType, ReduceOp),
+    /// The address of the library it was mapped for: compared, never dereferenced.
+    lib: usize,
+}
+
+impl CclReduction {
+    /// Maps `op` on `dtype` for `lib`, or refuses what the loaded version lacks ([`nccl_dtype`], [`nccl_op`]).
+    pub fn new(lib: &Arc<CclLibrary>, dtype: DataType, op: ReduceOp) -> Result<Self> {
+        let (d, o) = (nccl_dtype(lib, dtype)?, nccl_op(lib, op, dtype)?);
+        Ok(CclReduction { dtype: d, op: o, pair: (dtype, op), lib: Arc::as_ptr(lib) as usize })
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DataType {
+        self.pair.0
+    }
+
+    /// The operator.
+    pub fn op(&self) -> ReduceOp {
+        self.pair.1
+    }
+
+    /// The library's codes, if the pair was mapped for `lib` (codes differ between versions and vendors).
+    fn codes_for(&self, lib: &Arc<CclLibrary>) -> Result<(sys::ncclDataType_t, sys::ncclRedOp_t)> {
+        if self.lib != Arc::as_ptr(lib) as usize {
+            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
+                dtype: self.pair.0,
+                op: self.pair.1,
+                why: format!("the pair was mapped for another library than {}", lib.describe()),
+            }));
+        }
+        Ok((self.dtype, self.op))
+    }
+}
+
 /// A communicator handle that keeps its library loaded (`Arc`) and destroys the communicator on drop.
 pub struct CclComm {
     lib: Arc<CclLibrary>,
@@ -356,18 +398,17 @@ impl CclComm {
     /// `ncclAllReduce`.
     ///
     /// # Safety
-    /// `send` and `recv` point to `count` elements of `dtype` of device memory the communicator's device can
+    /// `send` and `recv` point to `count` elements of the reduction's type of device memory the communicator's device can
     /// access (they may be equal: in place), and `stream` is a live stream of that device.
     pub unsafe fn all_reduce(
         &self,
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         stream: sys::Stream,
     ) -> Result<()> {
-        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        let (d, o) = reduction.codes_for(&self.lib)?;
         // SAFETY: the caller guarantees the buffers and stream; the comm is live.
         let st = unsafe { (self.lib.table().required.all_reduce)(send, recv, count, d, o, self.live()?, stream) };
         self.status("ncclAllReduce", st)
@@ -400,11 +441,10 @@ impl CclComm {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         stream: sys::Stream,
     ) -> Result<()> {
-        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        let (d, o) = reduction.codes_for(&self.lib)?;
         // SAFETY: as documented above.
         let st = unsafe { (self.lib.table().required.reduce_scatter)(send, recv, count, d, o, self.live()?, stream) };
         self.status("ncclReduceScatter", st)
@@ -440,12 +480,11 @@ impl CclComm {
         send: *const c_void,
         recv: *mut c_void,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         root: usize,
         stream: sys::Stream,
     ) -> Result<()> {
-        let (d, o) = (nccl_dtype(&self.lib, dtype)?, nccl_op(&self.lib, op, dtype)?);
+        let (d, o) = reduction.codes_for(&self.lib)?;
         let root = c_int::try_from(root).map_err(|_| InvalidArgument::BadWorld(format!("root {root}")))?;
         // SAFETY: as documented above.
         let st = unsafe { (self.lib.table().required.reduce)(send, recv, count, d, o, root, self.live()?, stream) };

@@ -4,7 +4,7 @@
 //! only what is vendor-specific (their runtime, streams, and custom kernels).
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
 use anyccl_core::{Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result};
 
-use crate::{sys, AbortOutcome, CclComm, CclLibrary};
+use crate::{sys, AbortOutcome, CclComm, CclLibrary, CclReduction};
 
 /// How long a failed wait waits for the library's abort before it returns and leaves the abort running in the
 /// background: [`CclRank::wait_or_abort`] returns within its timeout plus this.
@@ -50,13 +50,39 @@ pub fn refuse_during_capture(backend: &str, what: &str, capturing: bool) -> Resu
     Ok(())
 }
 
+/// The symmetric windows registered on one communicator, and a generation that changes with them.
+#[derive(Default)]
+struct Windows {
+    /// (start, len) of each window.
+    list: Mutex<Vec<(usize, usize)>>,
+    /// Bumped on every registration and release, so a cached eligibility answer can tell it is stale.
+    generation: AtomicU64,
+}
+
+impl Windows {
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<(usize, usize)>> {
+        // A panic while holding the lock left a plain Vec behind: still consistent.
+        self.list.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(&self, start: usize, len: usize) {
+        self.list().push((start, len));
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn remove(&self, start: usize) {
+        self.list().retain(|(s, _)| *s != start);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// One rank of a NCCL/RCCL communicator, with its registered symmetric windows.
 pub struct CclRank {
     ccl: CclComm,
     rank: usize,
     world: usize,
-    /// Registered symmetric windows on this communicator: (start, len).
-    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// Registered symmetric windows on this communicator.
+    windows: Arc<Windows>,
     /// Cleared when this rank is dropped, for the symmetric memory that outlives it.
     alive: Arc<AtomicBool>,
 }
@@ -148,7 +174,7 @@ impl CclRank {
 
     /// Wraps rank `rank` of `world`.
     pub fn new(ccl: CclComm, rank: usize, world: usize) -> Self {
-        CclRank { ccl, rank, world, windows: Arc::new(Mutex::new(Vec::new())), alive: Arc::new(AtomicBool::new(true)) }
+        CclRank { ccl, rank, world, windows: Arc::default(), alive: Arc::new(AtomicBool::new(true)) }
     }
 
     /// The communicator.
@@ -164,11 +190,6 @@ impl CclRank {
     /// Number of ranks.
     pub fn world(&self) -> usize {
         self.world
-    }
-
-    /// The window registry, shared with the symmetric buffers that add and remove themselves.
-    pub fn windows(&self) -> &Arc<Mutex<Vec<(usize, usize)>>> {
-        &self.windows
     }
 
     /// Allocates `bytes` with the library's allocator (`ncclMemAlloc`, rounded up to 4 KiB) and registers it as a
@@ -218,7 +239,7 @@ impl CclRank {
                 return Err(e);
             }
         };
-        self.windows.lock().unwrap_or_else(|e| e.into_inner()).push((ptr as usize, size));
+        self.windows.add(ptr as usize, size);
         Ok(SymmetricMemory {
             ptr,
             size,
@@ -233,8 +254,13 @@ impl CclRank {
 
     /// Whether `[d.addr, +bytes)` lies inside one registered window.
     pub fn in_window(&self, d: &BufferDesc, bytes: usize) -> bool {
-        let w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
-        w.iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
+        self.windows.list().iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
+    }
+
+    /// Changes whenever a window is registered or released here, so an answer of [`Self::eligible`] about
+    /// `ccl-symmetric` can be kept until it does.
+    pub fn windows_generation(&self) -> u64 {
+        self.windows.generation.load(Ordering::Acquire)
     }
 
     /// With one rank, avg is the identity, exactly like sum. NCCL 2.28.3 left the last element of out-of-place
@@ -278,11 +304,15 @@ impl CclRank {
         }
     }
 
-    /// Refuses what the loaded library lacks (fp8 before it had fp8, avg on integers, …).
-    pub fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
-        crate::nccl_dtype(self.ccl.library(), dtype)?;
-        crate::nccl_op(self.ccl.library(), op, dtype)?;
-        Ok(())
+    /// Maps `op` on `dtype` to the loaded library's codes once per call, refusing what it lacks (fp8 before it
+    /// had fp8, avg on fp8, …); avg at world 1 is asked for as sum ([`Self::effective_op`]).
+    pub fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<CclReduction> {
+        // What the caller asked for is checked as asked, so avg on fp8 stays refused at world 1.
+        let asked = CclReduction::new(self.ccl.library(), dtype, op)?;
+        match self.effective_op(op) {
+            same if same == op => Ok(asked),
+            other => CclReduction::new(self.ccl.library(), dtype, other),
+        }
     }
 
     /// All-reduce through the library (`ccl`, and `ccl-symmetric`: the library picks its symmetric kernels when
@@ -294,13 +324,12 @@ impl CclRank {
         &self,
         bufs: &InOut<'_, B>,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         stream: sys::Stream,
     ) -> Result<()> {
         let (s, r) = io_ptrs(bufs);
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.all_reduce(s, r, count, dtype, self.effective_op(op), stream) }
+        unsafe { self.ccl.all_reduce(s, r, count, reduction, stream) }
     }
 
     /// All-gather; in place, the send part is this rank's slot of the output.
@@ -333,19 +362,18 @@ impl CclRank {
         &self,
         bufs: &InOut<'_, B>,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         stream: sys::Stream,
     ) -> Result<()> {
         let (s, r) = match bufs {
             InOut::InPlace(b) => {
-                let part = (self.rank * count * dtype.size_bytes()) as u64;
+                let part = (self.rank * count * reduction.dtype().size_bytes()) as u64;
                 (b.device_addr() as *const c_void, (b.device_addr() + part) as *mut c_void)
             }
             InOut::Separate { .. } => io_ptrs(bufs),
         };
         // SAFETY: the caller's contract; in place, recv is this rank's slot of send.
-        unsafe { self.ccl.reduce_scatter(s, r, count, dtype, self.effective_op(op), stream) }
+        unsafe { self.ccl.reduce_scatter(s, r, count, reduction, stream) }
     }
 
     /// Broadcast from `root`.
@@ -373,14 +401,13 @@ impl CclRank {
         &self,
         bufs: &InOut<'_, B>,
         count: usize,
-        dtype: DataType,
-        op: ReduceOp,
+        reduction: CclReduction,
         root: usize,
         stream: sys::Stream,
     ) -> Result<()> {
         let (s, r) = io_ptrs(bufs);
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.reduce(s, r, count, dtype, self.effective_op(op), root, stream) }
+        unsafe { self.ccl.reduce(s, r, count, reduction, root, stream) }
     }
 
     /// Send `count` elements to `peer`.
@@ -423,8 +450,9 @@ impl CclRank {
     /// `scratch` holds at least 4 bytes of this rank's device memory; `stream` is live.
     pub unsafe fn barrier_all_reduce<B: DeviceAddress + ?Sized>(&self, scratch: &B, stream: sys::Stream) -> Result<()> {
         let p = scratch.device_addr() as *mut c_void;
+        let reduction = CclReduction::new(self.ccl.library(), DataType::F32, ReduceOp::Sum)?;
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.all_reduce(p, p, 1, DataType::F32, ReduceOp::Sum, stream) }
+        unsafe { self.ccl.all_reduce(p, p, 1, reduction, stream) }
     }
 }
 
@@ -437,7 +465,7 @@ pub struct SymmetricMemory {
     lib: Arc<CclLibrary>,
     comm: sys::ncclComm_t,
     alive: Arc<AtomicBool>,
-    windows: Arc<Mutex<Vec<(usize, usize)>>>,
+    windows: Arc<Windows>,
     bind: Box<dyn Fn() -> Result<()> + Send>,
 }
 
@@ -463,7 +491,7 @@ impl Drop for SymmetricMemory {
         if let Err(e) = (self.bind)() {
             tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
         }
-        self.windows.lock().unwrap_or_else(|e| e.into_inner()).retain(|(s, _)| *s != self.ptr as usize);
+        self.windows.remove(self.ptr as usize);
         let comm_alive = self.alive.load(Ordering::SeqCst);
         if let Some(w) = self.window.take().filter(|_| comm_alive) {
             if let Some(f) = self.lib.table().optional.comm_window_deregister {

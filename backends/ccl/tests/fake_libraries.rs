@@ -13,7 +13,7 @@ use std::sync::Arc;
 use anyccl_ccl::find::Place;
 use anyccl_ccl::loader::{OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
 use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclRank, CclVendor, LoadFailure, SearchPlan, UniqueId};
-use anyccl_core::{Capabilities, CapabilityState, DataType, Error, ReduceOp};
+use anyccl_core::{Capabilities, CapabilityState, DataType, Error, InvalidArgument, ReduceOp};
 use fake_ccl::*;
 
 fn no_env(_: &str) -> Option<String> {
@@ -546,4 +546,26 @@ fn a_wait_returns_within_its_grace_when_the_library_abort_blocks() {
     // SAFETY: as above.
     assert_eq!(unsafe { aborts_done() }, 1, "aborted exactly once");
     drop(rank); // destroys nothing: the background abort freed the communicator
+}
+
+#[test]
+fn a_reduction_is_mapped_once_for_its_library_and_refused_by_another() {
+    let new = world_1_rank(&build_profile(&NCCL_2_28));
+    let old = world_1_rank(&build_profile(&NCCL_2_26));
+    // At world 1 avg is asked for as sum; avg on fp8 stays refused as asked.
+    let avg = new.check_reduction(DataType::F32, ReduceOp::Avg).expect("avg on f32");
+    assert_eq!((avg.dtype(), avg.op()), (DataType::F32, ReduceOp::Sum));
+    let e = new.check_reduction(DataType::Fp8E4M3, ReduceOp::Avg).expect_err("no avg on fp8");
+    assert!(matches!(e, Error::InvalidArgument(InvalidArgument::UnsupportedReduction { .. })), "{e:?}");
+    let sum = new.check_reduction(DataType::F32, ReduceOp::Sum).expect("sum");
+    let null = std::ptr::null_mut();
+    // SAFETY: the fake library's ncclAllReduce returns success without reading or writing the buffers or the stream.
+    unsafe { new.ccl().all_reduce(null, null, 4, sum, null) }.expect("its own library");
+    // The codes of one library version are not handed to another.
+    // SAFETY: as above; the call is refused before the library is reached.
+    let e = unsafe { old.ccl().all_reduce(null, null, 4, sum, null) }.expect_err("another library");
+    assert!(
+        matches!(&e, Error::InvalidArgument(InvalidArgument::UnsupportedReduction { why, .. }) if why.contains("another library")),
+        "{e:?}"
+    );
 }

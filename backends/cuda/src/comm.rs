@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::{CclComm, CclLibrary, CclRank, UniqueId};
+use anyccl_ccl::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, Bootstrap, BroadcastArgs, GraphRegistration, RecvArgs, ReduceArgs,
     ReduceScatterArgs, SendArgs,
@@ -134,8 +134,11 @@ pub struct CudaComm {
     caps: Arc<CapabilityReport>,
     /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
     scratch: DeviceBuffer,
-    /// The custom kernels' state, or why they cannot run on this communicator.
+    /// The custom kernels' state, or why they cannot run on this communicator. Changed only through
+    /// [`CudaComm::set_custom`].
     custom: std::result::Result<CustomState, String>,
+    /// Bumped by every change of `custom` ([`CommBackend::eligibility_epoch`]).
+    custom_generation: u64,
 }
 
 impl CudaComm {
@@ -174,14 +177,14 @@ impl CudaComm {
                 p2p.enable(Capabilities::P2P_ALL_PAIRS);
                 let p2p = Arc::new(p2p);
                 for (c, st) in comms.iter_mut().zip(states) {
-                    c.custom = Ok(st);
+                    c.set_custom(Ok(st));
                     c.caps = p2p.clone();
                 }
             }
             Err(why) => {
                 tracing::info!(%why, "custom all-reduce kernels off for this communicator");
                 for c in &mut comms {
-                    c.custom = Err(why.clone());
+                    c.set_custom(Err(why.clone()));
                 }
             }
         }
@@ -197,14 +200,14 @@ impl CudaComm {
         let r = self.setup_custom_ipc(bootstrap);
         match r {
             Ok(st) => {
-                self.custom = Ok(st);
+                self.set_custom(Ok(st));
                 let mut caps = (*self.caps).clone();
                 caps.enable(Capabilities::P2P_ALL_PAIRS);
                 self.caps = Arc::new(caps);
                 Ok(())
             }
             Err(e) => {
-                self.custom = Err(e.to_string());
+                self.set_custom(Err(e.to_string()));
                 Err(e)
             }
         }
@@ -357,7 +360,13 @@ impl CudaComm {
             info.devices.iter().find(|d| d.ordinal == ordinal).map(|d| d.arch()).unwrap_or_else(|| "unknown".into());
         let scratch = DeviceBuffer::alloc(runtime.context(), 4)?;
         let custom = Err("the custom kernels need every rank's buffers mapped (set up by CudaComm::init_all)".into());
-        Ok(CudaComm { ccl: CclRank::new(ccl, rank, world), runtime, arch, caps, scratch, custom })
+        Ok(CudaComm { ccl: CclRank::new(ccl, rank, world), runtime, arch, caps, scratch, custom, custom_generation: 0 })
+    }
+
+    /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
+    fn set_custom(&mut self, custom: std::result::Result<CustomState, String>) {
+        self.custom = custom;
+        self.custom_generation = self.custom_generation.wrapping_add(1);
     }
 
     /// The NCCL communicator.
@@ -444,6 +453,7 @@ impl CudaComm {
 }
 
 impl CommBackend for CudaComm {
+    type Reduction = CclReduction;
     type Runtime = CudaRuntime;
 
     fn runtime(&self) -> &CudaRuntime {
@@ -506,7 +516,7 @@ impl CommBackend for CudaComm {
         }
     }
 
-    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<CclReduction> {
         self.ccl.check_reduction(dtype, op)
     }
 
@@ -520,53 +530,48 @@ impl CommBackend for CudaComm {
             return Err(Error::AlgorithmNotEligible { algorithm, why: self.nvls_unavailable() });
         }
         // ccl and ccl-symmetric are the same call: NCCL picks its symmetric kernels when the buffers lie in a
-        // registered window, which eligibility has checked.
-        self.bind()?;
+        // registered window, which eligibility has checked. No context is bound first: NCCL makes the
+        // communicator's device current itself before it prepares and launches a collective (what lets one thread
+        // drive several GPUs in a group), so binding here only cost a driver call per collective.
         let stream = args.stream().raw() as _;
         // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
         // buffers hold `count` elements of this device and do not overlap unless in place; the stream is live
         // (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.dtype(), args.op(), stream) }
+        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.reduction(), stream) }
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements of this
         // device); the stream is live.
         unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw() as _) }
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         let stream = args.stream().raw() as _;
         // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements of this
         // device); the stream is live.
-        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.dtype(), args.op(), stream) }
+        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.reduction(), stream) }
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         let stream = args.stream().raw() as _;
         // SAFETY: validated by this backend's `Communicator`: sizes and root.
         unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), stream) }
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         let stream = args.stream().raw() as _;
         // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.root(), stream) }
+        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.reduction(), args.root(), stream) }
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         let stream = args.stream().raw() as _;
         // SAFETY: validated by this backend's `Communicator`: size and peer.
         unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), stream) }
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
-        self.bind()?;
         let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw() as _);
         // SAFETY: validated by this backend's `Communicator`: size and peer.
         unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
@@ -591,6 +596,12 @@ impl CommBackend for CudaComm {
 
     fn pending_graph_buffers(&self) -> usize {
         self.custom.as_ref().map_or(0, |st| st.graph.pending())
+    }
+
+    fn eligibility_epoch(&self) -> Option<u64> {
+        // Eligibility reads the call, the capabilities (fixed once wrapped), the custom kernels' state and the
+        // registered windows: the two generations, both only ever growing, change when either of those does.
+        Some(self.custom_generation.wrapping_add(self.ccl.windows_generation()))
     }
 
     fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {

@@ -460,6 +460,8 @@ fn split_io<'a>(bufs: InOut<'a, [u8]>) -> (Option<&'a [u8]>, &'a mut [u8]) {
 }
 
 impl CommBackend for HostComm {
+    /// The host reduces with its own kernels, chosen per call from the type and operator: nothing to derive.
+    type Reduction = ();
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {
@@ -492,6 +494,11 @@ impl CommBackend for HostComm {
 
     fn allreduce_algorithms(&self) -> &[Algorithm] {
         &ALGORITHMS
+    }
+
+    fn check_reduction(&self, _dtype: DataType, _op: ReduceOp) -> Result<()> {
+        // The host kernels implement every pair core accepts.
+        Ok(())
     }
 
     fn allreduce_eligible(&self, algorithm: Algorithm, _call: &AllReduceCall) -> std::result::Result<(), String> {

@@ -24,7 +24,9 @@ use anyccl_core::bootstrap::{checked_all_gather, Bootstrap};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
-use anyccl_core::{Algorithm, CapabilityReport, CommBackend, Communicator, Error, InvalidArgument, Result, Vendor};
+use anyccl_core::{
+    Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, ReduceOp, Result, Vendor,
+};
 
 use crate::reduce::{cast, cast_mut, internal, reduce_into, with_type};
 use crate::{host_capabilities, split_io, try_copy, HostBuffer, HostOptions, HostRuntime};
@@ -214,6 +216,8 @@ fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) 
 }
 
 impl CommBackend for ProcessComm {
+    /// The host reduces with its own kernels, chosen per call from the type and operator: nothing to derive.
+    type Reduction = ();
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {
@@ -246,6 +250,11 @@ impl CommBackend for ProcessComm {
 
     fn allreduce_algorithms(&self) -> &[Algorithm] {
         &PROCESS_ALGORITHMS
+    }
+
+    fn check_reduction(&self, _dtype: DataType, _op: ReduceOp) -> Result<()> {
+        // The host kernels implement every pair core accepts.
+        Ok(())
     }
 
     fn allreduce_eligible(&self, algorithm: Algorithm, _call: &AllReduceCall) -> std::result::Result<(), String> {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::{CclLibrary, CclRank};
+use anyccl_ccl::{CclLibrary, CclRank, CclReduction};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
@@ -85,6 +85,7 @@ impl RocmComm {
 pub type SymmetricBuffer = anyccl_ccl::rank::SymmetricBuffer<HipBuffer>;
 
 impl CommBackend for RocmComm {
+    type Reduction = CclReduction;
     type Runtime = HipRuntime;
 
     fn runtime(&self) -> &HipRuntime {
@@ -129,7 +130,7 @@ impl CommBackend for RocmComm {
         }
     }
 
-    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<()> {
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<CclReduction> {
         self.ccl.check_reduction(dtype, op)
     }
 
@@ -139,7 +140,7 @@ impl CommBackend for RocmComm {
         self.runtime.device().bind()?;
         // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
         // buffers hold `count` elements of this device; the stream is live (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.stream().raw()) }
+        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
@@ -153,7 +154,7 @@ impl CommBackend for RocmComm {
         self.runtime.device().bind()?;
         // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements); the stream
         // is live.
-        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.dtype(), args.op(), args.stream().raw()) }
+        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
@@ -166,7 +167,7 @@ impl CommBackend for RocmComm {
         self.runtime.device().bind()?;
         let stream = args.stream().raw();
         // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.dtype(), args.op(), args.root(), stream) }
+        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.reduction(), args.root(), stream) }
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
