@@ -218,6 +218,8 @@ pub struct CclComm {
 unsafe impl Send for CclComm {}
 
 /// What became of [`CclComm::abort_within`].
+///
+/// Not `#[non_exhaustive]`: the abort returned within the wait or it did not; there is no third outcome.
 #[derive(Debug)]
 pub enum AbortOutcome {
     /// The library's abort returned, with its status.
