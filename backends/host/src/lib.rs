@@ -60,6 +60,8 @@ pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGOR
 pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
 
 /// Options of a host communicator group.
+///
+/// Not `#[non_exhaustive]`: callers build one with `HostOptions { .., ..HostOptions::default() }`.
 #[derive(Debug, Clone)]
 pub struct HostOptions {
     /// How long a rank waits for its peers at a barrier or for a message before it gives up with
