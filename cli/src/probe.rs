@@ -1,7 +1,6 @@
 //! `anyccl probe`: the library's machine-level capability report ([`anyccl::report::MachineReport`]) as text.
 //! The JSON form is the report's serde serialisation (schema documented in the facade's `report` module).
 
-use anyccl::core::selector::TableSource;
 use anyccl::core::CapabilityState;
 use anyccl::report::MachineReport;
 
@@ -46,14 +45,8 @@ pub fn render_text(r: &MachineReport) -> String {
         }
     }
     let _ = writeln!(s, "\nAll-reduce selection:");
-    match &r.selector.source {
-        TableSource::Defaults => {
-            let _ = writeln!(s, "  table: built-in defaults");
-        }
-        TableSource::File { path, via } => {
-            let _ = writeln!(s, "  table: {} (via {via}), then the built-in defaults", path.display());
-        }
-    }
+    // `TableSource` is `#[non_exhaustive]`; its `Display` (in anyccl-core) covers every source.
+    let _ = writeln!(s, "  table: {}", r.selector.source);
     if let Some(a) = r.selector.forced {
         let _ = writeln!(s, "  forced: {a} (ANYCCL_ALLREDUCE_ALGO)");
     }

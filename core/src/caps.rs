@@ -200,6 +200,8 @@ impl fmt::Display for Reason {
 }
 
 /// Whether one capability is on, and if not, why.
+///
+/// Not `#[non_exhaustive]`: a capability is usable or not; what grows is [`Reason`], which is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CapabilityState {
     /// Usable.

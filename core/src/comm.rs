@@ -23,6 +23,8 @@ pub type StreamOf<B> = <<B as CommBackend>::Runtime as MemoryRuntime>::Stream;
 ///
 /// Rust's borrow rules make the two forms explicit: an in-place call lends one buffer mutably; an out-of-place call
 /// lends the input shared and the output mutably, so they cannot alias.
+///
+/// Not `#[non_exhaustive]`: a call is in place or not; there is no third form.
 pub enum InOut<'a, B: ?Sized> {
     /// One buffer is input and output, in the collective's in-place layout.
     InPlace(&'a mut B),
@@ -51,6 +53,8 @@ impl<B: ?Sized + BufferLike> InOut<'_, B> {
 }
 
 /// What an all-reduce call looks like to a backend deciding which algorithms can run it.
+///
+/// Not `#[non_exhaustive]`: raw-API callers and backends build one with a literal (see `anyccl_core::args`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AllReduceCall {
     /// Element count.

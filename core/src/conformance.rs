@@ -42,6 +42,8 @@ pub trait ConformanceTarget: Sync {
 }
 
 /// What to cover.
+///
+/// Not `#[non_exhaustive]`: suites build one with `Config { .., ..Config::default() }`.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// World sizes.

@@ -11,8 +11,43 @@ use crate::error::{Error, InvalidArgument};
 ///
 /// The set matches the `ncclDataType_t` enumeration of NCCL ≥ 2.24 (RCCL names the fp8 types differently; the
 /// backends map them).
+///
+/// `#[non_exhaustive]`: vendors add types (NCCL 2.24 added the fp8 pair), and so may anyccl. A `match` outside this
+/// crate needs a wildcard arm; a backend answers a type it does not know with a typed error, never a panic.
+///
+/// ```compile_fail
+/// use anyccl_core::DataType;
+///
+/// // Every variant of today, and still an error: a `match` outside anyccl-core must have a `_` arm.
+/// fn size(d: DataType) -> usize {
+///     match d {
+///         DataType::I8 | DataType::U8 | DataType::Fp8E4M3 | DataType::Fp8E5M2 => 1,
+///         DataType::F16 | DataType::Bf16 => 2,
+///         DataType::I32 | DataType::U32 | DataType::F32 => 4,
+///         DataType::I64 | DataType::U64 | DataType::F64 => 8,
+///     }
+/// }
+/// ```
+///
+/// The same function with a `_` arm compiles (so the failure above is the missing arm, nothing else):
+///
+/// ```
+/// use anyccl_core::DataType;
+///
+/// fn size(d: DataType) -> Option<usize> {
+///     match d {
+///         DataType::I8 | DataType::U8 | DataType::Fp8E4M3 | DataType::Fp8E5M2 => Some(1),
+///         DataType::F16 | DataType::Bf16 => Some(2),
+///         DataType::I32 | DataType::U32 | DataType::F32 => Some(4),
+///         DataType::I64 | DataType::U64 | DataType::F64 => Some(8),
+///         _ => None,
+///     }
+/// }
+/// assert_eq!(size(DataType::Bf16), Some(2));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum DataType {
     /// Signed 8-bit integer.
     I8,
@@ -43,7 +78,8 @@ pub enum DataType {
 }
 
 impl DataType {
-    /// Every data type, in `ncclDataType_t` order.
+    /// Every data type, in declaration order: the integers, f16, bf16, f32, f64, then the fp8 pair. (Not quite
+    /// `ncclDataType_t` order, which numbers bf16 after f64.)
     pub const ALL: [DataType; 12] = [
         DataType::I8,
         DataType::U8,
@@ -138,8 +174,39 @@ impl FromStr for DataType {
 }
 
 /// The reduction operator of all-reduce, reduce and reduce-scatter (`ncclRedOp_t` order).
+///
+/// `#[non_exhaustive]`: vendors add operators (NCCL 2.10 added `avg`), and so may anyccl. A `match` outside this
+/// crate needs a wildcard arm; a backend answers an operator it does not know with a typed error, never a panic.
+///
+/// ```compile_fail
+/// use anyccl_core::ReduceOp;
+///
+/// // Every variant of today, and still an error: a `match` outside anyccl-core must have a `_` arm.
+/// fn is_sum(op: ReduceOp) -> bool {
+///     match op {
+///         ReduceOp::Sum => true,
+///         ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max | ReduceOp::Avg => false,
+///     }
+/// }
+/// ```
+///
+/// The same function with a `_` arm compiles (so the failure above is the missing arm, nothing else):
+///
+/// ```
+/// use anyccl_core::ReduceOp;
+///
+/// fn is_sum(op: ReduceOp) -> bool {
+///     match op {
+///         ReduceOp::Sum => true,
+///         ReduceOp::Prod | ReduceOp::Min | ReduceOp::Max | ReduceOp::Avg => false,
+///         _ => false,
+///     }
+/// }
+/// assert!(is_sum(ReduceOp::Sum));
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum ReduceOp {
     /// Sum (integers wrap on overflow, as in NCCL).
     Sum,

@@ -228,6 +228,18 @@ pub enum InvalidArgument {
         why: String,
     },
 
+    /// The element type is not supported by a backend or the library under it (for example a type added to
+    /// anyccl-core after the backend crate was released).
+    #[error("{dtype} is not supported by the {backend} backend: {why}")]
+    UnsupportedDataType {
+        /// Element type.
+        dtype: DataType,
+        /// The backend (`"host"`, `"nccl"`, …).
+        backend: String,
+        /// Why not, naming the library or crate version where it helps.
+        why: String,
+    },
+
     /// A root or peer rank outside `0..world`.
     #[error("{what} rank {rank} is out of range for a communicator of {world} ranks")]
     RankOutOfRange {

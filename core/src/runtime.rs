@@ -13,6 +13,7 @@ use crate::error::{Error, InvalidArgument, Result};
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Location {
     /// Host (CPU) memory.
     Host,
@@ -49,6 +50,8 @@ pub enum CaptureMode {
 }
 
 /// What the validation front-end needs to know of a buffer: where it starts, how long it is, where it lives.
+///
+/// Not `#[non_exhaustive]`: every [`BufferLike`] implementation, in backends and engines, builds one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferDesc {
     /// Start address (host or device virtual address).

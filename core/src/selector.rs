@@ -37,6 +37,8 @@ pub const ENV_FORCE_ALGO: &str = "ANYCCL_ALLREDUCE_ALGO";
 pub const ENV_TABLE_FILE: &str = "ANYCCL_TUNE_FILE";
 
 /// What the selector knows about one all-reduce call.
+///
+/// Not `#[non_exhaustive]`: callers of [`Selector::select`] build one with a literal.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SelectionQuery<'a> {
     /// The backend's vendor.
@@ -172,6 +174,7 @@ impl fmt::Display for Rule {
 /// Where a selector's table came from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum TableSource {
     /// Built-in defaults only.
     Defaults,
@@ -184,8 +187,21 @@ pub enum TableSource {
     },
 }
 
+impl fmt::Display for TableSource {
+    /// `built-in defaults`, or `<path> (via <how>), then the built-in defaults` (as `anyccl probe` prints it).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TableSource::Defaults => f.write_str("built-in defaults"),
+            TableSource::File { path, via } => {
+                write!(f, "{} (via {via}), then the built-in defaults", path.display())
+            }
+        }
+    }
+}
+
 /// An ordered list of rules.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct SelectorTable {
     /// The rules, first match wins.
     pub rules: Vec<Rule>,
@@ -1242,6 +1258,13 @@ mod tests {
     }
 
     #[cfg(unix)]
+    #[test]
+    fn table_sources_read_as_probe_prints_them() {
+        assert_eq!(TableSource::Defaults.to_string(), "built-in defaults");
+        let file = TableSource::File { path: PathBuf::from("/etc/anyccl/tune.toml"), via: ENV_TABLE_FILE.to_owned() };
+        assert_eq!(file.to_string(), "/etc/anyccl/tune.toml (via ANYCCL_TUNE_FILE), then the built-in defaults");
+    }
+
     mod files {
         use super::super::*;
 

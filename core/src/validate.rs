@@ -6,6 +6,8 @@ use crate::error::InvalidArgument;
 use crate::runtime::{BufferDesc, Location};
 
 /// The send/receive buffers of one call, as descriptors.
+///
+/// Not `#[non_exhaustive]`: a call is in place or not; there is no third form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InOutDesc {
     /// One buffer is both input and output (the collective's in-place layout).
@@ -20,6 +22,8 @@ pub enum InOutDesc {
 }
 
 /// Who is calling: the communicator's shape.
+///
+/// Not `#[non_exhaustive]`: callers of the checks here build one with a literal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallShape {
     /// This rank.

@@ -58,6 +58,8 @@ pub const TIMEOUT_VAR: &str = "ANYCCL_RENDEZVOUS_TIMEOUT_SECS";
 pub const PORT_VAR: &str = "ANYCCL_MASTER_PORT";
 
 /// Where a rank finds rank 0, who it is, and the limits it works under.
+///
+/// Not `#[non_exhaustive]`: callers build one with `RendezvousConfig { .., ..other }`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RendezvousConfig {
     /// This process's rank, `0..world`.

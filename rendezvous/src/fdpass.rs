@@ -328,6 +328,7 @@ impl Dropped {
 
 /// One message a peer sent on its connection to [`FdServer::gather`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Arrival {
     /// The connection it came on, still open (it can carry an answer).
     pub channel: FdChannel,

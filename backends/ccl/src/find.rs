@@ -27,6 +27,7 @@ use crate::loader::{CclLibrary, CclVendor, LoadFailure, OPTIONAL_SYMBOLS, REQUIR
 
 /// One place that was tried, and why it failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Attempt {
     /// The path or soname tried.
     pub candidate: String,
@@ -37,11 +38,19 @@ pub struct Attempt {
 /// No library could be loaded; every place tried, with its reason.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
 #[error("{vendor} not found; tried: {}", describe_attempts(tried))]
+#[non_exhaustive]
 pub struct NotFound {
     /// Which library was looked for.
     pub vendor: CclVendor,
     /// Every attempt, in order.
     pub tried: Vec<Attempt>,
+}
+
+impl Attempt {
+    /// An attempt at `candidate` that failed with `failure` (for loaders of other libraries that share this search).
+    pub fn new(candidate: impl Into<String>, failure: LoadFailure) -> Self {
+        Attempt { candidate: candidate.into(), failure }
+    }
 }
 
 /// `"a (why); b (why)"`: the attempts as one line.
@@ -51,6 +60,7 @@ pub fn describe_attempts(tried: &[Attempt]) -> String {
 
 /// One place of a search, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Place {
     /// An absolute path to a file, checked before it is loaded.
     Path(PathBuf),
@@ -61,6 +71,8 @@ pub enum Place {
 }
 
 /// Where to look. [`SearchPlan::from_env`] builds the standard plan; tests build their own.
+///
+/// Not `#[non_exhaustive]`: callers build their own plans with a literal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SearchPlan {
     /// Which library.
@@ -76,6 +88,8 @@ pub const ENV_RCCL_PATH: &str = "ANYCCL_RCCL_PATH";
 
 /// The entry points of a library: each `required` one must be defined, and every one of `required` and
 /// `optional` that is defined must be a function.
+///
+/// Not `#[non_exhaustive]`: each loader (NCCL/RCCL here, HIP in anyccl-rocm) builds its own as a constant.
 #[derive(Debug, Clone, Copy)]
 pub struct Exports<'a> {
     /// Must be defined, as functions.
@@ -142,6 +156,7 @@ impl SearchPlan {
 
 /// What trying places in order gave: the first that loaded, if any, and every attempt that failed before it.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Tried<T> {
     /// The first success.
     pub loaded: Option<T>,

@@ -152,6 +152,19 @@ pub fn nccl_dtype(lib: &CclLibrary, dtype: DataType) -> Result<sys::ncclDataType
                 11
             }
         }
+        // `DataType` is `#[non_exhaustive]`: a type added to anyccl-core after this crate has no code here yet.
+        other => {
+            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedDataType {
+                dtype: other,
+                backend: backend_name(lib).into(),
+                why: format!(
+                    "anyccl-ccl {} does not know its ncclDataType_t, so {} cannot be asked (the type is newer than \
+                     this crate; update anyccl-ccl)",
+                    env!("CARGO_PKG_VERSION"),
+                    lib.describe()
+                ),
+            }))
+        }
     })
 }
 
@@ -176,6 +189,19 @@ pub fn nccl_op(lib: &CclLibrary, op: ReduceOp, dtype: DataType) -> Result<sys::n
                 dtype,
                 op,
                 why: format!("{} has no ncclAvg; 2.10 or newer is required", lib.describe()),
+            }))
+        }
+        // `ReduceOp` is `#[non_exhaustive]`: an operator added to anyccl-core after this crate has no code here yet.
+        other => {
+            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedReduction {
+                dtype,
+                op: other,
+                why: format!(
+                    "anyccl-ccl {} does not know its ncclRedOp_t, so {} cannot be asked (the operator is newer \
+                     than this crate; update anyccl-ccl)",
+                    env!("CARGO_PKG_VERSION"),
+                    lib.describe()
+                ),
             }))
         }
     })
@@ -234,6 +260,8 @@ pub struct CclComm {
 unsafe impl Send for CclComm {}
 
 /// What became of [`CclComm::abort_within`].
+///
+/// Not `#[non_exhaustive]`: the abort returned within the wait or it did not; there is no third outcome.
 #[derive(Debug)]
 pub enum AbortOutcome {
     /// The library's abort returned, with its status.

@@ -11,6 +11,7 @@ use crate::sys;
 /// Which vendor's library this is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum CclVendor {
     /// NVIDIA NCCL.
     Nccl,
@@ -28,6 +29,8 @@ impl fmt::Display for CclVendor {
 }
 
 /// A decoded `ncclGetVersion` code.
+///
+/// Not `#[non_exhaustive]`: major, minor, patch and the raw code are all a version has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct CclVersion {
     /// Major.
@@ -64,6 +67,7 @@ impl fmt::Display for CclVersion {
 
 /// Entry points the communicator cannot work without.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Required {
     /// `ncclGetVersion`.
     pub get_version: sys::GetVersion,
@@ -107,6 +111,7 @@ pub struct Required {
 
 /// Entry points that only some releases export. `None` means the loaded library does not.
 #[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
 pub struct Optional {
     /// `ncclCommInitAll`.
     pub comm_init_all: Option<sys::CommInitAll>,
@@ -199,6 +204,7 @@ pub const RCCL_ONLY_SYMBOLS: &[&str] = &["ncclAllToAllv", "mscclLoadAlgo", "nccl
 
 /// The resolved table: required entry points as plain function pointers, optional ones as `Option`.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct CclTable {
     /// Always present.
     pub required: Required,
@@ -209,6 +215,7 @@ pub struct CclTable {
 /// Why a library could not be loaded from one place.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum LoadFailure {
     /// Nothing at that path or name.
     #[error("not found")]

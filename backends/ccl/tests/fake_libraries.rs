@@ -161,6 +161,34 @@ fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
     with_env.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0"));
     with_env.push(("multicast", "turned off by NCCL_NVLS_ENABLE=0"));
     expect_states(&lib, &env, &with_env);
+
+    // Every data type and operator anyccl-core has today maps to its nccl.h value (`DataType` and `ReduceOp` are
+    // `#[non_exhaustive]`; the mapping's fallback arm must not have taken any of them).
+    // nccl.h numbers bf16 (9) after f64 (8), unlike `DataType::ALL`.
+    let types = [
+        (DataType::I8, 0),
+        (DataType::U8, 1),
+        (DataType::I32, 2),
+        (DataType::U32, 3),
+        (DataType::I64, 4),
+        (DataType::U64, 5),
+        (DataType::F16, 6),
+        (DataType::F32, 7),
+        (DataType::F64, 8),
+        (DataType::Bf16, 9),
+        (DataType::Fp8E4M3, 10),
+        (DataType::Fp8E5M2, 11),
+    ];
+    assert_eq!(types.len(), DataType::ALL.len(), "a data type without an expected code");
+    for (dtype, code) in types {
+        assert_eq!(anyccl_ccl::nccl_dtype(&lib, dtype).ok(), Some(code), "{dtype}");
+    }
+    // ncclSum, ncclProd, ncclMax, ncclMin, ncclAvg: max before min, unlike `ReduceOp::ALL`.
+    let ops = [(ReduceOp::Sum, 0), (ReduceOp::Prod, 1), (ReduceOp::Max, 2), (ReduceOp::Min, 3), (ReduceOp::Avg, 4)];
+    assert_eq!(ops.len(), ReduceOp::ALL.len(), "an operator without an expected code");
+    for (op, code) in ops {
+        assert_eq!(anyccl_ccl::nccl_op(&lib, op, DataType::F32).ok(), Some(code), "{op}");
+    }
 }
 
 #[test]

@@ -22,6 +22,7 @@ pub const THREADS: u32 = 512;
 
 /// Which kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Kind {
     /// Every rank reduces the whole message from every peer.
     OneShot,
@@ -65,6 +66,7 @@ impl Kind {
 
 /// Where a one-shot or two-shot kernel reads the ranks' inputs (index = rank, as addressable from this rank).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Inputs<'a> {
     /// Every rank's input itself: registered user buffers (mapped from the peers), or emulated ranks' buffers.
     Direct(&'a [u64]),

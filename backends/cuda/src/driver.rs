@@ -20,6 +20,7 @@ pub fn cu_err(call: &str, e: DriverError) -> Error {
 
 /// One device as the driver describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceInfo {
     /// Ordinal.
     pub ordinal: i32,
@@ -42,6 +43,7 @@ impl DeviceInfo {
 
 /// What the driver offers.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DriverInfo {
     /// `cuDriverGetVersion` (e.g. 13000).
     pub version: i32,

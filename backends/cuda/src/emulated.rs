@@ -13,6 +13,7 @@ use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 /// Where the emulated ranks' one-shot and two-shot kernels read the inputs (the [`Inputs`] the communicator
 /// uses, all testable on one GPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InputMode {
     /// The inputs themselves (registered buffers).
     Direct,
@@ -23,6 +24,7 @@ pub enum InputMode {
 }
 
 /// N emulated ranks of `bytes`-byte all-reduces on one device.
+#[non_exhaustive]
 pub struct EmulatedRanks {
     /// The device runtime.
     pub runtime: CudaRuntime,

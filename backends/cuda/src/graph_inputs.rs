@@ -37,6 +37,7 @@ const BATCH: usize = 256;
 const ENTRY: usize = 1 + LEGACY_HANDLE_BYTES + 8 + 8;
 
 /// How the ranks of a communicator reach each other's memory.
+#[non_exhaustive]
 pub enum Transport {
     /// One process per GPU: legacy IPC handles through the caller's bootstrap.
     Ipc,

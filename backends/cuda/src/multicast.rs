@@ -48,6 +48,7 @@ pub struct MemHandle(pub u64);
 
 /// Which kind of shareable handle a multicast object is created for and exported as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum ShareableKind {
     /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a file descriptor, passed to peers on the same node.
     #[default]
@@ -61,6 +62,7 @@ pub enum ShareableKind {
 /// A [`Shareable::PosixFd`] owns its file descriptor: whoever holds it must close it
 /// ([`MulticastDriver::close_shareable`]); the open descriptor holds a reference to the multicast object.
 #[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Shareable {
     /// A POSIX file descriptor.
     PosixFd(i32),
@@ -79,6 +81,8 @@ impl Shareable {
 }
 
 /// A failed driver call: the call's name, the driver's status code and its error string.
+///
+/// Not `#[non_exhaustive]`: every [`MulticastDriver`] implementation, fakes included, builds one with a literal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DriverError {
     /// The driver entry point (`"cuMulticastCreate"`).
@@ -221,6 +225,7 @@ pub fn process_env(name: &str) -> Option<String> {
 
 /// How large the multicast object is.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum McSize {
     /// Large enough for these buffers bound one after another, each rounded up to the granularity.
     Buffers(Vec<usize>),
@@ -243,6 +248,7 @@ impl McSize {
 
 /// The multicast object's shape; every rank of the group passes the same one.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MulticastConfig {
     /// How many devices (ranks) join the object.
     pub num_devices: usize,

@@ -47,11 +47,11 @@ use anyccl_core::comm::{
 };
 use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error, InOut,
-    InvalidArgument, Location, MemoryRuntime, Reason, ReduceOp, Result, Selector, Vendor,
+    InvalidArgument, Location, MemoryRuntime, Reason, Result, Selector, Vendor,
 };
 use bytemuck::Zeroable;
 
-use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, store_acc, with_type, Reducible};
+use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, resolve, store_acc, with_type, Op, Reducible};
 use crate::sync::GroupSync;
 
 pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGORITHMS};
@@ -60,6 +60,8 @@ pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGOR
 pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
 
 /// Options of a host communicator group.
+///
+/// Not `#[non_exhaustive]`: callers build one with `HostOptions { .., ..HostOptions::default() }`.
 #[derive(Debug, Clone)]
 pub struct HostOptions {
     /// How long a rank waits for its peers at a barrier or for a message before it gives up with
@@ -361,7 +363,7 @@ impl HostComm {
         self.shared.world
     }
 
-    fn one_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
+    fn one_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let len = buf.len();
         self.publish(0, input.unwrap_or(buf))?;
         self.barrier_wait()?;
@@ -373,7 +375,7 @@ impl HostComm {
         self.barrier_wait()
     }
 
-    fn two_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
+    fn two_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let esz = std::mem::size_of::<T>();
         let count = buf.len() / esz;
         let world = self.world();
@@ -399,7 +401,7 @@ impl HostComm {
 
     /// Ring reduce-scatter then ring all-gather. Step `k` publishes into staging buffer `k % 2` and reads the
     /// predecessor's; the barrier between steps keeps a buffer from being rewritten before its reader is done.
-    fn ring<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: ReduceOp) -> Result<()> {
+    fn ring<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         if let Some(src) = input {
             buf.copy_from_slice(src);
         }
@@ -510,7 +512,8 @@ impl CommBackend for HostComm {
     }
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
-        let (algorithm, dtype, op, bytes) = (args.algorithm(), args.dtype(), args.op(), args.bytes());
+        let (algorithm, dtype, bytes) = (args.algorithm(), args.dtype(), args.bytes());
+        let op = resolve(dtype, args.op())?;
         let (input, buf) = split_io(args.into_bufs());
         let input = input.map(|i| &i[..bytes]);
         let buf = &mut buf[..bytes];
@@ -545,7 +548,8 @@ impl CommBackend for HostComm {
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
-        let (dtype, op, total) = (args.dtype(), args.op(), args.bytes());
+        let (dtype, total) = (args.dtype(), args.bytes());
+        let op = resolve(dtype, args.op())?;
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
         let src = match input {
@@ -588,7 +592,9 @@ impl CommBackend for HostComm {
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
-        let (bytes, dtype, op, root) = (args.bytes(), args.dtype(), args.op(), args.root());
+        let (bytes, dtype, root) = (args.bytes(), args.dtype(), args.root());
+        // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
+        let op = resolve(dtype, args.op())?;
         let (input, buf) = split_io(args.into_bufs());
         self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
         self.barrier_wait()?;

@@ -28,7 +28,7 @@ use anyccl_core::{
     Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, ReduceOp, Result, Vendor,
 };
 
-use crate::reduce::{cast, cast_mut, internal, reduce_into, with_type};
+use crate::reduce::{cast, cast_mut, internal, reduce_into, resolve, with_type};
 use crate::{host_capabilities, split_io, try_copy, HostBuffer, HostOptions, HostRuntime};
 
 /// The all-reduce algorithm of the process backend: one all-gather through the bootstrap, then a local reduction.
@@ -266,7 +266,8 @@ impl CommBackend for ProcessComm {
     }
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
-        let (dtype, op, bytes) = (args.dtype(), args.op(), args.bytes());
+        let (dtype, bytes) = (args.dtype(), args.bytes());
+        let op = resolve(dtype, args.op())?;
         let (input, buf) = split_io(args.into_bufs());
         let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
         let all = self.gather(&src, bytes)?;
@@ -290,7 +291,8 @@ impl CommBackend for ProcessComm {
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
-        let (dtype, op, total) = (args.dtype(), args.op(), args.bytes());
+        let (dtype, total) = (args.dtype(), args.bytes());
+        let op = resolve(dtype, args.op())?;
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
         let in_place = input.is_none();
@@ -322,7 +324,9 @@ impl CommBackend for ProcessComm {
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
-        let (bytes, dtype, op, root) = (args.bytes(), args.dtype(), args.op(), args.root());
+        let (bytes, dtype, root) = (args.bytes(), args.dtype(), args.root());
+        // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
+        let op = resolve(dtype, args.op())?;
         let (input, buf) = split_io(args.into_bufs());
         let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
         let all = self.gather(&src, bytes)?;

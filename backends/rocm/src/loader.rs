@@ -17,6 +17,7 @@ use crate::sys;
 
 /// Why the HIP runtime could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[non_exhaustive]
 pub enum HipLoadError {
     /// No candidate loaded; every place tried, with its reason.
     #[error("HIP runtime (libamdhip64.so) not found; tried: {}", find::describe_attempts(tried))]
@@ -45,6 +46,7 @@ macro_rules! hip_table {
         /// Every HIP function anyccl calls, resolved at load time: required ones as plain function pointers,
         /// optional ones (which differ between HIP releases) as `Option`.
         #[derive(Clone, Copy)]
+        #[non_exhaustive]
         pub struct HipTable {
             $( #[doc = concat!("`", $sym, "`")] pub $field: sys::$ty, )*
             $( #[doc = concat!("`", $osym, "`, where the runtime has it")] pub $ofield: Option<sys::$oty>, )*
@@ -198,9 +200,7 @@ impl HipLibrary {
             LoadFailure::MissingRequired { symbol } => {
                 HipLoadError::MissingRequired { symbol, path: path.display().to_string() }
             }
-            failure => {
-                HipLoadError::NotFound { tried: vec![Attempt { candidate: path.display().to_string(), failure }] }
-            }
+            failure => HipLoadError::NotFound { tried: vec![Attempt::new(path.display().to_string(), failure)] },
         })
     }
 

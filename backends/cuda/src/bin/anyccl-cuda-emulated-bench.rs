@@ -31,14 +31,16 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Bytes moved per all-reduce of `bytes`, as multiples of `bytes`: (every rank's own, unique).
-fn traffic(kind: Kind, world: usize) -> (f64, f64) {
+/// Bytes moved per all-reduce of `bytes`, as multiples of `bytes`: (every rank's own, unique); `None` for a kernel
+/// this bench has no traffic model for (`Kind` is `#[non_exhaustive]`), whose cells then show the time only.
+fn traffic(kind: Kind, world: usize) -> Option<(f64, f64)> {
     let w = world as f64;
     match kind {
-        Kind::OneShot => (w * (w + 1.0), 2.0 * w),
-        Kind::TwoShot => (3.0 * w + 1.0, 2.0 * w + 2.0),
-        Kind::NvlsZeroCopyEmulated => (2.0 * w, 2.0 * w),
-        Kind::NvlsWarpPipelineEmulated | Kind::NvlsBlockPipelineEmulated => (6.0 * w, 6.0 * w),
+        Kind::OneShot => Some((w * (w + 1.0), 2.0 * w)),
+        Kind::TwoShot => Some((3.0 * w + 1.0, 2.0 * w + 2.0)),
+        Kind::NvlsZeroCopyEmulated => Some((2.0 * w, 2.0 * w)),
+        Kind::NvlsWarpPipelineEmulated | Kind::NvlsBlockPipelineEmulated => Some((6.0 * w, 6.0 * w)),
+        _ => None,
     }
 }
 
@@ -137,9 +139,12 @@ fn run(world: usize, device: i32, kinds: &[Kind], rounds: &[usize]) -> Result<()
         for (kind, round, _) in &columns {
             g.two_shot_round = round.unwrap_or(anyccl_cuda::custom::TWO_SHOT_ROUND_BYTES);
             let t = time_kind(&g, *kind, device)?;
-            let (own, unique) = traffic(*kind, world);
             let pct = |f: f64| 100.0 * f * bytes as f64 / t / 1e9 / copy;
-            print!(" {:>26}", format!("{:.1} us {:.0}%/{:.0}%", t * 1e6, pct(own), pct(unique)));
+            let cell = match traffic(*kind, world) {
+                Some((own, unique)) => format!("{:.1} us {:.0}%/{:.0}%", t * 1e6, pct(own), pct(unique)),
+                None => format!("{:.1} us ?/?", t * 1e6),
+            };
+            print!(" {cell:>26}");
         }
         println!();
     }
