@@ -35,6 +35,8 @@
 
 mod process;
 mod reduce;
+/// The operator as the host kernels know it: what the host backends' `check_reduction` resolves once per call.
+pub use reduce::Op as HostReduction;
 mod sync;
 
 use std::borrow::{Borrow, BorrowMut};
@@ -462,8 +464,8 @@ fn split_io<'a>(bufs: InOut<'a, [u8]>) -> (Option<&'a [u8]>, &'a mut [u8]) {
 }
 
 impl CommBackend for HostComm {
-    /// The host reduces with its own kernels, chosen per call from the type and operator: nothing to derive.
-    type Reduction = ();
+    /// The operator in the host kernels' own set, resolved once per call by `check_reduction`.
+    type Reduction = crate::reduce::Op;
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {
@@ -498,9 +500,9 @@ impl CommBackend for HostComm {
         &ALGORITHMS
     }
 
-    fn check_reduction(&self, _dtype: DataType, _op: ReduceOp) -> Result<()> {
-        // The host kernels implement every pair core accepts.
-        Ok(())
+    fn check_reduction(&self, dtype: DataType, op: anyccl_core::ReduceOp) -> Result<crate::reduce::Op> {
+        // The host kernels implement every pair core accepts that this build knows.
+        resolve(dtype, op)
     }
 
     fn allreduce_eligible(&self, algorithm: Algorithm, _call: &AllReduceCall) -> std::result::Result<(), String> {
@@ -513,7 +515,7 @@ impl CommBackend for HostComm {
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         let (algorithm, dtype, bytes) = (args.algorithm(), args.dtype(), args.bytes());
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
         let input = input.map(|i| &i[..bytes]);
         let buf = &mut buf[..bytes];
@@ -549,7 +551,7 @@ impl CommBackend for HostComm {
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         let (dtype, total) = (args.dtype(), args.bytes());
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
         let src = match input {
@@ -594,7 +596,7 @@ impl CommBackend for HostComm {
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         let (bytes, dtype, root) = (args.bytes(), args.dtype(), args.root());
         // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
         self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
         self.barrier_wait()?;

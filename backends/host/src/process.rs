@@ -25,7 +25,7 @@ use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
-    Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, ReduceOp, Result, Vendor,
+    Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, Result, Vendor,
 };
 
 use crate::reduce::{cast, cast_mut, internal, reduce_into, resolve, with_type};
@@ -216,8 +216,8 @@ fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) 
 }
 
 impl CommBackend for ProcessComm {
-    /// The host reduces with its own kernels, chosen per call from the type and operator: nothing to derive.
-    type Reduction = ();
+    /// The operator in the host kernels' own set, resolved once per call by `check_reduction`.
+    type Reduction = crate::reduce::Op;
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {
@@ -252,9 +252,9 @@ impl CommBackend for ProcessComm {
         &PROCESS_ALGORITHMS
     }
 
-    fn check_reduction(&self, _dtype: DataType, _op: ReduceOp) -> Result<()> {
-        // The host kernels implement every pair core accepts.
-        Ok(())
+    fn check_reduction(&self, dtype: DataType, op: anyccl_core::ReduceOp) -> Result<crate::reduce::Op> {
+        // The host kernels implement every pair core accepts that this build knows.
+        resolve(dtype, op)
     }
 
     fn allreduce_eligible(&self, algorithm: Algorithm, _call: &AllReduceCall) -> std::result::Result<(), String> {
@@ -267,7 +267,7 @@ impl CommBackend for ProcessComm {
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         let (dtype, bytes) = (args.dtype(), args.bytes());
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
         let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
         let all = self.gather(&src, bytes)?;
@@ -292,7 +292,7 @@ impl CommBackend for ProcessComm {
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         let (dtype, total) = (args.dtype(), args.bytes());
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
         let in_place = input.is_none();
@@ -326,7 +326,7 @@ impl CommBackend for ProcessComm {
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         let (bytes, dtype, root) = (args.bytes(), args.dtype(), args.root());
         // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
-        let op = resolve(dtype, args.op())?;
+        let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
         let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
         let all = self.gather(&src, bytes)?;

@@ -10,11 +10,16 @@ use half::{bf16, f16};
 /// [`ReduceOp`] is `#[non_exhaustive]`; [`resolve`] turns it into this exhaustive set once per call, before any data
 /// moves, so an operator newer than this crate is a typed error up front and the element loops need no fallback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Op {
+pub enum Op {
+    /// Sum.
     Sum,
+    /// Product.
     Prod,
+    /// Minimum.
     Min,
+    /// Maximum.
     Max,
+    /// Mean (floating-point types).
     Avg,
 }
 
