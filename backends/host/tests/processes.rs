@@ -133,11 +133,59 @@ fn report_line(rank: usize, world: usize, sample: &str, report: &RankReport) -> 
     format!("rank={rank} world={world} allreduce={sample} checks={} {fold:016x}", report.checks)
 }
 
+/// The sizes (bytes of f32) and timed iterations of the all-reduce measurement.
+const BENCH: [(usize, usize); 2] = [(64 << 10, 200), (4 << 20, 40)];
+
+/// A measurement, not a check: all-reduce of f32 across 2 processes at 64 KiB and 4 MiB, each timed call preceded
+/// by a barrier; prints each rank's median and minimum. Run with
+/// `cargo test -p anyccl-host --release --test processes -- --ignored --nocapture bench_all_reduce`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn bench_all_reduce_across_2_processes() {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let t0 = Instant::now();
+    let kids = start(2, port, "bench", &[]);
+    for (r, c) in kids.into_iter().enumerate() {
+        let line = result_line(r, &finish(r, c, t0));
+        println!("rank {r}: {line}");
+    }
+}
+
+/// One rank of the measurement: the rendezvous gets a message limit above 4 MiB so that the bootstrap transport
+/// (before shared memory) can run the large size too.
+fn bench_rank() -> anyccl_core::Result<String> {
+    let cfg = anyccl_rendezvous::RendezvousConfig::from_env()?.with_max_message(64 << 20);
+    let rdv = anyccl_rendezvous::Rendezvous::establish(cfg)?;
+    let mut comm = communicator_over(Box::new(rdv), HostOptions::default())?;
+    let mut out = Vec::new();
+    for (bytes, iters) in BENCH {
+        let count = bytes / 4;
+        let mut buf = HostBuffer::from_elems(&vec![1.0f32; count]);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..iters + 5 {
+            comm.barrier(&())?;
+            let t = Instant::now();
+            comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), count, DataType::F32, ReduceOp::Max, &())?;
+            if i >= 5 {
+                times.push(t.elapsed());
+            }
+        }
+        times.sort();
+        out.push(format!("{}KiB median={:?} min={:?}", bytes >> 10, times[times.len() / 2], times[0]));
+    }
+    Ok(out.join(" "))
+}
+
 /// The rank half, started by the tests above with torchrun's variables.
 #[test]
 #[ignore = "one rank of the launcher tests, which start it with torchrun's variables"]
 fn rank() {
     let mode = std::env::var("ANYCCL_HOST_CHILD").expect("run by the launcher tests");
+    if mode == "bench" {
+        println!("RESULT {}", bench_rank().expect("the measurement runs"));
+        return;
+    }
     let opts = HostOptions { timeout: Duration::from_secs(KILL_TIMEOUT_SECS), ..HostOptions::default() };
     let mut comm = from_env(opts).expect("the host communicator forms");
     let (rank, world) = (comm.rank(), comm.world_size());
