@@ -25,8 +25,11 @@
 //! communicator refuses every further collective (its peers see it failed too); make a new one.
 //!
 //! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of `/dev/shm` (reserved at
-//! setup, so a full `/dev/shm` is an error then, not a crash later) and `world × 32 KiB` of scratch memory. A peer
-//! running as the same user could still crash its readers by truncating its own segment file (`SIGBUS`).
+//! setup, so a full `/dev/shm` is an error then, not a crash later; a container's 64 MiB `/dev/shm` holds 15 ranks
+//! at the default) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). A process killed during
+//! setup, between creating its segment and the barrier after which it unlinks it, leaves its private directory
+//! behind. A peer running as the same user could still crash its readers by truncating its own segment file
+//! (`SIGBUS`).
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::DirBuilderExt;

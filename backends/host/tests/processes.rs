@@ -449,6 +449,29 @@ fn a_bootstrap_claiming_a_rank_outside_its_world_is_refused() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
 
+/// A shared-memory capacity of 0 or an absurd one is an `InvalidArgument` naming the option, before anything is set
+/// up (no segment is created in the directory).
+#[test]
+fn a_zero_or_absurd_segment_capacity_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for cap in [0, 1, anyccl_host::MAX_SHM_CAPACITY + 1, usize::MAX] {
+        let group = LocalGroup::new(1, Duration::from_secs(5));
+        let opts = HostOptions { shm_capacity: cap, shm_dir: Some(dir.path().to_path_buf()), ..HostOptions::default() };
+        let e = communicator_over(Box::new(group.member(0)), opts).err().expect("refused");
+        assert!(
+            matches!(&e, Error::InvalidArgument(anyccl_core::InvalidArgument::OutOfRange { what, value, .. })
+                if what.contains("shm_capacity") && *value == cap as u64),
+            "{cap}: {e}"
+        );
+    }
+    assert!(leftovers(dir.path()).is_empty(), "{:?}", leftovers(dir.path()));
+    // The smallest capacity accepted works (every call then moves in 4 KiB chunks).
+    let group = LocalGroup::new(1, Duration::from_secs(5));
+    let opts = HostOptions { shm_capacity: anyccl_host::MIN_SHM_CAPACITY, ..HostOptions::default() };
+    let mut comm = communicator_over(Box::new(group.member(0)), opts).expect("4 KiB segments");
+    assert_eq!(all_reduce_sample(&mut comm).expect("all-reduce"), "1,2,3,4");
+}
+
 /// Point-to-point over the mesh: a receive whose size does not match the message is an `InvalidArgument` that loses
 /// nothing (the next receive of the right size gets the message), and messages keep their order.
 #[test]
