@@ -311,11 +311,11 @@ impl CommBackend for ProcessComm {
         let (input, buf) = split_io(args.into_bufs());
         let (rank, world) = (self.rank, self.world);
         let own = rank * part..(rank + 1) * part;
-        if let Some(i) = input {
-            buf[own.clone()].copy_from_slice(&i[..part]);
-        }
         self.shm
             .run(|shm| {
+                if let Some(i) = input {
+                    buf[own.clone()].copy_from_slice(&i[..part]);
+                }
                 let cap = shm.capacity();
                 for (k, o) in chunk_starts(part, cap) {
                     let len = cap.min(part - o);
@@ -356,8 +356,8 @@ impl CommBackend for ProcessComm {
                         }
                         Ok(())
                     })?;
-                    let at = Placement { own: rank * part + o, out: out_base + o, peer: rank * slot, len };
-                    with_type!(dtype, T => reduce_chunk::<T>(shm, scratch, input, buf, at, op))?;
+                    let place = Placement { own: rank * part + o, out: out_base + o, peer: rank * slot, len };
+                    with_type!(dtype, T => reduce_chunk::<T>(shm, scratch, input, buf, place, op))?;
                     shm.done()?;
                 }
                 Ok(())
@@ -369,13 +369,11 @@ impl CommBackend for ProcessComm {
         let (bytes, root) = (args.bytes(), args.root());
         let (input, buf) = split_io(args.into_bufs());
         let rank = self.rank;
-        if rank == root {
-            if let Some(i) = input {
-                buf[..bytes].copy_from_slice(&i[..bytes]);
-            }
-        }
         self.shm
             .run(|shm| {
+                if let (true, Some(i)) = (rank == root, input) {
+                    buf[..bytes].copy_from_slice(&i[..bytes]);
+                }
                 let cap = shm.capacity();
                 for (k, o) in chunk_starts(bytes, cap) {
                     let len = cap.min(bytes - o);

@@ -211,6 +211,7 @@ impl Segment {
         &self.words()[i]
     }
 
+    /// The data region (after the header, which every segment holds, see [`Segment::word`]).
     fn data(&self) -> &[AtomicU64] {
         &self.words()[HEADER_WORDS..]
     }
@@ -662,6 +663,7 @@ impl ShmGroup {
     }
 
     fn own(&self) -> &Segment {
+        // `segs` holds one segment per rank and `rank < world` (checked when the communicator forms).
         &self.segs[self.rank]
     }
 
@@ -669,6 +671,10 @@ impl ShmGroup {
     /// rank's data region, publishes, and waits until every peer has published the same step. The peers' data
     /// may then be [`ShmGroup::read`] until [`ShmGroup::done`].
     pub(crate) fn exchange(&mut self, desc: Desc, write: impl FnOnce(&Writer<'_>) -> Result<()>) -> Result<()> {
+        if self.readable {
+            // The peers may still read this rank's data of the current step until it says `done`.
+            return Err(internal("a shared-memory data step before the previous one was done".to_owned()));
+        }
         self.wait_all()?;
         write(&Writer { data: self.own().data() })?;
         self.arrive(desc)?;
