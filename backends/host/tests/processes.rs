@@ -323,7 +323,8 @@ fn bench_rank() -> anyccl_core::Result<String> {
             }
         }
         times.sort();
-        out.push(format!("{}KiB median={:?} min={:?}", bytes >> 10, times[times.len() / 2], times[0]));
+        let at = |q: usize| times[(times.len() - 1) * q / 100];
+        out.push(format!("{}KiB median={:?} min={:?} p10={:?} p90={:?}", bytes >> 10, at(50), at(0), at(10), at(90)));
     }
     Ok(out.join(" "))
 }
