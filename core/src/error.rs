@@ -292,6 +292,19 @@ pub enum InvalidArgument {
         limit: u64,
     },
 
+    /// A numeric option (a capacity, a limit) lies outside the range it accepts.
+    #[error("{what} is {value}, outside the accepted {min}..={max}")]
+    OutOfRange {
+        /// The option, as the caller names it (`HostOptions::shm_capacity`).
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The smallest value accepted.
+        min: u64,
+        /// The largest value accepted.
+        max: u64,
+    },
+
     /// A point-to-point message did not match what the receiver posted.
     #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
     MessageMismatch {

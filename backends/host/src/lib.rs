@@ -31,16 +31,20 @@
 //! });
 //! assert!(results.iter().all(|r| r == &[6.0, 4.0, 8.0]));
 //! ```
-#![forbid(unsafe_code)]
+// Only the shared-memory transport needs `unsafe` (a view of mapped memory as atomic words); it opts in below.
+#![deny(unsafe_code)]
 
 mod process;
 mod reduce;
+#[allow(unsafe_code)]
+mod shm;
 /// The operator as the host kernels know it: what the host backends' `check_reduction` resolves once per call.
 pub use reduce::Op as HostReduction;
 mod sync;
 
 use std::borrow::{Borrow, BorrowMut};
 use std::collections::VecDeque;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
@@ -57,6 +61,7 @@ use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, resolve,
 use crate::sync::GroupSync;
 
 pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGORITHMS};
+pub use crate::shm::{DEFAULT_SHM_CAPACITY, MAX_SHM_CAPACITY, MIN_SHM_CAPACITY};
 
 /// The all-reduce algorithms of the host backend.
 pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Ring];
@@ -71,11 +76,25 @@ pub struct HostOptions {
     pub timeout: Duration,
     /// The algorithm selector (defaults, a table file, a forced algorithm).
     pub selector: Arc<Selector>,
+    /// Ranks as processes ([`communicator_over`], [`from_env`]): the data capacity of each rank's shared-memory
+    /// segment in bytes, [`MIN_SHM_CAPACITY`]`..=`[`MAX_SHM_CAPACITY`] (and at least 64 × the world size);
+    /// collectives larger than this move in chunks. Ranks may differ; the smallest is used. Default
+    /// [`DEFAULT_SHM_CAPACITY`] (4 MiB).
+    pub shm_capacity: usize,
+    /// Ranks as processes: the directory the shared-memory segments are created in (each in a private
+    /// subdirectory, removed again once every rank has mapped them). `None`: `/dev/shm` where it is writable, else
+    /// the temporary directory.
+    pub shm_dir: Option<PathBuf>,
 }
 
 impl Default for HostOptions {
     fn default() -> Self {
-        HostOptions { timeout: Duration::from_secs(120), selector: Arc::new(Selector::defaults()) }
+        HostOptions {
+            timeout: Duration::from_secs(120),
+            selector: Arc::new(Selector::defaults()),
+            shm_capacity: DEFAULT_SHM_CAPACITY,
+            shm_dir: None,
+        }
     }
 }
 

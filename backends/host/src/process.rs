@@ -1,18 +1,35 @@
 //! The host backend with one process per rank: [`communicator_over`] a [`Bootstrap`] (the TCP rendezvous, an
 //! engine's own store, or [`anyccl_core::bootstrap::LocalGroup`] for ranks as threads), and [`from_env`] for ranks
-//! started by `torchrun` (or any launcher that sets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+//! started by `torchrun` (or any launcher that sets `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). All ranks
+//! must be on one host and run as one user.
 //!
-//! **Transport.** The collectives move their data through the bootstrap's byte exchange: every rank all-gathers
-//! its contribution and reduces locally, visiting the ranks in one fixed order per element, so every rank gets
-//! bitwise identical results (the same reduction kernels as the threaded host backend). Point-to-point messages
-//! go over a mesh of Unix-domain stream sockets set up through the bootstrap: each rank listens in a fresh private
-//! directory (mode 0700), and a connecting peer proves itself with a random token exchanged over the bootstrap
-//! before its messages are accepted. This is a correctness and CI path, not a fast one: no shared memory yet, and
-//! a collective's per-rank bytes are bounded by the bootstrap's message limit (1 MiB by default for the TCP
-//! rendezvous, `RendezvousConfig::max_message`).
+//! **Transport.** The collectives move their data through shared memory set up over the bootstrap: each rank owns
+//! a segment (a file under `/dev/shm`, or [`HostOptions::shm_dir`], mapped by every rank and unlinked as soon as
+//! all have mapped it; see the `shm` module for the checks a peer's file passes). A collective runs in chunks of
+//! at most [`HostOptions::shm_capacity`] bytes (4 MiB by default): each rank copies its chunk into its own segment
+//! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
+//! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
+//! identical results, equal to the threaded host backend's (the same reduction kernels). Message sizes are
+//! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
+//! (paths, tokens, the point-to-point addresses). Point-to-point messages go over a mesh of Unix-domain stream
+//! sockets set up through the bootstrap: each rank listens in a fresh private directory (mode 0700), and a
+//! connecting peer proves itself with a random token exchanged over the bootstrap before its messages are
+//! accepted. The barrier runs on the shared-memory counters.
 //!
-//! **Failure.** A rank that dies makes its peers fail with [`Error::PeerFailure`] or [`Error::Timeout`] within the
-//! bootstrap's timeout (collectives) or [`HostOptions::timeout`] (receives), instead of hanging.
+//! **Failure.** A wait for peers spins briefly, then yields, then sleeps (at most 1 ms at a time), and gives up
+//! after [`HostOptions::timeout`]: a rank whose process died makes its peers fail with [`Error::PeerFailure`]
+//! naming it (its point-to-point connection hangs up) within milliseconds, a rank that stalls with
+//! [`Error::Timeout`] naming it, a rank that dropped its communicator or failed with [`Error::PeerFailure`];
+//! receives wait at most [`HostOptions::timeout`]. Ranks that call different collectives or sizes get a
+//! [`Error::PeerFailure`] describing both calls, not each other's bytes. After a failed collective the
+//! communicator refuses every further collective (its peers see it failed too); make a new one.
+//!
+//! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of `/dev/shm` (reserved at
+//! setup, so a full `/dev/shm` is an error then, not a crash later; a container's 64 MiB `/dev/shm` holds 15 ranks
+//! at the default) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). A process killed during
+//! setup, between creating its segment and the barrier after which it unlinks it, leaves its private directory
+//! behind. A peer running as the same user could still crash its readers by truncating its own segment file
+//! (`SIGBUS`).
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::DirBuilderExt;
@@ -25,14 +42,19 @@ use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
-    Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, Result, Vendor,
+    Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, ReduceOp, Result, Vendor,
 };
 
-use crate::reduce::{cast, cast_mut, internal, reduce_into, resolve, with_type};
-use crate::{host_capabilities, split_io, try_copy, HostBuffer, HostOptions, HostRuntime};
+use crate::reduce::{cast, cast_mut, internal, reduce_into, resolve, with_type, Op, Reducible};
+use crate::shm::{Desc, Kind, ShmConfig, ShmGroup};
+use crate::{host_capabilities, split_io, HostBuffer, HostOptions, HostRuntime};
 
-/// The all-reduce algorithm of the process backend: one all-gather through the bootstrap, then a local reduction.
+/// The all-reduce algorithm of the process backend: every rank reads every rank's chunk from shared memory and
+/// reduces it locally.
 pub const PROCESS_ALGORITHMS: [Algorithm; 1] = [Algorithm::OneShot];
+
+/// The most scratch memory per peer that a reduction copies a peer's data into before reducing it.
+const SCRATCH_BYTES: usize = 32 << 10;
 
 /// Length of the token a peer proves itself with on the point-to-point mesh.
 const TOKEN_LEN: usize = 32;
@@ -42,24 +64,30 @@ const TOKEN_LEN: usize = 32;
 pub struct ProcessComm {
     rank: usize,
     world: usize,
-    boot: Box<dyn Bootstrap + Send>,
+    /// The bootstrap the communicator was set up over, kept (not closed) for the communicator's lifetime.
+    _boot: Box<dyn Bootstrap + Send>,
     /// Stream to and from each peer (`None` at this rank's own index).
     peers: Vec<Option<UnixStream>>,
     /// A message header read from a peer whose length did not match the receive: the payload waits in the stream
     /// for the next receive, so a mismatched receive loses nothing.
     pending: Vec<Option<usize>>,
+    /// The shared-memory segments the collectives move their data through.
+    shm: ShmGroup,
+    /// One block per rank: the peers' data is copied out of shared memory into these before it is reduced.
+    scratch: Vec<HostBuffer>,
     runtime: HostRuntime,
     caps: CapabilityReport,
     timeout: Duration,
 }
 
-/// A host communicator over `bootstrap`: every rank calls this collectively. `options.timeout` bounds the
-/// point-to-point setup and each receive; the collectives wait as long as the bootstrap does.
+/// A host communicator over `bootstrap`: every rank calls this collectively (the bootstrap then carries the
+/// setup only). `options.timeout` bounds the point-to-point setup, each receive and each wait for the peers in a
+/// collective; `options.shm_capacity` and `options.shm_dir` shape the shared-memory segments.
 pub fn communicator_over(
     bootstrap: Box<dyn Bootstrap + Send>,
     options: HostOptions,
 ) -> Result<Communicator<ProcessComm>> {
-    let comm = ProcessComm::new(bootstrap, options.timeout)?;
+    let comm = ProcessComm::new(bootstrap, &options)?;
     Ok(Communicator::new(comm, options.selector))
 }
 
@@ -80,11 +108,11 @@ fn io_error(what: &str, e: std::io::Error) -> Error {
     Error::PeerFailure(format!("{what}: {e}"))
 }
 
-/// A fresh private directory (mode 0700) under the temporary directory for this rank's listening socket.
-fn private_dir(rank: usize) -> Result<PathBuf> {
+/// A fresh private directory (mode 0700, random name starting with `prefix`) under `base`.
+pub(crate) fn private_dir(base: &Path, prefix: &str, rank: usize) -> Result<PathBuf> {
     let mut name = [0u8; 8];
-    getrandom::fill(&mut name).map_err(|e| internal(format!("no randomness for the host mesh directory: {e}")))?;
-    let dir = std::env::temp_dir().join(format!("anyccl-host-{rank}-{:016x}", u64::from_le_bytes(name)));
+    getrandom::fill(&mut name).map_err(|e| internal(format!("no randomness for a host directory name: {e}")))?;
+    let dir = base.join(format!("{prefix}{rank}-{:016x}", u64::from_le_bytes(name)));
     std::fs::DirBuilder::new()
         .mode(0o700)
         .create(&dir)
@@ -102,34 +130,42 @@ impl Drop for RemoveDir {
 }
 
 impl ProcessComm {
-    fn new(mut boot: Box<dyn Bootstrap + Send>, timeout: Duration) -> Result<Self> {
+    fn new(mut boot: Box<dyn Bootstrap + Send>, options: &HostOptions) -> Result<Self> {
         let (rank, world) = (boot.rank(), boot.world());
         if world == 0 || rank >= world {
             return Err(InvalidArgument::BadWorld(format!("bootstrap rank {rank} of world {world}")).into());
         }
+        let timeout = options.timeout;
+        // Refuse a bad capacity before anything is set up.
+        crate::shm::checked_capacity(options.shm_capacity, world)?;
+        let sub = (SCRATCH_BYTES.saturating_mul(32) / world).clamp(64, SCRATCH_BYTES) & !63;
+        let mut scratch = Vec::new();
+        scratch.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} scratch blocks")))?;
+        for _ in 0..world {
+            scratch.push(HostBuffer::try_zeroed(sub)?);
+        }
         let peers = if world > 1 { mesh(boot.as_mut(), rank, world, timeout)? } else { vec![None] };
+        let liveness = peers
+            .iter()
+            .map(|p| p.as_ref().map(UnixStream::try_clone).transpose())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| io_error("duplicating a point-to-point stream", e))?;
+        let cfg = ShmConfig { capacity: options.shm_capacity, dir: options.shm_dir.clone(), timeout };
+        let shm = ShmGroup::new(boot.as_mut(), &cfg, liveness)?;
         tracing::debug!(rank, world, "host communicator over a bootstrap is up");
         let pending = vec![None; world];
-        Ok(ProcessComm { rank, world, boot, peers, pending, runtime: HostRuntime, caps: host_capabilities(), timeout })
-    }
-
-    /// Every rank's `mine`, each checked to be exactly `len` bytes and copied into aligned memory.
-    fn gather(&mut self, mine: &[u8], len: usize) -> Result<Vec<HostBuffer>> {
-        let all = checked_all_gather(self.boot.as_mut(), mine)?;
-        all.iter()
-            .enumerate()
-            .map(|(q, b)| {
-                if b.len() != len {
-                    return Err(peer_failure(format!(
-                        "rank {q} contributed {} bytes to a host collective, expected {len}",
-                        b.len()
-                    )));
-                }
-                let mut h = HostBuffer::try_zeroed(len)?;
-                h.as_bytes_mut().copy_from_slice(b);
-                Ok(h)
-            })
-            .collect()
+        Ok(ProcessComm {
+            rank,
+            world,
+            _boot: boot,
+            peers,
+            pending,
+            shm,
+            scratch,
+            runtime: HostRuntime,
+            caps: host_capabilities(),
+            timeout,
+        })
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut UnixStream> {
@@ -142,7 +178,7 @@ impl ProcessComm {
 
 /// Sets up the point-to-point mesh: rank `j` connects to every rank `i < j` and proves itself with `i`'s token.
 fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) -> Result<Vec<Option<UnixStream>>> {
-    let dir = RemoveDir(private_dir(rank)?);
+    let dir = RemoveDir(private_dir(&std::env::temp_dir(), "anyccl-host-", rank)?);
     let path = dir.0.join("p2p.sock");
     let listener =
         UnixListener::bind(&path).map_err(|e| io_error(&format!("cannot listen on {}", path.display()), e))?;
@@ -252,7 +288,7 @@ impl CommBackend for ProcessComm {
         &PROCESS_ALGORITHMS
     }
 
-    fn check_reduction(&self, dtype: DataType, op: anyccl_core::ReduceOp) -> Result<crate::reduce::Op> {
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<Op> {
         // The host kernels implement every pair core accepts that this build knows.
         resolve(dtype, op)
     }
@@ -269,25 +305,38 @@ impl CommBackend for ProcessComm {
         let (dtype, bytes) = (args.dtype(), args.bytes());
         let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
-        let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
-        let all = self.gather(&src, bytes)?;
-        with_type!(dtype, T => {
-            let ins: Vec<&[T]> = all.iter().map(|h| cast::<T>(h.as_bytes())).collect::<Result<_>>()?;
-            reduce_into(&ins, cast_mut::<T>(&mut buf[..bytes])?, op, self.world);
-        });
-        Ok(())
+        let input = input.map(|i| &i[..bytes]);
+        let buf = &mut buf[..bytes];
+        let desc = Desc::new(Kind::AllReduce, bytes, 0).reduction(dtype, op);
+        let (rank, scratch) = (self.rank, &mut self.scratch);
+        self.shm
+            .run(|shm| with_type!(dtype, T => reduce_steps::<T>(shm, scratch, desc, input, buf, op, true)))
+            .map_err(|e| at(rank, "all-reduce", e))
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         let part = args.count() * args.dtype().size_bytes();
         let (input, buf) = split_io(args.into_bufs());
-        let own = self.rank * part..(self.rank + 1) * part;
-        let src = try_copy(input.map_or(&buf[own], |i| &i[..part]), "a host contribution")?;
-        let all = self.gather(&src, part)?;
-        for (q, h) in all.iter().enumerate() {
-            buf[q * part..(q + 1) * part].copy_from_slice(h.as_bytes());
-        }
-        Ok(())
+        let (rank, world) = (self.rank, self.world);
+        let own = rank * part..(rank + 1) * part;
+        self.shm
+            .run(|shm| {
+                if let Some(i) = input {
+                    buf[own.clone()].copy_from_slice(&i[..part]);
+                }
+                let cap = shm.capacity();
+                for (k, o) in chunk_starts(part, cap) {
+                    let len = cap.min(part - o);
+                    let mine = &buf[own.start + o..own.start + o + len];
+                    shm.exchange(Desc::new(Kind::AllGather, part, k), |w| w.put(0, mine))?;
+                    for q in (0..world).filter(|q| *q != rank) {
+                        shm.read(q, 0, &mut buf[q * part + o..q * part + o + len])?;
+                    }
+                    shm.done()?;
+                }
+                Ok(())
+            })
+            .map_err(|e| at(rank, "all-gather", e))
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
@@ -295,32 +344,64 @@ impl CommBackend for ProcessComm {
         let op = args.reduction();
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
-        let in_place = input.is_none();
-        let src = match input {
-            Some(i) => try_copy(&i[..total], "a host contribution")?,
-            None => try_copy(&buf[..total], "a host contribution")?,
-        };
-        let all = self.gather(&src, total)?;
-        let mine = self.rank * part..(self.rank + 1) * part;
-        let out = if in_place { &mut buf[mine.clone()] } else { &mut buf[..part] };
-        with_type!(dtype, T => {
-            let ins: Vec<&[T]> = all.iter().map(|h| cast::<T>(&h.as_bytes()[mine.clone()])).collect::<Result<_>>()?;
-            reduce_into(&ins, cast_mut::<T>(out)?, op, self.world);
-        });
-        Ok(())
+        let input = input.map(|i| &i[..total]);
+        let (rank, world) = (self.rank, self.world);
+        let scratch = &mut self.scratch;
+        let out_base = if input.is_some() { 0 } else { rank * part };
+        self.shm
+            .run(|shm| {
+                // Each step carries, from every rank, one slot per destination rank.
+                let slot = (shm.capacity() / world) & !63;
+                if slot == 0 {
+                    return Err(internal(format!("a {}-byte segment cannot hold {world} slots", shm.capacity())));
+                }
+                for (k, o) in chunk_starts(part, slot) {
+                    let len = slot.min(part - o);
+                    let desc = Desc::new(Kind::ReduceScatter, part, k).reduction(dtype, op);
+                    let src: &[u8] = input.unwrap_or(&*buf);
+                    shm.exchange(desc, |w| {
+                        for d in (0..world).filter(|d| *d != rank) {
+                            w.put(d * slot, &src[d * part + o..d * part + o + len])?;
+                        }
+                        Ok(())
+                    })?;
+                    let place = Placement { own: rank * part + o, out: out_base + o, peer: rank * slot, len };
+                    with_type!(dtype, T => reduce_chunk::<T>(shm, scratch, input, buf, place, op))?;
+                    shm.done()?;
+                }
+                Ok(())
+            })
+            .map_err(|e| at(rank, "reduce-scatter", e))
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
         let (bytes, root) = (args.bytes(), args.root());
         let (input, buf) = split_io(args.into_bufs());
-        let data = (self.rank == root).then(|| input.map_or(&buf[..bytes], |i| &i[..bytes]));
-        let data = data.map(|d| try_copy(d, "a broadcast payload")).transpose()?;
-        let got = self.boot.broadcast(root, data.as_deref())?;
-        if got.len() != bytes {
-            return Err(peer_failure(format!("root {root} broadcast {} bytes, expected {bytes}", got.len())));
-        }
-        buf[..bytes].copy_from_slice(&got);
-        Ok(())
+        let rank = self.rank;
+        self.shm
+            .run(|shm| {
+                if let (true, Some(i)) = (rank == root, input) {
+                    buf[..bytes].copy_from_slice(&i[..bytes]);
+                }
+                let cap = shm.capacity();
+                for (k, o) in chunk_starts(bytes, cap) {
+                    let len = cap.min(bytes - o);
+                    let mine = &buf[o..o + len];
+                    shm.exchange(Desc::new(Kind::Broadcast, bytes, k).root(root), |w| {
+                        if rank == root {
+                            w.put(0, mine)
+                        } else {
+                            Ok(())
+                        }
+                    })?;
+                    if rank != root {
+                        shm.read(root, 0, &mut buf[o..o + len])?;
+                    }
+                    shm.done()?;
+                }
+                Ok(())
+            })
+            .map_err(|e| at(rank, "broadcast", e))
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
@@ -328,15 +409,13 @@ impl CommBackend for ProcessComm {
         // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
         let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
-        let src = try_copy(input.map_or(&buf[..bytes], |i| &i[..bytes]), "a host contribution")?;
-        let all = self.gather(&src, bytes)?;
-        if self.rank == root {
-            with_type!(dtype, T => {
-                let ins: Vec<&[T]> = all.iter().map(|h| cast::<T>(h.as_bytes())).collect::<Result<_>>()?;
-                reduce_into(&ins, cast_mut::<T>(&mut buf[..bytes])?, op, self.world);
-            });
-        }
-        Ok(())
+        let input = input.map(|i| &i[..bytes]);
+        let buf = &mut buf[..bytes];
+        let desc = Desc::new(Kind::Reduce, bytes, 0).reduction(dtype, op).root(root);
+        let (rank, scratch) = (self.rank, &mut self.scratch);
+        self.shm
+            .run(|shm| with_type!(dtype, T => reduce_steps::<T>(shm, scratch, desc, input, buf, op, rank == root)))
+            .map_err(|e| at(rank, "reduce", e))
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
@@ -377,6 +456,91 @@ impl CommBackend for ProcessComm {
     }
 
     fn barrier(&mut self, _stream: &()) -> Result<()> {
-        self.boot.barrier()
+        let rank = self.rank;
+        self.shm.run(ShmGroup::barrier).map_err(|e| at(rank, "barrier", e))
     }
+}
+
+/// `e`, logged with the rank and collective it stopped (the error itself names the peer at fault).
+fn at(rank: usize, what: &str, e: Error) -> Error {
+    tracing::warn!(rank, "host {what} failed: {e}");
+    e
+}
+
+/// `(chunk index, first byte)` of each chunk of at most `cap` bytes covering `bytes` — at least one, so that a
+/// zero-byte call still meets its peers and a mismatch is caught.
+fn chunk_starts(bytes: usize, cap: usize) -> impl Iterator<Item = (usize, usize)> {
+    let n = bytes.div_ceil(cap.max(1)).max(1);
+    (0..n).map(move |k| (k, k * cap))
+}
+
+/// Where one chunk of a reduction is: this rank's own contribution at byte `own` of the input (or of the buffer,
+/// in place), the result at byte `out` of the buffer, each peer's contribution at byte `peer` of its data region,
+/// `len` bytes each.
+#[derive(Clone, Copy)]
+struct Placement {
+    own: usize,
+    out: usize,
+    peer: usize,
+    len: usize,
+}
+
+/// The chunked steps of an all-reduce or a reduce: every rank publishes each chunk of its contribution; ranks with
+/// `reduce_here` reduce every rank's chunk into `buf`.
+fn reduce_steps<T: Reducible>(
+    shm: &mut ShmGroup,
+    scratch: &mut [HostBuffer],
+    desc: Desc,
+    input: Option<&[u8]>,
+    buf: &mut [u8],
+    op: Op,
+    reduce_here: bool,
+) -> Result<()> {
+    let (bytes, cap) = (buf.len(), shm.capacity());
+    for (k, o) in chunk_starts(bytes, cap) {
+        let len = cap.min(bytes - o);
+        let src: &[u8] = input.unwrap_or(&*buf);
+        let mine = &src[o..o + len];
+        shm.exchange(desc.chunk(k), |w| w.put(0, mine))?;
+        if reduce_here {
+            reduce_chunk::<T>(shm, scratch, input, buf, Placement { own: o, out: o, peer: 0, len }, op)?;
+        }
+        shm.done()?;
+    }
+    Ok(())
+}
+
+/// Reduces one chunk, block by block: each rank's block is copied into its scratch block (this rank's from its
+/// own contribution, the peers' out of shared memory), then reduced in rank order into `buf`.
+fn reduce_chunk<T: Reducible>(
+    shm: &ShmGroup,
+    scratch: &mut [HostBuffer],
+    input: Option<&[u8]>,
+    buf: &mut [u8],
+    at: Placement,
+    op: Op,
+) -> Result<()> {
+    let world = scratch.len();
+    let rank = shm.rank();
+    let sub = scratch.first().map_or(0, HostBuffer::len);
+    if sub == 0 {
+        return Err(internal("no scratch memory for a host reduction".to_owned()));
+    }
+    let mut b = 0;
+    while b < at.len {
+        let n = sub.min(at.len - b);
+        for (q, s) in scratch.iter_mut().enumerate() {
+            let dst = &mut s.as_bytes_mut()[..n];
+            if q == rank {
+                let src: &[u8] = input.unwrap_or(&*buf);
+                dst.copy_from_slice(&src[at.own + b..at.own + b + n]);
+            } else {
+                shm.read(q, at.peer + b, dst)?;
+            }
+        }
+        let ins: Vec<&[T]> = scratch.iter().map(|s| cast::<T>(&s.as_bytes()[..n])).collect::<Result<_>>()?;
+        reduce_into(&ins, cast_mut::<T>(&mut buf[at.out + b..at.out + b + n])?, op, world);
+        b += n;
+    }
+    Ok(())
 }

@@ -13,10 +13,14 @@ use std::time::{Duration, Instant};
 
 use launcher::{hold_master_port, result_line, text};
 
+use std::path::Path;
+use std::sync::Arc;
+
 use anyccl_core::bootstrap::{Bootstrap, LocalGroup};
 use anyccl_core::conformance::{compare_hashes, run_one_rank, Config, RankReport};
-use anyccl_core::{DataType, Error, InOut, ReduceOp};
-use anyccl_host::{communicator_over, from_env, HostBuffer, HostOptions};
+use anyccl_core::{Algorithm, CommBackend, Communicator, DataType, Error, InOut, ReduceOp, Selector};
+use anyccl_host::{communicator_over, communicators, from_env, HostBuffer, HostOptions, HostRuntime};
+use half::bf16;
 
 /// A rank that has not finished by then is taken as hung.
 const DEADLINE: Duration = Duration::from_secs(40);
@@ -76,20 +80,164 @@ fn world_3_under_a_torchrun_stand_in() {
     run_world(3);
 }
 
+/// The shared-memory capacity of the large-message tests: far below their messages, so they move in many chunks.
+const SMALL_SHM: usize = 64 << 10;
+
+/// Elements per rank of the large-message tests: 1 MiB + 12 bytes of f32, above the bootstrap's old 1 MiB limit
+/// and sixteen times the segment capacity, and not a multiple of the chunk size.
+const BIG: usize = (1 << 18) + 3;
+
+/// Element `i` of rank `r`'s input: values whose f32 sums round differently in different orders.
+fn value(r: usize, i: usize) -> f32 {
+    ((r * 7919 + i * 104_729) % 20_011) as f32 * 0.0137 - 97.3
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Every collective once with messages of `BIG` elements, each result checked against a reference computed
+/// here (the ranks' reduction order, the threaded backend's kernels); returns the hashes of the results.
+fn big_suite<B: CommBackend<Runtime = HostRuntime>>(comm: &mut Communicator<B>) -> anyccl_core::Result<String> {
+    let (me, world) = (comm.rank(), comm.world_size());
+    let ranks = 0..world;
+    let mut line = format!("rank={me}");
+
+    // all-reduce f32 sum, in place.
+    let mut buf = HostBuffer::from_elems(&(0..BIG).map(|i| value(me, i)).collect::<Vec<_>>());
+    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), BIG, DataType::F32, ReduceOp::Sum, &())?;
+    let want: Vec<f32> =
+        (0..BIG).map(|i| ranks.clone().map(|r| value(r, i)).reduce(|a, b| a + b).unwrap_or(0.0)).collect();
+    assert!(buf.to_vec::<f32>().iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "f32 sum, rank {me}");
+    line += &format!(" ar_f32={:016x}", fnv(buf.as_bytes()));
+
+    // all-reduce bf16 avg (accumulates in f32), separate buffers.
+    let send = HostBuffer::from_elems(&(0..BIG).map(|i| bf16::from_f32(value(me, i))).collect::<Vec<_>>());
+    let mut recv = HostBuffer::zeroed(send.len());
+    let bufs = InOut::Separate { send: send.as_bytes(), recv: recv.as_bytes_mut() };
+    comm.all_reduce(bufs, BIG, DataType::Bf16, ReduceOp::Avg, &())?;
+    let want: Vec<bf16> = (0..BIG)
+        .map(|i| {
+            let sum = ranks.clone().map(|r| bf16::from_f32(value(r, i)).to_f32()).reduce(|a, b| a + b).unwrap_or(0.0);
+            bf16::from_f32(sum / world as f32)
+        })
+        .collect();
+    assert!(recv.to_vec::<bf16>() == want, "bf16 avg, rank {me}");
+    line += &format!(" ar_bf16={:016x}", fnv(recv.as_bytes()));
+
+    // all-gather f32, separate buffers.
+    let send = HostBuffer::from_elems(&(0..BIG).map(|i| value(me, i)).collect::<Vec<_>>());
+    let mut recv = HostBuffer::zeroed(send.len() * world);
+    comm.all_gather(InOut::Separate { send: send.as_bytes(), recv: recv.as_bytes_mut() }, BIG, DataType::F32, &())?;
+    let want: Vec<f32> = ranks.clone().flat_map(|r| (0..BIG).map(move |i| value(r, i))).collect();
+    assert!(recv.to_vec::<f32>().iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "gather, rank {me}");
+    line += &format!(" ag={:016x}", fnv(recv.as_bytes()));
+
+    // broadcast of an odd number of bytes from the last rank, in place.
+    let root = world - 1;
+    let pattern = |i: usize| (i * 31 + 7) as u8;
+    let n = 4 * BIG + 3;
+    let mut buf = HostBuffer::from_elems(&(0..n).map(|i| if me == root { pattern(i) } else { 0 }).collect::<Vec<u8>>());
+    comm.broadcast(InOut::InPlace(buf.as_bytes_mut()), n, DataType::U8, root, &())?;
+    assert!(buf.to_vec::<u8>().iter().enumerate().all(|(i, b)| *b == pattern(i)), "broadcast, rank {me}");
+    line += &format!(" bc={:016x}", fnv(buf.as_bytes()));
+
+    // reduce-scatter f32 sum, in place: rank `me` keeps part `me` of the sum.
+    let mut buf = HostBuffer::from_elems(&(0..BIG * world).map(|j| value(me, j)).collect::<Vec<_>>());
+    comm.reduce_scatter(InOut::InPlace(buf.as_bytes_mut()), BIG, DataType::F32, ReduceOp::Sum, &())?;
+    let got = buf.to_vec::<f32>();
+    let mine = &got[me * BIG..(me + 1) * BIG];
+    let ok = (0..BIG).all(|i| {
+        let want = ranks.clone().map(|r| value(r, me * BIG + i)).reduce(|a, b| a + b).unwrap_or(0.0);
+        mine[i].to_bits() == want.to_bits()
+    });
+    assert!(ok, "reduce-scatter, rank {me}");
+    line += &format!(" rs={:016x}", fnv(bytemuck::cast_slice(mine)));
+
+    // reduce f32 max to rank 1 (or 0), separate buffers.
+    let root = 1 % world;
+    let send = HostBuffer::from_elems(&(0..BIG).map(|i| value(me, i)).collect::<Vec<_>>());
+    let mut recv = HostBuffer::zeroed(send.len());
+    let bufs = InOut::Separate { send: send.as_bytes(), recv: recv.as_bytes_mut() };
+    comm.reduce(bufs, BIG, DataType::F32, ReduceOp::Max, root, &())?;
+    if me == root {
+        let want: Vec<f32> = (0..BIG).map(|i| ranks.clone().map(|r| value(r, i)).fold(f32::MIN, f32::max)).collect();
+        assert!(recv.to_vec::<f32>() == want, "reduce, rank {me}");
+        line += &format!(" red={:016x}", fnv(recv.as_bytes()));
+    }
+    Ok(line)
+}
+
+/// The files left in `dir` (the tests' segment directory).
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir).expect("segment dir").map(|e| e.expect("entry").path().display().to_string()).collect()
+}
+
+/// Every collective with large messages across `world` processes whose segments hold 64 KiB (so each call moves in
+/// many chunks): every rank checks its results against its own reference; the ranks' results are bitwise
+/// identical, and identical to the threaded host backend's on the same inputs; no segment file is left.
+fn run_big(world: usize) {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let extra = [("ANYCCL_HOST_SHM_DIR", dir.path().display().to_string())];
+    let t0 = Instant::now();
+    let kids = start(world, port, "big", &extra);
+    let lines: Vec<String> = kids.into_iter().enumerate().map(|(r, c)| result_line(r, &finish(r, c, t0))).collect();
+    eprintln!("{world} processes: {:?}", t0.elapsed());
+    assert!(leftovers(dir.path()).is_empty(), "left behind: {:?}", leftovers(dir.path()));
+    let field = |l: &str, k: &str| l.split(' ').find(|f| f.starts_with(k)).map(str::to_owned);
+    for k in ["ar_f32=", "ar_bf16=", "ag=", "bc="] {
+        let all: Vec<_> = lines.iter().map(|l| field(l, k)).collect();
+        assert!(all[0].is_some() && all.iter().all(|h| h == &all[0]), "{k} differs between the ranks: {lines:?}");
+    }
+    // The same calls on the threaded backend (one-shot, the reduction order the processes use).
+    let selector = Arc::new(Selector::defaults().with_forced(Some(Algorithm::OneShot)));
+    let comms = communicators(world, HostOptions { selector, ..HostOptions::default() }).expect("threaded group");
+    let threaded: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|mut c| s.spawn(move || big_suite(&mut c).expect("threaded"))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    assert_eq!(lines, threaded, "processes and threads disagree");
+}
+
+#[test]
+fn large_chunked_collectives_across_2_processes() {
+    run_big(2);
+}
+
+#[test]
+fn large_chunked_collectives_across_3_processes() {
+    run_big(3);
+}
+
 /// Rank 1 of 3 is killed with SIGKILL while its peers wait in an all-reduce: both survivors exit with a typed
 /// error (peer failure or timeout) well within the rendezvous timeout plus a margin, not hang.
 #[test]
 fn a_killed_rank_makes_the_survivors_fail_within_the_timeout() {
+    kill_one_of_3("victim");
+}
+
+/// The same with large chunked all-reduces in flight (64 KiB segments, 1 MiB messages): the survivors are
+/// somewhere inside a many-step collective when rank 1 dies.
+#[test]
+fn a_rank_killed_inside_a_chunked_collective_makes_the_survivors_fail_within_the_timeout() {
+    kill_one_of_3("big-victim");
+}
+
+fn kill_one_of_3(mode: &str) {
     let held = hold_master_port();
     let port = held.local_addr().expect("addr").port();
     let dir = tempfile::tempdir().expect("tempdir");
+    let shm = tempfile::tempdir().expect("tempdir");
     let ready = dir.path().join("victim-ready");
     let extra = [
         ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", KILL_TIMEOUT_SECS.to_string()),
         ("ANYCCL_HOST_READY_FILE", ready.display().to_string()),
+        ("ANYCCL_HOST_SHM_DIR", shm.path().display().to_string()),
     ];
     let t0 = Instant::now();
-    let mut kids = start(3, port, "victim", &extra);
+    let mut kids = start(3, port, mode, &extra);
     while !ready.exists() {
         assert!(t0.elapsed() < DEADLINE, "the victim never became ready");
         for (r, k) in kids.iter_mut().enumerate() {
@@ -116,8 +264,11 @@ fn a_killed_rank_makes_the_survivors_fail_within_the_timeout() {
         );
         assert!(waited < Duration::from_secs(KILL_TIMEOUT_SECS * 2 + 5), "rank {rank} took {waited:?}");
         let line = all.lines().find(|l| l.starts_with("FAILED ")).unwrap_or_default();
+        // The error names the dead rank (its connection hung up) or, at worst, the rank it waited for.
+        assert!(line.contains("rank 1"), "rank {rank}'s error does not name rank 1: {line}");
         eprintln!("rank {rank} failed {waited:?} after the kill: {line}");
     }
+    assert!(leftovers(shm.path()).is_empty(), "left behind: {:?}", leftovers(shm.path()));
 }
 
 fn all_reduce_sample(comm: &mut anyccl_core::Communicator<anyccl_host::ProcessComm>) -> anyccl_core::Result<String> {
@@ -133,15 +284,101 @@ fn report_line(rank: usize, world: usize, sample: &str, report: &RankReport) -> 
     format!("rank={rank} world={world} allreduce={sample} checks={} {fold:016x}", report.checks)
 }
 
+/// The sizes (bytes of f32) and timed iterations of the all-reduce measurement.
+const BENCH: [(usize, usize); 2] = [(64 << 10, 200), (4 << 20, 40)];
+
+/// A measurement, not a check: all-reduce of f32 across 2 processes at 64 KiB and 4 MiB, each timed call preceded
+/// by a barrier; prints each rank's median and minimum. Run with
+/// `cargo test -p anyccl-host --release --test processes -- --ignored --nocapture bench_all_reduce`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn bench_all_reduce_across_2_processes() {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let t0 = Instant::now();
+    let kids = start(2, port, "bench", &[]);
+    for (r, c) in kids.into_iter().enumerate() {
+        let line = result_line(r, &finish(r, c, t0));
+        println!("rank {r}: {line}");
+    }
+}
+
+/// One rank of the measurement: the rendezvous gets a message limit above 4 MiB so that the bootstrap transport
+/// (before shared memory) can run the large size too.
+fn bench_rank() -> anyccl_core::Result<String> {
+    let cfg = anyccl_rendezvous::RendezvousConfig::from_env()?.with_max_message(64 << 20);
+    let rdv = anyccl_rendezvous::Rendezvous::establish(cfg)?;
+    let mut comm = communicator_over(Box::new(rdv), HostOptions::default())?;
+    let mut out = Vec::new();
+    for (bytes, iters) in BENCH {
+        let count = bytes / 4;
+        let mut buf = HostBuffer::from_elems(&vec![1.0f32; count]);
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..iters + 5 {
+            comm.barrier(&())?;
+            let t = Instant::now();
+            comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), count, DataType::F32, ReduceOp::Max, &())?;
+            if i >= 5 {
+                times.push(t.elapsed());
+            }
+        }
+        times.sort();
+        let at = |q: usize| times[(times.len() - 1) * q / 100];
+        out.push(format!("{}KiB median={:?} min={:?} p10={:?} p90={:?}", bytes >> 10, at(50), at(0), at(10), at(90)));
+    }
+    Ok(out.join(" "))
+}
+
 /// The rank half, started by the tests above with torchrun's variables.
 #[test]
 #[ignore = "one rank of the launcher tests, which start it with torchrun's variables"]
 fn rank() {
     let mode = std::env::var("ANYCCL_HOST_CHILD").expect("run by the launcher tests");
-    let opts = HostOptions { timeout: Duration::from_secs(KILL_TIMEOUT_SECS), ..HostOptions::default() };
+    if mode == "bench" {
+        println!("RESULT {}", bench_rank().expect("the measurement runs"));
+        return;
+    }
+    let shm_dir = std::env::var_os("ANYCCL_HOST_SHM_DIR").map(std::path::PathBuf::from);
+    let mut opts = HostOptions { timeout: Duration::from_secs(KILL_TIMEOUT_SECS), ..HostOptions::default() };
+    if mode.starts_with("big") {
+        opts.shm_capacity = SMALL_SHM;
+    }
+    opts.shm_dir = shm_dir.clone();
     let mut comm = from_env(opts).expect("the host communicator forms");
     let (rank, world) = (comm.rank(), comm.world_size());
     match mode.as_str() {
+        "big" => {
+            all_reduce_sample(&mut comm).expect("all-reduce");
+            // Every rank has passed its setup (each published a step of that all-reduce after it): no file left.
+            let dir = shm_dir.expect("the launcher names a segment directory");
+            assert!(leftovers(&dir).is_empty(), "left behind after setup: {:?}", leftovers(&dir));
+            println!("RESULT {}", big_suite(&mut comm).expect("the large collectives"));
+        }
+        "big-victim" => {
+            let mut buf = HostBuffer::from_elems(&vec![1.0f32; BIG]);
+            let mut big = |comm: &mut Communicator<anyccl_host::ProcessComm>| {
+                comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), BIG, DataType::F32, ReduceOp::Max, &())
+            };
+            big(&mut comm).expect("a first large all-reduce with every rank alive");
+            if rank == 1 {
+                std::fs::write(std::env::var("ANYCCL_HOST_READY_FILE").expect("ready file"), b"").expect("ready");
+                // Keep going until killed; the launcher fails the test if that never happens.
+                let t = Instant::now();
+                while t.elapsed() < DEADLINE {
+                    big(&mut comm).expect("all-reduces while the survivors run");
+                }
+                std::process::exit(4);
+            }
+            loop {
+                if let Err(e) = big(&mut comm) {
+                    println!("FAILED {e} ({e:?})");
+                    // The communicator is broken now: a later call refuses instead of reading stale state.
+                    let again = big(&mut comm).expect_err("a broken communicator refuses");
+                    assert!(again.to_string().contains("refuses further collectives"), "{again}");
+                    std::process::exit(3);
+                }
+            }
+        }
         "suite" => {
             let sample = all_reduce_sample(&mut comm).expect("all-reduce");
             let report = run_one_rank(&mut comm, &(), &suite());
@@ -211,6 +448,29 @@ fn a_bootstrap_claiming_a_rank_outside_its_world_is_refused() {
     }
     let e = communicator_over(Box::new(Liar), HostOptions::default()).err().expect("rank 2 of 2");
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+/// A shared-memory capacity of 0 or an absurd one is an `InvalidArgument` naming the option, before anything is set
+/// up (no segment is created in the directory).
+#[test]
+fn a_zero_or_absurd_segment_capacity_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for cap in [0, 1, anyccl_host::MAX_SHM_CAPACITY + 1, usize::MAX] {
+        let group = LocalGroup::new(1, Duration::from_secs(5));
+        let opts = HostOptions { shm_capacity: cap, shm_dir: Some(dir.path().to_path_buf()), ..HostOptions::default() };
+        let e = communicator_over(Box::new(group.member(0)), opts).err().expect("refused");
+        assert!(
+            matches!(&e, Error::InvalidArgument(anyccl_core::InvalidArgument::OutOfRange { what, value, .. })
+                if what.contains("shm_capacity") && *value == cap as u64),
+            "{cap}: {e}"
+        );
+    }
+    assert!(leftovers(dir.path()).is_empty(), "{:?}", leftovers(dir.path()));
+    // The smallest capacity accepted works (every call then moves in 4 KiB chunks).
+    let group = LocalGroup::new(1, Duration::from_secs(5));
+    let opts = HostOptions { shm_capacity: anyccl_host::MIN_SHM_CAPACITY, ..HostOptions::default() };
+    let mut comm = communicator_over(Box::new(group.member(0)), opts).expect("4 KiB segments");
+    assert_eq!(all_reduce_sample(&mut comm).expect("all-reduce"), "1,2,3,4");
 }
 
 /// Point-to-point over the mesh: a receive whose size does not match the message is an `InvalidArgument` that loses

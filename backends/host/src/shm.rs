@@ -1,0 +1,1290 @@
+//! The shared-memory transport of the host backend across processes ([`crate::ProcessComm`]).
+//!
+//! **Segments.** Each rank creates one segment when the communicator forms: a file created with
+//! `O_EXCL | O_NOFOLLOW`, mode 0600, in a fresh private directory (mode 0700, random name) under `/dev/shm` where
+//! that is writable (else the temporary directory, or [`crate::HostOptions::shm_dir`]), sized and reserved up front
+//! (so a full `/dev/shm` is an error at setup, not a fault later) and mapped read-write by its owner. The path, the
+//! capacity and a random 32-byte token go to the peers through the bootstrap. Each peer opens the file with
+//! `O_NOFOLLOW | O_NONBLOCK`, checks (fstat) that it is a regular file owned by this uid, mode 0600, of exactly the
+//! announced size, maps it **read-only**, and checks its header: magic, version, capacity, rank, world, and the
+//! token, so a swapped or foreign file is refused. After a bootstrap barrier (every rank has every segment mapped)
+//! each rank unlinks its file and directory: nothing is left behind, even if a process is killed later.
+//!
+//! **Layout** (64-bit words, little-endian on the machine it runs on): a 4 KiB header — magic, version, capacity,
+//! rank, world, token, state (open / closed / failed); the owner's sequence counter on its own cache line; two
+//! descriptor slots saying which collective, size and chunk each step belongs to — then the data region.
+//!
+//! **Steps.** Every rank runs the same sequence of steps; a step is one increment of the rank's own counter. A
+//! data step writes the rank's contribution into its own data region, then publishes (descriptor, then the
+//! counter with `Release`); a rank reads its peers' data only once every peer's counter reached that step, and
+//! says it is done reading with the next step. A rank writes its data region again only after every peer passed
+//! the step after the one that data was published in, so nothing is overwritten while a peer reads it. Each step
+//! compares every peer's descriptor with its own, so ranks that call different collectives (or sizes) get an
+//! error instead of each other's bytes.
+//!
+//! **Untrusted memory.** Everything in a peer's segment can change under us, so it is only ever touched through
+//! [`AtomicU64`] loads (relaxed, then an acquire fence) — never a Rust reference to plain bytes there — and every
+//! value read is checked before it is used: a counter more than one step ahead, a wrong magic, an unknown state or
+//! a descriptor of another collective is an [`Error::PeerFailure`] naming the rank. Garbage in a peer's data
+//! region can only produce garbage numbers. A same-uid process that truncates its own segment file could still
+//! make the readers fault (`SIGBUS`); such a process can signal them anyway.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyccl_core::bootstrap::{checked_all_gather, Bootstrap};
+use anyccl_core::{DataType, Error, InvalidArgument, Result};
+
+use crate::reduce::Op;
+use memmap2::{MmapOptions, MmapRaw};
+use rustix::fs::{Mode, OFlags};
+
+use crate::reduce::internal;
+
+/// The default data capacity of a segment (bytes): collectives larger than this move in chunks.
+pub const DEFAULT_SHM_CAPACITY: usize = 4 << 20;
+/// The smallest data capacity accepted.
+pub const MIN_SHM_CAPACITY: usize = 4 << 10;
+/// The largest data capacity accepted.
+pub const MAX_SHM_CAPACITY: usize = 1 << 30;
+
+/// Bytes of the header before the data region (one page, so the data region is page-aligned).
+const HEADER_BYTES: usize = 4096;
+const HEADER_WORDS: usize = HEADER_BYTES / 8;
+/// "anyccl" + "SH": the first word of every segment.
+const MAGIC: u64 = u64::from_le_bytes(*b"anycclSH");
+const VERSION: u64 = 1;
+const TOKEN_LEN: usize = 32;
+/// The first bytes of this rank's setup message in the bootstrap all-gather.
+const SETUP_TAG: &[u8; 8] = b"anyshm01";
+/// The longest segment path a peer may announce.
+const MAX_PATH: usize = 4096;
+/// The segment's file name inside its private directory.
+const FILE_NAME: &str = "segment";
+/// The private directory's name starts with this.
+const DIR_PREFIX: &str = "anyccl-shm-";
+
+// Header words.
+const W_MAGIC: usize = 0;
+const W_VERSION: usize = 1;
+const W_CAPACITY: usize = 2;
+const W_RANK: usize = 3;
+const W_WORLD: usize = 4;
+const W_TOKEN: usize = 5;
+const W_STATE: usize = W_TOKEN + TOKEN_LEN / 8;
+/// After a failure: 1 + the rank the owner's error was about (0: none), for its peers' error messages.
+const W_BLAME: usize = W_STATE + 1;
+/// The owner's sequence counter, alone on its cache line (byte 128).
+const W_SEQ: usize = 16;
+/// Two descriptor slots (bytes 256 and 320): step `s` uses slot `s % 2`.
+const W_DESC: usize = 32;
+const DESC_WORDS: usize = 8;
+
+const STATE_OPEN: u64 = 1;
+const STATE_CLOSED: u64 = 2;
+const STATE_FAILED: u64 = 3;
+
+/// How often a long wait asks the kernel whether the awaited peer's process is still there.
+const LIVENESS_EVERY: Duration = Duration::from_millis(2);
+
+/// The data capacity actually used for `capacity` bytes asked for: checked against the limits and the world (every
+/// rank needs at least 64 bytes of it in a reduce-scatter), rounded down to 64 bytes.
+pub(crate) fn checked_capacity(capacity: usize, world: usize) -> Result<usize> {
+    let min = MIN_SHM_CAPACITY.max(world.saturating_mul(64));
+    if capacity < min || capacity > MAX_SHM_CAPACITY {
+        return Err(InvalidArgument::OutOfRange {
+            what: "HostOptions::shm_capacity",
+            value: capacity as u64,
+            min: min as u64,
+            max: MAX_SHM_CAPACITY as u64,
+        }
+        .into());
+    }
+    Ok(capacity & !63)
+}
+
+/// Which collective a step belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllReduce = 1,
+    AllGather = 2,
+    ReduceScatter = 3,
+    Broadcast = 4,
+    Reduce = 5,
+    Barrier = 6,
+}
+
+impl Kind {
+    fn name(code: u64) -> &'static str {
+        match code {
+            1 => "all-reduce",
+            2 => "all-gather",
+            3 => "reduce-scatter",
+            4 => "broadcast",
+            5 => "reduce",
+            6 => "barrier",
+            _ => "an unknown step",
+        }
+    }
+}
+
+/// What a step is: the collective, its size and chunk, and whether the rank publishes data or is done reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Desc {
+    kind: Kind,
+    done: bool,
+    bytes: u64,
+    chunk: u64,
+    root: u64,
+    dtype: u64,
+    op: u64,
+}
+
+impl Desc {
+    /// A data step of `kind` over `bytes` (the call's size as every rank sees it), chunk `chunk`.
+    pub(crate) fn new(kind: Kind, bytes: usize, chunk: usize) -> Self {
+        Desc { kind, done: false, bytes: bytes as u64, chunk: chunk as u64, root: 0, dtype: 0, op: 0 }
+    }
+
+    /// The same for chunk `chunk`.
+    pub(crate) fn chunk(mut self, chunk: usize) -> Self {
+        self.chunk = chunk as u64;
+        self
+    }
+
+    /// The same with a root rank.
+    pub(crate) fn root(mut self, root: usize) -> Self {
+        self.root = root as u64;
+        self
+    }
+
+    /// The same with an element type and operator.
+    pub(crate) fn reduction(mut self, dtype: DataType, op: Op) -> Self {
+        self.dtype = DataType::ALL.iter().position(|d| *d == dtype).map_or(u64::MAX, |i| i as u64 + 1);
+        // A fieldless enum's discriminant, the same in every rank's build of this crate.
+        self.op = op as u64 + 1;
+        self
+    }
+
+    fn as_done(mut self) -> Self {
+        self.done = true;
+        self
+    }
+
+    fn words(&self) -> [u64; 5] {
+        let code = self.kind as u64 | u64::from(self.done) << 8;
+        [code, self.bytes, self.chunk, self.root, self.dtype << 8 | self.op]
+    }
+
+    /// A description of the words `w` (from a peer: any values) for an error message.
+    fn describe(w: &[u64; 5]) -> String {
+        let step = if w[0] >> 8 & 1 == 1 { "done reading" } else { "data" };
+        format!("{} of {} bytes (chunk {}, root {}, {step})", Kind::name(w[0] & 0xff), w[1], w[2], w[3])
+    }
+}
+
+/// A mapping of one segment, seen only as 64-bit atomic words.
+struct Segment {
+    map: MmapRaw,
+    words: usize,
+}
+
+impl Segment {
+    /// Every word of the mapping.
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: `map` is a live mapping of `words * 8` bytes (the file was checked to be exactly that long before
+        // it was mapped) that outlives the returned borrow of `self`; mmap returns page-aligned addresses, so the
+        // pointer is aligned for `AtomicU64`. `AtomicU64` has interior mutability, so a shared slice of it may
+        // alias memory that the owner or another process changes concurrently; we only ever access it through
+        // atomic operations, never through plain references. A peer's segment is mapped read-only, and on it we
+        // only do `Relaxed` 8-byte loads, which std documents as sound on read-only memory on the 64-bit targets
+        // where peers are mapped read-only (elsewhere they are mapped read-write, see `map_peer`).
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), self.words) }
+    }
+
+    /// Header word `i` (`i < HEADER_WORDS`, which every segment holds: its size is checked to be at least
+    /// `HEADER_BYTES + MIN_SHM_CAPACITY` before it is mapped).
+    fn word(&self, i: usize) -> &AtomicU64 {
+        &self.words()[i]
+    }
+
+    /// The data region (after the header, which every segment holds, see [`Segment::word`]).
+    fn data(&self) -> &[AtomicU64] {
+        &self.words()[HEADER_WORDS..]
+    }
+}
+
+/// Writes this rank's contribution into its own data region (see [`ShmGroup::exchange`]).
+pub(crate) struct Writer<'a> {
+    data: &'a [AtomicU64],
+}
+
+impl Writer<'_> {
+    /// Copies `src` into the data region at byte `offset` (a multiple of 8).
+    pub(crate) fn put(&self, offset: usize, src: &[u8]) -> Result<()> {
+        let dst = words_at(self.data, offset, src.len())?;
+        store_bytes(dst, src);
+        Ok(())
+    }
+}
+
+/// The words covering `len` bytes at byte `offset` of `data`, or an internal error when they do not fit.
+fn words_at(data: &[AtomicU64], offset: usize, len: usize) -> Result<&[AtomicU64]> {
+    let first = offset / 8;
+    let bad = || internal(format!("{len} bytes at offset {offset} do not fit a {}-byte segment", data.len() * 8));
+    if !offset.is_multiple_of(8) {
+        return Err(bad());
+    }
+    let end = first.checked_add(len.div_ceil(8)).ok_or_else(bad)?;
+    data.get(first..end).ok_or_else(bad)
+}
+
+/// `src` into `dst`, 8 bytes per relaxed store (the last word zero-padded).
+fn store_bytes(dst: &[AtomicU64], src: &[u8]) {
+    let mut words = dst.iter();
+    let mut chunks = src.chunks_exact(8);
+    // The byte chunks go first in the zip: it stops on them without taking one more word.
+    for (c, w) in chunks.by_ref().zip(words.by_ref()) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(c);
+        w.store(u64::from_ne_bytes(b), Ordering::Relaxed);
+    }
+    let rest = chunks.remainder();
+    if let (Some(w), false) = (words.next(), rest.is_empty()) {
+        let mut b = [0u8; 8];
+        b[..rest.len()].copy_from_slice(rest);
+        w.store(u64::from_ne_bytes(b), Ordering::Relaxed);
+    }
+}
+
+/// `src` into `dst`, 8 bytes per relaxed load.
+fn load_bytes(src: &[AtomicU64], dst: &mut [u8]) {
+    let mut words = src.iter();
+    let mut chunks = dst.chunks_exact_mut(8);
+    for (c, w) in chunks.by_ref().zip(words.by_ref()) {
+        c.copy_from_slice(&w.load(Ordering::Relaxed).to_ne_bytes());
+    }
+    let rest = chunks.into_remainder();
+    if let Some(w) = words.next() {
+        let n = rest.len();
+        rest.copy_from_slice(&w.load(Ordering::Relaxed).to_ne_bytes()[..n]);
+    }
+}
+
+/// The header fields a segment is created with and checked against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HeaderFields {
+    capacity: u64,
+    rank: u64,
+    world: u64,
+    token: [u8; TOKEN_LEN],
+}
+
+fn token_words(token: &[u8; TOKEN_LEN]) -> [u64; TOKEN_LEN / 8] {
+    let mut out = [0u64; TOKEN_LEN / 8];
+    for (o, c) in out.iter_mut().zip(token.chunks_exact(8)) {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(c);
+        *o = u64::from_le_bytes(b);
+    }
+    out
+}
+
+/// Fills a fresh header (counters zero, state open).
+fn write_header(h: &[AtomicU64], f: &HeaderFields) {
+    let put = |i: usize, v: u64| {
+        if let Some(w) = h.get(i) {
+            w.store(v, Ordering::Relaxed);
+        }
+    };
+    put(W_MAGIC, MAGIC);
+    put(W_VERSION, VERSION);
+    put(W_CAPACITY, f.capacity);
+    put(W_RANK, f.rank);
+    put(W_WORLD, f.world);
+    for (i, t) in token_words(&f.token).into_iter().enumerate() {
+        put(W_TOKEN + i, t);
+    }
+    put(W_SEQ, 0);
+    put(W_BLAME, 0);
+    for i in 0..2 * DESC_WORDS {
+        put(W_DESC + i, 0);
+    }
+    put(W_STATE, STATE_OPEN);
+}
+
+/// Checks a peer's freshly mapped header against what it announced through the bootstrap: the reason if it does
+/// not match.
+fn check_header(h: &[AtomicU64], want: &HeaderFields) -> std::result::Result<(), String> {
+    if h.len() < HEADER_WORDS {
+        return Err(format!("its header holds {} words, expected {HEADER_WORDS}", h.len()));
+    }
+    let get = |i: usize| h[i].load(Ordering::Relaxed);
+    let magic = get(W_MAGIC);
+    if magic != MAGIC {
+        return Err(format!("its magic is {magic:#018x}, not an anyccl segment's {MAGIC:#018x}"));
+    }
+    let version = get(W_VERSION);
+    if version != VERSION {
+        return Err(format!("its layout version is {version}, this build speaks {VERSION}"));
+    }
+    for (what, i, expected) in
+        [("capacity", W_CAPACITY, want.capacity), ("rank", W_RANK, want.rank), ("world size", W_WORLD, want.world)]
+    {
+        let got = get(i);
+        if got != expected {
+            return Err(format!("its header says {what} {got}, but the bootstrap announced {expected}"));
+        }
+    }
+    let token = token_words(&want.token);
+    if (0..token.len()).any(|i| get(W_TOKEN + i) != token[i]) {
+        return Err("its token differs from the one announced through the bootstrap (a swapped or foreign \
+                    segment)"
+            .to_owned());
+    }
+    let state = get(W_STATE);
+    if state != STATE_OPEN {
+        return Err(format!("its state is {state}, not open"));
+    }
+    let seq = get(W_SEQ);
+    if seq != 0 {
+        return Err(format!("its sequence counter is {seq} before the first collective"));
+    }
+    Ok(())
+}
+
+/// The checks on a peer's segment file before it is mapped: the reason if it is refused.
+fn check_file(meta: &std::fs::Metadata, uid: u32, len: u64) -> std::result::Result<(), String> {
+    if !meta.file_type().is_file() {
+        return Err("it is not a regular file".to_owned());
+    }
+    if meta.uid() != uid {
+        return Err(format!("it is owned by uid {}, not by this process's uid {uid}", meta.uid()));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode != 0o600 {
+        return Err(format!("its mode is {mode:04o}, expected 0600"));
+    }
+    if meta.len() != len {
+        return Err(format!("it holds {} bytes, but its rank announced {len}", meta.len()));
+    }
+    Ok(())
+}
+
+/// Where segments go when the caller did not choose: `/dev/shm` where it is a directory, else the temporary
+/// directory (also when creating the private directory in `/dev/shm` fails).
+fn default_bases() -> Vec<PathBuf> {
+    let shm = Path::new("/dev/shm");
+    let mut out = Vec::new();
+    if shm.is_dir() {
+        out.push(shm.to_path_buf());
+    }
+    out.push(std::env::temp_dir());
+    out
+}
+
+/// A fresh private directory (mode 0700, random name) for rank `rank`'s segment under the first of `bases` that
+/// takes one.
+fn segment_dir(bases: &[PathBuf], rank: usize) -> Result<PathBuf> {
+    let mut last = None;
+    for base in bases {
+        match crate::process::private_dir(base, DIR_PREFIX, rank) {
+            Ok(d) => return Ok(d),
+            Err(e) => {
+                tracing::debug!(base = %base.display(), "no segment directory there: {e}");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| internal("no directory to create a shared-memory segment in".to_owned())))
+}
+
+/// Removes this rank's segment file and directory when setup ends, whatever happened (the mappings outlive them).
+struct Unlink {
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.file) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %self.file.display(), "cannot remove the shared-memory segment: {e}");
+            }
+        }
+        if let Err(e) = std::fs::remove_dir(&self.dir) {
+            tracing::warn!(path = %self.dir.display(), "cannot remove the shared-memory directory: {e}");
+        }
+    }
+}
+
+fn setup_error(what: String) -> Error {
+    Error::PeerFailure(what)
+}
+
+/// Creates this rank's segment at `path` (which must not exist) and maps it read-write.
+fn create_segment(path: &Path, fields: &HeaderFields) -> Result<Segment> {
+    let shown = path.display();
+    let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let fd = rustix::fs::open(path, flags, Mode::from_raw_mode(0o600))
+        .map_err(|e| setup_error(format!("cannot create the shared-memory segment {shown}: {e}")))?;
+    let file = File::from(fd);
+    // The umask may have taken bits off 0600; peers insist on exactly 0600.
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| setup_error(format!("cannot set the mode of {shown}: {e}")))?;
+    let len = HEADER_BYTES + fields.capacity as usize;
+    file.set_len(len as u64).map_err(|e| setup_error(format!("cannot size {shown} to {len} bytes: {e}")))?;
+    reserve(&file, len, path)?;
+    let map = MmapOptions::new()
+        .len(len)
+        .map_raw(&file)
+        .map_err(|e| setup_error(format!("cannot map the shared-memory segment {shown}: {e}")))?;
+    let seg = Segment { map, words: len / 8 };
+    write_header(seg.words(), fields);
+    Ok(seg)
+}
+
+/// Reserves the segment's pages, so a full file system is an error now rather than a `SIGBUS` at the first write.
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn reserve(file: &File, len: usize, path: &Path) -> Result<()> {
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len as u64) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::OPNOTSUPP) => Ok(()),
+        Err(e) => Err(setup_error(format!(
+            "cannot reserve {len} bytes for the shared-memory segment {}: {e} (is its file system full? \
+             HostOptions::shm_dir and shm_capacity choose where and how much)",
+            path.display()
+        ))),
+    }
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn reserve(_file: &File, _len: usize, _path: &Path) -> Result<()> {
+    Ok(())
+}
+
+/// Whether this target's `Relaxed` 8-byte atomic loads are documented as sound on read-only memory.
+const READ_ONLY_PEERS: bool = cfg!(any(
+    target_arch = "x86_64",
+    target_arch = "aarch64",
+    target_arch = "loongarch64",
+    target_arch = "mips64",
+    target_arch = "powerpc64",
+    target_arch = "riscv64",
+    target_arch = "sparc64",
+    target_arch = "s390x"
+));
+
+/// Opens, checks and maps rank `q`'s segment at `path`, which rank `q` announced with `fields`.
+fn map_peer(q: usize, path: &Path, fields: &HeaderFields, uid: u32) -> Result<Segment> {
+    let shown = path.display();
+    let refuse = |why: String| setup_error(format!("rank {q}'s shared-memory segment {shown} is refused: {why}"));
+    // A path that is not `.../anyccl-shm-*/segment` is not a segment; do not even open it (a device could
+    // have side effects).
+    let parent_ok =
+        path.parent().and_then(Path::file_name).is_some_and(|n| n.as_bytes().starts_with(DIR_PREFIX.as_bytes()));
+    if !path.is_absolute() || path.file_name() != Some(OsStr::new(FILE_NAME)) || !parent_ok {
+        return Err(refuse(format!("not an absolute path of the form /…/{DIR_PREFIX}*/{FILE_NAME}")));
+    }
+    let access = if READ_ONLY_PEERS { OFlags::RDONLY } else { OFlags::RDWR };
+    // O_NONBLOCK: a FIFO put in its place must not block the open.
+    let flags = access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
+    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(|e| match e {
+        rustix::io::Errno::LOOP => refuse("it is a symbolic link".to_owned()),
+        e => refuse(format!("cannot open it: {e}")),
+    })?;
+    let file = File::from(fd);
+    let meta = file.metadata().map_err(|e| refuse(format!("cannot stat it: {e}")))?;
+    let len = (HEADER_BYTES as u64).saturating_add(fields.capacity);
+    check_file(&meta, uid, len).map_err(refuse)?;
+    let len = usize::try_from(len).map_err(|_| refuse(format!("{len} bytes do not fit this address space")))?;
+    let mut opts = MmapOptions::new();
+    opts.len(len);
+    let map = if READ_ONLY_PEERS { opts.map_raw_read_only(&file) } else { opts.map_raw(&file) }
+        .map_err(|e| refuse(format!("cannot map it: {e}")))?;
+    let seg = Segment { map, words: len / 8 };
+    check_header(seg.words(), fields).map_err(refuse)?;
+    Ok(seg)
+}
+
+/// This rank's setup message: tag, capacity, token, path.
+fn setup_message(capacity: usize, token: &[u8; TOKEN_LEN], path: &Path) -> Vec<u8> {
+    let mut m = Vec::new();
+    m.extend_from_slice(SETUP_TAG);
+    m.extend_from_slice(&(capacity as u64).to_le_bytes());
+    m.extend_from_slice(token);
+    m.extend_from_slice(path.as_os_str().as_bytes());
+    m
+}
+
+/// Rank `q`'s setup message, checked: its capacity, token and path.
+fn parse_setup(q: usize, m: &[u8]) -> Result<(u64, [u8; TOKEN_LEN], PathBuf)> {
+    let head = SETUP_TAG.len() + 8 + TOKEN_LEN;
+    if m.len() <= head || m.len() > head + MAX_PATH || &m[..SETUP_TAG.len()] != SETUP_TAG {
+        return Err(setup_error(format!("rank {q} sent a malformed shared-memory setup message ({} bytes)", m.len())));
+    }
+    let mut cap = [0u8; 8];
+    cap.copy_from_slice(&m[SETUP_TAG.len()..SETUP_TAG.len() + 8]);
+    let cap = u64::from_le_bytes(cap);
+    if cap < MIN_SHM_CAPACITY as u64 || cap > MAX_SHM_CAPACITY as u64 || !cap.is_multiple_of(64) {
+        return Err(setup_error(format!("rank {q} announced a shared-memory capacity of {cap} bytes")));
+    }
+    let mut token = [0u8; TOKEN_LEN];
+    token.copy_from_slice(&m[SETUP_TAG.len() + 8..head]);
+    Ok((cap, token, PathBuf::from(OsStr::from_bytes(&m[head..]))))
+}
+
+/// How a [`ShmGroup`] is made.
+#[derive(Debug, Clone)]
+pub(crate) struct ShmConfig {
+    /// Requested data capacity per rank (checked with [`checked_capacity`]).
+    pub(crate) capacity: usize,
+    /// Where segments go; `None`: `/dev/shm` when writable, else the temporary directory.
+    pub(crate) dir: Option<PathBuf>,
+    /// How long one wait for the peers may take.
+    pub(crate) timeout: Duration,
+}
+
+/// The shared-memory segments of all ranks, and this rank's place in the step sequence.
+pub(crate) struct ShmGroup {
+    rank: usize,
+    /// Index = rank; this rank's own segment is mapped read-write, the others read-only.
+    segs: Vec<Segment>,
+    /// The data capacity every rank can use: the smallest announced.
+    capacity: usize,
+    /// This rank's counter (the value last published).
+    seq: u64,
+    /// Every peer's counter is known to have reached this step, with a matching descriptor.
+    synced: u64,
+    /// This rank's descriptors of its last two steps (index `step % 2`).
+    desc: [Desc; 2],
+    /// Whether the peers' data of the current step may be read (between an exchange and the next step).
+    readable: bool,
+    timeout: Duration,
+    /// Set by the first failure: every later step refuses.
+    broken: Option<String>,
+    /// The peer the last failed wait was about.
+    blame: Option<usize>,
+    /// Streams to the peers (duplicates of the point-to-point mesh), watched for a hang-up while waiting.
+    liveness: Vec<Option<UnixStream>>,
+}
+
+impl ShmGroup {
+    /// Creates, exchanges, checks and maps every rank's segment (collective over `boot`); `liveness` holds a
+    /// stream to each peer (the point-to-point mesh) whose hang-up means the peer's process is gone.
+    pub(crate) fn new(
+        boot: &mut dyn Bootstrap,
+        cfg: &ShmConfig,
+        liveness: Vec<Option<UnixStream>>,
+    ) -> Result<ShmGroup> {
+        let (rank, world) = (boot.rank(), boot.world());
+        let capacity = checked_capacity(cfg.capacity, world)?;
+        let mut token = [0u8; TOKEN_LEN];
+        getrandom::fill(&mut token).map_err(|e| internal(format!("no randomness for the shared-memory token: {e}")))?;
+        let bases = cfg.dir.clone().map_or_else(default_bases, |d| vec![d]);
+        let dir = segment_dir(&bases, rank)?;
+        let unlink = Unlink { file: dir.join(FILE_NAME), dir };
+        let fields = HeaderFields { capacity: capacity as u64, rank: rank as u64, world: world as u64, token };
+        let own = create_segment(&unlink.file, &fields)?;
+        let all = checked_all_gather(boot, &setup_message(capacity, &token, &unlink.file))?;
+        let uid = rustix::process::getuid().as_raw();
+        let mut segs = Vec::new();
+        segs.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} segment mappings")))?;
+        let mut own = Some(own);
+        let mut smallest = capacity as u64;
+        for (q, m) in all.iter().enumerate() {
+            let (cap, token, path) = parse_setup(q, m)?;
+            smallest = smallest.min(cap);
+            if q == rank {
+                segs.push(own.take().ok_or_else(|| internal("this rank's segment twice".to_owned()))?);
+            } else {
+                let want = HeaderFields { capacity: cap, rank: q as u64, world: world as u64, token };
+                segs.push(map_peer(q, &path, &want, uid)?);
+            }
+        }
+        // Every rank has every segment mapped once the barrier passes: the names can go.
+        boot.barrier()?;
+        drop(unlink);
+        // `smallest` is at most this rank's own capacity, a usize.
+        let capacity = usize::try_from(smallest).unwrap_or(capacity);
+        if capacity / world < 64 {
+            return Err(setup_error(format!(
+                "the smallest shared-memory capacity announced, {capacity} bytes, leaves less than 64 bytes for each \
+                 of {world} ranks"
+            )));
+        }
+        tracing::debug!(rank, world, capacity, "host shared-memory segments are mapped");
+        let first = Desc::new(Kind::Barrier, 0, 0);
+        Ok(ShmGroup {
+            rank,
+            segs,
+            capacity,
+            seq: 0,
+            synced: 0,
+            desc: [first; 2],
+            readable: false,
+            timeout: cfg.timeout,
+            broken: None,
+            blame: None,
+            liveness,
+        })
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The data capacity of one step (bytes, a multiple of 64).
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Runs one collective: refused once the group is broken; an error inside it breaks the group (for this rank,
+    /// and its peers see this rank's state turn failed), so no later call reads half-written state.
+    pub(crate) fn run<R>(&mut self, f: impl FnOnce(&mut ShmGroup) -> Result<R>) -> Result<R> {
+        if let Some(why) = &self.broken {
+            return Err(Error::PeerFailure(format!(
+                "this host communicator stopped after an earlier failure and refuses further collectives: {why}"
+            )));
+        }
+        let r = f(self);
+        if let Err(e) = &r {
+            self.broken = Some(e.to_string());
+            self.readable = false;
+            let blame = self.blame.map_or(0, |q| q as u64 + 1);
+            self.own().word(W_BLAME).store(blame, Ordering::Relaxed);
+            self.own().word(W_STATE).store(STATE_FAILED, Ordering::Release);
+        }
+        r
+    }
+
+    fn own(&self) -> &Segment {
+        // `segs` holds one segment per rank and `rank < world` (checked when the communicator forms).
+        &self.segs[self.rank]
+    }
+
+    /// One data step: waits until every peer is done with this rank's previous data, lets `write` fill this
+    /// rank's data region, publishes, and waits until every peer has published the same step. The peers' data
+    /// may then be [`ShmGroup::read`] until [`ShmGroup::done`].
+    pub(crate) fn exchange(&mut self, desc: Desc, write: impl FnOnce(&Writer<'_>) -> Result<()>) -> Result<()> {
+        if self.readable {
+            // The peers may still read this rank's data of the current step until it says `done`.
+            return Err(internal("a shared-memory data step before the previous one was done".to_owned()));
+        }
+        self.wait_all()?;
+        write(&Writer { data: self.own().data() })?;
+        self.arrive(desc)?;
+        self.wait_all()?;
+        self.readable = true;
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at byte `offset` of rank `q`'s data region into `dst`.
+    pub(crate) fn read(&self, q: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if !self.readable {
+            return Err(internal("a shared-memory read outside a data step".to_owned()));
+        }
+        let seg = self.segs.get(q).ok_or_else(|| internal(format!("no segment of rank {q}")))?;
+        load_bytes(words_at(seg.data(), offset, dst.len())?, dst);
+        Ok(())
+    }
+
+    /// Says this rank is done reading the current step's data (the peers may overwrite theirs once every rank
+    /// said so). Does not wait.
+    pub(crate) fn done(&mut self) -> Result<()> {
+        let desc = self.desc[(self.seq % 2) as usize].as_done();
+        self.arrive(desc)
+    }
+
+    /// Returns once every rank has called it.
+    pub(crate) fn barrier(&mut self) -> Result<()> {
+        self.wait_all()?;
+        self.arrive(Desc::new(Kind::Barrier, 0, 0))?;
+        self.wait_all()
+    }
+
+    /// Publishes step `seq + 1` described by `desc`. Every peer must have reached `seq` (a wait came first), so
+    /// the descriptor slot rewritten here was read by every peer already.
+    fn arrive(&mut self, desc: Desc) -> Result<()> {
+        if self.synced != self.seq {
+            return Err(internal("a shared-memory step without waiting for the previous one".to_owned()));
+        }
+        self.readable = false;
+        let next = self.seq + 1;
+        let slot = (next % 2) as usize;
+        let own = self.own();
+        own.word(W_DESC + slot * DESC_WORDS).store(next, Ordering::Relaxed);
+        for (i, w) in desc.words().into_iter().enumerate() {
+            own.word(W_DESC + slot * DESC_WORDS + 1 + i).store(w, Ordering::Relaxed);
+        }
+        own.word(W_SEQ).store(next, Ordering::Release);
+        self.desc[slot] = desc;
+        self.seq = next;
+        Ok(())
+    }
+
+    /// Waits until every peer's counter reached this rank's, checking everything read from the peers' headers.
+    fn wait_all(&mut self) -> Result<()> {
+        self.wait_all_inner().map_err(|(q, e)| {
+            self.blame = Some(q);
+            e
+        })
+    }
+
+    /// [`ShmGroup::wait_all`], its error paired with the peer it is about.
+    fn wait_all_inner(&mut self) -> std::result::Result<(), (usize, Error)> {
+        let target = self.seq;
+        if self.synced == target {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut polled = start;
+        let mut round = 0u32;
+        loop {
+            match self.first_behind(target)? {
+                None => break,
+                Some(q) => {
+                    round = round.saturating_add(1);
+                    backoff(round);
+                    if round.is_multiple_of(64) || round > 2000 {
+                        let now = Instant::now();
+                        if now.duration_since(start) >= self.timeout {
+                            let what = format!("rank {q} to reach step {target} ({}) in shared memory", self.current());
+                            return Err((q, Error::Timeout { what, after: self.timeout }));
+                        }
+                        if now.duration_since(polled) >= LIVENESS_EVERY {
+                            polled = now;
+                            self.check_alive(q, target).map_err(|e| (q, e))?;
+                        }
+                    }
+                }
+            }
+        }
+        // Pairs with each peer's `Release` store of its counter: its descriptor and data are visible from here on.
+        fence(Ordering::Acquire);
+        self.check_descs(target)?;
+        self.synced = target;
+        Ok(())
+    }
+
+    /// The first peer whose counter is still below `target`, after checking every peer's header words.
+    fn first_behind(&self, target: u64) -> std::result::Result<Option<usize>, (usize, Error)> {
+        let mut behind = None;
+        for (q, seg) in self.segs.iter().enumerate() {
+            if q == self.rank {
+                continue;
+            }
+            let fail = |e: Error| Err((q, e));
+            let magic = seg.word(W_MAGIC).load(Ordering::Relaxed);
+            if magic != MAGIC {
+                return fail(self.corrupt(q, format!("its magic changed to {magic:#018x}")));
+            }
+            // The state first: a peer publishes its last step before it closes (or fails), so once a closed state is
+            // seen (and the fence below orders the loads), the counter read after it is final.
+            let state = seg.word(W_STATE).load(Ordering::Relaxed);
+            if state != STATE_OPEN {
+                fence(Ordering::Acquire);
+            }
+            let c = seg.word(W_SEQ).load(Ordering::Relaxed);
+            if c > target.saturating_add(1) {
+                let why = format!("its sequence counter is {c}, more than one step ahead of this rank's {target}");
+                return fail(self.corrupt(q, why));
+            }
+            if !matches!(state, STATE_OPEN | STATE_CLOSED | STATE_FAILED) {
+                return fail(self.corrupt(q, format!("its state word is {state}")));
+            }
+            if c >= target {
+                continue;
+            }
+            let when = format!("at step {c}, before step {target} ({})", self.current());
+            match state {
+                STATE_OPEN => {}
+                STATE_CLOSED => return fail(Error::PeerFailure(format!("rank {q} closed its communicator {when}"))),
+                STATE_FAILED => {
+                    // Display only: any value outside the world is ignored.
+                    let b = seg.word(W_BLAME).load(Ordering::Relaxed);
+                    let blamed = match usize::try_from(b) {
+                        Ok(b) if (1..=self.segs.len()).contains(&b) => format!("; it blamed rank {}", b - 1),
+                        _ => String::new(),
+                    };
+                    return fail(Error::PeerFailure(format!("rank {q} stopped after an error {when}{blamed}")));
+                }
+                _ => return fail(self.corrupt(q, format!("its state word is {state}"))),
+            }
+            behind.get_or_insert(q);
+        }
+        Ok(behind)
+    }
+
+    fn current(&self) -> String {
+        Desc::describe(&self.desc[(self.seq % 2) as usize].words())
+    }
+
+    fn corrupt(&self, q: usize, why: String) -> Error {
+        Error::PeerFailure(format!("rank {q}'s shared-memory segment is corrupt: {why}"))
+    }
+
+    /// Every peer's descriptor of step `target` must equal this rank's.
+    fn check_descs(&self, target: u64) -> std::result::Result<(), (usize, Error)> {
+        let slot = (target % 2) as usize;
+        let mine = self.desc[slot].words();
+        for (q, seg) in self.segs.iter().enumerate() {
+            if q == self.rank {
+                continue;
+            }
+            let base = W_DESC + slot * DESC_WORDS;
+            let tag = seg.word(base).load(Ordering::Relaxed);
+            if tag != target {
+                return Err((q, self.corrupt(q, format!("its descriptor of step {target} is tagged {tag}"))));
+            }
+            let mut theirs = [0u64; 5];
+            for (i, t) in theirs.iter_mut().enumerate() {
+                *t = seg.word(base + 1 + i).load(Ordering::Relaxed);
+            }
+            if theirs != mine {
+                return Err((
+                    q,
+                    Error::PeerFailure(format!(
+                        "rank {q} runs a different collective: at step {target} it is in the {} while rank {} is in \
+                     the {} (every rank must call the same collectives with the same sizes, in the same order)",
+                        Desc::describe(&theirs),
+                        self.rank,
+                        Desc::describe(&mine)
+                    )),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A peer whose point-to-point stream hung up has exited (or dropped its communicator).
+    fn check_alive(&self, q: usize, target: u64) -> Result<()> {
+        let Some(Some(s)) = self.liveness.get(q) else { return Ok(()) };
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let events = rustix::event::PollFlags::RDHUP;
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let events = rustix::event::PollFlags::empty();
+        let mut fds = [rustix::event::PollFd::new(s, events)];
+        let zero = rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 };
+        if rustix::event::poll(&mut fds, Some(&zero)).is_err() {
+            return Ok(());
+        }
+        let gone = rustix::event::PollFlags::HUP | rustix::event::PollFlags::ERR | rustix::event::PollFlags::NVAL;
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        let gone = gone | rustix::event::PollFlags::RDHUP;
+        if fds[0].revents().intersects(gone) {
+            // A peer that published this step and then exited is not a failure: look again after the hang-up.
+            fence(Ordering::Acquire);
+            if self.segs.get(q).is_some_and(|seg| seg.word(W_SEQ).load(Ordering::Relaxed) >= target) {
+                return Ok(());
+            }
+            return Err(Error::PeerFailure(format!(
+                "rank {q} is gone (its connection hung up; the process exited or was killed) while rank {} waited \
+                 for step {target} ({})",
+                self.rank,
+                self.current()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Spins briefly, then yields, then sleeps up to 1 ms per round: short waits stay fast, long ones cost no CPU.
+fn backoff(round: u32) {
+    match round {
+        0..=200 => std::hint::spin_loop(),
+        201..=2000 => std::thread::yield_now(),
+        r => std::thread::sleep(Duration::from_micros(u64::from((r - 2000).min(20)) * 50)),
+    }
+}
+
+impl Drop for ShmGroup {
+    fn drop(&mut self) {
+        if self.broken.is_none() {
+            self.own().word(W_STATE).store(STATE_CLOSED, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use anyccl_core::bootstrap::{LocalGroup, LocalRank};
+
+    use super::*;
+
+    fn fields() -> HeaderFields {
+        HeaderFields { capacity: 8192, rank: 1, world: 3, token: [7; TOKEN_LEN] }
+    }
+
+    fn header() -> Vec<AtomicU64> {
+        let h: Vec<AtomicU64> = (0..HEADER_WORDS).map(|_| AtomicU64::new(0)).collect();
+        write_header(&h, &fields());
+        h
+    }
+
+    #[test]
+    fn a_fresh_header_passes_its_own_check() {
+        assert_eq!(check_header(&header(), &fields()), Ok(()));
+    }
+
+    /// Each header field that differs from what the bootstrap announced is refused, with a reason naming it.
+    #[test]
+    fn every_wrong_header_field_is_refused() {
+        let cases: [(usize, u64, &str); 8] = [
+            (W_MAGIC, 0x1234, "magic"),
+            (W_VERSION, 2, "version"),
+            (W_CAPACITY, 4096, "capacity"),
+            (W_RANK, 2, "rank"),
+            (W_WORLD, 4, "world size"),
+            (W_TOKEN + 3, 99, "token"),
+            (W_STATE, STATE_CLOSED, "state"),
+            (W_SEQ, 5, "sequence counter"),
+        ];
+        for (word, value, says) in cases {
+            let h = header();
+            h[word].store(value, Ordering::Relaxed);
+            let why = check_header(&h, &fields()).expect_err(says);
+            assert!(why.contains(says), "word {word}: {why}");
+        }
+        let short: Vec<AtomicU64> = (0..HEADER_WORDS - 1).map(|_| AtomicU64::new(0)).collect();
+        assert!(check_header(&short, &fields()).is_err());
+    }
+
+    #[test]
+    fn a_foreign_token_is_refused() {
+        let other = HeaderFields { token: [8; TOKEN_LEN], ..fields() };
+        let why = check_header(&header(), &other).expect_err("another token");
+        assert!(why.contains("swapped or foreign"), "{why}");
+    }
+
+    #[test]
+    fn capacities_are_bounded() {
+        for (cap, world) in [(0, 1), (MIN_SHM_CAPACITY - 1, 2), (MAX_SHM_CAPACITY + 1, 2), (8192, 1024)] {
+            let e = checked_capacity(cap, world).expect_err("out of range");
+            assert!(
+                matches!(e, Error::InvalidArgument(InvalidArgument::OutOfRange { what, .. }) if what.contains("shm")),
+                "{cap}: {e}"
+            );
+        }
+        assert_eq!(checked_capacity(DEFAULT_SHM_CAPACITY, 8).ok(), Some(DEFAULT_SHM_CAPACITY));
+        assert_eq!(checked_capacity(5000, 2).ok(), Some(4992));
+    }
+
+    #[test]
+    fn setup_messages_round_trip_and_malformed_ones_are_refused() {
+        let token = [3u8; TOKEN_LEN];
+        let path = Path::new("/dev/shm/anyccl-shm-0-00/segment");
+        let m = setup_message(8192, &token, path);
+        let (cap, t, p) = parse_setup(0, &m).expect("parses");
+        assert_eq!((cap, t, p.as_path()), (8192, token, path));
+        let mut bad_cap = m.clone();
+        bad_cap[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let mut bad_tag = m.clone();
+        bad_tag[0] = b'X';
+        let mut long = m.clone();
+        long.resize(m.len() + MAX_PATH, b'a');
+        for bad in [&m[..40], &m[..48], &bad_cap[..], &bad_tag[..], &long[..]] {
+            assert!(matches!(parse_setup(2, bad), Err(Error::PeerFailure(w)) if w.contains("rank 2")));
+        }
+    }
+
+    /// The byte copies through atomic words keep every length, including ones that end inside a word.
+    #[test]
+    fn bytes_survive_the_word_copies() {
+        let words: Vec<AtomicU64> = (0..4).map(|_| AtomicU64::new(u64::MAX)).collect();
+        for len in [0usize, 1, 7, 8, 9, 31, 32] {
+            let src: Vec<u8> = (0..len as u8).map(|b| b.wrapping_mul(37)).collect();
+            store_bytes(&words, &src);
+            let mut back = vec![0u8; len];
+            load_bytes(&words, &mut back);
+            assert_eq!(back, src, "{len}");
+        }
+        assert!(words_at(&words, 4, 8).is_err(), "unaligned");
+        assert!(words_at(&words, 8, 25).is_err(), "past the end");
+        assert!(words_at(&words, usize::MAX - 7, 16).is_err(), "overflowing");
+        assert_eq!(words_at(&words, 8, 24).map(<[_]>::len).ok(), Some(3));
+    }
+
+    #[test]
+    fn files_that_are_not_private_segments_are_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![0u8; 100]).expect("write");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let meta = std::fs::metadata(&path).expect("stat");
+        let uid = meta.uid();
+        assert_eq!(check_file(&meta, uid, 100), Ok(()));
+        let why = check_file(&meta, uid.wrapping_add(1), 100).expect_err("another owner");
+        assert!(why.contains("owned by uid"), "{why}");
+        let why = check_file(&meta, uid, 101).expect_err("another size");
+        assert!(why.contains("holds 100 bytes"), "{why}");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let why = check_file(&std::fs::metadata(&path).expect("stat"), uid, 100).expect_err("mode");
+        assert!(why.contains("0644"), "{why}");
+        let why = check_file(&std::fs::metadata(dir.path()).expect("stat"), uid, 100).expect_err("a directory");
+        assert!(why.contains("regular"), "{why}");
+    }
+
+    fn no_streams(world: usize) -> Vec<Option<UnixStream>> {
+        (0..world).map(|_| None).collect()
+    }
+
+    fn config(dir: &Path, timeout: Duration) -> ShmConfig {
+        ShmConfig { capacity: MIN_SHM_CAPACITY, dir: Some(dir.to_path_buf()), timeout }
+    }
+
+    fn leftovers(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir).expect("dir").map(|e| e.expect("entry").path()).collect()
+    }
+
+    /// Two ranks as threads over a `LocalGroup`, their segments in `dir`.
+    fn pair(dir: &Path, timeout: Duration) -> (ShmGroup, ShmGroup) {
+        let group = LocalGroup::new(2, Duration::from_secs(20));
+        let cfg = config(dir, timeout);
+        let (a, b) = std::thread::scope(|s| {
+            let mk = |r: usize| {
+                let (group, cfg) = (group.clone(), cfg.clone());
+                s.spawn(move || ShmGroup::new(&mut group.member(r), &cfg, no_streams(2)).expect("segments"))
+            };
+            let (a, b) = (mk(0), mk(1));
+            (a.join().expect("rank 0"), b.join().expect("rank 1"))
+        });
+        assert!(leftovers(dir).is_empty(), "left behind after setup: {:?}", leftovers(dir));
+        (a, b)
+    }
+
+    /// Data steps carry every round's data, and no rank overwrites its data before its peer has read it (rank 1
+    /// reads slowly every few rounds; a write that did not wait would show as a value of the next round).
+    #[test]
+    fn rounds_of_data_arrive_whole_and_are_not_overwritten_early() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, b) = pair(dir.path(), Duration::from_secs(20));
+        let len = MIN_SHM_CAPACITY;
+        std::thread::scope(|s| {
+            for (me, mut g) in [(0u8, a), (1u8, b)] {
+                s.spawn(move || {
+                    let mut got = vec![0u8; len];
+                    for round in 0..300usize {
+                        let mine = vec![me.wrapping_mul(100).wrapping_add(round as u8); len];
+                        let desc = Desc::new(Kind::AllGather, len, round);
+                        g.run(|g| g.exchange(desc, |w| w.put(0, &mine))).expect("exchange");
+                        if me == 1 && round % 50 == 0 {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        g.read(1 - usize::from(me), 0, &mut got).expect("read");
+                        let want = (1 - me).wrapping_mul(100).wrapping_add(round as u8);
+                        assert!(got.iter().all(|b| *b == want), "rank {me} round {round}");
+                        g.run(ShmGroup::done).expect("done");
+                    }
+                    g.run(ShmGroup::barrier).expect("barrier");
+                });
+            }
+        });
+    }
+
+    /// Rank 0 writes garbage into its own header; rank 1 gets an error naming rank 0 (not undefined behaviour, not
+    /// a hang), and refuses every later call.
+    #[test]
+    fn garbage_in_a_peer_header_is_an_error_naming_it() {
+        let cases: [(usize, u64, &str); 4] = [
+            (W_SEQ, 1 << 40, "more than one step ahead"),
+            (W_MAGIC, 0xdead_beef, "magic changed"),
+            (W_STATE, 77, "state word is 77"),
+            (W_DESC + DESC_WORDS, 99, "tagged 99"),
+        ];
+        for (word, value, says) in cases {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (a, mut b) = pair(dir.path(), Duration::from_secs(20));
+            if word == W_DESC + DESC_WORDS {
+                // A published step whose descriptor slot holds another step's tag.
+                a.own().word(W_SEQ).store(1, Ordering::Release);
+            }
+            a.own().word(word).store(value, Ordering::Release);
+            let t = Instant::now();
+            let e = b.run(ShmGroup::barrier).expect_err(says);
+            assert!(t.elapsed() < Duration::from_secs(5), "{says}: took {:?}", t.elapsed());
+            assert!(matches!(&e, Error::PeerFailure(w) if w.contains("rank 0") && w.contains(says)), "{e}");
+            let again = b.run(ShmGroup::barrier).expect_err("broken");
+            assert!(again.to_string().contains("refuses further collectives"), "{again}");
+            assert_eq!(b.own().word(W_STATE).load(Ordering::Relaxed), STATE_FAILED);
+            assert_eq!(b.own().word(W_BLAME).load(Ordering::Relaxed), 1, "rank 1 blames rank 0");
+        }
+    }
+
+    #[test]
+    fn a_peer_that_stalls_is_a_timeout_naming_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_a, mut b) = pair(dir.path(), Duration::from_millis(300));
+        let t = Instant::now();
+        let e = b.run(ShmGroup::barrier).expect_err("rank 0 never comes");
+        let took = t.elapsed();
+        assert!(matches!(&e, Error::Timeout { what, .. } if what.contains("rank 0")), "{e}");
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_secs(3), "{took:?}");
+    }
+
+    #[test]
+    fn a_peer_that_closed_or_failed_fails_its_peers_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, mut b) = pair(dir.path(), Duration::from_secs(20));
+        drop(a);
+        let t = Instant::now();
+        let e = b.run(ShmGroup::barrier).expect_err("rank 0 is gone");
+        assert!(matches!(&e, Error::PeerFailure(w) if w.contains("rank 0 closed its communicator")), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+        let (mut a, mut b) = pair(dir.path(), Duration::from_secs(20));
+        b.blame = Some(1);
+        let _ = b.run(|_| -> Result<()> { Err(Error::PeerFailure("a test failure".into())) });
+        let e = a.run(ShmGroup::barrier).expect_err("rank 1 failed");
+        assert!(matches!(&e, Error::PeerFailure(w) if w.contains("rank 1 stopped after an error")), "{e}");
+    }
+
+    /// Ranks calling different collectives (here: sizes) both get an error describing both calls.
+    #[test]
+    fn different_collectives_are_refused_on_every_rank() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a, b) = pair(dir.path(), Duration::from_secs(20));
+        let errs: Vec<Error> = std::thread::scope(|s| {
+            let hs: Vec<_> = [(a, 100usize), (b, 200)]
+                .into_iter()
+                .map(|(mut g, bytes)| {
+                    s.spawn(move || {
+                        let desc = Desc::new(Kind::AllReduce, bytes, 0).reduction(DataType::F32, Op::Sum);
+                        g.run(|g| g.exchange(desc, |_| Ok(()))).expect_err("sizes differ")
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        for e in errs {
+            let w = e.to_string();
+            assert!(w.contains("different collective") && w.contains("100 bytes") && w.contains("200 bytes"), "{w}");
+        }
+    }
+
+    /// A bootstrap that lets `tamper` change rank 0's shared-memory setup message before this rank sees it.
+    struct Tamper<F> {
+        inner: LocalRank,
+        tamper: F,
+    }
+
+    impl<F: FnMut(&mut Vec<u8>) + Send> Bootstrap for Tamper<F> {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world(&self) -> usize {
+            self.inner.world()
+        }
+        fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+            let mut all = self.inner.all_gather(mine)?;
+            if let Some(m) = all.first_mut().filter(|m| m.starts_with(SETUP_TAG)) {
+                (self.tamper)(m);
+            }
+            Ok(all)
+        }
+    }
+
+    /// The path in a setup message.
+    fn path_of(m: &[u8]) -> PathBuf {
+        PathBuf::from(OsStr::from_bytes(&m[SETUP_TAG.len() + 8 + TOKEN_LEN..]))
+    }
+
+    fn with_path(m: &mut Vec<u8>, p: &Path) {
+        m.truncate(SETUP_TAG.len() + 8 + TOKEN_LEN);
+        m.extend_from_slice(p.as_os_str().as_bytes());
+    }
+
+    /// Rank 1 sets up with rank 0's announcement changed by `tamper`: its error, after checking that rank 0 failed
+    /// too (at the barrier) and that no file is left in the segment directory.
+    fn refused(dir: &Path, tamper: impl FnMut(&mut Vec<u8>) + Send) -> String {
+        let group: Arc<LocalGroup> = LocalGroup::new(2, Duration::from_secs(1));
+        let cfg = config(dir, Duration::from_secs(1));
+        let (r0, r1) = std::thread::scope(|s| {
+            let h0 = s.spawn(|| ShmGroup::new(&mut group.member(0), &cfg, no_streams(2)).map(|_| ()));
+            let h1 = s.spawn(|| {
+                let mut boot = Tamper { inner: group.member(1), tamper };
+                ShmGroup::new(&mut boot, &cfg, no_streams(2)).map(|_| ())
+            });
+            (h0.join().expect("rank 0"), h1.join().expect("rank 1"))
+        });
+        assert!(r0.is_err(), "rank 0 cannot finish setup without rank 1");
+        let dirs: Vec<_> = leftovers(dir).into_iter().filter(|p| p.to_string_lossy().contains(DIR_PREFIX)).collect();
+        let real: Vec<_> = dirs.iter().filter(|d| !d.to_string_lossy().contains("forged")).collect();
+        assert!(real.is_empty(), "a rank left its segment behind: {real:?}");
+        let e = r1.expect_err("the forged segment is refused");
+        assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
+        let w = e.to_string();
+        assert!(w.contains("rank 0's shared-memory segment"), "{w}");
+        w
+    }
+
+    /// A directory for forged files, named like a segment directory.
+    fn forged_dir(dir: &Path) -> PathBuf {
+        let d = dir.join(format!("{DIR_PREFIX}forged"));
+        std::fs::create_dir(&d).expect("mkdir");
+        d
+    }
+
+    #[test]
+    fn a_swapped_segment_with_another_token_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let forged = forged_dir(dir.path()).join(FILE_NAME);
+        // A real segment of "rank 0 of 2" with the same capacity, from another job (another token).
+        let other = HeaderFields { capacity: MIN_SHM_CAPACITY as u64, rank: 0, world: 2, token: [9; TOKEN_LEN] };
+        let _seg = create_segment(&forged, &other).expect("forged segment");
+        let w = refused(dir.path(), |m| with_path(m, &forged));
+        assert!(w.contains("swapped or foreign"), "{w}");
+        // The same with the token changed in the announcement instead.
+        let w = refused(dir.path(), |m| m[SETUP_TAG.len() + 8] ^= 1);
+        assert!(w.contains("swapped or foreign"), "{w}");
+    }
+
+    #[test]
+    fn a_segment_with_another_mode_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = refused(dir.path(), |m| {
+            std::fs::set_permissions(path_of(m), std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        });
+        assert!(w.contains("mode is 0640"), "{w}");
+    }
+
+    #[test]
+    fn a_symbolic_link_to_the_segment_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let link = forged_dir(dir.path()).join(FILE_NAME);
+        let w = refused(dir.path(), |m| {
+            std::os::unix::fs::symlink(path_of(m), &link).expect("symlink");
+            with_path(m, &link);
+        });
+        assert!(w.contains("symbolic link"), "{w}");
+    }
+
+    /// A FIFO in the segment's place is refused without blocking the open.
+    #[test]
+    fn a_fifo_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let fifo = forged_dir(dir.path()).join(FILE_NAME);
+        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, Mode::from_raw_mode(0o600), 0)
+            .expect("mkfifo");
+        let w = refused(dir.path(), |m| with_path(m, &fifo));
+        assert!(w.contains("not a regular file"), "{w}");
+    }
+
+    #[test]
+    fn a_segment_of_another_size_or_path_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let w = refused(dir.path(), |m| m[8..16].copy_from_slice(&(2 * MIN_SHM_CAPACITY as u64).to_le_bytes()));
+        assert!(w.contains("holds 8192 bytes"), "{w}");
+        let w = refused(dir.path(), |m| with_path(m, Path::new("/etc/passwd")));
+        assert!(w.contains("not an absolute path of the form"), "{w}");
+    }
+}
