@@ -67,7 +67,9 @@ pub struct AllReduceCall {
     pub bytes: usize,
     /// Whether the call is in place.
     pub in_place: bool,
-    /// Whether the stream is being captured.
+    /// Whether the stream is being captured. The front-end asks the runtime on every call whose choice or
+    /// algorithm could depend on it; on a repeat of the previous call whose decision cannot
+    /// ([`CommBackend::capture_independent`]) it keeps the previous call's answer without asking.
     pub capturing: bool,
     /// The buffers, when known (a dry-run selection has none).
     pub bufs: Option<InOutDesc>,
@@ -147,6 +149,15 @@ pub trait CommBackend: Send {
     fn eligibility_epoch(&self) -> Option<u64> {
         None
     }
+    /// Whether neither this backend's eligibility answers (for any algorithm) nor running `algorithm` depend on
+    /// whether the stream is being captured, so that on a repeat of the previous call (same
+    /// [`CommBackend::eligibility_epoch`], no selector rule that looks at capture) the front-end may skip the
+    /// capture query and run the remembered decision: the vendor library then handles capture itself. The
+    /// default: `false` (the capture state is asked on every call).
+    fn capture_independent(&self, algorithm: Algorithm) -> bool {
+        let _ = algorithm;
+        false
+    }
     /// Wait until every rank has reached the barrier.
     fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
     /// Waits until the work queued on `stream` has finished, for at most `timeout`. A backend that can watch its
@@ -189,6 +200,8 @@ pub struct Communicator<B: CommBackend> {
     selector: Arc<Selector>,
     /// The selector's rules that can apply to this communicator (its vendor, arch and world are fixed).
     candidates: Vec<usize>,
+    /// Whether one of `candidates` looks at the capture state.
+    rules_read_capture: bool,
     /// The last all-reduce's decision, for a backend that says when its eligibility changes.
     memo: Option<Memo<B::Reduction>>,
 }
@@ -205,7 +218,8 @@ impl<B: CommBackend> Communicator<B> {
     /// Wraps a backend communicator with `selector`.
     pub fn new(backend: B, selector: Arc<Selector>) -> Self {
         let candidates = selector.candidates(backend.vendor(), backend.arch(), backend.world_size());
-        Communicator { backend, selector, candidates, memo: None }
+        let rules_read_capture = selector.reads_capture(&candidates);
+        Communicator { backend, selector, candidates, rules_read_capture, memo: None }
     }
 
     /// This rank.
@@ -288,23 +302,47 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<AllReduceCall> {
+        let mut call = self.validate_all_reduce(bufs, count, dtype, op)?;
+        call.capturing = self.runtime().is_capturing(stream)?;
+        Ok(call)
+    }
+
+    /// Validates an all-reduce; `capturing` is left `false` for the caller to fill in.
+    fn validate_all_reduce(
+        &self,
+        bufs: &InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<AllReduceCall> {
         let desc = bufs.desc();
         // Core's rules on the pair come first inside `validate`.
         let bytes = validate::all_reduce(&self.shape(), &desc, count, dtype, op)?;
-        let capturing = self.runtime().is_capturing(stream)?;
-        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing, bufs: Some(desc) })
+        Ok(AllReduceCall { count, dtype, op, bytes, in_place: bufs.is_in_place(), capturing: false, bufs: Some(desc) })
     }
 
-    /// The backend's reduction and the selection for a validated `call`: from the memo when the previous call
-    /// was the same call and the backend's eligibility has not changed since ([`CommBackend::eligibility_epoch`]),
-    /// else asked afresh (and remembered).
-    fn decide_all_reduce(&mut self, call: &AllReduceCall) -> Result<(B::Reduction, Selection)> {
-        let epoch = self.backend.eligibility_epoch();
-        if let (Some(epoch), Some(m)) = (epoch, &self.memo) {
-            if m.epoch == epoch && m.call == *call {
-                return Ok((m.reduction, m.selection.clone()));
+    /// The remembered decision, if `call` repeats the previous call and the backend's eligibility has not changed
+    /// since ([`CommBackend::eligibility_epoch`]). `capture` is whether `call.capturing` was asked: if not, the
+    /// memo applies only when the decision cannot depend on it, and `call.capturing` becomes the previous answer.
+    fn remembered(
+        &self,
+        call: &mut AllReduceCall,
+        epoch: Option<u64>,
+        capture: bool,
+    ) -> Option<(B::Reduction, Selection)> {
+        let m = self.memo.as_ref().filter(|m| Some(m.epoch) == epoch)?;
+        if !capture {
+            if self.rules_read_capture || !self.backend.capture_independent(m.selection.algorithm) {
+                return None;
             }
+            call.capturing = m.call.capturing;
         }
+        (m.call == *call).then(|| (m.reduction, m.selection.clone()))
+    }
+
+    /// The backend's reduction and the selection for a validated `call`, asked afresh and remembered when the
+    /// backend says when its answers change.
+    fn decide_all_reduce(&mut self, call: &AllReduceCall, epoch: Option<u64>) -> Result<(B::Reduction, Selection)> {
         let reduction = self.backend.check_reduction(call.dtype, call.op)?;
         let selection = self.select_all_reduce(call)?;
         self.memo = epoch.map(|epoch| Memo { call: *call, epoch, reduction, selection: selection.clone() });
@@ -312,6 +350,10 @@ impl<B: CommBackend> Communicator<B> {
     }
 
     /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.
+    ///
+    /// A call identical to the previous one (buffers, size, type, operator) reuses its decision while the
+    /// backend's eligibility is unchanged; on the CUDA backend a repeated NCCL call does not even ask whether the
+    /// stream is being captured (NCCL handles capture itself). Everything else is checked on every call.
     pub fn all_reduce(
         &mut self,
         bufs: InOut<'_, BufOf<B>>,
@@ -320,8 +362,21 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<Selection> {
-        let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
-        let (reduction, sel) = self.decide_all_reduce(&call)?;
+        let mut call = self.validate_all_reduce(&bufs, count, dtype, op)?;
+        let epoch = self.backend.eligibility_epoch();
+        let mut capture_asked = false;
+        let decided = match self.remembered(&mut call, epoch, false) {
+            Some(d) => d,
+            None => {
+                call.capturing = self.runtime().is_capturing(stream)?;
+                capture_asked = true;
+                match self.remembered(&mut call, epoch, true) {
+                    Some(d) => d,
+                    None => self.decide_all_reduce(&call, epoch)?,
+                }
+            }
+        };
+        let (reduction, sel) = decided;
         tracing::debug!(
             rank = self.rank(),
             world = self.world_size(),
@@ -329,6 +384,7 @@ impl<B: CommBackend> Communicator<B> {
             dtype = %dtype,
             op = %op,
             capturing = call.capturing,
+            capture_asked,
             algorithm = %sel.algorithm,
             rule = %sel.why,
             "all-reduce"
@@ -495,13 +551,18 @@ pub fn check_bootstrap(bootstrap: &dyn Bootstrap, rank: usize, world: usize) -> 
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     use super::*;
     use crate::caps::Reason;
     use crate::runtime::Location;
 
-    /// Host memory, no streams: just enough runtime for the front-end.
-    struct Bytes;
+    /// Host memory, no streams: just enough runtime for the front-end, with a capture state to set and count.
+    #[derive(Default)]
+    struct Bytes {
+        capturing: AtomicBool,
+        asked: AtomicUsize,
+    }
 
     impl MemoryRuntime for Bytes {
         type Buffer = [u8];
@@ -524,13 +585,19 @@ mod tests {
             Ok(())
         }
         fn is_capturing(&self, _: &()) -> Result<bool> {
-            Ok(false)
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            Ok(self.capturing.load(Ordering::Relaxed))
         }
     }
 
     /// Counts how often the front-end asks it; refuses `one-shot` while `refuse_one_shot` is set.
     struct Counting {
+        rt: Bytes,
         caps: CapabilityReport,
+        /// What `capture_independent` answers for every algorithm.
+        capture_free: bool,
+        /// Refuse one-shot while the stream is captured (only honest with `capture_free == false`).
+        refuse_one_shot_captured: bool,
         epoch: Option<u64>,
         refuse_one_shot: bool,
         reductions: Cell<usize>,
@@ -543,7 +610,7 @@ mod tests {
         type Runtime = Bytes;
 
         fn runtime(&self) -> &Bytes {
-            &Bytes
+            &self.rt
         }
         fn name(&self) -> &'static str {
             "counting"
@@ -566,10 +633,11 @@ mod tests {
         fn allreduce_algorithms(&self) -> &[Algorithm] {
             &[Algorithm::OneShot, Algorithm::Ring]
         }
-        fn allreduce_eligible(&self, algorithm: Algorithm, _: &AllReduceCall) -> std::result::Result<(), String> {
+        fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
             self.eligibility.set(self.eligibility.get() + 1);
             match algorithm {
                 Algorithm::OneShot if self.refuse_one_shot => Err("refused".into()),
+                Algorithm::OneShot if self.refuse_one_shot_captured && call.capturing => Err("captured".into()),
                 Algorithm::OneShot | Algorithm::Ring => Ok(()),
                 _ => Err("not here".into()),
             }
@@ -607,6 +675,9 @@ mod tests {
         fn eligibility_epoch(&self) -> Option<u64> {
             self.epoch
         }
+        fn capture_independent(&self, _: Algorithm) -> bool {
+            self.capture_free
+        }
     }
 
     fn counting(epoch: Option<u64>) -> Communicator<Counting> {
@@ -615,7 +686,10 @@ mod tests {
         let caps =
             CapabilityReport::all_disabled(|_| Reason::Unavailable { component: "x".into(), detail: "y".into() });
         let backend = Counting {
+            rt: Bytes::default(),
             caps,
+            capture_free: false,
+            refuse_one_shot_captured: false,
             epoch,
             refuse_one_shot: false,
             reductions: Cell::new(0),
@@ -667,5 +741,38 @@ mod tests {
         // Its answer may change at any time, and the next call follows it.
         c.backend.refuse_one_shot = true;
         assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
+    }
+
+    #[test]
+    fn the_capture_state_is_skipped_only_where_the_decision_cannot_depend_on_it() {
+        let asked = |c: &Communicator<Counting>| c.backend().rt.asked.load(Ordering::Relaxed);
+        let mut a = vec![0u8; 64];
+        // A backend whose choice and algorithm ignore capture: a repeated call does not ask.
+        let mut c = counting(Some(1));
+        c.backend.capture_free = true;
+        sum(&mut c, &mut a, DataType::F32);
+        sum(&mut c, &mut a, DataType::F32);
+        assert_eq!(asked(&c), 1);
+        // One whose eligibility reads it: asked every call, and a capture that starts changes the choice at once.
+        let mut c = counting(Some(1));
+        c.backend.refuse_one_shot_captured = true;
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        c.backend.rt.capturing.store(true, Ordering::Relaxed);
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
+        c.backend.rt.capturing.store(false, Ordering::Relaxed);
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        assert_eq!(asked(&c), 3);
+        // A table rule that looks at capture makes every call ask, whatever the backend says.
+        let table = "[[rule]]\nvendor = \"host\"\ncapturing = true\nalgorithms = [\"ring\"]\n";
+        let path = std::env::temp_dir().join(format!("anyccl-capture-rule-{}.toml", std::process::id()));
+        std::fs::write(&path, table).expect("write the table");
+        let selector = Selector::default().with_table_file(&path, "test");
+        let _ = std::fs::remove_file(&path);
+        let mut c = Communicator::new(counting(Some(1)).backend, Arc::new(selector.expect("a valid table")));
+        c.backend.capture_free = true;
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        c.backend.rt.capturing.store(true, Ordering::Relaxed);
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
+        assert_eq!(asked(&c), 2);
     }
 }

@@ -657,6 +657,12 @@ impl Selector {
         self.table.rules.iter().enumerate().filter(|(_, r)| fixed(r)).map(|(i, _)| i).collect()
     }
 
+    /// Whether one of the rules at `candidates` looks at the capture state (a forced algorithm looks at none).
+    pub(crate) fn reads_capture(&self, candidates: &[usize]) -> bool {
+        self.forced.is_none()
+            && candidates.iter().filter_map(|&i| self.table.rules.get(i)).any(|r| r.capturing.is_some())
+    }
+
     /// [`Selector::select`] over the rules at `candidates` (from [`Selector::candidates`] with `q`'s vendor,
     /// arch and world): the same choice, without scanning the rules that cannot match.
     pub(crate) fn select_among(

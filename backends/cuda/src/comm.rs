@@ -598,6 +598,12 @@ impl CommBackend for CudaComm {
         self.custom.as_ref().map_or(0, |st| st.graph.pending())
     }
 
+    fn capture_independent(&self, algorithm: Algorithm) -> bool {
+        // No eligibility answer above reads `call.capturing`; NCCL's calls handle capture themselves, while the
+        // custom kernels choose their input table by it.
+        matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric)
+    }
+
     fn eligibility_epoch(&self) -> Option<u64> {
         // Eligibility reads the call, the capabilities (fixed once wrapped), the custom kernels' state and the
         // registered windows: the two generations, both only ever growing, change when either of those does.
