@@ -4,11 +4,16 @@
 //!   "CUDA backend unavailable" instead of crashing;
 //! - [`runtime`]: core's memory runtime over the driver (device buffers, streams, capture status);
 //! - [`comm`]: the communicator over NCCL (through anyccl-ccl's table), symmetric-memory windows;
-//! - [`multicast`]: the NVLS multicast object manager, written over a driver trait and tested with a fake driver.
+//! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
+//!   with a fake driver;
+//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks.
+//!
+//! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
 //!
 //! Graph capture: every path asks the driver whether the stream is capturing first; allocation, registration and
 //! synchronous copies are refused during capture with a clear error.
 #![deny(unsafe_op_in_unsafe_fn)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod bootstrap;
 pub mod comm;
@@ -16,11 +21,17 @@ pub mod comm;
 pub mod cudarc_interop;
 pub mod custom;
 pub mod driver;
+#[cfg(feature = "emulation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;
+#[cfg(feature = "multicast")]
+#[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast;
+#[cfg(feature = "multicast")]
+#[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast_driver;
 pub mod runtime;
 
