@@ -7,7 +7,8 @@
 //! - [`multicast`]: the NVLS multicast object manager, written over a driver trait and tested with a fake driver.
 //!
 //! Graph capture: every path asks the driver whether the stream is capturing first; allocation, registration and
-//! synchronous copies are refused during capture with a clear error.
+//! synchronous copies are refused during capture with [`anyccl_core::InvalidArgument::DuringCapture`] before the
+//! driver sees them, so the capture stays valid (the rules are written once, in [`anyccl_core::capture`]).
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod bootstrap;
