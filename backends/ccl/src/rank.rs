@@ -67,7 +67,7 @@ impl Windows {
 /// Whether a communicator still lives, for the symmetric memory that may outlive it.
 #[derive(Default)]
 struct Life {
-    /// Cleared when the rank is dropped or closed.
+    /// Set when the rank is dropped or closed.
     gone: AtomicBool,
     /// The communicator's background destroy, when it was closed that way ([`CclRank::close_in_background_with`]).
     /// Set under this lock together with `gone`.
