@@ -12,6 +12,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, InvalidArgument, Result};
 use crate::runtime::{BufferLike, MemoryRuntime};
 use crate::selector::{Selection, SelectionQuery, Selector};
+use crate::teardown::Teardown;
 use crate::validate::{self, CallShape, InOutDesc};
 
 /// The buffer type of a backend's runtime.
@@ -163,16 +164,31 @@ pub trait CommBackend: Send {
     /// Waits until the work queued on `stream` has finished, for at most `timeout`. A backend that can watch its
     /// collective library tears its communicator down on a timeout or a library error (a peer that died) and
     /// returns the error instead of hanging; later calls then fail. The default synchronizes without a limit.
+    ///
+    /// The front-end refuses a capturing stream before calling it ([`Communicator::wait`]). Whatever else fails
+    /// here, a backend changes what it can select (its [`CommBackend::eligibility_epoch`] state) only together
+    /// with aborting its communicator, after which every call on this rank fails: a local event never leaves this
+    /// rank choosing differently from its peers.
     fn wait(&mut self, stream: &StreamOf<Self>, timeout: std::time::Duration) -> Result<()> {
         let _ = timeout;
         self.runtime().synchronize(stream)
     }
     /// Whether the work queued on `stream` has finished, without blocking: `Ok(false)` while it runs. A backend
     /// that can watch its collective library reports a library error (a peer that died) as an error, without
-    /// aborting; [`CommBackend::wait`] then sees the same error and aborts. A capturing stream is refused. The
-    /// default asks the runtime ([`MemoryRuntime::query`]).
+    /// aborting; [`CommBackend::wait`] then sees the same error and aborts. A capturing stream is refused with
+    /// [`InvalidArgument::DuringCapture`], changing nothing. The default asks the runtime ([`MemoryRuntime::query`]).
     fn query(&mut self, stream: &StreamOf<Self>) -> Result<bool> {
         self.runtime().query(stream)
+    }
+    /// Tears this rank down without making the caller wait for the slow part ([`Communicator::close_in_background`]).
+    /// The default drops it here and returns a finished [`Teardown`]: right for a backend whose teardown is quick
+    /// (the host). Backends over NCCL/RCCL destroy the library's communicator on a thread of its own.
+    fn close_in_background(self) -> Teardown
+    where
+        Self: Sized,
+    {
+        drop(self);
+        Teardown::finished(Ok(()))
     }
 }
 
@@ -498,10 +514,15 @@ impl<B: CommBackend> Communicator<B> {
     /// made with, or the engine's own [`Bootstrap`]); communicators of one process exchange among themselves and
     /// take `None`. A bootstrap whose rank or world differs from this communicator's is an
     /// [`Error::InvalidArgument`].
+    ///
+    /// Refused with [`InvalidArgument::DuringCapture`] while a capture it would break runs on a stream this rank's
+    /// runtime knows (registration opens IPC handles and writes tables synchronously); nothing is registered then,
+    /// and peers that did call it fail on their exchange's timeout.
     pub fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
         if let Some(b) = &bootstrap {
             check_bootstrap(&**b, self.rank(), self.world_size())?;
         }
+        self.runtime().refuse_during_capture("Communicator::register_graph_buffers")?;
         self.backend.register_graph_buffers(bootstrap)
     }
 
@@ -519,7 +540,12 @@ impl<B: CommBackend> Communicator<B> {
     /// a peer that died makes this return [`Error::Timeout`] or [`Error::PeerFailure`] (and the communicator is
     /// aborted) instead of hanging, as `stream.synchronize()` would. They return within `timeout` plus 2 s, the
     /// time they give the library's abort before leaving it to finish in the background.
+    ///
+    /// A stream being captured into a graph is refused with [`InvalidArgument::DuringCapture`] before the backend
+    /// is asked anything: the capture stays valid, the communicator is not aborted, and what it selects does not
+    /// change (the wait did not fail, it was not made).
     pub fn wait(&mut self, stream: &StreamOf<B>, timeout: std::time::Duration) -> Result<()> {
+        crate::capture::refuse_if("Communicator::wait", self.runtime().is_capturing(stream)?)?;
         self.backend.wait(stream, timeout)
     }
 
@@ -533,6 +559,25 @@ impl<B: CommBackend> Communicator<B> {
     /// the communicator. The host backend's work is done when its call returns: `query` answers `Ok(true)`.
     pub fn query(&mut self, stream: &StreamOf<B>) -> Result<bool> {
         self.backend.query(stream)
+    }
+
+    /// Tears this rank's communicator down and returns at once, leaving the slow part to a thread of its own: on
+    /// the CUDA and ROCm backends NCCL's/RCCL's own `ncclCommDestroy` (about 500 ms on an H200 with NCCL 2.28),
+    /// after which the rank's device buffers are freed on that thread too. The returned [`Teardown`] says when it
+    /// has finished ([`Teardown::is_done`], [`Teardown::wait`], [`Teardown::wait_timeout`]) and with what status.
+    /// On the host backend there is nothing slow: the teardown has finished when this returns. Dropping the
+    /// communicator instead keeps the old behaviour: the destroy runs before `drop` returns.
+    ///
+    /// Nothing is leaked if the process exits first: the library stays loaded while the destroy runs (the thread
+    /// holds it), and at a normal exit (`main` returning, `std::process::exit`) the process waits up to 10 s for
+    /// pending destroys before its exit handlers unload the vendor libraries. After a crash, a kill, or that limit,
+    /// the operating system reclaims the device memory and the library's resources with the process.
+    /// [`crate::teardown::wait_for_pending`] waits for every pending teardown explicitly.
+    ///
+    /// Symmetric buffers of this communicator are best dropped before it; one dropped while the destroy runs waits
+    /// for it before freeing its memory.
+    pub fn close_in_background(self) -> Teardown {
+        self.backend.close_in_background()
     }
 }
 
@@ -588,6 +633,9 @@ mod tests {
             self.asked.fetch_add(1, Ordering::Relaxed);
             Ok(self.capturing.load(Ordering::Relaxed))
         }
+        fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
+            crate::capture::refuse_if(what, self.capturing.load(Ordering::Relaxed))
+        }
     }
 
     /// Counts how often the front-end asks it; refuses `one-shot` while `refuse_one_shot` is set.
@@ -603,6 +651,9 @@ mod tests {
         reductions: Cell<usize>,
         eligibility: Cell<usize>,
         ran: Vec<Algorithm>,
+        /// Calls that reached the backend's `wait` and `register_graph_buffers`.
+        waits: usize,
+        registrations: usize,
     }
 
     impl CommBackend for Counting {
@@ -678,6 +729,14 @@ mod tests {
         fn capture_independent(&self, _: Algorithm) -> bool {
             self.capture_free
         }
+        fn wait(&mut self, _: &(), _: std::time::Duration) -> Result<()> {
+            self.waits += 1;
+            Ok(())
+        }
+        fn register_graph_buffers(&mut self, _: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
+            self.registrations += 1;
+            Ok(GraphRegistration::default())
+        }
     }
 
     fn counting(epoch: Option<u64>) -> Communicator<Counting> {
@@ -695,6 +754,8 @@ mod tests {
             reductions: Cell::new(0),
             eligibility: Cell::new(0),
             ran: Vec::new(),
+            waits: 0,
+            registrations: 0,
         };
         Communicator::new(backend, Arc::new(selector))
     }
@@ -774,5 +835,36 @@ mod tests {
         c.backend.rt.capturing.store(true, Ordering::Relaxed);
         assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
         assert_eq!(asked(&c), 2);
+    }
+
+    #[test]
+    fn a_wait_during_capture_is_refused_before_the_backend_and_changes_nothing() {
+        let mut c = counting(Some(3));
+        let mut a = vec![0u8; 64];
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        c.backend.rt.capturing.store(true, Ordering::Relaxed);
+        let refused = c.wait(&(), std::time::Duration::from_secs(1)).expect_err("refused during capture");
+        assert_eq!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { what: "Communicator::wait" }));
+        assert_eq!(c.backend().waits, 0, "the backend was not asked: it cannot count the wait as failed");
+        let reg = c.register_graph_buffers(None).expect_err("registration refused during capture");
+        assert!(matches!(reg, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{reg:?}");
+        assert_eq!(c.backend().registrations, 0);
+        // Nothing the selection reads changed: the same call still takes the same algorithm, from the memo.
+        assert_eq!(c.backend().eligibility_epoch(), Some(3));
+        let asked = c.backend().eligibility.get();
+        c.backend.rt.capturing.store(false, Ordering::Relaxed);
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        assert_eq!(c.backend().eligibility.get(), asked, "the remembered decision still holds");
+        c.wait(&(), std::time::Duration::from_secs(1)).expect("after the capture the wait reaches the backend");
+        c.register_graph_buffers(None).expect("and so does registration");
+        assert_eq!((c.backend().waits, c.backend().registrations), (1, 1));
+    }
+
+    #[test]
+    fn closing_in_the_background_with_nothing_slow_to_do_has_finished_on_return() {
+        let c = counting(None);
+        let t = c.close_in_background();
+        assert!(t.is_done(), "the default teardown drops the backend before returning");
+        assert_eq!(t.wait(), Ok(()));
     }
 }

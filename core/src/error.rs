@@ -305,6 +305,18 @@ pub enum InvalidArgument {
         max: u64,
     },
 
+    /// A call that is not capture-safe (it allocates, frees, registers, copies synchronously or waits) was made
+    /// while a stream is being captured into a CUDA or HIP graph. It was refused before the vendor runtime saw it,
+    /// so the capture is still valid and nothing changed ([`crate::capture`]).
+    #[error(
+        "{what} is not allowed while a stream is being captured into a graph (it would invalidate the capture); \
+         call it before the capture begins or after it ends"
+    )]
+    DuringCapture {
+        /// The call refused (`"MemoryRuntime::alloc (cuMemAlloc)"`, `"Communicator::wait"`, …).
+        what: &'static str,
+    },
+
     /// A point-to-point message did not match what the receiver posted.
     #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
     MessageMismatch {

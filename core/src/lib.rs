@@ -10,6 +10,7 @@
 //! - the validated call descriptions only the front-end makes ([`args`]) and the [`Bootstrap`] trait through
 //!   which ranks exchange setup bytes ([`bootstrap`]);
 //! - the all-reduce algorithm family and its selector ([`algo`], [`selector`]);
+//! - the graph-capture rules every GPU runtime follows ([`capture`]) and background teardown ([`teardown`]);
 //! - with the `conformance` feature, the conformance suite every backend runs ([`conformance`]).
 #![forbid(unsafe_code)]
 
@@ -17,6 +18,7 @@ pub mod algo;
 pub mod args;
 pub mod bootstrap;
 pub mod caps;
+pub mod capture;
 pub mod comm;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -24,6 +26,7 @@ pub mod dtype;
 pub mod error;
 pub mod runtime;
 pub mod selector;
+pub mod teardown;
 pub mod text;
 pub mod units;
 pub mod validate;
@@ -38,3 +41,4 @@ pub use runtime::{
     check_allocation, check_non_null, round_allocation, BufferDesc, CaptureMode, Location, MemoryRuntime,
 };
 pub use selector::{Selection, SelectionQuery, Selector, SelectorTable};
+pub use teardown::Teardown;

@@ -101,7 +101,9 @@ pub trait MemoryRuntime: Send + Sync {
     /// Where this runtime's buffers live.
     fn location(&self) -> Location;
 
-    /// Allocates `bytes` bytes, aligned for every [`crate::DataType`]. Not allowed while a stream is capturing.
+    /// Allocates `bytes` bytes, aligned for every [`crate::DataType`]. Not allowed while a stream is being captured
+    /// into a graph: GPU runtimes refuse it with [`InvalidArgument::DuringCapture`] before the driver sees it, so the
+    /// capture stays valid ([`MemoryRuntime::refuse_during_capture`], [`crate::capture`]).
     fn alloc(&self, bytes: usize) -> Result<Self::OwnedBuffer>;
 
     /// Copies `src` into the start of `dst`, ordered on `stream`, and waits for it.
@@ -116,8 +118,16 @@ pub trait MemoryRuntime: Send + Sync {
     /// Whether `stream` is being captured into a graph right now (the path chosen depends on it).
     fn is_capturing(&self, stream: &Self::Stream) -> Result<bool>;
 
+    /// Refuses `what`, a call that takes no stream but is not capture-safe (allocation, registration), with
+    /// [`InvalidArgument::DuringCapture`] while a capture it would break runs on a stream this runtime knows
+    /// ([`crate::capture::KnownStreams`]). The default, for runtimes without graphs (the host): never refused.
+    fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
+        let _ = what;
+        Ok(())
+    }
+
     /// Whether all work queued on `stream` has finished, without blocking where the runtime can tell (`true`:
-    /// done). Refused while `stream` is being captured. The default synchronizes and answers `true`: right for a
+    /// done). Refused with [`InvalidArgument::DuringCapture`] while `stream` is being captured. The default synchronizes and answers `true`: right for a
     /// runtime whose work is done when the call that queued it returns (the host); GPU runtimes override it.
     fn query(&self, stream: &Self::Stream) -> Result<bool> {
         self.synchronize(stream).map(|()| true)

@@ -179,3 +179,69 @@ pub fn build_profile(p: &Profile) -> PathBuf {
     syms.extend_from_slice(p.extra);
     build(p.file, &syms, p.version, 0)
 }
+
+/// The plain fake `ncclCommDestroy` of [`c_source`], which [`SLOW_DESTROY`] replaces.
+pub const PLAIN_DESTROY: &str = "int ncclCommDestroy(void* c) { free(c); return 0; }";
+
+/// An `ncclCommDestroy` that is slow the way NCCL's own is (about 500 ms on an H200), under the test's control:
+/// it blocks while the gate is closed (`fake_close_destroy_gate` / `fake_open_destroy_gate`; open at load), then
+/// sleeps `FAKE_CCL_DESTROY_DELAY_MS` milliseconds when that variable is set (for a child process, whose
+/// environment is fixed at its start), and then writes `destroyed` to the file `FAKE_CCL_DESTROY_MARKER` names,
+/// when set (so a child can prove its destroy finished before the process ended). `fake_destroys_started` and
+/// `fake_destroys_done` count calls entered and finished.
+pub const SLOW_DESTROY: &str = "static int destroy_gate_closed = 0, destroys_started = 0, destroys_done = 0;\n\
+    void fake_close_destroy_gate(void) { __atomic_store_n(&destroy_gate_closed, 1, __ATOMIC_SEQ_CST); }\n\
+    void fake_open_destroy_gate(void) { __atomic_store_n(&destroy_gate_closed, 0, __ATOMIC_SEQ_CST); }\n\
+    int fake_destroys_started(void) { return __atomic_load_n(&destroys_started, __ATOMIC_SEQ_CST); }\n\
+    int fake_destroys_done(void) { return __atomic_load_n(&destroys_done, __ATOMIC_SEQ_CST); }\n\
+    int ncclCommDestroy(void* c) {\n\
+        __atomic_add_fetch(&destroys_started, 1, __ATOMIC_SEQ_CST);\n\
+        struct timespec tick = { 0, 1000000 };\n\
+        while (__atomic_load_n(&destroy_gate_closed, __ATOMIC_SEQ_CST)) nanosleep(&tick, 0);\n\
+        const char* delay = getenv(\"FAKE_CCL_DESTROY_DELAY_MS\");\n\
+        if (delay) { long ms = atol(delay); struct timespec d = { ms / 1000, (ms % 1000) * 1000000 }; nanosleep(&d, 0); }\n\
+        free(c);\n\
+        const char* marker = getenv(\"FAKE_CCL_DESTROY_MARKER\");\n\
+        if (marker) { FILE* f = fopen(marker, \"w\"); if (f) { fputs(\"destroyed\\n\", f); fclose(f); } }\n\
+        __atomic_add_fetch(&destroys_done, 1, __ATOMIC_SEQ_CST);\n\
+        return 0;\n\
+    }";
+
+/// A fake library with the symbol set of `p` whose `ncclCommDestroy` is [`SLOW_DESTROY`].
+pub fn build_slow_destroy(p: &Profile) -> PathBuf {
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    syms.extend_from_slice(p.extra);
+    let plain = c_source(&syms, p.version, 0);
+    assert!(plain.contains(PLAIN_DESTROY), "the fake's destroy body changed; update SLOW_DESTROY");
+    let source = format!("#include <stdio.h>\n#include <time.h>\n{}", plain.replace(PLAIN_DESTROY, SLOW_DESTROY));
+    compile_once(&format!("slow-destroy/{}", p.file), &source, &[])
+}
+
+/// The test hooks of a library built by [`build_slow_destroy`].
+pub struct DestroyHooks {
+    pub close_gate: unsafe extern "C" fn(),
+    pub open_gate: unsafe extern "C" fn(),
+    pub started: unsafe extern "C" fn() -> std::ffi::c_int,
+    pub done: unsafe extern "C" fn() -> std::ffi::c_int,
+}
+
+impl DestroyHooks {
+    /// Opens the library at `path` once more (the same loaded copy) and keeps it mapped for the process, so the
+    /// hooks stay callable after the loader's own handle is gone.
+    pub fn open(path: &std::path::Path) -> Self {
+        // SAFETY: the fake built by `build_slow_destroy`; its initialisers do nothing, and it exports these four
+        // functions with these C signatures. The handle is leaked, so the code stays mapped.
+        unsafe {
+            let lib = libloading::Library::new(path).expect("reopen the fake");
+            let hooks = DestroyHooks {
+                close_gate: *lib.get(b"fake_close_destroy_gate\0").expect("close_gate"),
+                open_gate: *lib.get(b"fake_open_destroy_gate\0").expect("open_gate"),
+                started: *lib.get(b"fake_destroys_started\0").expect("started"),
+                done: *lib.get(b"fake_destroys_done\0").expect("done"),
+            };
+            std::mem::forget(lib);
+            hooks
+        }
+    }
+}

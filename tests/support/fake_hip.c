@@ -88,6 +88,9 @@ static struct stream* streams[MAX_STREAMS];
 static int global_captures;
 static __thread int thread_captures;
 static __thread int current_device;
+/* The calling thread's capture interaction mode (hipThreadExchangeStreamCaptureMode): 0 global (the default),
+ * 1 thread-local, 2 relaxed. */
+static __thread int thread_mode;
 
 static int device_count(void) {
     const char* e = getenv("FAKEHIP_DEVICES");
@@ -99,10 +102,15 @@ static void invalidate_captures(void) {
         if (streams[i] && streams[i]->capturing) streams[i]->invalidated = 1;
 }
 
-/* A potentially unsafe call: refused while a global-mode capture runs anywhere or this thread captures. */
+/* A potentially unsafe call, refused as HIP (and CUDA) refuse it: in the thread's default global mode while a
+ * global-mode capture runs anywhere or this thread captures; in thread-local mode only while this thread captures;
+ * never in relaxed mode. */
 static hipError_t unsafe_call(const char* name) {
     count_call(name);
-    if (global_captures > 0 || thread_captures > 0) {
+    int blocked = thread_mode == 2   ? 0
+                  : thread_mode == 1 ? thread_captures > 0
+                                     : global_captures > 0 || thread_captures > 0;
+    if (blocked) {
         fakehip_add_violation(name, "potentially unsafe call during stream capture");
         invalidate_captures();
         return 900;
@@ -360,6 +368,14 @@ hipError_t hipStreamGetCaptureInfo(void* s, int* status, unsigned long long* id)
     struct stream* st = s;
     *status = st && st->capturing ? (st->invalidated ? 2 : 1) : 0;
     if (id) *id = (unsigned long long)(uintptr_t)s;
+    return 0;
+}
+hipError_t hipThreadExchangeStreamCaptureMode(int* mode) {
+    count_call("hipThreadExchangeStreamCaptureMode");
+    if (!mode || *mode < 0 || *mode > 2) return 1;
+    int previous = thread_mode;
+    thread_mode = *mode;
+    *mode = previous;
     return 0;
 }
 hipError_t hipStreamBeginCapture(void* s, int mode) {

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyccl_core::comm::AllReduceCall;
 use anyccl_core::validate::InOutDesc;
-use anyccl_core::{Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result};
+use anyccl_core::{
+    Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result, Teardown,
+};
 
 use crate::{sys, AbortOutcome, CclComm, CclLibrary, CclReduction};
 
@@ -34,20 +36,6 @@ pub fn io_ptrs<B: DeviceAddress + ?Sized>(bufs: &InOut<'_, B>) -> (*const c_void
         InOut::InPlace(b) => (b.device_addr() as *const c_void, b.device_addr() as *mut c_void),
         InOut::Separate { send, recv } => (send.device_addr() as *const c_void, recv.device_addr() as *mut c_void),
     }
-}
-
-/// Refuses `what` while a stream is being captured: allocation and registration are not capture-safe on any
-/// vendor (a failed or illegal call there invalidates the user's capture).
-pub fn refuse_during_capture(backend: &str, what: &str, capturing: bool) -> Result<()> {
-    if capturing {
-        return Err(Error::Backend {
-            backend: backend.into(),
-            call: what.into(),
-            code: None,
-            message: format!("{what} is not allowed during graph capture (it allocates or registers memory)"),
-        });
-    }
-    Ok(())
 }
 
 /// The symmetric windows registered on one communicator, and a generation that changes with them.
@@ -76,6 +64,23 @@ impl Windows {
     }
 }
 
+/// Whether a communicator still lives, for the symmetric memory that may outlive it.
+#[derive(Default)]
+struct Life {
+    /// Set when the rank is dropped or closed.
+    gone: AtomicBool,
+    /// The communicator's background destroy, when it was closed that way ([`CclRank::close_in_background_with`]).
+    /// Set under this lock together with `gone`.
+    closing: Mutex<Option<Teardown>>,
+}
+
+impl Life {
+    fn closing(&self) -> std::sync::MutexGuard<'_, Option<Teardown>> {
+        // Only ever holds an `Option`: consistent after a panic too.
+        self.closing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// One rank of a NCCL/RCCL communicator, with its registered symmetric windows.
 pub struct CclRank {
     ccl: CclComm,
@@ -83,15 +88,15 @@ pub struct CclRank {
     world: usize,
     /// Registered symmetric windows on this communicator.
     windows: Arc<Windows>,
-    /// Cleared when this rank is dropped, for the symmetric memory that outlives it.
-    alive: Arc<AtomicBool>,
+    /// Shared with the symmetric memory that may outlive this rank.
+    life: Arc<Life>,
 }
 
 impl Drop for CclRank {
     fn drop(&mut self) {
         // Runs before the communicator is destroyed: the library drops its windows with it, and deregistering
         // them afterwards would touch a freed communicator.
-        self.alive.store(false, Ordering::SeqCst);
+        self.life.gone.store(true, Ordering::SeqCst);
     }
 }
 
@@ -116,6 +121,11 @@ impl CclRank {
     /// is returned; every later call fails with [`Error::PeerFailure`]. It returns within `timeout` plus
     /// [`ABORT_GRACE`], also when the abort itself blocks (the error then says so).
     /// `before_abort` runs first when it comes to that (the backend stops kernels of its own there).
+    ///
+    /// An error of `done` itself (the stream refused because it is being captured, a runtime error) is returned
+    /// as it is: nothing is aborted and `before_abort` does not run. A backend that keeps state it selects by
+    /// should change it only when this rank was aborted (`self.ccl().is_aborted()`), never on any error: every
+    /// later call on an aborted rank fails, so its selection cannot differ from its peers' for a call that runs.
     pub fn wait_or_abort(
         &mut self,
         timeout: Duration,
@@ -174,7 +184,26 @@ impl CclRank {
 
     /// Wraps rank `rank` of `world`.
     pub fn new(ccl: CclComm, rank: usize, world: usize) -> Self {
-        CclRank { ccl, rank, world, windows: Arc::default(), alive: Arc::new(AtomicBool::new(true)) }
+        CclRank { ccl, rank, world, windows: Arc::default(), life: Arc::default() }
+    }
+
+    /// Destroys the communicator on a thread of its own, returning at once ([`CclComm::close_in_background`]).
+    pub fn close_in_background(self) -> Teardown {
+        self.close_in_background_with(())
+    }
+
+    /// Destroys the communicator on a thread of its own and drops `keep` there afterwards
+    /// ([`CclComm::close_in_background_with`]), returning at once. Symmetric memory of this rank dropped while the
+    /// destroy runs waits for it before it frees its memory.
+    pub fn close_in_background_with<K: Send + 'static>(mut self, keep: K) -> Teardown {
+        let life = self.life.clone();
+        let mut closing = life.closing();
+        life.gone.store(true, Ordering::SeqCst);
+        let teardown = self.ccl.take().close_in_background_with(keep);
+        *closing = Some(teardown.clone());
+        drop(closing);
+        // `self` drops here holding no communicator: nothing is destroyed twice.
+        teardown
     }
 
     /// The communicator.
@@ -211,7 +240,7 @@ impl CclRank {
         range: &dyn Fn(u64) -> Result<(u64, usize)>,
     ) -> Result<SymmetricMemory> {
         caps.require(Capabilities::SYMMETRIC_WINDOWS)?;
-        refuse_during_capture(backend, "symmetric_buffer", capturing)?;
+        anyccl_core::capture::refuse_if("symmetric_buffer (ncclMemAlloc)", capturing)?;
         let size = anyccl_core::round_allocation("a symmetric buffer", bytes, 4096)?;
         bind()?;
         let lib = self.ccl.library().clone();
@@ -246,7 +275,7 @@ impl CclRank {
             window: Some(window),
             lib,
             comm: self.ccl.raw(),
-            alive: self.alive.clone(),
+            life: self.life.clone(),
             windows: self.windows.clone(),
             bind,
         })
@@ -464,7 +493,7 @@ pub struct SymmetricMemory {
     window: Option<crate::Window>,
     lib: Arc<CclLibrary>,
     comm: sys::ncclComm_t,
-    alive: Arc<AtomicBool>,
+    life: Arc<Life>,
     windows: Arc<Windows>,
     bind: Box<dyn Fn() -> Result<()> + Send>,
 }
@@ -492,7 +521,15 @@ impl Drop for SymmetricMemory {
             tracing::warn!(error = %e, "binding the device to free a symmetric buffer failed");
         }
         self.windows.remove(self.ptr as usize);
-        let comm_alive = self.alive.load(Ordering::SeqCst);
+        let comm_alive = !self.life.gone.load(Ordering::SeqCst);
+        if !comm_alive {
+            // Closed in the background: the library may still be destroying the communicator, and with it this
+            // window. Free the memory only after that.
+            let closing = self.life.closing().clone();
+            if let Some(Err(e)) = closing.map(|t| t.wait()) {
+                tracing::warn!(error = %e, "the communicator of a symmetric buffer failed to close");
+            }
+        }
         if let Some(w) = self.window.take().filter(|_| comm_alive) {
             if let Some(f) = self.lib.table().optional.comm_window_deregister {
                 // SAFETY: the window was registered on this communicator, which is still alive (checked above; a

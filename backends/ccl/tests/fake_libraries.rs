@@ -597,3 +597,77 @@ fn a_reduction_is_mapped_once_for_its_library_and_refused_by_another() {
         "{e:?}"
     );
 }
+
+#[test]
+fn a_background_close_returns_at_once_and_keeps_the_library_loaded_until_the_destroy_returns() {
+    let path = build_slow_destroy(&NCCL_2_28);
+    let hooks = DestroyHooks::open(&path);
+    let rank = world_1_rank(&path);
+    let lib = Arc::downgrade(rank.ccl().library());
+    // What a backend drops after the communicator (its buffers): records how many destroys had finished by then.
+    struct Kept(Arc<std::sync::atomic::AtomicI32>, unsafe extern "C" fn() -> std::ffi::c_int);
+    impl Drop for Kept {
+        fn drop(&mut self) {
+            // SAFETY: a plain call into the fake (kept mapped by `DestroyHooks::open`).
+            self.0.store(unsafe { (self.1)() }, Ordering::SeqCst);
+        }
+    }
+    let seen = Arc::new(std::sync::atomic::AtomicI32::new(-1));
+    let kept = Kept(seen.clone(), hooks.done);
+    // SAFETY: plain calls into the fake; no arguments.
+    let before = unsafe { (hooks.done)() };
+    // SAFETY: as above. The destroy now blocks until the gate opens, as NCCL's takes its ~500 ms.
+    unsafe { (hooks.close_gate)() };
+    // Closed on a thread of its own, so a close that waits for the destroy fails this test instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let t = rank.close_in_background_with(kept);
+        let _ = tx.send((t, start.elapsed()));
+    });
+    let Ok((t, took)) = rx.recv_timeout(std::time::Duration::from_secs(10)) else {
+        // SAFETY: as above; releases the blocked destroy.
+        unsafe { (hooks.open_gate)() };
+        panic!("close_in_background waited for the library's destroy");
+    };
+    assert!(took < std::time::Duration::from_secs(1), "returned after {took:?}");
+    assert!(!t.is_done(), "the destroy is still blocked at the gate");
+    assert_eq!(t.wait_timeout(std::time::Duration::from_millis(50)), None);
+    assert!(lib.upgrade().is_some(), "the library stays loaded while its destroy runs");
+    // SAFETY: as above.
+    assert_eq!(unsafe { (hooks.done)() }, before);
+    assert_eq!(seen.load(Ordering::SeqCst), -1, "what the backend keeps is dropped only after the destroy");
+    // SAFETY: as above.
+    unsafe { (hooks.open_gate)() };
+    assert_eq!(t.wait(), Ok(()));
+    assert!(t.is_done());
+    // SAFETY: as above.
+    assert_eq!(unsafe { (hooks.done)() }, before + 1, "destroyed exactly once");
+    assert_eq!(seen.load(Ordering::SeqCst), before + 1, "dropped after the destroy had returned");
+    assert!(lib.upgrade().is_none(), "the teardown thread let go of the library before it counted as done");
+}
+
+#[test]
+fn closing_an_aborted_communicator_in_the_background_has_nothing_left_to_do() {
+    let mut rank = world_1_rank(&build_profile(&NCCL_2_28));
+    let e = rank.wait_or_abort(std::time::Duration::ZERO, &mut || Ok(false), &mut || {}).expect_err("times out");
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(rank.ccl().is_aborted());
+    let t = rank.close_in_background();
+    assert!(t.is_done(), "nothing to destroy after an abort");
+    assert_eq!(t.wait(), Ok(()));
+}
+
+#[test]
+fn a_capture_refusal_from_the_stream_query_aborts_nothing() {
+    let mut rank = world_1_rank(&build_profile(&NCCL_2_28));
+    let mut stops = 0;
+    let refused = anyccl_core::capture::refuse("Communicator::wait");
+    let e = rank
+        .wait_or_abort(std::time::Duration::from_secs(30), &mut || Err(refused.clone()), &mut || stops += 1)
+        .expect_err("refused");
+    assert_eq!(e, refused);
+    assert_eq!(stops, 0, "the backend's kernels are not told to stop");
+    assert!(!rank.ccl().is_aborted(), "the communicator stays usable");
+    assert_eq!(rank.ccl().count().expect("still live"), 1);
+}

@@ -8,7 +8,8 @@ use anyccl_core::comm::{
     ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
-    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, MemoryRuntime, ReduceOp, Result, Vendor,
+    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, MemoryRuntime, ReduceOp, Result, Teardown,
+    Vendor,
 };
 
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
@@ -251,38 +252,49 @@ impl CudaComm {
         if all.iter().any(|a| a[3 * h + 8..] != (max_blocks as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BLOCKS".into()));
         }
+        // Up to here every rank has decided alike (from the same exchange). What follows can fail on one rank
+        // alone (opening a peer's handle, a table, a stream): the ranks agree on the outcome before any of them
+        // turns the kernels on, or one rank would choose them while another chose NCCL for the same call.
         let ctx = self.runtime.context();
-        let mut mappings = Vec::new();
-        let (mut all_staging, mut all_scratch, mut all_flags) = (Vec::new(), Vec::new(), Vec::new());
-        for (q, a) in all.iter().enumerate() {
-            if q == self.ccl.rank() {
-                all_staging.push(staging.device_ptr());
-                all_scratch.push(scratch.device_ptr());
-                all_flags.push(flags.device_ptr());
-                continue;
+        let mapped = (|| -> Result<_> {
+            let mut mappings = Vec::new();
+            let (mut all_staging, mut all_scratch, mut all_flags) = (Vec::new(), Vec::new(), Vec::new());
+            for (q, a) in all.iter().enumerate() {
+                if q == self.ccl.rank() {
+                    all_staging.push(staging.device_ptr());
+                    all_scratch.push(scratch.device_ptr());
+                    all_flags.push(flags.device_ptr());
+                    continue;
+                }
+                let sizes = [capacity, capacity, anyccl_kernels_cuda::FLAG_BYTES];
+                for (k, size) in sizes.into_iter().enumerate() {
+                    let m = crate::ipc::LegacyMapping::open(ctx, &a[k * h..(k + 1) * h], size)?;
+                    let p = m.view().device_ptr();
+                    [&mut all_staging, &mut all_scratch, &mut all_flags][k].push(p);
+                    mappings.push(m);
+                }
             }
-            let sizes = [capacity, capacity, anyccl_kernels_cuda::FLAG_BYTES];
-            for (k, size) in sizes.into_iter().enumerate() {
-                let m = crate::ipc::LegacyMapping::open(ctx, &a[k * h..(k + 1) * h], size)?;
-                let p = m.view().device_ptr();
-                [&mut all_staging, &mut all_scratch, &mut all_flags][k].push(p);
-                mappings.push(m);
-            }
+            let graph = crate::graph_inputs::GraphInputs::new(
+                ctx,
+                all_staging.clone(),
+                self.ccl.rank(),
+                crate::graph_inputs::Transport::Ipc,
+            )?;
+            let control = self.runtime.stream()?;
+            Ok((mappings, all_staging, all_scratch, all_flags, graph, control))
+        })();
+        // Also the barrier: nobody launches before every rank has mapped everything.
+        let agreed = anyccl_core::bootstrap::checked_all_gather(bootstrap, &[u8::from(mapped.is_ok())])?;
+        let (mappings, all_staging, all_scratch, all_flags, graph, control) = mapped?;
+        if let Some(q) = agreed.iter().position(|a| a.as_slice() != [1]) {
+            return Err(off(format!("rank {q} could not map its peers' custom-kernel buffers")));
         }
-        let graph = crate::graph_inputs::GraphInputs::new(
-            ctx,
-            all_staging.clone(),
-            self.ccl.rank(),
-            crate::graph_inputs::Transport::Ipc,
-        )?;
-        // Nobody launches before every rank has mapped everything.
-        bootstrap.barrier()?;
         Ok(CustomState {
             kernels,
             _staging: staging,
             _scratch: scratch,
             flags,
-            control: self.runtime.stream()?,
+            control,
             _mappings: mappings,
             all_staging,
             all_scratch,
@@ -382,6 +394,7 @@ impl CudaComm {
     /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
+        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
         let ctx = self.runtime.context().clone();
         let bind = Box::new(move || ctx.bind());
         let range = |ptr| self.runtime.context().address_range(ptr);
@@ -611,9 +624,9 @@ impl CommBackend for CudaComm {
     }
 
     fn wait(&mut self, stream: &CudaStream, timeout: std::time::Duration) -> Result<()> {
-        // The query refuses a capturing stream, and it runs before NCCL is asked anything. Before NCCL's abort
-        // (which frees device memory and so waits for the device), the custom kernels are told to stop waiting
-        // for peers: NCCL's abort stops NCCL's kernels, the abort word stops ours.
+        // The front-end has refused a capturing stream, and the query refuses one too, before NCCL is asked
+        // anything. Before NCCL's abort (which frees device memory and so waits for the device), the custom kernels
+        // are told to stop waiting for peers: NCCL's abort stops NCCL's kernels, the abort word stops ours.
         let custom = &self.custom;
         let r = self.ccl.wait_or_abort(timeout, &mut || stream.query(), &mut || {
             if let Ok(st) = custom {
@@ -622,9 +635,16 @@ impl CommBackend for CudaComm {
                 }
             }
         });
-        if r.is_err() {
+        // The custom kernels go off only with the communicator itself: once aborted, every call on this rank
+        // fails, so no call runs here with a selection that differs from the peers'. Any other error (a query
+        // that failed) changes nothing: turning them off on this rank alone would make it choose NCCL where its
+        // peers still choose the custom kernels, and both would wait for each other.
+        if self.ccl.ccl().is_aborted() && self.custom.is_ok() {
             let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
-            if let Ok(st) = std::mem::replace(&mut self.custom, Err(why)) {
+            // Through `set_custom`, so the front-end's remembered decision is dropped too.
+            let old = std::mem::replace(&mut self.custom, Err(why.clone()));
+            self.set_custom(Err(why));
+            if let Ok(st) = old {
                 // A query error counts as not drained.
                 if matches!(stream.done_within(STOP_DRAIN_LIMIT), Ok(true)) {
                     drop(st);
@@ -648,6 +668,13 @@ impl CommBackend for CudaComm {
             return Ok(true);
         }
         self.ccl.still_running()
+    }
+
+    fn close_in_background(self) -> Teardown {
+        // NCCL's destroy on a thread of its own; the barrier scratch, the custom kernels' buffers and module, and
+        // last the device context are released after it, on that thread (a plain drop also destroys NCCL first).
+        let CudaComm { ccl, runtime, arch: _, caps: _, scratch, custom, custom_generation: _ } = self;
+        ccl.close_in_background_with((scratch, custom, runtime))
     }
 
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {

@@ -46,9 +46,13 @@ impl Graph {
         // SAFETY: live stream, not already capturing (the driver reports an error otherwise).
         unsafe { result::stream::begin_capture(stream.raw(), cu_capture_mode(mode)) }
             .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
+        // With the mode and this thread on record, calls elsewhere are refused exactly where the driver would
+        // refuse them (anyccl_core::capture).
+        let began = crate::runtime::known_streams().began_capture(stream.key(), mode);
         let r = body(stream);
         // SAFETY: ends the capture begun above, whatever `body` did.
         let graph = unsafe { result::stream::end_capture(stream.raw()) };
+        drop(began);
         r?;
         let graph = graph.map_err(|e| cu_err("cuStreamEndCapture", e))?;
         // SAFETY: a graph just captured.

@@ -11,7 +11,8 @@
 //! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
 //!
 //! Graph capture: every path asks the driver whether the stream is capturing first; allocation, registration and
-//! synchronous copies are refused during capture with a clear error.
+//! synchronous copies are refused during capture with [`anyccl_core::InvalidArgument::DuringCapture`] before the
+//! driver sees them, so the capture stays valid (the rules are written once, in [`anyccl_core::capture`]).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

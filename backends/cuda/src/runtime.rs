@@ -1,12 +1,77 @@
 //! Core's [`MemoryRuntime`] over the CUDA driver: device buffers, streams, capture status.
+//!
+//! Capture rules, written once in [`anyccl_core::capture`]: every stream made or wrapped here is known to the
+//! process's [`KnownStreams`] while it lives, and [`crate::graph::Graph`] records the captures it begins. A call
+//! that is not capture-safe and takes no stream (allocation, freeing, registration) is refused with
+//! [`InvalidArgument::DuringCapture`] before the driver sees it while a capture it would break runs on a known
+//! stream, or on a blocking stream of the device (which the legacy stream reveals without disturbing it). The
+//! allocation itself runs in relaxed capture mode, so a capture on a non-blocking stream anyccl never saw is not
+//! invalidated by it either.
 
 use std::sync::Arc;
 
+use anyccl_core::capture::{KnownStreams, StreamKey};
 use anyccl_core::runtime::BufferLike;
 use anyccl_core::{BufferDesc, Error, InvalidArgument, Location, MemoryRuntime, Result};
 use cudarc::driver::{result, sys};
 
 use crate::driver::cu_err;
+
+/// The CUDA streams alive in this process that anyccl made or wraps (the driver is one per process).
+static STREAMS: KnownStreams = KnownStreams::new();
+
+/// The streams anyccl knows in this process, for the capture rules.
+pub(crate) fn known_streams() -> &'static KnownStreams {
+    &STREAMS
+}
+
+/// `CU_STREAM_LEGACY` of `cuda.h` (`(CUstream)0x1`): the legacy default stream, which cudarc does not name.
+const CU_STREAM_LEGACY: sys::CUstream = std::ptr::without_provenance_mut(1);
+
+/// Whether `raw` is being captured (`cuStreamIsCapturing`, legal during capture).
+fn stream_is_capturing(raw: sys::CUstream) -> Result<bool> {
+    // SAFETY: a live stream (known streams unregister before they are destroyed); the query has no side effects.
+    let st = unsafe { result::stream::is_capturing(raw) }.map_err(|e| cu_err("cuStreamIsCapturing", e))?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Whether a capture that a potentially unsafe call (allocation, free, synchronous copy) made on this thread for
+/// `ctx` would break is running: on a stream anyccl knows ([`KnownStreams`]), or on a blocking stream of `ctx`'s
+/// device (asking the legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then, and the driver documents
+/// that the capture is not invalidated by the question). Binds `ctx`.
+pub(crate) fn capture_blocks_this_thread(ctx: &DeviceContext) -> Result<bool> {
+    if STREAMS.capture_blocks_this_thread(&mut |h| stream_is_capturing(h as sys::CUstream))? {
+        return Ok(true);
+    }
+    ctx.bind()?;
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: CU_STREAM_LEGACY is the documented handle of the legacy stream; the query writes one status.
+    match unsafe { sys::cuStreamIsCapturing(CU_STREAM_LEGACY, &mut status) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
+        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+        e => Err(cu_err("cuStreamIsCapturing(CU_STREAM_LEGACY)", cudarc::driver::DriverError(e))),
+    }
+}
+
+/// Refuses `what` ([`anyccl_core::capture::refuse`]) while [`capture_blocks_this_thread`].
+pub(crate) fn refuse_unsafe_call(ctx: &DeviceContext, what: &'static str) -> Result<()> {
+    anyccl_core::capture::refuse_if(what, capture_blocks_this_thread(ctx)?)
+}
+
+/// Runs `f` with this thread's capture interaction mode relaxed (`cuThreadExchangeStreamCaptureMode`), then
+/// restores the previous mode: a potentially unsafe call made by `f` neither fails nor invalidates a capture that
+/// anyccl could not see (as PyTorch's caching allocator allocates during capture).
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: swaps this thread's mode with `mode` (read and written).
+    let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS;
+    let out = f();
+    if swapped {
+        // SAFETY: as above; restores the mode swapped out.
+        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
+}
 
 /// A retained primary context of one device. Released when the last user drops it.
 pub struct DeviceContext {
@@ -83,11 +148,13 @@ impl Drop for DeviceContext {
     }
 }
 
-/// A CUDA stream: created by anyccl (destroyed on drop) or borrowed from the engine.
+/// A CUDA stream: created by anyccl (destroyed on drop) or borrowed from the engine. Known to the capture rules
+/// ([`anyccl_core::capture::KnownStreams`]) while the value lives.
 pub struct CudaStream {
     raw: sys::CUstream,
     ctx: Arc<DeviceContext>,
     owned: bool,
+    key: StreamKey,
 }
 
 // SAFETY: CUDA streams may be used from any thread.
@@ -101,7 +168,7 @@ impl CudaStream {
         ctx.bind()?;
         let raw =
             result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|e| cu_err("cuStreamCreate", e))?;
-        Ok(CudaStream { raw, ctx: ctx.clone(), owned: true })
+        Ok(CudaStream { raw, ctx: ctx.clone(), owned: true, key: STREAMS.register(raw as usize) })
     }
 
     /// Wraps an engine's stream (`cudaStream_t`/`CUstream`) without taking ownership.
@@ -109,7 +176,12 @@ impl CudaStream {
     /// # Safety
     /// `raw` is a live stream of `ctx`'s device and outlives the returned value.
     pub unsafe fn from_raw(raw: *mut std::ffi::c_void, ctx: &Arc<DeviceContext>) -> Self {
-        CudaStream { raw: raw as sys::CUstream, ctx: ctx.clone(), owned: false }
+        CudaStream { raw: raw as sys::CUstream, ctx: ctx.clone(), owned: false, key: STREAMS.register(raw as usize) }
+    }
+
+    /// Its entry in the capture rules' known streams.
+    pub(crate) fn key(&self) -> StreamKey {
+        self.key
     }
 
     /// The raw handle.
@@ -127,7 +199,7 @@ impl CudaStream {
     /// Whether the stream's work is done (`cuStreamQuery`), without blocking. Refused while the stream is being
     /// captured (the query would invalidate the capture).
     pub fn query(&self) -> Result<bool> {
-        self.refuse_if_capturing("cuStreamQuery")?;
+        self.refuse_if_capturing("CudaStream::query (cuStreamQuery)")?;
         self.ctx.bind()?;
         // SAFETY: live stream; the query has no side effects.
         match unsafe { sys::cuStreamQuery(self.raw) } {
@@ -152,29 +224,22 @@ impl CudaStream {
         Ok(true)
     }
 
-    /// An error naming `call` when the stream is being captured, where `call` would break the capture.
-    pub fn refuse_if_capturing(&self, call: &str) -> Result<()> {
-        if self.is_capturing()? {
-            return Err(Error::Backend {
-                backend: "cuda".into(),
-                call: call.into(),
-                code: None,
-                message: "not allowed while the stream is being captured; do it before capture begins".into(),
-            });
-        }
-        Ok(())
+    /// [`InvalidArgument::DuringCapture`] naming `call` when the stream is being captured, where `call` would
+    /// break the capture ([`anyccl_core::capture`]).
+    pub fn refuse_if_capturing(&self, call: &'static str) -> Result<()> {
+        anyccl_core::capture::refuse_if(call, self.is_capturing()?)
     }
 
     /// Whether the stream is being captured into a graph.
     pub fn is_capturing(&self) -> Result<bool> {
-        // SAFETY: live stream; the query has no side effects and is legal during capture.
-        let st = unsafe { result::stream::is_capturing(self.raw) }.map_err(|e| cu_err("cuStreamIsCapturing", e))?;
-        Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        stream_is_capturing(self.raw)
     }
 }
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
+        // Forgotten first: nothing asks the driver about a destroyed (or returned) handle.
+        STREAMS.unregister(self.key);
         if self.owned {
             // SAFETY: we created it and destroy it once.
             if let Err(e) = unsafe { result::stream::destroy(self.raw) } {
@@ -192,6 +257,12 @@ struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        // A query that fails counts as a capture: leaking is the safe side.
+        if capture_blocks_this_thread(&self.ctx).unwrap_or(true) {
+            // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
+            tracing::warn!("a CUDA buffer dropped during graph capture is leaked, not freed");
+            return;
+        }
         if self.ctx.bind().is_ok() {
             // SAFETY: allocated by `DeviceBuffer::alloc` and freed once, when its last holder drops.
             if let Err(e) = unsafe { result::free_sync(self.ptr) } {
@@ -218,13 +289,17 @@ unsafe impl Send for DeviceBuffer {}
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
-    /// Allocates `len` bytes on `ctx`'s device (`cuMemAlloc`, 256-byte aligned). Not allowed while capturing.
+    /// Allocates `len` bytes on `ctx`'s device (`cuMemAlloc`, 256-byte aligned). Refused with
+    /// [`InvalidArgument::DuringCapture`] while a capture it would break runs on a stream anyccl knows or on a
+    /// blocking stream of the device ([`anyccl_core::capture`]); made in relaxed capture mode otherwise, so a
+    /// capture on a stream anyccl never saw is not invalidated either.
     pub fn alloc(ctx: &Arc<DeviceContext>, len: usize) -> Result<Self> {
         // cuMemAlloc refuses 0 bytes; a 1-byte allocation gives zero-length buffers a valid address.
         let bytes = anyccl_core::round_allocation("a device buffer", len, 1)?;
-        ctx.bind()?;
+        // Binds the context.
+        refuse_unsafe_call(ctx, "MemoryRuntime::alloc (cuMemAlloc)")?;
         // SAFETY: plain allocation in the current context.
-        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| cu_err("cuMemAlloc", e))?;
+        let ptr = relaxed(|| unsafe { result::malloc_sync(bytes) }).map_err(|e| cu_err("cuMemAlloc", e))?;
         anyccl_core::runtime::check_non_null("cuda", "cuMemAlloc", ptr, bytes)?;
         let owner = Some(Arc::new(Allocation { ptr, ctx: ctx.clone() }));
         Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner })
@@ -387,7 +462,7 @@ impl MemoryRuntime for CudaRuntime {
             }
             .into());
         }
-        stream.refuse_if_capturing("upload")?;
+        stream.refuse_if_capturing("MemoryRuntime::upload")?;
         self.ctx.bind()?;
         // SAFETY: `dst` holds at least `src.len()` bytes of this device; the copy completes before we return
         // (the stream is synchronised), so `src` outlives it.
@@ -406,7 +481,7 @@ impl MemoryRuntime for CudaRuntime {
             }
             .into());
         }
-        stream.refuse_if_capturing("download")?;
+        stream.refuse_if_capturing("MemoryRuntime::download")?;
         self.ctx.bind()?;
         // SAFETY: `src` holds at least `dst.len()` bytes; synchronised before `dst` is used.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr, stream.raw) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
@@ -419,6 +494,10 @@ impl MemoryRuntime for CudaRuntime {
 
     fn is_capturing(&self, stream: &CudaStream) -> Result<bool> {
         stream.is_capturing()
+    }
+
+    fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
+        refuse_unsafe_call(&self.ctx, what)
     }
 
     fn query(&self, stream: &CudaStream) -> Result<bool> {

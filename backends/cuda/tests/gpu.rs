@@ -614,3 +614,244 @@ fn a_global_mode_capture_of_an_all_reduce_replays_correctly() {
     rt.download(&out_buf, &mut out, &st).expect("download");
     assert_eq!(out, [3.0f32.to_le_bytes(); 256].concat());
 }
+
+/// A raw stream of device 0 made straight through the driver, as an engine makes its own: anyccl never sees it.
+fn raw_stream(rt: &anyccl_cuda::CudaRuntime, flags: sys::CUstream_flags) -> sys::CUstream {
+    rt.context().bind().expect("bind");
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one stream handle of the bound context.
+    let r = unsafe { sys::cuStreamCreate(&mut s, flags as u32) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "cuStreamCreate");
+    s
+}
+
+/// Begins a global-mode capture on `raw` straight through the driver, as PyTorch and vLLM capture.
+fn raw_begin(raw: sys::CUstream) {
+    // SAFETY: a live stream, not capturing.
+    unsafe { result::stream::begin_capture(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) }
+        .expect("begin capture");
+}
+
+/// Ends the capture on `raw`: the driver's status (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` when it was broken).
+fn raw_end(raw: sys::CUstream) -> sys::CUresult {
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: a live stream; writes the graph handle.
+    let r = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph just returned, destroyed once.
+        let _ = unsafe { result::graph::destroy(graph) };
+    }
+    r
+}
+
+fn is_during_capture(r: &Result<()>) -> bool {
+    matches!(r, Err(anyccl_core::Error::InvalidArgument(anyccl_core::InvalidArgument::DuringCapture { .. })))
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn allocation_during_capture_is_refused_before_the_driver_and_the_capture_stays_valid() {
+    use anyccl_core::{CaptureMode, MemoryRuntime};
+    let (mut c, rt, st) = world_one();
+    // The original problem, reproduced: a plain cuMemAlloc during an engine's global-mode capture is refused by
+    // the driver (900) and the capture is lost (901 at its end).
+    raw_begin(st.raw());
+    // SAFETY: a plain allocation; it fails (the thread is in global capture mode).
+    let plain = unsafe { result::malloc_sync(64) };
+    assert!(plain.is_err(), "the driver refuses cuMemAlloc during a global capture: {plain:?}");
+    assert_eq!(raw_end(st.raw()), sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "and the capture is lost");
+
+    // anyccl's allocation during the same kind of capture, on a stream it knows: refused before the driver, on
+    // this thread and on another, with the capture intact. So are registration and symmetric buffers.
+    let early = rt.alloc(256).expect("allocated before the capture");
+    raw_begin(st.raw());
+    assert!(is_during_capture(&rt.alloc(64).map(drop)), "refused on the capturing thread");
+    let other = std::thread::scope(|sc| sc.spawn(|| rt.alloc(64).map(drop)).join().expect("thread"));
+    assert!(is_during_capture(&other), "refused on another thread: {other:?}");
+    assert!(is_during_capture(&c.register_graph_buffers(None).map(drop)));
+    assert!(is_during_capture(&c.backend().symmetric_buffer(4096, &st).map(drop)));
+    drop(early); // leaked, not freed: freeing would break the capture
+    assert_eq!(raw_end(st.raw()), sys::CUresult::CUDA_SUCCESS, "the capture is still valid");
+
+    // A capture on a non-blocking stream anyccl never saw: it cannot be found, so the allocation runs in relaxed
+    // mode and neither fails nor breaks the capture.
+    let unseen = raw_stream(&rt, sys::CUstream_flags::CU_STREAM_NON_BLOCKING);
+    raw_begin(unseen);
+    let b = rt.alloc(64).expect("allocated in relaxed capture mode");
+    assert_eq!(raw_end(unseen), sys::CUresult::CUDA_SUCCESS, "the unseen capture is still valid");
+    drop(b);
+    // A capture on a blocking stream anyccl never saw: the legacy stream reveals it, and the allocation is refused.
+    let blocking = raw_stream(&rt, sys::CUstream_flags::CU_STREAM_DEFAULT);
+    raw_begin(blocking);
+    assert!(is_during_capture(&rt.alloc(64).map(drop)), "a blocking stream's capture is found");
+    assert_eq!(raw_end(blocking), sys::CUresult::CUDA_SUCCESS, "and stays valid");
+    // SAFETY: the two streams made above, destroyed once.
+    unsafe {
+        result::stream::destroy(unseen).expect("destroy");
+        result::stream::destroy(blocking).expect("destroy");
+    }
+
+    // A thread-local capture through anyccl's graph helper: refused on the capturing thread only, as the driver
+    // would refuse it; another thread allocates.
+    let mut here = None;
+    let mut elsewhere = None;
+    let g = anyccl_cuda::graph::Graph::capture_with(rt.context(), &st, CaptureMode::ThreadLocal, |_| {
+        here = Some(rt.alloc(64).map(drop));
+        elsewhere = Some(std::thread::scope(|sc| sc.spawn(|| rt.alloc(64).map(drop)).join().expect("thread")));
+        Ok(())
+    });
+    assert!(g.is_ok(), "the capture is valid: {:?}", g.err());
+    assert!(is_during_capture(&here.expect("ran")));
+    assert!(elsewhere.expect("ran").is_ok(), "another thread may allocate during a thread-local capture");
+    rt.alloc(64).expect("allocation after the captures");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn a_wait_during_capture_is_refused_and_changes_nothing() {
+    use anyccl_core::{CaptureMode, CommBackend, MemoryRuntime};
+    let (mut c, rt, st) = world_one();
+    let n = 256usize;
+    let mut buf = rt.alloc(n * 4).expect("alloc");
+    rt.upload(&mut buf, &[2.0f32.to_le_bytes(); 256].concat(), &st).expect("upload");
+    let epoch = c.backend().eligibility_epoch();
+    let (mut waited, mut queried) = (None, None);
+    let g = anyccl_cuda::graph::Graph::capture_with(rt.context(), &st, CaptureMode::Global, |st| {
+        waited = Some(c.wait(st, std::time::Duration::from_secs(5)));
+        queried = Some(c.query(st).map(drop));
+        Ok(())
+    });
+    assert!(g.is_ok(), "the capture stays valid: {:?}", g.err());
+    assert!(is_during_capture(&waited.expect("ran")));
+    assert!(is_during_capture(&queried.expect("ran")));
+    assert!(!c.backend().ccl().is_aborted(), "the communicator was not aborted");
+    assert_eq!(c.backend().eligibility_epoch(), epoch, "nothing the selection reads changed");
+    c.all_reduce(InOut::InPlace(&mut buf), n, DataType::F32, ReduceOp::Sum, &st).expect("still usable");
+    c.wait(&st, std::time::Duration::from_secs(30)).expect("wait");
+    let mut out = vec![0u8; n * 4];
+    rt.download(&buf, &mut out, &st).expect("download");
+    assert_eq!(out, [2.0f32.to_le_bytes(); 256].concat());
+}
+
+#[test]
+#[ignore = "needs 2 or more NVIDIA GPUs: run on a multi-GPU machine with --ignored"]
+fn a_refused_wait_during_capture_leaves_the_custom_kernels_on_for_every_rank() {
+    use anyccl_core::comm::AllReduceCall;
+    use anyccl_core::{CaptureMode, CommBackend, MemoryRuntime};
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    assert!(gpus >= 2, "this test needs two GPUs or more, found {gpus}");
+    let world = 2usize;
+    let mut comms = Cuda.create(world).expect("communicators");
+    let n = 4096usize;
+    let call = AllReduceCall {
+        count: n,
+        dtype: DataType::F32,
+        op: ReduceOp::Sum,
+        bytes: n * 4,
+        in_place: true,
+        capturing: false,
+        bufs: None,
+    };
+    let results: Vec<std::result::Result<String, String>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = comms
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, c)| {
+                sc.spawn(move || -> std::result::Result<String, String> {
+                    let e = |x: anyccl_core::Error| format!("rank {rank}: {x}");
+                    c.check_algorithm(Algorithm::OneShot, &call).map_err(e)?;
+                    let epoch = c.backend().eligibility_epoch();
+                    let rt = c.runtime().clone();
+                    let st = rt.stream().map_err(e)?;
+                    let mut b = rt.alloc(n * 4).map_err(e)?;
+                    rt.upload(&mut b, &[(rank as f32 + 1.0).to_le_bytes(); 4096].concat(), &st).map_err(e)?;
+                    let mut waited = None;
+                    anyccl_cuda::graph::Graph::capture_with(rt.context(), &st, CaptureMode::ThreadLocal, |s| {
+                        waited = Some(c.wait(s, std::time::Duration::from_secs(5)));
+                        Ok(())
+                    })
+                    .map_err(e)?;
+                    if !is_during_capture(&waited.expect("ran")) {
+                        return Err(format!("rank {rank}: the wait during capture was not refused"));
+                    }
+                    if c.backend().eligibility_epoch() != epoch {
+                        return Err(format!("rank {rank}: the refused wait changed the custom kernels' state"));
+                    }
+                    // Both ranks still choose and run the custom kernels together.
+                    c.all_reduce_with(Algorithm::OneShot, InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &st)
+                        .map_err(e)?;
+                    c.wait(&st, std::time::Duration::from_secs(30)).map_err(e)?;
+                    let mut out = vec![0u8; n * 4];
+                    rt.download(&b, &mut out, &st).map_err(e)?;
+                    if out != [3.0f32.to_le_bytes(); 4096].concat() {
+                        return Err(format!("rank {rank}: wrong one-shot result after the refused wait"));
+                    }
+                    Ok(format!("rank {rank}: wait refused during capture; one-shot still runs"))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect()
+    });
+    for r in results {
+        eprintln!("{}", r.unwrap_or_else(|e| panic!("{e}")));
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored --nocapture (prints the times)"]
+fn teardown_times_of_drop_and_background_close() {
+    use std::time::{Duration, Instant};
+    let lib = nccl();
+    let selector = Arc::new(Selector::defaults());
+    let make = || {
+        anyccl_cuda::communicators_single_process(lib.clone(), &[0], selector.clone())
+            .expect("communicator")
+            .pop()
+            .expect("one rank")
+    };
+    drop(make()); // warm-up: the first communicator pays NCCL's one-time setup
+    let iters: usize = std::env::var("ANYCCL_TEST_TEARDOWN_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
+    let (mut create, mut dropped, mut returned, mut completed, mut recreate) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let before = free_memory();
+    for _ in 0..iters {
+        let t = Instant::now();
+        let c = make();
+        create.push(t.elapsed());
+        let t = Instant::now();
+        drop(c);
+        dropped.push(t.elapsed());
+        let c = make();
+        let t = Instant::now();
+        let td = c.close_in_background();
+        returned.push(t.elapsed());
+        // What an engine that rebuilds a communicator does next: make the new one while the old one goes.
+        let t2 = Instant::now();
+        let next = make();
+        recreate.push(t2.elapsed());
+        td.wait().expect("NCCL's destroy succeeded");
+        completed.push(t.elapsed());
+        assert!(td.is_done());
+        drop(next);
+    }
+    assert!(anyccl_core::teardown::wait_for_pending(Duration::from_secs(30)), "a teardown is still running");
+    let after = free_memory();
+    let median = |v: &mut Vec<Duration>| -> Duration {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let (c, d, r, k, n) = (
+        median(&mut create),
+        median(&mut dropped),
+        median(&mut returned),
+        median(&mut completed),
+        median(&mut recreate),
+    );
+    eprintln!(
+        "TEARDOWN world 1, {iters} iterations, medians: create {c:?}; drop {d:?}; close_in_background returns after \
+         {r:?}, its destroy completes after {k:?}; a new communicator made meanwhile took {n:?}; free memory before \
+         {before} after {after}"
+    );
+    assert!(r < Duration::from_millis(50), "the background close took {r:?} to return");
+    assert!(r <= k, "returned before it completed");
+}

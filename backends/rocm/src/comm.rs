@@ -7,7 +7,9 @@ use anyccl_ccl::{CclLibrary, CclRank, CclReduction};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
-use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, ReduceOp, Result, Vendor};
+use anyccl_core::{
+    Algorithm, CapabilityReport, CommBackend, DataType, MemoryRuntime, ReduceOp, Result, Teardown, Vendor,
+};
 
 use crate::runtime::{HipBuffer, HipDevice, HipRuntime, HipStream};
 
@@ -71,6 +73,7 @@ impl RocmComm {
     /// calls it with the same size. Refused while `stream` captures, and where windows are off (RCCL without the
     /// window symbols, such as ROCm 7.0, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
     pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
+        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
         let dev = self.runtime.device().clone();
         let bind = Box::new(move || dev.bind());
         let range = |ptr| self.runtime.device().address_range(ptr);
@@ -184,7 +187,8 @@ impl CommBackend for RocmComm {
     }
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
-        // The query refuses a capturing stream, and it runs before RCCL is asked anything.
+        // The front-end has refused a capturing stream; the query refuses one too, before RCCL is asked anything.
+        // Nothing here selects by state a failed wait could change.
         self.ccl.wait_or_abort(timeout, &mut || stream.query(), &mut || {})
     }
 
@@ -194,6 +198,12 @@ impl CommBackend for RocmComm {
             return Ok(true);
         }
         self.ccl.still_running()
+    }
+
+    fn close_in_background(self) -> Teardown {
+        // RCCL's destroy on a thread of its own; the barrier scratch and the runtime go after it, there.
+        let RocmComm { ccl, runtime, arch: _, caps: _, scratch } = self;
+        ccl.close_in_background_with((scratch, runtime))
     }
 
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {

@@ -138,6 +138,8 @@ hip_table! {
         get_device_properties: GetDeviceProperties = "hipGetDeviceProperties",
         // Optional so a runtime without it still loads; `HipRuntime::memory_info` says it is missing.
         mem_get_info: MemGetInfo = "hipMemGetInfo",
+        // Lets anyccl allocate in relaxed capture mode, so a capture it cannot see is never invalidated by it.
+        thread_exchange_stream_capture_mode: ThreadExchangeStreamCaptureMode = "hipThreadExchangeStreamCaptureMode",
     }
 }
 
@@ -146,6 +148,8 @@ pub struct HipLibrary {
     table: HipTable,
     path: PathBuf,
     version: i32,
+    /// The live streams made through this runtime, and the captures anyccl began on them.
+    streams: anyccl_core::capture::KnownStreams,
     _lib: Option<std::mem::ManuallyDrop<libloading::Library>>,
 }
 
@@ -235,12 +239,18 @@ impl HipLibrary {
         if st != sys::HIP_SUCCESS {
             version = 0;
         }
-        HipLibrary { table, path, version, _lib: lib }
+        HipLibrary { table, path, version, streams: anyccl_core::capture::KnownStreams::new(), _lib: lib }
     }
 
     /// The resolved functions.
     pub fn table(&self) -> &HipTable {
         &self.table
+    }
+
+    /// The live streams made through this runtime, and the captures anyccl began on them: what calls without a
+    /// stream (allocation, freeing, registration) consult under the capture rules.
+    pub fn known_streams(&self) -> &anyccl_core::capture::KnownStreams {
+        &self.streams
     }
 
     /// Where the library was loaded from.

@@ -1,62 +1,61 @@
 //! The HIP memory runtime: devices, buffers, streams, graphs and IPC handles over the loaded [`HipLibrary`],
 //! implementing core's [`MemoryRuntime`].
 //!
-//! Capture rules (the same as CUDA's, enforced by HIP since ROCm 7.0): nothing here allocates, frees, copies
-//! synchronously or opens IPC handles while a stream is capturing; such calls return an error before reaching
-//! HIP, so the user's capture is never invalidated by anyccl.
+//! Capture rules (the same as CUDA's, enforced by HIP since ROCm 7.0), written once in [`anyccl_core::capture`]:
+//! nothing here allocates, frees, copies synchronously or synchronizes while a capture it would break is running on
+//! a stream of this runtime (its streams are registered with the library's
+//! [`KnownStreams`](anyccl_core::capture::KnownStreams), and [`HipGraph`] records the captures it begins); such
+//! calls return [`anyccl_core::InvalidArgument::DuringCapture`] before reaching HIP, so the user's capture is never
+//! invalidated by anyccl. Allocation runs in relaxed capture mode where HIP has
+//! `hipThreadExchangeStreamCaptureMode`, so a capture on a stream anyccl never saw is not invalidated either.
 
-use std::cell::Cell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use anyccl_core::capture::StreamKey;
 use anyccl_core::runtime::BufferLike;
 use anyccl_core::{BufferDesc, CaptureMode, Error, Location, MemoryRuntime, Result};
 
 use crate::loader::HipLibrary;
 use crate::sys;
 
-thread_local! {
-    /// Captures begun through [`HipGraph::capture`] on this thread in thread-local (or global) mode and not yet
-    /// ended: unsafe calls (allocation, free) are illegal on the capturing thread, so they are refused on this
-    /// thread while one is active.
-    static ACTIVE_CAPTURES: Cell<usize> = const { Cell::new(0) };
+/// Whether `raw` is being captured (`hipStreamGetCaptureInfo`, legal during capture).
+fn stream_is_capturing(lib: &HipLibrary, raw: sys::hipStream_t) -> Result<bool> {
+    let mut status: sys::hipStreamCaptureStatus = sys::HIP_STREAM_CAPTURE_STATUS_NONE;
+    let mut id = 0u64;
+    // SAFETY: `raw` is a live stream (registered streams unregister before they are destroyed); writes a status
+    // and an id.
+    let st = unsafe { (lib.table().stream_get_capture_info)(raw, &mut status, &mut id) };
+    check(lib, "hipStreamGetCaptureInfo", st)?;
+    Ok(status != sys::HIP_STREAM_CAPTURE_STATUS_NONE)
 }
 
-/// Global-mode captures begun through [`HipGraph::capture_with`] anywhere in the process and not yet ended: unsafe
-/// calls are illegal on every thread while one is active.
-static GLOBAL_CAPTURES: AtomicUsize = AtomicUsize::new(0);
-
-fn capturing_on_this_thread() -> bool {
-    ACTIVE_CAPTURES.with(|c| c.get() > 0) || GLOBAL_CAPTURES.load(Ordering::SeqCst) > 0
+/// Whether a capture that a potentially unsafe call on this thread would break is running on a stream of `lib`.
+fn capture_blocks_this_thread(lib: &HipLibrary) -> Result<bool> {
+    lib.known_streams().capture_blocks_this_thread(&mut |h| stream_is_capturing(lib, h as sys::hipStream_t))
 }
 
-/// Counts one capture of `mode` begun on this thread (see [`capturing_on_this_thread`]) until dropped.
-struct CaptureCount {
-    mode: CaptureMode,
+/// Refuses `what` ([`anyccl_core::capture::refuse`]) while [`capture_blocks_this_thread`].
+fn refuse_unsafe_call(lib: &HipLibrary, what: &'static str) -> Result<()> {
+    anyccl_core::capture::refuse_if(what, capture_blocks_this_thread(lib)?)
 }
 
-impl CaptureCount {
-    fn begin(mode: CaptureMode) -> Self {
-        if mode != CaptureMode::Relaxed {
-            ACTIVE_CAPTURES.with(|c| c.set(c.get() + 1));
-        }
-        if mode == CaptureMode::Global {
-            GLOBAL_CAPTURES.fetch_add(1, Ordering::SeqCst);
-        }
-        CaptureCount { mode }
+/// Runs `f` with this thread's capture interaction mode relaxed (`hipThreadExchangeStreamCaptureMode`, where the
+/// runtime has it), then restores the previous mode: a potentially unsafe call made by `f` then neither fails nor
+/// invalidates a capture anyccl could not see.
+fn relaxed<T>(lib: &HipLibrary, f: impl FnOnce() -> T) -> T {
+    let Some(exchange) = lib.table().thread_exchange_stream_capture_mode else {
+        return f();
+    };
+    let mut mode = sys::HIP_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: swaps this thread's mode with `mode` (one int, read and written).
+    let swapped = unsafe { exchange(&mut mode) } == sys::HIP_SUCCESS;
+    let out = f();
+    if swapped {
+        // SAFETY: as above; restores the mode swapped out.
+        let _ = unsafe { exchange(&mut mode) };
     }
-}
-
-impl Drop for CaptureCount {
-    fn drop(&mut self) {
-        if self.mode != CaptureMode::Relaxed {
-            ACTIVE_CAPTURES.with(|c| c.set(c.get().saturating_sub(1)));
-        }
-        if self.mode == CaptureMode::Global {
-            GLOBAL_CAPTURES.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
+    out
 }
 
 /// Turns a HIP status into a `Result`, with HIP's error text.
@@ -70,15 +69,6 @@ pub(crate) fn check(lib: &HipLibrary, call: &str, status: sys::hipError_t) -> Re
         code: Some(i64::from(status)),
         message: lib.error_string(status),
     })
-}
-
-fn refuse_capture(what: &str) -> Error {
-    Error::Backend {
-        backend: "rocm".into(),
-        call: what.into(),
-        code: None,
-        message: format!("{what} is not allowed while a stream is being captured into a HIP graph"),
-    }
 }
 
 /// One HIP device of this process.
@@ -203,7 +193,8 @@ struct HipAllocation {
 
 impl Drop for HipAllocation {
     fn drop(&mut self) {
-        if capturing_on_this_thread() {
+        // A query that fails counts as a capture: leaking is the safe side.
+        if capture_blocks_this_thread(&self.dev.lib).unwrap_or(true) {
             // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
             tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
             return;
@@ -237,17 +228,17 @@ unsafe impl Send for HipBuffer {}
 unsafe impl Sync for HipBuffer {}
 
 impl HipBuffer {
-    /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused while a
-    /// capture begun through anyccl on this thread (or a global-mode one anywhere) is active.
+    /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused with
+    /// [`anyccl_core::InvalidArgument::DuringCapture`] while a capture it would break runs on a stream of this
+    /// runtime ([`anyccl_core::capture`]); made in relaxed capture mode otherwise, so that a capture on a stream
+    /// anyccl never saw is not invalidated either.
     pub fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<Self> {
-        if capturing_on_this_thread() {
-            return Err(refuse_capture("hipMalloc"));
-        }
+        refuse_unsafe_call(&dev.lib, "MemoryRuntime::alloc (hipMalloc)")?;
         let size = anyccl_core::round_allocation("a device buffer", bytes, 1)?;
         dev.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: writes one pointer.
-        let st = unsafe { (dev.lib.table().malloc)(&mut p, size) };
+        let st = relaxed(&dev.lib, || unsafe { (dev.lib.table().malloc)(&mut p, size) });
         check(&dev.lib, "hipMalloc", st)?;
         anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
         let owner = Some(Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() }));
@@ -353,11 +344,13 @@ unsafe impl anyccl_ccl::DeviceAddress for HipBuffer {
     }
 }
 
-/// A HIP stream (non-blocking), destroyed on drop.
+/// A HIP stream (non-blocking), destroyed on drop. Known to its library's
+/// [`KnownStreams`](anyccl_core::capture::KnownStreams) while it lives.
 #[derive(Debug)]
 pub struct HipStream {
     raw: sys::hipStream_t,
     dev: Arc<HipDevice>,
+    key: StreamKey,
 }
 
 // SAFETY: HIP streams may be used from any thread.
@@ -373,7 +366,8 @@ impl HipStream {
         // SAFETY: writes one handle.
         let st = unsafe { (dev.lib.table().stream_create_with_flags)(&mut raw, sys::HIP_STREAM_NON_BLOCKING) };
         check(&dev.lib, "hipStreamCreateWithFlags", st)?;
-        Ok(HipStream { raw, dev: dev.clone() })
+        let key = dev.lib.known_streams().register(raw as usize);
+        Ok(HipStream { raw, dev: dev.clone(), key })
     }
 
     /// The raw handle.
@@ -383,27 +377,18 @@ impl HipStream {
 
     /// Whether the stream is capturing (`hipStreamGetCaptureInfo`, legal during capture).
     pub fn is_capturing(&self) -> Result<bool> {
-        let mut status: sys::hipStreamCaptureStatus = sys::HIP_STREAM_CAPTURE_STATUS_NONE;
-        let mut id = 0u64;
-        // SAFETY: the stream is live; writes a status and an id.
-        let st = unsafe { (self.dev.lib.table().stream_get_capture_info)(self.raw, &mut status, &mut id) };
-        check(&self.dev.lib, "hipStreamGetCaptureInfo", st)?;
-        Ok(status != sys::HIP_STREAM_CAPTURE_STATUS_NONE)
+        stream_is_capturing(&self.dev.lib, self.raw)
     }
 
     /// Waits for the stream; refused while it captures (synchronising a capturing stream is illegal).
     pub fn synchronize(&self) -> Result<()> {
-        if self.is_capturing()? {
-            return Err(refuse_capture("hipStreamSynchronize"));
-        }
+        anyccl_core::capture::refuse_if("HipStream::synchronize (hipStreamSynchronize)", self.is_capturing()?)?;
         self.synchronize_not_capturing()
     }
 
     /// Whether the stream's work is done (`hipStreamQuery`), without blocking. Refused while capturing.
     pub fn query(&self) -> Result<bool> {
-        if self.is_capturing()? {
-            return Err(refuse_capture("hipStreamQuery"));
-        }
+        anyccl_core::capture::refuse_if("HipStream::query (hipStreamQuery)", self.is_capturing()?)?;
         // SAFETY: the stream is live.
         match unsafe { (self.dev.lib.table().stream_query)(self.raw) } {
             sys::HIP_SUCCESS => Ok(true),
@@ -421,6 +406,8 @@ impl HipStream {
 
 impl Drop for HipStream {
     fn drop(&mut self) {
+        // Forgotten first: nothing queries a destroyed handle.
+        self.dev.lib.known_streams().unregister(self.key);
         // SAFETY: created in `new`, destroyed once.
         let st = unsafe { (self.dev.lib.table().stream_destroy)(self.raw) };
         if let Err(e) = check(&self.dev.lib, "hipStreamDestroy", st) {
@@ -465,12 +452,13 @@ impl HipGraph {
         };
         // SAFETY: the stream is live and not capturing (HIP checks and returns an error otherwise).
         check(&lib, "hipStreamBeginCapture", unsafe { (t.stream_begin_capture)(stream.raw, hip_mode) })?;
-        let count = CaptureCount::begin(mode);
+        // With the mode and this thread on record, calls elsewhere are refused exactly where HIP would refuse them.
+        let began = lib.known_streams().began_capture(stream.key, mode);
         let body = f(stream);
         let mut graph: sys::hipGraph_t = std::ptr::null_mut();
         // SAFETY: ends the capture begun above; writes the graph handle.
         let end = unsafe { (t.stream_end_capture)(stream.raw, &mut graph) };
-        drop(count);
+        drop(began);
         let ended = check(&lib, "hipStreamEndCapture", end);
         if let Err(e) = body {
             Self::destroy_graph(&lib, graph);
@@ -557,10 +545,17 @@ impl HipRuntime {
         Ok((free, total))
     }
 
-    fn copy(&self, dst: u64, src: u64, bytes: usize, kind: c_int, stream: &HipStream, what: &str) -> Result<()> {
-        if stream.is_capturing()? {
-            return Err(refuse_capture(what));
-        }
+    fn copy(
+        &self,
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        kind: c_int,
+        stream: &HipStream,
+        what: &'static str,
+    ) -> Result<()> {
+        // The copy is waited for: a synchronize of the stream, refused while it captures.
+        anyccl_core::capture::refuse_if(what, stream.is_capturing()?)?;
         self.dev.bind()?;
         let t = self.dev.lib.table();
         // SAFETY: the caller checked both ranges; the stream is live and not capturing.
@@ -585,12 +580,14 @@ impl MemoryRuntime for HipRuntime {
 
     fn upload(&self, dst: &mut HipBuffer, src: &[u8], stream: &HipStream) -> Result<()> {
         check_fits("upload", src.len(), dst.len)?;
-        self.copy(dst.ptr, src.as_ptr() as u64, src.len(), sys::HIP_MEMCPY_HOST_TO_DEVICE, stream, "upload")
+        let what = "MemoryRuntime::upload";
+        self.copy(dst.ptr, src.as_ptr() as u64, src.len(), sys::HIP_MEMCPY_HOST_TO_DEVICE, stream, what)
     }
 
     fn download(&self, src: &HipBuffer, dst: &mut [u8], stream: &HipStream) -> Result<()> {
         check_fits("download", dst.len(), src.len)?;
-        self.copy(dst.as_mut_ptr() as u64, src.ptr, dst.len(), sys::HIP_MEMCPY_DEVICE_TO_HOST, stream, "download")
+        let what = "MemoryRuntime::download";
+        self.copy(dst.as_mut_ptr() as u64, src.ptr, dst.len(), sys::HIP_MEMCPY_DEVICE_TO_HOST, stream, what)
     }
 
     fn synchronize(&self, stream: &HipStream) -> Result<()> {
@@ -599,6 +596,10 @@ impl MemoryRuntime for HipRuntime {
 
     fn is_capturing(&self, stream: &HipStream) -> Result<bool> {
         stream.is_capturing()
+    }
+
+    fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
+        refuse_unsafe_call(&self.dev.lib, what)
     }
 
     fn query(&self, stream: &HipStream) -> Result<bool> {

@@ -94,6 +94,9 @@ pub type StreamSynchronize = unsafe extern "C" fn(hipStream_t) -> hipError_t;
 /// `hipStreamQuery`.
 pub type StreamQuery = unsafe extern "C" fn(hipStream_t) -> hipError_t;
 pub type StreamGetCaptureInfo = unsafe extern "C" fn(hipStream_t, *mut hipStreamCaptureStatus, *mut u64) -> hipError_t;
+/// `hipThreadExchangeStreamCaptureMode(mode)`: sets the calling thread's capture interaction mode to `*mode` and
+/// writes the previous one there.
+pub type ThreadExchangeStreamCaptureMode = unsafe extern "C" fn(*mut hipStreamCaptureMode) -> hipError_t;
 pub type StreamBeginCapture = unsafe extern "C" fn(hipStream_t, hipStreamCaptureMode) -> hipError_t;
 pub type StreamEndCapture = unsafe extern "C" fn(hipStream_t, *mut hipGraph_t) -> hipError_t;
 pub type GraphInstantiate =

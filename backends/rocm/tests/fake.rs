@@ -461,8 +461,8 @@ fn a_wait_on_work_that_never_finishes_times_out_and_aborts_instead_of_hanging() 
         Ok(())
     });
     assert!(g.is_ok(), "the capture itself stays valid");
-    let refused = refused.expect("ran").expect_err("refused during capture").to_string();
-    assert!(refused.contains("hipStreamQuery"), "{refused}");
+    let refused = refused.expect("ran").expect_err("refused during capture");
+    assert_eq!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { what: "Communicator::wait" }));
     assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
     drop(cs);
 }
@@ -626,4 +626,138 @@ fn an_all_reduce_into_a_view_touches_only_its_range() {
     rt.upload(&mut escaped, &f32_bytes(&[1.0; 16]), &st).expect("the escaped view is still valid memory");
     drop(escaped);
     assert_eq!(rt.memory_info().expect("memory info").0, free_before + n * 4, "freed with the last holder");
+}
+
+#[test]
+fn a_wait_or_query_during_capture_is_refused_and_changes_nothing() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    // SAFETY: the fake RCCL built for this test; it exports this test hook with this C signature.
+    let rccl = unsafe { libloading::Library::new(&s.rccl_path) }.expect("fake RCCL");
+    // SAFETY: as above.
+    let aborted_count = unsafe { *rccl.get::<unsafe extern "C" fn() -> i32>(b"fakerccl_aborted\0").expect("hook") };
+    // SAFETY: the hook only reads an int.
+    let aborted = || unsafe { aborted_count() };
+    let mut cs = comms(&s, 2, false);
+    let before = aborted();
+    let n = 64;
+    let outcomes = per_rank(&mut cs, |c| -> Result<(Error, Error, Vec<f32>)> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut b = rt.alloc(n * 4)?;
+        rt.upload(&mut b, &f32_bytes(&vec![1.5; n]), &st)?;
+        let (mut waited, mut queried) = (None, None);
+        HipGraph::capture(&st, |st| {
+            waited = Some(c.wait(st, std::time::Duration::from_secs(5)));
+            queried = Some(c.query(st));
+            Ok(())
+        })?;
+        let waited = waited.and_then(|r| r.err()).expect("the wait was refused");
+        let queried = queried.and_then(|r| r.err()).expect("the query was refused");
+        // The communicator was not aborted and runs the next collective with its peers.
+        c.all_reduce(InOut::InPlace(&mut b), n, DataType::F32, ReduceOp::Sum, &st)?;
+        c.wait(&st, std::time::Duration::from_secs(5))?;
+        let mut out = vec![0u8; n * 4];
+        rt.download(&b, &mut out, &st)?;
+        Ok((waited, queried, f32_from(&out)))
+    });
+    for r in outcomes {
+        let (waited, queried, out) = r.expect("rank");
+        assert_eq!(waited, Error::InvalidArgument(InvalidArgument::DuringCapture { what: "Communicator::wait" }));
+        assert_eq!(
+            queried,
+            Error::InvalidArgument(InvalidArgument::DuringCapture { what: "HipStream::query (hipStreamQuery)" })
+        );
+        assert_eq!(out, vec![3.0; n], "both ranks still reduce together");
+    }
+    assert_eq!(aborted(), before, "nothing was aborted");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+}
+
+/// Begins a capture in `mode` on the raw stream `raw` straight through HIP, as an engine does (anyccl is not told).
+fn raw_begin(s: &Setup, raw: *mut c_void, mode: i32) {
+    // SAFETY: a live stream of the fake runtime; HIP checks the mode.
+    assert_eq!(unsafe { (s.hip.table().stream_begin_capture)(raw, mode) }, 0, "hipStreamBeginCapture");
+}
+
+/// Ends the capture on `raw` straight through HIP: HIP's status (901 when the capture was invalidated).
+fn raw_end(s: &Setup, raw: *mut c_void) -> i32 {
+    let mut graph: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a live stream of the fake runtime; writes the graph handle.
+    let st = unsafe { (s.hip.table().stream_end_capture)(raw, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph just returned, destroyed once.
+        unsafe { (s.hip.table().graph_destroy)(graph) };
+    }
+    st
+}
+
+#[test]
+fn allocation_during_an_engines_capture_is_refused_before_hip_and_the_capture_stays_valid() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let mut cs = comms(&s, 1, true);
+    let c = &mut cs[0];
+    let rt = c.runtime().clone();
+    // The engine captures, in global mode, on a stream anyccl knows (one the runtime made, or the engine's own
+    // handed to anyccl), without telling anyccl: as PyTorch and vLLM capture.
+    let stream = rt.stream().expect("stream");
+    let early = rt.alloc(256).expect("allocated before the capture");
+    let frees = s.fake.calls("hipFree");
+    raw_begin(&s, stream.raw(), 0);
+    let refused = rt.alloc(64).map(drop).expect_err("refused during the capture");
+    assert_eq!(
+        refused,
+        Error::InvalidArgument(InvalidArgument::DuringCapture { what: "MemoryRuntime::alloc (hipMalloc)" })
+    );
+    let other = std::thread::scope(|sc| sc.spawn(|| rt.alloc(64).map(drop)).join().expect("thread"));
+    assert!(matches!(other, Err(Error::InvalidArgument(InvalidArgument::DuringCapture { .. }))), "{other:?}");
+    let sym = c.backend().symmetric_buffer(4096, &stream).map(drop).expect_err("refused");
+    assert!(matches!(sym, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{sym:?}");
+    let reg = c.register_graph_buffers(None).expect_err("refused");
+    assert!(matches!(reg, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{reg:?}");
+    // A buffer dropped during the capture is leaked rather than freed (freeing would invalidate the capture).
+    drop(early);
+    assert_eq!(s.fake.calls("hipFree"), frees, "nothing was freed during the capture");
+    assert_eq!(raw_end(&s, stream.raw()), 0, "the engine's capture is still valid");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+    rt.alloc(64).expect("allocation after the capture");
+}
+
+#[test]
+fn allocation_during_a_capture_anyccl_cannot_see_does_not_invalidate_it() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let dev = HipDevice::new(s.hip.clone(), 0).expect("device");
+    let rt = anyccl_rocm::HipRuntime::new(dev.clone());
+    // A stream of the engine's that anyccl was never given, captured in global mode.
+    let mut raw: *mut c_void = std::ptr::null_mut();
+    // SAFETY: writes one stream handle.
+    assert_eq!(unsafe { (s.hip.table().stream_create_with_flags)(&mut raw, 1) }, 0);
+    raw_begin(&s, raw, 0);
+    let exchanges = s.fake.calls("hipThreadExchangeStreamCaptureMode");
+    let b = rt.alloc(64).expect("allocated in relaxed capture mode");
+    assert_eq!(s.fake.calls("hipThreadExchangeStreamCaptureMode"), exchanges + 2, "relaxed, then restored");
+    assert_eq!(raw_end(&s, raw), 0, "the capture anyccl could not see is still valid");
+    assert!(s.fake.violations().is_empty(), "{:?}", s.fake.violations());
+    // The thread's mode was restored: a raw hipMalloc during a new global capture is refused again.
+    raw_begin(&s, raw, 0);
+    assert_eq!(s.fake.raw_malloc(64), 900);
+    assert_eq!(raw_end(&s, raw), 901, "that one invalidated it");
+    // SAFETY: the stream made above, destroyed once.
+    unsafe { (s.hip.table().stream_destroy)(raw) };
+    drop(b);
+}
+
+#[test]
+fn closing_in_the_background_destroys_the_rccl_communicator_off_the_callers_thread() {
+    let _g = serial();
+    let s = setup(&RCCL_7_1);
+    let cs = comms(&s, 2, false);
+    let frees = s.fake.calls("hipFree");
+    let teardowns: Vec<anyccl_core::Teardown> = cs.into_iter().map(|c| c.close_in_background()).collect();
+    for t in &teardowns {
+        assert_eq!(t.wait(), Ok(()), "RCCL's destroy succeeded");
+    }
+    assert_eq!(s.fake.calls("hipFree"), frees + 2, "each rank's barrier scratch was freed after the destroy");
 }
