@@ -28,6 +28,7 @@ pub mod runtime;
 pub mod selector;
 pub mod teardown;
 pub mod text;
+pub mod topology;
 pub mod units;
 pub mod validate;
 

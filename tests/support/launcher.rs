@@ -23,6 +23,18 @@ pub fn hold_master_port() -> TcpListener {
 /// Starts `world` ranks (this test binary's test `rank`) with a cleared environment holding torchrun's variables,
 /// `MASTER_PORT = master_port`, and `env`.
 pub fn start_ranks(world: usize, master_port: u16, env: &[(&str, String)]) -> Vec<Child> {
+    start_ranks_each(world, master_port, env, &|_| Vec::new())
+}
+
+/// [`start_ranks`], with variables of each rank's own on top (`per_rank(rank)`), as a launcher spanning hosts would
+/// set them.
+#[allow(dead_code)] // Not every suite that includes this file starts ranks with variables of their own.
+pub fn start_ranks_each(
+    world: usize,
+    master_port: u16,
+    env: &[(&str, String)],
+    per_rank: &dyn Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<Child> {
     let exe = std::env::current_exe().expect("test binary");
     (0..world)
         .map(|rank| {
@@ -37,6 +49,9 @@ pub fn start_ranks(world: usize, master_port: u16, env: &[(&str, String)]) -> Ve
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env {
+                cmd.env(k, v);
+            }
+            for (k, v) in per_rank(rank) {
                 cmd.env(k, v);
             }
             cmd.spawn().expect("start a rank")

@@ -138,6 +138,20 @@ impl ProcessComm {
         let timeout = options.timeout;
         // Refuse a bad capacity before anything is set up.
         crate::shm::checked_capacity(options.shm_capacity, world)?;
+        // Shared memory and Unix sockets need every rank on this host: say so before trying either.
+        if world > 1 {
+            if let Err(why) = anyccl_core::topology::check_one_host(boot.as_mut(), &|k| std::env::var(k).ok())? {
+                return Err(Error::Unsupported {
+                    capability: "host-processes".into(),
+                    reason: anyccl_core::Reason::Unavailable {
+                        component: "one host for every rank".into(),
+                        detail: format!(
+                            "{why}; the host backend across processes needs them on one host (shared memory)"
+                        ),
+                    },
+                });
+            }
+        }
         let sub = (SCRATCH_BYTES.saturating_mul(32) / world).clamp(64, SCRATCH_BYTES) & !63;
         let mut scratch = Vec::new();
         scratch.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} scratch blocks")))?;

@@ -80,6 +80,28 @@ fn world_3_under_a_torchrun_stand_in() {
     run_world(3);
 }
 
+/// Ranks that a launcher places on two hosts (simulated per rank with `ANYCCL_HOST_ID`) are refused by every rank,
+/// with the reason, before any shared memory or socket is set up.
+#[test]
+fn ranks_on_two_hosts_are_refused_with_the_reason_before_any_shared_memory() {
+    let held = hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let dir = std::env::temp_dir().join(format!("anyccl-two-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a segment directory");
+    let env = [("ANYCCL_HOST_CHILD", "hosts".to_owned()), ("ANYCCL_HOST_SHM_DIR", dir.display().to_string())];
+    let t0 = Instant::now();
+    let kids =
+        launcher::start_ranks_each(3, port, &env, &|rank| vec![("ANYCCL_HOST_ID", format!("node-{}", rank / 2))]);
+    for (rank, kid) in kids.into_iter().enumerate() {
+        let l = result_line(rank, &finish(rank, kid, t0));
+        assert!(l.contains("ranks span 2 hosts (rank 0 on node-0, rank 2 on node-1)"), "rank {rank}: {l}");
+        assert!(l.contains("needs them on one host"), "rank {rank}: {l}");
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir).expect("the directory").collect();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(left.is_empty(), "set up despite the refusal: {left:?}");
+}
+
 /// The shared-memory capacity of the large-message tests: far below their messages, so they move in many chunks.
 const SMALL_SHM: usize = 64 << 10;
 
@@ -344,6 +366,12 @@ fn rank() {
         opts.shm_capacity = SMALL_SHM;
     }
     opts.shm_dir = shm_dir.clone();
+    if mode == "hosts" {
+        // The launcher gave the ranks different host identities: the communicator must refuse, with the reason.
+        let e = from_env(opts).err().expect("ranks on two hosts are refused");
+        println!("RESULT {e}");
+        return;
+    }
     let mut comm = from_env(opts).expect("the host communicator forms");
     let (rank, world) = (comm.rank(), comm.world_size());
     match mode.as_str() {
