@@ -14,6 +14,8 @@ use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
+#[allow(dead_code)] // Wired into bench in the next commit.
+mod check;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
 mod output;
