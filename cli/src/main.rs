@@ -820,7 +820,78 @@ mod tests {
         assert!(one_line(&"ab ".repeat(10_000)).chars().count() <= MAX_LINE);
     }
 
+    fn bench_args(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["anyccl", "bench"].iter().chain(args))?;
+        match cli.command {
+            Command::Bench(a) => Ok(a),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// nccl-tests' `-b 8 -e 128M -f 2` parses to the sweep it means there; the long names are aliases; the
+    /// flags need each other and exclude --sizes.
+    #[test]
+    fn nccl_tests_short_flags() {
+        let a = bench_args(&["-b", "8", "-e", "128M", "-f", "2"]).expect("parses");
+        assert_eq!((a.minbytes, a.maxbytes, a.stepfactor), (Some(8), Some(128 << 20), Some(2)));
+        let (sizes, flag) = sizes_of(&a).ok().flatten().expect("a sweep");
+        assert_eq!((sizes.len(), sizes[0], sizes[24], flag), (25, 8, 128 << 20, "-b/-e/-f"));
+        let a = bench_args(&["--minbytes", "1KiB", "--maxbytes", "4KiB"]).expect("parses");
+        assert_eq!(sizes_of(&a).ok().flatten().map(|s| s.0), Some(vec![1024, 2048, 4096]), "factor 2 by default");
+        assert!(sizes_of(&bench_args(&[]).expect("parses")).ok().flatten().is_none(), "the backend's default");
+        for bad in [
+            &["-b", "8"][..],
+            &["-e", "8"],
+            &["-f", "2"],
+            &["-b", "8", "-e", "16", "--sizes", "8"],
+            &["-b", "8", "-e", "8", "-f", "1"],
+        ] {
+            assert!(bench_args(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A wrong result (here one element of rank 0's out-of-place ring output, changed after the call) fails the
+    /// command with the count and the cell named; an untouched run passes.
+    #[cfg(feature = "host")]
+    #[test]
+    fn wrong_results_fail_the_command() {
+        use crate::bench::{run_host_with, smoke_config, CellId};
+        let mut cfg = smoke_config(Arc::new(Selector::defaults()));
+        cfg.algorithms = Some(vec![Algorithm::Ring]);
+        cfg.sizes = vec![4096];
+        let target = CellId { rank: 0, bytes: 4096, algorithm: Some(Algorithm::Ring), in_place: false };
+        let tamper = |id: CellId, out: &mut [u8]| {
+            if id == target {
+                out[8] ^= 1;
+            }
+        };
+        let r = run_host_with(&cfg, &|_, _| {}, Some(&tamper)).expect("runs");
+        let e = verdict(&r).expect_err("a wrong result fails the command");
+        assert!(
+            e.message.contains("1 elements of the results were wrong, in 1 cells (4 KiB out of place, ring: 1)"),
+            "{}",
+            e.message
+        );
+        assert!(verdict(&run_host_with(&cfg, &|_, _| {}, None).expect("runs")).is_ok());
+    }
+
     proptest::proptest! {
+        /// -b and -e take exactly what --sizes takes (the same parser), whatever the text.
+        #[test]
+        fn short_flags_parse_sizes_like_sizes(n in 0u64..(1 << 34), unit in "(|B|K|KiB|M|MiB|G|GiB|KB|MB|GB|x)") {
+            let text = format!("{n}{unit}");
+            let parsed = bench_args(&["-b", &text, "-e", &text]);
+            match parse_bytes(&text) {
+                Ok(v) => {
+                    let a = parsed.expect("parses");
+                    proptest::prop_assert_eq!((a.minbytes, a.maxbytes), (Some(v), Some(v)));
+                    let sweep = sizes_of(&a).ok().flatten().map(|s| s.0);
+                    proptest::prop_assert_eq!(sweep, (v > 0).then(|| vec![v]));
+                }
+                Err(_) => proptest::prop_assert!(parsed.is_err()),
+            }
+        }
+
         /// The whole command line parser: arbitrary arguments never panic it (clap reports, never aborts).
         #[test]
         fn argument_parser_never_panics(args in proptest::collection::vec(proptest::prop_oneof![
