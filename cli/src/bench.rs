@@ -1052,13 +1052,13 @@ pub fn render_table(r: &BenchReport) -> String {
     let w = texts.iter().map(|t| t.chars().count()).max().unwrap_or(0).max(22);
     let _ = write!(s, "\n{:>10} {:>9} {:>5}", "size", "count", "place");
     for a in &r.algorithms {
-        let _ = write!(s, " {:>w$}", a.name());
+        let _ = write!(s, "  {:>w$}", a.name());
     }
     let host = r.rows.iter().any(|row| row.host_us_per_call.is_some());
     if host {
         let _ = write!(s, " {:>20}", "host us/call (raw)");
     }
-    let _ = writeln!(s, " {:>w$} {:>7}  best", "auto", "#wrong");
+    let _ = writeln!(s, "  {:>w$} {:>7}  best", "auto", "#wrong");
     for row in &r.rows {
         for (i, (place, p)) in row.placements().enumerate() {
             if i == 0 {
@@ -1067,7 +1067,7 @@ pub fn render_table(r: &BenchReport) -> String {
                 let _ = write!(s, "{:>10} {:>9} {place:>5}", "", "");
             }
             for c in &p.cells {
-                let _ = write!(s, " {:>w$}", cell_text(c, r.world, spread));
+                let _ = write!(s, "  {:>w$}", cell_text(c, r.world, spread));
             }
             if host {
                 let h = match (i, row.host_us_per_call, row.raw_ccl_host_us_per_call) {
@@ -1078,7 +1078,7 @@ pub fn render_table(r: &BenchReport) -> String {
             }
             let auto = format!("{} {}", p.auto.algorithm, cell_text(&p.auto, r.world, spread));
             let wrong: u64 = p.cells.iter().chain([&p.auto]).filter_map(|c| c.wrong).fold(0, u64::saturating_add);
-            let _ = write!(s, " {auto:>w$} {wrong:>7}");
+            let _ = write!(s, "  {auto:>w$} {wrong:>7}");
             match p.best_speedup_vs_baseline {
                 Some(x) => {
                     let _ = writeln!(s, "  {} ({x:.2}x)", p.best);
