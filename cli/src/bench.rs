@@ -232,7 +232,7 @@ pub struct Cell {
     pub wrong: Option<u64>,
     /// The spread of the ranks' medians (more than one rank).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub ranks: Option<Spread>,
+    pub rank_spread: Option<Spread>,
 }
 
 /// The cells of one placement (out of place or in place) at one size.
@@ -388,7 +388,15 @@ pub(crate) fn median(v: &mut [f64]) -> f64 {
 pub(crate) fn cell(algorithm: Algorithm, median_us: f64, min_us: f64, bytes: u64, world: usize) -> Cell {
     let algbw = bytes as f64 / (median_us * 1e-6) / 1e9;
     let factor = if world > 1 { 2.0 * (world - 1) as f64 / world as f64 } else { 0.0 };
-    Cell { algorithm, median_us, min_us, algbw_gbps: algbw, busbw_gbps: algbw * factor, wrong: Some(0), ranks: None }
+    Cell {
+        algorithm,
+        median_us,
+        min_us,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * factor,
+        wrong: Some(0),
+        rank_spread: None,
+    }
 }
 
 /// What one rank measured in one cell.
@@ -496,7 +504,7 @@ fn merge_cell(algorithm: Algorithm, per_rank: &[RankCell], bytes: u64, world: us
     let mut c = cell(algorithm, median, min, bytes, world);
     c.wrong = per_rank.iter().filter_map(|c| c.wrong).reduce(u64::saturating_add);
     if per_rank.len() > 1 && !medians.is_empty() {
-        c.ranks = Some(Spread {
+        c.rank_spread = Some(Spread {
             min_us: medians.iter().copied().fold(f64::INFINITY, f64::min),
             avg_us: avg,
             max_us: medians.iter().copied().fold(f64::NEG_INFINITY, f64::max),
@@ -1005,7 +1013,7 @@ fn cell_text(c: &Cell, world: usize, spread: bool) -> String {
     }
     let bw = if world > 1 { c.busbw_gbps } else { c.algbw_gbps };
     let mut s = fmt_us(c.median_us);
-    if let (true, Some(r)) = (spread, c.ranks) {
+    if let (true, Some(r)) = (spread, c.rank_spread) {
         s += &format!(" [{}-{}]", fmt_us(r.min_us).trim_end_matches(" us"), fmt_us(r.max_us));
     }
     s += &format!(" / {bw:.2}");
@@ -1128,9 +1136,9 @@ pub fn render_csv(r: &BenchReport) -> String {
                     !auto && c.algorithm == p.best,
                     place == "in",
                     c.wrong.map_or(String::new(), |w| w.to_string()),
-                    opt(c.ranks.map(|x| x.min_us)),
-                    opt(c.ranks.map(|x| x.avg_us)),
-                    opt(c.ranks.map(|x| x.max_us)),
+                    opt(c.rank_spread.map(|x| x.min_us)),
+                    opt(c.rank_spread.map(|x| x.avg_us)),
+                    opt(c.rank_spread.map(|x| x.max_us)),
                     r.schema,
                 )
             };
@@ -1186,7 +1194,7 @@ mod tests {
                     assert!(c.median_us > 0.0 && c.median_us.is_finite());
                     assert!(c.busbw_gbps > 0.0);
                     assert_eq!(c.wrong, Some(0), "checked and right");
-                    let spread = c.ranks.expect("two ranks have a spread");
+                    let spread = c.rank_spread.expect("two ranks have a spread");
                     assert!(spread.min_us <= spread.avg_us && spread.avg_us <= spread.max_us);
                 }
                 assert!(p.cells.iter().any(|c| c.algorithm == p.best));
@@ -1314,11 +1322,11 @@ mod tests {
         ];
         let c = merge_cell(Algorithm::Ring, &ranks, 1 << 20, 2, Headline::Rank0);
         assert_eq!((c.median_us, c.min_us, c.wrong), (10.0, 9.0, Some(2)));
-        assert_eq!(c.ranks, Some(Spread { min_us: 10.0, avg_us: 20.0, max_us: 30.0 }));
+        assert_eq!(c.rank_spread, Some(Spread { min_us: 10.0, avg_us: 20.0, max_us: 30.0 }));
         let c = merge_cell(Algorithm::Ring, &ranks, 1 << 20, 2, Headline::Average);
         assert_eq!((c.median_us, c.min_us), (20.0, 5.0));
         let empty = merge_cell(Algorithm::Ring, &[RankCell::EMPTY, RankCell::EMPTY], 1, 2, Headline::Average);
-        assert!(empty.median_us.is_nan() && empty.wrong.is_none() && empty.ranks.is_none());
+        assert!(empty.median_us.is_nan() && empty.wrong.is_none() && empty.rank_spread.is_none());
     }
 
     proptest! {

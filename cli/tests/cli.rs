@@ -133,7 +133,7 @@ fn bench_json_and_csv() {
         let cells = place["cells"].as_array().expect("cells");
         assert_eq!(cells.len(), 3);
         assert!(cells.iter().chain([&place["auto"]]).all(|c| c["wrong"] == 0), "{place}");
-        assert!(place["auto"]["ranks"]["max_us"].as_f64().is_some(), "{place}");
+        assert!(place["auto"]["rank_spread"]["max_us"].as_f64().is_some(), "{place}");
     }
     let out = anyccl(
         &["bench", "--world", "2", "--sizes", "8KiB", "--iters", "2", "--warmup", "0", "--csv", "--algos", "ring"],
@@ -449,7 +449,7 @@ fn per_rank_bench_aggregates_over_processes() {
         for place in [row, &row["in_place"]] {
             for c in place["cells"].as_array().expect("cells").iter().chain([&place["auto"]]) {
                 assert_eq!(c["wrong"], 0, "{c}");
-                let f = |k: &str| c["ranks"][k].as_f64().unwrap_or(f64::NAN);
+                let f = |k: &str| c["rank_spread"][k].as_f64().unwrap_or(f64::NAN);
                 let (min, avg, max) = (f("min_us"), f("avg_us"), f("max_us"));
                 assert!(0.0 < min && min <= avg && avg <= max, "{c}");
                 // The headline is the average over the ranks, as nccl-tests reports it.
