@@ -895,6 +895,7 @@ pub(crate) fn run_host_with(cfg: &BenchConfig, progress: Progress<'_>, tamper: T
     let comms = communicators(cfg.world, HostOptions { selector: cfg.selector.clone(), ..HostOptions::default() })?;
     let sweeps = on_ranks(comms, |mut c| host::host_rank(&mut c, cfg, &algorithms, &reference, progress, tamper))?;
     let all: Vec<Vec<RankCell>> = sweeps.iter().map(|s| s.cells.clone()).collect();
+    // `on_ranks` returns every rank's result or an error, never an empty list: `sweeps[0]` is rank 0's.
     let rows = assemble(cfg, &algorithms, Algorithm::Ring, &all, &sweeps[0], Headline::Rank0)?;
     let host = host_name();
     let pid = std::process::id();

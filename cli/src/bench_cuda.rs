@@ -457,6 +457,7 @@ pub fn run(cfg: &BenchConfig, mode: Mode, progress: Progress<'_>) -> Result<Benc
     let library = library_text(first);
     let sweeps = on_ranks(comms, |mut c| cuda_rank(&mut c, cfg, mode, &algorithms, &reference, progress, None))?;
     let all: Vec<Vec<RankCell>> = sweeps.iter().map(|s| s.cells.clone()).collect();
+    // `on_ranks` returns every rank's result or an error, never an empty list: `sweeps[0]` is rank 0's.
     let rows = assemble(cfg, &algorithms, Algorithm::Ccl, &all, &sweeps[0], Headline::Rank0)?;
     let (host, pid) = (host_name(), std::process::id());
     let ranks = ordinals
