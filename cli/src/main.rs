@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 mod bench;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
+mod check;
 mod output;
 mod plot;
 mod probe;
@@ -61,10 +62,11 @@ enum BackendArg {
 
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
-    /// Backend to run on (default: the best available; the host backend when there is no GPU backend).
+    /// Backend to run on. Default: cuda when this build has it and the machine has an NVIDIA GPU, else host.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
-    /// Number of ranks, 1 to 64 (default: host: the core count, 2 to 8; cuda: every GPU of this machine).
+    /// Number of ranks, 1 to 64. Default: host: the number of CPU cores, at least 2 and at most 8; cuda: every GPU
+    /// of this machine; --per-rank: the launcher's WORLD_SIZE (given, it must match).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     world: Option<u16>,
     /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
@@ -74,36 +76,94 @@ struct BenchArgs {
     #[arg(long, default_value = "sum", value_parser = parse_op)]
     op: ReduceOp,
     /// Message sizes, comma-separated (4KiB,1MiB,…), at most 64. Host backend: each at most 1 GiB, and world ×
-    /// size at most 2 GiB. Default: 4 KiB to 16 MiB in steps of 4x.
-    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    /// size at most 2 GiB. Default: host: 4 KiB to 16 MiB in steps of 4× (7 sizes); cuda: bf16 tensors of shape
+    /// (N, 8192) for N = 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 3062, 4096 (512 KiB to 64 MiB, 11 sizes).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, conflicts_with_all = ["minbytes", "maxbytes", "stepfactor"])]
     sizes: Option<Vec<u64>>,
-    /// Algorithms to measure, comma-separated (default: every one the backend implements).
+    /// A geometric sweep instead of --sizes, as nccl-tests' -b: the smallest size (needs -e).
+    #[arg(short = 'b', long, value_name = "SIZE", value_parser = parse_size, requires = "maxbytes")]
+    minbytes: Option<u64>,
+    /// The largest size of the sweep, included when a step lands on it (nccl-tests' -e; needs -b).
+    #[arg(short = 'e', long, value_name = "SIZE", value_parser = parse_size, requires = "minbytes")]
+    maxbytes: Option<u64>,
+    /// The factor from one size of the sweep to the next, 2 to 1024 (nccl-tests' -f; needs -b and -e). Default: 2.
+    #[arg(short = 'f', long, value_name = "FACTOR", requires = "minbytes",
+          value_parser = clap::value_parser!(u64).range(2..=crate::bench::MAX_STEP_FACTOR))]
+    stepfactor: Option<u64>,
+    /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
+    /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
+    /// nvls-warp-pipeline, nvls-block-pipeline (those the machine cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::bench::MAX_ITERS)))]
     iters: u32,
-    /// Untimed warm-up calls per cell, 0 to 10000.
+    /// Untimed warm-up calls per cell, 0 to 10000 (on GPUs with --graph, at least 1 eager call and 1 replay).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(..=i64::from(crate::bench::MAX_WARMUP)))]
     warmup: u32,
     /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
     #[arg(long, value_name = "FILE")]
     table: Option<PathBuf>,
-    /// Print JSON instead of the table.
+    /// Print JSON instead of the table (schema in the `schema` field).
     #[arg(long, conflicts_with = "csv")]
     json: bool,
-    /// Print CSV instead of the table.
+    /// Print CSV instead of the table (the `schema` column last).
     #[arg(long)]
     csv: bool,
-    /// Also draw latency and bandwidth against size, one line per algorithm, into this SVG file.
+    /// Also draw latency and bandwidth against size (out of place), one line per algorithm, into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
-    /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs).
+    /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs; the host backend
+    /// times each call between two barriers).
     #[arg(long, conflicts_with = "eager")]
     graph: bool,
     /// GPU timing: each eager call on its own, plus the host time per call (anyccl vs raw NCCL).
     #[arg(long)]
     eager: bool,
+    /// One process per rank, started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    /// MASTER_PORT; ANYCCL_RENDEZVOUS_KEY off loopback): every process measures its rank, rank 0 prints the
+    /// report with each cell's spread over the ranks (min/avg/max), and every rank exits non-zero if any result
+    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot).
+    #[arg(long)]
+    per_rank: bool,
+}
+
+/// The sizes the flags give (`--sizes` or `-b/-e/-f`) and the flag to name in errors, or `None` for the
+/// backend's default.
+fn sizes_of(args: &BenchArgs) -> Result<Option<(Vec<u64>, &'static str)>, CliError> {
+    if let Some(s) = &args.sizes {
+        return Ok(Some((s.clone(), "--sizes")));
+    }
+    match (args.minbytes, args.maxbytes) {
+        (Some(min), Some(max)) => {
+            let sizes = crate::bench::geometric_sizes(min, max, args.stepfactor.unwrap_or(2))?;
+            Ok(Some((sizes, crate::bench::STEP_FLAGS)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The sweep `args` describe on `world` ranks, with `default_sizes` when no sizes were given.
+fn config(
+    args: &BenchArgs,
+    world: usize,
+    default_sizes: fn() -> Vec<u64>,
+    selector: Arc<Selector>,
+    in_place: bool,
+) -> Result<crate::bench::BenchConfig, CliError> {
+    let (sizes, sizes_flag) = sizes_of(args)?.unwrap_or_else(|| (default_sizes(), "--sizes"));
+    Ok(crate::bench::BenchConfig {
+        world,
+        dtype: args.dtype,
+        op: args.op,
+        sizes,
+        sizes_flag,
+        algorithms: args.algos.clone(),
+        iters: args.iters as usize,
+        warmup: args.warmup as usize,
+        in_place,
+        selector,
+    })
 }
 
 fn default_world() -> u16 {
@@ -266,21 +326,31 @@ fn print_out(s: &str) -> Result<(), CliError> {
     }
 }
 
-fn bench(mut args: BenchArgs) -> Result<(), CliError> {
-    dedup_algos(&mut args);
-    let disabled = disabled_by_env()?;
-    if let Some(p) = &args.plot {
-        crate::plot::check_path(p)?;
-        check_output(p, "--plot", "the plot")?;
-    }
+/// The backend a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Host,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// The backend `args` asks for, or the best available: cuda where compiled in, present and not turned off by
+/// `ANYCCL_DISABLE`, else host. Refuses what cannot run (not compiled in, no bench, turned off).
+fn choose_backend(args: &BenchArgs, disabled: anyccl::Capabilities) -> Result<Backend, CliError> {
     #[cfg(feature = "cuda")]
     {
         let cuda_ok = anyccl::cuda::available().is_ok() && !disabled.contains(anyccl::Capabilities::CUDA_RUNTIME);
         if args.backend == Some(BackendArg::Cuda) {
             refuse_if_disabled(disabled, anyccl::Capabilities::CUDA_RUNTIME)?;
+            if let Err(reason) = anyccl::cuda::available() {
+                return Err(CliError {
+                    message: format!("the cuda backend is unavailable: {reason}"),
+                    hint: Some("run `anyccl probe` for details, or use `--backend host`".into()),
+                });
+            }
         }
         if args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && cuda_ok) {
-            return bench_cuda(args);
+            return Ok(Backend::Cuda);
         }
     }
     match args.backend {
@@ -311,26 +381,164 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
         });
     }
     refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
-    let selector = Arc::new(selector(args.table.as_ref())?);
-    let cfg = crate::bench::BenchConfig {
-        world: usize::from(args.world.unwrap_or_else(default_world)),
-        dtype: args.dtype,
-        op: args.op,
-        sizes: args.sizes.unwrap_or_else(crate::bench::default_host_sizes),
-        algorithms: args.algos,
-        iters: args.iters as usize,
-        warmup: args.warmup as usize,
-        selector,
-    };
-    cfg.check(crate::bench::Limits::HOST)?;
-    let report = run_with_progress(&cfg)?;
-    if args.backend.is_none() && !(args.json || args.csv) {
-        eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
+    Ok(Backend::Host)
+}
+
+/// A sweep's outcome for the command: printed (on rank 0), and an error when any result was wrong.
+struct Finished {
+    report: crate::bench::BenchReport,
+    /// Whether this process prints (every process of a threads run; rank 0 of a `--per-rank` job).
+    prints: bool,
+}
+
+/// Runs the sweep `args` describe (with `in_place` columns or not) on `backend`.
+fn sweep(
+    args: &BenchArgs,
+    backend: Backend,
+    selector: Selector,
+    in_place: bool,
+    world: Option<usize>,
+) -> Result<Finished, CliError> {
+    let selector = Arc::new(selector);
+    match backend {
+        Backend::Host if args.per_rank => {
+            #[cfg(feature = "host")]
+            {
+                let options = anyccl::host::HostOptions { selector: selector.clone(), ..Default::default() };
+                let c = anyccl::host::from_env(options).map_err(per_rank_error)?;
+                let (rank, cfg) = per_rank_config(
+                    args,
+                    c.rank(),
+                    c.world_size(),
+                    crate::bench::default_host_sizes,
+                    selector,
+                    in_place,
+                )?;
+                let report = with_progress(rank == 0, |p| crate::bench::run_host_processes(c, &cfg, p))?;
+                Ok(Finished { report, prints: rank == 0 })
+            }
+            #[cfg(not(feature = "host"))]
+            Err(CliError {
+                message: "the host backend is not compiled into this build".into(),
+                hint: Some("rebuild with the default `host` feature".into()),
+            })
+        }
+        Backend::Host => {
+            let world = world.unwrap_or_else(|| usize::from(args.world.unwrap_or_else(default_world)));
+            let cfg = config(args, world, crate::bench::default_host_sizes, selector, in_place)?;
+            cfg.check(crate::bench::Limits::HOST)?;
+            let report = with_progress(true, |p| run_host(&cfg, p))?;
+            Ok(Finished { report, prints: true })
+        }
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            let mode = if args.eager { crate::bench_cuda::Mode::Eager } else { crate::bench_cuda::Mode::Graph };
+            if args.per_rank {
+                let (c, mut rdv) =
+                    anyccl::cuda::bootstrap::communicator_from_env(selector.clone()).map_err(per_rank_error)?;
+                let (rank, cfg) = per_rank_config(
+                    args,
+                    c.rank(),
+                    c.world_size(),
+                    crate::bench::default_gpu_sizes,
+                    selector,
+                    in_place,
+                )?;
+                let report =
+                    with_progress(rank == 0, |p| crate::bench_cuda::run_processes(c, &mut rdv, &cfg, mode, p))?;
+                return Ok(Finished { report, prints: rank == 0 });
+            }
+            let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
+            let world = world.unwrap_or_else(|| args.world.map_or(gpus, usize::from));
+            let cfg = config(args, world, crate::bench::default_gpu_sizes, selector, in_place)?;
+            cfg.check(crate::bench::Limits::GPU)?;
+            let report = with_progress(true, |p| crate::bench_cuda::run(&cfg, mode, p))?;
+            Ok(Finished { report, prints: true })
+        }
     }
+}
+
+/// A `--per-rank` rank's configuration: the world is the launcher's (a `--world` must match it).
+fn per_rank_config(
+    args: &BenchArgs,
+    rank: usize,
+    world: usize,
+    default_sizes: fn() -> Vec<u64>,
+    selector: Arc<Selector>,
+    in_place: bool,
+) -> Result<(usize, crate::bench::BenchConfig), CliError> {
+    if let Some(w) = args.world.filter(|&w| usize::from(w) != world) {
+        return Err(CliError {
+            message: format!("--world {w} differs from the launcher's WORLD_SIZE ({world})"),
+            hint: Some("with --per-rank the launcher sets the world; drop --world or make them agree".into()),
+        });
+    }
+    Ok((rank, config(args, world, default_sizes, selector, in_place)?))
+}
+
+/// An error joining a `--per-rank` job, with the hint for how such jobs start.
+fn per_rank_error(e: Error) -> CliError {
+    let launcher = matches!(&e, Error::Config { source_name, .. } if source_name.chars().all(|c| c.is_ascii_uppercase() || c == '_'));
+    let e = CliError::from(e);
+    if launcher {
+        e.with_hint(
+            "--per-rank runs one process per rank under a launcher: `torchrun --nproc-per-node N anyccl bench \
+             --per-rank` (or srun), which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT",
+        )
+    } else {
+        e
+    }
+}
+
+/// Fails when any result of `report` was wrong, naming the first cells and how many.
+fn verdict(report: &crate::bench::BenchReport) -> Result<(), CliError> {
+    if report.wrong == 0 {
+        return Ok(());
+    }
+    let cells = report.wrong_cells();
+    let first: Vec<String> = cells
+        .iter()
+        .take(3)
+        .map(|(bytes, place, algo, n)| {
+            format!("{} {place} of place, {algo}: {n}", anyccl::core::units::format_bytes(*bytes))
+        })
+        .collect();
+    let more = if cells.len() > 3 { format!(" and {} more", cells.len() - 3) } else { String::new() };
+    Err(CliError {
+        message: format!(
+            "{} elements of the results were wrong, in {} cells ({}{more})",
+            report.wrong,
+            cells.len(),
+            first.join("; ")
+        ),
+        hint: Some(
+            "a wrong all-reduce is a bug in anyccl or the vendor library; `--json` gives every cell's count".into(),
+        ),
+    })
+}
+
+fn bench(mut args: BenchArgs) -> Result<(), CliError> {
+    dedup_algos(&mut args);
+    let disabled = disabled_by_env()?;
     if let Some(p) = &args.plot {
-        crate::plot::plot(&report, p)?;
+        crate::plot::check_path(p)?;
+        check_output(p, "--plot", "the plot")?;
     }
-    print_report(&report, args.json, args.csv)
+    // A bad -b/-e/-f fails before anything is set up.
+    sizes_of(&args)?;
+    let backend = choose_backend(&args, disabled)?;
+    let sel = selector(args.table.as_ref())?;
+    let done = sweep(&args, backend, sel, true, None)?;
+    if done.prints {
+        if backend == Backend::Host && args.backend.is_none() && !(args.json || args.csv) {
+            eprintln!("no GPU backend is available in this build; ran on the host backend (`anyccl probe` says why)");
+        }
+        if let Some(p) = &args.plot {
+            crate::plot::plot(&done.report, p)?;
+        }
+        print_report(&done.report, args.json, args.csv)?;
+    }
+    verdict(&done.report)
 }
 
 /// Each algorithm once, in the order first given (`--algos ring,ring` measures ring once).
@@ -360,67 +568,49 @@ fn render(report: &crate::bench::BenchReport, json: bool, csv: bool) -> Result<S
     Ok(out)
 }
 
-/// Runs the sweep twice: once to pick the winners, once with the written table to check `auto`.
+/// Runs the sweep twice: once to pick the winners, once with the written table to check `auto`. Exits non-zero
+/// when a result is wrong or the check fails (the table stays written).
 fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     dedup_algos(&mut args);
-    let disabled = disabled_by_env()?;
-    #[cfg(feature = "cuda")]
-    let on_cuda = !disabled.contains(anyccl::Capabilities::CUDA_RUNTIME)
-        && (args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && anyccl::cuda::available().is_ok()));
-    #[cfg(not(feature = "cuda"))]
-    let on_cuda = false;
-    if args.backend == Some(BackendArg::Cuda) {
-        refuse_if_disabled(disabled, anyccl::Capabilities::CUDA_RUNTIME)?;
-    }
-    if matches!(args.backend, Some(BackendArg::Rocm)) || (args.backend == Some(BackendArg::Cuda) && !on_cuda) {
+    if args.per_rank {
         return Err(CliError {
-            message: "tune runs on the host backend or on an available cuda backend".into(),
-            hint: Some("`anyccl probe` shows which backends are available".into()),
+            message: "tune does not take --per-rank (it measures one process's ranks)".into(),
+            hint: Some("run `anyccl tune` without --per-rank, or `anyccl bench --per-rank` to measure".into()),
         });
     }
-    if !on_cuda {
-        refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
-        #[cfg(feature = "host")]
+    let disabled = disabled_by_env()?;
+    sizes_of(&args)?;
+    let backend = match choose_backend(&args, disabled) {
+        Err(_)
+            if args.backend == Some(BackendArg::Rocm)
+                || (args.backend == Some(BackendArg::Cuda) && !cfg!(feature = "cuda")) =>
+        {
+            return Err(CliError {
+                message: "tune runs on the host backend or on an available cuda backend".into(),
+                hint: Some("`anyccl probe` shows which backends are available".into()),
+            })
+        }
+        b => b?,
+    };
+    #[cfg(feature = "host")]
+    if backend == Backend::Host {
         crate::tune::check_measurable(args.algos.as_deref(), &anyccl::host::ALGORITHMS, "host")?;
     }
     check_output(out, "--out", "the tuned table")?;
     let base = selector(args.table.as_ref())?;
-    let cfg = |selector: anyccl::Selector| -> crate::bench::BenchConfig {
-        crate::bench::BenchConfig {
-            world: usize::from(args.world.unwrap_or_else(default_world)),
-            dtype: args.dtype,
-            op: args.op,
-            sizes: args.sizes.clone().unwrap_or_else(if on_cuda {
-                crate::bench::default_gpu_sizes
-            } else {
-                crate::bench::default_host_sizes
-            }),
-            algorithms: args.algos.clone(),
-            iters: args.iters as usize,
-            warmup: args.warmup as usize,
-            selector: Arc::new(selector),
-        }
-    };
-    let limits = if on_cuda { crate::bench::Limits::GPU } else { crate::bench::Limits::HOST };
-    cfg(base.clone()).check(limits)?;
-    let (first, vendor, arch, fallback) = if on_cuda {
+    let first = sweep(&args, backend, base.clone(), false, None)?.report;
+    verdict(&first)?;
+    let (vendor, fallback) = match backend {
+        Backend::Host => ("host", anyccl::Algorithm::Ring),
         #[cfg(feature = "cuda")]
-        {
-            let info = anyccl::cuda::available().map_err(|r| CliError { message: r.to_string(), hint: None })?;
-            let arch = info.devices.first().map(|d| d.arch()).unwrap_or_default();
-            let mut c = cfg(base.clone());
-            c.world = args.world.map_or(info.devices.len(), usize::from);
-            (
-                crate::bench_cuda::run(&c, crate::bench_cuda::Mode::Graph, &|_, _| {})?,
-                "nvidia",
-                arch,
-                anyccl::Algorithm::Ccl,
-            )
+        Backend::Cuda => ("nvidia", anyccl::Algorithm::Ccl),
+    };
+    let arch = match backend {
+        Backend::Host => "host".to_owned(),
+        #[cfg(feature = "cuda")]
+        Backend::Cuda => {
+            anyccl::cuda::available().ok().and_then(|info| info.devices.first().map(|d| d.arch())).unwrap_or_default()
         }
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("on_cuda is false without the cuda feature")
-    } else {
-        (run_with_progress(&cfg(base.clone()))?, "host", "host".to_owned(), anyccl::Algorithm::Ring)
     };
     let text = crate::tune::table_text(&first, vendor, &arch, fallback)?;
     crate::tune::write_table(out, &text)
@@ -436,80 +626,77 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     let tuned = base
         .with_table_file(out, "anyccl tune")
         .map_err(|e| CliError::from(e).with_hint("the table just written could not be read back; run tune again"))?;
-    let mut second_cfg = cfg(tuned);
-    second_cfg.world = first.world;
-    let second = if on_cuda {
-        #[cfg(feature = "cuda")]
-        {
-            crate::bench_cuda::run(&second_cfg, crate::bench_cuda::Mode::Graph, &|_, _| {})?
-        }
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("on_cuda is false without the cuda feature")
-    } else {
-        run_with_progress(&second_cfg)?
-    };
+    let second = sweep(&args, backend, tuned, false, Some(first.world))?.report;
+    verdict(&second)?;
     println!(
         "\ncheck: auto with the tuned table against the best algorithm of the same run (tolerance {:.0}%)",
         crate::tune::TOLERANCE * 100.0
     );
-    let rows = crate::tune::check(&second);
+    let rows = crate::tune::check(&second, &out.display().to_string());
     for r in &rows {
+        let verdict = match (r.followed_table, r.fast) {
+            (true, true) => "ok",
+            (true, false) => "SLOWER",
+            (false, _) => "NOT THE TUNED TABLE'S CHOICE",
+        };
         println!(
-            "  {:>10}  auto {:<14} {:>9.1} us   best {:<14} {:>9.1} us   {}",
+            "  {:>10}  auto {:<14} {:>9.1} us   best {:<14} {:>9.1} us   {verdict}",
             anyccl::core::units::format_bytes(r.bytes),
             r.auto.name(),
             r.auto_us,
             r.best.name(),
             r.best_us,
-            if r.ok { "ok" } else { "SLOWER" }
         );
     }
     let slow = rows.iter().filter(|r| !r.ok).count();
     println!("check: {} of {} sizes within {:.0}%", rows.len() - slow, rows.len(), crate::tune::TOLERANCE * 100.0);
-    Ok(())
-}
-
-#[cfg(feature = "cuda")]
-fn bench_cuda(args: BenchArgs) -> Result<(), CliError> {
-    if let Err(reason) = anyccl::cuda::available() {
-        return Err(CliError {
-            message: format!("the cuda backend is unavailable: {reason}"),
-            hint: Some("run `anyccl probe` for details, or use `--backend host`".into()),
-        });
+    match crate::tune::failure(&rows) {
+        None => Ok(()),
+        Some(why) => Err(CliError {
+            message: why,
+            hint: Some(format!(
+                "the table is written ({}); run tune again with more --iters on a quieter machine, and unset \
+                 ANYCCL_ALLREDUCE_ALGO, which overrides every table",
+                out.display()
+            )),
+        }),
     }
-    let selector = Arc::new(selector(args.table.as_ref())?);
-    let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
-    let world = args.world.map_or(gpus, usize::from);
-    let cfg = crate::bench::BenchConfig {
-        world,
-        dtype: args.dtype,
-        op: args.op,
-        sizes: args.sizes.unwrap_or_else(crate::bench::default_gpu_sizes),
-        algorithms: args.algos,
-        iters: args.iters as usize,
-        warmup: args.warmup as usize,
-        selector,
-    };
-    cfg.check(crate::bench::Limits::GPU)?;
-    let mode = if args.eager { crate::bench_cuda::Mode::Eager } else { crate::bench_cuda::Mode::Graph };
-    let report = crate::bench_cuda::run(&cfg, mode, &|_, _| {})?;
-    if let Some(p) = &args.plot {
-        crate::plot::plot(&report, p)?;
-    }
-    print_report(&report, args.json, args.csv)
 }
 
 #[cfg(feature = "host")]
-fn run_with_progress(cfg: &crate::bench::BenchConfig) -> Result<crate::bench::BenchReport, CliError> {
+fn run_host(
+    cfg: &crate::bench::BenchConfig,
+    progress: crate::bench::Progress<'_>,
+) -> anyccl::Result<crate::bench::BenchReport> {
+    crate::bench::run_host(cfg, progress)
+}
+
+#[cfg(not(feature = "host"))]
+fn run_host(
+    _cfg: &crate::bench::BenchConfig,
+    _progress: crate::bench::Progress<'_>,
+) -> anyccl::Result<crate::bench::BenchReport> {
+    Err(Error::Unsupported {
+        capability: "host-backend".into(),
+        reason: anyccl::core::Reason::NotApplicable { detail: "not compiled into this build".into() },
+    })
+}
+
+/// Runs `run` with a progress bar on stderr when `show` (rank 0), stderr is a terminal, and the sweep takes longer
+/// than [`crate::bench::PROGRESS_AFTER`].
+fn with_progress<T>(
+    show: bool,
+    run: impl FnOnce(crate::bench::Progress<'_>) -> anyccl::Result<T>,
+) -> Result<T, CliError> {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     use std::sync::Mutex;
     let start = std::time::Instant::now();
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
-    if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cells") {
+    if let Ok(style) = ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} cells {eta}") {
         bar.set_style(style);
     }
     let shown = Mutex::new(false);
-    let tty = std::io::stderr().is_terminal();
+    let tty = show && std::io::stderr().is_terminal();
     let progress = |done: u64, total: u64| {
         bar.set_length(total);
         bar.set_position(done);
@@ -519,14 +706,26 @@ fn run_with_progress(cfg: &crate::bench::BenchConfig) -> Result<crate::bench::Be
             *s = true;
         }
     };
-    let r = crate::bench::run_host(cfg, &progress);
+    let r = run(&progress);
     bar.finish_and_clear();
     Ok(r?)
 }
 
-#[cfg(not(feature = "host"))]
-fn run_with_progress(_cfg: &crate::bench::BenchConfig) -> Result<crate::bench::BenchReport, CliError> {
-    Err(CliError { message: "no backend is available in this build".into(), hint: None })
+/// clap's error on one line: its first paragraph (a first line ending in `:` continues with the arguments it
+/// names, as in "the following required arguments were not provided: --maxbytes <SIZE>").
+fn clap_summary(rendered: &str) -> String {
+    let first: Vec<&str> = rendered.lines().map(str::trim).take_while(|l| !l.is_empty()).collect();
+    let text = if first.first().is_some_and(|l| l.ends_with(':')) {
+        first.join(" ")
+    } else {
+        first.first().map_or_else(String::new, |l| (*l).to_owned())
+    };
+    let text = text.strip_prefix("error: ").unwrap_or(&text).to_owned();
+    if text.is_empty() {
+        "invalid arguments".into()
+    } else {
+        text
+    }
 }
 
 /// Logging to stderr, filtered by `ANYCCL_LOG` (default `warn`). An invalid value is not fatal: one warning
@@ -578,9 +777,7 @@ fn main() -> ExitCode {
             }
             // One clear line instead of clap's multi-line block, then a hint.
             let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments").trim();
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("error: {}", one_line(first));
+            eprintln!("error: {}", one_line(&clap_summary(&rendered)));
             eprintln!("hint: run `anyccl --help` (or `anyccl <command> --help`) for the accepted flags");
             return ExitCode::from(2);
         }
@@ -623,14 +820,86 @@ mod tests {
         assert!(one_line(&"ab ".repeat(10_000)).chars().count() <= MAX_LINE);
     }
 
+    fn bench_args(args: &[&str]) -> Result<BenchArgs, clap::Error> {
+        let cli = Cli::try_parse_from(["anyccl", "bench"].iter().chain(args))?;
+        match cli.command {
+            Command::Bench(a) => Ok(a),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// nccl-tests' `-b 8 -e 128M -f 2` parses to the sweep it means there; the long names are aliases; the
+    /// flags need each other and exclude --sizes.
+    #[test]
+    fn nccl_tests_short_flags() {
+        let a = bench_args(&["-b", "8", "-e", "128M", "-f", "2"]).expect("parses");
+        assert_eq!((a.minbytes, a.maxbytes, a.stepfactor), (Some(8), Some(128 << 20), Some(2)));
+        let (sizes, flag) = sizes_of(&a).ok().flatten().expect("a sweep");
+        assert_eq!((sizes.len(), sizes[0], sizes[24], flag), (25, 8, 128 << 20, "-b/-e/-f"));
+        let a = bench_args(&["--minbytes", "1KiB", "--maxbytes", "4KiB"]).expect("parses");
+        assert_eq!(sizes_of(&a).ok().flatten().map(|s| s.0), Some(vec![1024, 2048, 4096]), "factor 2 by default");
+        assert!(sizes_of(&bench_args(&[]).expect("parses")).ok().flatten().is_none(), "the backend's default");
+        for bad in [
+            &["-b", "8"][..],
+            &["-e", "8"],
+            &["-f", "2"],
+            &["-b", "8", "-e", "16", "--sizes", "8"],
+            &["-b", "8", "-e", "8", "-f", "1"],
+        ] {
+            assert!(bench_args(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A wrong result (here one element of rank 0's out-of-place ring output, changed after the call) fails the
+    /// command with the count and the cell named; an untouched run passes.
+    #[cfg(feature = "host")]
+    #[test]
+    fn wrong_results_fail_the_command() {
+        use crate::bench::{run_host_with, smoke_config, CellId};
+        let mut cfg = smoke_config(Arc::new(Selector::defaults()));
+        cfg.algorithms = Some(vec![Algorithm::Ring]);
+        cfg.sizes = vec![4096];
+        let target = CellId { rank: 0, bytes: 4096, algorithm: Some(Algorithm::Ring), in_place: false };
+        let tamper = |id: CellId, out: &mut [u8]| {
+            if id == target {
+                out[8] ^= 1;
+            }
+        };
+        let r = run_host_with(&cfg, &|_, _| {}, Some(&tamper)).expect("runs");
+        let e = verdict(&r).expect_err("a wrong result fails the command");
+        assert!(
+            e.message.contains("1 elements of the results were wrong, in 1 cells (4 KiB out of place, ring: 1)"),
+            "{}",
+            e.message
+        );
+        assert!(verdict(&run_host_with(&cfg, &|_, _| {}, None).expect("runs")).is_ok());
+    }
+
     proptest::proptest! {
+        /// -b and -e take exactly what --sizes takes (the same parser), whatever the text.
+        #[test]
+        fn short_flags_parse_sizes_like_sizes(n in 0u64..(1 << 34), unit in "(|B|K|KiB|M|MiB|G|GiB|KB|MB|GB|x)") {
+            let text = format!("{n}{unit}");
+            let parsed = bench_args(&["-b", &text, "-e", &text]);
+            match parse_bytes(&text) {
+                Ok(v) => {
+                    let a = parsed.expect("parses");
+                    proptest::prop_assert_eq!((a.minbytes, a.maxbytes), (Some(v), Some(v)));
+                    let sweep = sizes_of(&a).ok().flatten().map(|s| s.0);
+                    proptest::prop_assert_eq!(sweep, (v > 0).then(|| vec![v]));
+                }
+                Err(_) => proptest::prop_assert!(parsed.is_err()),
+            }
+        }
+
         /// The whole command line parser: arbitrary arguments never panic it (clap reports, never aborts).
         #[test]
         fn argument_parser_never_panics(args in proptest::collection::vec(proptest::prop_oneof![
             proptest::strategy::Just("bench".to_owned()),
             proptest::strategy::Just("tune".to_owned()),
             proptest::strategy::Just("probe".to_owned()),
-            "--(sizes|world|iters|warmup|dtype|op|algos|table|plot|out|backend|json|csv|graph|eager)".prop_map(String::from),
+            "--(sizes|world|iters|warmup|dtype|op|algos|table|plot|out|backend|json|csv|graph|eager|per-rank|minbytes|maxbytes|stepfactor)".prop_map(String::from),
+            "-[bef]".prop_map(String::from),
             "\\PC{0,12}",
             "-?[0-9]{1,25}(KiB|GiB|B)?",
         ], 0..8)) {

@@ -63,7 +63,7 @@ pub fn plot(report: &BenchReport, path: &Path) -> Result<()> {
             let pts = report
                 .rows
                 .iter()
-                .filter_map(|r| r.cells.get(i))
+                .filter_map(|r| r.out_of_place.cells.get(i))
                 .zip(&report.rows)
                 .filter(|(c, _)| c.median_us.is_finite())
                 .map(|(c, r)| (r.bytes as f64, c.median_us, bw(c)))
@@ -71,7 +71,10 @@ pub fn plot(report: &BenchReport, path: &Path) -> Result<()> {
             (a.name().to_owned(), pts)
         })
         .collect();
-    series.push(("auto".into(), report.rows.iter().map(|r| (r.bytes as f64, r.auto.median_us, bw(&r.auto))).collect()));
+    series.push((
+        "auto".into(),
+        report.rows.iter().map(|r| (r.bytes as f64, r.out_of_place.auto.median_us, bw(&r.out_of_place.auto))).collect(),
+    ));
     let all: Vec<&Point> = series.iter().flat_map(|(_, p)| p).collect();
     if all.is_empty() {
         return Err(plot_err("nothing was measured"));

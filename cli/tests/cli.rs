@@ -5,8 +5,11 @@ mod fake_ccl;
 #[cfg(feature = "rocm")]
 #[path = "../../tests/support/fake_hip.rs"]
 mod fake_hip;
+#[path = "../../tests/support/launcher.rs"]
+mod launcher;
 
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_anyccl"));
@@ -114,17 +117,66 @@ fn bench_json_and_csv() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
-    assert_eq!(v["rows"][0]["bytes"], 8192);
-    assert_eq!(v["rows"][0]["count"], 2048);
-    assert!(v["rows"][0]["auto"]["median_us"].as_f64().is_some_and(|x| x > 0.0));
+    assert_eq!(v["schema"], 2);
+    assert_eq!((v["launch"].as_str(), v["wrong"].as_u64()), (Some("threads"), Some(0)));
+    assert!(v["library"].is_null(), "no vendor library on the host");
+    let ranks = v["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2);
+    assert!(ranks.iter().enumerate().all(|(r, k)| k["rank"] == r && k["pid"].as_u64().is_some()), "{ranks:?}");
+    let row = &v["rows"][0];
+    assert_eq!(row["bytes"], 8192);
+    assert_eq!(row["count"], 2048);
+    assert_eq!(row["wrong"], 0);
+    assert!(row["auto"]["median_us"].as_f64().is_some_and(|x| x > 0.0));
+    // Out of place at the row's top level (as in schema 1), in place beside it; every cell checked.
+    for place in [row, &row["in_place"]] {
+        let cells = place["cells"].as_array().expect("cells");
+        assert_eq!(cells.len(), 3);
+        assert!(cells.iter().chain([&place["auto"]]).all(|c| c["wrong"] == 0), "{place}");
+        assert!(place["auto"]["rank_spread"]["max_us"].as_f64().is_some(), "{place}");
+    }
     let out = anyccl(
         &["bench", "--world", "2", "--sizes", "8KiB", "--iters", "2", "--warmup", "0", "--csv", "--algos", "ring"],
         &[],
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let s = text(&out.stdout);
-    assert!(s.starts_with("backend,world,dtype"), "{s}");
-    assert_eq!(s.lines().count(), 3, "header + ring + auto:\n{s}");
+    assert!(
+        s.starts_with("backend,world,dtype")
+            && s.lines().next().is_some_and(|h| h.ends_with(",wrong,rank_min_us,rank_avg_us,rank_max_us,schema")),
+        "{s}"
+    );
+    assert_eq!(s.lines().count(), 5, "header + (ring + auto) out of place and in place:\n{s}");
+    assert!(s.lines().skip(1).all(|l| l.ends_with(",2") && l.contains(",0,")), "{s}");
+    let in_place = s.lines().skip(1).filter(|l| l.split(',').nth(13) == Some("true")).count();
+    assert_eq!(in_place, 2, "two in-place lines:\n{s}");
+}
+
+/// nccl-tests' `-b MIN -e MAX -f FACTOR` as a sweep, and its mistakes refused with the flag named.
+#[test]
+fn bench_sweeps_like_nccl_tests() {
+    let sizes = |args: &[&str]| -> Vec<u64> {
+        let mut all = vec!["bench", "--world", "2", "--iters", "1", "--warmup", "0", "--algos", "ring", "--json"];
+        all.extend_from_slice(args);
+        let out = anyccl(&all, &[]);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        v["rows"].as_array().expect("rows").iter().map(|r| r["bytes"].as_u64().expect("bytes")).collect()
+    };
+    assert_eq!(sizes(&["-b", "4KiB", "-e", "64KiB", "-f", "4"]), [4096, 16384, 65536]);
+    assert_eq!(sizes(&["--minbytes", "8K", "--maxbytes", "40K"]), [8192, 16384, 32768], "factor 2 by default");
+    assert_eq!(sizes(&["-b", "1M", "-e", "1M"]), [1 << 20]);
+    assert_one_line_error(&anyccl(&["bench", "-b", "8K"], &[]), "--maxbytes");
+    assert_one_line_error(&anyccl(&["bench", "-f", "2"], &[]), "--minbytes");
+    assert_one_line_error(&anyccl(&["bench", "--sizes", "4K", "-b", "4K", "-e", "8K"], &[]), "--sizes");
+    assert_one_line_error(&anyccl(&["bench", "-b", "4K", "-e", "8K", "-f", "1"], &[]), "--stepfactor");
+    assert_one_line_error(&anyccl(&["bench", "-b", "16K", "-e", "8K"], &[]), "-b/--minbytes (16 KiB) is above");
+    assert_one_line_error(&anyccl(&["bench", "-b", "6", "-e", "6", "--dtype", "f32"], &[]), "-b/-e/-f: 6 B");
+    assert_one_line_error(
+        &anyccl(&["bench", "--world", "2", "-b", "2", "-e", "16G"], &[]),
+        "-b/-e/-f: 2 GiB is above this backend's largest message",
+    );
+    assert_eq!(anyccl(&["bench", "-b", "8K"], &[]).status.code(), Some(2));
 }
 
 fn assert_one_line_error(out: &Output, needle: &str) {
@@ -286,8 +338,9 @@ fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
 fn tune_writes_a_table_that_bench_then_uses() {
     let out = std::env::temp_dir().join(format!("anyccl-tune-{}.toml", std::process::id()));
     let os = out.to_string_lossy().into_owned();
-    let r =
-        anyccl(&["tune", "--world", "2", "--sizes", "4KiB,256KiB", "--iters", "3", "--warmup", "1", "--out", &os], &[]);
+    // One algorithm: the check's verdict cannot depend on timing noise (auto runs the only, hence best, column).
+    let args = ["tune", "--world", "2", "--sizes", "4KiB,256KiB", "--iters", "3", "--warmup", "1", "--algos", "ring"];
+    let r = anyccl(&[&args[..], &["--out", &os]].concat(), &[]);
     assert!(r.status.success(), "{}", text(&r.stderr));
     let s = text(&r.stdout);
     assert!(s.contains("check: auto with the tuned table") && s.contains("sizes within 5%"), "{s}");
@@ -300,6 +353,16 @@ fn tune_writes_a_table_that_bench_then_uses() {
     );
     let v: serde_json::Value = serde_json::from_slice(&b.stdout).expect("JSON");
     assert!(v["rows"][0]["auto_rule"].as_str().is_some_and(|r| r.starts_with(&os)), "{}", v["rows"][0]["auto_rule"]);
+    std::fs::remove_file(&out).ok();
+
+    // Its own check failing is an error: ANYCCL_ALLREDUCE_ALGO overrides the tuned table, so auto does not follow
+    // it. The table is still written, and the message says which sizes failed and why.
+    let r = anyccl(&[&args[..], &["--out", &os]].concat(), &[("ANYCCL_ALLREDUCE_ALGO", "one-shot")]);
+    assert_eq!(r.status.code(), Some(1), "{}", text(&r.stdout));
+    assert!(text(&r.stdout).contains("NOT THE TUNED TABLE'S CHOICE"), "{}", text(&r.stdout));
+    assert_one_line_error(&r, "tune's check failed at 2 of 2 sizes");
+    assert!(text(&r.stderr).contains("4 KiB: auto chose one-shot by a rule that is not the tuned table's"));
+    assert!(anyccl::core::SelectorTable::load(&out).is_ok(), "the table stays written");
     std::fs::remove_file(&out).ok();
 }
 
@@ -322,4 +385,97 @@ fn bench_plots_an_svg_and_refuses_other_formats() {
         &anyccl(&["bench", "--sizes", "4KiB", "--iters", "1", "--plot", "chart.png"], &[]),
         "PNG is not supported",
     );
+}
+
+/// Starts `world` `anyccl` processes the way torchrun does (a stand-in holds `MASTER_PORT`; each process gets
+/// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and nothing else), rank `r` with `args(r)`, and
+/// waits for all of them (60 s at most).
+fn per_rank(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<Output> {
+    let held = launcher::hold_master_port();
+    let port = held.local_addr().expect("addr").port();
+    let start = Instant::now();
+    let kids: Vec<Child> = (0..world)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_anyccl"))
+                .args(args(rank))
+                .env_clear()
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    let outs =
+        kids.into_iter().enumerate().map(|(r, k)| launcher::finish(r, k, start, Duration::from_secs(60))).collect();
+    drop(held);
+    outs
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| (*a).to_owned()).collect()
+}
+
+/// `bench --per-rank` under a torchrun stand-in: one process per rank on the host backend (shared memory); every
+/// rank measures, rank 0 alone prints, each cell carries the spread of the ranks' medians, every result is checked.
+#[test]
+fn per_rank_bench_aggregates_over_processes() {
+    let args = strings(&["bench", "--per-rank", "--sizes", "4KiB,64KiB", "--iters", "3", "--warmup", "1", "--json"]);
+    let outs = per_rank(3, &|_| args.clone());
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", launcher::text(o));
+        if r > 0 {
+            assert!(o.stdout.is_empty(), "only rank 0 prints; rank {r}: {}", text(&o.stdout));
+        }
+    }
+    let v: serde_json::Value = serde_json::from_slice(&outs[0].stdout).expect("rank 0 prints JSON");
+    assert_eq!(
+        (v["schema"].as_u64(), v["launch"].as_str(), v["world"].as_u64()),
+        (Some(2), Some("processes"), Some(3))
+    );
+    assert_eq!(v["algorithms"], serde_json::json!(["one-shot"]), "the host backend across processes");
+    assert_eq!(v["wrong"], 0);
+    let ranks = v["ranks"].as_array().expect("ranks");
+    let pids: std::collections::BTreeSet<u64> = ranks.iter().filter_map(|k| k["pid"].as_u64()).collect();
+    assert_eq!(pids.len(), 3, "three processes: {ranks:?}");
+    assert!(ranks.iter().all(|k| k["device"] == "host"), "{ranks:?}");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.iter().map(|r| r["bytes"].as_u64()).collect::<Vec<_>>(), [Some(4096), Some(65536)]);
+    for row in rows {
+        for place in [row, &row["in_place"]] {
+            for c in place["cells"].as_array().expect("cells").iter().chain([&place["auto"]]) {
+                assert_eq!(c["wrong"], 0, "{c}");
+                let f = |k: &str| c["rank_spread"][k].as_f64().unwrap_or(f64::NAN);
+                let (min, avg, max) = (f("min_us"), f("avg_us"), f("max_us"));
+                assert!(0.0 < min && min <= avg && avg <= max, "{c}");
+                // The headline is the average over the ranks, as nccl-tests reports it.
+                assert_eq!(c["median_us"].as_f64(), Some(avg), "{c}");
+            }
+        }
+    }
+}
+
+/// Ranks started with different flags refuse together, naming the odd one, instead of calling different
+/// collectives; `--world` must match the launcher's; outside a launcher the error says how to start one.
+#[test]
+fn per_rank_ranks_must_agree() {
+    let outs = per_rank(2, &|r| {
+        let iters = if r == 1 { "4" } else { "3" };
+        strings(&["bench", "--per-rank", "--sizes", "4KiB", "--iters", iters, "--warmup", "0"])
+    });
+    for (r, o) in outs.iter().enumerate() {
+        assert_one_line_error(o, "rank 1 was started with other settings than rank 0");
+        assert!(o.stdout.is_empty(), "rank {r} printed a report");
+    }
+    let outs = per_rank(2, &|_| strings(&["bench", "--per-rank", "--world", "4", "--sizes", "4KiB", "--iters", "1"]));
+    for o in &outs {
+        assert_one_line_error(o, "--world 4 differs from the launcher's WORLD_SIZE (2)");
+    }
+    let out = anyccl(&["bench", "--per-rank", "--sizes", "4KiB", "--iters", "1"], &[]);
+    assert_one_line_error(&out, "WORLD_SIZE");
+    assert!(text(&out.stderr).contains("torchrun --nproc-per-node"), "{}", text(&out.stderr));
 }

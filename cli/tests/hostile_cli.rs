@@ -323,6 +323,18 @@ fn cases(f: &Fixtures) -> Vec<Case> {
         b("size flags", &["--sizes", "3", "--dtype", "f32"], "--sizes"),
         b("size flags", &["--sizes", &many_sizes], "65 sizes"),
         b("size flags", &["--sizes", &long_number], "--sizes"),
+        // nccl-tests' -b/-e/-f.
+        b("size flags", &["-b", "1", "-e", "18446744073709551615"], "-b/-e/-f: 1 B is not a positive multiple"),
+        b("size flags", &["-b", "2", "-e", "18446744073709551615"], "-b/-e/-f"),
+        b("size flags", &["-b", "18446744073709551616", "-e", "1"], "18446744073709551616"),
+        b("size flags", &["-b", "4KiB", "-e", "8KiB", "-f", "0"], "--stepfactor"),
+        b("size flags", &["-b", "4KiB", "-e", "8KiB", "-f", "1025"], "--stepfactor"),
+        b("size flags", &["-b", "4KiB", "-e", "8KiB", "-f", "99999999999999999999"], "--stepfactor"),
+        b("size flags", &["-b", "8KiB", "-e", "4KiB"], "-b/--minbytes (8 KiB) is above -e/--maxbytes (4 KiB)"),
+        b("size flags", &["-b", "0", "-e", "4KiB"], "-b/--minbytes"),
+        b("size flags", &["-e", "4KiB"], "--minbytes"),
+        b("size flags", &["--sizes", "4KiB", "-b", "4KiB", "-e", "4KiB"], "--sizes"),
+        fail("size flags", &["tune", "-b", "4KiB", "-e", "4GiB", "--out", &out], "-b/-e/-f"),
         fail("size flags", &["tune", "--sizes", "4611686018427387904", "--out", &out], "--sizes"),
         fail("size flags", &["tune", "--sizes", "2GiB", "--world", "2", "--out", &out], "--sizes"),
         // Counts.
@@ -420,6 +432,31 @@ fn cases(f: &Fixtures) -> Vec<Case> {
         fail("environment", &["bench", "--sizes", "4KiB", "--iters", "1"], "ANYCCL_DISABLE")
             .env("ANYCCL_DISABLE", OsStr::from_bytes(b"\xfe")),
         fail("environment", &["probe"], "missing").env("ANYCCL_TUNE_FILE", f.path("missing")),
+    ]);
+    // A `--per-rank` rank with a broken launcher environment: refused before any network or memory use.
+    let per_rank = ["bench", "--per-rank", "--sizes", "4KiB", "--iters", "1"];
+    let launcher = |class, needle: &str, vars: &[(&str, &str)]| {
+        let mut c = fail(class, &per_rank, needle).hint("torchrun", "ANYCCL_TUNE_FILE");
+        for (k, v) in [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")] {
+            let v = vars.iter().find(|(n, _)| *n == k).map_or(v, |(_, v)| *v);
+            c = c.env(k, v);
+        }
+        c
+    };
+    v.extend([
+        launcher("per-rank", "WORLD_SIZE", &[("WORLD_SIZE", "99999999999999999999")]),
+        launcher("per-rank", "WORLD_SIZE", &[("WORLD_SIZE", "0")]),
+        launcher("per-rank", "RANK", &[("RANK", "5")]),
+        launcher("per-rank", "RANK", &[("RANK", "-1")]),
+        launcher("per-rank", "MASTER_ADDR", &[("MASTER_ADDR", "")]),
+        launcher("per-rank", "MASTER_PORT", &[("MASTER_PORT", "65536")]),
+        // Off loopback, the job's key is required (anyone reaching the port could join otherwise).
+        fail("per-rank", &per_rank, "ANYCCL_RENDEZVOUS_KEY")
+            .env("RANK", "0")
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "192.0.2.1")
+            .env("MASTER_PORT", "29500"),
+        fail("per-rank", &["tune", "--per-rank", "--out", &out], "--per-rank"),
     ]);
     // Memory: within the caps, but more than this process may have; a typed error, not an abort.
     v.push(
