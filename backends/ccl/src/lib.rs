@@ -58,7 +58,7 @@ pub(crate) fn check(lib: &CclLibrary, call: &str, status: sys::ncclResult_t, com
         message.push_str("; last error: ");
         message.push_str(&l);
     }
-    Err(Error::Backend { backend: backend_name(lib).into(), call: call.into(), code: Some(i64::from(status)), message })
+    Err(Error::backend(backend_name(lib), call, Some(i64::from(status)), message))
 }
 
 /// Copies a C string owned by the library, sanitised (control characters escaped, length bounded): it reaches
@@ -286,12 +286,12 @@ impl CclComm {
         let status = unsafe { (lib.table().required.comm_init_rank)(&mut comm, n, id.raw(), r) };
         check(&lib, "ncclCommInitRank", status, comm)?;
         if comm.is_null() {
-            return Err(Error::Backend {
-                backend: backend_name(&lib).into(),
-                call: "ncclCommInitRank".into(),
-                code: None,
-                message: "returned success but no communicator".into(),
-            });
+            return Err(Error::backend(
+                backend_name(&lib),
+                "ncclCommInitRank",
+                None,
+                "returned success but no communicator",
+            ));
         }
         Ok(CclComm { lib, comm })
     }
@@ -302,12 +302,8 @@ impl CclComm {
         // SAFETY: `comm` is a live communicator; the query writes one int.
         let status = unsafe { f(comm, &mut v) };
         check(&self.lib, name, status, self.comm)?;
-        usize::try_from(v).map_err(|_| Error::Backend {
-            backend: backend_name(&self.lib).into(),
-            call: name.into(),
-            code: None,
-            message: format!("returned a negative value {v}"),
-        })
+        usize::try_from(v)
+            .map_err(|_| Error::backend(backend_name(&self.lib), name, None, format!("returned a negative value {v}")))
     }
 
     /// `ncclCommCount`.
@@ -400,22 +396,22 @@ impl CclComm {
         });
         if let Err(e) = spawned {
             // The closure, and the handle with it, is gone without an abort: the communicator is leaked.
-            return AbortOutcome::Done(Err(Error::Backend {
-                backend: backend_name(&self.lib).into(),
-                call: "ncclCommAbort".into(),
-                code: None,
-                message: format!("could not start a thread to abort the communicator ({e}); it is leaked"),
-            }));
+            return AbortOutcome::Done(Err(Error::backend(
+                backend_name(&self.lib),
+                "ncclCommAbort",
+                None,
+                format!("could not start a thread to abort the communicator ({e}); it is leaked"),
+            )));
         }
         match rx.recv_timeout(grace) {
             Ok(r) => AbortOutcome::Done(r),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => AbortOutcome::StillRunning { after: grace },
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => AbortOutcome::Done(Err(Error::Backend {
-                backend: backend_name(&self.lib).into(),
-                call: "ncclCommAbort".into(),
-                code: None,
-                message: "the aborting thread ended without a result".into(),
-            })),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => AbortOutcome::Done(Err(Error::backend(
+                backend_name(&self.lib),
+                "ncclCommAbort",
+                None,
+                "the aborting thread ended without a result",
+            ))),
         }
     }
 

@@ -103,12 +103,7 @@ impl std::error::Error for DriverError {}
 
 impl From<DriverError> for Error {
     fn from(e: DriverError) -> Self {
-        Error::Backend {
-            backend: "cuda".to_owned(),
-            call: e.call.to_owned(),
-            code: Some(i64::from(e.code)),
-            message: e.message,
-        }
+        Error::backend("cuda", e.call, Some(i64::from(e.code)), e.message)
     }
 }
 
@@ -287,7 +282,7 @@ fn size_error(message: String) -> Error {
 }
 
 fn usage_error(call: &str, message: String) -> Error {
-    Error::Backend { backend: "cuda".to_owned(), call: call.to_owned(), code: None, message }
+    Error::backend("cuda", call, None, message)
 }
 
 fn round_up(x: usize, granularity: usize) -> Option<usize> {

@@ -63,12 +63,7 @@ pub(crate) fn check(lib: &HipLibrary, call: &str, status: sys::hipError_t) -> Re
     if status == sys::HIP_SUCCESS {
         return Ok(());
     }
-    Err(Error::Backend {
-        backend: "rocm".into(),
-        call: call.into(),
-        code: Some(i64::from(status)),
-        message: lib.error_string(status),
-    })
+    Err(Error::backend("rocm", call, Some(i64::from(status)), lib.error_string(status)))
 }
 
 /// One HIP device of this process.
@@ -83,12 +78,12 @@ impl HipDevice {
     pub fn new(lib: Arc<HipLibrary>, ordinal: i32) -> Result<Arc<Self>> {
         let n = device_count(&lib)?;
         if ordinal < 0 || ordinal as usize >= n {
-            return Err(Error::Backend {
-                backend: "rocm".into(),
-                call: "hipSetDevice".into(),
-                code: None,
-                message: format!("device {ordinal} does not exist ({n} HIP devices)"),
-            });
+            return Err(Error::backend(
+                "rocm",
+                "hipSetDevice",
+                None,
+                format!("device {ordinal} does not exist ({n} HIP devices)"),
+            ));
         }
         Ok(Arc::new(HipDevice { lib, ordinal }))
     }
@@ -147,15 +142,12 @@ pub fn device_count(lib: &HipLibrary) -> Result<usize> {
 /// struct for both layouts.
 pub fn arch_of(lib: &HipLibrary, ordinal: i32) -> Result<String> {
     let f = lib.table().get_device_properties_r0600.or(lib.table().get_device_properties).ok_or_else(|| {
-        Error::Backend {
-            backend: "rocm".into(),
-            call: "hipGetDeviceProperties".into(),
-            code: None,
-            message: format!(
-                "{} exports neither hipGetDevicePropertiesR0600 nor hipGetDeviceProperties",
-                lib.path().display()
-            ),
-        }
+        Error::backend(
+            "rocm",
+            "hipGetDeviceProperties",
+            None,
+            format!("{} exports neither hipGetDevicePropertiesR0600 nor hipGetDeviceProperties", lib.path().display()),
+        )
     })?;
     let mut buf = vec![0u8; 16 << 10];
     // SAFETY: the buffer is larger than every hipDeviceProp_t layout (about 1.5 KiB), zeroed, writable.
