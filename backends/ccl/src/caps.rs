@@ -79,9 +79,7 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
             r.disable(Capabilities::SYMMETRIC_WINDOWS, Reason::EnvVar { var: "NCCL_WIN_ENABLE".into(), value: v });
         }
     }
-    if let Some(v) = env("NCCL_NVLS_ENABLE").filter(|v| v.trim() == "0") {
-        r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
-    }
+    r.apply_nvls_env(env);
     r
 }
 

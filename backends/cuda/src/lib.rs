@@ -95,9 +95,7 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
                     },
                 ),
             }
-            if let Some(v) = env("NCCL_NVLS_ENABLE").filter(|v| v.trim() == "0") {
-                r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
-            }
+            r.apply_nvls_env(env);
         }
     }
     match anyccl_kernels_cuda::NOT_BUILT {

@@ -36,7 +36,7 @@ use anyccl_core::{Error, Reason, Result};
 pub const MIN_DRIVER_VERSION: i32 = 12010;
 
 /// The environment variable that turns NVLS multicast off when set to `0` (as it does for NCCL).
-pub const NVLS_ENABLE_VAR: &str = "NCCL_NVLS_ENABLE";
+pub const NVLS_ENABLE_VAR: &str = anyccl_core::caps::NVLS_ENABLE_VAR;
 
 /// A `CUmemGenericAllocationHandle` that refers to a multicast object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -189,10 +189,8 @@ pub fn multicast_eligibility<D: MulticastDriver + ?Sized>(
     device: i32,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> std::result::Result<(), Reason> {
-    if let Some(value) = env(NVLS_ENABLE_VAR) {
-        if value.trim().parse::<i64>() == Ok(0) {
-            return Err(Reason::EnvVar { var: NVLS_ENABLE_VAR.to_owned(), value });
-        }
+    if let Some(reason) = anyccl_core::caps::nvls_off_by_env(env) {
+        return Err(reason);
     }
     let unavailable =
         |e: DriverError| Reason::Unavailable { component: "CUDA driver".to_owned(), detail: e.to_string() };
