@@ -26,7 +26,7 @@ use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 pub use caps::derive as derive_capabilities;
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
-pub use rank::{CclRank, DeviceAddress, ABORT_GRACE};
+pub use rank::{CclBackend, CclRank, CclStream, DeviceAddress, ABORT_GRACE};
 
 /// Finds and loads the library of `vendor` with the standard search plan.
 pub fn load(vendor: CclVendor) -> std::result::Result<Arc<CclLibrary>, NotFound> {

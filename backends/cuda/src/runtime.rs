@@ -512,6 +512,24 @@ unsafe impl anyccl_ccl::DeviceAddress for DeviceBuffer {
     }
 }
 
+impl anyccl_ccl::CclStream for CudaStream {
+    fn ccl_handle(&self) -> anyccl_ccl::sys::Stream {
+        self.raw.cast()
+    }
+
+    fn is_capturing(&self) -> Result<bool> {
+        CudaStream::is_capturing(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaStream::synchronize(self)
+    }
+
+    fn query(&self) -> Result<bool> {
+        CudaStream::query(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

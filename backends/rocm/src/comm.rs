@@ -141,49 +141,44 @@ impl CommBackend for RocmComm {
         // Only ccl and ccl-symmetric are eligible here (the same RCCL call: RCCL picks its symmetric path when the
         // buffers lie in a registered window).
         self.runtime.device().bind()?;
-        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
-        // buffers hold `count` elements of this device; the stream is live (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
+        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank.
+        unsafe { self.ccl.all_reduce(args) }
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements); the stream
-        // is live.
-        unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.all_gather(args) }
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements); the stream
-        // is live.
-        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce_scatter(args) }
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.broadcast(args) }
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        let stream = args.stream().raw();
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.reduction(), args.root(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce(args) }
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.send(args) }
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw());
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.recv(args) }
     }
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
@@ -194,10 +189,7 @@ impl CommBackend for RocmComm {
 
     fn query(&mut self, stream: &HipStream) -> Result<bool> {
         // `hipStreamQuery` refuses a capturing stream before RCCL is asked anything.
-        if stream.query()? {
-            return Ok(true);
-        }
-        self.ccl.still_running()
+        self.ccl.query(stream)
     }
 
     fn close_in_background(self) -> Teardown {
@@ -208,12 +200,7 @@ impl CommBackend for RocmComm {
 
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: a 4-byte buffer of this device; the stream is live.
-        unsafe { self.ccl.barrier_all_reduce(&self.scratch, stream.raw()) }?;
-        if stream.is_capturing()? {
-            // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
-            return Ok(());
-        }
-        stream.synchronize()
+        // SAFETY: a 4-byte buffer of this device; a stream of this device.
+        unsafe { self.ccl.barrier(&self.scratch, stream) }
     }
 }

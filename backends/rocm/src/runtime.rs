@@ -336,6 +336,24 @@ unsafe impl anyccl_ccl::DeviceAddress for HipBuffer {
     }
 }
 
+impl anyccl_ccl::CclStream for HipStream {
+    fn ccl_handle(&self) -> anyccl_ccl::sys::Stream {
+        self.raw
+    }
+
+    fn is_capturing(&self) -> Result<bool> {
+        HipStream::is_capturing(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        HipStream::synchronize(self)
+    }
+
+    fn query(&self) -> Result<bool> {
+        HipStream::query(self)
+    }
+}
+
 /// A HIP stream (non-blocking), destroyed on drop. Known to its library's
 /// [`KnownStreams`](anyccl_core::capture::KnownStreams) while it lives.
 #[derive(Debug)]
