@@ -79,7 +79,8 @@ impl RocmComm {
         let range = |ptr| self.runtime.device().address_range(ptr);
         let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
         // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view = unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal()) };
+        let view =
+            unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal().unsigned_abs()) };
         Ok(SymmetricBuffer::new(view, mem))
     }
 }
