@@ -8,7 +8,7 @@ use std::ops::{Deref, DerefMut, RangeBounds};
 use std::sync::Arc;
 
 use anyccl_core::runtime::{view_range, BufferLike};
-use anyccl_core::{BufferDesc, Location, Result};
+use anyccl_core::{BufferDesc, Location, MemoryRuntime, Result};
 
 use crate::DeviceAddress;
 
@@ -21,6 +21,22 @@ pub trait GpuAllocation: Sized + Send + Sync {
     /// Allocates `len` bytes on `device` ([`GpuBuffer::alloc`]), with the backend's rules (refused during a
     /// capture it would break, among others).
     fn alloc(device: &Arc<Self::Device>, len: usize) -> Result<GpuBuffer<Self>>;
+}
+
+/// A GPU backend's memory runtime of one device, as the shared layers use it: its buffers are [`GpuBuffer`]s.
+/// Cloning it is cheap (it holds the device by reference count).
+pub trait GpuRuntime: MemoryRuntime<Buffer = GpuBuffer<Self::Allocation>> + Clone + Send + 'static {
+    /// The backend's allocation.
+    type Allocation: GpuAllocation;
+
+    /// Makes this runtime's device current on the calling thread.
+    fn bind(&self) -> Result<()>;
+
+    /// The allocation that contains device address `ptr`: its base and size, as the runtime knows it.
+    fn address_range(&self, ptr: u64) -> Result<(u64, usize)>;
+
+    /// The device's ordinal.
+    fn ordinal(&self) -> u32;
 }
 
 /// Device memory: allocated by a backend (freed when it and every view of it have dropped), a view of memory owned

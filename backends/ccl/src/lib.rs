@@ -25,7 +25,7 @@ use std::sync::Arc;
 use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 
 pub use caps::derive as derive_capabilities;
-pub use device::{GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
+pub use device::{GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
 pub use rank::{CclBackend, CclRank, CclStream, DeviceAddress, ABORT_GRACE};

@@ -394,15 +394,7 @@ impl CudaComm {
     /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
-        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
-        let ctx = self.runtime.context().clone();
-        let bind = Box::new(move || ctx.bind());
-        let range = |ptr| self.runtime.context().address_range(ptr);
-        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view =
-            unsafe { DeviceBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
-        Ok(SymmetricBuffer::new(view, mem))
+        self.ccl.symmetric_buffer("cuda", &self.caps, &self.runtime, bytes, stream)
     }
 }
 

@@ -415,6 +415,22 @@ impl MemoryRuntime for CudaRuntime {
     }
 }
 
+impl anyccl_ccl::GpuRuntime for CudaRuntime {
+    type Allocation = CudaAllocation;
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind()
+    }
+
+    fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.ctx.address_range(ptr)
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.ctx.ordinal().unsigned_abs()
+    }
+}
+
 impl anyccl_ccl::CclStream for CudaStream {
     fn ccl_handle(&self) -> anyccl_ccl::sys::Stream {
         self.raw.cast()

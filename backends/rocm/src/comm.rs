@@ -7,9 +7,7 @@ use anyccl_ccl::{CclLibrary, CclRank, CclReduction};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
-use anyccl_core::{
-    Algorithm, CapabilityReport, CommBackend, DataType, MemoryRuntime, ReduceOp, Result, Teardown, Vendor,
-};
+use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, ReduceOp, Result, Teardown, Vendor};
 
 use crate::runtime::{HipBuffer, HipDevice, HipRuntime, HipStream};
 
@@ -73,15 +71,7 @@ impl RocmComm {
     /// calls it with the same size. Refused while `stream` captures, and where windows are off (RCCL without the
     /// window symbols, such as ROCm 7.0, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
     pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
-        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
-        let dev = self.runtime.device().clone();
-        let bind = Box::new(move || dev.bind());
-        let range = |ptr| self.runtime.device().address_range(ptr);
-        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view =
-            unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal().unsigned_abs()) };
-        Ok(SymmetricBuffer::new(view, mem))
+        self.ccl.symmetric_buffer("rocm", &self.caps, &self.runtime, bytes, stream)
     }
 }
 

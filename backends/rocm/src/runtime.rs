@@ -516,6 +516,22 @@ impl MemoryRuntime for HipRuntime {
     }
 }
 
+impl anyccl_ccl::GpuRuntime for HipRuntime {
+    type Allocation = HipAllocation;
+
+    fn bind(&self) -> Result<()> {
+        self.dev.bind()
+    }
+
+    fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.dev.address_range(ptr)
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.dev.ordinal.unsigned_abs()
+    }
+}
+
 fn check_fits(which: &'static str, bytes: usize, capacity: usize) -> Result<()> {
     if bytes > capacity {
         return Err(anyccl_core::InvalidArgument::BufferTooSmall {
