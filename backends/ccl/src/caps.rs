@@ -84,7 +84,7 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
 }
 
 /// The start of a GPU backend's report: every capability off as not used by `backend`, then the collective
-/// library's own ([`derive`] over `lib`, `env`), or, where none was loaded, those off with `missing` as the reason.
+/// library's own ([`derive()`] over `lib`, `env`), or, where none was loaded, those off with `missing` as the reason.
 pub fn gpu_backend_report(
     backend: &str,
     lib: Option<&CclLibrary>,

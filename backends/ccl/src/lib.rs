@@ -7,7 +7,12 @@
 //!   ones as `Option` — decodes the version (both encodings) and tells NCCL from RCCL. Nothing is looked up by name
 //!   afterwards, so nothing can fail that way during graph capture. [`CclLibrary::load_with`] lets tests supply
 //!   symbols without `dlopen`.
-//! - [`caps`]: turns the table, the version and the environment into a capability report with reasons.
+//! - [`caps`]: turns the table, the version and the environment into a capability report with reasons, and
+//!   assembles the GPU backends' reports ([`caps::gpu_backend_report`], [`caps::gpu_runtime`]).
+//! - [`rank`]: one rank's collectives, barrier, query, wait and symmetric buffers, written once for the CUDA and
+//!   ROCm backends ([`CclRank`]).
+//! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
+//!   backend's [`GpuAllocation`]), and the runtime the shared layers need of a backend ([`GpuRuntime`]).
 //! - this module: a thin safe layer — status codes to errors carrying the vendor's text, unique ids as bytes,
 //!   dtype/op mappings that refuse what the loaded version lacks, and a small RAII communicator handle.
 #![deny(unsafe_op_in_unsafe_fn)]

@@ -1,7 +1,8 @@
 //! One rank's collectives through NCCL or RCCL, written once for every GPU backend: the in-place layouts of
 //! all-gather and reduce-scatter, the registered symmetric windows, which of the library's all-reduce paths can
-//! run a call, and the capture rule for registration. The CUDA and ROCm backends each hold a [`CclRank`] and add
-//! only what is vendor-specific (their runtime, streams, and custom kernels).
+//! run a call, the capture rule for registration, the collectives over validated arguments ([`CclBackend`]), the
+//! barrier and the non-blocking query. The CUDA and ROCm backends each hold a [`CclRank`] and add only what is
+//! vendor-specific (their runtime, streams, and custom kernels).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,7 +29,7 @@ pub const ABORT_GRACE: Duration = Duration::from_secs(2);
 /// Device memory a collective can take: its device address.
 ///
 /// # Safety
-/// `device_addr` returns the start of memory that holds at least the buffer's [`anyccl_core::BufferLike`] length
+/// `device_addr` returns the start of memory that holds at least the buffer's [`anyccl_core::runtime::BufferLike`] length
 /// and stays allocated while the value is borrowed.
 pub unsafe trait DeviceAddress {
     /// The start address on the device.
