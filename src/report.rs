@@ -410,11 +410,7 @@ fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
         }
     }
     // An explicit switch is the reason users act on, so it is shown over hardware reasons.
-    if let Ok(v) = std::env::var("NCCL_NVLS_ENABLE") {
-        if v.trim() == "0" {
-            caps.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
-        }
-    }
+    caps.apply_nvls_env(&|k| std::env::var(k).ok());
     caps
 }
 

@@ -311,10 +311,30 @@ impl CapabilityReport {
         }
     }
 
+    /// Disables [`Capabilities::MULTICAST`] when `NCCL_NVLS_ENABLE` (read through `env`) turns NVLS off
+    /// ([`nvls_off_by_env`]); an explicit switch is the reason users act on, so it replaces any other.
+    pub fn apply_nvls_env(&mut self, env: &dyn Fn(&str) -> Option<String>) {
+        if let Some(reason) = nvls_off_by_env(env) {
+            self.disable(Capabilities::MULTICAST, reason);
+        }
+    }
+
     /// Every flag with its state, in display order.
     pub fn iter(&self) -> impl Iterator<Item = (Capabilities, &CapabilityState)> {
         self.states.iter().map(|(c, s)| (*c, s))
     }
+}
+
+/// The variable NCCL reads to turn NVLink SHARP (multicast, NVLS) off; anyccl honours it too.
+pub const NVLS_ENABLE_VAR: &str = "NCCL_NVLS_ENABLE";
+
+/// Why multicast is off when [`NVLS_ENABLE_VAR`], read through `env`, is set to 0 as an integer (as NCCL reads
+/// it; spaces around it are ignored, so `0`, ` 0 ` and `00` all turn it off); `None` when it is unset or anything
+/// else. The one reading of the variable: the capability reports, the multicast manager and its driver's
+/// interlock all ask here.
+pub fn nvls_off_by_env(env: &dyn Fn(&str) -> Option<String>) -> Option<Reason> {
+    let value = env(NVLS_ENABLE_VAR)?;
+    (value.trim().parse::<i64>() == Ok(0)).then(|| Reason::EnvVar { var: NVLS_ENABLE_VAR.to_owned(), value })
 }
 
 /// JSON form: a list of `{ "name", "enabled", "provider", "reason", "reason_detail" }` objects.
@@ -350,6 +370,27 @@ mod tests {
 
     fn report() -> CapabilityReport {
         CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "test".into() })
+    }
+
+    #[test]
+    fn nvls_is_off_only_for_an_integer_zero() {
+        let with = |v: &'static str| move |k: &str| (k == NVLS_ENABLE_VAR).then(|| v.to_owned());
+        for off in ["0", " 0 ", "00", "-0"] {
+            let want = Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: off.into() };
+            assert_eq!(nvls_off_by_env(&with(off)), Some(want.clone()), "{off:?}");
+            let mut r = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "x".into() });
+            r.enable(Capabilities::MULTICAST);
+            r.apply_nvls_env(&with(off));
+            assert_eq!(r.state(Capabilities::MULTICAST), &CapabilityState::Disabled(want));
+        }
+        for on in ["1", "2", "", "off", "0x"] {
+            assert_eq!(nvls_off_by_env(&with(on)), None, "{on:?}");
+            let mut r = report();
+            r.enable(Capabilities::MULTICAST);
+            r.apply_nvls_env(&with(on));
+            assert!(r.has(Capabilities::MULTICAST), "{on:?}");
+        }
+        assert_eq!(nvls_off_by_env(&|_| None), None);
     }
 
     #[test]

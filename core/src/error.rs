@@ -102,6 +102,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// A failed vendor library or runtime call ([`Error::Backend`]): `backend` names the backend or library
+    /// (`"cuda"`, `"nccl"`), `call` the call, `code` the vendor's status where it has one, `message` its text.
+    pub fn backend(
+        backend: impl Into<String>,
+        call: impl Into<String>,
+        code: Option<i64>,
+        message: impl Into<String>,
+    ) -> Error {
+        Error::Backend { backend: backend.into(), call: call.into(), code, message: message.into() }
+    }
+
     /// A hint for the user, where one helps (printed by the CLI below the error).
     ///
     /// A [`Error::Config`] hint follows its source: an environment variable gets a hint naming that variable (and
@@ -361,5 +372,19 @@ mod tests {
         assert_eq!(e.to_string(), "cannot parse 'x' as an all-reduce algorithm (expected y)");
         let e = Error::Parse { what: "byte size", input: "x".into(), expected: "y".into() };
         assert_eq!(e.to_string(), "cannot parse 'x' as a byte size (expected y)");
+    }
+
+    #[test]
+    fn the_backend_constructor_fills_every_field() {
+        let e = Error::backend("cuda", "cuMemAlloc", Some(2), format!("out of {}", "memory"));
+        let want = Error::Backend {
+            backend: "cuda".into(),
+            call: "cuMemAlloc".into(),
+            code: Some(2),
+            message: "out of memory".into(),
+        };
+        assert_eq!(e, want);
+        assert_eq!(e.to_string(), "cuda: cuMemAlloc failed with code 2: out of memory");
+        assert_eq!(Error::backend("host", "collective", None, "x").to_string(), "host: collective failed: x");
     }
 }

@@ -183,12 +183,12 @@ pub fn round_allocation(what: &'static str, bytes: usize, granule: usize) -> Res
 /// Refuses a null address that a vendor call returned with success for `len` bytes.
 pub fn check_non_null(backend: &str, call: &str, ptr: u64, len: usize) -> Result<()> {
     if ptr == 0 {
-        return Err(Error::Backend {
-            backend: backend.into(),
-            call: call.into(),
-            code: None,
-            message: format!("returned success but a null address for {len} bytes"),
-        });
+        return Err(Error::backend(
+            backend,
+            call,
+            None,
+            format!("returned success but a null address for {len} bytes"),
+        ));
     }
     Ok(())
 }
@@ -198,7 +198,7 @@ pub fn check_non_null(backend: &str, call: &str, ptr: u64, len: usize) -> Result
 /// `cuMemGetAddressRange` / `hipMemGetAddressRange`). `call` names the vendor call that produced `ptr`.
 pub fn check_allocation(backend: &str, call: &str, ptr: u64, len: usize, range: (u64, usize)) -> Result<()> {
     check_non_null(backend, call, ptr, len)?;
-    let fail = |message: String| Error::Backend { backend: backend.into(), call: call.into(), code: None, message };
+    let fail = |message: String| Error::backend(backend, call, None, message);
     let (base, size) = range;
     let end = ptr.checked_add(len as u64);
     let alloc_end = base.checked_add(size as u64);

@@ -82,5 +82,5 @@ pub const BACKEND_NAME: &str = "rendezvous";
 
 /// An I/O failure as anyccl's error, naming the call that failed.
 pub(crate) fn backend_error(call: impl Into<String>, message: impl Into<String>) -> anyccl_core::Error {
-    anyccl_core::Error::Backend { backend: BACKEND_NAME.into(), call: call.into(), code: None, message: message.into() }
+    anyccl_core::Error::backend(BACKEND_NAME, call, None, message)
 }

@@ -79,10 +79,50 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
             r.disable(Capabilities::SYMMETRIC_WINDOWS, Reason::EnvVar { var: "NCCL_WIN_ENABLE".into(), value: v });
         }
     }
-    if let Some(v) = env("NCCL_NVLS_ENABLE").filter(|v| v.trim() == "0") {
-        r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
+    r.apply_nvls_env(env);
+    r
+}
+
+/// The start of a GPU backend's report: every capability off as not used by `backend`, then the collective
+/// library's own ([`derive()`] over `lib`, `env`), or, where none was loaded, those off with `missing` as the reason.
+pub fn gpu_backend_report(
+    backend: &str,
+    lib: Option<&CclLibrary>,
+    missing: Reason,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> CapabilityReport {
+    let detail = format!("not used by the {backend} backend");
+    let mut r = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: detail.clone() });
+    match lib {
+        Some(l) => r.merge_from(&derive(l, env), CCL_CAPABILITIES),
+        None => r.disable(CCL_CAPABILITIES, missing),
     }
     r
+}
+
+/// Sets a GPU backend's `runtime` flag (`cuda-runtime`, `hip-runtime`) from `state` and what depends on it: when
+/// usable, graph capture and IPC on and peer access off with `p2p_detail` (it is checked per communicator); when
+/// not, the flag off with the reason and every one of `dependents` off because of it.
+pub fn gpu_runtime(
+    r: &mut CapabilityReport,
+    runtime: Capabilities,
+    state: Result<(), Reason>,
+    dependents: Capabilities,
+    p2p_detail: &str,
+) {
+    match state {
+        Err(reason) => {
+            let capability = runtime.name().unwrap_or("the GPU runtime").to_owned();
+            let dep = Reason::Requires { capability, because: Box::new(reason.clone()) };
+            r.disable(runtime, reason);
+            r.disable(dependents, dep);
+        }
+        Ok(()) => {
+            r.enable(runtime | Capabilities::GRAPH_CAPTURE | Capabilities::IPC);
+            let p2p = Reason::Unavailable { component: "peer access".into(), detail: p2p_detail.into() };
+            r.disable(Capabilities::P2P_ALL_PAIRS, p2p);
+        }
+    }
 }
 
 /// The first release with fp8 reductions: NCCL 2.24; RCCL from ROCm 6.2 (RCCL 2.20, named `ncclFp8E4M3`).
@@ -96,4 +136,33 @@ pub fn fp8_first_version(vendor: CclVendor) -> (u32, u32) {
 /// Reads the process environment.
 pub fn process_env(name: &str) -> Option<String> {
     std::env::var(name).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyccl_core::CapabilityState;
+
+    #[test]
+    fn a_gpu_runtime_sets_its_dependents_on_or_off_with_the_reason() {
+        let missing = Reason::Unavailable { component: "RCCL".into(), detail: "none".into() };
+        let mut r = gpu_backend_report("ROCm", None, missing.clone(), &|_| None);
+        assert_eq!(r.state(Capabilities::CCL), &CapabilityState::Disabled(missing));
+        assert_eq!(
+            r.state(Capabilities::HOST_BACKEND),
+            &CapabilityState::Disabled(Reason::NotApplicable { detail: "not used by the ROCm backend".into() })
+        );
+        let off = Reason::Unavailable { component: "HIP runtime".into(), detail: "no library".into() };
+        let dependents = Capabilities::GRAPH_CAPTURE | Capabilities::IPC;
+        gpu_runtime(&mut r, Capabilities::HIP_RUNTIME, Err(off.clone()), dependents, "unused");
+        assert_eq!(r.state(Capabilities::HIP_RUNTIME), &CapabilityState::Disabled(off.clone()));
+        let dep = Reason::Requires { capability: "hip-runtime".into(), because: Box::new(off) };
+        assert_eq!(r.state(Capabilities::IPC), &CapabilityState::Disabled(dep));
+        assert!(!r.has(Capabilities::P2P_ALL_PAIRS));
+
+        gpu_runtime(&mut r, Capabilities::HIP_RUNTIME, Ok(()), dependents, "checked later");
+        assert!(r.has(Capabilities::HIP_RUNTIME | Capabilities::GRAPH_CAPTURE | Capabilities::IPC));
+        let p2p = Reason::Unavailable { component: "peer access".into(), detail: "checked later".into() };
+        assert_eq!(r.state(Capabilities::P2P_ALL_PAIRS), &CapabilityState::Disabled(p2p));
+    }
 }

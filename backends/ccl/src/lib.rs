@@ -7,12 +7,18 @@
 //!   ones as `Option` — decodes the version (both encodings) and tells NCCL from RCCL. Nothing is looked up by name
 //!   afterwards, so nothing can fail that way during graph capture. [`CclLibrary::load_with`] lets tests supply
 //!   symbols without `dlopen`.
-//! - [`caps`]: turns the table, the version and the environment into a capability report with reasons.
+//! - [`caps`]: turns the table, the version and the environment into a capability report with reasons, and
+//!   assembles the GPU backends' reports ([`caps::gpu_backend_report`], [`caps::gpu_runtime`]).
+//! - [`rank`]: one rank's collectives, barrier, query, wait and symmetric buffers, written once for the CUDA and
+//!   ROCm backends ([`CclRank`]).
+//! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
+//!   backend's [`GpuAllocation`]), and the runtime the shared layers need of a backend ([`GpuRuntime`]).
 //! - this module: a thin safe layer — status codes to errors carrying the vendor's text, unique ids as bytes,
 //!   dtype/op mappings that refuse what the loaded version lacks, and a small RAII communicator handle.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod caps;
+pub mod device;
 pub mod find;
 pub mod loader;
 pub mod rank;
@@ -24,9 +30,10 @@ use std::sync::Arc;
 use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 
 pub use caps::derive as derive_capabilities;
+pub use device::{GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
-pub use rank::{CclRank, DeviceAddress, ABORT_GRACE};
+pub use rank::{CclBackend, CclRank, CclStream, DeviceAddress, ABORT_GRACE};
 
 /// Finds and loads the library of `vendor` with the standard search plan.
 pub fn load(vendor: CclVendor) -> std::result::Result<Arc<CclLibrary>, NotFound> {
@@ -58,7 +65,7 @@ pub(crate) fn check(lib: &CclLibrary, call: &str, status: sys::ncclResult_t, com
         message.push_str("; last error: ");
         message.push_str(&l);
     }
-    Err(Error::Backend { backend: backend_name(lib).into(), call: call.into(), code: Some(i64::from(status)), message })
+    Err(Error::backend(backend_name(lib), call, Some(i64::from(status)), message))
 }
 
 /// Copies a C string owned by the library, sanitised (control characters escaped, length bounded): it reaches
@@ -286,12 +293,12 @@ impl CclComm {
         let status = unsafe { (lib.table().required.comm_init_rank)(&mut comm, n, id.raw(), r) };
         check(&lib, "ncclCommInitRank", status, comm)?;
         if comm.is_null() {
-            return Err(Error::Backend {
-                backend: backend_name(&lib).into(),
-                call: "ncclCommInitRank".into(),
-                code: None,
-                message: "returned success but no communicator".into(),
-            });
+            return Err(Error::backend(
+                backend_name(&lib),
+                "ncclCommInitRank",
+                None,
+                "returned success but no communicator",
+            ));
         }
         Ok(CclComm { lib, comm })
     }
@@ -302,12 +309,8 @@ impl CclComm {
         // SAFETY: `comm` is a live communicator; the query writes one int.
         let status = unsafe { f(comm, &mut v) };
         check(&self.lib, name, status, self.comm)?;
-        usize::try_from(v).map_err(|_| Error::Backend {
-            backend: backend_name(&self.lib).into(),
-            call: name.into(),
-            code: None,
-            message: format!("returned a negative value {v}"),
-        })
+        usize::try_from(v)
+            .map_err(|_| Error::backend(backend_name(&self.lib), name, None, format!("returned a negative value {v}")))
     }
 
     /// `ncclCommCount`.
@@ -400,22 +403,22 @@ impl CclComm {
         });
         if let Err(e) = spawned {
             // The closure, and the handle with it, is gone without an abort: the communicator is leaked.
-            return AbortOutcome::Done(Err(Error::Backend {
-                backend: backend_name(&self.lib).into(),
-                call: "ncclCommAbort".into(),
-                code: None,
-                message: format!("could not start a thread to abort the communicator ({e}); it is leaked"),
-            }));
+            return AbortOutcome::Done(Err(Error::backend(
+                backend_name(&self.lib),
+                "ncclCommAbort",
+                None,
+                format!("could not start a thread to abort the communicator ({e}); it is leaked"),
+            )));
         }
         match rx.recv_timeout(grace) {
             Ok(r) => AbortOutcome::Done(r),
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => AbortOutcome::StillRunning { after: grace },
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => AbortOutcome::Done(Err(Error::Backend {
-                backend: backend_name(&self.lib).into(),
-                call: "ncclCommAbort".into(),
-                code: None,
-                message: "the aborting thread ended without a result".into(),
-            })),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => AbortOutcome::Done(Err(Error::backend(
+                backend_name(&self.lib),
+                "ncclCommAbort",
+                None,
+                "the aborting thread ended without a result",
+            ))),
         }
     }
 

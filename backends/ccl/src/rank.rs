@@ -1,19 +1,25 @@
 //! One rank's collectives through NCCL or RCCL, written once for every GPU backend: the in-place layouts of
 //! all-gather and reduce-scatter, the registered symmetric windows, which of the library's all-reduce paths can
-//! run a call, and the capture rule for registration. The CUDA and ROCm backends each hold a [`CclRank`] and add
-//! only what is vendor-specific (their runtime, streams, and custom kernels).
+//! run a call, the capture rule for registration, the collectives over validated arguments ([`CclBackend`]), the
+//! barrier and the non-blocking query. The CUDA and ROCm backends each hold a [`CclRank`] and add only what is
+//! vendor-specific (their runtime, streams, and custom kernels).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyccl_core::comm::AllReduceCall;
+use anyccl_core::comm::{
+    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, CommBackend, RecvArgs, ReduceArgs, ReduceScatterArgs,
+    SendArgs,
+};
 use anyccl_core::validate::InOutDesc;
 use anyccl_core::{
-    Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, ReduceOp, Result, Teardown,
+    Algorithm, BufferDesc, Capabilities, CapabilityReport, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result,
+    Teardown,
 };
 
+use crate::device::{GpuBuffer, GpuRuntime};
 use crate::{sys, AbortOutcome, CclComm, CclLibrary, CclReduction};
 
 /// How long a failed wait waits for the library's abort before it returns and leaves the abort running in the
@@ -23,11 +29,35 @@ pub const ABORT_GRACE: Duration = Duration::from_secs(2);
 /// Device memory a collective can take: its device address.
 ///
 /// # Safety
-/// `device_addr` returns the start of memory that holds at least the buffer's [`anyccl_core::BufferLike`] length
+/// `device_addr` returns the start of memory that holds at least the buffer's [`anyccl_core::runtime::BufferLike`] length
 /// and stays allocated while the value is borrowed.
 pub unsafe trait DeviceAddress {
     /// The start address on the device.
     fn device_addr(&self) -> u64;
+}
+
+/// A GPU backend's stream as the shared rank drives it.
+pub trait CclStream {
+    /// The handle the library takes (`cudaStream_t`, `hipStream_t`).
+    fn ccl_handle(&self) -> sys::Stream;
+    /// Whether the stream is being captured into a graph (a query that is legal during capture).
+    fn is_capturing(&self) -> Result<bool>;
+    /// Blocks until the stream's work is done.
+    fn synchronize(&self) -> Result<()>;
+    /// Whether the stream's work is done, without blocking; refused while the stream captures.
+    fn query(&self) -> Result<bool>;
+}
+
+/// A backend whose collectives go through a [`CclRank`]: its buffers have device addresses, its streams are
+/// [`CclStream`]s and its reductions [`CclReduction`]s. Implemented for every such backend.
+pub trait CclBackend:
+    CommBackend<Reduction = CclReduction, Runtime: MemoryRuntime<Buffer: DeviceAddress, Stream: CclStream>>
+{
+}
+
+impl<B> CclBackend for B where
+    B: CommBackend<Reduction = CclReduction, Runtime: MemoryRuntime<Buffer: DeviceAddress, Stream: CclStream>> + ?Sized
+{
 }
 
 /// The (send, recv) pointers of an all-reduce, broadcast or reduce call.
@@ -281,6 +311,34 @@ impl CclRank {
         })
     }
 
+    /// A symmetric buffer of `bytes` on `runtime`'s device, as the backend's buffer ([`Self::symmetric_memory`],
+    /// the device bound through the runtime). Collective: every rank calls it with the same size. Refused while a
+    /// capture that allocation would break runs ([`MemoryRuntime::refuse_during_capture`]) or `stream` captures,
+    /// and where `caps` has the windows off (the error carries the reason). `backend` names it in errors.
+    pub fn symmetric_buffer<R>(
+        &self,
+        backend: &str,
+        caps: &CapabilityReport,
+        runtime: &R,
+        bytes: usize,
+        stream: &R::Stream,
+    ) -> Result<SymmetricBuffer<R::Buffer>>
+    where
+        R: GpuRuntime,
+        R::Stream: CclStream,
+    {
+        runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
+        let bind = {
+            let runtime = runtime.clone();
+            Box::new(move || runtime.bind())
+        };
+        let range = |ptr| runtime.address_range(ptr);
+        let mem = self.symmetric_memory(backend, caps, bytes, stream.is_capturing()?, bind, &range)?;
+        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
+        let view = unsafe { GpuBuffer::from_raw(mem.ptr() as u64, bytes, runtime.ordinal()) };
+        Ok(SymmetricBuffer::new(view, mem))
+    }
+
     /// Whether `[d.addr, +bytes)` lies inside one registered window.
     pub fn in_window(&self, d: &BufferDesc, bytes: usize) -> bool {
         self.windows.list().iter().any(|(s, l)| d.addr >= *s && d.addr.saturating_add(bytes) <= s + l)
@@ -345,143 +403,127 @@ impl CclRank {
     }
 
     /// All-reduce through the library (`ccl`, and `ccl-symmetric`: the library picks its symmetric kernels when
-    /// the buffers lie in a registered window).
+    /// the buffers lie in a registered window). Nothing is bound first: the backend makes its device current where
+    /// its library needs it.
     ///
     /// # Safety
-    /// The call was validated (both buffers hold `count` elements of this rank's device) and `stream` is live.
-    pub unsafe fn all_reduce<B: DeviceAddress + ?Sized>(
-        &self,
-        bufs: &InOut<'_, B>,
-        count: usize,
-        reduction: CclReduction,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        let (s, r) = io_ptrs(bufs);
-        // SAFETY: the caller's contract.
-        unsafe { self.ccl.all_reduce(s, r, count, reduction, stream) }
+    /// `args` was made by the `Communicator` of the backend that holds this rank (validated against this rank:
+    /// both buffers hold `count` elements of its device and do not overlap unless in place).
+    pub unsafe fn all_reduce<B: CclBackend + ?Sized>(&self, args: AllReduceArgs<'_, B>) -> Result<()> {
+        let (s, r) = io_ptrs(args.bufs());
+        // SAFETY: the caller's contract; the stream is borrowed for the call, so live.
+        unsafe { self.ccl.all_reduce(s, r, args.count(), args.reduction(), args.stream().ccl_handle()) }
     }
 
     /// All-gather; in place, the send part is this rank's slot of the output.
     ///
     /// # Safety
-    /// Validated sizes (the output holds world × count elements); `stream` is live.
-    pub unsafe fn all_gather<B: DeviceAddress + ?Sized>(
-        &self,
-        bufs: &InOut<'_, B>,
-        count: usize,
-        dtype: DataType,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        let (s, r) = match bufs {
+    /// `args` was made by the `Communicator` of the backend that holds this rank (the output holds world × count
+    /// elements of its device).
+    pub unsafe fn all_gather<B: CclBackend + ?Sized>(&self, args: AllGatherArgs<'_, B>) -> Result<()> {
+        let (count, dtype) = (args.count(), args.dtype());
+        let (s, r) = match args.bufs() {
             InOut::InPlace(b) => {
                 let part = (self.rank * count * dtype.size_bytes()) as u64;
                 ((b.device_addr() + part) as *const c_void, b.device_addr() as *mut c_void)
             }
-            InOut::Separate { .. } => io_ptrs(bufs),
+            bufs @ InOut::Separate { .. } => io_ptrs(bufs),
         };
         // SAFETY: the caller's contract; in place, send is this rank's slot of recv.
-        unsafe { self.ccl.all_gather(s, r, count, dtype, stream) }
+        unsafe { self.ccl.all_gather(s, r, count, dtype, args.stream().ccl_handle()) }
     }
 
     /// Reduce-scatter; in place, the output is this rank's slot of the input.
     ///
     /// # Safety
-    /// Validated sizes (the input holds world × count elements); `stream` is live.
-    pub unsafe fn reduce_scatter<B: DeviceAddress + ?Sized>(
-        &self,
-        bufs: &InOut<'_, B>,
-        count: usize,
-        reduction: CclReduction,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        let (s, r) = match bufs {
+    /// `args` was made by the `Communicator` of the backend that holds this rank (the input holds world × count
+    /// elements of its device).
+    pub unsafe fn reduce_scatter<B: CclBackend + ?Sized>(&self, args: ReduceScatterArgs<'_, B>) -> Result<()> {
+        let (count, reduction) = (args.count(), args.reduction());
+        let (s, r) = match args.bufs() {
             InOut::InPlace(b) => {
                 let part = (self.rank * count * reduction.dtype().size_bytes()) as u64;
                 (b.device_addr() as *const c_void, (b.device_addr() + part) as *mut c_void)
             }
-            InOut::Separate { .. } => io_ptrs(bufs),
+            bufs @ InOut::Separate { .. } => io_ptrs(bufs),
         };
         // SAFETY: the caller's contract; in place, recv is this rank's slot of send.
-        unsafe { self.ccl.reduce_scatter(s, r, count, reduction, stream) }
+        unsafe { self.ccl.reduce_scatter(s, r, count, reduction, args.stream().ccl_handle()) }
     }
 
-    /// Broadcast from `root`.
+    /// Broadcast from the root.
     ///
     /// # Safety
-    /// Validated sizes and root; `stream` is live.
-    pub unsafe fn broadcast<B: DeviceAddress + ?Sized>(
-        &self,
-        bufs: &InOut<'_, B>,
-        count: usize,
-        dtype: DataType,
-        root: usize,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        let (s, r) = io_ptrs(bufs);
+    /// `args` was made by the `Communicator` of the backend that holds this rank (sizes and root).
+    pub unsafe fn broadcast<B: CclBackend + ?Sized>(&self, args: BroadcastArgs<'_, B>) -> Result<()> {
+        let (s, r) = io_ptrs(args.bufs());
+        let stream = args.stream().ccl_handle();
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.broadcast(s, r, count, dtype, root, stream) }
+        unsafe { self.ccl.broadcast(s, r, args.count(), args.dtype(), args.root(), stream) }
     }
 
-    /// Reduce to `root`.
+    /// Reduce to the root.
     ///
     /// # Safety
-    /// Validated sizes and root; `stream` is live.
-    pub unsafe fn reduce<B: DeviceAddress + ?Sized>(
-        &self,
-        bufs: &InOut<'_, B>,
-        count: usize,
-        reduction: CclReduction,
-        root: usize,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        let (s, r) = io_ptrs(bufs);
+    /// `args` was made by the `Communicator` of the backend that holds this rank (sizes and root).
+    pub unsafe fn reduce<B: CclBackend + ?Sized>(&self, args: ReduceArgs<'_, B>) -> Result<()> {
+        let (s, r) = io_ptrs(args.bufs());
+        let stream = args.stream().ccl_handle();
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.reduce(s, r, count, reduction, root, stream) }
+        unsafe { self.ccl.reduce(s, r, args.count(), args.reduction(), args.root(), stream) }
     }
 
-    /// Send `count` elements to `peer`.
+    /// Send `count` elements to the peer.
     ///
     /// # Safety
-    /// Validated size and peer; `stream` is live.
-    pub unsafe fn send<B: DeviceAddress + ?Sized>(
-        &self,
-        buf: &B,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: sys::Stream,
-    ) -> Result<()> {
+    /// `args` was made by the `Communicator` of the backend that holds this rank (size and peer).
+    pub unsafe fn send<B: CclBackend + ?Sized>(&self, args: SendArgs<'_, B>) -> Result<()> {
+        let buf = args.buf().device_addr() as *const c_void;
         // SAFETY: the caller's contract.
-        unsafe { self.ccl.send(buf.device_addr() as *const c_void, count, dtype, peer, stream) }
+        unsafe { self.ccl.send(buf, args.count(), args.dtype(), args.peer(), args.stream().ccl_handle()) }
     }
 
-    /// Receive `count` elements from `peer`.
+    /// Receive `count` elements from the peer.
     ///
     /// # Safety
-    /// Validated size and peer; `stream` is live.
-    pub unsafe fn recv<B: DeviceAddress + ?Sized>(
-        &self,
-        buf: &mut B,
-        count: usize,
-        dtype: DataType,
-        peer: usize,
-        stream: sys::Stream,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.ccl.recv(buf.device_addr() as *mut c_void, count, dtype, peer, stream) }
+    /// `args` was made by the `Communicator` of the backend that holds this rank (size and peer).
+    pub unsafe fn recv<B: CclBackend + ?Sized>(&self, args: RecvArgs<'_, B>) -> Result<()> {
+        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().ccl_handle());
+        let buf = args.into_buf().device_addr() as *mut c_void;
+        // SAFETY: the caller's contract; the buffer was borrowed mutably for the call.
+        unsafe { self.ccl.recv(buf, count, dtype, peer, stream) }
     }
 
-    /// The barrier's collective half: an in-place all-reduce of one f32 in `scratch` (4 bytes of this rank's
-    /// device, allocated up front so a barrier never allocates). The caller then waits for the stream unless it
-    /// is capturing.
+    /// A barrier: an in-place all-reduce of one f32 in `scratch` (4 bytes of this rank's device, allocated up front
+    /// so a barrier never allocates), then a wait for `stream`, unless it is being captured: inside a capture the
+    /// all-reduce is the barrier, and synchronising would break the capture. Every rank has arrived when it
+    /// returns (eagerly) or when the captured all-reduce completes.
     ///
     /// # Safety
-    /// `scratch` holds at least 4 bytes of this rank's device memory; `stream` is live.
-    pub unsafe fn barrier_all_reduce<B: DeviceAddress + ?Sized>(&self, scratch: &B, stream: sys::Stream) -> Result<()> {
+    /// `scratch` holds at least 4 bytes of this rank's device memory; `stream` is a stream of this rank's device.
+    pub unsafe fn barrier<B, S>(&self, scratch: &B, stream: &S) -> Result<()>
+    where
+        B: DeviceAddress + ?Sized,
+        S: CclStream + ?Sized,
+    {
         let p = scratch.device_addr() as *mut c_void;
         let reduction = CclReduction::new(self.ccl.library(), DataType::F32, ReduceOp::Sum)?;
-        // SAFETY: the caller's contract.
-        unsafe { self.ccl.all_reduce(p, p, 1, reduction, stream) }
+        // SAFETY: the caller's contract; the stream is borrowed for the call, so live.
+        unsafe { self.ccl.all_reduce(p, p, 1, reduction, stream.ccl_handle()) }?;
+        if stream.is_capturing()? {
+            return Ok(());
+        }
+        stream.synchronize()
+    }
+
+    /// A backend's non-blocking query: `Ok(true)` once `stream`'s queued work has finished; while it runs,
+    /// [`Self::still_running`] (the library's asynchronous error, if any). The stream refuses the query while it
+    /// captures, before the library is asked anything.
+    pub fn query<S: CclStream + ?Sized>(&self, stream: &S) -> Result<bool> {
+        if stream.query()? {
+            return Ok(true);
+        }
+        self.still_running()
     }
 }
 

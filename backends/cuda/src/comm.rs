@@ -394,15 +394,7 @@ impl CudaComm {
     /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
     /// is being captured (allocation and registration are not capture-safe).
     pub fn symmetric_buffer(&self, bytes: usize, stream: &CudaStream) -> Result<SymmetricBuffer> {
-        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
-        let ctx = self.runtime.context().clone();
-        let bind = Box::new(move || ctx.bind());
-        let range = |ptr| self.runtime.context().address_range(ptr);
-        let mem = self.ccl.symmetric_memory("cuda", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view =
-            unsafe { DeviceBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.context().ordinal().unsigned_abs()) };
-        Ok(SymmetricBuffer::new(view, mem))
+        self.ccl.symmetric_buffer("cuda", &self.caps, &self.runtime, bytes, stream)
     }
 }
 
@@ -546,48 +538,40 @@ impl CommBackend for CudaComm {
         // registered window, which eligibility has checked. No context is bound first: NCCL makes the
         // communicator's device current itself before it prepares and launches a collective (what lets one thread
         // drive several GPUs in a group), so binding here only cost a driver call per collective.
-        let stream = args.stream().raw() as _;
         // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
         // buffers hold `count` elements of this device and do not overlap unless in place; the stream is live
         // (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.reduction(), stream) }
+        unsafe { self.ccl.all_reduce(args) }
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
-        // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements of this
-        // device); the stream is live.
-        unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw() as _) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.all_gather(args) }
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
-        let stream = args.stream().raw() as _;
-        // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements of this
-        // device); the stream is live.
-        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.reduction(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce_scatter(args) }
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
-        let stream = args.stream().raw() as _;
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.broadcast(args) }
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
-        let stream = args.stream().raw() as _;
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.reduction(), args.root(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce(args) }
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
-        let stream = args.stream().raw() as _;
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.send(args) }
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
-        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw() as _);
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.recv(args) }
     }
 
     /// Registers the inputs of custom all-reduces captured in CUDA graphs since the last call, so that replays
@@ -664,10 +648,7 @@ impl CommBackend for CudaComm {
 
     fn query(&mut self, stream: &CudaStream) -> Result<bool> {
         // `cuStreamQuery` refuses a capturing stream before NCCL is asked anything.
-        if stream.query()? {
-            return Ok(true);
-        }
-        self.ccl.still_running()
+        self.ccl.query(stream)
     }
 
     fn close_in_background(self) -> Teardown {
@@ -678,15 +659,9 @@ impl CommBackend for CudaComm {
     }
 
     fn barrier(&mut self, stream: &CudaStream) -> Result<()> {
-        // An all-reduce of one element, then wait: every rank has arrived when it completes.
         self.bind()?;
-        // SAFETY: a 4-byte buffer of this device; the stream is live.
-        unsafe { self.ccl.barrier_all_reduce(&self.scratch, stream.raw() as _) }?;
-        if stream.is_capturing()? {
-            // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
-            return Ok(());
-        }
-        stream.synchronize()
+        // SAFETY: a 4-byte buffer of this device; a stream of this device.
+        unsafe { self.ccl.barrier(&self.scratch, stream) }
     }
 }
 

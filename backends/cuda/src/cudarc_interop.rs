@@ -76,11 +76,13 @@ pub fn typed_call<T: Element>(len: usize) -> Result<(usize, usize, DataType)> {
 /// The device of a cudarc slice or stream: the ordinal of its cudarc context.
 fn ordinal_of(stream: &CudarcStream) -> Result<u32> {
     let ordinal = stream.context().ordinal();
-    u32::try_from(ordinal).map_err(|_| Error::Backend {
-        backend: "cuda".into(),
-        call: "cudarc CudaContext::ordinal".into(),
-        code: None,
-        message: format!("device ordinal {ordinal} does not fit a CUDA device ordinal"),
+    u32::try_from(ordinal).map_err(|_| {
+        Error::backend(
+            "cuda",
+            "cudarc CudaContext::ordinal",
+            None,
+            format!("device ordinal {ordinal} does not fit a CUDA device ordinal"),
+        )
     })
 }
 

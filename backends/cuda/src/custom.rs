@@ -181,12 +181,12 @@ pub fn stop_waiting(
     limit: std::time::Duration,
 ) -> Result<()> {
     if flags.len() < kernels::FLAG_BYTES {
-        return Err(Error::Backend {
-            backend: "cuda".into(),
-            call: "stop the custom kernels".into(),
-            code: None,
-            message: format!("a flag array holds {} bytes, this one {}", kernels::FLAG_BYTES, flags.len()),
-        });
+        return Err(Error::backend(
+            "cuda",
+            "stop the custom kernels",
+            None,
+            format!("a flag array holds {} bytes, this one {}", kernels::FLAG_BYTES, flags.len()),
+        ));
     }
     stream.refuse_if_capturing("cuStreamWriteValue32")?;
     let word = flags.device_ptr() + kernels::ABORT_WORD_OFFSET as u64;
@@ -312,14 +312,16 @@ impl CustomKernels {
                 why: format!("the custom kernels handle f32, f16 and bf16, not {dtype}"),
             });
         };
-        self.functions[slot].ok_or_else(|| Error::Backend {
-            backend: "cuda".into(),
-            call: "cuModuleGetFunction".into(),
-            code: None,
-            message: format!(
-                "the loaded module has no kernel {}",
-                kernel_name(kind, dtype, table).unwrap_or_else(|| format!("{kind:?} with an input table"))
-            ),
+        self.functions[slot].ok_or_else(|| {
+            Error::backend(
+                "cuda",
+                "cuModuleGetFunction",
+                None,
+                format!(
+                    "the loaded module has no kernel {}",
+                    kernel_name(kind, dtype, table).unwrap_or_else(|| format!("{kind:?} with an input table"))
+                ),
+            )
         })
     }
 
@@ -355,12 +357,7 @@ impl CustomKernels {
         if let Some(why) = ineligible(dtype, bytes, world) {
             return Err(Error::AlgorithmNotEligible { algorithm: anyccl_core::Algorithm::OneShot, why });
         }
-        let bad = |m: String| Error::Backend {
-            backend: "cuda".into(),
-            call: "custom all-reduce".into(),
-            code: None,
-            message: m,
-        };
+        let bad = |m: String| Error::backend("cuda", "custom all-reduce", None, m);
         if kind.is_nvls() {
             return Err(bad(format!("{kind:?} is launched with launch_nvls_emulated")));
         }
@@ -480,12 +477,7 @@ impl CustomKernels {
         stream: &CudaStream,
     ) -> Result<()> {
         let world = a.len();
-        let bad = |m: String| Error::Backend {
-            backend: "cuda".into(),
-            call: "nvls (emulated)".into(),
-            code: None,
-            message: m,
-        };
+        let bad = |m: String| Error::backend("cuda", "nvls (emulated)", None, m);
         if let Some(why) = ineligible(dtype, bytes, world) {
             return Err(bad(why));
         }

@@ -10,12 +10,7 @@ use cudarc::driver::{result, sys, DriverError};
 pub fn cu_err(call: &str, e: DriverError) -> Error {
     let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
     let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    Error::Backend {
-        backend: "cuda".into(),
-        call: call.into(),
-        code: Some(e.0 as i64),
-        message: format!("{name}: {text}"),
-    }
+    Error::backend("cuda", call, Some(e.0 as i64), format!("{name}: {text}"))
 }
 
 /// One device as the driver describes it.

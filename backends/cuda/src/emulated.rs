@@ -116,17 +116,17 @@ impl EmulatedRanks {
         let fit = self.kernels.resident_blocks(kind, dtype)?;
         let need = self.streams.len() * self.blocks as usize;
         if need > fit {
-            return Err(anyccl_core::Error::Backend {
-                backend: "cuda".into(),
-                call: "emulated ranks".into(),
-                code: None,
-                message: format!(
+            return Err(anyccl_core::Error::backend(
+                "cuda",
+                "emulated ranks",
+                None,
+                format!(
                     "{} ranks × {} blocks of {kind:?} need {need} resident blocks, the device holds {fit}: the \
                      barriers would deadlock (use fewer blocks or ranks)",
                     self.streams.len(),
                     self.blocks
                 ),
-            });
+            ));
         }
         Ok(())
     }

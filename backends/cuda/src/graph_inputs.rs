@@ -80,7 +80,7 @@ struct DeviceSide {
 }
 
 fn backend(call: &str, message: String) -> Error {
-    Error::Backend { backend: "cuda".into(), call: call.into(), code: None, message }
+    Error::backend("cuda", call, None, message)
 }
 
 fn pointer_attribute(attr: sys::CUpointer_attribute, ptr: u64) -> Result<u64> {

@@ -38,11 +38,13 @@ unsafe impl Send for LegacyMapping {}
 impl LegacyMapping {
     /// Opens a peer's handle (`cuIpcOpenMemHandle`) for `len` bytes.
     pub fn open(ctx: &Arc<DeviceContext>, handle: &[u8], len: usize) -> Result<Self> {
-        let bytes: [u8; LEGACY_HANDLE_BYTES] = handle.try_into().map_err(|_| Error::Backend {
-            backend: "cuda".into(),
-            call: "cuIpcOpenMemHandle".into(),
-            code: None,
-            message: format!("an IPC handle has {LEGACY_HANDLE_BYTES} bytes, got {}", handle.len()),
+        let bytes: [u8; LEGACY_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            Error::backend(
+                "cuda",
+                "cuIpcOpenMemHandle",
+                None,
+                format!("an IPC handle has {LEGACY_HANDLE_BYTES} bytes, got {}", handle.len()),
+            )
         })?;
         ctx.bind()?;
         let h = sys::CUipcMemHandle { reserved: bytes.map(|b| b as std::ffi::c_char) };

@@ -52,53 +52,34 @@ pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceVi
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective
 /// library's capabilities when one is loaded.
 pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<String>) -> CapabilityReport {
-    let mut r =
-        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "not used by the CUDA backend".into() });
-    match lib {
-        Some(l) => r.merge_from(&anyccl_ccl::derive_capabilities(l, env), anyccl_ccl::caps::CCL_CAPABILITIES),
-        None => r.disable(
-            anyccl_ccl::caps::CCL_CAPABILITIES,
-            Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() },
-        ),
-    }
-    match driver::probe() {
-        Err(reason) => {
-            let dep = Reason::Requires { capability: "cuda-runtime".into(), because: Box::new(reason.clone()) };
-            r.disable(Capabilities::CUDA_RUNTIME, reason);
-            r.disable(
-                Capabilities::P2P_ALL_PAIRS | Capabilities::IPC | Capabilities::MULTICAST | Capabilities::GRAPH_CAPTURE,
-                dep,
-            );
-        }
-        Ok(info) => {
-            r.enable(Capabilities::CUDA_RUNTIME | Capabilities::GRAPH_CAPTURE | Capabilities::IPC);
-            r.disable(
-                Capabilities::P2P_ALL_PAIRS,
-                Reason::Unavailable {
-                    component: "peer access".into(),
-                    detail: "checked per communicator, when the custom kernels are set up".into(),
+    let missing = Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() };
+    let mut r = anyccl_ccl::caps::gpu_backend_report("CUDA", lib, missing, env);
+    let probed = driver::probe();
+    anyccl_ccl::caps::gpu_runtime(
+        &mut r,
+        Capabilities::CUDA_RUNTIME,
+        probed.clone().map(|_| ()),
+        Capabilities::P2P_ALL_PAIRS | Capabilities::IPC | Capabilities::MULTICAST | Capabilities::GRAPH_CAPTURE,
+        "checked per communicator, when the custom kernels are set up",
+    );
+    if let Ok(info) = probed {
+        match info.devices.iter().find(|d| !d.multicast_supported) {
+            Some(d) => r.disable(
+                Capabilities::MULTICAST,
+                Reason::DeviceAttribute {
+                    device: format!("device {} ({})", d.ordinal, d.name),
+                    attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
                 },
-            );
-            match info.devices.iter().find(|d| !d.multicast_supported) {
-                Some(d) => r.disable(
-                    Capabilities::MULTICAST,
-                    Reason::DeviceAttribute {
-                        device: format!("device {} ({})", d.ordinal, d.name),
-                        attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
-                    },
-                ),
-                None => r.disable(
-                    Capabilities::MULTICAST,
-                    Reason::Unavailable {
-                        component: "NVLS all-reduce".into(),
-                        detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
-                    },
-                ),
-            }
-            if let Some(v) = env("NCCL_NVLS_ENABLE").filter(|v| v.trim() == "0") {
-                r.disable(Capabilities::MULTICAST, Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: v });
-            }
+            ),
+            None => r.disable(
+                Capabilities::MULTICAST,
+                Reason::Unavailable {
+                    component: "NVLS all-reduce".into(),
+                    detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
+                },
+            ),
         }
+        r.apply_nvls_env(env);
     }
     match anyccl_kernels_cuda::NOT_BUILT {
         None => r.enable(Capabilities::CUSTOM_KERNELS),

@@ -36,7 +36,7 @@ use anyccl_core::{Error, Reason, Result};
 pub const MIN_DRIVER_VERSION: i32 = 12010;
 
 /// The environment variable that turns NVLS multicast off when set to `0` (as it does for NCCL).
-pub const NVLS_ENABLE_VAR: &str = "NCCL_NVLS_ENABLE";
+pub const NVLS_ENABLE_VAR: &str = anyccl_core::caps::NVLS_ENABLE_VAR;
 
 /// A `CUmemGenericAllocationHandle` that refers to a multicast object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -103,12 +103,7 @@ impl std::error::Error for DriverError {}
 
 impl From<DriverError> for Error {
     fn from(e: DriverError) -> Self {
-        Error::Backend {
-            backend: "cuda".to_owned(),
-            call: e.call.to_owned(),
-            code: Some(i64::from(e.code)),
-            message: e.message,
-        }
+        Error::backend("cuda", e.call, Some(i64::from(e.code)), e.message)
     }
 }
 
@@ -194,10 +189,8 @@ pub fn multicast_eligibility<D: MulticastDriver + ?Sized>(
     device: i32,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> std::result::Result<(), Reason> {
-    if let Some(value) = env(NVLS_ENABLE_VAR) {
-        if value.trim().parse::<i64>() == Ok(0) {
-            return Err(Reason::EnvVar { var: NVLS_ENABLE_VAR.to_owned(), value });
-        }
+    if let Some(reason) = anyccl_core::caps::nvls_off_by_env(env) {
+        return Err(reason);
     }
     let unavailable =
         |e: DriverError| Reason::Unavailable { component: "CUDA driver".to_owned(), detail: e.to_string() };
@@ -287,7 +280,7 @@ fn size_error(message: String) -> Error {
 }
 
 fn usage_error(call: &str, message: String) -> Error {
-    Error::Backend { backend: "cuda".to_owned(), call: call.to_owned(), code: None, message }
+    Error::backend("cuda", call, None, message)
 }
 
 fn round_up(x: usize, granularity: usize) -> Option<usize> {

@@ -36,7 +36,7 @@ fn fd_kind(kind: ShareableKind, call: &'static str) -> Result<(), DriverError> {
 
 /// Whether the environment forbids NVLS (`NCCL_NVLS_ENABLE=0`): the interlock `multicast_create` applies.
 pub fn nvls_disabled(env: &dyn Fn(&str) -> Option<String>) -> bool {
-    env("NCCL_NVLS_ENABLE").is_some_and(|v| v.trim() == "0")
+    anyccl_core::caps::nvls_off_by_env(env).is_some()
 }
 
 fn prop(num_devices: usize, size: usize) -> sys::CUmulticastObjectProp {

@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
+use anyccl_ccl::{GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use anyccl_core::capture::{KnownStreams, StreamKey};
-use anyccl_core::runtime::BufferLike;
-use anyccl_core::{BufferDesc, Error, InvalidArgument, Location, MemoryRuntime, Result};
+use anyccl_core::{Error, InvalidArgument, Location, MemoryRuntime, Result};
 use cudarc::driver::{result, sys};
 
 use crate::driver::cu_err;
@@ -249,13 +249,13 @@ impl Drop for CudaStream {
     }
 }
 
-/// One `cuMemAlloc` allocation, freed when the last buffer or view holding it drops.
-struct Allocation {
+/// One `cuMemAlloc` allocation, freed when the last buffer or view holding it drops ([`DeviceBuffer`]'s owner).
+pub struct CudaAllocation {
     ptr: sys::CUdeviceptr,
     ctx: Arc<DeviceContext>,
 }
 
-impl Drop for Allocation {
+impl Drop for CudaAllocation {
     fn drop(&mut self) {
         // A query that fails counts as a capture: leaking is the safe side.
         if capture_blocks_this_thread(&self.ctx).unwrap_or(true) {
@@ -272,28 +272,14 @@ impl Drop for Allocation {
     }
 }
 
-/// Device memory: allocated by anyccl (freed on drop), a view of the engine's memory, or a range of another
-/// buffer ([`DeviceBuffer::view`], [`DeviceBuffer::view_mut`]).
-pub struct DeviceBuffer {
-    ptr: sys::CUdeviceptr,
-    len: usize,
-    ordinal: u32,
-    /// The allocation this memory belongs to when anyccl made it; views share it, so the memory stays allocated
-    /// while any of them exists, even one moved out of its [`DeviceViewMut`] with `std::mem::swap`.
-    owner: Option<Arc<Allocation>>,
-}
+impl GpuAllocation for CudaAllocation {
+    type Device = DeviceContext;
 
-// SAFETY: a device pointer is an address; using it from any thread is allowed by the driver.
-unsafe impl Send for DeviceBuffer {}
-// SAFETY: shared access only reads the address and length.
-unsafe impl Sync for DeviceBuffer {}
-
-impl DeviceBuffer {
     /// Allocates `len` bytes on `ctx`'s device (`cuMemAlloc`, 256-byte aligned). Refused with
     /// [`InvalidArgument::DuringCapture`] while a capture it would break runs on a stream anyccl knows or on a
     /// blocking stream of the device ([`anyccl_core::capture`]); made in relaxed capture mode otherwise, so a
     /// capture on a stream anyccl never saw is not invalidated either.
-    pub fn alloc(ctx: &Arc<DeviceContext>, len: usize) -> Result<Self> {
+    fn alloc(ctx: &Arc<DeviceContext>, len: usize) -> Result<DeviceBuffer> {
         // cuMemAlloc refuses 0 bytes; a 1-byte allocation gives zero-length buffers a valid address.
         let bytes = anyccl_core::round_allocation("a device buffer", len, 1)?;
         // Binds the context.
@@ -301,112 +287,34 @@ impl DeviceBuffer {
         // SAFETY: plain allocation in the current context.
         let ptr = relaxed(|| unsafe { result::malloc_sync(bytes) }).map_err(|e| cu_err("cuMemAlloc", e))?;
         anyccl_core::runtime::check_non_null("cuda", "cuMemAlloc", ptr, bytes)?;
-        let owner = Some(Arc::new(Allocation { ptr, ctx: ctx.clone() }));
-        Ok(DeviceBuffer { ptr, len, ordinal: ctx.ordinal().unsigned_abs(), owner })
-    }
-
-    /// A view of `len` bytes at device address `ptr` on device `ordinal`, owned by someone else (a PyTorch
-    /// tensor, an engine's pool). Nothing is freed on drop.
-    ///
-    /// # Safety
-    /// `[ptr, ptr + len)` is device memory of device `ordinal` that stays allocated while the view is used.
-    pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: u32) -> Self {
-        DeviceBuffer { ptr, len, ordinal, owner: None }
-    }
-
-    /// The device address.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// A non-owning buffer of `range` (in bytes) of this one, sharing its allocation.
-    fn sub(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceBuffer> {
-        let (offset, len) = anyccl_core::runtime::view_range(self.len, range)?;
-        // `offset <= self.len` and `[self.ptr, +self.len)` is device memory (allocated here, or promised by
-        // `from_raw`'s contract), so the sum does not wrap.
-        let ptr = self.ptr.wrapping_add(offset as u64);
-        Ok(DeviceBuffer { ptr, len, ordinal: self.ordinal, owner: self.owner.clone() })
-    }
-
-    /// A read-only view of the bytes `range` of this buffer (for example `1024..2048`), to pass as the input of a
-    /// collective without `unsafe`. A range past the end (or ending before it starts) is
-    /// [`InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
-    pub fn view(&self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceView<'_>> {
-        Ok(DeviceView { buf: self.sub(range)?, _parent: std::marker::PhantomData })
-    }
-
-    /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
-    /// `unsafe`; the bytes outside the range are not touched. A range past the end is
-    /// [`InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively, so it cannot outlive it and
-    /// nothing else uses the buffer meanwhile. A view of a buffer made by [`DeviceBuffer::from_raw`] is bound by
-    /// that call's contract.
-    ///
-    /// The borrow checker holds the view to its buffer: this does not compile.
-    /// ```compile_fail
-    /// # fn demo(ctx: &std::sync::Arc<anyccl_cuda::DeviceContext>) -> anyccl_core::Result<()> {
-    /// let view = {
-    ///     let mut buf = anyccl_cuda::DeviceBuffer::alloc(ctx, 1024)?;
-    ///     buf.view_mut(256..512)?
-    /// }; // `buf` is freed here while `view` would still point into it
-    /// # drop(view);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<DeviceViewMut<'_>> {
-        Ok(DeviceViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+        let owner = Arc::new(CudaAllocation { ptr, ctx: ctx.clone() });
+        // SAFETY: `bytes >= len` bytes of this device were just allocated at `ptr`, owned by `owner`.
+        Ok(unsafe { DeviceBuffer::owning(ptr, len, ctx.ordinal().unsigned_abs(), owner) })
     }
 }
 
-/// A read-only view of a byte range of a [`DeviceBuffer`] ([`DeviceBuffer::view`]); it dereferences to a
-/// [`DeviceBuffer`], so every collective takes it as an input, and it cannot outlive the buffer it borrows.
-pub struct DeviceView<'a> {
-    buf: DeviceBuffer,
-    _parent: std::marker::PhantomData<&'a DeviceBuffer>,
-}
+/// Device memory: allocated by anyccl (`DeviceBuffer::alloc(ctx, len)`, freed on drop), a view of the engine's
+/// memory (`DeviceBuffer::from_raw`), or a range of another buffer (`view`, `view_mut`); written once for both
+/// GPU backends ([`GpuBuffer`]).
+///
+/// The borrow checker holds a view to its buffer: this does not compile.
+/// ```compile_fail,E0597
+/// # fn demo(ctx: &std::sync::Arc<anyccl_cuda::DeviceContext>) -> anyccl_core::Result<()> {
+/// let view = {
+///     let mut buf = anyccl_cuda::DeviceBuffer::alloc(ctx, 1024)?;
+///     buf.view_mut(256..512)?
+/// }; // `buf` is freed here while `view` would still point into it
+/// # drop(view);
+/// # Ok(())
+/// # }
+/// ```
+pub type DeviceBuffer = GpuBuffer<CudaAllocation>;
 
-impl std::ops::Deref for DeviceView<'_> {
-    type Target = DeviceBuffer;
-    fn deref(&self) -> &DeviceBuffer {
-        &self.buf
-    }
-}
+/// A read-only view of a byte range of a [`DeviceBuffer`] (`DeviceBuffer::view`).
+pub type DeviceView<'a> = GpuView<'a, CudaAllocation>;
 
-/// A writable view of a byte range of a [`DeviceBuffer`] ([`DeviceBuffer::view_mut`]); it dereferences mutably to
-/// a [`DeviceBuffer`], so every collective takes it as an output or in place, and it borrows its buffer
-/// exclusively for its lifetime.
-pub struct DeviceViewMut<'a> {
-    buf: DeviceBuffer,
-    _parent: std::marker::PhantomData<&'a mut DeviceBuffer>,
-}
-
-impl std::ops::Deref for DeviceViewMut<'_> {
-    type Target = DeviceBuffer;
-    fn deref(&self) -> &DeviceBuffer {
-        &self.buf
-    }
-}
-
-impl std::ops::DerefMut for DeviceViewMut<'_> {
-    fn deref_mut(&mut self) -> &mut DeviceBuffer {
-        &mut self.buf
-    }
-}
-
-impl BufferLike for DeviceBuffer {
-    fn desc(&self) -> BufferDesc {
-        BufferDesc { addr: self.ptr as usize, len: self.len, location: Location::Device { ordinal: self.ordinal } }
-    }
-}
+/// A writable view of a byte range of a [`DeviceBuffer`] (`DeviceBuffer::view_mut`).
+pub type DeviceViewMut<'a> = GpuViewMut<'a, CudaAllocation>;
 
 /// The CUDA memory runtime of one device.
 #[derive(Clone)]
@@ -452,10 +360,10 @@ impl MemoryRuntime for CudaRuntime {
     }
 
     fn upload(&self, dst: &mut DeviceBuffer, src: &[u8], stream: &CudaStream) -> Result<()> {
-        if src.len() > dst.len {
+        if src.len() > dst.len() {
             return Err(InvalidArgument::BufferTooSmall {
                 which: "upload",
-                have: dst.len,
+                have: dst.len(),
                 need: src.len(),
                 count: src.len(),
                 dtype: anyccl_core::DataType::U8,
@@ -466,15 +374,16 @@ impl MemoryRuntime for CudaRuntime {
         self.ctx.bind()?;
         // SAFETY: `dst` holds at least `src.len()` bytes of this device; the copy completes before we return
         // (the stream is synchronised), so `src` outlives it.
-        unsafe { result::memcpy_htod_async(dst.ptr, src, stream.raw) }.map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
+        unsafe { result::memcpy_htod_async(dst.device_ptr(), src, stream.raw) }
+            .map_err(|e| cu_err("cuMemcpyHtoDAsync", e))?;
         stream.synchronize()
     }
 
     fn download(&self, src: &DeviceBuffer, dst: &mut [u8], stream: &CudaStream) -> Result<()> {
-        if dst.len() > src.len {
+        if dst.len() > src.len() {
             return Err(InvalidArgument::BufferTooSmall {
                 which: "download",
-                have: src.len,
+                have: src.len(),
                 need: dst.len(),
                 count: dst.len(),
                 dtype: anyccl_core::DataType::U8,
@@ -484,7 +393,8 @@ impl MemoryRuntime for CudaRuntime {
         stream.refuse_if_capturing("MemoryRuntime::download")?;
         self.ctx.bind()?;
         // SAFETY: `src` holds at least `dst.len()` bytes; synchronised before `dst` is used.
-        unsafe { result::memcpy_dtoh_async(dst, src.ptr, stream.raw) }.map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
+        unsafe { result::memcpy_dtoh_async(dst, src.device_ptr(), stream.raw) }
+            .map_err(|e| cu_err("cuMemcpyDtoHAsync", e))?;
         stream.synchronize()
     }
 
@@ -505,16 +415,45 @@ impl MemoryRuntime for CudaRuntime {
     }
 }
 
-// SAFETY: `device_ptr` is the start of `len` bytes of device memory, owned or borrowed for the value's lifetime.
-unsafe impl anyccl_ccl::DeviceAddress for DeviceBuffer {
-    fn device_addr(&self) -> u64 {
-        self.device_ptr()
+impl anyccl_ccl::GpuRuntime for CudaRuntime {
+    type Allocation = CudaAllocation;
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind()
+    }
+
+    fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.ctx.address_range(ptr)
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.ctx.ordinal().unsigned_abs()
+    }
+}
+
+impl anyccl_ccl::CclStream for CudaStream {
+    fn ccl_handle(&self) -> anyccl_ccl::sys::Stream {
+        self.raw.cast()
+    }
+
+    fn is_capturing(&self) -> Result<bool> {
+        CudaStream::is_capturing(self)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaStream::synchronize(self)
+    }
+
+    fn query(&self) -> Result<bool> {
+        CudaStream::query(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use anyccl_core::runtime::BufferLike;
+    use anyccl_core::BufferDesc;
 
     #[test]
     fn views_cover_exactly_their_range_and_refuse_the_rest() {

@@ -224,7 +224,7 @@ pub(crate) fn cast_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
 }
 
 pub(crate) fn internal(message: String) -> Error {
-    Error::Backend { backend: "host".into(), call: "collective".into(), code: None, message }
+    Error::backend("host", "collective", None, message)
 }
 
 const BLOCK: usize = 2048;

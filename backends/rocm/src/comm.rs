@@ -7,9 +7,7 @@ use anyccl_ccl::{CclLibrary, CclRank, CclReduction};
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
 };
-use anyccl_core::{
-    Algorithm, CapabilityReport, CommBackend, DataType, MemoryRuntime, ReduceOp, Result, Teardown, Vendor,
-};
+use anyccl_core::{Algorithm, CapabilityReport, CommBackend, DataType, ReduceOp, Result, Teardown, Vendor};
 
 use crate::runtime::{HipBuffer, HipDevice, HipRuntime, HipStream};
 
@@ -73,14 +71,7 @@ impl RocmComm {
     /// calls it with the same size. Refused while `stream` captures, and where windows are off (RCCL without the
     /// window symbols, such as ROCm 7.0, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
     pub fn symmetric_buffer(&self, bytes: usize, stream: &HipStream) -> Result<SymmetricBuffer> {
-        self.runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
-        let dev = self.runtime.device().clone();
-        let bind = Box::new(move || dev.bind());
-        let range = |ptr| self.runtime.device().address_range(ptr);
-        let mem = self.ccl.symmetric_memory("rocm", &self.caps, bytes, stream.is_capturing()?, bind, &range)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view = unsafe { HipBuffer::from_raw(mem.ptr() as u64, bytes, self.runtime.device().ordinal()) };
-        Ok(SymmetricBuffer::new(view, mem))
+        self.ccl.symmetric_buffer("rocm", &self.caps, &self.runtime, bytes, stream)
     }
 }
 
@@ -141,49 +132,44 @@ impl CommBackend for RocmComm {
         // Only ccl and ccl-symmetric are eligible here (the same RCCL call: RCCL picks its symmetric path when the
         // buffers lie in a registered window).
         self.runtime.device().bind()?;
-        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
-        // buffers hold `count` elements of this device; the stream is live (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
+        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank.
+        unsafe { self.ccl.all_reduce(args) }
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator` (the output holds world × count elements); the stream
-        // is live.
-        unsafe { self.ccl.all_gather(args.bufs(), args.count(), args.dtype(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.all_gather(args) }
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator` (the input holds world × count elements); the stream
-        // is live.
-        unsafe { self.ccl.reduce_scatter(args.bufs(), args.count(), args.reduction(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce_scatter(args) }
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.broadcast(args.bufs(), args.count(), args.dtype(), args.root(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.broadcast(args) }
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        let stream = args.stream().raw();
-        // SAFETY: validated by this backend's `Communicator`: sizes and root.
-        unsafe { self.ccl.reduce(args.bufs(), args.count(), args.reduction(), args.root(), stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce(args) }
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.send(args.buf(), args.count(), args.dtype(), args.peer(), args.stream().raw()) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.send(args) }
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         self.runtime.device().bind()?;
-        let (count, dtype, peer, stream) = (args.count(), args.dtype(), args.peer(), args.stream().raw());
-        // SAFETY: validated by this backend's `Communicator`: size and peer.
-        unsafe { self.ccl.recv(args.into_buf(), count, dtype, peer, stream) }
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.recv(args) }
     }
 
     fn wait(&mut self, stream: &HipStream, timeout: std::time::Duration) -> Result<()> {
@@ -194,10 +180,7 @@ impl CommBackend for RocmComm {
 
     fn query(&mut self, stream: &HipStream) -> Result<bool> {
         // `hipStreamQuery` refuses a capturing stream before RCCL is asked anything.
-        if stream.query()? {
-            return Ok(true);
-        }
-        self.ccl.still_running()
+        self.ccl.query(stream)
     }
 
     fn close_in_background(self) -> Teardown {
@@ -208,12 +191,7 @@ impl CommBackend for RocmComm {
 
     fn barrier(&mut self, stream: &HipStream) -> Result<()> {
         self.runtime.device().bind()?;
-        // SAFETY: a 4-byte buffer of this device; the stream is live.
-        unsafe { self.ccl.barrier_all_reduce(&self.scratch, stream.raw()) }?;
-        if stream.is_capturing()? {
-            // Inside a capture the all-reduce is the barrier; synchronising would break the capture.
-            return Ok(());
-        }
-        stream.synchronize()
+        // SAFETY: a 4-byte buffer of this device; a stream of this device.
+        unsafe { self.ccl.barrier(&self.scratch, stream) }
     }
 }

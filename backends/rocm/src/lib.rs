@@ -32,40 +32,23 @@ pub fn capabilities(
     ccl: Option<&CclLibrary>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> CapabilityReport {
-    let mut r =
-        CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "not used by the ROCm backend".into() });
-    match ccl {
-        Some(l) => r.merge_from(&anyccl_ccl::derive_capabilities(l, env), anyccl_ccl::caps::CCL_CAPABILITIES),
-        None => r.disable(
-            anyccl_ccl::caps::CCL_CAPABILITIES,
-            Reason::Unavailable { component: "RCCL".into(), detail: "no librccl.so.1 could be loaded".into() },
-        ),
-    }
-    let runtime_reason = match hip {
-        Err(e) => Some(Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() }),
+    let missing = Reason::Unavailable { component: "RCCL".into(), detail: "no librccl.so.1 could be loaded".into() };
+    let mut r = anyccl_ccl::caps::gpu_backend_report("ROCm", ccl, missing, env);
+    let runtime = match hip {
+        Err(e) => Err(Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() }),
         Ok(lib) => match runtime::device_count(lib) {
-            Err(e) => Some(Reason::Unavailable { component: lib.describe(), detail: e.to_string() }),
-            Ok(0) => Some(Reason::Unavailable { component: lib.describe(), detail: "no HIP devices".into() }),
-            Ok(_) => None,
+            Err(e) => Err(Reason::Unavailable { component: lib.describe(), detail: e.to_string() }),
+            Ok(0) => Err(Reason::Unavailable { component: lib.describe(), detail: "no HIP devices".into() }),
+            Ok(_) => Ok(()),
         },
     };
-    match runtime_reason {
-        Some(reason) => {
-            let dep = Reason::Requires { capability: "hip-runtime".into(), because: Box::new(reason.clone()) };
-            r.disable(Capabilities::HIP_RUNTIME, reason);
-            r.disable(Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS, dep);
-        }
-        None => {
-            r.enable(Capabilities::HIP_RUNTIME | Capabilities::GRAPH_CAPTURE | Capabilities::IPC);
-            r.disable(
-                Capabilities::P2P_ALL_PAIRS,
-                Reason::Unavailable {
-                    component: "peer access".into(),
-                    detail: "not probed by the ROCm backend (only the custom kernels need it)".into(),
-                },
-            );
-        }
-    }
+    anyccl_ccl::caps::gpu_runtime(
+        &mut r,
+        Capabilities::HIP_RUNTIME,
+        runtime,
+        Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS,
+        "not probed by the ROCm backend (only the custom kernels need it)",
+    );
     r.disable(
         Capabilities::MULTICAST,
         Reason::Unavailable { component: "AMD GPUs".into(), detail: "no NVLink SHARP multicast on AMD".into() },

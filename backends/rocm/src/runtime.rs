@@ -12,9 +12,9 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
+use anyccl_ccl::{GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use anyccl_core::capture::StreamKey;
-use anyccl_core::runtime::BufferLike;
-use anyccl_core::{BufferDesc, CaptureMode, Error, Location, MemoryRuntime, Result};
+use anyccl_core::{CaptureMode, Error, Location, MemoryRuntime, Result};
 
 use crate::loader::HipLibrary;
 use crate::sys;
@@ -63,12 +63,7 @@ pub(crate) fn check(lib: &HipLibrary, call: &str, status: sys::hipError_t) -> Re
     if status == sys::HIP_SUCCESS {
         return Ok(());
     }
-    Err(Error::Backend {
-        backend: "rocm".into(),
-        call: call.into(),
-        code: Some(i64::from(status)),
-        message: lib.error_string(status),
-    })
+    Err(Error::backend("rocm", call, Some(i64::from(status)), lib.error_string(status)))
 }
 
 /// One HIP device of this process.
@@ -83,12 +78,12 @@ impl HipDevice {
     pub fn new(lib: Arc<HipLibrary>, ordinal: i32) -> Result<Arc<Self>> {
         let n = device_count(&lib)?;
         if ordinal < 0 || ordinal as usize >= n {
-            return Err(Error::Backend {
-                backend: "rocm".into(),
-                call: "hipSetDevice".into(),
-                code: None,
-                message: format!("device {ordinal} does not exist ({n} HIP devices)"),
-            });
+            return Err(Error::backend(
+                "rocm",
+                "hipSetDevice",
+                None,
+                format!("device {ordinal} does not exist ({n} HIP devices)"),
+            ));
         }
         Ok(Arc::new(HipDevice { lib, ordinal }))
     }
@@ -147,15 +142,12 @@ pub fn device_count(lib: &HipLibrary) -> Result<usize> {
 /// struct for both layouts.
 pub fn arch_of(lib: &HipLibrary, ordinal: i32) -> Result<String> {
     let f = lib.table().get_device_properties_r0600.or(lib.table().get_device_properties).ok_or_else(|| {
-        Error::Backend {
-            backend: "rocm".into(),
-            call: "hipGetDeviceProperties".into(),
-            code: None,
-            message: format!(
-                "{} exports neither hipGetDevicePropertiesR0600 nor hipGetDeviceProperties",
-                lib.path().display()
-            ),
-        }
+        Error::backend(
+            "rocm",
+            "hipGetDeviceProperties",
+            None,
+            format!("{} exports neither hipGetDevicePropertiesR0600 nor hipGetDeviceProperties", lib.path().display()),
+        )
     })?;
     let mut buf = vec![0u8; 16 << 10];
     // SAFETY: the buffer is larger than every hipDeviceProp_t layout (about 1.5 KiB), zeroed, writable.
@@ -183,9 +175,9 @@ fn find_gfx(buf: &[u8]) -> Option<String> {
     None
 }
 
-/// One `hipMalloc` allocation, freed when the last buffer or view holding it drops.
+/// One `hipMalloc` allocation, freed when the last buffer or view holding it drops ([`HipBuffer`]'s owner).
 #[derive(Debug)]
-struct HipAllocation {
+pub struct HipAllocation {
     ptr: u64,
     len: usize,
     dev: Arc<HipDevice>,
@@ -210,29 +202,14 @@ impl Drop for HipAllocation {
     }
 }
 
-/// Device memory: owned (freed on drop), a view of memory owned elsewhere, or a range of another buffer
-/// ([`HipBuffer::view`], [`HipBuffer::view_mut`]).
-#[derive(Debug)]
-pub struct HipBuffer {
-    ptr: u64,
-    len: usize,
-    ordinal: i32,
-    /// The allocation when anyccl made it; views share it, so the memory stays allocated while any of them
-    /// exists, even one moved out of its [`HipViewMut`] with `std::mem::swap`.
-    owner: Option<Arc<HipAllocation>>,
-}
+impl GpuAllocation for HipAllocation {
+    type Device = HipDevice;
 
-// SAFETY: a device address; HIP allows using it from any thread.
-unsafe impl Send for HipBuffer {}
-// SAFETY: shared access only reads the address and length.
-unsafe impl Sync for HipBuffer {}
-
-impl HipBuffer {
     /// Allocates `bytes` on `dev` (at least one byte, so every buffer has a distinct address). Refused with
     /// [`anyccl_core::InvalidArgument::DuringCapture`] while a capture it would break runs on a stream of this
     /// runtime ([`anyccl_core::capture`]); made in relaxed capture mode otherwise, so that a capture on a stream
     /// anyccl never saw is not invalidated either.
-    pub fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<Self> {
+    fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<HipBuffer> {
         refuse_unsafe_call(&dev.lib, "MemoryRuntime::alloc (hipMalloc)")?;
         let size = anyccl_core::round_allocation("a device buffer", bytes, 1)?;
         dev.bind()?;
@@ -241,106 +218,38 @@ impl HipBuffer {
         let st = relaxed(&dev.lib, || unsafe { (dev.lib.table().malloc)(&mut p, size) });
         check(&dev.lib, "hipMalloc", st)?;
         anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
-        let owner = Some(Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() }));
-        Ok(HipBuffer { ptr: p as u64, len: bytes, ordinal: dev.ordinal, owner })
-    }
-
-    /// A view of `len` bytes at `ptr` on device `ordinal`, owned elsewhere.
-    ///
-    /// # Safety
-    /// `ptr` is the start of `len` bytes of device memory that outlive the view (and the views made of it).
-    pub unsafe fn from_raw(ptr: u64, len: usize, ordinal: i32) -> Self {
-        HipBuffer { ptr, len, ordinal, owner: None }
-    }
-
-    /// The device address.
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the buffer holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    fn sub(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipBuffer> {
-        let (offset, len) = anyccl_core::runtime::view_range(self.len, range)?;
-        // `offset <= self.len` and `[self.ptr, +self.len)` is device memory (allocated here, or promised by
-        // `from_raw`'s contract), so the sum does not wrap.
-        let ptr = self.ptr.wrapping_add(offset as u64);
-        Ok(HipBuffer { ptr, len, ordinal: self.ordinal, owner: self.owner.clone() })
-    }
-
-    /// A read-only view of the bytes `range` of this buffer, to pass as the input of a collective without
-    /// `unsafe`. A range past the end (or ending before it starts) is
-    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
-    pub fn view(&self, range: impl std::ops::RangeBounds<usize>) -> Result<HipView<'_>> {
-        Ok(HipView { buf: self.sub(range)?, _parent: std::marker::PhantomData })
-    }
-
-    /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
-    /// `unsafe`; the bytes outside it are not touched. A range past the end is
-    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively.
-    pub fn view_mut(&mut self, range: impl std::ops::RangeBounds<usize>) -> Result<HipViewMut<'_>> {
-        Ok(HipViewMut { buf: self.sub(range)?, _parent: std::marker::PhantomData })
+        let owner = Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() });
+        // SAFETY: `size >= bytes` bytes of this device were just allocated at `p`, owned by `owner`.
+        Ok(unsafe { HipBuffer::owning(p as u64, bytes, dev.ordinal.unsigned_abs(), owner) })
     }
 }
 
-/// A read-only view of a byte range of a [`HipBuffer`] ([`HipBuffer::view`]); it dereferences to a [`HipBuffer`]
-/// and cannot outlive the buffer it borrows.
-#[derive(Debug)]
-pub struct HipView<'a> {
-    buf: HipBuffer,
-    _parent: std::marker::PhantomData<&'a HipBuffer>,
-}
+/// Device memory: owned (`HipBuffer::alloc(dev, bytes)`, freed on drop), a view of memory owned elsewhere
+/// (`HipBuffer::from_raw`), or a range of another buffer (`view`, `view_mut`); written once for both GPU backends
+/// ([`GpuBuffer`]).
+pub type HipBuffer = GpuBuffer<HipAllocation>;
 
-impl std::ops::Deref for HipView<'_> {
-    type Target = HipBuffer;
-    fn deref(&self) -> &HipBuffer {
-        &self.buf
+/// A read-only view of a byte range of a [`HipBuffer`] (`HipBuffer::view`).
+pub type HipView<'a> = GpuView<'a, HipAllocation>;
+
+/// A writable view of a byte range of a [`HipBuffer`] (`HipBuffer::view_mut`).
+pub type HipViewMut<'a> = GpuViewMut<'a, HipAllocation>;
+
+impl anyccl_ccl::CclStream for HipStream {
+    fn ccl_handle(&self) -> anyccl_ccl::sys::Stream {
+        self.raw
     }
-}
 
-/// A writable view of a byte range of a [`HipBuffer`] ([`HipBuffer::view_mut`]); it dereferences mutably to a
-/// [`HipBuffer`] and borrows its buffer exclusively for its lifetime.
-#[derive(Debug)]
-pub struct HipViewMut<'a> {
-    buf: HipBuffer,
-    _parent: std::marker::PhantomData<&'a mut HipBuffer>,
-}
-
-impl std::ops::Deref for HipViewMut<'_> {
-    type Target = HipBuffer;
-    fn deref(&self) -> &HipBuffer {
-        &self.buf
+    fn is_capturing(&self) -> Result<bool> {
+        HipStream::is_capturing(self)
     }
-}
 
-impl std::ops::DerefMut for HipViewMut<'_> {
-    fn deref_mut(&mut self) -> &mut HipBuffer {
-        &mut self.buf
+    fn synchronize(&self) -> Result<()> {
+        HipStream::synchronize(self)
     }
-}
 
-impl BufferLike for HipBuffer {
-    fn desc(&self) -> BufferDesc {
-        BufferDesc {
-            addr: self.ptr as usize,
-            len: self.len,
-            location: Location::Device { ordinal: self.ordinal.unsigned_abs() },
-        }
-    }
-}
-
-// SAFETY: `ptr` is the start of `len` bytes of device memory for the buffer's lifetime.
-unsafe impl anyccl_ccl::DeviceAddress for HipBuffer {
-    fn device_addr(&self) -> u64 {
-        self.ptr
+    fn query(&self) -> Result<bool> {
+        HipStream::query(self)
     }
 }
 
@@ -579,15 +488,15 @@ impl MemoryRuntime for HipRuntime {
     }
 
     fn upload(&self, dst: &mut HipBuffer, src: &[u8], stream: &HipStream) -> Result<()> {
-        check_fits("upload", src.len(), dst.len)?;
+        check_fits("upload", src.len(), dst.len())?;
         let what = "MemoryRuntime::upload";
-        self.copy(dst.ptr, src.as_ptr() as u64, src.len(), sys::HIP_MEMCPY_HOST_TO_DEVICE, stream, what)
+        self.copy(dst.device_ptr(), src.as_ptr() as u64, src.len(), sys::HIP_MEMCPY_HOST_TO_DEVICE, stream, what)
     }
 
     fn download(&self, src: &HipBuffer, dst: &mut [u8], stream: &HipStream) -> Result<()> {
-        check_fits("download", dst.len(), src.len)?;
+        check_fits("download", dst.len(), src.len())?;
         let what = "MemoryRuntime::download";
-        self.copy(dst.as_mut_ptr() as u64, src.ptr, dst.len(), sys::HIP_MEMCPY_DEVICE_TO_HOST, stream, what)
+        self.copy(dst.as_mut_ptr() as u64, src.device_ptr(), dst.len(), sys::HIP_MEMCPY_DEVICE_TO_HOST, stream, what)
     }
 
     fn synchronize(&self, stream: &HipStream) -> Result<()> {
@@ -604,6 +513,22 @@ impl MemoryRuntime for HipRuntime {
 
     fn query(&self, stream: &HipStream) -> Result<bool> {
         stream.query()
+    }
+}
+
+impl anyccl_ccl::GpuRuntime for HipRuntime {
+    type Allocation = HipAllocation;
+
+    fn bind(&self) -> Result<()> {
+        self.dev.bind()
+    }
+
+    fn address_range(&self, ptr: u64) -> Result<(u64, usize)> {
+        self.dev.address_range(ptr)
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.dev.ordinal.unsigned_abs()
     }
 }
 
