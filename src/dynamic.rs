@@ -123,6 +123,12 @@ impl BackendChoice {
     }
 }
 
+impl From<BackendKind> for BackendChoice {
+    fn from(k: BackendKind) -> Self {
+        BackendChoice::Only(k)
+    }
+}
+
 impl std::str::FromStr for BackendChoice {
     type Err = Error;
 
@@ -933,18 +939,25 @@ pub fn unavailable(kind: BackendKind, world: usize, disabled: Capabilities) -> O
         let name = kind.capability().name().unwrap_or("the backend");
         return Some(format!("turned off by ANYCCL_DISABLE ({name})"));
     }
-    let devices = match kind {
-        BackendKind::Host => return None,
-        BackendKind::Cuda => cuda_devices(),
-        BackendKind::Rocm => rocm_devices(),
-    };
-    match devices {
+    if kind == BackendKind::Host {
+        return None;
+    }
+    match device_count(kind) {
         Err(why) => Some(why),
         Ok(0) => Some("no GPU".into()),
         Ok(n) if n < world => {
             Some(format!("{world} ranks asked for, but one process drives one rank per GPU and there are {n}"))
         }
         Ok(_) => None,
+    }
+}
+
+/// The GPUs `kind` sees in this process, or why it sees none (the host backend: 1, the host itself).
+pub fn device_count(kind: BackendKind) -> std::result::Result<usize, String> {
+    match kind {
+        BackendKind::Host => Ok(1),
+        BackendKind::Cuda => cuda_devices(),
+        BackendKind::Rocm => rocm_devices(),
     }
 }
 
