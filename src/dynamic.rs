@@ -102,30 +102,33 @@ pub enum BackendChoice {
     /// The best backend present: cuda, then rocm, then host.
     #[default]
     Best,
-    /// This backend, or an error saying why it cannot run.
-    Only(BackendKind),
+    /// The host backend, or an error saying why it cannot run.
+    Host,
+    /// The CUDA backend, or an error saying why it cannot run.
+    Cuda,
+    /// The ROCm backend, or an error saying why it cannot run.
+    Rocm,
 }
 
 impl BackendChoice {
-    /// The host backend only.
-    pub const HOST: BackendChoice = BackendChoice::Only(BackendKind::Host);
-    /// The CUDA backend only.
-    pub const CUDA: BackendChoice = BackendChoice::Only(BackendKind::Cuda);
-    /// The ROCm backend only.
-    pub const ROCM: BackendChoice = BackendChoice::Only(BackendKind::Rocm);
-
     /// The backends tried, in order.
     fn order(self) -> Vec<BackendKind> {
         match self {
             BackendChoice::Best => vec![BackendKind::Cuda, BackendKind::Rocm, BackendKind::Host],
-            BackendChoice::Only(k) => vec![k],
+            BackendChoice::Host => vec![BackendKind::Host],
+            BackendChoice::Cuda => vec![BackendKind::Cuda],
+            BackendChoice::Rocm => vec![BackendKind::Rocm],
         }
     }
 }
 
 impl From<BackendKind> for BackendChoice {
     fn from(k: BackendKind) -> Self {
-        BackendChoice::Only(k)
+        match k {
+            BackendKind::Host => BackendChoice::Host,
+            BackendKind::Cuda => BackendChoice::Cuda,
+            BackendKind::Rocm => BackendChoice::Rocm,
+        }
     }
 }
 
@@ -136,9 +139,9 @@ impl std::str::FromStr for BackendChoice {
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "best" | "auto" => Ok(BackendChoice::Best),
-            "host" => Ok(BackendChoice::HOST),
-            "cuda" => Ok(BackendChoice::CUDA),
-            "rocm" => Ok(BackendChoice::ROCM),
+            "host" => Ok(BackendChoice::Host),
+            "cuda" => Ok(BackendChoice::Cuda),
+            "rocm" => Ok(BackendChoice::Rocm),
             _ => Err(Error::Parse {
                 what: "backend",
                 input: anyccl_core::text::sanitize_with_limit(s, 64),
@@ -474,6 +477,7 @@ fn wrong_backend(which: &'static str, found: BackendKind, expected: BackendKind)
     InvalidArgument::WrongBackend { which, found: found.name(), expected: expected.name() }.into()
 }
 
+#[cfg(feature = "host")]
 fn no_windows(backend: BackendKind) -> Error {
     Error::Unsupported {
         capability: "symmetric-windows".into(),
@@ -481,6 +485,7 @@ fn no_windows(backend: BackendKind) -> Error {
     }
 }
 
+#[cfg(feature = "host")]
 fn no_graphs(backend: BackendKind) -> Error {
     Error::Unsupported {
         capability: "graph-capture".into(),
@@ -996,9 +1001,9 @@ fn rocm_devices() -> std::result::Result<usize, String> {
 /// The error when no backend of `choice` can run: every reason.
 fn none_chosen(choice: BackendChoice, passed_over: &[PassedOver]) -> Error {
     let why = passed_over.iter().map(|p| format!("{}: {}", p.backend, p.why)).collect::<Vec<_>>().join("; ");
-    let capability = match choice {
-        BackendChoice::Only(k) => k.capability().name().unwrap_or("backend").to_owned(),
-        BackendChoice::Best => "backend".to_owned(),
+    let capability = match choice.order().as_slice() {
+        [only] => only.capability().name().unwrap_or("backend").to_owned(),
+        _ => "backend".to_owned(),
     };
     Error::Unsupported { capability, reason: Reason::Unavailable { component: "anyccl".into(), detail: why } }
 }
@@ -1146,7 +1151,7 @@ mod tests {
 
     #[test]
     fn host_ranks_through_the_erased_face_reduce_gather_and_refuse_what_is_not_theirs() {
-        let chosen = communicators(BackendChoice::HOST, 3, Arc::new(Selector::defaults())).expect("host ranks");
+        let chosen = communicators(BackendChoice::Host, 3, Arc::new(Selector::defaults())).expect("host ranks");
         assert_eq!((chosen.backend, chosen.comms.len()), (BackendKind::Host, 3));
         assert!(chosen.passed_over.is_empty());
         let out: Vec<Result<Outcome>> = std::thread::scope(|s| {
@@ -1203,7 +1208,7 @@ mod tests {
 
     #[test]
     fn a_buffer_too_small_is_refused_by_the_typed_front_end_behind_it() {
-        let mut chosen = communicators(BackendChoice::HOST, 1, Arc::new(Selector::defaults())).expect("one rank");
+        let mut chosen = communicators(BackendChoice::Host, 1, Arc::new(Selector::defaults())).expect("one rank");
         let c = &mut chosen.comms[0];
         let st = c.stream().expect("stream");
         let mut small = c.alloc(8).expect("alloc");
@@ -1219,7 +1224,7 @@ mod tests {
                 let why = unavailable(kind, 1, Capabilities::empty()).expect("not compiled in");
                 assert!(why.contains("not compiled into this build"), "{why}");
                 let e =
-                    communicators(BackendChoice::Only(kind), 1, Arc::new(Selector::defaults())).expect_err("refused");
+                    communicators(BackendChoice::from(kind), 1, Arc::new(Selector::defaults())).expect_err("refused");
                 assert!(e.to_string().contains("not compiled into this build"), "{e}");
             }
         }
@@ -1227,7 +1232,7 @@ mod tests {
         assert_eq!(why, "turned off by ANYCCL_DISABLE (host-backend)");
         assert_eq!(unavailable(BackendKind::Host, 2, Capabilities::empty()), None);
         assert!(communicators(BackendChoice::Best, 0, Arc::new(Selector::defaults())).is_err());
-        assert_eq!("rocm".parse::<BackendChoice>(), Ok(BackendChoice::ROCM));
+        assert_eq!("rocm".parse::<BackendChoice>(), Ok(BackendChoice::Rocm));
         assert_eq!(" Best ".parse::<BackendChoice>(), Ok(BackendChoice::Best));
         assert!(matches!("metal".parse::<BackendChoice>(), Err(Error::Parse { what: "backend", .. })));
     }

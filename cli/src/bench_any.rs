@@ -224,7 +224,6 @@ fn measure_cell(
     }
     c.synchronize(stream)?;
     c.download(out, host, stream)?;
-    drop(graph);
     if let Some(t) = run.tamper {
         t(CellId { rank: c.rank(), bytes: n as u64, algorithm: run.algo, in_place: run.in_place }, host);
     }

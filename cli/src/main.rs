@@ -14,7 +14,7 @@ use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
-#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+#[cfg(any(feature = "host", feature = "rocm"))]
 mod bench_any;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
@@ -64,11 +64,12 @@ enum BackendArg {
 
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
-    /// Backend to run on. Default: cuda when this build has it and the machine has an NVIDIA GPU, else host.
+    /// Backend to run on. Default: the first of cuda and rocm that this build has and this machine can run (an
+    /// NVIDIA or AMD GPU with its collective library, not turned off by ANYCCL_DISABLE), else host.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
-    /// Number of ranks, 1 to 64. Default: host: the number of CPU cores, at least 2 and at most 8; cuda: every GPU
-    /// of this machine; --per-rank: the launcher's WORLD_SIZE (given, it must match).
+    /// Number of ranks, 1 to 64. Default: host: the number of CPU cores, at least 2 and at most 8; cuda, rocm:
+    /// every GPU of this machine; --per-rank: the launcher's WORLD_SIZE (given, it must match).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     world: Option<u16>,
     /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
@@ -78,7 +79,7 @@ struct BenchArgs {
     #[arg(long, default_value = "sum", value_parser = parse_op)]
     op: ReduceOp,
     /// Message sizes, comma-separated (4KiB,1MiB,…), at most 64. Host backend: each at most 1 GiB, and world ×
-    /// size at most 2 GiB. Default: host: 4 KiB to 16 MiB in steps of 4× (7 sizes); cuda: bf16 tensors of shape
+    /// size at most 2 GiB. Default: host: 4 KiB to 16 MiB in steps of 4× (7 sizes); cuda, rocm: bf16 tensors of shape
     /// (N, 8192) for N = 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 3062, 4096 (512 KiB to 64 MiB, 11 sizes).
     #[arg(long, value_delimiter = ',', value_parser = parse_size, conflicts_with_all = ["minbytes", "maxbytes", "stepfactor"])]
     sizes: Option<Vec<u64>>,
@@ -94,7 +95,8 @@ struct BenchArgs {
     stepfactor: Option<u64>,
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
     /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
-    /// nvls-warp-pipeline, nvls-block-pipeline (those the machine cannot run are listed with the reason).
+    /// nvls-warp-pipeline, nvls-block-pipeline; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
+    /// cannot run are listed with the reason; on rocm the custom kernels are not wired yet).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).
@@ -115,17 +117,18 @@ struct BenchArgs {
     /// Also draw latency and bandwidth against size (out of place), one line per algorithm, into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
-    /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs; the host backend
-    /// times each call between two barriers).
+    /// GPU timing: one graph of 10 back-to-back calls per replay (the default on GPUs: CUDA events on cuda, host
+    /// time up to a stream synchronisation on rocm; the host backend times each call between two barriers).
     #[arg(long, conflicts_with = "eager")]
     graph: bool,
-    /// GPU timing: each eager call on its own, plus the host time per call (anyccl vs raw NCCL).
+    /// GPU timing: each eager call on its own (cuda: also the host time per call, anyccl vs raw NCCL).
     #[arg(long)]
     eager: bool,
     /// One process per rank, started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     /// MASTER_PORT; ANYCCL_RENDEZVOUS_KEY off loopback): every process measures its rank, rank 0 prints the
     /// report with each cell's spread over the ranks (min/avg/max), and every rank exits non-zero if any result
-    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot).
+    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot); rocm: not yet
+    /// (one process drives every GPU).
     #[arg(long)]
     per_rank: bool,
 }
@@ -168,6 +171,7 @@ fn config(
     })
 }
 
+#[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
 fn default_world() -> u16 {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8) as u16)
 }
