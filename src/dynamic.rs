@@ -222,6 +222,18 @@ impl AnyBuffer {
         }
     }
 
+    /// The CUDA backend's buffer (plain or in a window), if it is one: for code that times the typed path.
+    #[cfg(feature = "cuda")]
+    pub fn as_cuda(&self) -> Option<&anyccl_cuda::DeviceBuffer> {
+        <anyccl_cuda::CudaComm as Erased>::buf(self)
+    }
+
+    /// [`AnyBuffer::as_cuda`], mutably.
+    #[cfg(feature = "cuda")]
+    pub fn as_cuda_mut(&mut self) -> Option<&mut anyccl_cuda::DeviceBuffer> {
+        <anyccl_cuda::CudaComm as Erased>::buf_mut(self)
+    }
+
     /// The host backend's buffer, if it is one.
     #[cfg(feature = "host")]
     pub fn as_host(&self) -> Option<&anyccl_host::HostBuffer> {
@@ -270,6 +282,57 @@ impl AnyStream {
             #[cfg(feature = "rocm")]
             StreamInner::Rocm(_) => BackendKind::Rocm,
         }
+    }
+}
+
+impl AnyStream {
+    /// The CUDA stream, if it is one: for code that times the typed path.
+    #[cfg(feature = "cuda")]
+    pub fn as_cuda(&self) -> Option<&anyccl_cuda::CudaStream> {
+        <anyccl_cuda::CudaComm as Erased>::stream_of(self)
+    }
+}
+
+/// A device timing event ([`DynComm::event`]): recorded on a stream, then the time between two is read.
+pub struct AnyEvent {
+    inner: EventInner,
+}
+
+enum EventInner {
+    #[cfg(feature = "cuda")]
+    Cuda(anyccl_cuda::graph::Event),
+    /// Keeps the enum inhabited in builds without a backend that has events (never constructed there).
+    #[allow(dead_code)]
+    None(std::convert::Infallible),
+}
+
+impl AnyEvent {
+    /// Records the event on `stream` (of the backend that made it).
+    pub fn record(&self, stream: &AnyStream) -> Result<()> {
+        match (&self.inner, &stream.inner) {
+            #[cfg(feature = "cuda")]
+            (EventInner::Cuda(e), StreamInner::Cuda(s)) => e.record(s),
+            (EventInner::None(never), _) => match *never {},
+            #[allow(unreachable_patterns)]
+            _ => Err(wrong_backend("stream", stream.backend(), BackendKind::Cuda)),
+        }
+    }
+
+    /// Milliseconds from this event to `end`, both recorded and completed.
+    pub fn elapsed_ms(&self, end: &AnyEvent) -> Result<f32> {
+        match (&self.inner, &end.inner) {
+            #[cfg(feature = "cuda")]
+            (EventInner::Cuda(a), EventInner::Cuda(b)) => a.elapsed_ms(b),
+            (EventInner::None(never), _) => match *never {},
+            #[allow(unreachable_patterns)]
+            (_, EventInner::None(never)) => match *never {},
+        }
+    }
+}
+
+impl fmt::Debug for AnyEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AnyEvent")
     }
 }
 
@@ -364,6 +427,9 @@ pub trait DynComm: Send {
     fn synchronize(&self, stream: &AnyStream) -> Result<()>;
     /// Whether `stream` is being captured.
     fn is_capturing(&self, stream: &AnyStream) -> Result<bool>;
+    /// A device timing event, where the backend offers them (CUDA); elsewhere [`Error::Unsupported`] naming
+    /// `device-timing-events` (time on the host up to [`DynComm::synchronize`] instead).
+    fn event(&self) -> Result<AnyEvent>;
 
     /// The algorithm an all-reduce of this shape would use now, without running it.
     fn select_all_reduce(&self, call: &AllReduceCall) -> Result<Selection>;
@@ -471,6 +537,15 @@ trait Erased: CommBackend + Sized + 'static {
     fn device(c: &Communicator<Self>) -> String;
     fn symmetric(c: &Communicator<Self>, bytes: usize, stream: &AnyStream) -> Result<AnyBuffer>;
     fn capture(c: &mut Communicator<Self>, stream: &AnyStream, body: &mut CaptureBody<'_>) -> Result<AnyGraph>;
+    fn event(c: &Communicator<Self>) -> Result<AnyEvent> {
+        let _ = c;
+        Err(Error::Unsupported {
+            capability: "device-timing-events".into(),
+            reason: Reason::NotApplicable {
+                detail: format!("the {} backend offers no device timing events in this release", Self::KIND),
+            },
+        })
+    }
 }
 
 fn wrong_backend(which: &'static str, found: BackendKind, expected: BackendKind) -> Error {
@@ -571,6 +646,9 @@ impl<B: Erased> DynComm for Communicator<B> {
     }
     fn is_capturing(&self, stream: &AnyStream) -> Result<bool> {
         self.runtime().is_capturing(any_stream::<B>(stream)?)
+    }
+    fn event(&self) -> Result<AnyEvent> {
+        B::event(self)
     }
     fn select_all_reduce(&self, call: &AllReduceCall) -> Result<Selection> {
         Communicator::select_all_reduce(self, call)
@@ -824,6 +902,9 @@ mod cuda_impl {
             // The body enqueues on `stream`, the very stream being captured (Graph::capture hands it back).
             let g = Graph::capture(&ctx, s, |_| body(c, stream))?;
             Ok(AnyGraph { inner: GraphInner::Cuda(g) })
+        }
+        fn event(c: &Communicator<Self>) -> Result<AnyEvent> {
+            Ok(AnyEvent { inner: EventInner::Cuda(anyccl_cuda::graph::Event::new(c.runtime().context())?) })
         }
     }
 }

@@ -53,7 +53,7 @@ pub mod dynamic;
 pub mod report;
 
 #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
-pub use dynamic::{AnyBuffer, AnyCommunicator, AnyGraph, AnyStream, BackendChoice, BackendKind, DynComm};
+pub use dynamic::{AnyBuffer, AnyCommunicator, AnyEvent, AnyGraph, AnyStream, BackendChoice, BackendKind, DynComm};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

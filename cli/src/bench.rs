@@ -51,11 +51,9 @@ pub const MAX_ITERS: u32 = 10_000;
 /// The most untimed warm-up calls per cell (`--warmup`).
 pub const MAX_WARMUP: u32 = 10_000;
 /// The host backend's largest message (`--sizes`): 1 GiB.
-#[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
 pub const HOST_MAX_MESSAGE_BYTES: u64 = 1 << 30;
 /// The host backend's largest world × message: 2 GiB. Each rank holds about five copies of its message (input,
 /// output, in-place buffer, staging), so this bounds a host sweep to about 10 GiB of memory.
-#[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
 pub const HOST_MAX_WORLD_BYTES: u64 = 2 << 30;
 /// A GPU backend's largest message: 64 GiB (each rank also keeps two host copies, its input and its download).
 // The GPU items below serve the cuda and rocm backends only.
@@ -75,7 +73,6 @@ pub struct Limits {
 
 impl Limits {
     /// The host backend's: [`HOST_MAX_MESSAGE_BYTES`], [`HOST_MAX_WORLD_BYTES`].
-    #[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
     pub const HOST: Limits =
         Limits { max_message: HOST_MAX_MESSAGE_BYTES, max_world_bytes: Some(HOST_MAX_WORLD_BYTES) };
     /// A GPU backend's: [`GPU_MAX_MESSAGE_BYTES`] (device memory is checked by the allocator).
@@ -158,7 +155,6 @@ impl BenchConfig {
 }
 
 /// The default host sweep: 4 KiB to 16 MiB in steps of 4×.
-#[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
 pub fn default_host_sizes() -> Vec<u64> {
     (0..7).map(|i| 4096u64 << (2 * i)).collect()
 }

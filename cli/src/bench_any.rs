@@ -1,15 +1,15 @@
-//! The bench written once for every backend, over the type-erased communicator ([`anyccl::dynamic`]): the host
-//! backend (threads, or processes with `--per-rank`) and ROCm (one process, a thread per GPU). The CUDA backend
-//! keeps its typed driver (`bench_cuda`), which times with CUDA events and compares anyccl's host time per call
-//! with a raw `ncclAllReduce` on the typed `Communicator<CudaComm>` (the erased call's virtual dispatch must not
-//! enter that measurement).
+//! The bench written once for every backend, over the type-erased communicator ([`anyccl::dynamic`]): host
+//! (threads, or processes with `--per-rank`), CUDA (a thread per GPU, or one process per GPU with `--per-rank`)
+//! and ROCm (a thread per GPU).
 //!
 //! Timing, per backend:
 //! - host ([`Timing::Barriers`]): each call between two barriers, timed on every rank;
 //! - GPU graph ([`Timing::Graph`], the default): one graph of [`CALLS_PER_GRAPH`] back-to-back all-reduces per
-//!   replay; each replay timed on the host from launch to the end of a stream synchronisation, divided by the
-//!   calls;
-//! - GPU eager ([`Timing::Eager`]): each call timed on the host from the call to the end of a synchronisation.
+//!   replay, each replay between two device events (CUDA) or timed on the host up to a stream synchronisation
+//!   (ROCm, whose erased face has no events yet), divided by the calls;
+//! - GPU eager ([`Timing::Eager`]): each call between two events, or on the host up to a synchronisation. On CUDA
+//!   the host time per call is measured too, anyccl against a raw `ncclAllReduce`, on the typed
+//!   `Communicator<CudaComm>` (`bench_cuda`): the erased face's virtual call does not enter that measurement.
 //!
 //! Every cell is then checked as nccl-tests checks it ([`crate::check::Reference`]): out of place the output is
 //! poisoned (0xFF) and the timing graph replayed once (graph mode) or one call made; in place the input is restored
@@ -17,9 +17,10 @@
 
 use std::time::Instant;
 
+use anyccl::core::bootstrap::Bootstrap;
 use anyccl::core::comm::AllReduceCall;
 use anyccl::core::{Algorithm, Capabilities, Error, InOut, Result, Selection};
-use anyccl::dynamic::{AnyBuffer, AnyGraph, AnyStream, BackendKind, DynComm};
+use anyccl::dynamic::{AnyBuffer, AnyEvent, AnyGraph, AnyStream, BackendKind, DynComm};
 use anyccl::DataType;
 
 use crate::bench::{
@@ -116,6 +117,8 @@ struct CellRun<'a> {
     /// This rank's input (its first `n` bytes are the message).
     seed: &'a [u8],
     tamper: Tamper<'a>,
+    /// Whether GPU timing uses device events ([`DynComm::event`]).
+    events: bool,
 }
 
 /// One call of the cell on `out` (and `input` out of place); auto's choice goes to `chosen`.
@@ -137,6 +140,7 @@ fn one_call(
 }
 
 /// Times one cell on one rank, then checks it.
+#[allow(clippy::too_many_arguments)]
 fn measure_cell(
     run: &CellRun<'_>,
     c: &mut dyn DynComm,
@@ -145,6 +149,7 @@ fn measure_cell(
     out: &mut AnyBuffer,
     host: &mut [u8],
     chosen: &mut Option<Selection>,
+    boot: Option<&mut dyn Bootstrap>,
 ) -> Result<RankCell> {
     let (cfg, n) = (run.cfg, run.n);
     let seed = &run.seed[..n];
@@ -158,6 +163,14 @@ fn measure_cell(
         c.upload(out, seed, stream)?;
     }
     let mut graph: Option<AnyGraph> = None;
+    // Device events around each timed call or replay, where the backend has them.
+    let events: Option<Vec<AnyEvent>> = match (run.timing, run.events) {
+        (Timing::Graph | Timing::Eager, true) => Some((0..=cfg.iters).map(|_| c.event()).collect::<Result<_>>()?),
+        _ => None,
+    };
+    let elapsed_us = |ev: &[AnyEvent], per: usize| -> Result<Vec<f64>> {
+        (0..cfg.iters).map(|i| Ok(f64::from(ev[i].elapsed_ms(&ev[i + 1])?) * 1e3 / per as f64)).collect()
+    };
     match run.timing {
         Timing::Barriers => {
             for i in 0..cfg.warmup + cfg.iters {
@@ -173,19 +186,34 @@ fn measure_cell(
                 }
             }
         }
-        Timing::Eager => {
-            for i in 0..cfg.warmup + cfg.iters {
-                let t0 = Instant::now();
-                one_call(run, c, input, out, stream, chosen)?;
+        Timing::Eager => match &events {
+            Some(ev) => {
+                for _ in 0..cfg.warmup {
+                    one_call(run, c, input, out, stream, chosen)?;
+                }
+                for e in &ev[..cfg.iters] {
+                    e.record(stream)?;
+                    one_call(run, c, input, out, stream, chosen)?;
+                }
+                ev[cfg.iters].record(stream)?;
                 c.synchronize(stream)?;
-                if i >= cfg.warmup {
-                    samples.push(t0.elapsed().as_secs_f64() * 1e6);
+                samples = elapsed_us(ev, 1)?;
+            }
+            None => {
+                for i in 0..cfg.warmup + cfg.iters {
+                    let t0 = Instant::now();
+                    one_call(run, c, input, out, stream, chosen)?;
+                    c.synchronize(stream)?;
+                    if i >= cfg.warmup {
+                        samples.push(t0.elapsed().as_secs_f64() * 1e6);
+                    }
                 }
             }
-        }
+        },
         Timing::Graph => {
-            // Eager calls first: the vendor library connects peers lazily on the first call of a kind, which is
-            // not allowed during capture.
+            // Eager calls first: the vendor library connects peers lazily on the first call of a kind, and
+            // connecting is not allowed during capture ("failed to peer with device 1 … operation not permitted
+            // when stream is capturing" at world 2 on an H200 pair without this).
             for _ in 0..cfg.warmup.max(1) {
                 one_call(run, c, input, out, stream, chosen)?;
             }
@@ -196,17 +224,31 @@ fn measure_cell(
                 }
                 Ok(())
             })?;
-            // As an engine does after capturing (collective; every rank captured the same calls).
-            c.register_graph_buffers(None)?;
+            // As an engine does after capturing: the custom kernels' captured inputs are registered (collective;
+            // every rank captured the same calls), so replays read every rank's input directly.
+            c.register_graph_buffers(boot)?;
             for _ in 0..cfg.warmup.max(1) {
                 g.launch(stream)?;
             }
-            c.synchronize(stream)?;
-            for _ in 0..cfg.iters {
-                let t0 = Instant::now();
-                g.launch(stream)?;
-                c.synchronize(stream)?;
-                samples.push(t0.elapsed().as_secs_f64() * 1e6 / CALLS_PER_GRAPH as f64);
+            match &events {
+                Some(ev) => {
+                    for e in &ev[..cfg.iters] {
+                        e.record(stream)?;
+                        g.launch(stream)?;
+                    }
+                    ev[cfg.iters].record(stream)?;
+                    c.synchronize(stream)?;
+                    samples = elapsed_us(ev, CALLS_PER_GRAPH)?;
+                }
+                None => {
+                    c.synchronize(stream)?;
+                    for _ in 0..cfg.iters {
+                        let t0 = Instant::now();
+                        g.launch(stream)?;
+                        c.synchronize(stream)?;
+                        samples.push(t0.elapsed().as_secs_f64() * 1e6 / CALLS_PER_GRAPH as f64);
+                    }
+                }
             }
             graph = Some(g);
         }
@@ -246,8 +288,21 @@ pub(crate) struct Sweep<'a> {
     pub tamper: Tamper<'a>,
 }
 
-/// One rank's sweep: every size, placement and algorithm, timed then checked.
-pub(crate) fn rank_sweep(c: &mut dyn DynComm, sw: &Sweep<'_>) -> Result<RankSweep> {
+/// The bootstrap for one call, borrowed again (`Option::as_deref_mut` would keep the object's longer lifetime).
+fn reborrow<'a>(boot: &'a mut Option<&mut dyn Bootstrap>) -> Option<&'a mut dyn Bootstrap> {
+    match boot {
+        Some(b) => Some(&mut **b),
+        None => None,
+    }
+}
+
+/// One rank's sweep: every size, placement and algorithm, timed then checked. `boot` reaches the other ranks'
+/// processes (`None`: ranks of this process).
+pub(crate) fn rank_sweep(
+    c: &mut dyn DynComm,
+    sw: &Sweep<'_>,
+    mut boot: Option<&mut dyn Bootstrap>,
+) -> Result<RankSweep> {
     let cfg = sw.cfg;
     let rank = c.rank();
     let stream = c.stream()?;
@@ -276,6 +331,7 @@ pub(crate) fn rank_sweep(c: &mut dyn DynComm, sw: &Sweep<'_>) -> Result<RankSwee
     let mut done = 0u64;
     let places: &[bool] = if cfg.in_place { &[false, true] } else { &[false] };
     let fallback = sw.algorithms.first().copied().unwrap_or(Algorithm::Ccl);
+    let events = sw.timing != Timing::Barriers && c.event().is_ok();
     for &bytes in &cfg.sizes {
         let n = bytes as usize;
         let count = n / cfg.dtype.size_bytes();
@@ -291,13 +347,14 @@ pub(crate) fn rank_sweep(c: &mut dyn DynComm, sw: &Sweep<'_>) -> Result<RankSwee
                     n,
                     seed: &seed,
                     tamper: sw.tamper,
+                    events,
                 };
                 let cell = match algo {
                     Some(Algorithm::CclSymmetric) => {
                         let (sin, sout) =
                             sym.as_mut().ok_or_else(|| Error::PeerFailure("no symmetric buffer".into()))?;
                         // In place, only the output window is used (the input is uploaded into it).
-                        measure_cell(&run, c, &stream, sin, sout, &mut host, &mut chosen)?
+                        measure_cell(&run, c, &stream, sin, sout, &mut host, &mut chosen, reborrow(&mut boot))?
                     }
                     Some(a) => {
                         let call = AllReduceCall {
@@ -313,10 +370,21 @@ pub(crate) fn rank_sweep(c: &mut dyn DynComm, sw: &Sweep<'_>) -> Result<RankSwee
                             // Not for this size (e.g. above the custom kernels' staging buffers): an empty cell.
                             RankCell::EMPTY
                         } else {
-                            measure_cell(&run, c, &stream, &send, &mut recv, &mut host, &mut chosen)?
+                            measure_cell(
+                                &run,
+                                c,
+                                &stream,
+                                &send,
+                                &mut recv,
+                                &mut host,
+                                &mut chosen,
+                                reborrow(&mut boot),
+                            )?
                         }
                     }
-                    None => measure_cell(&run, c, &stream, &send, &mut recv, &mut host, &mut chosen)?,
+                    None => {
+                        measure_cell(&run, c, &stream, &send, &mut recv, &mut host, &mut chosen, reborrow(&mut boot))?
+                    }
                 };
                 sweep.cells.push(cell);
                 done += 1;
@@ -326,11 +394,41 @@ pub(crate) fn rank_sweep(c: &mut dyn DynComm, sw: &Sweep<'_>) -> Result<RankSwee
             }
             sweep.autos.push(chosen.map_or((fallback, String::new()), |s| (s.algorithm, s.why.to_string())));
         }
-        sweep.host.push(None);
+        sweep.host.push(if sw.timing == Timing::Eager {
+            host_pair(c, &send, &mut recv, &stream, n, cfg)?
+        } else {
+            None
+        });
     }
     drop(sym.take());
     c.barrier(&stream)?;
     Ok(sweep)
+}
+
+/// Eager mode on CUDA: anyccl's host time per call against a raw `ncclAllReduce`, on the typed communicator.
+#[cfg(feature = "cuda")]
+fn host_pair(
+    c: &mut dyn DynComm,
+    send: &AnyBuffer,
+    recv: &mut AnyBuffer,
+    stream: &AnyStream,
+    n: usize,
+    cfg: &BenchConfig,
+) -> Result<Option<(f64, f64)>> {
+    crate::bench_cuda::host_pair(c, send, recv, stream, n, cfg)
+}
+
+/// Other backends have no raw vendor call to compare with here.
+#[cfg(not(feature = "cuda"))]
+fn host_pair(
+    _: &mut dyn DynComm,
+    _: &AnyBuffer,
+    _: &mut AnyBuffer,
+    _: &AnyStream,
+    _: usize,
+    _: &BenchConfig,
+) -> Result<Option<(f64, f64)>> {
+    Ok(None)
 }
 
 /// The backend's limits on a sweep.
@@ -372,7 +470,7 @@ fn check_text(reference: &Reference, timing: Timing) -> String {
     }
 }
 
-fn method(kind: BackendKind, timing: Timing, launch: Launch) -> String {
+fn method(kind: BackendKind, timing: Timing, launch: Launch, events: bool) -> String {
     let ranks = match (kind, launch) {
         (BackendKind::Host, Launch::Threads) => "host threads",
         (BackendKind::Host, Launch::Processes) => "one process per rank (host backend over shared memory)",
@@ -383,18 +481,55 @@ fn method(kind: BackendKind, timing: Timing, launch: Launch) -> String {
         Launch::Threads => "rank 0's median",
         Launch::Processes => "the average of the ranks' medians",
     };
+    let timed = if events { "timed with device events" } else { "timed on the host up to a stream synchronisation" };
+    let driver = driver_text(kind);
     match timing {
         Timing::Barriers => format!(
             "{ranks}; per call: barrier, all-reduce, barrier, timed on every rank; {headline} of the timed calls \
              (the spread is of every rank's median)"
         ),
         Timing::Graph => format!(
-            "{ranks}; one {kind} graph of {CALLS_PER_GRAPH} back-to-back all-reduces per replay, each replay timed on \
-             the host up to a stream synchronisation; latency = replay / {CALLS_PER_GRAPH}; {headline}"
+            "{driver}{ranks}; one {kind} graph of {CALLS_PER_GRAPH} back-to-back all-reduces per replay, each replay \
+             {timed}; latency = replay / {CALLS_PER_GRAPH}; {headline}"
         ),
         Timing::Eager => {
-            format!("{ranks}; each eager call timed on the host up to a stream synchronisation; {headline}")
+            let host = if kind == BackendKind::Cuda {
+                ". host us/call: median wall time of the call itself (anyccl vs raw ncclAllReduce, rank 0, on the \
+                 typed communicator)"
+            } else {
+                ""
+            };
+            format!("{driver}{ranks}; each eager call {timed}; {headline}{host}")
         }
+    }
+}
+
+/// The CUDA driver's version, where the backend is CUDA (`driver 12.8: `).
+fn driver_text(kind: BackendKind) -> String {
+    #[cfg(feature = "cuda")]
+    if kind == BackendKind::Cuda {
+        if let Ok(info) = anyccl::cuda::available() {
+            return format!("driver {}: ", info.version_string());
+        }
+    }
+    let _ = kind;
+    String::new()
+}
+
+/// Refuses more ranks than one process has GPUs (the chooser would too, without naming the flag).
+fn check_world(kind: BackendKind, world: usize) -> Result<()> {
+    if kind == BackendKind::Host {
+        return Ok(());
+    }
+    match anyccl::dynamic::device_count(kind) {
+        Ok(n) if world > n => Err(crate::bench::flag_error(
+            "--world",
+            format!(
+                "{world} ranks; one process drives at most one rank per GPU, and this machine has {n} (start one \
+                 process per GPU with --per-rank for more)"
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -415,18 +550,20 @@ pub(crate) fn run(
     tamper: Tamper<'_>,
 ) -> Result<Measured> {
     cfg.check(limits(kind))?;
+    check_world(kind, cfg.world)?;
     let reference = Reference::new(cfg.dtype, cfg.op, cfg.world)?;
     let chosen = anyccl::dynamic::communicators(kind.into(), cfg.world, cfg.selector.clone())?;
     let first = chosen.comms.first().ok_or_else(|| Error::PeerFailure("no communicator was made".into()))?;
     let (algorithms, ineligible) = eligible(&**first, cfg);
     let library = first.library();
     let arch = first.arch().to_owned();
+    let events = timing != Timing::Barriers && first.event().is_ok();
     let pid = std::process::id();
     let host = host_name();
     let ranks =
         chosen.comms.iter().map(|c| RankInfo { rank: c.rank(), host: host.clone(), pid, device: c.device() }).collect();
     let sw = Sweep { cfg, timing, algorithms: &algorithms, reference: &reference, progress, tamper };
-    let sweeps = on_ranks(chosen.comms, |mut c| rank_sweep(&mut *c, &sw))?;
+    let sweeps = on_ranks(chosen.comms, |mut c| rank_sweep(&mut *c, &sw, None))?;
     let all: Vec<Vec<RankCell>> = sweeps.iter().map(|s| s.cells.clone()).collect();
     let base = baseline(kind, Launch::Threads);
     // `on_ranks` returns every rank's result or an error, never an empty list: `sweeps[0]` is rank 0's.
@@ -442,7 +579,7 @@ pub(crate) fn run(
         ineligible,
         rows,
         check_text(&reference, timing),
-        method(kind, timing, Launch::Threads),
+        method(kind, timing, Launch::Threads, events),
     );
     Ok(Measured { report, arch })
 }
@@ -488,6 +625,7 @@ pub(crate) fn gather(c: &mut dyn DynComm, mine: &[u8], limit: usize) -> Result<V
 /// 0 prints it).
 pub(crate) fn run_processes(
     mut c: anyccl::AnyCommunicator,
+    mut boot: Option<Box<dyn Bootstrap>>,
     cfg: &BenchConfig,
     timing: Timing,
     progress: Progress<'_>,
@@ -500,7 +638,12 @@ pub(crate) fn run_processes(
     check_agreement(&gather(&mut *c, &fingerprint(cfg, &algorithms, &mode), limit)?)?;
     let reference = Reference::new(cfg.dtype, cfg.op, cfg.world)?;
     let sw = Sweep { cfg, timing, algorithms: &algorithms, reference: &reference, progress, tamper: None };
-    let sweep = rank_sweep(&mut *c, &sw)?;
+    let events = timing != Timing::Barriers && c.event().is_ok();
+    let boot: Option<&mut dyn Bootstrap> = match &mut boot {
+        Some(b) => Some(&mut **b),
+        None => None,
+    };
+    let sweep = rank_sweep(&mut *c, &sw, boot)?;
     let expected = sweep.cells.len();
     let cells = gather(&mut *c, &encode_cells(&sweep.cells), expected.saturating_mul(crate::bench::RANK_CELL_BYTES))?;
     let all = cells.iter().enumerate().map(|(r, b)| decode_cells(r, b, expected)).collect::<Result<Vec<_>>>()?;
@@ -519,6 +662,6 @@ pub(crate) fn run_processes(
         ineligible,
         rows,
         check_text(&reference, timing),
-        method(kind, timing, Launch::Processes),
+        method(kind, timing, Launch::Processes, events),
     ))
 }

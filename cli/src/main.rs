@@ -14,7 +14,7 @@ use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
-#[cfg(any(feature = "host", feature = "rocm"))]
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
 mod bench_any;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
@@ -171,7 +171,6 @@ fn config(
     })
 }
 
-#[cfg_attr(not(any(feature = "host", feature = "rocm")), allow(dead_code))]
 fn default_world() -> u16 {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8) as u16)
 }
@@ -446,39 +445,8 @@ fn sweep(
 ) -> Result<Finished, CliError> {
     let selector = Arc::new(selector);
     match backend {
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            let mode = if args.eager { crate::bench_cuda::Mode::Eager } else { crate::bench_cuda::Mode::Graph };
-            let arch = || {
-                anyccl::cuda::available()
-                    .ok()
-                    .and_then(|info| info.devices.first().map(|d| d.arch()))
-                    .unwrap_or_default()
-            };
-            if args.per_rank {
-                let (c, mut rdv) =
-                    anyccl::cuda::bootstrap::communicator_from_env(selector.clone()).map_err(per_rank_error)?;
-                let (rank, cfg) = per_rank_config(
-                    args,
-                    c.rank(),
-                    c.world_size(),
-                    crate::bench::default_gpu_sizes,
-                    selector,
-                    in_place,
-                )?;
-                let report =
-                    with_progress(rank == 0, |p| crate::bench_cuda::run_processes(c, &mut rdv, &cfg, mode, p))?;
-                return Ok(Finished { report, prints: rank == 0, arch: arch() });
-            }
-            let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
-            let world = world.unwrap_or_else(|| args.world.map_or(gpus, usize::from));
-            let cfg = config(args, world, crate::bench::default_gpu_sizes, selector, in_place)?;
-            cfg.check(crate::bench::Limits::GPU)?;
-            let report = with_progress(true, |p| crate::bench_cuda::run(&cfg, mode, p))?;
-            Ok(Finished { report, prints: true, arch: arch() })
-        }
-        #[cfg(any(feature = "host", feature = "rocm"))]
-        Backend::Host | Backend::Rocm => {
+        #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+        Backend::Host | Backend::Cuda | Backend::Rocm => {
             use crate::bench_any::Timing;
             let kind = backend.kind();
             let (timing, default_sizes): (Timing, fn() -> Vec<u64>) = match backend {
@@ -488,10 +456,10 @@ fn sweep(
             };
             if args.per_rank {
                 let joined = anyccl::dynamic::from_env(kind.into(), selector.clone()).map_err(per_rank_error)?;
-                let c = joined.comm;
+                let (c, boot) = (joined.comm, joined.bootstrap);
                 let arch = c.arch().to_owned();
                 let (rank, cfg) = per_rank_config(args, c.rank(), c.world_size(), default_sizes, selector, in_place)?;
-                let report = with_progress(rank == 0, |p| crate::bench_any::run_processes(c, &cfg, timing, p))?;
+                let report = with_progress(rank == 0, |p| crate::bench_any::run_processes(c, boot, &cfg, timing, p))?;
                 return Ok(Finished { report, prints: rank == 0, arch });
             }
             let default_world = match backend {
