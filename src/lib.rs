@@ -3,7 +3,8 @@
 //! This facade re-exports the vendor-neutral core ([`core`]) and the backends compiled in: the host backend
 //! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels) and ROCm (feature
 //! `rocm`: HIP runtime and RCCL, loaded at run time), and the machine-level capability report
-//! ([`report::MachineReport`]). The `anyccl` command (`probe`, `bench`, `tune`) lives in the `anyccl-cli` crate; this
+//! ([`report::MachineReport`]). [`dynamic`] chooses the backend at run time: one type-erased communicator
+//! ([`AnyCommunicator`]) for code written once for every backend. The `anyccl` command (`probe`, `bench`, `tune`) lives in the `anyccl-cli` crate; this
 //! library has no command-line dependencies.
 //!
 //! ```
@@ -47,7 +48,12 @@ pub use float8;
 /// The 16-bit float element types ([`half::f16`], [`half::bf16`]) the typed APIs take.
 pub use half;
 
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+pub mod dynamic;
 pub mod report;
+
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+pub use dynamic::{AnyBuffer, AnyCommunicator, AnyEvent, AnyGraph, AnyStream, BackendChoice, BackendKind, DynComm};
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

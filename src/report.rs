@@ -149,7 +149,7 @@ fn rocm_status() -> BackendStatus {
         name: "rocm",
         compiled_in: true,
         available,
-        detail: if available { format!("{detail}; RCCL collectives (no bench or tune on ROCm yet)") } else { detail },
+        detail: if available { format!("{detail}; RCCL collectives, bench and tune in one process") } else { detail },
     }
 }
 
@@ -193,11 +193,18 @@ fn cuda_status() -> BackendStatus {
     }
 }
 
-/// The backend `anyccl bench` uses when none is named.
+/// The backend `anyccl bench` uses when none is named: the first of cuda and rocm that can run here (compiled in,
+/// present, not turned off by `ANYCCL_DISABLE`), else host ([`crate::dynamic::communicators`]' order).
 pub fn default_backend() -> &'static str {
-    #[cfg(feature = "cuda")]
-    if anyccl_cuda::available().is_ok() {
-        return "cuda";
+    #[cfg(any(feature = "cuda", feature = "rocm"))]
+    {
+        use crate::dynamic::{disabled_by_env, unavailable, BackendKind};
+        let disabled = disabled_by_env().unwrap_or(Capabilities::empty());
+        for k in [BackendKind::Cuda, BackendKind::Rocm] {
+            if unavailable(k, 1, disabled).is_none() {
+                return k.name();
+            }
+        }
     }
     "host"
 }

@@ -56,8 +56,8 @@ pub const HOST_MAX_MESSAGE_BYTES: u64 = 1 << 30;
 /// output, in-place buffer, staging), so this bounds a host sweep to about 10 GiB of memory.
 pub const HOST_MAX_WORLD_BYTES: u64 = 2 << 30;
 /// A GPU backend's largest message: 64 GiB (each rank also keeps two host copies, its input and its download).
-// The GPU items below serve the cuda backend only.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+// The GPU items below serve the cuda and rocm backends only.
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
 pub const GPU_MAX_MESSAGE_BYTES: u64 = 64 << 30;
 /// The largest `-f/--stepfactor`.
 pub const MAX_STEP_FACTOR: u64 = 1024;
@@ -76,7 +76,7 @@ impl Limits {
     pub const HOST: Limits =
         Limits { max_message: HOST_MAX_MESSAGE_BYTES, max_world_bytes: Some(HOST_MAX_WORLD_BYTES) };
     /// A GPU backend's: [`GPU_MAX_MESSAGE_BYTES`] (device memory is checked by the allocator).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
     pub const GPU: Limits = Limits { max_message: GPU_MAX_MESSAGE_BYTES, max_world_bytes: None };
 }
 
@@ -160,7 +160,7 @@ pub fn default_host_sizes() -> Vec<u64> {
 }
 
 /// The default GPU sweep: bf16 tensors of shape (N, 8192) as engines report them, N = 32 … 4096.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "cuda", feature = "rocm")), allow(dead_code))]
 pub fn default_gpu_sizes() -> Vec<u64> {
     [32u64, 64, 96, 128, 192, 256, 512, 1024, 2048, 3062, 4096].iter().map(|n| n * 8192 * 2).collect()
 }
@@ -412,7 +412,6 @@ pub(crate) struct RankCell {
 
 impl RankCell {
     /// A cell that did not run (the algorithm cannot take this size).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub const EMPTY: RankCell = RankCell { median_us: f64::NAN, min_us: f64::NAN, wrong: None };
 
     /// A cell from its timing samples (sorted here) and its check.
@@ -423,7 +422,7 @@ impl RankCell {
 }
 
 /// Bytes of one encoded [`RankCell`].
-const RANK_CELL_BYTES: usize = 24;
+pub(crate) const RANK_CELL_BYTES: usize = 24;
 
 /// Encodes cells for the exchange between rank processes (three little-endian f64 each; NaN for none).
 pub(crate) fn encode_cells(cells: &[RankCell]) -> Vec<u8> {
@@ -584,7 +583,7 @@ pub(crate) fn assemble(
 
 /// Runs `rank` on one thread per communicator; the first error wins (a rank's own failure before a peer's report
 /// of it), otherwise every rank's result, in rank order.
-#[cfg(any(feature = "host", feature = "cuda"))]
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
 pub(crate) fn on_ranks<C: Send, T: Send>(
     comms: Vec<C>,
     rank: impl Fn(C) -> anyccl::core::Result<T> + Sync,
@@ -620,28 +619,8 @@ pub(crate) fn on_ranks<C: Send, T: Send>(
 /// Progress reporting hook: called with (cells done, cells total).
 pub type Progress<'a> = &'a (dyn Fn(u64, u64) + Sync);
 
-#[cfg(feature = "host")]
-/// Which cell a checked output belongs to (for [`Tamper`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct CellId {
-    /// The rank whose output it is.
-    pub rank: usize,
-    /// Message size.
-    pub bytes: u64,
-    /// The algorithm (`None`: auto).
-    pub algorithm: Option<Algorithm>,
-    /// In place.
-    pub in_place: bool,
-}
-
-#[cfg(feature = "host")]
-/// Tests only: changes a rank's output after its checked call and before the comparison, to show that wrong
-/// results are counted and fail the command. The command itself always passes `None`.
-pub(crate) type Tamper<'a> = Option<TamperFn<'a>>;
-
-#[cfg(feature = "host")]
-/// The function of a [`Tamper`] hook.
-pub(crate) type TamperFn<'a> = &'a (dyn Fn(CellId, &mut [u8]) + Sync);
+#[cfg(all(test, feature = "host"))]
+pub(crate) use crate::bench_any::{CellId, Tamper};
 
 /// This machine's host name (`?` when it cannot be read).
 pub(crate) fn host_name() -> String {
@@ -712,252 +691,18 @@ pub(crate) fn check_agreement(all: &[Vec<u8>]) -> Result<()> {
     }
 }
 
-#[cfg(feature = "host")]
-mod host {
-    use std::time::Instant;
-
-    use anyccl::core::{CommBackend, Communicator, DataType, InOut};
-    use anyccl::host::{HostBuffer, HostRuntime};
-
-    use super::*;
-    use crate::check::Reference;
-
-    /// The host sweep's description of how it checks.
-    pub(crate) fn check_text(reference: &Reference) -> String {
-        format!(
-            "{}; out of place: the output is poisoned (all bytes 0xFF) before one checked call after the timed \
-             ones; in place: the input is restored before it",
-            reference.describe()
-        )
-    }
-
-    /// One rank's sweep on a host communicator (threads or processes): every size, placement and algorithm,
-    /// timed then checked.
-    pub(crate) fn host_rank<B: CommBackend<Runtime = HostRuntime>>(
-        c: &mut Communicator<B>,
-        cfg: &BenchConfig,
-        algorithms: &[Algorithm],
-        reference: &Reference,
-        progress: Progress<'_>,
-        tamper: Tamper<'_>,
-    ) -> Result<RankSweep> {
-        let rank = c.rank();
-        let max = cfg.sizes.iter().copied().max().unwrap_or(0);
-        // Checked against HOST_MAX_MESSAGE_BYTES, so it fits a usize; the buffers are reserved fallibly.
-        let max = usize::try_from(max)
-            .map_err(|_| flag_error(cfg.sizes_flag, format!("{} does not fit this machine", format_bytes(max))))?;
-        let mut seed = HostBuffer::try_zeroed(max)?;
-        reference.input(rank, seed.as_bytes_mut())?;
-        let mut buf = HostBuffer::try_zeroed(max)?;
-        let mut recv = HostBuffer::try_zeroed(max)?;
-        let mut sweep = RankSweep { cells: Vec::new(), autos: Vec::new(), host: Vec::new() };
-        let total = (cfg.sizes.len() * cells_per_size(cfg, algorithms)) as u64;
-        let mut done = 0u64;
-        let places: &[bool] = if cfg.in_place { &[false, true] } else { &[false] };
-        for &bytes in &cfg.sizes {
-            let n = bytes as usize;
-            for &in_place in places {
-                let mut chosen = None;
-                for algo in algorithms.iter().copied().map(Some).chain([None]) {
-                    let id = CellId { rank, bytes, algorithm: algo, in_place };
-                    let out = if in_place { &mut buf.as_bytes_mut()[..n] } else { &mut recv.as_bytes_mut()[..n] };
-                    let bufs = Bufs { seed: &seed.as_bytes()[..n], buf: out };
-                    let (cell, sel) = host_cell(c, cfg, algo, in_place, bufs, reference, tamper.map(|t| (t, id)))?;
-                    sweep.cells.push(cell);
-                    if sel.is_some() {
-                        chosen = sel;
-                    }
-                    done += 1;
-                    if rank == 0 {
-                        progress(done, total);
-                    }
-                }
-                sweep.autos.push(chosen.unwrap_or((Algorithm::Ring, String::new())));
-            }
-            sweep.host.push(None);
-        }
-        Ok(sweep)
-    }
-
-    /// The buffers of one cell: the input, and the output (the in-place buffer, or the receive buffer).
-    struct Bufs<'a> {
-        seed: &'a [u8],
-        buf: &'a mut [u8],
-    }
-
-    /// One cell on one rank: `warmup` + `iters` calls (barrier, call, barrier), then one checked call.
-    fn host_cell<B: CommBackend<Runtime = HostRuntime>>(
-        c: &mut Communicator<B>,
-        cfg: &BenchConfig,
-        algo: Option<Algorithm>,
-        in_place: bool,
-        bufs: Bufs<'_>,
-        reference: &Reference,
-        tamper: Option<(TamperFn<'_>, CellId)>,
-    ) -> Result<(RankCell, Option<(Algorithm, String)>)> {
-        let Bufs { seed, buf } = bufs;
-        let count = seed.len() / cfg.dtype.size_bytes();
-        let (dtype, op) = (cfg.dtype, cfg.op);
-        let mut chosen = None;
-        let mut call = |c: &mut Communicator<B>, buf: &mut [u8]| -> Result<()> {
-            let io = if in_place { InOut::InPlace(buf) } else { InOut::Separate { send: seed, recv: buf } };
-            match algo {
-                Some(a) => c.all_reduce_with(a, io, count, dtype, op, &()),
-                None => c.all_reduce(io, count, dtype, op, &()).map(|sel| chosen = Some(sel)),
-            }
-        };
-        let mut samples = Vec::new();
-        samples.try_reserve_exact(cfg.iters).map_err(|_| Error::OutOfMemory {
-            what: "the timing samples".into(),
-            bytes: (cfg.iters as u64).saturating_mul(8),
-        })?;
-        for i in 0..cfg.warmup + cfg.iters {
-            if in_place {
-                buf.copy_from_slice(seed);
-            }
-            c.barrier(&())?;
-            let t0 = Instant::now();
-            call(c, buf)?;
-            c.barrier(&())?;
-            if i >= cfg.warmup {
-                samples.push(t0.elapsed().as_secs_f64() * 1e6);
-            }
-        }
-        if in_place {
-            buf.copy_from_slice(seed);
-        } else {
-            buf.fill(0xFF);
-        }
-        call(c, buf)?;
-        if let Some((t, id)) = tamper {
-            t(id, buf);
-        }
-        let wrong = reference.count_wrong(buf);
-        let chosen = chosen.map(|s| (s.algorithm, s.why.to_string()));
-        Ok((RankCell::from_samples(&mut samples, wrong), chosen))
-    }
-
-    /// Exchanges `mine` with every rank over the communicator (variable lengths, each at most `limit` bytes).
-    pub(crate) fn gather<B: CommBackend<Runtime = HostRuntime>>(
-        c: &mut Communicator<B>,
-        mine: &[u8],
-        limit: usize,
-    ) -> Result<Vec<Vec<u8>>> {
-        let world = c.world_size();
-        let len = HostBuffer::from_elems(&[mine.len() as u64]);
-        let mut lens = HostBuffer::try_zeroed(8 * world)?;
-        c.all_gather(InOut::Separate { send: len.as_bytes(), recv: lens.as_bytes_mut() }, 8, DataType::U8, &())?;
-        let lens: Vec<usize> =
-            lens.to_vec::<u64>().into_iter().map(|l| usize::try_from(l).unwrap_or(usize::MAX)).collect();
-        if let Some((r, l)) = lens.iter().enumerate().find(|(_, &l)| l > limit) {
-            return Err(Error::PeerFailure(format!(
-                "rank {r} announced {l} bytes of results; at most {limit} expected"
-            )));
-        }
-        let longest = lens.iter().copied().max().unwrap_or(0).max(1);
-        let mut send = HostBuffer::try_zeroed(longest)?;
-        send.as_bytes_mut()[..mine.len()].copy_from_slice(mine);
-        let mut all = HostBuffer::try_zeroed(longest.saturating_mul(world))?;
-        c.all_gather(InOut::Separate { send: send.as_bytes(), recv: all.as_bytes_mut() }, longest, DataType::U8, &())?;
-        Ok(all.as_bytes().chunks(longest).zip(&lens).map(|(b, &l)| b[..l].to_vec()).collect())
-    }
-}
-
-#[cfg(feature = "host")]
-pub(crate) use host::gather as host_gather;
-
-#[cfg(feature = "host")]
-/// The algorithms of `cfg` that `implemented` has, and the others with `reason`.
-pub(crate) fn split_algorithms(
-    cfg: &BenchConfig,
-    implemented: &[Algorithm],
-    reason: &str,
-) -> (Vec<Algorithm>, Vec<Ineligible>) {
-    let requested = cfg.algorithms.clone().unwrap_or_else(|| implemented.to_vec());
-    let (ok, not): (Vec<_>, Vec<_>) = requested.into_iter().partition(|a| implemented.contains(a));
-    (ok, not.into_iter().map(|a| Ineligible { algorithm: a, reason: reason.to_owned() }).collect())
-}
-
-/// Runs the sweep on the host backend, one thread per rank.
-#[cfg(feature = "host")]
+/// Runs the sweep on the host backend, one thread per rank (the tests' entry point; the command goes through
+/// [`crate::bench_any::run`] for every backend but cuda).
+#[cfg(all(test, feature = "host"))]
 pub fn run_host(cfg: &BenchConfig, progress: Progress<'_>) -> Result<BenchReport> {
     run_host_with(cfg, progress, None)
 }
 
-/// [`run_host`] with a test's [`Tamper`] hook.
-#[cfg(feature = "host")]
+/// [`run_host`] with a test's [`Tamper`] hook: the driver of every backend ([`crate::bench_any`]) on the host.
+#[cfg(all(test, feature = "host"))]
 pub(crate) fn run_host_with(cfg: &BenchConfig, progress: Progress<'_>, tamper: Tamper<'_>) -> Result<BenchReport> {
-    use anyccl::host::{communicators, HostOptions, ALGORITHMS};
-
-    cfg.check(Limits::HOST)?;
-    let (algorithms, ineligible) = split_algorithms(cfg, &ALGORITHMS, "not implemented by the host backend");
-    let reference = crate::check::Reference::new(cfg.dtype, cfg.op, cfg.world)?;
-    let comms = communicators(cfg.world, HostOptions { selector: cfg.selector.clone(), ..HostOptions::default() })?;
-    let sweeps = on_ranks(comms, |mut c| host::host_rank(&mut c, cfg, &algorithms, &reference, progress, tamper))?;
-    let all: Vec<Vec<RankCell>> = sweeps.iter().map(|s| s.cells.clone()).collect();
-    // `on_ranks` returns every rank's result or an error, never an empty list: `sweeps[0]` is rank 0's.
-    let rows = assemble(cfg, &algorithms, Algorithm::Ring, &all, &sweeps[0], Headline::Rank0)?;
-    let host = host_name();
-    let pid = std::process::id();
-    let ranks =
-        (0..cfg.world).map(|rank| RankInfo { rank, host: host.clone(), pid, device: format!("host thread {rank}") });
-    Ok(report(
-        cfg,
-        "host",
-        Launch::Threads,
-        None,
-        ranks.collect(),
-        Algorithm::Ring,
-        algorithms,
-        ineligible,
-        rows,
-        host::check_text(&reference),
-        "host threads; per call: barrier, all-reduce, barrier, timed on every rank; rank 0's median of the timed \
-         calls (the spread is of every rank's median)"
-            .into(),
-    ))
-}
-
-/// Runs the sweep on a host communicator whose ranks are processes (`--per-rank`): every rank measures, the ranks
-/// exchange their cells over the communicator, and every rank returns the whole report (rank 0 prints it).
-#[cfg(feature = "host")]
-pub fn run_host_processes(
-    mut c: anyccl::core::Communicator<anyccl::host::ProcessComm>,
-    cfg: &BenchConfig,
-    progress: Progress<'_>,
-) -> Result<BenchReport> {
-    cfg.check(Limits::HOST)?;
-    let (algorithms, ineligible) = split_algorithms(
-        cfg,
-        &anyccl::host::PROCESS_ALGORITHMS,
-        "not implemented by the host backend across processes",
-    );
-    let limit = 1 << 20;
-    let agree = host_gather(&mut c, &fingerprint(cfg, &algorithms, "host processes"), limit)?;
-    check_agreement(&agree)?;
-    let reference = crate::check::Reference::new(cfg.dtype, cfg.op, cfg.world)?;
-    let sweep = host::host_rank(&mut c, cfg, &algorithms, &reference, progress, None)?;
-    let expected = sweep.cells.len();
-    let cells = host_gather(&mut c, &encode_cells(&sweep.cells), expected * RANK_CELL_BYTES)?;
-    let all = cells.iter().enumerate().map(|(r, b)| decode_cells(r, b, expected)).collect::<Result<Vec<_>>>()?;
-    let info = host_gather(&mut c, &encode_rank_info(&host_name(), "host"), 4096)?;
-    let ranks = decode_rank_info(&info)?;
-    let rows = assemble(cfg, &algorithms, Algorithm::OneShot, &all, &sweep, Headline::Average)?;
-    Ok(report(
-        cfg,
-        "host",
-        Launch::Processes,
-        None,
-        ranks,
-        Algorithm::OneShot,
-        algorithms,
-        ineligible,
-        rows,
-        host::check_text(&reference),
-        "one process per rank (host backend over shared memory); per call: barrier, all-reduce, barrier, timed on \
-         every rank; the average of the ranks' medians (the spread is of every rank's median)"
-            .into(),
-    ))
+    use crate::bench_any::{run, Timing};
+    Ok(run(anyccl::dynamic::BackendKind::Host, cfg, Timing::Barriers, progress, tamper)?.report)
 }
 
 /// The report of a finished sweep.

@@ -1,8 +1,8 @@
 //! The `anyccl` command: `probe`, `bench` and `tune`, built on the `anyccl` library.
 
-// Built with neither the host nor the CUDA backend, `bench` and `tune` only refuse (no backend to measure), so the
+// Built with no backend, `bench` and `tune` only refuse (no backend to measure), so the
 // measuring code is compiled but unused.
-#![cfg_attr(not(any(feature = "host", feature = "cuda")), allow(dead_code))]
+#![cfg_attr(not(any(feature = "host", feature = "cuda", feature = "rocm")), allow(dead_code))]
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -14,6 +14,8 @@ use anyccl::{Algorithm, DataType, Error, ReduceOp, Selector};
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+mod bench_any;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
 mod check;
@@ -62,11 +64,12 @@ enum BackendArg {
 
 #[derive(clap::Args, Debug)]
 struct BenchArgs {
-    /// Backend to run on. Default: cuda when this build has it and the machine has an NVIDIA GPU, else host.
+    /// Backend to run on. Default: the first of cuda and rocm that this build has and this machine can run (an
+    /// NVIDIA or AMD GPU with its collective library, not turned off by ANYCCL_DISABLE), else host.
     #[arg(long, value_enum)]
     backend: Option<BackendArg>,
-    /// Number of ranks, 1 to 64. Default: host: the number of CPU cores, at least 2 and at most 8; cuda: every GPU
-    /// of this machine; --per-rank: the launcher's WORLD_SIZE (given, it must match).
+    /// Number of ranks, 1 to 64. Default: host: the number of CPU cores, at least 2 and at most 8; cuda, rocm:
+    /// every GPU of this machine; --per-rank: the launcher's WORLD_SIZE (given, it must match).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
     world: Option<u16>,
     /// Element type (f32, bf16, f16, fp8e4m3, i32, …).
@@ -76,7 +79,7 @@ struct BenchArgs {
     #[arg(long, default_value = "sum", value_parser = parse_op)]
     op: ReduceOp,
     /// Message sizes, comma-separated (4KiB,1MiB,…), at most 64. Host backend: each at most 1 GiB, and world ×
-    /// size at most 2 GiB. Default: host: 4 KiB to 16 MiB in steps of 4× (7 sizes); cuda: bf16 tensors of shape
+    /// size at most 2 GiB. Default: host: 4 KiB to 16 MiB in steps of 4× (7 sizes); cuda, rocm: bf16 tensors of shape
     /// (N, 8192) for N = 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 3062, 4096 (512 KiB to 64 MiB, 11 sizes).
     #[arg(long, value_delimiter = ',', value_parser = parse_size, conflicts_with_all = ["minbytes", "maxbytes", "stepfactor"])]
     sizes: Option<Vec<u64>>,
@@ -92,7 +95,8 @@ struct BenchArgs {
     stepfactor: Option<u64>,
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
     /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
-    /// nvls-warp-pipeline, nvls-block-pipeline (those the machine cannot run are listed with the reason).
+    /// nvls-warp-pipeline, nvls-block-pipeline; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
+    /// cannot run are listed with the reason; on rocm the custom kernels are not wired yet).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).
@@ -113,17 +117,18 @@ struct BenchArgs {
     /// Also draw latency and bandwidth against size (out of place), one line per algorithm, into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
-    /// GPU timing: one CUDA graph of 10 back-to-back calls per replay (the default on GPUs; the host backend
-    /// times each call between two barriers).
+    /// GPU timing: one graph of 10 back-to-back calls per replay (the default on GPUs: CUDA events on cuda, host
+    /// time up to a stream synchronisation on rocm; the host backend times each call between two barriers).
     #[arg(long, conflicts_with = "eager")]
     graph: bool,
-    /// GPU timing: each eager call on its own, plus the host time per call (anyccl vs raw NCCL).
+    /// GPU timing: each eager call on its own (cuda: also the host time per call, anyccl vs raw NCCL).
     #[arg(long)]
     eager: bool,
     /// One process per rank, started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     /// MASTER_PORT; ANYCCL_RENDEZVOUS_KEY off loopback): every process measures its rank, rank 0 prints the
     /// report with each cell's spread over the ranks (min/avg/max), and every rank exits non-zero if any result
-    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot).
+    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot); rocm: not yet
+    /// (one process drives every GPU).
     #[arg(long)]
     per_rank: bool,
 }
@@ -330,58 +335,94 @@ fn print_out(s: &str) -> Result<(), CliError> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
     Host,
-    #[cfg(feature = "cuda")]
     Cuda,
+    Rocm,
 }
 
-/// The backend `args` asks for, or the best available: cuda where compiled in, present and not turned off by
-/// `ANYCCL_DISABLE`, else host. Refuses what cannot run (not compiled in, no bench, turned off).
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Cuda => "cuda",
+            Backend::Rocm => "rocm",
+        }
+    }
+
+    fn capability(self) -> anyccl::Capabilities {
+        match self {
+            Backend::Host => anyccl::Capabilities::HOST_BACKEND,
+            Backend::Cuda => anyccl::Capabilities::CUDA_RUNTIME,
+            Backend::Rocm => anyccl::Capabilities::HIP_RUNTIME,
+        }
+    }
+
+    #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+    fn kind(self) -> anyccl::dynamic::BackendKind {
+        use anyccl::dynamic::BackendKind;
+        match self {
+            Backend::Host => BackendKind::Host,
+            Backend::Cuda => BackendKind::Cuda,
+            Backend::Rocm => BackendKind::Rocm,
+        }
+    }
+
+    /// Why this backend cannot run here (the library's chooser's reasons), or `None`.
+    fn unavailable(self, disabled: anyccl::Capabilities) -> Option<String> {
+        #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+        {
+            anyccl::dynamic::unavailable(self.kind(), 1, disabled)
+        }
+        #[cfg(not(any(feature = "host", feature = "cuda", feature = "rocm")))]
+        {
+            let _ = disabled;
+            Some(format!("not compiled into this build (cargo feature `{}`)", self.name()))
+        }
+    }
+}
+
+/// The backend `args` asks for, or the best available: cuda, then rocm, each where compiled in, present and not
+/// turned off by `ANYCCL_DISABLE`, else host. Refuses what cannot run, with the reason.
 fn choose_backend(args: &BenchArgs, disabled: anyccl::Capabilities) -> Result<Backend, CliError> {
-    #[cfg(feature = "cuda")]
-    {
-        let cuda_ok = anyccl::cuda::available().is_ok() && !disabled.contains(anyccl::Capabilities::CUDA_RUNTIME);
-        if args.backend == Some(BackendArg::Cuda) {
-            refuse_if_disabled(disabled, anyccl::Capabilities::CUDA_RUNTIME)?;
-            if let Err(reason) = anyccl::cuda::available() {
-                return Err(CliError {
-                    message: format!("the cuda backend is unavailable: {reason}"),
-                    hint: Some("run `anyccl probe` for details, or use `--backend host`".into()),
-                });
-            }
-        }
-        if args.backend == Some(BackendArg::Cuda) || (args.backend.is_none() && cuda_ok) {
-            return Ok(Backend::Cuda);
+    let order: &[Backend] = match args.backend {
+        Some(BackendArg::Host) => &[Backend::Host],
+        Some(BackendArg::Cuda) => &[Backend::Cuda],
+        Some(BackendArg::Rocm) => &[Backend::Rocm],
+        None => &[Backend::Cuda, Backend::Rocm, Backend::Host],
+    };
+    let mut passed_over = Vec::new();
+    for &b in order {
+        match b.unavailable(disabled) {
+            None => return Ok(b),
+            Some(why) => passed_over.push((b, why)),
         }
     }
-    match args.backend {
-        Some(BackendArg::Cuda) | Some(BackendArg::Rocm) => {
-            let (name, compiled) = match args.backend {
-                Some(BackendArg::Cuda) => ("cuda", cfg!(feature = "cuda")),
-                _ => ("rocm", cfg!(feature = "rocm")),
-            };
-            return Err(CliError {
-                message: if compiled {
-                    format!("the {name} backend has no bench yet (its collectives run through the library API)")
-                } else {
-                    format!("the {name} backend is not compiled into this build")
-                },
-                hint: Some(if compiled {
-                    "run `anyccl bench --backend host`; `anyccl probe` shows what this build can do".into()
-                } else {
-                    format!("rebuild with `--features {name}`, or use `--backend host`")
-                }),
-            });
-        }
-        Some(BackendArg::Host) | None => {}
-    }
-    if !cfg!(feature = "host") {
+    // The last one tried is the one asked for, or the host fallback: its reason decides the message.
+    let Some(&(last, _)) = passed_over.last() else {
+        return Err(CliError { message: "no backend to run on".into(), hint: None });
+    };
+    refuse_if_disabled(disabled, last.capability())?;
+    if !compiled_in(last) {
         return Err(CliError {
-            message: "no backend is available in this build".into(),
-            hint: Some("rebuild with the default `host` feature".into()),
+            message: format!("the {} backend is not compiled into this build", last.name()),
+            hint: Some(format!("rebuild with `--features {}`, or use `--backend host`", last.name())),
         });
     }
-    refuse_if_disabled(disabled, anyccl::Capabilities::HOST_BACKEND)?;
-    Ok(Backend::Host)
+    let why: Vec<String> = passed_over.iter().map(|(b, w)| format!("{}: {w}", b.name())).collect();
+    Err(CliError {
+        message: match args.backend {
+            Some(_) => format!("the {} backend is unavailable: {}", last.name(), passed_over[0].1),
+            None => format!("no backend can run here ({})", why.join("; ")),
+        },
+        hint: Some("run `anyccl probe` for details, or use `--backend host`".into()),
+    })
+}
+
+fn compiled_in(b: Backend) -> bool {
+    match b {
+        Backend::Host => cfg!(feature = "host"),
+        Backend::Cuda => cfg!(feature = "cuda"),
+        Backend::Rocm => cfg!(feature = "rocm"),
+    }
 }
 
 /// A sweep's outcome for the command: printed (on rank 0), and an error when any result was wrong.
@@ -389,9 +430,12 @@ struct Finished {
     report: crate::bench::BenchReport,
     /// Whether this process prints (every process of a threads run; rank 0 of a `--per-rank` job).
     prints: bool,
+    /// Rank 0's architecture, for the tuned table's rules (`host`, `gfx942`, `sm_90`).
+    arch: String,
 }
 
 /// Runs the sweep `args` describe (with `in_place` columns or not) on `backend`.
+#[cfg_attr(not(any(feature = "host", feature = "cuda", feature = "rocm")), allow(unused_variables))]
 fn sweep(
     args: &BenchArgs,
     backend: Backend,
@@ -401,60 +445,39 @@ fn sweep(
 ) -> Result<Finished, CliError> {
     let selector = Arc::new(selector);
     match backend {
-        Backend::Host if args.per_rank => {
-            #[cfg(feature = "host")]
-            {
-                let options = anyccl::host::HostOptions { selector: selector.clone(), ..Default::default() };
-                let c = anyccl::host::from_env(options).map_err(per_rank_error)?;
-                let (rank, cfg) = per_rank_config(
-                    args,
-                    c.rank(),
-                    c.world_size(),
-                    crate::bench::default_host_sizes,
-                    selector,
-                    in_place,
-                )?;
-                let report = with_progress(rank == 0, |p| crate::bench::run_host_processes(c, &cfg, p))?;
-                Ok(Finished { report, prints: rank == 0 })
-            }
-            #[cfg(not(feature = "host"))]
-            Err(CliError {
-                message: "the host backend is not compiled into this build".into(),
-                hint: Some("rebuild with the default `host` feature".into()),
-            })
-        }
-        Backend::Host => {
-            let world = world.unwrap_or_else(|| usize::from(args.world.unwrap_or_else(default_world)));
-            let cfg = config(args, world, crate::bench::default_host_sizes, selector, in_place)?;
-            cfg.check(crate::bench::Limits::HOST)?;
-            let report = with_progress(true, |p| run_host(&cfg, p))?;
-            Ok(Finished { report, prints: true })
-        }
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            let mode = if args.eager { crate::bench_cuda::Mode::Eager } else { crate::bench_cuda::Mode::Graph };
+        #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+        Backend::Host | Backend::Cuda | Backend::Rocm => {
+            use crate::bench_any::Timing;
+            let kind = backend.kind();
+            let (timing, default_sizes): (Timing, fn() -> Vec<u64>) = match backend {
+                Backend::Host => (Timing::Barriers, crate::bench::default_host_sizes),
+                _ if args.eager => (Timing::Eager, crate::bench::default_gpu_sizes),
+                _ => (Timing::Graph, crate::bench::default_gpu_sizes),
+            };
             if args.per_rank {
-                let (c, mut rdv) =
-                    anyccl::cuda::bootstrap::communicator_from_env(selector.clone()).map_err(per_rank_error)?;
-                let (rank, cfg) = per_rank_config(
-                    args,
-                    c.rank(),
-                    c.world_size(),
-                    crate::bench::default_gpu_sizes,
-                    selector,
-                    in_place,
-                )?;
-                let report =
-                    with_progress(rank == 0, |p| crate::bench_cuda::run_processes(c, &mut rdv, &cfg, mode, p))?;
-                return Ok(Finished { report, prints: rank == 0 });
+                let joined = anyccl::dynamic::from_env(kind.into(), selector.clone()).map_err(per_rank_error)?;
+                let (c, boot) = (joined.comm, joined.bootstrap);
+                let arch = c.arch().to_owned();
+                let (rank, cfg) = per_rank_config(args, c.rank(), c.world_size(), default_sizes, selector, in_place)?;
+                let report = with_progress(rank == 0, |p| crate::bench_any::run_processes(c, boot, &cfg, timing, p))?;
+                return Ok(Finished { report, prints: rank == 0, arch });
             }
-            let gpus = anyccl::cuda::available().map(|i| i.devices.len()).unwrap_or(1);
-            let world = world.unwrap_or_else(|| args.world.map_or(gpus, usize::from));
-            let cfg = config(args, world, crate::bench::default_gpu_sizes, selector, in_place)?;
-            cfg.check(crate::bench::Limits::GPU)?;
-            let report = with_progress(true, |p| crate::bench_cuda::run(&cfg, mode, p))?;
-            Ok(Finished { report, prints: true })
+            let default_world = match backend {
+                Backend::Host => usize::from(default_world()),
+                // Every GPU (the chooser has checked there is at least one).
+                _ => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
+            };
+            let world = world.unwrap_or_else(|| args.world.map_or(default_world, usize::from));
+            let cfg = config(args, world, default_sizes, selector, in_place)?;
+            cfg.check(crate::bench_any::limits(kind))?;
+            let m = with_progress(true, |p| crate::bench_any::run(kind, &cfg, timing, p, None))?;
+            Ok(Finished { report: m.report, prints: true, arch: m.arch })
         }
+        #[allow(unreachable_patterns)]
+        other => Err(CliError {
+            message: format!("the {} backend is not compiled into this build", other.name()),
+            hint: Some(format!("rebuild with `--features {}`, or use `--backend host`", other.name())),
+        }),
     }
 }
 
@@ -580,37 +603,21 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     }
     let disabled = disabled_by_env()?;
     sizes_of(&args)?;
-    let backend = match choose_backend(&args, disabled) {
-        Err(_)
-            if args.backend == Some(BackendArg::Rocm)
-                || (args.backend == Some(BackendArg::Cuda) && !cfg!(feature = "cuda")) =>
-        {
-            return Err(CliError {
-                message: "tune runs on the host backend or on an available cuda backend".into(),
-                hint: Some("`anyccl probe` shows which backends are available".into()),
-            })
-        }
-        b => b?,
-    };
+    let backend = choose_backend(&args, disabled)?;
     #[cfg(feature = "host")]
     if backend == Backend::Host {
         crate::tune::check_measurable(args.algos.as_deref(), &anyccl::host::ALGORITHMS, "host")?;
     }
     check_output(out, "--out", "the tuned table")?;
     let base = selector(args.table.as_ref())?;
-    let first = sweep(&args, backend, base.clone(), false, None)?.report;
+    let first = sweep(&args, backend, base.clone(), false, None)?;
+    let arch = first.arch;
+    let first = first.report;
     verdict(&first)?;
     let (vendor, fallback) = match backend {
         Backend::Host => ("host", anyccl::Algorithm::Ring),
-        #[cfg(feature = "cuda")]
         Backend::Cuda => ("nvidia", anyccl::Algorithm::Ccl),
-    };
-    let arch = match backend {
-        Backend::Host => "host".to_owned(),
-        #[cfg(feature = "cuda")]
-        Backend::Cuda => {
-            anyccl::cuda::available().ok().and_then(|info| info.devices.first().map(|d| d.arch())).unwrap_or_default()
-        }
+        Backend::Rocm => ("amd", anyccl::Algorithm::Ccl),
     };
     let text = crate::tune::table_text(&first, vendor, &arch, fallback)?;
     crate::tune::write_table(out, &text)
@@ -661,25 +668,6 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
             )),
         }),
     }
-}
-
-#[cfg(feature = "host")]
-fn run_host(
-    cfg: &crate::bench::BenchConfig,
-    progress: crate::bench::Progress<'_>,
-) -> anyccl::Result<crate::bench::BenchReport> {
-    crate::bench::run_host(cfg, progress)
-}
-
-#[cfg(not(feature = "host"))]
-fn run_host(
-    _cfg: &crate::bench::BenchConfig,
-    _progress: crate::bench::Progress<'_>,
-) -> anyccl::Result<crate::bench::BenchReport> {
-    Err(Error::Unsupported {
-        capability: "host-backend".into(),
-        reason: anyccl::core::Reason::NotApplicable { detail: "not compiled into this build".into() },
-    })
 }
 
 /// Runs `run` with a progress bar on stderr when `show` (rank 0), stderr is a terminal, and the sweep takes longer

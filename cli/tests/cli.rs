@@ -314,6 +314,91 @@ fn probe_with_the_rocm_backend_on_a_fake_rocm_7_0() {
     assert!(out.status.success(), "{}", text(&out.stderr));
 }
 
+/// `bench --backend rocm` and `tune --backend rocm` on the fake HIP runtime (8 gfx90a devices) with the computing
+/// fake RCCL: one process, a thread per GPU, through the type-erased communicator. With RCCL 2.27.7 (ROCm 7.1) and
+/// `NCCL_CUMEM_ENABLE=1` the bench measures ccl and ccl-symmetric (windows), lists one-shot and two-shot as not
+/// eligible with the reason, and every result is right; with RCCL 2.26.6 (ROCm 7.0) ccl-symmetric is not eligible
+/// because the library lacks the window symbol. Tune writes an `amd`/`gfx90a` table and its check passes.
+#[cfg(feature = "rocm")]
+#[test]
+fn bench_and_tune_run_on_the_rocm_backend_over_the_fakes() {
+    let hip = fake_hip::build_hip().to_string_lossy().into_owned();
+    let rccl = fake_hip::build_rccl(&fake_ccl::RCCL_7_1).to_string_lossy().into_owned();
+    let env = [("ANYCCL_HIP_PATH", hip.as_str()), ("ANYCCL_RCCL_PATH", rccl.as_str()), ("NCCL_CUMEM_ENABLE", "1")];
+    let sweep = ["--backend", "rocm", "--world", "2", "--sizes", "4KiB,64KiB", "--iters", "2", "--warmup", "1"];
+    // The table: the header names the fake RCCL and every #wrong is 0.
+    let out = anyccl(&[&["bench"][..], &sweep].concat(), &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("backend rocm, world 2"), "{table}");
+    assert!(table.contains(&format!("library: RCCL 2.27.7 ({rccl})")), "{table}");
+    assert!(table.contains("device GPU 1 (gfx90a)"), "{table}");
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(3) == Some(&"out") || f.first() == Some(&"in")
+        })
+        .collect();
+    assert_eq!(rows.len(), 4, "two sizes, out and in place: {table}");
+    for row in &rows {
+        let fields: Vec<&str> = row.split_whitespace().collect();
+        let best = fields.iter().rposition(|f| ["ccl", "ccl-symmetric"].contains(f)).expect("a best column");
+        assert_eq!(fields[best - 1], "0", "#wrong: {row}");
+    }
+    // The JSON: the same sweep in detail, eager this time.
+    let out = anyccl(&[&["bench"][..], &sweep, &["--eager", "--json"]].concat(), &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!((v["backend"].as_str(), v["schema"].as_u64(), v["wrong"].as_u64()), (Some("rocm"), Some(2), Some(0)));
+    assert_eq!(v["algorithms"], serde_json::json!(["ccl", "ccl-symmetric"]));
+    let ineligible = v["ineligible"].as_array().expect("ineligible");
+    assert_eq!(ineligible.len(), 2, "{ineligible:?}");
+    for (i, name) in ineligible.iter().zip(["one-shot", "two-shot"]) {
+        assert_eq!(i["algorithm"], name);
+        assert!(i["reason"].as_str().unwrap_or("").contains("not yet wired into the ROCm communicator"), "{i}");
+    }
+    for row in v["rows"].as_array().expect("rows") {
+        for place in [row, &row["in_place"]] {
+            for c in place["cells"].as_array().expect("cells").iter().chain([&place["auto"]]) {
+                assert_eq!(c["wrong"], 0, "{c}");
+                assert!(c["median_us"].as_f64().is_some_and(|m| m > 0.0), "{c}");
+            }
+        }
+    }
+    // RCCL of ROCm 7.0 has no windows: ccl-symmetric is listed with the reason.
+    let rccl70 = fake_hip::build_rccl(&fake_ccl::RCCL_7_0).to_string_lossy().into_owned();
+    let env70 = [("ANYCCL_HIP_PATH", hip.as_str()), ("ANYCCL_RCCL_PATH", rccl70.as_str()), ("NCCL_CUMEM_ENABLE", "1")];
+    let out = anyccl(&[&["bench"][..], &sweep, &["--json"]].concat(), &env70);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!((v["algorithms"].clone(), v["wrong"].as_u64()), (serde_json::json!(["ccl"]), Some(0)));
+    let sym = v["ineligible"].as_array().and_then(|a| a.iter().find(|i| i["algorithm"] == "ccl-symmetric"));
+    assert!(sym.is_some_and(|s| s["reason"].as_str().unwrap_or("").contains("ncclCommWindowRegister")), "{v}");
+    // Tune: one algorithm, so the check cannot depend on timing noise.
+    let table_path = std::env::temp_dir().join(format!("anyccl-tune-rocm-{}.toml", std::process::id()));
+    let tp = table_path.to_string_lossy().into_owned();
+    let out = anyccl(&[&["tune"][..], &sweep, &["--algos", "ccl", "--out", &tp]].concat(), &env);
+    assert!(out.status.success(), "{}\n{}", text(&out.stdout), text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.contains("measured on the rocm backend, world 2") && s.contains("check: 2 of 2 sizes within 5%"), "{s}");
+    let t = anyccl::core::SelectorTable::load(&table_path).expect("the written table parses");
+    assert!(!t.rules.is_empty());
+    for r in &t.rules {
+        assert_eq!(
+            (r.vendors.clone(), r.arch.as_deref(), r.world_min),
+            (vec![anyccl::core::Vendor::Amd], Some("gfx90a"), 2)
+        );
+    }
+    std::fs::remove_file(&table_path).ok();
+    // Not there: the reason, not a crash.
+    let out = anyccl(
+        &["bench", "--backend", "rocm", "--sizes", "4KiB"],
+        &[("ANYCCL_HIP_PATH", "/nonexistent/libamdhip64.so")],
+    );
+    assert_one_line_error(&out, "the rocm backend is unavailable");
+}
+
 #[test]
 fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
     let lib = fake_ccl::build_profile(&fake_ccl::NCCL_2_28);

@@ -228,6 +228,18 @@ pub enum InvalidArgument {
         expected: Location,
     },
 
+    /// A buffer or stream of one backend was given to a communicator of another (the type-erased communicator
+    /// of the `anyccl` facade checks this before the call).
+    #[error("{which} belongs to the {found} backend, but this communicator is {expected}")]
+    WrongBackend {
+        /// Which argument (`"send buffer"`, `"stream"`, …).
+        which: &'static str,
+        /// The backend it belongs to.
+        found: &'static str,
+        /// This communicator's backend.
+        expected: &'static str,
+    },
+
     /// The operator is not defined on the element type.
     #[error("{op} is not supported on {dtype}: {why}")]
     UnsupportedReduction {
