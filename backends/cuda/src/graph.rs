@@ -43,12 +43,14 @@ impl Graph {
         body: impl FnOnce(&CudaStream) -> Result<()>,
     ) -> Result<Self> {
         ctx.bind()?;
+        // The mode and this thread go on record before the capture begins, so that another thread's check never
+        // sees this stream capturing without them (it would count the capture as global and refuse a call the
+        // driver allows); calls elsewhere are then refused exactly where the driver would refuse them
+        // (anyccl_core::capture). A failed begin drops the record at once.
+        let began = crate::runtime::known_streams().began_capture(stream.key(), mode);
         // SAFETY: live stream, not already capturing (the driver reports an error otherwise).
         unsafe { result::stream::begin_capture(stream.raw(), cu_capture_mode(mode)) }
             .map_err(|e| cu_err("cuStreamBeginCapture", e))?;
-        // With the mode and this thread on record, calls elsewhere are refused exactly where the driver would
-        // refuse them (anyccl_core::capture).
-        let began = crate::runtime::known_streams().began_capture(stream.key(), mode);
         let r = body(stream);
         // SAFETY: ends the capture begun above, whatever `body` did.
         let graph = unsafe { result::stream::end_capture(stream.raw()) };

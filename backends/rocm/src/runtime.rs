@@ -359,10 +359,13 @@ impl HipGraph {
             CaptureMode::ThreadLocal => sys::HIP_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             CaptureMode::Relaxed => sys::HIP_STREAM_CAPTURE_MODE_RELAXED,
         };
+        // The mode and this thread go on record before the capture begins, so that another thread's check never
+        // sees this stream capturing without them (it would count the capture as global and refuse a call HIP
+        // allows); calls elsewhere are then refused exactly where HIP would refuse them. A failed begin drops the
+        // record at once.
+        let began = lib.known_streams().began_capture(stream.key, mode);
         // SAFETY: the stream is live and not capturing (HIP checks and returns an error otherwise).
         check(&lib, "hipStreamBeginCapture", unsafe { (t.stream_begin_capture)(stream.raw, hip_mode) })?;
-        // With the mode and this thread on record, calls elsewhere are refused exactly where HIP would refuse them.
-        let began = lib.known_streams().began_capture(stream.key, mode);
         let body = f(stream);
         let mut graph: sys::hipGraph_t = std::ptr::null_mut();
         // SAFETY: ends the capture begun above; writes the graph handle.
