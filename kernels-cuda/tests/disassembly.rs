@@ -34,12 +34,17 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
         let out = out.expect("cuobjdump runs");
         let sass = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "cuobjdump failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
-        for kind in ["one_shot", "two_shot"] {
-            for dt in ["f32", "f16", "bf16"] {
-                assert!(sass.contains(&format!("anyccl_{kind}_{dt}")), "{arch}: anyccl_{kind}_{dt} missing");
-            }
-        }
         let functions = split_functions(&sass);
+        // The all-reduce kernels of the source shared with HIP: each one's barriers store their flags with release
+        // and load them with acquire at system scope (two barriers, each with its own copy for every world 2..=8).
+        for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            let stores = body.matches("STG.E.STRONG.SYS").count();
+            let loads = body.matches("LDG.E.STRONG.SYS").count();
+            assert!(stores >= 7 * 2, "{arch}: {k}: {stores} system-scope flag stores, expected at least 14");
+            assert!(loads >= 7 * 2, "{arch}: {k}: {loads} system-scope flag loads, expected at least 14");
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
+        }
         for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
             for dt in ["f32", "f16", "bf16"] {
                 let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));

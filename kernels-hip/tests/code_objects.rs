@@ -1,5 +1,6 @@
-//! The embedded code objects are AMDGPU ELF holding every kernel (symbol and kernel descriptor), and their
-//! flag accesses compile to system-scope release/acquire sequences. The symbol check needs nothing but the
+//! The embedded code objects are AMDGPU ELF holding every kernel of the shared all-reduce source (symbol and
+//! kernel descriptor) and no other, and every kernel's flag accesses compile to system-scope release/acquire
+//! sequences. The symbol check needs nothing but the
 //! bytes; the instruction check needs an `llvm-objdump` that knows gfx90a (LLVM 15 or newer: Debian's hipcc brings
 //! llvm-objdump-15, while plain `llvm-objdump` there is LLVM 14, which prints gfx90a cache instructions as raw words). CI sets
 //! `ANYCCL_REQUIRE_KERNELS`, so there a missing build or tool fails instead of skipping.
@@ -37,6 +38,13 @@ fn code_objects_hold_every_kernel() {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
+        // And nothing else: every kernel the object holds is listed, so the instruction check below sees them all.
+        let mut held: Vec<&str> = names.iter().filter_map(|n| n.strip_suffix(".kd")).collect();
+        held.sort_unstable();
+        held.dedup();
+        let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
     }
 }
 
