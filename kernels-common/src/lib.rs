@@ -55,6 +55,70 @@ pub const ALLREDUCE_KERNELS: [&str; 12] = [
     "anyccl_two_shot_table_bf16",
 ];
 
+/// One parameter of a kernel: its name in the source, its byte offset in the parameter block, its size in bytes.
+pub type Param = (&'static str, usize, usize);
+
+const ONE_SHOT_PARAMS: [Param; 7] = [
+    ("in", 0, 64),
+    ("self_src", 64, 8),
+    ("out", 72, 8),
+    ("flags", 80, 64),
+    ("rank", 144, 4),
+    ("world", 148, 4),
+    ("n_vec", 152, 8),
+];
+const ONE_SHOT_TABLE_PARAMS: [Param; 7] = [
+    ("table", 0, 8),
+    ("self_src", 8, 8),
+    ("out", 16, 8),
+    ("flags", 24, 64),
+    ("rank", 88, 4),
+    ("world", 92, 4),
+    ("n_vec", 96, 8),
+];
+const TWO_SHOT_PARAMS: [Param; 9] = [
+    ("in", 0, 64),
+    ("self_src", 64, 8),
+    ("scratch", 72, 64),
+    ("out", 136, 8),
+    ("round_vecs", 144, 8),
+    ("flags", 152, 64),
+    ("rank", 216, 4),
+    ("world", 220, 4),
+    ("n_vec", 224, 8),
+];
+const TWO_SHOT_TABLE_PARAMS: [Param; 9] = [
+    ("table", 0, 8),
+    ("self_src", 8, 8),
+    ("scratch", 16, 64),
+    ("out", 80, 8),
+    ("round_vecs", 88, 8),
+    ("flags", 96, 64),
+    ("rank", 160, 4),
+    ("world", 164, 4),
+    ("n_vec", 168, 8),
+];
+
+/// The parameters of an all-reduce kernel of [`ALLREDUCE_KERNELS`], in order, as every vendor's compiler lays
+/// them out (`in`/`scratch`/`flags`: 8 pointers by value; `table`: a device pointer to an input table of 8
+/// pointers and a `u64` "registered" word; `rank`, `world`: `i32`; `round_vecs`, `n_vec`: `u64`). The kernel
+/// tests read each vendor's binaries back and compare; `None` for a name that is not an all-reduce kernel.
+pub fn allreduce_params(kernel: &str) -> Option<&'static [Param]> {
+    if !ALLREDUCE_KERNELS.contains(&kernel) {
+        return None;
+    }
+    let params: &'static [Param] = if kernel.starts_with("anyccl_one_shot_table_") {
+        &ONE_SHOT_TABLE_PARAMS
+    } else if kernel.starts_with("anyccl_one_shot_") {
+        &ONE_SHOT_PARAMS
+    } else if kernel.starts_with("anyccl_two_shot_table_") {
+        &TWO_SHOT_TABLE_PARAMS
+    } else {
+        &TWO_SHOT_PARAMS
+    };
+    Some(params)
+}
+
 /// The shared kernel source and vendor headers, by path under `include/` (for tests and tools that read them).
 pub const HEADERS: [(&str, &str); 3] = [
     ("anyccl/allreduce.h", include_str!("../include/anyccl/allreduce.h")),
@@ -115,6 +179,31 @@ mod tests {
         stamped.sort();
         listed.sort();
         assert_eq!(stamped, listed);
+    }
+
+    #[test]
+    fn params_follow_the_kernel_signatures() {
+        let src = HEADERS[0].1;
+        for k in ALLREDUCE_KERNELS {
+            let params = allreduce_params(k).unwrap_or_else(|| panic!("{k}: no parameters"));
+            // Natural alignment, no gaps beyond it: what nvcc and clang both do for these types.
+            let mut end = 0usize;
+            for (name, offset, size) in params {
+                assert_eq!(*offset, end.next_multiple_of((*size).min(8)), "{k}: {name} at {offset}");
+                end = offset + size;
+            }
+            // The names are the source's, in its order.
+            let kind = k.rsplit_once('_').map(|(kind, _)| kind).unwrap_or(k);
+            let start = src.find(&format!("{kind}_##NAME(")).unwrap_or_else(|| panic!("{kind} not in the source"));
+            let sig = &src[start..start + src[start..].find(')').unwrap_or(0)];
+            let mut at = 0;
+            for (name, _, _) in params {
+                let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
+                let pos = pos.unwrap_or_else(|| panic!("{k}: parameter {name} not in the source's order: {sig}"));
+                at += pos + name.len();
+            }
+        }
+        assert!(allreduce_params("anyccl_nvls_zero_copy_emu_f32").is_none());
     }
 
     #[test]
