@@ -2,6 +2,10 @@
 //! driver) for sm_80 and sm_90, and sm_100 where this nvcc supports it, and embeds them. Without nvcc the crate
 //! still builds and says why it holds no kernels.
 //!
+//! The one-shot and two-shot all-reduce come from the shared source of `anyccl-kernels-common` (its include
+//! directory arrives as `DEP_ANYCCL_KERNELS_COMMON_INCLUDE` and goes to nvcc with `-I`); `cuda/allreduce.cu`
+//! instantiates them and adds the CUDA-only NVLS kernels.
+//!
 //! nvcc is found through `NVCC`, `ANYCCL_CUDA_TOOLKIT/bin`, `CUDA_HOME/bin`, `CUDA_PATH/bin`, then `PATH`
 //! (`ci/install-cuda.sh` installs the PyPI `nvidia-cuda-nvcc` toolkit and sets `ANYCCL_CUDA_TOOLKIT`).
 
@@ -37,9 +41,10 @@ fn main() {
     }
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let mut code = String::new();
-    let status = match find_nvcc() {
-        None => Err("nvcc not found at build time (set NVCC, ANYCCL_CUDA_TOOLKIT or CUDA_HOME)".to_owned()),
-        Some(nvcc) => build(&nvcc, &out, &mut code),
+    let status = match (find_nvcc(), common_include()) {
+        (None, _) => Err("nvcc not found at build time (set NVCC, ANYCCL_CUDA_TOOLKIT or CUDA_HOME)".to_owned()),
+        (_, Err(why)) => Err(why),
+        (Some(nvcc), Ok(include)) => build(&nvcc, &include, &out, &mut code),
     };
     match status {
         Ok(version) => {
@@ -63,7 +68,21 @@ fn main() {
     std::fs::write(out.join("kernels.rs"), code).expect("write kernels.rs");
 }
 
-fn build(nvcc: &Path, out: &Path, code: &mut String) -> Result<String, String> {
+/// The shared kernel headers' directory, from anyccl-kernels-common's `links` metadata; every header in it is
+/// watched for changes.
+fn common_include() -> Result<PathBuf, String> {
+    let dir = env::var_os("DEP_ANYCCL_KERNELS_COMMON_INCLUDE")
+        .map(PathBuf::from)
+        .ok_or("DEP_ANYCCL_KERNELS_COMMON_INCLUDE is not set (anyccl-kernels-common is a dependency)")?;
+    let headers = dir.join("anyccl");
+    let entries = std::fs::read_dir(&headers).map_err(|e| format!("cannot list {}: {e}", headers.display()))?;
+    for e in entries.flatten() {
+        println!("cargo:rerun-if-changed={}", e.path().display());
+    }
+    Ok(dir)
+}
+
+fn build(nvcc: &Path, include: &Path, out: &Path, code: &mut String) -> Result<String, String> {
     let version =
         Command::new(nvcc).arg("--version").output().map_err(|e| format!("cannot run {}: {e}", nvcc.display()))?;
     let version = String::from_utf8_lossy(&version.stdout).lines().last().unwrap_or("").trim().to_owned();
@@ -79,7 +98,10 @@ fn build(nvcc: &Path, out: &Path, code: &mut String) -> Result<String, String> {
         for arch in ARCHS.iter().filter(|a| supported(a)) {
             let cubin = out.join(format!("{src}.{arch}.cubin"));
             let o = Command::new(nvcc)
-                .args(["-cubin", "-O3", "-std=c++17", &format!("-arch={arch}"), "-o"])
+                .args(["-cubin", "-O3", "-std=c++17", &format!("-arch={arch}")])
+                .arg("-I")
+                .arg(include)
+                .arg("-o")
                 .arg(&cubin)
                 .arg(Path::new("cuda").join(format!("{src}.cu")))
                 .output()

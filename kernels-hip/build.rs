@@ -2,6 +2,10 @@
 //! them as they are) for gfx90a and gfx942 where this hipcc's clang knows the target, and embeds them. Without
 //! hipcc the crate still builds and says why it holds no kernels.
 //!
+//! The kernels are the one-shot and two-shot all-reduce of the shared source of `anyccl-kernels-common` (the same
+//! algorithm the CUDA kernels run; its include directory arrives as `DEP_ANYCCL_KERNELS_COMMON_INCLUDE` and goes
+//! to hipcc with `-I`), instantiated by `hip/allreduce.hip` over the HIP vendor header.
+//!
 //! hipcc is found through `HIPCC`, `ROCM_PATH/bin`, `HIP_PATH/bin`, `/opt/rocm/bin`, then `PATH` (CI installs
 //! Debian's `hipcc libamdhip64-dev rocm-device-libs`: HIP 5.2 with clang 15, which builds gfx90a but not gfx942).
 
@@ -49,9 +53,10 @@ fn main() {
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let mut objects = String::new();
     let mut skipped = Vec::new();
-    let result = match find_hipcc() {
-        None => Err("hipcc not found at build time (set HIPCC or ROCM_PATH)".to_owned()),
-        Some(hipcc) => build(&hipcc, &out, &mut objects, &mut skipped),
+    let result = match (find_hipcc(), common_include()) {
+        (None, _) => Err("hipcc not found at build time (set HIPCC or ROCM_PATH)".to_owned()),
+        (_, Err(why)) => Err(why),
+        (Some(hipcc), Ok(include)) => build(&hipcc, &include, &out, &mut objects, &mut skipped),
     };
     let mut code = String::new();
     let (version, not_built) = match result {
@@ -73,14 +78,32 @@ fn main() {
     std::fs::write(out.join("kernels.rs"), code).expect("write kernels.rs");
 }
 
+/// The shared kernel headers' directory, from anyccl-kernels-common's `links` metadata; every header in it is
+/// watched for changes.
+fn common_include() -> Result<PathBuf, String> {
+    let dir = env::var_os("DEP_ANYCCL_KERNELS_COMMON_INCLUDE")
+        .map(PathBuf::from)
+        .ok_or("DEP_ANYCCL_KERNELS_COMMON_INCLUDE is not set (anyccl-kernels-common is a dependency)")?;
+    let headers = dir.join("anyccl");
+    let entries = std::fs::read_dir(&headers).map_err(|e| format!("cannot list {}: {e}", headers.display()))?;
+    for e in entries.flatten() {
+        println!("cargo:rerun-if-changed={}", e.path().display());
+    }
+    Ok(dir)
+}
+
 fn build(
     hipcc: &Path,
+    include: &Path,
     out: &Path,
     objects: &mut String,
     skipped: &mut Vec<(&'static str, String)>,
 ) -> Result<String, String> {
-    let v =
-        Command::new(hipcc).arg("--version").output().map_err(|e| format!("cannot run {}: {e}", hipcc.display()))?;
+    let v = Command::new(hipcc)
+        .env("HIP_PLATFORM", "amd")
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", hipcc.display()))?;
     let version = String::from_utf8_lossy(&v.stdout)
         .lines()
         .find(|l| l.starts_with("HIP version"))
@@ -91,8 +114,12 @@ fn build(
         for arch in ARCHS {
             let obj = out.join(format!("{src}.{arch}.co"));
             let o = Command::new(hipcc)
+                // AMD code objects whatever else is installed: hipcc picks the NVIDIA platform when it finds nvcc.
+                .env("HIP_PLATFORM", "amd")
                 .args(["--cuda-device-only", "--no-gpu-bundle-output", "-O3", "-std=c++17", "-c"])
                 .arg(format!("--offload-arch={arch}"))
+                .arg("-I")
+                .arg(include)
                 .arg("-o")
                 .arg(&obj)
                 .arg(Path::new("hip").join(format!("{src}.hip")))

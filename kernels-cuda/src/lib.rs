@@ -1,8 +1,10 @@
 //! anyccl-kernels-cuda: CUDA C++ all-reduce kernels, compiled by nvcc at build time (see `build.rs`) and embedded
 //! as cubins for sm_80 and sm_90 (sm_100 where the nvcc supports it).
 //!
-//! Kernels (`cuda/allreduce.cu`, one source for every dtype and for real and emulated ranks):
-//! `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`; the NVLS variants
+//! Kernels (`cuda/allreduce.cu`, one source for every dtype and for real and emulated ranks): the one-shot and
+//! two-shot all-reduce of the source shared with the HIP kernels (`anyccl-kernels-common`, whose
+//! [`ALLREDUCE_KERNELS`](anyccl_kernels_common::ALLREDUCE_KERNELS) lists them, and whose flag layout is re-exported
+//! here: [`FLAG_BYTES`], [`ABORT_WORD_OFFSET`]); the CUDA-only NVLS variants
 //! `anyccl_nvls_{zero_copy,warp_pipeline,block_pipeline}_{emu,mc}_{dtype}`, written once over a switch-channel
 //! primitive (reduce-load, broadcast-store, signal/wait) with two implementations: `mc` uses
 //! `multimem.ld_reduce`/`multimem.st`/`multimem.red` on multicast addresses (sm_90+), `emu` emulates them with
@@ -12,21 +14,7 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-/// Most ranks one launch handles.
-pub const MAX_RANKS: usize = 8;
-/// Most blocks per launch (the flag arrays are sized for it).
-pub const MAX_BLOCKS: usize = 128;
-/// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters, then
-/// `MAX_BLOCKS` arrival counters of the multicast barrier, then the abort word ([`ABORT_WORD_OFFSET`]) and padding
-/// to 16 bytes, 32 bits each. Zero it once before first use.
-pub const FLAG_BYTES: usize = ABORT_WORD_OFFSET + 16;
-/// Byte offset of the abort word in a rank's flag array. Non-zero tells that rank's kernels to stop waiting for
-/// peers: a barrier that has spun 1024 times without its peer checks it every 1024 spins, and the kernel then runs
-/// to its end with garbage results. Set it (from a stream other than the stuck one) when a wait gave up on a dead
-/// peer, so the kernel ends and the GPU's memory can be freed.
-pub const ABORT_WORD_OFFSET: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;
-/// Bytes every vector access moves; message sizes must be multiples of it.
-pub const VECTOR_BYTES: usize = 16;
+pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 
 /// The cubin of `source` best suited to compute capability `major.minor`: the highest embedded arch not above
 /// it (machine code for sm_90 runs on sm_90 only; sm_80 code runs on sm_8x).

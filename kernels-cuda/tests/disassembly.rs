@@ -34,12 +34,17 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
         let out = out.expect("cuobjdump runs");
         let sass = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "cuobjdump failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
-        for kind in ["one_shot", "two_shot"] {
-            for dt in ["f32", "f16", "bf16"] {
-                assert!(sass.contains(&format!("anyccl_{kind}_{dt}")), "{arch}: anyccl_{kind}_{dt} missing");
-            }
-        }
         let functions = split_functions(&sass);
+        // The all-reduce kernels of the source shared with HIP: each one's barriers store their flags with release
+        // and load them with acquire at system scope (two barriers, each with its own copy for every world 2..=8).
+        for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            let stores = body.matches("STG.E.STRONG.SYS").count();
+            let loads = body.matches("LDG.E.STRONG.SYS").count();
+            assert!(stores >= 7 * 2, "{arch}: {k}: {stores} system-scope flag stores, expected at least 14");
+            assert!(loads >= 7 * 2, "{arch}: {k}: {loads} system-scope flag loads, expected at least 14");
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
+        }
         for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
             for dt in ["f32", "f16", "bf16"] {
                 let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
@@ -73,6 +78,52 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
         assert!(sass.contains("LDG.E.STRONG.SYS"), "{arch}: no system-scope flag load");
         std::fs::remove_file(&path).ok();
     }
+}
+
+/// The all-reduce kernels take the parameters of the shared source, laid out as anyccl-kernels-common says (the
+/// HIP code objects are checked against the same table), read from each cubin's `EIATTR_KPARAM_INFO` records.
+#[test]
+fn allreduce_kernels_take_the_shared_parameters() {
+    let required = std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_some();
+    let (None, Some(tool)) = (anyccl_kernels_cuda::NOT_BUILT, cuobjdump()) else {
+        assert!(!required, "kernels or cuobjdump missing in a run that requires them");
+        eprintln!("NOT CHECKED: no kernels or no cuobjdump in this build (CI checks it)");
+        return;
+    };
+    for (src, arch, bytes) in anyccl_kernels_cuda::CUBINS {
+        let path = std::env::temp_dir().join(format!("anyccl-params-{}-{src}-{arch}.cubin", std::process::id()));
+        std::fs::write(&path, bytes).expect("write cubin");
+        let out = Command::new(&tool).arg("-elf").arg(&path).output().expect("cuobjdump -elf runs");
+        std::fs::remove_file(&path).ok();
+        assert!(out.status.success(), "cuobjdump -elf failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
+        let elf = String::from_utf8_lossy(&out.stdout);
+        for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
+            let want: Vec<(usize, usize)> =
+                anyccl_kernels_common::allreduce_params(k).expect("listed").iter().map(|p| (p.1, p.2)).collect();
+            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        }
+    }
+}
+
+/// (offset, size) of each parameter of `kernel`, in parameter order, from the `.nv.info.<kernel>` section of a
+/// `cuobjdump -elf` listing (`Ordinal : 0x1  Offset  : 0x40  Size    : 0x8`).
+fn kparams(elf: &str, kernel: &str) -> Vec<(usize, usize)> {
+    let header = format!(".nv.info.{kernel}");
+    let Some(start) = elf.lines().position(|l| l.trim() == header) else { return Vec::new() };
+    let hex = |l: &str, key: &str| -> Option<usize> {
+        let v = l.split(key).nth(1)?.trim_start().trim_start_matches(':').trim_start();
+        let v = v.split_whitespace().next()?.trim_start_matches("0x");
+        usize::from_str_radix(v, 16).ok()
+    };
+    let mut params: Vec<(usize, usize, usize)> = elf
+        .lines()
+        .skip(start + 1)
+        .take_while(|l| !l.starts_with('.'))
+        .filter(|l| l.contains("Ordinal"))
+        .filter_map(|l| Some((hex(l, "Ordinal")?, hex(l, "Offset")?, hex(l, "Size")?)))
+        .collect();
+    params.sort_unstable();
+    params.into_iter().map(|(_, offset, size)| (offset, size)).collect()
 }
 
 /// The SASS of each function in a `cuobjdump -sass` listing, by name.

@@ -1,32 +1,20 @@
 //! anyccl-kernels-hip: the HIP all-reduce kernels (one-shot, two-shot), compiled by hipcc at build time (see
 //! `build.rs`) and embedded as AMDGPU code objects for gfx90a and gfx942 where the hipcc knows them.
 //!
-//! Kernels (`hip/allreduce.hip`): `anyccl_one_shot_{f32,f16,bf16}` and `anyccl_two_shot_{f32,f16,bf16}`, with the
-//! same parameters, flag layout and limits as the CUDA kernels. [`NOT_BUILT`] says why a build has no kernels;
-//! [`SKIPPED_TARGETS`] which targets this hipcc could not build, and why.
+//! Kernels (`hip/allreduce.hip`, [`KERNELS`]): the one-shot and two-shot all-reduce of the source shared with the
+//! CUDA kernels (`anyccl-kernels-common`): `anyccl_{one_shot,two_shot}[_table]_{f32,f16,bf16}`, with the same
+//! parameters, flag layout ([`FLAG_BYTES`], with the abort word at [`ABORT_WORD_OFFSET`]), input tables, two-shot
+//! rounds and limits as the CUDA kernels. [`NOT_BUILT`] says why a build has no kernels; [`SKIPPED_TARGETS`] which
+//! targets this hipcc could not build, and why.
 #![forbid(unsafe_code)]
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-/// Most ranks one launch handles.
-pub const MAX_RANKS: usize = 8;
-/// Most blocks per launch (the flag arrays are sized for it).
-pub const MAX_BLOCKS: usize = 64;
-/// Bytes of one rank's flag array: `MAX_BLOCKS × MAX_RANKS` barrier slots, then `MAX_BLOCKS` epoch counters,
-/// 32 bits each. Zero it once before first use.
-pub const FLAG_BYTES: usize = (MAX_BLOCKS * MAX_RANKS + MAX_BLOCKS) * 4;
-/// Bytes every vector access moves; message sizes must be multiples of it.
-pub const VECTOR_BYTES: usize = 16;
+pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 
-/// The kernel names every code object holds.
-pub const KERNELS: [&str; 6] = [
-    "anyccl_one_shot_f32",
-    "anyccl_one_shot_f16",
-    "anyccl_one_shot_bf16",
-    "anyccl_two_shot_f32",
-    "anyccl_two_shot_f16",
-    "anyccl_two_shot_bf16",
-];
+/// The kernel names every code object holds: the all-reduce kernels of the shared source, with the names and
+/// parameters of the CUDA kernels.
+pub const KERNELS: [&str; 12] = anyccl_kernels_common::ALLREDUCE_KERNELS;
 
 /// The code object of `source` for GPU target `arch` (`"gfx90a"`, `"gfx942"`; feature suffixes such as
 /// `":sramecc+:xnack-"` are ignored). AMDGPU code objects run only on the exact target they were built for.

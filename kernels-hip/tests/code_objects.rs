@@ -1,5 +1,6 @@
-//! The embedded code objects are AMDGPU ELF holding every kernel (symbol and kernel descriptor), and their
-//! flag accesses compile to system-scope release/acquire sequences. The symbol check needs nothing but the
+//! The embedded code objects are AMDGPU ELF holding every kernel of the shared all-reduce source (symbol and
+//! kernel descriptor) and no other, and every kernel's flag accesses compile to system-scope release/acquire
+//! sequences. The symbol check needs nothing but the
 //! bytes; the instruction check needs an `llvm-objdump` that knows gfx90a (LLVM 15 or newer: Debian's hipcc brings
 //! llvm-objdump-15, while plain `llvm-objdump` there is LLVM 14, which prints gfx90a cache instructions as raw words). CI sets
 //! `ANYCCL_REQUIRE_KERNELS`, so there a missing build or tool fails instead of skipping.
@@ -15,6 +16,15 @@ fn llvm_objdump() -> Option<PathBuf> {
         .iter()
         .flat_map(|n| paths.iter().map(move |d| d.join(n)))
         .chain([PathBuf::from("/opt/rocm/llvm/bin/llvm-objdump")])
+        .find(|p| p.is_file())
+}
+
+fn llvm_readelf() -> Option<PathBuf> {
+    let paths: Vec<PathBuf> = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect()).unwrap_or_default();
+    ["llvm-readelf-19", "llvm-readelf-18", "llvm-readelf-17", "llvm-readelf-15"]
+        .iter()
+        .flat_map(|n| paths.iter().map(move |d| d.join(n)))
+        .chain([PathBuf::from("/opt/rocm/llvm/bin/llvm-readelf")])
         .find(|p| p.is_file())
 }
 
@@ -37,6 +47,13 @@ fn code_objects_hold_every_kernel() {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
+        // And nothing else: every kernel the object holds is listed, so the instruction check below sees them all.
+        let mut held: Vec<&str> = names.iter().filter_map(|n| n.strip_suffix(".kd")).collect();
+        held.sort_unstable();
+        held.dedup();
+        let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
+        listed.sort_unstable();
+        assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
     }
 }
 
@@ -77,4 +94,62 @@ fn flag_accesses_are_system_scope_release_acquire() {
         assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
         assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
     }
+}
+
+/// Every kernel takes the parameters of the shared source, laid out as anyccl-kernels-common says (the CUDA cubins
+/// are checked against the same table), read from the code object's AMDGPU metadata (`.args`, hidden arguments
+/// left out).
+#[test]
+fn kernels_take_the_shared_parameters() {
+    let (Some(co), Some(tool)) = (anyccl_kernels_hip::code_object_for("allreduce", "gfx90a"), llvm_readelf()) else {
+        assert!(!required(), "gfx90a code object or llvm-readelf missing in a run that requires them");
+        eprintln!("NOT CHECKED: no gfx90a code object or no llvm-readelf");
+        return;
+    };
+    let path = std::env::temp_dir().join(format!("anyccl-hip-params-{}.co", std::process::id()));
+    std::fs::write(&path, co).expect("write code object");
+    let out = Command::new(&tool).arg("--notes").arg(&path).output().expect("llvm-readelf runs");
+    std::fs::remove_file(&path).ok();
+    assert!(out.status.success(), "llvm-readelf failed: {}", String::from_utf8_lossy(&out.stderr));
+    let notes = String::from_utf8_lossy(&out.stdout);
+    let kernels = kernel_args(&notes);
+    for k in anyccl_kernels_hip::KERNELS {
+        let want: Vec<(usize, usize)> =
+            anyccl_kernels_common::allreduce_params(k).expect("listed").iter().map(|p| (p.1, p.2)).collect();
+        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
+    }
+}
+
+/// Each kernel's name and explicit arguments (offset, size) from the YAML that `llvm-readelf --notes` prints for
+/// the AMDGPU metadata: a kernel is a `  - ` item of `amdhsa.kernels`, an argument a `      - ` item of its
+/// `.args`.
+fn kernel_args(notes: &str) -> Vec<(String, Vec<(usize, usize)>)> {
+    let mut out: Vec<(String, Vec<(usize, usize)>)> = Vec::new();
+    let mut args: Vec<(Option<usize>, Option<usize>, bool)> = Vec::new();
+    for line in notes.lines() {
+        if line.starts_with("  - ") {
+            args.clear();
+        }
+        let item = line.trim_start();
+        let (key, value) = item.trim_start_matches("- ").split_once(':').unwrap_or(("", ""));
+        let value = value.trim();
+        if line.starts_with("      - ") {
+            args.push((None, None, false));
+        }
+        if line.starts_with("      ") || line.starts_with("        ") {
+            if let Some(a) = args.last_mut() {
+                match key {
+                    ".offset" => a.0 = value.parse().ok(),
+                    ".size" => a.1 = value.parse().ok(),
+                    ".value_kind" => a.2 = value.starts_with("hidden_"),
+                    _ => {}
+                }
+            }
+        } else if key == ".name" && line.starts_with("    .") {
+            let explicit = args.iter().filter(|a| !a.2).filter_map(|a| Some((a.0?, a.1?))).collect();
+            out.push((value.to_owned(), explicit));
+        }
+    }
+    out
 }

@@ -1,0 +1,60 @@
+// anyccl kernels, CUDA side of the vendor layer: everything allreduce.h needs that CUDA and HIP spell differently.
+// The HIP twin is vendor_hip.h; both define the same names (see allreduce.h, "Vendor layer").
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+// Occupancy every kernel is built for: 512 threads, two blocks per SM (so at most 64 registers per thread; the
+// emulated ranks and the communicator size their grids for it).
+#define ANYCCL_LAUNCH_BOUNDS __launch_bounds__(512, 2)
+
+// The 16-byte vector every access moves.
+typedef uint4 anyccl_vec16;
+
+// Storage types of the element types (f16 and bf16 accumulate in f32).
+typedef float anyccl_f32;
+typedef __half anyccl_f16;
+typedef __nv_bfloat16 anyccl_bf16;
+
+// A store with release semantics at system scope (STG.E.STRONG.SYS after the fence it implies).
+__device__ __forceinline__ void anyccl_st_release_sys(uint32_t* addr, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+
+// A load with acquire semantics at system scope (LDG.E.STRONG.SYS).
+__device__ __forceinline__ uint32_t anyccl_ld_acquire_sys(const uint32_t* addr) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+    return v;
+}
+
+// A load that always reaches memory and orders nothing (the abort word, set by the host).
+__device__ __forceinline__ uint32_t anyccl_ld_volatile(const uint32_t* addr) {
+    return *reinterpret_cast<const volatile uint32_t*>(addr);
+}
+
+// Between two polls of a flag: nothing on NVIDIA (the spin is an acquire load from another GPU's memory, slow
+// enough on its own).
+__device__ __forceinline__ void anyccl_spin_pause() {}
+
+// The smaller of two sizes (CUDA's min, which compiles to a 64-bit min instruction).
+__device__ __forceinline__ size_t anyccl_min_size(size_t a, size_t b) { return min(a, b); }
+
+// Conversions between each element type and the f32 accumulator, one element at a time (f16 and bf16 to f32 are
+// exact; back to the element type rounds to nearest even).
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    __device__ static float get(float v) { return v; }
+    __device__ static float put(float f) { return f; }
+};
+template <> struct Elem<__half> {
+    __device__ static float get(__half v) { return __half2float(v); }
+    __device__ static __half put(float f) { return __float2half_rn(f); }
+};
+template <> struct Elem<__nv_bfloat16> {
+    __device__ static float get(__nv_bfloat16 v) { return __bfloat162float(v); }
+    __device__ static __nv_bfloat16 put(float f) { return __float2bfloat16_rn(f); }
+};

@@ -1,0 +1,73 @@
+// anyccl kernels, HIP side of the vendor layer: everything allreduce.h needs that CUDA and HIP spell differently.
+// The CUDA twin is vendor_cuda.h; both define the same names (see allreduce.h, "Vendor layer").
+
+#pragma once
+
+#include <hip/hip_runtime.h>
+#include <stdint.h>
+
+// Occupancy every kernel is built for: blocks of up to 512 threads.
+#define ANYCCL_LAUNCH_BOUNDS __launch_bounds__(512)
+
+// The 16-byte vector every access moves (a plain struct: HIP's uint4 is a template wrapper).
+struct alignas(16) anyccl_vec16 {
+    uint32_t x, y, z, w;
+};
+
+// Storage types of the element types (f16 and bf16 accumulate in f32). bf16 is its bits, converted by hand below,
+// which needs no bf16 header and so builds with every hipcc.
+typedef float anyccl_f32;
+typedef _Float16 anyccl_f16;
+struct anyccl_bf16 {
+    uint16_t bits;
+};
+
+// A store with release semantics at system scope: on gfx90a, `buffer_wbl2` (write L2 back) then the store, which
+// the code-object test checks in every kernel.
+__device__ __forceinline__ void anyccl_st_release_sys(uint32_t* addr, uint32_t v) {
+    __hip_atomic_store(addr, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+// A load with acquire semantics at system scope: on gfx90a, the load then `buffer_invl2` (invalidate L2).
+__device__ __forceinline__ uint32_t anyccl_ld_acquire_sys(const uint32_t* addr) {
+    return __hip_atomic_load(const_cast<uint32_t*>(addr), __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+// A load that always reaches memory and orders nothing (the abort word, set by the host): a relaxed atomic at
+// system scope, so it bypasses the caches a plain volatile load could hit.
+__device__ __forceinline__ uint32_t anyccl_ld_volatile(const uint32_t* addr) {
+    return __hip_atomic_load(const_cast<uint32_t*>(addr), __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+// Between two polls of a flag: sleep about 64 clocks, so the poll leaves the memory system to the peers (spinning
+// without it over XGMI slows the peer being waited for).
+__device__ __forceinline__ void anyccl_spin_pause() { __builtin_amdgcn_s_sleep(1); }
+
+// The smaller of two sizes.
+__device__ __forceinline__ size_t anyccl_min_size(size_t a, size_t b) { return b < a ? b : a; }
+
+__device__ __forceinline__ float anyccl_bf16_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+
+// Round to nearest even; NaN stays NaN (quiet).
+__device__ __forceinline__ uint16_t anyccl_f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// Conversions between each element type and the f32 accumulator, one element at a time (f16 and bf16 to f32 are
+// exact; back to the element type rounds to nearest even).
+template <typename T> struct Elem;
+template <> struct Elem<float> {
+    __device__ static float get(float v) { return v; }
+    __device__ static float put(float f) { return f; }
+};
+template <> struct Elem<_Float16> {
+    __device__ static float get(_Float16 v) { return (float)v; }
+    __device__ static _Float16 put(float f) { return (_Float16)f; }
+};
+template <> struct Elem<anyccl_bf16> {
+    __device__ static float get(anyccl_bf16 v) { return anyccl_bf16_to_f32(v.bits); }
+    __device__ static anyccl_bf16 put(float f) { return anyccl_bf16{anyccl_f32_to_bf16(f)}; }
+};

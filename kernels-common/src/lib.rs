@@ -1,0 +1,231 @@
+//! anyccl-kernels-common: the all-reduce kernel source written once for every vendor, and the flag layout the
+//! launchers of its kernels allocate.
+//!
+//! `include/anyccl/allreduce.h` holds the one-shot and two-shot all-reduce (staging and input-table inputs, the
+//! abort word, two-shot rounds, the per-block barrier and epoch counters) over a small vendor layer:
+//! `include/anyccl/vendor_cuda.h` (nvcc: PTX release/acquire at system scope, `uint4`, `__half`,
+//! `__nv_bfloat16`) and `include/anyccl/vendor_hip.h` (hipcc: `__hip_atomic_*` at system scope, `s_sleep` between
+//! polls, a 16-byte struct, `_Float16`, bf16 by hand). `anyccl-kernels-cuda` and `anyccl-kernels-hip` compile it
+//! (their build scripts find the headers through this crate's `links` metadata); this crate compiles nothing.
+//!
+//! Both vendors' kernels have the same names and parameters ([`ALLREDUCE_KERNELS`]) and the same flag array
+//! ([`FLAG_BYTES`]); the constants here are the header's, which a test checks.
+#![forbid(unsafe_code)]
+
+/// Most ranks one launch handles (`ANYCCL_MAX_RANKS`).
+pub const MAX_RANKS: usize = 8;
+/// Most blocks per launch; the flag arrays are sized for it (`ANYCCL_MAX_BLOCKS`).
+pub const MAX_BLOCKS: usize = 128;
+/// Byte offset of the abort word in a rank's flag array, after `MAX_BLOCKS × MAX_RANKS` barrier slots,
+/// `MAX_BLOCKS` epoch counters and `MAX_BLOCKS` arrival counters of the multicast barrier, 32 bits each
+/// (`ANYCCL_ABORT_WORD`, in words). Non-zero tells that rank's kernels to stop waiting for peers: a barrier that has
+/// spun [`ABORT_CHECK`] times without its peer checks it every [`ABORT_CHECK`] spins, and the kernel then runs to
+/// its end with garbage results. Set it (from a stream other than the stuck one) when a wait gave up on a dead
+/// peer, so the kernel ends and the GPU's memory can be freed.
+pub const ABORT_WORD_OFFSET: usize = (MAX_BLOCKS * MAX_RANKS + 2 * MAX_BLOCKS) * 4;
+/// Bytes of one rank's flag array: everything up to the abort word, the abort word, and padding to 16 bytes. Zero
+/// it once before first use.
+pub const FLAG_BYTES: usize = ABORT_WORD_OFFSET + 16;
+/// Spins between two looks at the abort word (`ANYCCL_ABORT_CHECK`).
+pub const ABORT_CHECK: u32 = 1024;
+/// Bytes every vector access moves; message sizes must be multiples of it.
+pub const VECTOR_BYTES: usize = 16;
+
+// The flag array holds the abort word and stays a whole number of vectors.
+const _: () = assert!(FLAG_BYTES >= ABORT_WORD_OFFSET + 4 && FLAG_BYTES.is_multiple_of(VECTOR_BYTES));
+
+/// The element types every kernel is built for, as they end the kernel names.
+pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// The all-reduce kernels of the shared source, the same on every vendor: `anyccl_{one_shot,two_shot}[_table]_`
+/// followed by a name of [`DTYPES`]. The `_table` kernels read the inputs' pointers from an input table in device
+/// memory (kernels captured in a graph before their inputs were registered).
+pub const ALLREDUCE_KERNELS: [&str; 12] = [
+    "anyccl_one_shot_f32",
+    "anyccl_one_shot_f16",
+    "anyccl_one_shot_bf16",
+    "anyccl_one_shot_table_f32",
+    "anyccl_one_shot_table_f16",
+    "anyccl_one_shot_table_bf16",
+    "anyccl_two_shot_f32",
+    "anyccl_two_shot_f16",
+    "anyccl_two_shot_bf16",
+    "anyccl_two_shot_table_f32",
+    "anyccl_two_shot_table_f16",
+    "anyccl_two_shot_table_bf16",
+];
+
+/// One parameter of a kernel: its name in the source, its byte offset in the parameter block, its size in bytes.
+pub type Param = (&'static str, usize, usize);
+
+const ONE_SHOT_PARAMS: [Param; 7] = [
+    ("in", 0, 64),
+    ("self_src", 64, 8),
+    ("out", 72, 8),
+    ("flags", 80, 64),
+    ("rank", 144, 4),
+    ("world", 148, 4),
+    ("n_vec", 152, 8),
+];
+const ONE_SHOT_TABLE_PARAMS: [Param; 7] = [
+    ("table", 0, 8),
+    ("self_src", 8, 8),
+    ("out", 16, 8),
+    ("flags", 24, 64),
+    ("rank", 88, 4),
+    ("world", 92, 4),
+    ("n_vec", 96, 8),
+];
+const TWO_SHOT_PARAMS: [Param; 9] = [
+    ("in", 0, 64),
+    ("self_src", 64, 8),
+    ("scratch", 72, 64),
+    ("out", 136, 8),
+    ("round_vecs", 144, 8),
+    ("flags", 152, 64),
+    ("rank", 216, 4),
+    ("world", 220, 4),
+    ("n_vec", 224, 8),
+];
+const TWO_SHOT_TABLE_PARAMS: [Param; 9] = [
+    ("table", 0, 8),
+    ("self_src", 8, 8),
+    ("scratch", 16, 64),
+    ("out", 80, 8),
+    ("round_vecs", 88, 8),
+    ("flags", 96, 64),
+    ("rank", 160, 4),
+    ("world", 164, 4),
+    ("n_vec", 168, 8),
+];
+
+/// The parameters of an all-reduce kernel of [`ALLREDUCE_KERNELS`], in order, as every vendor's compiler lays
+/// them out (`in`/`scratch`/`flags`: 8 pointers by value; `table`: a device pointer to an input table of 8
+/// pointers and a `u64` "registered" word; `rank`, `world`: `i32`; `round_vecs`, `n_vec`: `u64`). The kernel
+/// tests read each vendor's binaries back and compare; `None` for a name that is not an all-reduce kernel.
+pub fn allreduce_params(kernel: &str) -> Option<&'static [Param]> {
+    if !ALLREDUCE_KERNELS.contains(&kernel) {
+        return None;
+    }
+    let params: &'static [Param] = if kernel.starts_with("anyccl_one_shot_table_") {
+        &ONE_SHOT_TABLE_PARAMS
+    } else if kernel.starts_with("anyccl_one_shot_") {
+        &ONE_SHOT_PARAMS
+    } else if kernel.starts_with("anyccl_two_shot_table_") {
+        &TWO_SHOT_TABLE_PARAMS
+    } else {
+        &TWO_SHOT_PARAMS
+    };
+    Some(params)
+}
+
+/// The shared kernel source and vendor headers, by path under `include/` (for tests and tools that read them).
+pub const HEADERS: [(&str, &str); 3] = [
+    ("anyccl/allreduce.h", include_str!("../include/anyccl/allreduce.h")),
+    ("anyccl/vendor_cuda.h", include_str!("../include/anyccl/vendor_cuda.h")),
+    ("anyccl/vendor_hip.h", include_str!("../include/anyccl/vendor_hip.h")),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The integer a `#define NAME …` of allreduce.h evaluates to, over the header's other defines (it uses only
+    /// sums and products of them).
+    fn define(name: &str) -> usize {
+        let src = HEADERS[0].1;
+        let line = src
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ").and_then(|r| r.strip_prefix(name)).filter(|r| r.starts_with(' ')))
+            .unwrap_or_else(|| panic!("allreduce.h has no #define {name}"));
+        eval(line.trim())
+    }
+
+    fn eval(expr: &str) -> usize {
+        let e = expr.trim();
+        if let Some(inner) = e.strip_prefix('(').and_then(|r| r.strip_suffix(')')) {
+            return eval(inner);
+        }
+        if let Some((a, b)) = e.split_once(" + ") {
+            return eval(a) + eval(b);
+        }
+        if let Some((a, b)) = e.split_once(" * ") {
+            return eval(a) * eval(b);
+        }
+        e.parse().unwrap_or_else(|_| define(e))
+    }
+
+    #[test]
+    fn layout_constants_are_the_headers() {
+        assert_eq!(define("ANYCCL_MAX_RANKS"), MAX_RANKS);
+        assert_eq!(define("ANYCCL_MAX_BLOCKS"), MAX_BLOCKS);
+        assert_eq!(define("ANYCCL_ABORT_WORD") * 4, ABORT_WORD_OFFSET);
+        assert_eq!(define("ANYCCL_ABORT_CHECK"), ABORT_CHECK as usize);
+        assert_eq!(define("ANYCCL_EPOCHS"), MAX_BLOCKS * MAX_RANKS, "epoch counters follow the barrier slots");
+    }
+
+    #[test]
+    fn kernel_names_are_the_headers() {
+        // The kernels are stamped out by one macro per dtype; its names and the list here must agree.
+        let src = HEADERS[0].1;
+        let mut stamped: Vec<String> = Vec::new();
+        for kind in ["one_shot", "one_shot_table", "two_shot", "two_shot_table"] {
+            assert!(src.contains(&format!("anyccl_{kind}_##NAME(")), "allreduce.h stamps no anyccl_{kind}_");
+            for dt in DTYPES {
+                stamped.push(format!("anyccl_{kind}_{dt}"));
+            }
+        }
+        let mut listed: Vec<String> = ALLREDUCE_KERNELS.iter().map(|k| String::from(*k)).collect();
+        stamped.sort();
+        listed.sort();
+        assert_eq!(stamped, listed);
+    }
+
+    #[test]
+    fn params_follow_the_kernel_signatures() {
+        let src = HEADERS[0].1;
+        for k in ALLREDUCE_KERNELS {
+            let params = allreduce_params(k).unwrap_or_else(|| panic!("{k}: no parameters"));
+            // Natural alignment, no gaps beyond it: what nvcc and clang both do for these types.
+            let mut end = 0usize;
+            for (name, offset, size) in params {
+                assert_eq!(*offset, end.next_multiple_of((*size).min(8)), "{k}: {name} at {offset}");
+                end = offset + size;
+            }
+            // The names are the source's, in its order.
+            let kind = k.rsplit_once('_').map(|(kind, _)| kind).unwrap_or(k);
+            let start = src.find(&format!("{kind}_##NAME(")).unwrap_or_else(|| panic!("{kind} not in the source"));
+            let sig = &src[start..start + src[start..].find(')').unwrap_or(0)];
+            let mut at = 0;
+            for (name, _, _) in params {
+                let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
+                let pos = pos.unwrap_or_else(|| panic!("{k}: parameter {name} not in the source's order: {sig}"));
+                at += pos + name.len();
+            }
+        }
+        assert!(allreduce_params("anyccl_nvls_zero_copy_emu_f32").is_none());
+    }
+
+    #[test]
+    fn vendor_headers_define_the_same_layer() {
+        // Every name allreduce.h takes from the vendor layer is defined by both vendor headers.
+        for name in [
+            "ANYCCL_LAUNCH_BOUNDS",
+            "anyccl_vec16",
+            "anyccl_f32",
+            "anyccl_f16",
+            "anyccl_bf16",
+            "anyccl_st_release_sys(",
+            "anyccl_ld_acquire_sys(",
+            "anyccl_ld_volatile(",
+            "anyccl_spin_pause(",
+            "anyccl_min_size(",
+            "Elem<",
+        ] {
+            assert!(HEADERS[0].1.contains(name), "allreduce.h does not use {name}");
+            for (path, text) in &HEADERS[1..] {
+                assert!(text.contains(name), "{path} does not define {name}");
+            }
+        }
+    }
+}
