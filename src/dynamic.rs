@@ -996,24 +996,7 @@ impl fmt::Debug for Chosen {
 }
 
 /// The capabilities `ANYCCL_DISABLE` turns off (an invalid value is a [`Error::Config`] naming the variable).
-pub fn disabled_by_env() -> Result<Capabilities> {
-    const VAR: &str = "ANYCCL_DISABLE";
-    let value = match std::env::var(VAR) {
-        Ok(v) => v,
-        Err(std::env::VarError::NotPresent) => return Ok(Capabilities::empty()),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            return Err(Error::Config {
-                source_name: VAR.into(),
-                line: None,
-                message: "the value is not valid UTF-8".into(),
-            })
-        }
-    };
-    let mut all = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: String::new() });
-    all.enable(Capabilities::all());
-    all.apply_disable_list(VAR, &value)?;
-    Ok(Capabilities::all().difference(all.enabled()))
-}
+pub use anyccl_core::caps::disabled_by_env;
 
 /// Why `kind` cannot run `world` ranks in this process, or `None` when it can (as far as can be told without
 /// making the communicators). `disabled` is what `ANYCCL_DISABLE` turned off.

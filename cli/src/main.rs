@@ -268,28 +268,10 @@ fn selector(table: Option<&PathBuf>) -> Result<Selector, CliError> {
     })
 }
 
-/// The capabilities `ANYCCL_DISABLE` turns off. `probe` reports an invalid value as a warning; `bench` and `tune`
-/// refuse it, since they would otherwise run what the user meant to switch off.
+/// The capabilities `ANYCCL_DISABLE` turns off (`anyccl::core::caps::disabled_by_env`). `probe` reports an invalid
+/// value as a warning; `bench` and `tune` refuse it, since they would otherwise run what the user meant to switch off.
 fn disabled_by_env() -> Result<anyccl::Capabilities, CliError> {
-    use anyccl::core::{CapabilityReport, Reason};
-    use anyccl::Capabilities;
-    const VAR: &str = "ANYCCL_DISABLE";
-    let value = match std::env::var(VAR) {
-        Ok(v) => v,
-        Err(std::env::VarError::NotPresent) => return Ok(Capabilities::empty()),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            return Err(Error::Config {
-                source_name: VAR.into(),
-                line: None,
-                message: "the value is not valid UTF-8".into(),
-            }
-            .into())
-        }
-    };
-    let mut all = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: String::new() });
-    all.enable(Capabilities::all());
-    all.apply_disable_list(VAR, &value)?;
-    Ok(Capabilities::all().difference(all.enabled()))
+    Ok(anyccl::core::caps::disabled_by_env()?)
 }
 
 /// Refuses a backend whose capability `ANYCCL_DISABLE` names.
