@@ -16,6 +16,7 @@
 //! sweep and the check of a message is one pass over it. Written here rather than taken from a crate: no crate
 //! models the reduction orders of collective libraries.
 
+use anyccl::core::dtype::Value as Val;
 use anyccl::core::{DataType, Error, ReduceOp, Result};
 
 /// The pattern's period in elements apart from the world size (a prime).
@@ -29,13 +30,6 @@ pub const MAX_WORLD: usize = 1024;
 
 /// The most ranks that contribute to one element of a product (their powers of two stay in fp8's normal range).
 const MAX_ACTIVE_PROD: usize = 6;
-
-/// A decoded element: floats as `f64`, integers as `i128`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Val {
-    F(f64),
-    I(i128),
-}
 
 /// The expected result of an all-reduce over the bench's inputs, for one (type, operator, world).
 #[derive(Debug, Clone)]
@@ -110,45 +104,12 @@ fn gcd(mut a: usize, mut b: usize) -> usize {
 }
 
 fn decode(dtype: DataType, c: &[u8]) -> Val {
-    let mut b = [0u8; 8];
-    let n = c.len().min(8);
-    b[..n].copy_from_slice(&c[..n]);
-    let u = u64::from_le_bytes(b);
-    match dtype {
-        DataType::I8 => Val::I(i128::from(u as u8 as i8)),
-        DataType::U8 => Val::I(i128::from(u as u8)),
-        DataType::I32 => Val::I(i128::from(u as u32 as i32)),
-        DataType::U32 => Val::I(i128::from(u as u32)),
-        DataType::I64 => Val::I(i128::from(u as i64)),
-        DataType::U64 => Val::I(i128::from(u)),
-        DataType::F16 => Val::F(anyccl::half::f16::from_bits(u as u16).to_f64()),
-        DataType::Bf16 => Val::F(anyccl::half::bf16::from_bits(u as u16).to_f64()),
-        DataType::F32 => Val::F(f64::from(f32::from_bits(u as u32))),
-        DataType::F64 => Val::F(f64::from_bits(u)),
-        DataType::Fp8E4M3 => Val::F(anyccl::float8::F8E4M3::from_bits(u as u8).to_f64()),
-        DataType::Fp8E5M2 => Val::F(anyccl::float8::F8E5M2::from_bits(u as u8).to_f64()),
-        _ => Val::F(f64::NAN),
-    }
+    Val::decode(dtype, c)
 }
 
 /// Appends `v` encoded as `dtype` (integers wrap to the type's width, as the reductions define).
 fn encode(dtype: DataType, v: Val, out: &mut Vec<u8>) {
-    let (f, i) = match v {
-        Val::F(f) => (f, f as i128),
-        Val::I(i) => (i as f64, i),
-    };
-    match dtype {
-        DataType::I8 | DataType::U8 => out.push(i as u8),
-        DataType::I32 | DataType::U32 => out.extend_from_slice(&(i as u32).to_le_bytes()),
-        DataType::I64 | DataType::U64 => out.extend_from_slice(&(i as u64).to_le_bytes()),
-        DataType::F16 => out.extend_from_slice(&anyccl::half::f16::from_f64(f).to_bits().to_le_bytes()),
-        DataType::Bf16 => out.extend_from_slice(&anyccl::half::bf16::from_f64(f).to_bits().to_le_bytes()),
-        DataType::F32 => out.extend_from_slice(&(f as f32).to_bits().to_le_bytes()),
-        DataType::F64 => out.extend_from_slice(&f.to_bits().to_le_bytes()),
-        DataType::Fp8E4M3 => out.push(anyccl::float8::F8E4M3::from_f64(f).to_bits()),
-        DataType::Fp8E5M2 => out.push(anyccl::float8::F8E5M2::from_f64(f).to_bits()),
-        _ => out.extend(std::iter::repeat_n(0xFF, dtype.size_bytes())),
-    }
+    v.encode(dtype, out);
 }
 
 fn oom(what: &str, bytes: usize) -> Error {
@@ -198,12 +159,12 @@ impl Reference {
         for t in 0..period {
             let vals = r.contributions(t);
             let v = if float {
-                let xs = vals.map(|v| if let Val::F(f) = v { f } else { f64::NAN });
+                let xs = vals.map(|v| if let Val::Float(f) = v { f } else { f64::NAN });
                 match op {
-                    ReduceOp::Sum => Val::F(xs.sum()),
-                    ReduceOp::Prod => Val::F(xs.product()),
-                    ReduceOp::Min => Val::F(xs.fold(f64::INFINITY, f64::min)),
-                    ReduceOp::Max => Val::F(xs.fold(f64::NEG_INFINITY, f64::max)),
+                    ReduceOp::Sum => Val::Float(xs.sum()),
+                    ReduceOp::Prod => Val::Float(xs.product()),
+                    ReduceOp::Min => Val::Float(xs.fold(f64::INFINITY, f64::min)),
+                    ReduceOp::Max => Val::Float(xs.fold(f64::NEG_INFINITY, f64::max)),
                     _ => {
                         let (s, abs) = xs.fold((0.0, 0.0), |(s, a), x| (s + x, a + x.abs()));
                         let w = world as f64;
@@ -212,12 +173,12 @@ impl Reference {
                         if let Some(a) = approx.as_mut() {
                             a.push((mean, tol));
                         }
-                        Val::F(mean)
+                        Val::Float(mean)
                     }
                 }
             } else {
-                let xs = vals.map(|v| if let Val::I(i) = v { i } else { 0 });
-                Val::I(match op {
+                let xs = vals.map(|v| if let Val::Int(i) = v { i } else { 0 });
+                Val::Int(match op {
                     ReduceOp::Prod => xs.fold(1i128, i128::wrapping_mul),
                     ReduceOp::Min => xs.min().unwrap_or(0),
                     ReduceOp::Max => xs.max().unwrap_or(0),
@@ -248,26 +209,26 @@ impl Reference {
         let float = self.dtype.is_float();
         if self.op == ReduceOp::Prod {
             if !active {
-                return if float { Val::F(1.0) } else { Val::I(1) };
+                return if float { Val::Float(1.0) } else { Val::Int(1) };
             }
             return if float {
-                Val::F([2.0, 0.5, -1.0, -2.0, -0.5, 1.0][(h % 6) as usize])
+                Val::Float([2.0, 0.5, -1.0, -2.0, -0.5, 1.0][(h % 6) as usize])
             } else if is_unsigned(self.dtype) {
-                Val::I([1, 2, 3][(h % 3) as usize])
+                Val::Int([1, 2, 3][(h % 3) as usize])
             } else {
-                Val::I([-2, -1, 1, 2, 3][(h % 5) as usize])
+                Val::Int([-2, -1, 1, 2, 3][(h % 5) as usize])
             };
         }
         if !active {
-            return if float { Val::F(0.0) } else { Val::I(0) };
+            return if float { Val::Float(0.0) } else { Val::Int(0) };
         }
         let m = self.magnitude;
         let x = (h % (2 * m as u64 + 1)) as i64;
         let x = if is_unsigned(self.dtype) { x } else { x - m };
         if float {
-            Val::F(x as f64)
+            Val::Float(x as f64)
         } else {
-            Val::I(i128::from(x))
+            Val::Int(i128::from(x))
         }
     }
 
@@ -317,8 +278,8 @@ impl Reference {
                     for (g, (want, tol)) in chunk.chunks(esz).zip(approx) {
                         let ok = g.len() == esz
                             && match decode(self.dtype, g) {
-                                Val::F(g) => !g.is_nan() && (g - want).abs() <= *tol,
-                                Val::I(_) => false,
+                                Val::Float(g) => !g.is_nan() && (g - want).abs() <= *tol,
+                                Val::Int(_) => false,
                             };
                         if !ok {
                             wrong += 1;
@@ -333,7 +294,7 @@ impl Reference {
     /// Whether two encodings are the same float value (`-0` and `+0`).
     fn same_float(&self, a: &[u8], b: &[u8]) -> bool {
         match (decode(self.dtype, a), decode(self.dtype, b)) {
-            (Val::F(x), Val::F(y)) => x == y,
+            (Val::Float(x), Val::Float(y)) => x == y,
             _ => false,
         }
     }
@@ -363,8 +324,8 @@ mod tests {
         let esz = r.dtype.size_bytes();
         let vals: Vec<Val> = inputs.iter().map(|x| decode(r.dtype, &x[i * esz..(i + 1) * esz])).collect();
         if r.dtype.is_float() {
-            let xs = vals.iter().map(|v| if let Val::F(f) = v { *f } else { f64::NAN });
-            Val::F(match r.op {
+            let xs = vals.iter().map(|v| if let Val::Float(f) = v { *f } else { f64::NAN });
+            Val::Float(match r.op {
                 ReduceOp::Sum => xs.sum(),
                 ReduceOp::Prod => xs.product(),
                 ReduceOp::Min => xs.fold(f64::INFINITY, f64::min),
@@ -372,8 +333,8 @@ mod tests {
                 _ => xs.sum::<f64>() / r.world as f64,
             })
         } else {
-            let xs = vals.iter().map(|v| if let Val::I(i) = v { *i } else { 0 });
-            Val::I(match r.op {
+            let xs = vals.iter().map(|v| if let Val::Int(i) = v { *i } else { 0 });
+            Val::Int(match r.op {
                 ReduceOp::Prod => xs.fold(1, i128::wrapping_mul),
                 ReduceOp::Min => xs.min().unwrap_or(0),
                 ReduceOp::Max => xs.max().unwrap_or(0),

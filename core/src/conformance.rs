@@ -22,7 +22,7 @@ use rand::{RngExt, SeedableRng};
 
 use crate::algo::Algorithm;
 use crate::comm::{AllReduceCall, CommBackend, Communicator, InOut, StreamOf};
-use crate::dtype::{check_reduction, DataType, ReduceOp};
+use crate::dtype::{check_reduction, DataType, ReduceOp, Value as Val};
 use crate::error::{Error, InvalidArgument, Result};
 use crate::runtime::MemoryRuntime;
 
@@ -135,58 +135,14 @@ fn cases(world: usize, algos: &[Algorithm], cfg: &Config) -> Vec<Case> {
     out
 }
 
-/// A decoded element: floats as `f64`, integers as `i128`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Val {
-    F(f64),
-    I(i128),
-}
-
 fn decode(dtype: DataType, bytes: &[u8]) -> Vec<Val> {
-    let n = dtype.size_bytes();
-    bytes
-        .chunks_exact(n)
-        .map(|c| {
-            let mut b = [0u8; 8];
-            b[..n].copy_from_slice(c);
-            let u = u64::from_le_bytes(b);
-            match dtype {
-                DataType::I8 => Val::I(i128::from(u as u8 as i8)),
-                DataType::U8 => Val::I(i128::from(u as u8)),
-                DataType::I32 => Val::I(i128::from(u as u32 as i32)),
-                DataType::U32 => Val::I(i128::from(u as u32)),
-                DataType::I64 => Val::I(i128::from(u as i64)),
-                DataType::U64 => Val::I(i128::from(u)),
-                DataType::F16 => Val::F(half::f16::from_bits(u as u16).to_f64()),
-                DataType::Bf16 => Val::F(half::bf16::from_bits(u as u16).to_f64()),
-                DataType::F32 => Val::F(f64::from(f32::from_bits(u as u32))),
-                DataType::F64 => Val::F(f64::from_bits(u)),
-                DataType::Fp8E4M3 => Val::F(float8::F8E4M3::from_bits(u as u8).to_f64()),
-                DataType::Fp8E5M2 => Val::F(float8::F8E5M2::from_bits(u as u8).to_f64()),
-            }
-        })
-        .collect()
+    bytes.chunks_exact(dtype.size_bytes()).map(|c| Val::decode(dtype, c)).collect()
 }
 
 fn encode(dtype: DataType, vals: &[Val]) -> Vec<u8> {
     let mut out = Vec::with_capacity(vals.len() * dtype.size_bytes());
     for v in vals {
-        let (f, i) = match *v {
-            Val::F(f) => (f, f as i128),
-            Val::I(i) => (i as f64, i),
-        };
-        // Integer casts truncate: that is the wrapping the integer reductions define.
-        match dtype {
-            DataType::I8 | DataType::U8 => out.push(i as u8),
-            DataType::I32 | DataType::U32 => out.extend_from_slice(&(i as u32).to_le_bytes()),
-            DataType::I64 | DataType::U64 => out.extend_from_slice(&(i as u64).to_le_bytes()),
-            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(f).to_bits().to_le_bytes()),
-            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes()),
-            DataType::F32 => out.extend_from_slice(&(f as f32).to_bits().to_le_bytes()),
-            DataType::F64 => out.extend_from_slice(&f.to_bits().to_le_bytes()),
-            DataType::Fp8E4M3 => out.push(float8::F8E4M3::from_f64(f).to_bits()),
-            DataType::Fp8E5M2 => out.push(float8::F8E5M2::from_f64(f).to_bits()),
-        }
+        v.encode(dtype, &mut out);
     }
     out
 }
@@ -197,12 +153,12 @@ fn inputs(seed: u64, case: &Case, rank: usize, n: usize) -> Vec<u8> {
     let signed = matches!(case.dtype, DataType::I8 | DataType::I32 | DataType::I64);
     let vals: Vec<Val> = (0..n)
         .map(|_| match (case.dtype.is_float(), case.op, signed) {
-            (true, ReduceOp::Prod, _) => Val::F(rng.random_range(0.5..2.0)),
-            (true, _, _) => Val::F(rng.random_range(-1.0..1.0)),
-            (false, ReduceOp::Prod, true) => Val::I(rng.random_range(-3..=3)),
-            (false, ReduceOp::Prod, false) => Val::I(rng.random_range(0..=4)),
-            (false, _, true) => Val::I(rng.random_range(-50..=50)),
-            (false, _, false) => Val::I(rng.random_range(0..=100)),
+            (true, ReduceOp::Prod, _) => Val::Float(rng.random_range(0.5..2.0)),
+            (true, _, _) => Val::Float(rng.random_range(-1.0..1.0)),
+            (false, ReduceOp::Prod, true) => Val::Int(rng.random_range(-3..=3)),
+            (false, ReduceOp::Prod, false) => Val::Int(rng.random_range(0..=4)),
+            (false, _, true) => Val::Int(rng.random_range(-50..=50)),
+            (false, _, false) => Val::Int(rng.random_range(0..=100)),
         })
         .collect();
     encode(case.dtype, &vals)
@@ -231,7 +187,7 @@ fn reference(dtype: DataType, op: ReduceOp, rows: &[Vec<Val>]) -> Vec<(Val, f64)
         .map(|i| {
             let col = rows.iter().map(|r| r[i]);
             if dtype.is_float() {
-                let xs: Vec<f64> = col.map(|v| if let Val::F(f) = v { f } else { f64::NAN }).collect();
+                let xs: Vec<f64> = col.map(|v| if let Val::Float(f) = v { f } else { f64::NAN }).collect();
                 let abs: f64 = xs.iter().map(|x| x.abs()).sum();
                 let (r, err) = match op {
                     ReduceOp::Sum => {
@@ -249,9 +205,9 @@ fn reference(dtype: DataType, op: ReduceOp, rows: &[Vec<Val>]) -> Vec<(Val, f64)
                     ReduceOp::Min => (xs.iter().copied().fold(f64::INFINITY, f64::min), 0.0),
                     ReduceOp::Max => (xs.iter().copied().fold(f64::NEG_INFINITY, f64::max), 0.0),
                 };
-                (Val::F(r), err + u_out * r.abs() + tiny)
+                (Val::Float(r), err + u_out * r.abs() + tiny)
             } else {
-                let xs: Vec<i128> = col.map(|v| if let Val::I(x) = v { x } else { 0 }).collect();
+                let xs: Vec<i128> = col.map(|v| if let Val::Int(x) = v { x } else { 0 }).collect();
                 let r = match op {
                     ReduceOp::Sum | ReduceOp::Avg => xs.iter().fold(0i128, |a, b| a.wrapping_add(*b)),
                     ReduceOp::Prod => xs.iter().fold(1i128, |a, b| a.wrapping_mul(*b)),
@@ -259,7 +215,7 @@ fn reference(dtype: DataType, op: ReduceOp, rows: &[Vec<Val>]) -> Vec<(Val, f64)
                     ReduceOp::Max => xs.iter().copied().max().unwrap_or(0),
                 };
                 // Wrap to the type's width, exactly as the backend must.
-                (decode(dtype, &encode(dtype, &[Val::I(r)]))[0], 0.0)
+                (decode(dtype, &encode(dtype, &[Val::Int(r)]))[0], 0.0)
             }
         })
         .collect()
@@ -269,8 +225,8 @@ fn compare(what: &str, dtype: DataType, got: &[u8], want: &[(Val, f64)]) -> Opti
     let got = decode(dtype, got);
     for (i, (g, (w, tol))) in got.iter().zip(want).enumerate() {
         let ok = match (g, w) {
-            (Val::F(g), Val::F(w)) => !g.is_nan() && (g - w).abs() <= *tol,
-            (Val::I(g), Val::I(w)) => g == w,
+            (Val::Float(g), Val::Float(w)) => !g.is_nan() && (g - w).abs() <= *tol,
+            (Val::Int(g), Val::Int(w)) => g == w,
             _ => false,
         };
         if !ok {
@@ -713,12 +669,12 @@ mod tests {
 
     #[test]
     fn reference_wraps_integers_and_bounds_floats() {
-        let rows = vec![vec![Val::I(100)], vec![Val::I(100)]];
-        assert_eq!(reference(DataType::I8, ReduceOp::Sum, &rows)[0].0, Val::I(-56));
-        assert_eq!(reference(DataType::U8, ReduceOp::Prod, &rows)[0].0, Val::I(16));
-        let rows = vec![vec![Val::F(0.5)], vec![Val::F(0.25)]];
+        let rows = vec![vec![Val::Int(100)], vec![Val::Int(100)]];
+        assert_eq!(reference(DataType::I8, ReduceOp::Sum, &rows)[0].0, Val::Int(-56));
+        assert_eq!(reference(DataType::U8, ReduceOp::Prod, &rows)[0].0, Val::Int(16));
+        let rows = vec![vec![Val::Float(0.5)], vec![Val::Float(0.25)]];
         let (v, tol) = reference(DataType::Bf16, ReduceOp::Avg, &rows)[0];
-        assert_eq!(v, Val::F(0.375));
+        assert_eq!(v, Val::Float(0.375));
         assert!(tol > 0.0 && tol < 0.01);
     }
 
@@ -743,7 +699,7 @@ mod tests {
 
     #[test]
     fn compare_rejects_poison_and_wrong_values() {
-        let want = vec![(Val::F(1.0), 1e-3)];
+        let want = vec![(Val::Float(1.0), 1e-3)];
         assert!(compare("x", DataType::F32, &[0xFF; 4], &want).is_some());
         assert!(compare("x", DataType::F32, &1.5f32.to_le_bytes(), &want).is_some());
         assert!(compare("x", DataType::F32, &1.0f32.to_le_bytes(), &want).is_none());

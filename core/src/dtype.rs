@@ -278,6 +278,60 @@ pub fn check_reduction(dtype: DataType, op: ReduceOp) -> Result<(), InvalidArgum
     Ok(())
 }
 
+/// One element's value, wide enough for every [`DataType`]: floats as `f64`, integers as `i128`. What host
+/// references and result checks compute with ([`Value::decode`], [`Value::encode`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    /// A floating-point element.
+    Float(f64),
+    /// An integer element.
+    Int(i128),
+}
+
+impl Value {
+    /// Decodes one little-endian element of `dtype` from the start of `bytes` (missing trailing bytes read as 0).
+    pub fn decode(dtype: DataType, bytes: &[u8]) -> Value {
+        let mut b = [0u8; 8];
+        let n = bytes.len().min(dtype.size_bytes()).min(8);
+        b[..n].copy_from_slice(&bytes[..n]);
+        let u = u64::from_le_bytes(b);
+        match dtype {
+            DataType::I8 => Value::Int(i128::from(u as u8 as i8)),
+            DataType::U8 => Value::Int(i128::from(u as u8)),
+            DataType::I32 => Value::Int(i128::from(u as u32 as i32)),
+            DataType::U32 => Value::Int(i128::from(u as u32)),
+            DataType::I64 => Value::Int(i128::from(u as i64)),
+            DataType::U64 => Value::Int(i128::from(u)),
+            DataType::F16 => Value::Float(half::f16::from_bits(u as u16).to_f64()),
+            DataType::Bf16 => Value::Float(half::bf16::from_bits(u as u16).to_f64()),
+            DataType::F32 => Value::Float(f64::from(f32::from_bits(u as u32))),
+            DataType::F64 => Value::Float(f64::from_bits(u)),
+            DataType::Fp8E4M3 => Value::Float(float8::F8E4M3::from_bits(u as u8).to_f64()),
+            DataType::Fp8E5M2 => Value::Float(float8::F8E5M2::from_bits(u as u8).to_f64()),
+        }
+    }
+
+    /// Appends the value encoded as `dtype`, little-endian: integers wrap to the type's width (the wrapping the
+    /// integer reductions define), floats round to the nearest value of the type.
+    pub fn encode(self, dtype: DataType, out: &mut Vec<u8>) {
+        let (f, i) = match self {
+            Value::Float(f) => (f, f as i128),
+            Value::Int(i) => (i as f64, i),
+        };
+        match dtype {
+            DataType::I8 | DataType::U8 => out.push(i as u8),
+            DataType::I32 | DataType::U32 => out.extend_from_slice(&(i as u32).to_le_bytes()),
+            DataType::I64 | DataType::U64 => out.extend_from_slice(&(i as u64).to_le_bytes()),
+            DataType::F16 => out.extend_from_slice(&half::f16::from_f64(f).to_bits().to_le_bytes()),
+            DataType::Bf16 => out.extend_from_slice(&half::bf16::from_f64(f).to_bits().to_le_bytes()),
+            DataType::F32 => out.extend_from_slice(&(f as f32).to_bits().to_le_bytes()),
+            DataType::F64 => out.extend_from_slice(&f.to_bits().to_le_bytes()),
+            DataType::Fp8E4M3 => out.push(float8::F8E4M3::from_f64(f).to_bits()),
+            DataType::Fp8E5M2 => out.push(float8::F8E5M2::from_f64(f).to_bits()),
+        }
+    }
+}
+
 /// A Rust type that is one of anyccl's [`DataType`]s, for the typed APIs.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// The anyccl data type this Rust type is.
@@ -298,6 +352,26 @@ element!(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn values_round_trip_through_every_type_and_integers_wrap() {
+        for d in DataType::ALL {
+            let n = d.size_bytes();
+            let bytes: Vec<u8> = (0..n as u8).map(|b| b.wrapping_mul(37) & 0x3f).collect();
+            let mut out = Vec::new();
+            Value::decode(d, &bytes).encode(d, &mut out);
+            assert_eq!(out, bytes, "{d}");
+        }
+        let mut out = Vec::new();
+        Value::Int(257).encode(DataType::U8, &mut out);
+        Value::Int(-1).encode(DataType::I32, &mut out);
+        assert_eq!(out, [1, 0xff, 0xff, 0xff, 0xff]);
+        assert_eq!(Value::decode(DataType::I8, &[0xff]), Value::Int(-1));
+        assert_eq!(Value::decode(DataType::Bf16, &[0x80, 0x3f]), Value::Float(1.0));
+        // Missing trailing bytes read as zero.
+        assert_eq!(Value::decode(DataType::U32, &[7]), Value::Int(7));
+    }
+
     use super::*;
 
     #[test]
