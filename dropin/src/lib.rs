@@ -50,12 +50,18 @@ pub fn underlying() -> Result<&'static Underlying, &'static str> {
             if LOADING.try_with(|l| l.replace(true)).unwrap_or(true) {
                 return Err("the anyccl drop-in NCCL was called again while it was loading the library underneath");
             }
-            let s = STATE.get_or_init(|| {
+            // Cleared however the load ends (a panic in it leaves the cell empty for a later call to retry).
+            struct Loading;
+            impl Drop for Loading {
+                fn drop(&mut self) {
+                    let _ = LOADING.try_with(|l| l.set(false));
+                }
+            }
+            let _loading = Loading;
+            STATE.get_or_init(|| {
                 logging::init();
                 load::load()
-            });
-            let _ = LOADING.try_with(|l| l.set(false));
-            s
+            })
         }
     };
     match state {
@@ -444,4 +450,20 @@ pub extern "C" fn ncclResetDebugInit() {
 #[no_mangle]
 pub extern "C" fn pncclResetDebugInit() {
     reset_debug_init("pncclResetDebugInit");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_internal_error_with_a_text_and_a_forwarded_call_clears_it() {
+        let code = guarded("ncclTestPanic", || panic!("a test panic"));
+        assert_eq!(code, api::NCCL_INTERNAL_ERROR);
+        // SAFETY: `own` returns this thread's live message.
+        let text = last_error::own().map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned());
+        assert_eq!(text.as_deref(), Some("ncclTestPanic: internal error in the anyccl drop-in NCCL (a panic, caught)"));
+        assert_eq!(guarded("ncclTestOk", || Ok(7)), 7);
+        assert!(last_error::own().is_none());
+    }
 }

@@ -231,13 +231,7 @@ fn open(candidate: &Path, me: &Me) -> Result<Underlying, Refusal> {
     let api = Api::resolve(&mut own);
     let library = CclLibrary::load_with(&file, &mut own).map_err(Refusal::Failed)?;
     let description = crate::last_error::to_c_string(&format!("{} {}", library.describe(), file.display()));
-    Ok(Underlying {
-        api,
-        library,
-        description,
-        refused: Vec::new(),
-        _lib: std::mem::ManuallyDrop::new(lib),
-    })
+    Ok(Underlying { api, library, description, refused: Vec::new(), _lib: std::mem::ManuallyDrop::new(lib) })
 }
 
 #[cfg(test)]

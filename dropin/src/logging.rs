@@ -37,7 +37,8 @@ pub fn init() {
         },
         Err(std::env::VarError::NotPresent) => return,
         Err(std::env::VarError::NotUnicode(_)) => {
-            let _ = writeln!(std::io::stderr(), "warning: anyccl drop-in NCCL: {VAR} is not UTF-8; logging at {FALLBACK}");
+            let _ =
+                writeln!(std::io::stderr(), "warning: anyccl drop-in NCCL: {VAR} is not UTF-8; logging at {FALLBACK}");
             EnvFilter::new(FALLBACK)
         }
     };

@@ -144,7 +144,12 @@ const COMMON_STDOUT: &[&str] = &[
 fn assert_lines(out: &Output, want: &[&str]) {
     let lines: Vec<&str> = out.stdout.lines().collect();
     for w in want {
-        assert!(lines.contains(w), "missing line {w:?} in the program's output:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+        assert!(
+            lines.contains(w),
+            "missing line {w:?} in the program's output:\n{}\nstderr:\n{}",
+            out.stdout,
+            out.stderr
+        );
     }
 }
 
@@ -227,9 +232,15 @@ fn a_library_without_window_functions_is_answered_with_a_code_and_a_text() {
          not export it (the drop-in implements nccl.h 2.28.9); nothing was called",
         lib.display()
     );
-    assert_eq!(line_starting(&out, "last after ncclCommWindowRegister: "), format!("last after ncclCommWindowRegister: {text}"));
+    assert_eq!(
+        line_starting(&out, "last after ncclCommWindowRegister: "),
+        format!("last after ncclCommWindowRegister: {text}")
+    );
     // ncclGetErrorString leaves the drop-in's text in place; the next forwarded call gives the library's back.
-    assert_eq!(line_starting(&out, "last after ncclGetErrorString: "), format!("last after ncclGetErrorString: {text}"));
+    assert_eq!(
+        line_starting(&out, "last after ncclGetErrorString: "),
+        format!("last after ncclGetErrorString: {text}")
+    );
     assert_lines(&out, &["last after ncclCommCount: fake: ncclAllGather refuses count 13"]);
     assert_eq!(line_starting(&out, "underlying: "), format!("underlying: RCCL 2.26.6 {}", lib.display()));
 }
@@ -239,9 +250,7 @@ fn anyccl_log_debug_logs_each_collective_and_a_bad_value_only_warns() {
     let lib = fake("dropin-full/libnccl.so.2", &["FAKE_VERSION=22809"]);
     let dir = case_dir("log");
     let record = dir.join("calls.txt");
-    let env = |log: &str| {
-        vec![("ANYCCL_NCCL_PATH", os(&lib)), ("FAKE_RECORD", os(&record)), ("ANYCCL_LOG", os(log))]
-    };
+    let env = |log: &str| vec![("ANYCCL_NCCL_PATH", os(&lib)), ("FAKE_RECORD", os(&record)), ("ANYCCL_LOG", os(log))];
     let out = run(forward_program(), &dir, &[], &env("debug"));
     assert_eq!(out.code, Some(0), "{out:?}");
     let line = |function: &str, fields: &[&str]| {
@@ -250,10 +259,7 @@ fn anyccl_log_debug_logs_each_collective_and_a_bad_value_only_warns() {
         });
         assert!(found, "no log line for {function} with {fields:?} in:\n{}", out.stderr);
     };
-    line(
-        "ncclAllReduce",
-        &["count=133", "dtype=bfloat16", "op=sum", "comm=0xc21", "stream=0x5e4", "choice=\"ccl\""],
-    );
+    line("ncclAllReduce", &["count=133", "dtype=bfloat16", "op=sum", "comm=0xc21", "stream=0x5e4", "choice=\"ccl\""]);
     line("pncclAllReduce", &["count=137", "dtype=float32", "op=avg", "comm=0xc21", "stream=0x5e4"]);
     line("ncclReduce", &["count=103", "dtype=int32", "op=max", "root=1", "comm=0xc1e", "stream=0x5e1"]);
     line("ncclReduceScatter", &["count=143", "dtype=float16", "op=min", "comm=0xc22"]);
@@ -275,18 +281,42 @@ fn anyccl_log_debug_logs_each_collective_and_a_bad_value_only_warns() {
     assert_eq!(out.code, Some(0), "{out:?}");
     let warnings: Vec<&str> = out.stderr.lines().filter(|l| l.contains("ANYCCL_LOG")).collect();
     assert_eq!(warnings.len(), 1, "{}", out.stderr);
-    assert!(warnings[0].starts_with("warning: anyccl drop-in NCCL: ANYCCL_LOG=\"[not a filter\" is not a valid log filter"));
+    assert!(
+        warnings[0].starts_with("warning: anyccl drop-in NCCL: ANYCCL_LOG=\"[not a filter\" is not a valid log filter")
+    );
     assert_eq!(records(&record), expected_records(true));
 }
 
-/// Whether anyccl's search would find some file in the places this machine has by default (outside the test's
-/// folders): then a "nothing found" case can legitimately load that library instead.
-fn machine_has_a_library(env: &[(&str, OsString)], test_dir: &Path) -> Option<PathBuf> {
+/// A library anyccl's search could find on this machine outside the test's folders (a file at a default place, or
+/// a soname in the dynamic loader's cache): then a "nothing found" case may legitimately forward to it.
+fn machine_has_a_library(env: &[(&str, OsString)], test_dir: &Path) -> Option<String> {
     let lookup = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| PathBuf::from(v));
-    anyccl_nccl::load::plan(&lookup).into_iter().find_map(|p| match p {
-        Place::Path(p) if !p.starts_with(test_dir) && p.is_file() => Some(p),
+    let file = anyccl_nccl::load::plan(&lookup).into_iter().find_map(|p| match p {
+        Place::Path(p) if !p.starts_with(test_dir) && p.is_file() => Some(p.display().to_string()),
         _ => None,
+    });
+    file.or_else(|| {
+        let cache = ["/sbin/ldconfig", "/usr/sbin/ldconfig"]
+            .iter()
+            .find_map(|l| std::process::Command::new(l).arg("-p").output().ok())?;
+        let text = String::from_utf8_lossy(&cache.stdout).into_owned();
+        text.lines()
+            .find(|l| {
+                ["libnccl.so.2 ", "libnccl.so ", "librccl.so.1 ", "librccl.so "]
+                    .iter()
+                    .any(|n| l.trim_start().starts_with(n))
+            })
+            .map(|l| l.trim().to_owned())
     })
+}
+
+/// In the "nothing found" cases on a machine that has a library: the drop-in forwarded to something, not itself.
+fn assert_forwarded_elsewhere(out: &Output, found: &str) {
+    let u = line_starting(out, "underlying: ");
+    assert!(
+        u.len() > "underlying: ".len() && !u.contains("libanyccl_nccl") && !u.contains("/tmp/dropin-"),
+        "{u} (this machine has {found})"
+    );
 }
 
 #[test]
@@ -298,8 +328,7 @@ fn with_no_library_every_call_fails_cleanly_and_says_why() {
     assert_eq!(out.code, Some(0), "{out:?}");
     if let Some(found) = machine_has_a_library(&env, &dir) {
         // This machine has a library at a default place: the drop-in forwards to it, never to itself.
-        let u = line_starting(&out, "underlying: ");
-        assert!(u.ends_with(&found.display().to_string()), "{u} (expected {})", found.display());
+        assert_forwarded_elsewhere(&out, &found);
         return;
     }
     assert_lines(
@@ -390,8 +419,7 @@ fn installed_as_libnccl_so_2_with_nothing_else_it_fails_cleanly() {
     let out = run(&i.program, &i.dir, &[], &env);
     assert_eq!(out.code, Some(0), "{out:?}");
     if let Some(found) = machine_has_a_library(&env, &i.dir) {
-        let u = line_starting(&out, "underlying: ");
-        assert!(u.ends_with(&found.display().to_string()), "{u} (expected {})", found.display());
+        assert_forwarded_elsewhere(&out, &found);
         let _ = std::fs::remove_dir_all(&i.dir);
         return;
     }
@@ -408,4 +436,36 @@ fn installed_as_libnccl_so_2_with_nothing_else_it_fails_cleanly() {
         assert!(last.contains(&refusal), "{refusal:?} not in {last}");
     }
     let _ = std::fs::remove_dir_all(&i.dir);
+}
+
+#[test]
+fn preloaded_over_a_program_linked_to_the_real_library_it_forwards_to_that_library() {
+    // As PyTorch runs under LD_PRELOAD: the program needs libnccl.so.2 (the fake, in E); the drop-in is preloaded,
+    // so the program's calls reach it first, and it finds the library the program loaded by its soname.
+    let dir = case_dir("preload");
+    let e = dir.join("e");
+    std::fs::create_dir_all(&e).expect("folder");
+    std::fs::copy(fake("dropin-full/libnccl.so.2", &["FAKE_VERSION=22809"]), e.join("libnccl.so.2"))
+        .expect("install the fake in E");
+    let program = dir.join("forward");
+    let mut args = link_to(&e, "libnccl.so.2");
+    args.push(OsString::from("-I"));
+    args.push(programs::c_dir().into_os_string());
+    cc(&program, &[programs::c_dir().join("forward.c")], &args);
+    let record = dir.join("calls.txt");
+    let env = vec![("LD_PRELOAD", os(dropin_so())), ("FAKE_RECORD", os(&record))];
+    let out = run(&program, &dir, &[], &env);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        line_starting(&out, "underlying: "),
+        format!("underlying: NCCL 2.28.9 {}", e.join("libnccl.so.2").display())
+    );
+    assert_lines(&out, COMMON_STDOUT);
+    assert_eq!(records(&record), expected_records(true));
+    // Without the drop-in the same program calls the library directly: no load-time ncclGetVersion, and no
+    // anyccl_nccl_dropin_underlying (the program says so and stops).
+    let _ = std::fs::remove_file(&record);
+    let out = run(&program, &dir, &[], &[("FAKE_RECORD", os(&record))]);
+    assert_eq!((out.code, out.stdout.as_str()), (Some(1), "underlying: (no drop-in loaded)\n"));
+    assert!(records(&record).is_empty());
 }

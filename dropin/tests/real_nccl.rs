@@ -32,7 +32,9 @@ fn version_code(v: &str) -> i32 {
 /// A C file that takes the address of every function `names` (from the header) names: linking it to the drop-in
 /// fails if one is missing.
 fn functions_c(names: &[String]) -> String {
-    let mut s = String::from("#include <nccl.h>\ntypedef void (*anyccl_fn)(void);\nconst anyccl_fn anyccl_test_functions[] = {\n");
+    let mut s = String::from(
+        "#include <nccl.h>\ntypedef void (*anyccl_fn)(void);\nconst anyccl_fn anyccl_test_functions[] = {\n",
+    );
     for n in names {
         s.push_str(&format!("    (anyccl_fn){n},\n"));
     }
@@ -87,10 +89,7 @@ fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
         assert!(has(&format!("functions linked: {}", 2 * header::snapshot().len())), "{context}");
         assert!(has(&format!("underlying: NCCL {version} {}", lib.display())), "{context}");
         let code = version_code(version);
-        assert!(
-            has(&format!("ncclGetVersion rc=0 version={code} real={code} header=22809")),
-            "{context}"
-        );
+        assert!(has(&format!("ncclGetVersion rc=0 version={code} real={code} header=22809")), "{context}");
         // Without a GPU the real NCCL hands out a unique id (its bootstrap needs no device)...
         assert!(has("ncclGetUniqueId rc=0 nonzero=1"), "{context}");
         // ...and refuses a communicator with ncclUnhandledCudaError (1), saying why; the drop-in passes both on.

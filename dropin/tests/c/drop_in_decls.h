@@ -51,4 +51,5 @@ int ncclGroupStart(void);
 int pncclGroupStart(void);
 int ncclGroupEnd(void);
 int ncclGroupSimulateEnd(void*);
-const char* anyccl_nccl_dropin_underlying(void);
+/* Weak: a program linked to the real library and run with the drop-in in LD_PRELOAD gets it from the drop-in. */
+const char* anyccl_nccl_dropin_underlying(void) __attribute__((weak));

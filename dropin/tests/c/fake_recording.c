@@ -161,3 +161,7 @@ int ncclGroupSimulateEnd(void* info) { rec("ncclGroupSimulateEnd info=%lx", P(in
 #ifdef RCCL
 int ncclAllToAllv(void) { return 0; }
 #endif
+/* The profiling aliases forward.c calls (the real library exports every one). */
+int pncclAllReduce(const void*, void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclAllReduce")));
+int pncclSend(const void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclSend")));
+int pncclGroupStart(void) __attribute__((alias("ncclGroupStart")));

@@ -16,6 +16,10 @@ static void last(const char* after) {
 
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (!anyccl_nccl_dropin_underlying) {
+        printf("underlying: (no drop-in loaded)\n");
+        return 1;
+    }
     printf("underlying: %s\n", anyccl_nccl_dropin_underlying());
     int v = -1;
     int rc = ncclGetVersion(&v);
