@@ -115,7 +115,7 @@ fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure
 
 /// Both names of a forwarded `nccl.h` function (`ncclX` and `pncclX`), with an optional log statement.
 macro_rules! forward {
-    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) $(log { $($log:tt)* })?) => {
+    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?) => {
         #[doc = concat!("`", stringify!($name), "` of `nccl.h`, forwarded to the underlying library.")]
         ///
         /// # Safety
@@ -168,11 +168,24 @@ forward!(ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) log { 
 forward!(ncclMemFree / pncclMemFree(ptr: *mut c_void) log { ?ptr, "forwarded" });
 forward!(ncclGetVersion / pncclGetVersion(version: *mut c_int));
 forward!(ncclGetUniqueId / pncclGetUniqueId(unique_id: *mut UniqueId) log { "forwarded" });
-forward!(ncclCommInitRankConfig / pncclCommInitRankConfig(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int, config: Config)
-    log { nranks, rank, "forwarded" });
+forward!(
+    ncclCommInitRankConfig / pncclCommInitRankConfig(
+        comm: *mut Comm,
+        nranks: c_int,
+        comm_id: UniqueId,
+        rank: c_int,
+        config: Config,
+    ) log { nranks, rank, "forwarded" }
+);
 forward!(ncclCommInitRank / pncclCommInitRank(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int)
     log { nranks, rank, "forwarded" });
-forward!(ncclCommInitAll / pncclCommInitAll(comm: *mut Comm, ndev: c_int, devlist: *const c_int) log { ndev, "forwarded" });
+forward!(
+    ncclCommInitAll / pncclCommInitAll(
+        comm: *mut Comm,
+        ndev: c_int,
+        devlist: *const c_int,
+    ) log { ndev, "forwarded" }
+);
 forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" });
 forward!(ncclCommDestroy / pncclCommDestroy(comm: Comm) log { ?comm, "forwarded" });
 forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" });
@@ -202,24 +215,56 @@ forward!(ncclCommUserRank / pncclCommUserRank(comm: Comm, rank: *mut c_int));
 forward!(ncclCommRegister / pncclCommRegister(comm: Comm, buff: *mut c_void, size: usize, handle: *mut *mut c_void)
     log { ?comm, ?buff, size, "forwarded" });
 forward!(ncclCommDeregister / pncclCommDeregister(comm: Comm, handle: *mut c_void) log { ?comm, ?handle, "forwarded" });
-forward!(ncclCommWindowRegister / pncclCommWindowRegister(comm: Comm, buff: *mut c_void, size: usize, win: *mut Window, win_flags: c_int)
-    log { ?comm, ?buff, size, win_flags, "forwarded" });
-forward!(ncclCommWindowDeregister / pncclCommWindowDeregister(comm: Comm, win: Window) log { ?comm, ?win, "forwarded" });
-forward!(ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(op: *mut c_int, scalar: *mut c_void, datatype: c_int, residence: c_int, comm: Comm)
-    log { dtype = %DataTypeName(datatype), residence, ?comm, "forwarded" });
+forward!(
+    ncclCommWindowRegister / pncclCommWindowRegister(
+        comm: Comm,
+        buff: *mut c_void,
+        size: usize,
+        win: *mut Window,
+        win_flags: c_int,
+    ) log { ?comm, ?buff, size, win_flags, "forwarded" }
+);
+forward!(
+    ncclCommWindowDeregister / pncclCommWindowDeregister(
+        comm: Comm,
+        win: Window,
+    ) log { ?comm, ?win, "forwarded" }
+);
+forward!(
+    ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
+        op: *mut c_int,
+        scalar: *mut c_void,
+        datatype: c_int,
+        residence: c_int,
+        comm: Comm,
+    ) log { dtype = %DataTypeName(datatype), residence, ?comm, "forwarded" }
+);
 forward!(ncclRedOpDestroy / pncclRedOpDestroy(op: c_int, comm: Comm) log { op, ?comm, "forwarded" });
-forward!(ncclReduce / pncclReduce(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: c_int,
-    op: c_int,
-    root: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count, dtype = %DataTypeName(datatype), op = %RedOpName(op), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclBcast / pncclBcast(buff: *mut c_void, count: usize, datatype: c_int, root: c_int, comm: Comm, stream: Stream)
-    log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(
+    ncclReduce / pncclReduce(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        op: c_int,
+        root: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log {
+        count, dtype = %DataTypeName(datatype), op = %RedOpName(op), root,
+        ?comm, ?stream, choice = "ccl", "forwarded"
+    }
+);
+forward!(
+    ncclBcast / pncclBcast(
+        buff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
 forward!(ncclBroadcast / pncclBroadcast(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
@@ -229,15 +274,20 @@ forward!(ncclBroadcast / pncclBroadcast(
     comm: Comm,
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclReduceScatter / pncclReduceScatter(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    recvcount: usize,
-    datatype: c_int,
-    op: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count = recvcount, dtype = %DataTypeName(datatype), op = %RedOpName(op), ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(
+    ncclReduceScatter / pncclReduceScatter(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        recvcount: usize,
+        datatype: c_int,
+        op: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log {
+        count = recvcount, dtype = %DataTypeName(datatype), op = %RedOpName(op),
+        ?comm, ?stream, choice = "ccl", "forwarded"
+    }
+);
 forward!(ncclAllGather / pncclAllGather(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
@@ -272,10 +322,26 @@ forward!(ncclScatter / pncclScatter(
     comm: Comm,
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclSend / pncclSend(sendbuff: *const c_void, count: usize, datatype: c_int, peer: c_int, comm: Comm, stream: Stream)
-    log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclRecv / pncclRecv(recvbuff: *mut c_void, count: usize, datatype: c_int, peer: c_int, comm: Comm, stream: Stream)
-    log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(
+    ncclSend / pncclSend(
+        sendbuff: *const c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
+forward!(
+    ncclRecv / pncclRecv(
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
 forward!(ncclGroupStart / pncclGroupStart() log { "forwarded" });
 forward!(ncclGroupEnd / pncclGroupEnd() log { "forwarded" });
 forward!(ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: SimInfo) log { "forwarded" });

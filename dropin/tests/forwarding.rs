@@ -345,9 +345,9 @@ fn with_no_library_every_call_fails_cleanly_and_says_why() {
     let last = line_starting(&out, "last after ncclGetVersion: ");
     assert!(
         last.starts_with(&format!(
-            "last after ncclGetVersion: ncclGetVersion: the anyccl drop-in NCCL ({}) found no NCCL or RCCL library to \
-             forward to; set ANYCCL_NCCL_PATH (or ANYCCL_RCCL_PATH) to the real library's absolute path. Tried: {} (not \
-             found); ",
+            "last after ncclGetVersion: ncclGetVersion: the anyccl drop-in NCCL ({}) found no NCCL or RCCL library \
+             to forward to; set ANYCCL_NCCL_PATH (or ANYCCL_RCCL_PATH) to the real library's absolute path. Tried: \
+             {} (not found); ",
             dropin_so().display(),
             missing.display()
         )),
