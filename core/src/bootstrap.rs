@@ -100,7 +100,7 @@ pub fn all_gather_padded(
     world: usize,
     mine: &[u8],
     limit: usize,
-    gather: &mut dyn FnMut(&[u8], &mut [u8]) -> Result<()>,
+    mut gather: impl FnMut(&[u8], &mut [u8]) -> Result<()>,
 ) -> Result<Vec<Vec<u8>>> {
     let oom = |what: &str, bytes: usize| Error::OutOfMemory { what: what.to_owned(), bytes: bytes as u64 };
     let len_bytes = world.checked_mul(8).ok_or_else(|| oom("the lengths of a bootstrap all-gather", usize::MAX))?;
