@@ -263,12 +263,18 @@ fn read_message(
     s.read_exact(buf).map_err(failed)
 }
 
-/// Writes one message (its length, then its bytes) on `rank`'s stream to `peer`.
-fn write_message(s: &UnixStream, (rank, peer): (usize, usize), msg: &[u8]) -> Result<()> {
+/// Writes one message (its length, then its bytes) on `rank`'s stream to `peer`. A peer that does not read for
+/// the stream's write timeout (`timeout`) is [`Error::Timeout`].
+fn write_message(s: &UnixStream, (rank, peer): (usize, usize), timeout: Duration, msg: &[u8]) -> Result<()> {
     let mut s = s;
-    s.write_all(&(msg.len() as u64).to_le_bytes())
-        .and_then(|()| s.write_all(msg))
-        .map_err(|e| io_error(&format!("rank {rank}'s message to rank {peer}"), e))
+    s.write_all(&(msg.len() as u64).to_le_bytes()).and_then(|()| s.write_all(msg)).map_err(|e| {
+        let what = format!("rank {rank}'s message to rank {peer} (the peer is not receiving)");
+        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            Error::Timeout { what, after: timeout }
+        } else {
+            io_error(&format!("rank {rank}'s message to rank {peer}"), e)
+        }
+    })
 }
 
 /// The stream to `peer`, or why there is none.
@@ -560,7 +566,7 @@ impl CommBackend for ProcessComm {
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         let (peer, bytes) = (args.peer(), args.bytes());
-        write_message(stream_to(&self.peers, peer)?, (self.rank, peer), &args.buf()[..bytes])
+        write_message(stream_to(&self.peers, peer)?, (self.rank, peer), self.timeout, &args.buf()[..bytes])
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
@@ -610,7 +616,9 @@ impl CommBackend for ProcessComm {
                     let mine: Vec<&[u8]> = sends.iter().filter(|(p, _)| *p == d).map(|(_, m)| *m).collect();
                     let spawned = std::thread::Builder::new()
                         .name(format!("anyccl-host-send-{rank}-{d}"))
-                        .spawn_scoped(sc, move || mine.into_iter().try_for_each(|m| write_message(s, (rank, d), m)));
+                        .spawn_scoped(sc, move || {
+                            mine.into_iter().try_for_each(|m| write_message(s, (rank, d), timeout, m))
+                        });
                     spawned.map_err(|e| internal(format!("cannot start a thread to send to rank {d}: {e}")))
                 })
                 .collect();

@@ -188,6 +188,55 @@ fn grouped_ring_and_split_on_process_communicators_over_a_local_group() {
     }
 }
 
+/// Why groups exist: on process communicators, a ring of plain blocking sends of 1 MiB (each rank sends before it
+/// receives) stalls, every rank blocked in its send with its peer blocked in its own, until the write timeout;
+/// the same exchange as a group completes.
+#[test]
+fn plain_sends_in_a_ring_stall_where_a_group_completes() {
+    let short = || HostOptions { timeout: Duration::from_secs(2), ..HostOptions::default() };
+    let group = LocalGroup::new(3, Duration::from_secs(20));
+    let comms: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                let me = Box::new(group.member(r));
+                s.spawn(move || communicator_over(me, short()).expect("communicator"))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("setup thread")).collect()
+    });
+    let t0 = Instant::now();
+    let plain = on_threads(comms, |c| {
+        let (me, world) = (c.rank(), c.world_size());
+        let out = message(me, 0);
+        let mut got = HostBuffer::zeroed(out.len());
+        c.send(out.as_bytes(), BIG, DataType::F32, (me + 1) % world, &())?;
+        c.recv(got.as_bytes_mut(), BIG, DataType::F32, (me + world - 1) % world, &())
+    });
+    eprintln!("plain blocking sends after {:?}: {plain:?}", t0.elapsed());
+    assert!(
+        plain.iter().all(|r| matches!(r, Err(Error::Timeout { .. }))),
+        "plain blocking sends should stall: {plain:?}"
+    );
+    assert!(t0.elapsed() >= Duration::from_secs(2), "they failed only at the write timeout");
+    let grouped = on_threads(process_comms(3), |c| {
+        let (me, world) = (c.rank(), c.world_size());
+        let out = message(me, 0);
+        let mut got = HostBuffer::zeroed(out.len());
+        c.send_recv(
+            out.as_bytes(),
+            (me + 1) % world,
+            got.as_bytes_mut(),
+            (me + world - 1) % world,
+            BIG,
+            DataType::F32,
+            &(),
+        )?;
+        check(&got, (me + world - 1) % world, 0, me);
+        Ok::<_, Error>(())
+    });
+    assert!(grouped.iter().all(Result::is_ok), "{grouped:?}");
+}
+
 /// A sub-communicator splits again (pairs out of the even ranks), and its own sub-communicator all-reduces.
 #[test]
 fn a_sub_communicator_splits_again() {
