@@ -37,6 +37,17 @@
 //! }
 //! ```
 //!
+//! nor can a grouped point-to-point call be described with sizes of one's choosing:
+//!
+//! ```compile_fail,E0624
+//! use anyccl_core::comm::{BufOf, CommBackend, P2pArgs, StreamOf};
+//! use anyccl_core::P2pOp;
+//!
+//! fn forge<'a, 'b, B: CommBackend>(ops: &'a mut [P2pOp<'b, BufOf<B>>], s: &'a StreamOf<B>) -> P2pArgs<'a, 'b, B> {
+//!     P2pArgs::new(ops, s, vec![1 << 30])
+//! }
+//! ```
+//!
 //! and the backend is no longer handed out mutably by the communicator (`backend_mut` is gone):
 //!
 //! ```compile_fail,E0599
