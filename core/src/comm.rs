@@ -1141,5 +1141,9 @@ mod tests {
         let e = c.split(Some(0), 0).err().expect("not implemented");
         assert!(matches!(&e, Error::Unsupported { capability, .. } if capability == "comm-split"), "{e}");
         assert!(e.to_string().contains("the counting backend"), "{e}");
+        // During a capture the runtime knows of, refused before the backend is asked (it would allocate).
+        c.backend.rt.capturing.store(true, Ordering::Relaxed);
+        let e = c.split(Some(0), 0).err().expect("refused during capture");
+        assert_eq!(e, Error::InvalidArgument(InvalidArgument::DuringCapture { what: "Communicator::split" }));
     }
 }

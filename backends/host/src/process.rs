@@ -16,6 +16,15 @@
 //! connecting peer proves itself with a random token exchanged over the bootstrap before its messages are
 //! accepted. The barrier runs on the shared-memory counters.
 //!
+//! **Groups and sub-communicators.** A grouped send/receive ([`anyccl_core::Communicator::p2p`]) writes its sends on
+//! one thread per destination while the calling thread receives in the group's order, so a group completes
+//! whatever the order of its operations on each rank (plain blocking sends of messages larger than a socket's
+//! buffer, each rank sending before it receives, would stall). A split ([`anyccl_core::Communicator::split`])
+//! exchanges every rank's color and key over this communicator's shared memory, then sets every color's new
+//! communicator up side by side over the parent's own collectives (each setup step is one all-gather of the
+//! whole parent, every rank taking its own color's part): no new rendezvous or port. The new communicator has its
+//! own segments and mesh, and outlives its parent if need be.
+//!
 //! **Failure.** A wait for peers spins briefly, then yields, then sleeps (at most 1 ms at a time), and gives up
 //! after [`HostOptions::timeout`]: a rank whose process died makes its peers fail with [`Error::PeerFailure`]
 //! naming it (its point-to-point connection hangs up) within milliseconds, a rank that stalls with
