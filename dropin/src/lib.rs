@@ -17,6 +17,8 @@
 //!   otherwise it forwards too.
 //! - **Logging**: `ANYCCL_LOG=debug` logs each collective and group call with its arguments and what was chosen
 //!   (see [`logging`]).
+//! - **Proof of interposition**: [`anyccl_nccl_dropin_calls`] counts the collective and point-to-point calls
+//!   forwarded, so a program that preloads the drop-in (PyTorch) can check that its calls really went through it.
 //! - **Nothing else**: the drop-in allocates no device memory and registers nothing; `ncclAllReduce` goes through
 //!   one function, [`dispatch_all_reduce`], where anyccl's own algorithms will be chosen later.
 #![deny(unsafe_op_in_unsafe_fn)]
