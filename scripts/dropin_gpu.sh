@@ -45,13 +45,14 @@ info() { SUMMARY+=("INFO  $*"); say "$*"; }
 setup_error() { echo "dropin_gpu.sh: setup error: $*" >&2; exit 2; }
 
 finish() {
-    if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
-        mkdir -p "$OUT/dropin_gpu" && cp -r "$LOGS/." "$OUT/dropin_gpu/" 2>/dev/null || true
+    local copied=""
+    if [ -n "${OUT:-}" ] && mkdir -p "$OUT/dropin_gpu" 2>/dev/null && cp -r "$LOGS/." "$OUT/dropin_gpu/" 2>/dev/null; then
+        copied=" (copied to $OUT/dropin_gpu)"
     fi
     echo
     echo "================ drop-in GPU proofs: summary ================"
     printf '%s\n' "${SUMMARY[@]}"
-    echo "logs: $LOGS${OUT:+ (copied to $OUT/dropin_gpu)}"
+    echo "logs: $LOGS$copied"
     if [ "$FAILED" = 0 ]; then echo "RESULT: all checks passed"; else echo "RESULT: FAILED"; fi
 }
 
@@ -278,7 +279,8 @@ elif ! grep -q "library=NCCL $REAL_VERSION" <<<"$chosen"; then
 elif [ "${n_ar:-0}" -lt 10 ]; then
     fail "ANYCCL_LOG=debug: only ${n_ar:-0} ncclAllReduce log lines"
 else
-    pass "ANYCCL_LOG=debug: the drop-in forwarded to NCCL $REAL_VERSION (${chosen##*library=}) and logged $n_ar ncclAllReduce calls, e.g.: $(grep -m1 'function="ncclAllReduce"' "$LOGS/debug_all_reduce.log" | cut -c1-220)"
+    where="${chosen##*library=}"
+    pass "ANYCCL_LOG=debug: the drop-in forwarded to ${where%% refused=*} and logged $n_ar ncclAllReduce calls, e.g.: $(grep -m1 'function="ncclAllReduce"' "$LOGS/debug_all_reduce.log" | cut -c1-220)"
 fi
 
 # ---------------------------------------------------------------- 4. host time per ncclAllReduce
