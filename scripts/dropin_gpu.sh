@@ -89,8 +89,13 @@ if [ -z "${NCCL_INCLUDE:-}" ]; then
         if [ -f "$d/nccl.h" ]; then NCCL_INCLUDE="$d"; break; fi
     done
 fi
+if [ -z "${NCCL_INCLUDE:-}" ]; then
+    # Last: the header of the NCCL wheel (nvidia-nccl-cu12/cu13, torch's), when python has one.
+    wheel="$("${PYTHON:-python3}" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null || true)"
+    if [ -n "$wheel" ] && [ -f "$wheel/include/nccl.h" ]; then NCCL_INCLUDE="$wheel/include"; fi
+fi
 [ -n "${NCCL_INCLUDE:-}" ] && [ -f "$NCCL_INCLUDE/nccl.h" ] ||
-    setup_error "no nccl.h found in /usr/include, /usr/local/include, \$CUDA_HOME/include (install libnccl-dev or set NCCL_INCLUDE)"
+    setup_error "no nccl.h found in /usr/include, /usr/local/include, \$CUDA_HOME/include or python's nvidia.nccl wheel (install libnccl-dev or set NCCL_INCLUDE)"
 
 # The real library's version (ncclGetVersion), e.g. 22803 -> 2.28.3.
 REAL_CODE="$(python3 -c 'import ctypes,sys
