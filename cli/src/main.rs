@@ -19,6 +19,7 @@ mod bench_any;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
 mod check;
+mod dropin;
 mod output;
 mod plot;
 mod probe;
@@ -34,7 +35,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Show the backends compiled in, the GPU and vendor libraries found, and every capability with its reason.
+    /// Show the backends compiled in, the GPU and vendor libraries found, every capability with its reason, and the
+    /// drop-in libnccl (libanyccl_nccl.so beside the binary, or ANYCCL_DROPIN_PATH) with what it forwards to.
     Probe {
         /// Print the report as JSON (schema documented in the README).
         #[arg(long)]
@@ -294,10 +296,18 @@ fn check_output(path: &std::path::Path, flag: &str, what: &str) -> Result<(), Cl
 
 fn probe(json: bool, table: Option<&PathBuf>) -> Result<(), CliError> {
     let report = anyccl::report::MachineReport::probe(&selector(table)?);
+    // The drop-in libnccl, if one is in a place `dropin` looks at (after the report: it may load the same NCCL).
+    let dropin = dropin::probe();
     let out = if json {
-        serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+        let json_error = |e: serde_json::Error| CliError { message: e.to_string(), hint: None };
+        let mut v = serde_json::to_value(&report).map_err(json_error)?;
+        // One key beside the library's report (whose schema lives in the facade): the drop-in is the command's.
+        if let Some(o) = v.as_object_mut() {
+            o.insert("dropin".to_owned(), dropin.to_json());
+        }
+        serde_json::to_string_pretty(&v).map_err(json_error)? + "\n"
     } else {
-        probe::render_text(&report)
+        probe::render_text(&report) + &dropin.render_text()
     };
     print_out(&out)
 }

@@ -22,6 +22,7 @@ fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
         "ANYCCL_NCCL_PATH",
         "ANYCCL_RCCL_PATH",
         "ANYCCL_HIP_PATH",
+        "ANYCCL_DROPIN_PATH",
         "NCCL_CUMEM_ENABLE",
         "NCCL_NVLS_ENABLE",
     ] {
@@ -563,4 +564,115 @@ fn per_rank_ranks_must_agree() {
     let out = anyccl(&["bench", "--per-rank", "--sizes", "4KiB", "--iters", "1"], &[]);
     assert_one_line_error(&out, "WORLD_SIZE");
     assert!(text(&out.stderr).contains("torchrun --nproc-per-node"), "{}", text(&out.stderr));
+}
+
+/// The drop-in library cargo built for this test run: `anyccl-nccl` is a dev-dependency of the command, so cargo
+/// builds its library (both crate types) before the tests, into the folder of the test binaries.
+fn dropin_so() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let deps = exe.parent().expect("the test binary's folder");
+    for c in [deps.join("libanyccl_nccl.so"), deps.join("..").join("libanyccl_nccl.so")] {
+        if c.is_file() {
+            return c.canonicalize().expect("canonical path of the drop-in");
+        }
+    }
+    panic!("libanyccl_nccl.so was not built beside the test binaries in {}", deps.display());
+}
+
+#[test]
+fn probe_reports_the_drop_in_named_by_anyccl_dropin_path_and_what_it_forwards_to() {
+    let so = dropin_so();
+    let lib = fake_ccl::build_profile(&fake_ccl::NCCL_2_28);
+    let (so_s, lib_s) = (so.to_string_lossy().into_owned(), lib.to_string_lossy().into_owned());
+    // The file, then the folder holding it: the same library.
+    let folder = so.parent().expect("folder").to_string_lossy().into_owned();
+    for named in [&so_s, &folder] {
+        let out = anyccl(&["probe", "--json"], &[("ANYCCL_DROPIN_PATH", named), ("ANYCCL_NCCL_PATH", &lib_s)]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let d = &v["dropin"];
+        assert_eq!(d["found"], true, "{d}");
+        assert_eq!(d["path"], so_s);
+        assert_eq!(d["origin"], "ANYCCL_DROPIN_PATH");
+        assert_eq!(d["marker"], 1);
+        // The drop-in ran its own search: the library ANYCCL_NCCL_PATH names, as anyccl's loader reads it.
+        assert_eq!(d["underlying"], format!("NCCL 2.28.9 {lib_s}"));
+        assert_eq!(d["tried"].as_array().map(Vec::len), Some(0));
+        // The library's own report is still all there.
+        assert_eq!(v["libraries"][0]["version"], "NCCL 2.28.9");
+    }
+    let out = anyccl(&["probe"], &[("ANYCCL_DROPIN_PATH", &so_s), ("ANYCCL_NCCL_PATH", &lib_s)]);
+    let s = text(&out.stdout);
+    assert!(
+        s.contains(&format!("Drop-in libnccl (anyccl-nccl):\n  found        {so_s} (ANYCCL_DROPIN_PATH; marker 1)\n")),
+        "{s}"
+    );
+    assert!(s.contains(&format!("  forwards to  NCCL 2.28.9 {lib_s}\n")), "{s}");
+}
+
+#[test]
+fn probe_refuses_a_library_that_is_not_the_drop_in_and_says_when_there_is_none() {
+    // The fake NCCL is a library, but not a drop-in: refused from its symbol table, never opened as one.
+    let lib = fake_ccl::build_profile(&fake_ccl::NCCL_2_28);
+    let lib_s = lib.to_string_lossy().into_owned();
+    let out = anyccl(&["probe", "--json"], &[("ANYCCL_DROPIN_PATH", &lib_s)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let d = &v["dropin"];
+    assert_eq!(d["found"], false, "{d}");
+    assert_eq!(d["path"], serde_json::Value::Null);
+    assert_eq!(d["tried"][0]["candidate"], lib_s);
+    let why = d["tried"][0]["failure"].as_str().expect("a reason");
+    assert!(why.contains("anyccl_nccl_dropin_marker"), "{why}");
+    let missing = "/nonexistent/anyccl/libanyccl_nccl.so";
+    let out = anyccl(&["probe"], &[("ANYCCL_DROPIN_PATH", missing)]);
+    assert!(out.status.success(), "a missing drop-in is reported, not fatal");
+    let s = text(&out.stdout);
+    assert!(
+        s.contains(
+            "  not found (build it with `cargo build --release -p anyccl-nccl`, or set ANYCCL_DROPIN_PATH to it)"
+        ),
+        "{s}"
+    );
+    assert!(s.contains(&format!("tried {missing} (ANYCCL_DROPIN_PATH): ")), "{s}");
+}
+
+#[test]
+fn probe_finds_the_drop_in_beside_the_anyccl_binary() {
+    let root =
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("probe-beside-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).expect("folder");
+    // A hard link of the command (same file system as the target folder), or a copy.
+    let exe = bin.join("anyccl");
+    if std::fs::hard_link(env!("CARGO_BIN_EXE_anyccl"), &exe).is_err() {
+        std::fs::copy(env!("CARGO_BIN_EXE_anyccl"), &exe).expect("copy the command");
+    }
+    let beside = bin.join("libanyccl_nccl.so");
+    std::fs::copy(dropin_so(), &beside).expect("copy the drop-in");
+    let lib = fake_ccl::build_profile(&fake_ccl::NCCL_2_28);
+    let run = || {
+        let out = Command::new(&exe)
+            .args(["probe", "--json"])
+            .env_remove("ANYCCL_DROPIN_PATH")
+            .env("ANYCCL_NCCL_PATH", &lib)
+            .output()
+            .expect("the command runs");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        v["dropin"].clone()
+    };
+    let d = run();
+    assert_eq!(d["found"], true, "{d}");
+    assert_eq!(d["path"], beside.display().to_string());
+    assert_eq!(d["origin"], "beside the anyccl binary");
+    assert_eq!(d["underlying"], format!("NCCL 2.28.9 {}", lib.display()));
+    std::fs::remove_file(&beside).expect("remove the drop-in");
+    let d = run();
+    assert_eq!(d["found"], false, "{d}");
+    let tried: Vec<&str> =
+        d["tried"].as_array().expect("tried").iter().filter_map(|t| t["candidate"].as_str()).collect();
+    assert_eq!(tried, [beside.display().to_string(), root.join("lib").join("libanyccl_nccl.so").display().to_string()]);
+    let _ = std::fs::remove_dir_all(&root);
 }

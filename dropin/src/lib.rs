@@ -17,12 +17,15 @@
 //!   otherwise it forwards too.
 //! - **Logging**: `ANYCCL_LOG=debug` logs each collective and group call with its arguments and what was chosen
 //!   (see [`logging`]).
+//! - **Proof of interposition**: [`anyccl_nccl_dropin_calls`] counts the collective and point-to-point calls
+//!   forwarded, so a program that preloads the drop-in (PyTorch) can check that its calls really went through it.
 //! - **Nothing else**: the drop-in allocates no device memory and registers nothing; `ncclAllReduce` goes through
 //!   one function, [`dispatch_all_reduce`], where anyccl's own algorithms will be chosen later.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub mod api;
@@ -115,7 +118,13 @@ fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure
 
 /// Both names of a forwarded `nccl.h` function (`ncclX` and `pncclX`), with an optional log statement.
 macro_rules! forward {
+    (collective $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) log { $($log:tt)* }) => {
+        forward!(@both true, $name / $pname ( $($arg : $ty),* ) log { $($log)* });
+    };
     ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?) => {
+        forward!(@both false, $name / $pname ( $($arg : $ty),* ) $(log { $($log)* })?);
+    };
+    (@both $counted:literal, $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) $(log { $($log:tt)* })?) => {
         #[doc = concat!("`", stringify!($name), "` of `nccl.h`, forwarded to the underlying library.")]
         ///
         /// # Safety
@@ -125,6 +134,9 @@ macro_rules! forward {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
                 $( tracing::debug!(function = stringify!($name), $($log)*); )?
+                if $counted {
+                    count_collective();
+                }
                 // SAFETY: `f` is the underlying library's own entry point of this name, with nccl.h's signature;
                 // the caller's arguments are passed on as the caller's contract with nccl.h requires.
                 Ok(unsafe { f($($arg),*) })
@@ -140,6 +152,9 @@ macro_rules! forward {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
                 $( tracing::debug!(function = stringify!($pname), $($log)*); )?
+                if $counted {
+                    count_collective();
+                }
                 // SAFETY: as for the `nccl*` name.
                 Ok(unsafe { f($($arg),*) })
             })
@@ -152,6 +167,27 @@ macro_rules! forward {
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_marker() -> c_int {
     1
+}
+
+/// Collective and point-to-point calls forwarded so far (see [`anyccl_nccl_dropin_calls`]).
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+#[inline]
+fn count_collective() {
+    // Relaxed: a statistic read by a program that wants to know its calls went through the drop-in; it orders
+    // nothing else.
+    CALLS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many collective and point-to-point calls (`ncclAllReduce`, `ncclReduce`, `ncclBcast`, `ncclBroadcast`,
+/// `ncclReduceScatter`, `ncclAllGather`, `ncclAlltoAll`, `ncclGather`, `ncclScatter`, `ncclSend`, `ncclRecv` and their
+/// `pnccl*` names) this process has made through the drop-in that reached the library underneath, from any thread,
+/// whatever that library answered. A program that preloads the drop-in reads it to prove its calls were interposed
+/// (a program linked to NCCL statically, or one that bypasses the global symbol scope, leaves it at 0). Calls the
+/// drop-in answers itself (no library; a caught panic) are not counted.
+#[no_mangle]
+pub extern "C" fn anyccl_nccl_dropin_calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
 }
 
 /// What the drop-in forwards to: `"NCCL 2.28.9 /path/libnccl.so.2"`, or an empty string when it found nothing
@@ -241,7 +277,7 @@ forward!(
 );
 forward!(ncclRedOpDestroy / pncclRedOpDestroy(op: c_int, comm: Comm) log { op, ?comm, "forwarded" });
 forward!(
-    ncclReduce / pncclReduce(
+    collective ncclReduce / pncclReduce(
         sendbuff: *const c_void,
         recvbuff: *mut c_void,
         count: usize,
@@ -256,7 +292,7 @@ forward!(
     }
 );
 forward!(
-    ncclBcast / pncclBcast(
+    collective ncclBcast / pncclBcast(
         buff: *mut c_void,
         count: usize,
         datatype: c_int,
@@ -265,7 +301,7 @@ forward!(
         stream: Stream,
     ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" }
 );
-forward!(ncclBroadcast / pncclBroadcast(
+forward!(collective ncclBroadcast / pncclBroadcast(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     count: usize,
@@ -275,7 +311,7 @@ forward!(ncclBroadcast / pncclBroadcast(
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
 forward!(
-    ncclReduceScatter / pncclReduceScatter(
+    collective ncclReduceScatter / pncclReduceScatter(
         sendbuff: *const c_void,
         recvbuff: *mut c_void,
         recvcount: usize,
@@ -288,7 +324,7 @@ forward!(
         ?comm, ?stream, choice = "ccl", "forwarded"
     }
 );
-forward!(ncclAllGather / pncclAllGather(
+forward!(collective ncclAllGather / pncclAllGather(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     sendcount: usize,
@@ -296,7 +332,7 @@ forward!(ncclAllGather / pncclAllGather(
     comm: Comm,
     stream: Stream
 ) log { count = sendcount, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclAlltoAll / pncclAlltoAll(
+forward!(collective ncclAlltoAll / pncclAlltoAll(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     count: usize,
@@ -304,7 +340,7 @@ forward!(ncclAlltoAll / pncclAlltoAll(
     comm: Comm,
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclGather / pncclGather(
+forward!(collective ncclGather / pncclGather(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     count: usize,
@@ -313,7 +349,7 @@ forward!(ncclGather / pncclGather(
     comm: Comm,
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(ncclScatter / pncclScatter(
+forward!(collective ncclScatter / pncclScatter(
     sendbuff: *const c_void,
     recvbuff: *mut c_void,
     count: usize,
@@ -323,7 +359,7 @@ forward!(ncclScatter / pncclScatter(
     stream: Stream
 ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
 forward!(
-    ncclSend / pncclSend(
+    collective ncclSend / pncclSend(
         sendbuff: *const c_void,
         count: usize,
         datatype: c_int,
@@ -333,7 +369,7 @@ forward!(
     ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
 );
 forward!(
-    ncclRecv / pncclRecv(
+    collective ncclRecv / pncclRecv(
         recvbuff: *mut c_void,
         count: usize,
         datatype: c_int,
@@ -395,6 +431,7 @@ pub unsafe fn dispatch_all_reduce(
 fn all_reduce(function: &'static str, call: AllReduceCall) -> NcclResult {
     guarded("ncclAllReduce", || {
         let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
+        count_collective();
         // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's, passed on untouched.
         Ok(unsafe { dispatch_all_reduce(function, f, call) })
     })

@@ -139,6 +139,12 @@ const COMMON_STDOUT: &[&str] = &[
     "ncclAllGather rc=4",
     "last after ncclAllGather: fake: ncclAllGather refuses count 13",
     "ncclGetErrorString(4): fake error string 4",
+    // anyccl_nccl_dropin_calls: none before the first call; then the 14 collective and point-to-point calls
+    // (ncclReduce, ncclBcast, ncclBroadcast, ncclAllReduce, pncclAllReduce, ncclReduceScatter, ncclAllGather,
+    // ncclAlltoAll, ncclGather, ncclScatter, ncclSend, pncclSend, ncclRecv, ncclAllGather again, refused by the
+    // fake but forwarded); the group, communicator and window calls are not counted.
+    "calls at start: 0",
+    "calls at end: 14",
 ];
 
 fn assert_lines(out: &Output, want: &[&str]) {
@@ -177,6 +183,7 @@ fn the_exports_are_exactly_nccl_h_2_28_9_and_its_aliases() {
     let mut want: Vec<String> = snapshot.iter().flat_map(|n| [n.to_string(), format!("p{n}")]).collect();
     want.push("anyccl_nccl_dropin_marker".into());
     want.push("anyccl_nccl_dropin_underlying".into());
+    want.push("anyccl_nccl_dropin_calls".into());
     want.sort();
     assert_eq!(exported, want);
 }
@@ -340,6 +347,8 @@ fn with_no_library_every_call_fails_cleanly_and_says_why() {
             "ncclGetErrorString(2): system error (the anyccl drop-in found no NCCL or RCCL to forward to; see \
              ncclGetLastError)",
             "ncclAllReduce rc=2",
+            // Answered by the drop-in itself: not counted as forwarded.
+            "calls at end: 0",
         ],
     );
     let last = line_starting(&out, "last after ncclGetVersion: ");

@@ -53,3 +53,4 @@ int ncclGroupEnd(void);
 int ncclGroupSimulateEnd(void*);
 /* Weak: a program linked to the real library and run with the drop-in in LD_PRELOAD gets it from the drop-in. */
 const char* anyccl_nccl_dropin_underlying(void) __attribute__((weak));
+unsigned long long anyccl_nccl_dropin_calls(void) __attribute__((weak));

@@ -21,6 +21,7 @@ int main(void) {
         return 1;
     }
     printf("underlying: %s\n", anyccl_nccl_dropin_underlying());
+    printf("calls at start: %llu\n", anyccl_nccl_dropin_calls());
     int v = -1;
     int rc = ncclGetVersion(&v);
     printf("ncclGetVersion rc=%d version=%d\n", rc, v);
@@ -30,6 +31,7 @@ int main(void) {
         printf("ncclAllReduce rc=%d\n", ncclAllReduce(P(1), P(2), 3, 7, 0, P(4), P(5)));
         ncclResetDebugInit();
         last("ncclResetDebugInit");
+        printf("calls at end: %llu\n", anyccl_nccl_dropin_calls());
         return 0;
     }
     ncclUniqueId id;
@@ -109,5 +111,6 @@ int main(void) {
     rc = ncclCommCount(P(0xc2c), &n);
     printf("ncclCommCount rc=%d count=%d\n", rc, n);
     last("ncclCommCount");
+    printf("calls at end: %llu\n", anyccl_nccl_dropin_calls());
     return 0;
 }
