@@ -179,6 +179,11 @@ impl CudaStream {
         CudaStream { raw: raw as sys::CUstream, ctx: ctx.clone(), owned: false, key: STREAMS.register(raw as usize) }
     }
 
+    /// The context of the stream's device.
+    pub fn context(&self) -> &Arc<DeviceContext> {
+        &self.ctx
+    }
+
     /// Its entry in the capture rules' known streams.
     pub(crate) fn key(&self) -> StreamKey {
         self.key
@@ -326,6 +331,11 @@ impl CudaRuntime {
     /// The runtime of device `ordinal`.
     pub fn new(ordinal: i32) -> Result<Self> {
         Ok(CudaRuntime { ctx: DeviceContext::new(ordinal)? })
+    }
+
+    /// The runtime of `ctx`'s device.
+    pub fn from_context(ctx: Arc<DeviceContext>) -> Self {
+        CudaRuntime { ctx }
     }
 
     /// The device context.
