@@ -946,7 +946,7 @@ mod rocm_impl {
             Ok(AnyStream { inner: StreamInner::Rocm(c.runtime().stream()?) })
         }
         fn library(c: &Communicator<Self>) -> Option<String> {
-            let lib = c.backend().ccl().ccl().library();
+            let lib = c.backend().ccl().library();
             Some(format!("{} ({})", lib.describe(), lib.path().display()))
         }
         fn device(c: &Communicator<Self>) -> String {

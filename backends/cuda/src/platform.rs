@@ -265,7 +265,7 @@ impl GpuPlatform for Cuda {
         load_nccl()
     }
 
-    fn capabilities(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport> {
+    fn capabilities(_device: &i32, lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport> {
         Ok(crate::capabilities(Some(lib), env))
     }
 

@@ -129,7 +129,7 @@ pub fn join<P: GpuPlatform>(
     selector: Arc<Selector>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Communicator<GpuComm<P>>> {
-    let mut caps = P::capabilities(&lib, env)?;
+    let mut caps = P::capabilities(&device, &lib, env)?;
     if let Some(v) = env("ANYCCL_DISABLE") {
         caps.apply_disable_list("ANYCCL_DISABLE", &v)?;
     }

@@ -140,8 +140,12 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
 
     /// Loads the collective library of this vendor (NCCL, RCCL) with the standard search.
     fn load_ccl() -> Result<Arc<CclLibrary>>;
-    /// The capability report of a communicator on this machine over `lib` (`env` reads the environment).
-    fn capabilities(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport>;
+    /// The capability report of a communicator on `device` over `lib` (`env` reads the environment).
+    fn capabilities(
+        device: &Self::DeviceSpec,
+        lib: &CclLibrary,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<CapabilityReport>;
     /// The device of a rank of a one-process-per-GPU job: `device` when given, else the local rank (or the rank)
     /// modulo the number of devices.
     fn device_for_rank(device: Option<i32>, local_rank: Option<usize>, rank: usize) -> Result<Self::DeviceSpec>;
