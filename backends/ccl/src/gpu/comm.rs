@@ -419,6 +419,11 @@ impl<P: GpuPlatform> GpuComm<P> {
         let capturing = args.capturing();
         let rank = self.ccl.rank();
         let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+        if bytes == 0 {
+            // Nothing to reduce: no launch. Every rank of the collective skips it alike (the same count), so the
+            // kernels' barrier epochs stay in step.
+            return Ok(());
+        }
         self.runtime.bind()?;
         let (src, dst) = crate::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
