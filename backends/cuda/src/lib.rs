@@ -46,12 +46,12 @@ use anyccl_ccl::CclLibrary;
 use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
 
 pub use comm::{CudaComm, SymmetricBuffer};
-pub use platform::Cuda;
 /// cudarc itself (feature `cudarc`), the version the typed API takes.
 #[cfg(feature = "cudarc")]
 pub use cudarc;
 #[cfg(feature = "cudarc")]
 pub use cudarc_interop::CudarcAllReduce;
+pub use platform::Cuda;
 pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceView, DeviceViewMut};
 
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective

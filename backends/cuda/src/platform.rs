@@ -270,8 +270,8 @@ impl GpuPlatform for Cuda {
     }
 
     fn device_for_rank(device: Option<i32>, local_rank: Option<usize>, rank: usize) -> Result<i32> {
-        let info =
-            crate::driver::probe().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
+        let info = crate::driver::probe()
+            .map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
         let count = i32::try_from(info.devices.len()).unwrap_or(i32::MAX).max(1);
         Ok(device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count)))
     }

@@ -16,7 +16,8 @@ use crate::runtime::{check, HipDevice, HipRuntime, HipStream};
 use crate::sys;
 
 /// The all-reduce algorithms of the ROCm backend: RCCL's own and the custom one-shot / two-shot kernels.
-pub const ALGORITHMS: [Algorithm; 4] = [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
+pub const ALGORITHMS: [Algorithm; 4] =
+    [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
 
 /// The HIP platform (a marker type: [`crate::RocmComm`] is `GpuComm<Hip>`).
 #[derive(Debug, Clone, Copy)]

@@ -348,8 +348,8 @@ impl<P: GpuPlatform> GpuComm<P> {
             .enumerate()
             .map(|(rank, ((kernels, staging, scratch, flags), comm))| {
                 let transport = Transport::InProcess(group.member(rank));
-                let graph = GraphInputs::new(&comm.runtime, all_staging.clone(), rank, transport)
-                    .map_err(|e| e.to_string())?;
+                let graph =
+                    GraphInputs::new(&comm.runtime, all_staging.clone(), rank, transport).map_err(|e| e.to_string())?;
                 Ok(CustomState {
                     kernels,
                     _staging: staging,

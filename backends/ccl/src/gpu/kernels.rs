@@ -200,7 +200,10 @@ impl<P: GpuPlatform> CustomKernels<P> {
         if let Some(why) = P::kernels_not_built() {
             return Err(Error::Unsupported {
                 capability: "custom-kernels".into(),
-                reason: anyccl_core::Reason::NotCompiledIn { what: format!("custom {} kernels", P::LABEL), detail: why },
+                reason: anyccl_core::Reason::NotCompiledIn {
+                    what: format!("custom {} kernels", P::LABEL),
+                    detail: why,
+                },
             });
         }
         let image = P::kernel_image(runtime)?;
