@@ -350,6 +350,9 @@ fn join_rank(
     gpu_bootstrap::join::<Hip>(s.rccl.clone(), &id, rank, world, dev, boot, selector, env)
 }
 
+/// A rank's eager sums, its registered replay's sums, how many graph inputs it registered, and the communicator.
+type RankResult = (Vec<f32>, Vec<f32>, usize, Communicator<RocmComm>);
+
 /// One process per GPU, simulated as threads over an in-process bootstrap: every rank joins through the generic
 /// bootstrap, exports its three buffers' HIP IPC handles and opens its peers' (the fake's handles name
 /// allocations, so threads work), all-reduces with the HIP kernels reading the peers' mapped buffers, and
@@ -370,7 +373,7 @@ fn one_process_per_gpu_as_threads_sets_up_hip_ipc_and_registers_graph_buffers() 
             .map(|rank| {
                 let mut boot = group.member(rank);
                 let (s, env) = (&s, &env);
-                sc.spawn(move || -> Result<(Vec<f32>, Vec<f32>, usize, Communicator<RocmComm>)> {
+                sc.spawn(move || -> Result<RankResult> {
                     let mut c = join_rank(s, &mut boot, world, env)?;
                     let rt = c.runtime().clone();
                     let st = rt.stream()?;
@@ -502,7 +505,7 @@ fn a_borrowed_engine_stream_runs_collectives_and_stays_the_engines() {
             let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
             assert_eq!(sel.algorithm, Algorithm::OneShot);
             let _graph = HipGraph::capture(&st, |_| {
-                let refused = rt.alloc(64).err().expect("allocation refused during the capture");
+                let refused = rt.alloc(64).expect_err("allocation refused during the capture");
                 assert!(refused.to_string().contains("capture"), "{refused}");
                 Ok(())
             })?;
