@@ -24,6 +24,8 @@ use std::sync::Arc;
 use anyccl_ccl::CclLibrary;
 use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
 
+/// The HIP kernels' crate: the code objects built in, and why none are ([`kernels::NOT_BUILT`]).
+pub use anyccl_kernels_hip as kernels;
 pub use comm::{RocmComm, SymmetricBuffer};
 pub use loader::{HipLibrary, HipLoadError};
 pub use platform::Hip;
