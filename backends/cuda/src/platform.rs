@@ -82,10 +82,7 @@ fn nvls_unavailable(caps: &CapabilityReport) -> String {
 
 /// Loads NCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
 pub fn load_nccl() -> Result<Arc<CclLibrary>> {
-    anyccl_ccl::load(CclVendor::Nccl).map_err(|e| Error::Unsupported {
-        capability: "ccl".into(),
-        reason: Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
-    })
+    anyccl_ccl::gpu::load_ccl::<Cuda>()
 }
 
 impl GpuPlatform for Cuda {
@@ -102,6 +99,7 @@ impl GpuPlatform for Cuda {
     const ALGORITHMS: &'static [Algorithm] = &ALGORITHMS;
     const NVLS_EMULATION: bool = true;
     const CCL_BINDS_DEVICE: bool = true;
+    const CCL: CclVendor = CclVendor::Nccl;
 
     fn runtime(device: &i32) -> Result<CudaRuntime> {
         CudaRuntime::new(*device)
@@ -261,18 +259,17 @@ impl GpuPlatform for Cuda {
         }
     }
 
-    fn load_ccl() -> Result<Arc<CclLibrary>> {
-        load_nccl()
-    }
-
     fn capabilities(_device: &i32, lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport> {
         Ok(crate::capabilities(Some(lib), env))
     }
 
-    fn device_for_rank(device: Option<i32>, local_rank: Option<usize>, rank: usize) -> Result<i32> {
+    fn device_count() -> Result<usize> {
         let info = crate::driver::probe()
             .map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
-        let count = i32::try_from(info.devices.len()).unwrap_or(i32::MAX).max(1);
-        Ok(device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count)))
+        Ok(info.devices.len())
+    }
+
+    fn device(ordinal: i32) -> Result<i32> {
+        Ok(ordinal)
     }
 }

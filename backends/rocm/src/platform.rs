@@ -91,12 +91,17 @@ pub fn hip_library() -> &'static std::result::Result<Arc<HipLibrary>, HipLoadErr
     HIP.get_or_init(|| HipLibrary::load().map(Arc::new))
 }
 
+/// [`hip_library`], or why it did not load as [`Error::Unsupported`].
+fn process_hip() -> Result<&'static Arc<HipLibrary>> {
+    hip_library().as_ref().map_err(|e| Error::Unsupported {
+        capability: "hip-runtime".into(),
+        reason: Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() },
+    })
+}
+
 /// Loads RCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
 pub fn load_rccl() -> Result<Arc<CclLibrary>> {
-    anyccl_ccl::load(CclVendor::Rccl).map_err(|e| Error::Unsupported {
-        capability: "ccl".into(),
-        reason: Reason::Unavailable { component: "RCCL".into(), detail: e.to_string() },
-    })
+    anyccl_ccl::gpu::load_ccl::<Hip>()
 }
 
 impl GpuPlatform for Hip {
@@ -113,6 +118,7 @@ impl GpuPlatform for Hip {
     const ALGORITHMS: &'static [Algorithm] = &ALGORITHMS;
     const NVLS_EMULATION: bool = false;
     const CCL_BINDS_DEVICE: bool = false;
+    const CCL: CclVendor = CclVendor::Rccl;
 
     fn runtime(device: &Arc<HipDevice>) -> Result<HipRuntime> {
         Ok(HipRuntime::new(device.clone()))
@@ -304,10 +310,6 @@ impl GpuPlatform for Hip {
         check(lib, "hipMemcpyAsync (the abort word)", st)
     }
 
-    fn load_ccl() -> Result<Arc<CclLibrary>> {
-        load_rccl()
-    }
-
     fn capabilities(
         device: &Arc<HipDevice>,
         lib: &CclLibrary,
@@ -316,13 +318,11 @@ impl GpuPlatform for Hip {
         Ok(crate::capabilities(Ok(device.library()), Some(lib), env))
     }
 
-    fn device_for_rank(device: Option<i32>, local_rank: Option<usize>, rank: usize) -> Result<Arc<HipDevice>> {
-        let lib = hip_library().as_ref().map_err(|e| Error::Unsupported {
-            capability: "hip-runtime".into(),
-            reason: Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() },
-        })?;
-        let count = i32::try_from(crate::runtime::device_count(lib)?).unwrap_or(i32::MAX).max(1);
-        let ordinal = device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count));
-        HipDevice::new(lib.clone(), ordinal)
+    fn device_count() -> Result<usize> {
+        crate::runtime::device_count(process_hip()?)
+    }
+
+    fn device(ordinal: i32) -> Result<Arc<HipDevice>> {
+        HipDevice::new(process_hip()?.clone(), ordinal)
     }
 }

@@ -30,12 +30,12 @@ pub fn communicator<P: GpuPlatform>(
     let local_rank = cfg.local_rank;
     let mut rdv = Rendezvous::establish(cfg)?;
     let (rank, world) = (rdv.rank(), rdv.world());
-    let lib = P::load_ccl();
+    let lib = super::load_ccl::<P>();
     // Every rank reaches the broadcast even if its own load failed, or the others wait for the timeout.
     let id = share_unique_id::<P>(&mut rdv, lib.as_ref().ok());
     let lib = lib?;
     let id = id?;
-    let device = P::device_for_rank(device, local_rank, rank)?;
+    let device = super::device_for_rank::<P>(device, local_rank, rank)?;
     let comm = join(lib, &id, rank, world, device, &mut rdv, selector, &|k| std::env::var(k).ok())?;
     Ok((comm, rdv))
 }
@@ -44,13 +44,13 @@ pub fn communicator<P: GpuPlatform>(
 /// engine does (a file, an environment variable, its own store), rebuild it there with [`UniqueId::from_bytes`],
 /// and join with [`communicator_with_id`]; or let [`broadcast_unique_id`] do it through a [`Bootstrap`].
 pub fn new_unique_id<P: GpuPlatform>() -> Result<UniqueId> {
-    let lib = P::load_ccl()?;
+    let lib = super::load_ccl::<P>()?;
     UniqueId::new(&lib)
 }
 
 /// Rank 0 makes a unique id and sends it to every rank through `bootstrap`. Collective.
 pub fn broadcast_unique_id<P: GpuPlatform>(bootstrap: &mut dyn Bootstrap) -> Result<UniqueId> {
-    let lib = P::load_ccl();
+    let lib = super::load_ccl::<P>();
     share_unique_id::<P>(bootstrap, lib.as_ref().ok())
 }
 
@@ -60,7 +60,7 @@ pub fn share_unique_id<P: GpuPlatform>(
     bootstrap: &mut dyn Bootstrap,
     lib: Option<&Arc<CclLibrary>>,
 ) -> Result<UniqueId> {
-    let library = if P::VENDOR == anyccl_core::Vendor::Amd { "RCCL" } else { "NCCL" };
+    let library = P::CCL;
     let rank = bootstrap.rank();
     let made = match (lib, rank) {
         (Some(l), 0) => Some(UniqueId::new(l)),
@@ -99,7 +99,7 @@ pub fn communicator_with_id<P: GpuPlatform>(
 ) -> Result<Communicator<GpuComm<P>>> {
     check_shape(rank, world, P::ordinal(&device))?;
     anyccl_core::comm::check_bootstrap(bootstrap, rank, world)?;
-    join(P::load_ccl()?, id, rank, world, device, bootstrap, selector, &|k| std::env::var(k).ok())
+    join(super::load_ccl::<P>()?, id, rank, world, device, bootstrap, selector, &|k| std::env::var(k).ok())
 }
 
 /// Refuses a shape no communicator has: no ranks, a rank outside the world, a negative device.

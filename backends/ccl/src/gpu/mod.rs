@@ -28,7 +28,7 @@ pub use graph_inputs::GraphInputs;
 pub use kernels::{CustomKernels, Inputs, Kind};
 
 use crate::device::{GpuBuffer, GpuRuntime};
-use crate::{CclLibrary, CclStream};
+use crate::{CclLibrary, CclStream, CclVendor};
 
 /// Bytes of a legacy IPC handle (`CUipcMemHandle`, `hipIpcMemHandle_t`: 64 on both vendors).
 pub const LEGACY_HANDLE_BYTES: usize = 64;
@@ -138,17 +138,46 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
         format!("{algorithm} is not implemented by the {} backend yet", Self::LABEL)
     }
 
-    /// Loads the collective library of this vendor (NCCL, RCCL) with the standard search.
-    fn load_ccl() -> Result<Arc<CclLibrary>>;
+    /// The collective library of this vendor (NCCL, RCCL).
+    const CCL: CclVendor;
     /// The capability report of a communicator on `device` over `lib` (`env` reads the environment).
     fn capabilities(
         device: &Self::DeviceSpec,
         lib: &CclLibrary,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<CapabilityReport>;
-    /// The device of a rank of a one-process-per-GPU job: `device` when given, else the local rank (or the rank)
-    /// modulo the number of devices.
-    fn device_for_rank(device: Option<i32>, local_rank: Option<usize>, rank: usize) -> Result<Self::DeviceSpec>;
+    /// The number of devices of this process's runtime (for a rank of a job that did not name its device).
+    fn device_count() -> Result<usize>;
+    /// Device `ordinal` of this process's runtime.
+    fn device(ordinal: i32) -> Result<Self::DeviceSpec>;
+}
+
+/// Loads the collective library of platform `P` ([`GpuPlatform::CCL`]) with the standard search;
+/// [`Error::Unsupported`] says why when it cannot.
+pub fn load_ccl<P: GpuPlatform>() -> Result<Arc<CclLibrary>> {
+    crate::load(P::CCL).map_err(|e| Error::Unsupported {
+        capability: "ccl".into(),
+        reason: anyccl_core::Reason::Unavailable { component: P::CCL.to_string(), detail: e.to_string() },
+    })
+}
+
+/// The device of a rank of a one-process-per-GPU job: `device` when given, else the local rank (or the rank)
+/// modulo the number of devices.
+pub fn device_for_rank<P: GpuPlatform>(
+    device: Option<i32>,
+    local_rank: Option<usize>,
+    rank: usize,
+) -> Result<P::DeviceSpec> {
+    let ordinal = match device {
+        Some(d) => d,
+        None => {
+            let count = P::device_count()?.max(1);
+            let slot = local_rank.unwrap_or(rank) % count;
+            // `slot < count`, which came from an i32 device count.
+            i32::try_from(slot).map_err(|_| Error::backend(P::NAME, "device", None, format!("device {slot}")))?
+        }
+    };
+    P::device(ordinal)
 }
 
 /// Polls `stream` until its work is done, for at most `limit`: `Ok(false)` when it was still busy then. Refused
