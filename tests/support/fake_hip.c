@@ -55,7 +55,8 @@ int fakehip_call_count(const char* name) {
  * runtime might. */
 struct alloc {
     uintptr_t base;
-    size_t size;
+    size_t size;  /* rounded up to pages, as hipMemGetAddressRange reports it */
+    size_t asked; /* what hipMalloc was asked for: the kernels' bounds */
     uint64_t id;
 };
 static struct alloc* allocs;
@@ -75,10 +76,10 @@ void fakehip_reset(void) {
     reset_launches();
     pthread_mutex_unlock(&mu);
 }
-/* The live allocation holding [p, p + n), or NULL. Called locked. */
+/* The live allocation holding [p, p + n) within the bytes hipMalloc was asked for, or NULL. Called locked. */
 static const struct alloc* alloc_holding(uintptr_t p, size_t n) {
     for (int i = 0; i < n_allocs; i++)
-        if (p >= allocs[i].base && p - allocs[i].base <= allocs[i].size && n <= allocs[i].size - (p - allocs[i].base))
+        if (p >= allocs[i].base && p - allocs[i].base < allocs[i].asked && n <= allocs[i].asked - (p - allocs[i].base))
             return &allocs[i];
     return NULL;
 }
@@ -250,7 +251,7 @@ hipError_t hipMalloc(void** p, size_t n) {
         allocs = grown;
         cap_allocs = cap;
     }
-    allocs[n_allocs++] = (struct alloc){(uintptr_t)*p, size, next_alloc_id++};
+    allocs[n_allocs++] = (struct alloc){(uintptr_t)*p, size, n, next_alloc_id++};
     pthread_mutex_unlock(&mu);
     return 0;
 }
