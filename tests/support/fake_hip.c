@@ -1,10 +1,14 @@
 /* A fake HIP runtime for tests: host memory stands in for device memory, streams run their work at once, and
  * stream capture records that work into graphs that replay it. It enforces the capture rules of HIP (the same as
  * CUDA's): while a stream captures in global mode anywhere, or in any mode on the calling thread, "potentially
- * unsafe" calls (allocation, free, synchronous copies, IPC opens, module loads) fail with
- * hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations; synchronising a
- * capturing stream or an event recorded in one is a violation too. Tests read the record through the fakehip_*
- * functions. Every call is counted by name. Nothing here is thread-safe beyond one mutex around the records. */
+ * unsafe" calls (allocation, free, synchronous copies, IPC get/open/close, peer enabling, module load/unload) fail
+ * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
+ * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
+ * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's all-reduce kernels
+ * (anyccl_{one,two}_shot[_table]_{f32,f16,bf16}) by emulating them on host memory, ranks being threads of this
+ * process (see "The all-reduce kernels" below), records every launch, and refuses (with a violation) launches
+ * the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
+ * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -183,6 +187,16 @@ hipError_t hipSetDevice(int d) {
 hipError_t hipGetDevice(int* d) {
     count_call("hipGetDevice");
     *d = current_device;
+    return 0;
+}
+/* hipDeviceGetAttribute: the compute-unit count (hipDeviceAttributeMultiprocessorCount, 63): FAKEHIP_CUS or 104
+ * (an MI210); other attributes are not known to the fake (hipErrorInvalidValue). */
+hipError_t hipDeviceGetAttribute(int* value, int attr, int d) {
+    count_call("hipDeviceGetAttribute");
+    if (d < 0 || d >= device_count()) return 101;
+    if (!value || attr != 63) return 1;
+    const char* e = getenv("FAKEHIP_CUS");
+    *value = e ? atoi(e) : 104;
     return 0;
 }
 hipError_t hipDeviceGetName(char* name, int len, int d) {

@@ -344,7 +344,11 @@ impl World {
 fn kernel_name(shot: Shot, mode: Mode, dtype: DataType) -> String {
     let table = matches!(mode, Mode::TableStaged | Mode::TableRegistered);
     let shot = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let dt = if dtype == DataType::F32 { "f32" } else { "bf16" };
+    let dt = match dtype {
+        DataType::F32 => "f32",
+        DataType::F16 => "f16",
+        _ => "bf16",
+    };
     format!("anyccl_{shot}_{}{dt}", if table { "table_" } else { "" })
 }
 
@@ -427,7 +431,7 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
         let w = World::new(&hip, world, 40);
         let mut seed = 0;
         for shot in [Shot::One, Shot::Two] {
-            for dtype in [DataType::F32, DataType::Bf16] {
+            for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
                 for mode in [Mode::Staged, Mode::TableStaged, Mode::TableRegistered, Mode::Direct] {
                     seed += 1;
                     let name = kernel_name(shot, mode, dtype);
@@ -462,7 +466,7 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
                         let rank = p.rank as usize;
                         assert!(rank < world, "{what}: launch {r} has rank {rank}");
                         assert_eq!(l.stream, w.streams[rank].0 as usize);
-                        let dt = if dtype == DataType::F32 { "f32" } else { "bf16" };
+                        let dt = name.rsplit('_').next().unwrap_or_default();
                         assert_eq!((p.shot, p.world, p.n_vec, p.dtype), (shot, world as i32, 40, dt));
                         assert_eq!(p.flags, ptrs8(&w.flags));
                         assert_eq!(p.out, w.outs[rank].0);
@@ -482,8 +486,8 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
             }
         }
     }
-    assert_eq!(hip.fake.calls("hipModuleLaunchKernel"), 2 * 2 * 4 * (2 + 4));
-    assert_eq!(hip.fake.launch_total(), 2 * 2 * 4 * (2 + 4));
+    assert_eq!(hip.fake.calls("hipModuleLaunchKernel"), 2 * 3 * 4 * (2 + 4));
+    assert_eq!(hip.fake.launch_total(), 2 * 3 * 4 * (2 + 4));
 }
 
 #[test]
@@ -857,5 +861,19 @@ fn the_real_code_object_defines_every_kernel_the_fake_runs() {
             assert!(std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_none(), "kernels required but not built: {why}");
             assert!(why.contains("HIP kernels"), "{why}");
         }
+    }
+}
+
+#[test]
+fn the_compute_unit_count_is_an_attribute_and_others_are_refused() {
+    let (hip, _g) = Hip::open();
+    let get: unsafe extern "C" fn(*mut i32, i32, i32) -> i32 = hip.sym("hipDeviceGetAttribute");
+    let mut n = 0;
+    // SAFETY: writes one int.
+    unsafe {
+        assert_eq!(get(&mut n, 63, 0), 0);
+        assert_eq!(n, 104, "hipDeviceAttributeMultiprocessorCount of the fake MI210");
+        assert_eq!(get(&mut n, 1, 0), 1, "an attribute the fake does not know");
+        assert_eq!(get(&mut n, 63, 99), 101, "a device that does not exist");
     }
 }
