@@ -1,10 +1,14 @@
 /* A fake HIP runtime for tests: host memory stands in for device memory, streams run their work at once, and
  * stream capture records that work into graphs that replay it. It enforces the capture rules of HIP (the same as
  * CUDA's): while a stream captures in global mode anywhere, or in any mode on the calling thread, "potentially
- * unsafe" calls (allocation, free, synchronous copies, IPC opens, module loads) fail with
- * hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations; synchronising a
- * capturing stream or an event recorded in one is a violation too. Tests read the record through the fakehip_*
- * functions. Every call is counted by name. Nothing here is thread-safe beyond one mutex around the records. */
+ * unsafe" calls (allocation, free, synchronous copies, IPC get/open/close, peer enabling, module load/unload) fail
+ * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
+ * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
+ * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's all-reduce kernels
+ * (anyccl_{one,two}_shot[_table]_{f32,f16,bf16}) by emulating them on host memory, ranks being threads of this
+ * process (see "The all-reduce kernels" below), records every launch, and refuses (with a violation) launches
+ * the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
+ * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -55,7 +59,8 @@ int fakehip_call_count(const char* name) {
  * runtime might. */
 struct alloc {
     uintptr_t base;
-    size_t size;
+    size_t size;  /* rounded up to pages, as hipMemGetAddressRange reports it */
+    size_t asked; /* what hipMalloc was asked for: the kernels' bounds */
     uint64_t id;
 };
 static struct alloc* allocs;
@@ -75,10 +80,10 @@ void fakehip_reset(void) {
     reset_launches();
     pthread_mutex_unlock(&mu);
 }
-/* The live allocation holding [p, p + n), or NULL. Called locked. */
+/* The live allocation holding [p, p + n) within the bytes hipMalloc was asked for, or NULL. Called locked. */
 static const struct alloc* alloc_holding(uintptr_t p, size_t n) {
     for (int i = 0; i < n_allocs; i++)
-        if (p >= allocs[i].base && p - allocs[i].base <= allocs[i].size && n <= allocs[i].size - (p - allocs[i].base))
+        if (p >= allocs[i].base && p - allocs[i].base < allocs[i].asked && n <= allocs[i].asked - (p - allocs[i].base))
             return &allocs[i];
     return NULL;
 }
@@ -184,6 +189,16 @@ hipError_t hipGetDevice(int* d) {
     *d = current_device;
     return 0;
 }
+/* hipDeviceGetAttribute: the compute-unit count (hipDeviceAttributeMultiprocessorCount, 63): FAKEHIP_CUS or 104
+ * (an MI210); other attributes are not known to the fake (hipErrorInvalidValue). */
+hipError_t hipDeviceGetAttribute(int* value, int attr, int d) {
+    count_call("hipDeviceGetAttribute");
+    if (d < 0 || d >= device_count()) return 101;
+    if (!value || attr != 63) return 1;
+    const char* e = getenv("FAKEHIP_CUS");
+    *value = e ? atoi(e) : 104;
+    return 0;
+}
 hipError_t hipDeviceGetName(char* name, int len, int d) {
     count_call("hipDeviceGetName");
     snprintf(name, len, "Fake AMD Instinct %d", d);
@@ -250,7 +265,7 @@ hipError_t hipMalloc(void** p, size_t n) {
         allocs = grown;
         cap_allocs = cap;
     }
-    allocs[n_allocs++] = (struct alloc){(uintptr_t)*p, size, next_alloc_id++};
+    allocs[n_allocs++] = (struct alloc){(uintptr_t)*p, size, n, next_alloc_id++};
     pthread_mutex_unlock(&mu);
     return 0;
 }

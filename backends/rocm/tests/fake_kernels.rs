@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyccl_core::dtype::Value;
 use anyccl_core::DataType;
-use anyccl_kernels_hip::{ABORT_WORD_OFFSET, FLAG_BYTES, KERNELS, MAX_RANKS};
+use anyccl_kernels_hip::{ABORT_WORD_OFFSET, FLAG_BYTES, KERNELS};
 use fake_hip::{FakeHip, Launch, Shot};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -344,7 +344,11 @@ impl World {
 fn kernel_name(shot: Shot, mode: Mode, dtype: DataType) -> String {
     let table = matches!(mode, Mode::TableStaged | Mode::TableRegistered);
     let shot = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let dt = if dtype == DataType::F32 { "f32" } else { "bf16" };
+    let dt = match dtype {
+        DataType::F32 => "f32",
+        DataType::F16 => "f16",
+        _ => "bf16",
+    };
     format!("anyccl_{shot}_{}{dt}", if table { "table_" } else { "" })
 }
 
@@ -427,7 +431,7 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
         let w = World::new(&hip, world, 40);
         let mut seed = 0;
         for shot in [Shot::One, Shot::Two] {
-            for dtype in [DataType::F32, DataType::Bf16] {
+            for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
                 for mode in [Mode::Staged, Mode::TableStaged, Mode::TableRegistered, Mode::Direct] {
                     seed += 1;
                     let name = kernel_name(shot, mode, dtype);
@@ -462,7 +466,7 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
                         let rank = p.rank as usize;
                         assert!(rank < world, "{what}: launch {r} has rank {rank}");
                         assert_eq!(l.stream, w.streams[rank].0 as usize);
-                        let dt = if dtype == DataType::F32 { "f32" } else { "bf16" };
+                        let dt = name.rsplit('_').next().unwrap_or_default();
                         assert_eq!((p.shot, p.world, p.n_vec, p.dtype), (shot, world as i32, 40, dt));
                         assert_eq!(p.flags, ptrs8(&w.flags));
                         assert_eq!(p.out, w.outs[rank].0);
@@ -482,6 +486,394 @@ fn one_and_two_shot_give_the_kernels_sums_in_every_input_mode() {
             }
         }
     }
-    assert_eq!(hip.fake.calls("hipModuleLaunchKernel"), 2 * 2 * 4 * (2 + 4));
-    assert_eq!(hip.fake.launch_total(), 2 * 2 * 4 * (2 + 4));
+    assert_eq!(hip.fake.calls("hipModuleLaunchKernel"), 2 * 3 * 4 * (2 + 4));
+    assert_eq!(hip.fake.launch_total(), 2 * 3 * 4 * (2 + 4));
+}
+
+#[test]
+fn a_captured_launch_recomputes_at_every_replay_with_the_inputs_of_the_moment() {
+    let (hip, _g) = Hip::open();
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 24);
+    let dtype = DataType::F32;
+    let name = kernel_name(Shot::Two, Mode::TableStaged, dtype);
+    let f = hip.function(m, &name).expect("function");
+    w.write_tables(Mode::TableStaged);
+    // Each rank captures its launch in global mode (as an engine captures its step), then the graphs replay
+    // three times with new inputs; the table is rewritten to the registered inputs before the last two.
+    let execs: Vec<Dev> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (hip, w) = (&hip, &w);
+                sc.spawn(move || {
+                    let s = w.streams[rank];
+                    assert_eq!(hip.begin_capture(s, 0), 0);
+                    let mut params = w.params(Shot::Two, Mode::TableStaged, rank, 5);
+                    assert_eq!(hip.launch(f, [2, 1, 1], [128, 1, 1], s, &mut params), 0);
+                    hip.end_capture(s).expect("capture ends valid")
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    for l in hip.fake.launches() {
+        assert!(l.capturing, "{l:?}");
+        assert_eq!((l.status, l.runs), (0, 0), "a captured launch runs only when replayed");
+    }
+    for replay in 0..3u32 {
+        w.fill_inputs(dtype, 100 + replay);
+        if replay == 1 {
+            w.write_tables(Mode::TableRegistered);
+        }
+        std::thread::scope(|sc| {
+            for (&exec, &s) in execs.iter().zip(&w.streams) {
+                let hip = &hip;
+                sc.spawn(move || assert_eq!(hip.graph_launch(exec, s), 0));
+            }
+        });
+        let want = w.expected(dtype);
+        for (r, o) in w.outs.iter().enumerate() {
+            assert!(w.read(*o) == want, "replay {replay}: rank {r}'s output is not the sum of this replay's inputs");
+        }
+    }
+    assert_eq!(hip.fake.violations(), Vec::<String>::new());
+    let launches = hip.fake.launches();
+    assert_eq!(launches.len(), 2, "replays add no launch records");
+    for l in &launches {
+        assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (3, 3, 0, 0), "{l:?}");
+        assert_eq!(l.params.as_ref().and_then(|p| p.last_registered), Some(true));
+    }
+}
+
+#[test]
+fn malformed_launches_are_refused_with_a_violation_that_names_the_fault() {
+    let (hip, _g) = Hip::open();
+    // A launch the fake wrongly accepted would wait for its peer: fail in 2 s, not 20.
+    hip.fake.set_kernel_timeout_ms(2000);
+    let m = module(&hip, &["anyccl_mystery_f32"]);
+    let w = World::new(&hip, 2, 8);
+    let one = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let s = w.streams[0];
+    let launch = |f: Dev, grid: u32, edit: &dyn Fn(&mut Vec<Param>)| {
+        let mut p = w.params(Shot::One, Mode::Staged, 0, 0);
+        edit(&mut p);
+        hip.launch(f, [grid, 1, 1], [256, 1, 1], s, &mut p)
+    };
+    type Edit<'a> = Box<dyn Fn(&mut Vec<Param>) + 'a>;
+    let cases: Vec<(&str, i32, Edit<'_>, u32)> = vec![
+        ("world 9 (2..=8)", 1, Box::new(|p| p[5] = Param::I32(9)), 1),
+        ("world 1 (2..=8)", 1, Box::new(|p| p[5] = Param::I32(1)), 1),
+        ("rank 2 of world 2", 1, Box::new(|p| p[4] = Param::I32(2)), 1),
+        ("n_vec 0", 1, Box::new(|p| p[6] = Param::U64(0)), 1),
+        ("no live hipMalloc allocation holds 144 bytes", 1, Box::new(|p| p[6] = Param::U64(9)), 1),
+        ("out", 1, Box::new(|p| p[2] = Param::U64(w.outs[0].0 + 4)), 1),
+        ("in[1] is null", 1, Box::new(|p| p[0] = Param::Ptrs([w.staging[0].0, 0, 0, 0, 0, 0, 0, 0])), 1),
+        ("flags[1]", 1, Box::new(|p| p[3] = Param::Ptrs(ptrs8(&[w.flags[0], w.outs[1]]))), 1),
+        ("grid 129x1x1", 1, Box::new(|_| {}), 129),
+    ];
+    for (want, code, edit, grid) in &cases {
+        hip.fake.reset();
+        assert_eq!(launch(one, *grid, edit.as_ref()), *code, "{want}");
+        let v = hip.fake.violations();
+        assert!(v.len() == 1 && v[0].contains(want), "{want}: {v:?}");
+        let l = &hip.fake.launches()[0];
+        assert_eq!((l.status, l.runs), (*code, 0), "{want}");
+    }
+    // A misaligned pointer is named with its address.
+    hip.fake.reset();
+    assert_eq!(launch(one, 1, &|p| p[1] = Param::U64(w.inputs[0].0 + 8)), 1);
+    assert!(hip.fake.violations()[0].contains("self_src") && hip.fake.violations()[0].contains("16-byte aligned"));
+    // A function the module has but the fake cannot run, and one the module lacks.
+    hip.fake.reset();
+    let mystery = hip.function(m, "anyccl_mystery_f32").expect("the module defines it");
+    assert_eq!(launch(mystery, 1, &|_| {}), 98);
+    let v = hip.fake.violations();
+    assert!(v.len() == 1 && v[0].starts_with("anyccl_mystery_f32: not an all-reduce kernel"), "{v:?}");
+    assert_eq!(hip.fake.launches()[0].name, "anyccl_mystery_f32");
+    assert_eq!(hip.function(m, "anyccl_one_shot_f64").err(), Some(500));
+    // A module that is not an AMDGPU ELF.
+    let mut x86 = tiny_code_object(&["anyccl_one_shot_f32"]);
+    x86[18] = 62;
+    assert_eq!(hip.module(&x86).err(), Some(200));
+}
+
+/// Rank `rank`'s abort word.
+fn abort_word(w: &World, rank: usize) -> Dev {
+    Dev(w.flags[rank].0 + ABORT_WORD_OFFSET as u64)
+}
+
+#[test]
+fn an_aborted_rank_ends_without_its_peers() {
+    let (hip, _g) = Hip::open();
+    hip.fake.set_kernel_timeout_ms(5000);
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    w.fill_inputs(DataType::F32, 1);
+    let side = hip.stream();
+    let launch = |rank: usize| {
+        let mut p = w.params(Shot::One, Mode::Staged, rank, 0);
+        hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
+    };
+    // The abort word set before the launch (from another stream, as the communicator sets it): rank 0's kernel
+    // returns at once, alone, writing nothing.
+    assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
+    let started = Instant::now();
+    assert_eq!(launch(0), 0);
+    assert!(started.elapsed() < Duration::from_secs(2), "the aborted kernel waited for its peer");
+    let l = &hip.fake.launches()[0];
+    assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (1, 0, 1, 0), "{l:?}");
+    assert!(w.read(w.outs[0]).iter().all(|b| *b == 0xee), "an aborted kernel wrote its output");
+    assert_eq!(hip.fake.violations(), Vec::<String>::new());
+    // Its barrier stores reached rank 1 as on a GPU: rank 1's launch of the same step completes without waiting.
+    assert_eq!(launch(1), 0);
+    let l = &hip.fake.launches()[1];
+    assert_eq!((l.completed, l.timed_out), (1, 0), "{l:?}");
+
+    // The abort word set while the kernel waits for a peer that never launches: the wait ends.
+    assert_eq!(hip.write_value32(side, abort_word(&w, 0), 0), 0);
+    std::thread::scope(|sc| {
+        let waiter = sc.spawn(|| launch(0));
+        let deadline = Instant::now() + Duration::from_secs(4);
+        while hip.fake.kernels_waiting() == 0 {
+            assert!(Instant::now() < deadline, "rank 0's kernel never waited at its barrier");
+            std::thread::yield_now();
+        }
+        assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
+        assert_eq!(waiter.join().expect("rank 0"), 0);
+    });
+    let l = &hip.fake.launches()[2];
+    assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (1, 0, 1, 0), "{l:?}");
+    assert_eq!(hip.fake.violations(), Vec::<String>::new());
+    assert_eq!(hip.fake.calls("hipStreamWriteValue32"), 3);
+}
+
+#[test]
+fn a_kernel_whose_peer_never_comes_times_out_with_a_violation() {
+    let (hip, _g) = Hip::open();
+    hip.fake.set_kernel_timeout_ms(100);
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_two_shot_bf16").expect("function");
+    let mut p = w.params(Shot::Two, Mode::Direct, 0, 0);
+    let started = Instant::now();
+    assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[0], &mut p), 0);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    let v = hip.fake.violations();
+    assert!(v.len() == 1 && v[0].contains("rank 0 of 2: timed out"), "{v:?}");
+    let l = &hip.fake.launches()[0];
+    assert_eq!((l.completed, l.aborted, l.timed_out), (0, 0, 1), "{l:?}");
+    hip.fake.set_kernel_timeout_ms(-1);
+}
+
+#[test]
+fn ranks_launching_different_grids_wait_as_on_a_gpu() {
+    // Each block has its own barrier slots: a peer that launches fewer blocks leaves the extra blocks waiting.
+    let (hip, _g) = Hip::open();
+    hip.fake.set_kernel_timeout_ms(100);
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let rc: Vec<i32> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (hip, w) = (&hip, &w);
+                sc.spawn(move || {
+                    let mut p = w.params(Shot::One, Mode::Direct, rank, 0);
+                    hip.launch(f, [1 + rank as u32, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert_eq!(rc, vec![0, 0]);
+    // Rank 1's second block never meets a peer; rank 0 then waits for rank 1's last barrier, which comes only
+    // when rank 1 gives up (whether that beats rank 0's own deadline is a matter of timing).
+    let launches = hip.fake.launches();
+    let rank1 = launches.iter().find(|l| l.params.as_ref().is_some_and(|p| p.rank == 1)).expect("rank 1's launch");
+    assert_eq!((rank1.timed_out, rank1.completed), (1, 0), "{rank1:?}");
+    assert!(hip.fake.violations().iter().any(|v| v.contains("rank 1 of 2: timed out")));
+    hip.fake.set_kernel_timeout_ms(-1);
+}
+
+#[test]
+fn races_and_freed_buffers_are_violations() {
+    let (hip, _g) = Hip::open();
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    // One-shot in place over a directly read input: the peer may still read it while this rank writes.
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let rc: Vec<i32> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (hip, w) = (&hip, &w);
+                sc.spawn(move || {
+                    let mut p = w.params(Shot::One, Mode::Direct, rank, 0);
+                    p[2] = Param::U64(w.inputs[rank].0);
+                    hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert_eq!(rc, vec![0, 0]);
+    let v = hip.fake.violations();
+    assert!(v.iter().any(|v| v.contains("one-shot writes out over in[")), "{v:?}");
+
+    // A buffer freed between capture and replay: the replay's kernel refuses to run.
+    hip.fake.reset();
+    hip.fake.set_kernel_timeout_ms(100);
+    let table = hip.function(m, "anyccl_one_shot_table_f32").expect("function");
+    w.write_tables(Mode::TableStaged);
+    let s = w.streams[0];
+    assert_eq!(hip.begin_capture(s, 2), 0);
+    let mut p = w.params(Shot::One, Mode::TableStaged, 0, 0);
+    assert_eq!(hip.launch(table, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+    let exec = hip.end_capture(s).expect("graph");
+    assert_eq!(hip.free(w.tables[0]), 0);
+    assert_eq!(hip.graph_launch(exec, s), 0);
+    let v = hip.fake.violations();
+    assert!(v.len() == 1 && v[0].contains("the input table") && v[0].contains("freed"), "{v:?}");
+    assert_eq!(hip.fake.launches()[0].failed, 1);
+    // Freeing it again is refused too.
+    assert_eq!(hip.free(w.tables[0]), 1);
+    hip.fake.set_kernel_timeout_ms(-1);
+}
+
+#[test]
+fn launches_follow_the_capture_rules() {
+    let (hip, _g) = Hip::open();
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let s = w.streams[0];
+    assert_eq!(hip.begin_capture(s, 0), 0);
+    // A launch on the capturing stream is captured (runs 0); hipStreamWriteValue32 too (the word stays 0).
+    let mut p = w.params(Shot::One, Mode::Staged, 0, 0);
+    assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+    assert_eq!(hip.write_value32(s, abort_word(&w, 0), 7), 0);
+    // SAFETY: the abort word is a live u32 of host memory.
+    assert_eq!(unsafe { *(abort_word(&w, 0).0 as *const u32) }, 0, "a captured write ran during capture");
+    // A launch on the null stream while a global capture runs is refused and invalidates the capture.
+    assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], Dev(0), &mut p), 900);
+    assert_eq!(hip.end_capture(s).err(), Some(901));
+    let launches = hip.fake.launches();
+    assert_eq!((launches[0].capturing, launches[0].status, launches[0].runs), (true, 0, 0));
+    assert_eq!((launches[1].capturing, launches[1].status), (false, 900));
+    let v = hip.fake.violations();
+    assert!(v.len() == 1 && v[0].contains("the legacy stream cannot be used during capture"), "{v:?}");
+    // Loading a module during capture is refused as HIP refuses it.
+    hip.fake.reset();
+    assert_eq!(hip.begin_capture(s, 0), 0);
+    assert_eq!(hip.module(&tiny_code_object(&["x"])).err(), Some(900));
+    assert_eq!(hip.end_capture(s).err(), Some(901));
+}
+
+#[test]
+fn a_parameter_buffer_in_extra_is_decoded_at_the_kernels_offsets() {
+    let (hip, _g) = Hip::open();
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 16);
+    w.fill_inputs(DataType::F32, 3);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    // anyccl_kernels_common::allreduce_params("anyccl_one_shot_f32"): in 0, self_src 64, out 72, flags 80,
+    // rank 144, world 148, n_vec 152; 160 bytes.
+    let rc: Vec<i32> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let (hip, w) = (&hip, &w);
+                sc.spawn(move || {
+                    let mut b = vec![0u8; 160];
+                    for (i, p) in ptrs8(&w.staging).iter().enumerate() {
+                        b[i * 8..i * 8 + 8].copy_from_slice(&p.to_le_bytes());
+                    }
+                    b[64..72].copy_from_slice(&w.inputs[rank].0.to_le_bytes());
+                    b[72..80].copy_from_slice(&w.outs[rank].0.to_le_bytes());
+                    for (i, p) in ptrs8(&w.flags).iter().enumerate() {
+                        b[80 + i * 8..88 + i * 8].copy_from_slice(&p.to_le_bytes());
+                    }
+                    b[144..148].copy_from_slice(&(rank as i32).to_le_bytes());
+                    b[148..152].copy_from_slice(&2i32.to_le_bytes());
+                    b[152..160].copy_from_slice(&16u64.to_le_bytes());
+                    hip.launch_extra(f, [2, 1, 1], w.streams[rank], &mut b)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    assert_eq!(rc, vec![0, 0]);
+    let want = w.expected(DataType::F32);
+    assert!(w.outs.iter().all(|o| w.read(*o) == want));
+    assert_eq!(hip.fake.violations(), Vec::<String>::new());
+    // A buffer of the wrong size is refused.
+    let mut short = vec![0u8; 152];
+    assert_eq!(hip.launch_extra(f, [1, 1, 1], w.streams[0], &mut short), 1);
+    assert!(hip.fake.violations()[0].contains("ends before parameter 6"), "{:?}", hip.fake.violations());
+}
+
+#[test]
+fn ipc_handles_name_live_allocations() {
+    let (hip, _g) = Hip::open();
+    let get: unsafe extern "C" fn(*mut IpcHandle, Ptr) -> i32 = hip.sym("hipIpcGetMemHandle");
+    let open: unsafe extern "C" fn(*mut Ptr, IpcHandle, u32) -> i32 = hip.sym("hipIpcOpenMemHandle");
+    let close: unsafe extern "C" fn(Ptr) -> i32 = hip.sym("hipIpcCloseMemHandle");
+    let a = hip.malloc(4096, 0);
+    let mut h = IpcHandle([0; 64]);
+    let mut mapped = null_mut();
+    // SAFETY: the fake's IPC calls with a live allocation, a handle it made, and the pointer it returned.
+    unsafe {
+        // A handle of an interior pointer names the allocation: opening maps it from its base.
+        assert_eq!(get(&mut h, (a.0 + 256) as Ptr), 0);
+        assert_eq!(open(&mut mapped, h, 1), 0);
+        assert_eq!(mapped as u64, a.0);
+        assert_eq!(hip.fake.ipc_open_count(), 1);
+        assert_eq!(close(mapped), 0);
+        assert_eq!(hip.fake.ipc_open_count(), 0);
+        assert_eq!(close(mapped), 1, "closing twice");
+        // Freed memory: its handle no longer opens, even when a new allocation takes the address.
+        assert_eq!(hip.free(a), 0);
+        let b = hip.malloc(4096, 0);
+        assert_eq!(open(&mut mapped, h, 1), 400);
+        assert_eq!(get(&mut h, null_mut()), 1);
+        let _ = hip.free(b);
+    }
+    assert_eq!(hip.fake.calls("hipIpcGetMemHandle"), 2);
+    assert_eq!(hip.fake.calls("hipIpcOpenMemHandle"), 2);
+    assert_eq!(hip.fake.calls("hipIpcCloseMemHandle"), 2);
+    let v = hip.fake.violations();
+    assert!(v.len() == 2 && v[0].contains("not returned by hipIpcOpenMemHandle"), "{v:?}");
+}
+
+#[test]
+fn the_real_code_object_defines_every_kernel_the_fake_runs() {
+    // hipcc's code object (when this build has one) loads and yields every all-reduce kernel by name.
+    let (hip, _g) = Hip::open();
+    match anyccl_kernels_hip::code_object_for("allreduce", "gfx90a") {
+        Some(image) => {
+            let m = hip.module(image).expect("hipcc's code object loads");
+            for k in KERNELS {
+                assert!(hip.function(m, k).is_ok(), "{k}");
+            }
+            assert_eq!(hip.function(m, "anyccl_one_shot_f32.kd").err(), Some(500), "a descriptor is no function");
+        }
+        None => {
+            let why = anyccl_kernels_hip::why_not("gfx90a").unwrap_or_default();
+            assert!(std::env::var_os("ANYCCL_REQUIRE_KERNELS").is_none(), "kernels required but not built: {why}");
+            assert!(why.contains("HIP kernels"), "{why}");
+        }
+    }
+}
+
+#[test]
+fn the_compute_unit_count_is_an_attribute_and_others_are_refused() {
+    let (hip, _g) = Hip::open();
+    let get: unsafe extern "C" fn(*mut i32, i32, i32) -> i32 = hip.sym("hipDeviceGetAttribute");
+    let mut n = 0;
+    // SAFETY: writes one int.
+    unsafe {
+        assert_eq!(get(&mut n, 63, 0), 0);
+        assert_eq!(n, 104, "hipDeviceAttributeMultiprocessorCount of the fake MI210");
+        assert_eq!(get(&mut n, 1, 0), 1, "an attribute the fake does not know");
+        assert_eq!(get(&mut n, 63, 99), 101, "a device that does not exist");
+    }
 }
