@@ -522,3 +522,66 @@ fn a_borrowed_engine_stream_runs_collectives_and_stays_the_engines() {
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new());
 }
+
+/// The custom kernels' IPC setup under HIP's capture rules: called while the engine captures in global mode, it
+/// is refused before HIP sees anything (no allocation, module load or IPC call, no violation, the capture stays
+/// valid), every rank alike; after the capture the same setup succeeds and the HIP kernel runs.
+#[test]
+fn ipc_setup_during_a_capture_is_refused_before_hip_and_works_after_it() {
+    let _g = serial();
+    let s = setup();
+    let world = 2;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let env = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
+    let rccl = s.rccl.clone();
+    let caps = Arc::new(anyccl_rocm::capabilities(Ok(&s.hip), Some(&s.rccl), &no_env));
+    let id = anyccl_ccl::UniqueId::new(&rccl).expect("unique id");
+    let (gets, loads) = (s.fake.calls("hipIpcGetMemHandle"), s.fake.calls("hipModuleLoadData"));
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                let (s, env, rccl, caps, id) = (&s, &env, rccl.clone(), caps.clone(), &id);
+                sc.spawn(move || -> Result<(Error, Algorithm, Vec<f32>)> {
+                    let dev = HipDevice::new(s.hip.clone(), rank as i32)?;
+                    let mut comm = RocmComm::init_rank(rccl, dev, world, rank, id, caps)?;
+                    let st = anyccl_core::CommBackend::runtime(&comm).stream()?;
+                    // A global capture refuses allocation on every thread: every rank is set up before any
+                    // captures, and every capture has ended before any rank allocates again.
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    let mut during = None;
+                    HipGraph::capture_with(&st, anyccl_core::CaptureMode::Global, |_| {
+                        during = Some(comm.enable_custom_ipc_with_env(&mut boot, env));
+                        Ok(())
+                    })?;
+                    let refused = during.and_then(|r| r.err()).expect("refused during the capture");
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    comm.enable_custom_ipc_with_env(&mut boot, env)?;
+                    let mut c = Communicator::new(comm, Arc::new(Selector::defaults()));
+                    let rt = c.runtime().clone();
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    Ok((refused, sel.algorithm, decode(DataType::F32, &host)))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (refused, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            matches!(refused, Error::InvalidArgument(anyccl_core::InvalidArgument::DuringCapture { .. })),
+            "rank {rank}: {refused}"
+        );
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: set up after the capture");
+        assert!(got == reference(world, 0, 1024), "rank {rank}");
+    }
+    // Only the setup after the capture reached HIP: three handles per rank, one module load per rank.
+    assert_eq!(s.fake.calls("hipIpcGetMemHandle") - gets, 3 * world as i32);
+    assert_eq!(s.fake.calls("hipModuleLoadData") - loads, world as i32);
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+}
