@@ -37,6 +37,17 @@
 //! }
 //! ```
 //!
+//! nor can a grouped point-to-point call be described with sizes of one's choosing:
+//!
+//! ```compile_fail,E0624
+//! use anyccl_core::comm::{BufOf, CommBackend, P2pArgs, StreamOf};
+//! use anyccl_core::P2pOp;
+//!
+//! fn forge<'a, 'b, B: CommBackend>(ops: &'a mut [P2pOp<'b, BufOf<B>>], s: &'a StreamOf<B>) -> P2pArgs<'a, 'b, B> {
+//!     P2pArgs::new(ops, s, vec![1 << 30])
+//! }
+//! ```
+//!
 //! and the backend is no longer handed out mutably by the communicator (`backend_mut` is gone):
 //!
 //! ```compile_fail,E0599
@@ -59,7 +70,7 @@
 //! ```
 
 use crate::algo::Algorithm;
-use crate::comm::{AllReduceCall, BufOf, CommBackend, InOut, StreamOf};
+use crate::comm::{AllReduceCall, BufOf, CommBackend, InOut, P2pOp, StreamOf};
 use crate::dtype::{DataType, ReduceOp};
 
 /// A validated all-reduce: the buffers, the stream, the call as the selector saw it (one capture query, made by
@@ -322,5 +333,77 @@ impl<B: CommBackend + ?Sized> RecvArgs<'_, B> {
     /// The buffer.
     pub fn buf(&self) -> &BufOf<B> {
         self.buf
+    }
+}
+
+/// A validated grouped point-to-point call ([`crate::Communicator::p2p`]): every operation passed the checks of a
+/// single send or receive, no receive buffer overlaps another operation's bytes, and the group is not empty. The
+/// backend runs the operations as one group ([`CommBackend::p2p`]): each rank's group completes whatever the order
+/// of its operations, as long as every send has its matching receive in the peer's group.
+pub struct P2pArgs<'a, 'b, B: CommBackend + ?Sized> {
+    ops: &'a mut [P2pOp<'b, BufOf<B>>],
+    stream: &'a StreamOf<B>,
+    bytes: Vec<usize>,
+}
+
+/// One operation of a [`P2pArgs`], as the validated description of a single send or receive.
+pub enum P2pItem<'r, B: CommBackend + ?Sized> {
+    /// A send.
+    Send(SendArgs<'r, B>),
+    /// A receive.
+    Recv(RecvArgs<'r, B>),
+}
+
+impl<B: CommBackend + ?Sized> P2pItem<'_, B> {
+    /// The other rank.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2pItem::Send(s) => s.peer(),
+            P2pItem::Recv(r) => r.peer(),
+        }
+    }
+
+    /// `"send"` or `"recv"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            P2pItem::Send(_) => "send",
+            P2pItem::Recv(_) => "recv",
+        }
+    }
+}
+
+impl<'a, 'b, B: CommBackend + ?Sized> P2pArgs<'a, 'b, B> {
+    /// Made by the `Communicator` once every operation is validated; `bytes[i]` is operation `i`'s size.
+    pub(crate) fn new(ops: &'a mut [P2pOp<'b, BufOf<B>>], stream: &'a StreamOf<B>, bytes: Vec<usize>) -> Self {
+        P2pArgs { ops, stream, bytes }
+    }
+
+    /// Number of operations (at least one).
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Always false: the front-end does not hand an empty group to a backend.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// The stream the group is ordered on.
+    pub fn stream(&self) -> &'a StreamOf<B> {
+        self.stream
+    }
+
+    /// The operations in the caller's order, each as a validated single send or receive (ordered on
+    /// [`Self::stream`]). Call it again for another pass.
+    pub fn items(&mut self) -> impl Iterator<Item = P2pItem<'_, B>> + use<'_, 'a, 'b, B> {
+        let stream = self.stream;
+        self.ops.iter_mut().zip(self.bytes.iter()).map(move |(op, &bytes)| match op {
+            P2pOp::Send { buf, count, dtype, peer } => {
+                P2pItem::Send(SendArgs::new(*buf, stream, *count, *dtype, bytes, *peer))
+            }
+            P2pOp::Recv { buf, count, dtype, peer } => {
+                P2pItem::Recv(RecvArgs::new(&mut **buf, stream, *count, *dtype, bytes, *peer))
+            }
+        })
     }
 }

@@ -82,6 +82,73 @@ pub fn checked_all_gather<B: Bootstrap + ?Sized>(b: &mut B, mine: &[u8]) -> Resu
     Ok(all)
 }
 
+/// The most bytes one rank may contribute to [`all_gather_padded`] by default (1 MiB): setup payloads (IPC
+/// handles, addresses, tokens) are far smaller, and every rank allocates `world ×` the largest contribution.
+pub const MAX_PADDED_PAYLOAD: usize = 1 << 20;
+
+/// An all-gather of byte strings of any length (up to `limit` each) over a fixed-size all-gather, such as a
+/// communicator's own collective: `gather(input, output)` must all-gather `input.len()` bytes per rank into
+/// `output` (`world × input.len()` bytes, rank `q`'s part at `q × input.len()`), collectively with the same sizes on
+/// every rank. `rank` and `world` are the caller's place in that collective.
+///
+/// Two rounds: the lengths (8 bytes per rank), then every payload padded to the longest. A contribution longer
+/// than `limit` (this rank's or a peer's) is refused on every rank after the first round, before anything is
+/// allocated from it: this rank's with [`InvalidArgument::SizeTooLarge`], a peer's with [`Error::PeerFailure`]
+/// naming it. Every rank takes part in both rounds or in neither, so a refusal never leaves a peer waiting.
+pub fn all_gather_padded(
+    rank: usize,
+    world: usize,
+    mine: &[u8],
+    limit: usize,
+    mut gather: impl FnMut(&[u8], &mut [u8]) -> Result<()>,
+) -> Result<Vec<Vec<u8>>> {
+    let oom = |what: &str, bytes: usize| Error::OutOfMemory { what: what.to_owned(), bytes: bytes as u64 };
+    let len_bytes = world.checked_mul(8).ok_or_else(|| oom("the lengths of a bootstrap all-gather", usize::MAX))?;
+    let mut lens = Vec::new();
+    lens.try_reserve_exact(len_bytes).map_err(|_| oom("the lengths of a bootstrap all-gather", len_bytes))?;
+    lens.resize(len_bytes, 0u8);
+    gather(&(mine.len() as u64).to_le_bytes(), &mut lens)?;
+    let lengths: Vec<u64> =
+        lens.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect();
+    let too_long: Vec<usize> = (0..world).filter(|q| lengths[*q] > limit as u64).collect();
+    if too_long.contains(&rank) {
+        return Err(InvalidArgument::SizeTooLarge {
+            what: "a bootstrap all-gather payload",
+            requested: mine.len() as u64,
+            limit: limit as u64,
+        }
+        .into());
+    }
+    if let Some(q) = too_long.first() {
+        return Err(Error::PeerFailure(format!(
+            "rank {q} contributed {} bytes to a bootstrap all-gather over the communicator; at most {limit} are \
+             accepted",
+            lengths[*q]
+        )));
+    }
+    // Every length is at most `limit` (a usize) from here on.
+    let part = lengths.iter().copied().max().unwrap_or(0) as usize;
+    let mut out = Vec::new();
+    if part > 0 {
+        let total = part.checked_mul(world).ok_or_else(|| oom("a bootstrap all-gather", usize::MAX))?;
+        let mut padded = Vec::new();
+        padded.try_reserve_exact(part).map_err(|_| oom("a bootstrap all-gather payload", part))?;
+        padded.extend_from_slice(mine);
+        padded.resize(part, 0);
+        let mut all = Vec::new();
+        all.try_reserve_exact(total).map_err(|_| oom("a bootstrap all-gather", total))?;
+        all.resize(total, 0);
+        gather(&padded, &mut all)?;
+        out.try_reserve_exact(world).map_err(|_| oom("a bootstrap all-gather", world))?;
+        for (q, len) in lengths.iter().enumerate() {
+            out.push(all[q * part..q * part + *len as usize].to_vec());
+        }
+    } else {
+        out.resize(world, Vec::new());
+    }
+    Ok(out)
+}
+
 /// A [`Bootstrap`] among the ranks of one process, each driven by its own thread ([`LocalGroup::member`]).
 pub struct LocalGroup {
     world: usize,
@@ -241,6 +308,59 @@ mod tests {
             let first = h.join().expect("thread").expect_err("rank 1 never comes");
             assert!(matches!(first, Error::Timeout { .. }), "{first}");
         });
+    }
+
+    /// Payloads of different lengths (empty ones too) come back intact over a fixed-size all-gather; one over the
+    /// limit is refused on every rank after the lengths round, with the payload round never run.
+    #[test]
+    fn padded_all_gather_keeps_lengths_and_refuses_an_oversized_payload_everywhere() {
+        let run = |payloads: Vec<Vec<u8>>, limit: usize| -> Vec<(Result<Vec<Vec<u8>>>, usize)> {
+            let world = payloads.len();
+            let group = LocalGroup::new(world, Duration::from_secs(30));
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = payloads
+                    .iter()
+                    .enumerate()
+                    .map(|(r, mine)| {
+                        let mut me = group.member(r);
+                        sc.spawn(move || {
+                            let mut rounds = 0;
+                            let mut gather = |input: &[u8], out: &mut [u8]| {
+                                rounds += 1;
+                                let all = checked_all_gather(&mut me, input)?;
+                                assert!(all.iter().all(|a| a.len() == input.len()), "fixed size on every rank");
+                                out.copy_from_slice(&all.concat());
+                                Ok(())
+                            };
+                            let got = all_gather_padded(r, world, mine, limit, &mut gather);
+                            (got, rounds)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().expect("rank")).collect()
+            })
+        };
+        let payloads = vec![b"a".to_vec(), Vec::new(), vec![7u8; 300]];
+        for (got, rounds) in run(payloads.clone(), 1024) {
+            assert_eq!(got.expect("gathered"), payloads);
+            assert_eq!(rounds, 2);
+        }
+        for (got, rounds) in run(vec![Vec::new(), Vec::new()], 1024) {
+            assert_eq!(got.expect("gathered"), vec![Vec::<u8>::new(); 2]);
+            assert_eq!(rounds, 1, "nothing to pad: one round");
+        }
+        let results = run(vec![b"ok".to_vec(), vec![1u8; 65], b"fine".to_vec()], 64);
+        for (r, (got, rounds)) in results.into_iter().enumerate() {
+            assert_eq!(rounds, 1, "rank {r}: refused after the lengths round");
+            let e = got.expect_err("over the limit");
+            if r == 1 {
+                let want =
+                    InvalidArgument::SizeTooLarge { what: "a bootstrap all-gather payload", requested: 65, limit: 64 };
+                assert_eq!(e, Error::InvalidArgument(want));
+            } else {
+                assert!(matches!(&e, Error::PeerFailure(m) if m.contains("rank 1 contributed 65 bytes")), "{e}");
+            }
+        }
     }
 
     /// The default broadcast and barrier, built on all-gather: the root's bytes reach every rank, a bad root is

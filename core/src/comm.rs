@@ -5,15 +5,17 @@
 use std::sync::Arc;
 
 use crate::algo::{Algorithm, Vendor};
-pub use crate::args::{AllGatherArgs, AllReduceArgs, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs};
+pub use crate::args::{
+    AllGatherArgs, AllReduceArgs, BroadcastArgs, P2pArgs, P2pItem, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
+};
 pub use crate::bootstrap::Bootstrap;
-use crate::caps::CapabilityReport;
+use crate::caps::{Capabilities, CapabilityReport, Reason};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, InvalidArgument, Result};
 use crate::runtime::{BufferLike, MemoryRuntime};
 use crate::selector::{Selection, SelectionQuery, Selector};
 use crate::teardown::Teardown;
-use crate::validate::{self, CallShape, InOutDesc};
+use crate::validate::{self, CallShape, InOutDesc, P2pDesc};
 
 /// The buffer type of a backend's runtime.
 pub type BufOf<B> = <<B as CommBackend>::Runtime as MemoryRuntime>::Buffer;
@@ -50,6 +52,68 @@ impl<B: ?Sized + BufferLike> InOut<'_, B> {
     /// True for the in-place form.
     pub fn is_in_place(&self) -> bool {
         matches!(self, InOut::InPlace(_))
+    }
+}
+
+/// One operation of a grouped point-to-point call ([`Communicator::p2p`]): a send of a read-only buffer or a
+/// receive into a writable one, `count` elements of `dtype`, to or from `peer`.
+///
+/// Not `#[non_exhaustive]`: an operation sends or receives; there is no third kind.
+pub enum P2pOp<'a, B: ?Sized> {
+    /// Send `count` elements of `buf` to `peer`.
+    Send {
+        /// What is sent.
+        buf: &'a B,
+        /// Element count.
+        count: usize,
+        /// Element type.
+        dtype: DataType,
+        /// The receiving rank.
+        peer: usize,
+    },
+    /// Receive `count` elements from `peer` into `buf`.
+    Recv {
+        /// Where the message lands.
+        buf: &'a mut B,
+        /// Element count.
+        count: usize,
+        /// Element type.
+        dtype: DataType,
+        /// The sending rank.
+        peer: usize,
+    },
+}
+
+impl<'a, B: ?Sized> P2pOp<'a, B> {
+    /// A send of `count` elements of `buf` to `peer`.
+    pub fn send(buf: &'a B, count: usize, dtype: DataType, peer: usize) -> Self {
+        P2pOp::Send { buf, count, dtype, peer }
+    }
+
+    /// A receive of `count` elements from `peer` into `buf`.
+    pub fn recv(buf: &'a mut B, count: usize, dtype: DataType, peer: usize) -> Self {
+        P2pOp::Recv { buf, count, dtype, peer }
+    }
+
+    /// The other rank.
+    pub fn peer(&self) -> usize {
+        match self {
+            P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => *peer,
+        }
+    }
+}
+
+impl<B: ?Sized + BufferLike> P2pOp<'_, B> {
+    /// The descriptor the validation front-end checks.
+    pub fn desc(&self) -> P2pDesc {
+        match self {
+            P2pOp::Send { buf, count, dtype, peer } => {
+                P2pDesc { recv: false, buf: buf.desc(), count: *count, dtype: *dtype, peer: *peer }
+            }
+            P2pOp::Recv { buf, count, dtype, peer } => {
+                P2pDesc { recv: true, buf: buf.desc(), count: *count, dtype: *dtype, peer: *peer }
+            }
+        }
     }
 }
 
@@ -159,6 +223,25 @@ pub trait CommBackend: Send {
         let _ = algorithm;
         false
     }
+    /// Runs a validated group of sends and receives as one call ([`Communicator::p2p`]): it must complete
+    /// whatever the order of the operations on each rank (post every send before waiting for any receive, or let
+    /// the library do so: `ncclGroupStart`/`ncclGroupEnd`). The default refuses with [`Error::Unsupported`] naming
+    /// the backend.
+    fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
+        let _ = args;
+        Err(not_implemented(self.name(), "grouped point-to-point", "grouped send/receive (CommBackend::p2p)"))
+    }
+    /// A sub-communicator of the ranks that pass the same `color` ([`Communicator::split`]), ordered by `(key,
+    /// this rank)`; `None` for a rank that passes no color. Collective over this communicator. The default refuses
+    /// with [`Error::Unsupported`] naming the backend.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>>
+    where
+        Self: Sized,
+    {
+        let _ = (color, key);
+        let capability = Capabilities::COMM_SPLIT.name().unwrap_or("comm-split");
+        Err(not_implemented(self.name(), capability, "sub-communicators (CommBackend::split)"))
+    }
     /// Wait until every rank has reached the barrier.
     fn barrier(&mut self, stream: &StreamOf<Self>) -> Result<()>;
     /// Waits until the work queued on `stream` has finished, for at most `timeout`. A backend that can watch its
@@ -189,6 +272,17 @@ pub trait CommBackend: Send {
     {
         drop(self);
         Teardown::finished(Ok(()))
+    }
+}
+
+/// The refusal of a [`CommBackend`] method a backend does not implement.
+fn not_implemented(backend: &str, capability: &str, what: &str) -> Error {
+    Error::Unsupported {
+        capability: capability.to_owned(),
+        reason: Reason::Unavailable {
+            component: format!("the {backend} backend"),
+            detail: format!("it does not implement {what}"),
+        },
     }
 }
 
@@ -505,6 +599,74 @@ impl<B: CommBackend> Communicator<B> {
         self.backend.recv(RecvArgs::new(buf, stream, count, dtype, bytes, peer))
     }
 
+    /// Sends and receives as one group, the way a pipeline stage sends to the next stage and receives from the
+    /// previous one: `ncclGroupStart`, each `ncclSend`/`ncclRecv`, `ncclGroupEnd` on NCCL/RCCL; on the host backend
+    /// every send is posted before any receive waits. Two plain blocking calls in that situation deadlock (each
+    /// rank waits in its first call for a peer that waits in its own); a group does not, whatever the order of
+    /// the operations on each rank. Several operations may name the same peer; they match in order.
+    ///
+    /// Every operation gets the checks of [`Communicator::send`] and [`Communicator::recv`] (a failure is
+    /// [`InvalidArgument::GroupOp`] with its index), and no receive buffer may overlap another receive buffer or a
+    /// send buffer ([`InvalidArgument::GroupOverlap`]); nothing is sent then. An empty group does nothing.
+    pub fn p2p(&mut self, ops: &mut [P2pOp<'_, BufOf<B>>], stream: &StreamOf<B>) -> Result<()> {
+        let descs: Vec<P2pDesc> = ops.iter().map(P2pOp::desc).collect();
+        let bytes = validate::p2p_group(&self.shape(), &descs)?;
+        if ops.is_empty() {
+            return Ok(());
+        }
+        tracing::trace!(rank = self.rank(), ops = ops.len(), "grouped point-to-point");
+        self.backend.p2p(P2pArgs::new(ops, stream, bytes))
+    }
+
+    /// Sends `count` elements of `send` to rank `to` and receives `count` elements from rank `from` into `recv`,
+    /// as one group ([`Communicator::p2p`]): a ring step or a pipeline stage's exchange.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_recv(
+        &mut self,
+        send: &BufOf<B>,
+        to: usize,
+        recv: &mut BufOf<B>,
+        from: usize,
+        count: usize,
+        dtype: DataType,
+        stream: &StreamOf<B>,
+    ) -> Result<()> {
+        self.p2p(&mut [P2pOp::send(send, count, dtype, to), P2pOp::recv(recv, count, dtype, from)], stream)
+    }
+
+    /// A sub-communicator (`ncclCommSplit`): the ranks that pass the same `color` form a new communicator, ranked
+    /// by `(key, rank in this communicator)`; a rank that passes `None` (NCCL's `NCCL_SPLIT_NOCOLOR`) joins none
+    /// and gets `Ok(None)`. Collective: every rank of this communicator calls it. The new communicator has its own
+    /// rank and world, the same selector, and is independent of this one and of its siblings (either may be
+    /// dropped first).
+    ///
+    /// `color` and `key` must fit NCCL's non-negative `int` (at most `i32::MAX`, else
+    /// [`InvalidArgument::OutOfRange`], on every backend, before anything is exchanged). Refused while a capture
+    /// that setup would break runs ([`MemoryRuntime::refuse_during_capture`]). A backend without sub-communicators
+    /// refuses with [`Error::Unsupported`]; on NCCL/RCCL without `ncclCommSplit` (NCCL < 2.18) the reason names the
+    /// missing symbol.
+    pub fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Communicator<B>>> {
+        let max = i32::MAX as u64;
+        if let Some(c) = color.filter(|c| u64::from(*c) > max) {
+            return Err(InvalidArgument::OutOfRange { what: "split color", value: c.into(), min: 0, max }.into());
+        }
+        if u64::from(key) > max {
+            return Err(InvalidArgument::OutOfRange { what: "split key", value: key.into(), min: 0, max }.into());
+        }
+        self.runtime().refuse_during_capture("Communicator::split")?;
+        let sub = self.backend.split(color, key)?;
+        tracing::debug!(
+            rank = self.rank(),
+            world = self.world_size(),
+            ?color,
+            key,
+            sub_rank = sub.as_ref().map(CommBackend::rank),
+            sub_world = sub.as_ref().map(CommBackend::world_size),
+            "split"
+        );
+        Ok(sub.map(|b| Communicator::new(b, self.selector.clone())))
+    }
+
     /// Registers the inputs of all-reduces captured in graphs since the last call, so that replays read every
     /// rank's input directly instead of copying it through staging (the CUDA backend's custom kernels; other
     /// backends have nothing to register). Collective: every rank calls it after the same captures and before
@@ -654,6 +816,10 @@ mod tests {
         /// Calls that reached the backend's `wait` and `register_graph_buffers`.
         waits: usize,
         registrations: usize,
+        /// The world size it reports (rank 0 of it).
+        world: usize,
+        /// Each grouped point-to-point call that reached it: (kind, peer, bytes) per operation.
+        groups: Vec<Vec<(&'static str, usize, usize)>>,
     }
 
     impl CommBackend for Counting {
@@ -670,7 +836,7 @@ mod tests {
             0
         }
         fn world_size(&self) -> usize {
-            1
+            self.world
         }
         fn vendor(&self) -> Vendor {
             Vendor::Host
@@ -737,6 +903,23 @@ mod tests {
             self.registrations += 1;
             Ok(GraphRegistration::default())
         }
+        fn p2p(&mut self, mut args: P2pArgs<'_, '_, Self>) -> Result<()> {
+            let seen = args
+                .items()
+                .map(|i| match i {
+                    P2pItem::Send(s) => ("send", s.peer(), s.bytes()),
+                    P2pItem::Recv(r) => {
+                        // The receive buffer is writable through the description.
+                        let bytes = r.bytes();
+                        let peer = r.peer();
+                        r.into_buf()[..bytes].fill(0xab);
+                        ("recv", peer, bytes)
+                    }
+                })
+                .collect();
+            self.groups.push(seen);
+            Ok(())
+        }
     }
 
     fn counting(epoch: Option<u64>) -> Communicator<Counting> {
@@ -756,6 +939,8 @@ mod tests {
             ran: Vec::new(),
             waits: 0,
             registrations: 0,
+            world: 1,
+            groups: Vec::new(),
         };
         Communicator::new(backend, Arc::new(selector))
     }
@@ -866,5 +1051,99 @@ mod tests {
         let t = c.close_in_background();
         assert!(t.is_done(), "the default teardown drops the backend before returning");
         assert_eq!(t.wait(), Ok(()));
+    }
+
+    /// Each bad operation of a group is refused with its own typed error naming it, and the backend sees nothing;
+    /// a valid group reaches it whole, in order, with each operation's size.
+    #[test]
+    fn a_grouped_point_to_point_call_is_validated_whole_before_the_backend_sees_it() {
+        let mut c = counting(None);
+        c.backend.world = 4;
+        let (a, b, mut r1, mut r2) = (vec![1u8; 64], vec![2u8; 64], vec![0u8; 64], vec![0u8; 64]);
+        let f32s = DataType::F32;
+        let group_op = |e: Error| match e {
+            Error::InvalidArgument(InvalidArgument::GroupOp { index, error }) => (index, *error),
+            other => panic!("expected GroupOp, got {other:?}"),
+        };
+        let e = c.p2p(&mut [P2pOp::send(&a[..], 16, f32s, 1), P2pOp::recv(&mut r1[..], 16, f32s, 0)], &());
+        assert_eq!(group_op(e.expect_err("self")), (1, InvalidArgument::SelfPeer { rank: 0 }));
+        let e = c.p2p(&mut [P2pOp::send(&a[..], 16, f32s, 4)], &());
+        assert_eq!(
+            group_op(e.expect_err("out of range")),
+            (0, InvalidArgument::RankOutOfRange { what: "peer", rank: 4, world: 4 })
+        );
+        let e = c.p2p(&mut [P2pOp::send(&a[..], 16, f32s, 1), P2pOp::recv(&mut r1[..], 17, f32s, 2)], &());
+        assert!(matches!(
+            group_op(e.expect_err("short")),
+            (1, InvalidArgument::BufferTooSmall { which: "recv", need: 68, .. })
+        ));
+        let e = c.p2p(&mut [P2pOp::send(&a[..], usize::MAX, DataType::F64, 1)], &());
+        assert!(matches!(group_op(e.expect_err("overflow")), (0, InvalidArgument::CountOverflow { .. })));
+        assert!(c.backend().groups.is_empty(), "nothing of a refused group reached the backend");
+        assert!(r1.iter().all(|x| *x == 0), "nor was any receive buffer written");
+        // Receives into adjacent halves of one buffer do not overlap.
+        let (lo, hi) = r2.split_at_mut(32);
+        let e = c
+            .p2p(&mut [P2pOp::recv(lo, 8, f32s, 1), P2pOp::recv(hi, 8, f32s, 2), P2pOp::send(&b[..], 8, f32s, 3)], &());
+        assert_eq!(e, Ok(()));
+        assert_eq!(c.backend().groups, vec![vec![("recv", 1, 32), ("recv", 2, 32), ("send", 3, 32)]]);
+        c.backend.groups.clear();
+        // A valid group: every operation, in order, with its size; the receives are written.
+        r1.fill(0);
+        let ok = c.send_recv(&a[..], 1, &mut r1[..], 3, 16, f32s, &());
+        assert_eq!(ok, Ok(()));
+        assert_eq!(c.backend().groups, vec![vec![("send", 1, 64), ("recv", 3, 64)]]);
+        assert!(r1.iter().all(|x| *x == 0xab));
+        // An empty group does nothing.
+        c.p2p(&mut [], &()).expect("empty group");
+        assert_eq!(c.backend().groups.len(), 1);
+    }
+
+    /// A receive buffer overlapping a send buffer is refused (the checks see through the borrow rules, which
+    /// cannot stop two views of one device allocation).
+    #[test]
+    fn overlapping_receive_buffers_are_refused_with_both_operations_named() {
+        use crate::runtime::BufferDesc;
+        /// A view of raw host bytes, as a device pool's views would be: nothing stops two of them overlapping.
+        struct Raw(BufferDesc);
+        impl BufferLike for Raw {
+            fn desc(&self) -> BufferDesc {
+                self.0
+            }
+        }
+        let raw = |addr: usize| Raw(BufferDesc { addr, len: 64, location: Location::Host });
+        let (a, mut b, mut c) = (raw(0x1000), raw(0x2000), raw(0x1020));
+        let ops = [
+            P2pOp::send(&a, 16, DataType::F32, 1),
+            P2pOp::recv(&mut b, 16, DataType::F32, 2),
+            P2pOp::recv(&mut c, 16, DataType::F32, 3),
+        ];
+        let descs: Vec<_> = ops.iter().map(P2pOp::desc).collect();
+        let shape = CallShape { rank: 0, world: 4, location: Location::Host };
+        let e = validate::p2p_group(&shape, &descs).expect_err("recv over a send");
+        assert!(
+            matches!(
+                e,
+                InvalidArgument::GroupOverlap { first: 0, first_kind: "send", second: 2, second_kind: "recv", .. }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("operations 0 (send"), "{e}");
+    }
+
+    #[test]
+    fn split_checks_its_arguments_and_a_backend_without_it_says_so() {
+        let mut c = counting(None);
+        let e = c.split(Some(1 << 31), 0).err().expect("color too large");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::OutOfRange { what: "split color", .. })), "{e}");
+        let e = c.split(None, u32::MAX).err().expect("key too large");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::OutOfRange { what: "split key", .. })), "{e}");
+        let e = c.split(Some(0), 0).err().expect("not implemented");
+        assert!(matches!(&e, Error::Unsupported { capability, .. } if capability == "comm-split"), "{e}");
+        assert!(e.to_string().contains("the counting backend"), "{e}");
+        // During a capture the runtime knows of, refused before the backend is asked (it would allocate).
+        c.backend.rt.capturing.store(true, Ordering::Relaxed);
+        let e = c.split(Some(0), 0).err().expect("refused during capture");
+        assert_eq!(e, Error::InvalidArgument(InvalidArgument::DuringCapture { what: "Communicator::split" }));
     }
 }

@@ -340,6 +340,41 @@ pub enum InvalidArgument {
         what: &'static str,
     },
 
+    /// One operation of a grouped point-to-point call ([`crate::Communicator::p2p`]) is invalid; `error` says
+    /// how. Nothing of the group was sent or received.
+    #[error("point-to-point operation {index} of the group: {error}")]
+    GroupOp {
+        /// The operation's index in the group (0-based).
+        index: usize,
+        /// What is wrong with it.
+        error: Box<InvalidArgument>,
+    },
+
+    /// Two operations of a grouped point-to-point call touch the same bytes, and at least one of them receives.
+    #[error(
+        "point-to-point operations {first} ({first_kind}, [{first_addr:#x}, +{first_len})) and {second} \
+         ({second_kind}, [{second_addr:#x}, +{second_len})) of the group overlap; a receive buffer may overlap \
+         neither another receive buffer nor a send buffer"
+    )]
+    GroupOverlap {
+        /// Index of the first operation.
+        first: usize,
+        /// `"send"` or `"recv"`.
+        first_kind: &'static str,
+        /// Its start address.
+        first_addr: usize,
+        /// The bytes it touches.
+        first_len: usize,
+        /// Index of the second operation.
+        second: usize,
+        /// `"send"` or `"recv"`.
+        second_kind: &'static str,
+        /// Its start address.
+        second_addr: usize,
+        /// The bytes it touches.
+        second_len: usize,
+    },
+
     /// A point-to-point message did not match what the receiver posted.
     #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
     MessageMismatch {

@@ -35,7 +35,7 @@ pub mod validate;
 pub use algo::{Algorithm, Vendor};
 pub use bootstrap::Bootstrap;
 pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
-pub use comm::{CommBackend, Communicator, GraphRegistration, InOut};
+pub use comm::{CommBackend, Communicator, GraphRegistration, InOut, P2pOp};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
 pub use runtime::{

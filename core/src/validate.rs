@@ -211,6 +211,78 @@ pub fn point_to_point(
     Ok(bytes)
 }
 
+/// One operation of a grouped point-to-point call, as the checks see it.
+///
+/// Not `#[non_exhaustive]`: the front-end and tests build one with a literal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2pDesc {
+    /// Whether the operation receives (else it sends).
+    pub recv: bool,
+    /// Its buffer.
+    pub buf: BufferDesc,
+    /// Element count.
+    pub count: usize,
+    /// Element type.
+    pub dtype: DataType,
+    /// The other rank.
+    pub peer: usize,
+}
+
+impl P2pDesc {
+    fn kind(&self) -> &'static str {
+        if self.recv {
+            "recv"
+        } else {
+            "send"
+        }
+    }
+}
+
+/// A grouped point-to-point call: each operation passes [`point_to_point`] (a failure is
+/// [`InvalidArgument::GroupOp`] naming it), and no receive buffer overlaps another receive buffer or a send buffer
+/// in the bytes they touch ([`InvalidArgument::GroupOverlap`]); sends may share bytes. Returns each operation's size
+/// in bytes.
+pub fn p2p_group(shape: &CallShape, ops: &[P2pDesc]) -> Result<Vec<usize>, InvalidArgument> {
+    let mut bytes = Vec::with_capacity(ops.len());
+    for (index, op) in ops.iter().enumerate() {
+        let b = point_to_point(shape, op.kind(), &op.buf, op.count, op.dtype, op.peer)
+            .map_err(|e| InvalidArgument::GroupOp { index, error: Box::new(e) })?;
+        bytes.push(b);
+    }
+    // Touched ranges: (start, length, index). Every buffer lives where the communicator works (checked above).
+    let touched = |i: usize| (ops[i].buf.addr, bytes[i], i);
+    let mut recvs: Vec<(usize, usize, usize)> =
+        (0..ops.len()).filter(|i| ops[*i].recv && bytes[*i] > 0).map(touched).collect();
+    recvs.sort_unstable();
+    let overlap = |a: (usize, usize, usize), b: (usize, usize, usize)| {
+        let (x, y) = if a.2 < b.2 { (a, b) } else { (b, a) };
+        InvalidArgument::GroupOverlap {
+            first: x.2,
+            first_kind: ops[x.2].kind(),
+            first_addr: x.0,
+            first_len: x.1,
+            second: y.2,
+            second_kind: ops[y.2].kind(),
+            second_addr: y.0,
+            second_len: y.1,
+        }
+    };
+    // Sorted by start, disjoint receives never reach past their successor's start.
+    for w in recvs.windows(2) {
+        if w[0].0.saturating_add(w[0].1) > w[1].0 {
+            return Err(overlap(w[0], w[1]));
+        }
+    }
+    for s in (0..ops.len()).filter(|i| !ops[*i].recv && bytes[*i] > 0).map(touched) {
+        // The first receive that ends after this send starts is the only one that can overlap it first.
+        let at = recvs.partition_point(|r| r.0.saturating_add(r.1) <= s.0);
+        if let Some(r) = recvs.get(at).filter(|r| r.0 < s.0.saturating_add(s.1)) {
+            return Err(overlap(s, *r));
+        }
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +324,54 @@ mod tests {
         let e =
             all_reduce(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), usize::MAX / 2, DataType::F32, ReduceOp::Sum);
         assert!(matches!(e, Err(InvalidArgument::CountOverflow { .. })));
+    }
+
+    fn op(recv: bool, addr: usize, len: usize, count: usize, peer: usize) -> P2pDesc {
+        P2pDesc { recv, buf: dev(addr, len), count, dtype: DataType::F32, peer }
+    }
+
+    #[test]
+    fn grouped_point_to_point_checks_each_op_and_every_overlap() {
+        // A valid ring step: send to the next rank, receive from the previous; two sends may share bytes.
+        let good = [op(false, 0x1000, 64, 16, 2), op(true, 0x2000, 64, 16, 0), op(false, 0x1000, 64, 16, 3)];
+        assert_eq!(p2p_group(&SHAPE, &good), Ok(vec![64, 64, 64]));
+        assert_eq!(p2p_group(&SHAPE, &[]), Ok(vec![]));
+        let inner = |e: Result<Vec<usize>, InvalidArgument>| match e {
+            Err(InvalidArgument::GroupOp { index, error }) => (index, *error),
+            other => panic!("expected a GroupOp error, got {other:?}"),
+        };
+        let (i, e) = inner(p2p_group(&SHAPE, &[good[0], op(true, 0x2000, 64, 16, 1)]));
+        assert_eq!((i, e), (1, InvalidArgument::SelfPeer { rank: 1 }));
+        let (i, e) = inner(p2p_group(&SHAPE, &[op(false, 0x1000, 64, 16, 4)]));
+        assert_eq!((i, e), (0, InvalidArgument::RankOutOfRange { what: "peer", rank: 4, world: 4 }));
+        let (i, e) = inner(p2p_group(&SHAPE, &[good[0], good[1], op(true, 0x3000, 60, 16, 0)]));
+        assert!(matches!((i, e), (2, InvalidArgument::BufferTooSmall { which: "recv", have: 60, need: 64, .. })));
+        let host = BufferDesc { addr: 0x3000, len: 64, location: Location::Host };
+        let (i, e) = inner(p2p_group(&SHAPE, &[P2pDesc { buf: host, ..good[0] }]));
+        assert!(matches!((i, e), (0, InvalidArgument::WrongDevice { which: "send", .. })));
+        // Two receives into overlapping bytes, whatever their order in the group.
+        for ops in [
+            [op(true, 0x2000, 64, 16, 0), op(true, 0x2020, 64, 16, 2)],
+            [op(true, 0x2020, 64, 16, 2), op(true, 0x2000, 64, 16, 0)],
+        ] {
+            let e = p2p_group(&SHAPE, &ops).expect_err("receives overlap");
+            assert!(matches!(e, InvalidArgument::GroupOverlap { first: 0, second: 1, .. }), "{e:?}");
+        }
+        // A receive into bytes another op sends, and a send that starts inside a receive.
+        let e = p2p_group(&SHAPE, &[good[0], op(true, 0x1010, 64, 16, 0)]).expect_err("recv over a send");
+        assert!(
+            matches!(
+                e,
+                InvalidArgument::GroupOverlap { first: 0, first_kind: "send", second: 1, second_kind: "recv", .. }
+            ),
+            "{e:?}"
+        );
+        let e = p2p_group(&SHAPE, &[op(true, 0x1000, 64, 16, 0), op(false, 0x103c, 4, 1, 2)]).expect_err("send in");
+        assert!(matches!(e, InvalidArgument::GroupOverlap { first: 0, second: 1, .. }), "{e:?}");
+        // Only the touched bytes count: a receive right after the 64 bytes a send reads from a larger buffer.
+        assert!(p2p_group(&SHAPE, &[op(false, 0x1000, 4096, 16, 0), op(true, 0x1040, 64, 16, 2)]).is_ok());
+        // Zero-element receives touch nothing.
+        assert!(p2p_group(&SHAPE, &[op(true, 0x1000, 64, 0, 0), op(true, 0x1000, 64, 0, 2)]).is_ok());
     }
 
     #[test]

@@ -7,8 +7,15 @@
  * collective is a stream-ordered "kernel" handed to the fake HIP runtime, so it runs at once or is captured into
  * a graph and runs at replay. When it runs, a rank posts its part; the rank that completes a step (the n-th
  * collective executed on every rank) computes it for all, and the others wait for it, as a device waits for
- * its peers; so ranks are driven from one thread each, as with the real library. A send is posted and returns;
- * the matching receive copies and returns. A rank that waits more than 20 s records a violation ("timed out")
+ * its peers; so ranks are driven from one thread each, as with the real library. A send is posted and returns
+ * (each ordered pair of ranks has a queue, so a rank may post several sends before its peer receives); the
+ * matching receive copies and returns, and receives match sends in order. Calls between ncclGroupStart and
+ * ncclGroupEnd (per thread, nestable) are deferred to the outermost ncclGroupEnd, which posts the group's sends
+ * first and then its other calls in order, as NCCL runs a group as one: a rank whose group is [recv, send] does
+ * not deadlock. A call refused inside a group makes ncclGroupEnd discard the group and return that error; an
+ * ncclGroupEnd without a matching ncclGroupStart is refused and recorded as a violation. ncclCommSplit (for
+ * releases that export it) is collective over the parent: ranks with the same color form a new communicator,
+ * ranked by (key, parent rank); color -1 (NCCL_SPLIT_NOCOLOR) gets NULL. A rank that waits more than 20 s records a violation ("timed out")
  * instead of hanging the test. Window and buffer registration are not allowed during
  * capture (RCCL's registration allocates when cuMem is off); such calls are recorded as capture violations. */
 #include <pthread.h>
@@ -28,6 +35,10 @@ int hipFree(void* p);
 
 #define MAX_RANKS 16
 #define SLOTS 64
+/* Sends (and receives) one ordered pair of ranks may have pending at once. */
+#define P2P_DEPTH 16
+/* Calls one group may hold. */
+#define MAX_GROUP 256
 
 enum kind { ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, BROADCAST, REDUCE, SEND, RECV };
 struct op {
@@ -36,6 +47,9 @@ struct op {
     void* recv;
     size_t count;
     int dtype, redop, root, peer;
+    /* A send's copy of its data, taken when it runs on its stream: the send is then complete, as a real one is
+     * once its data has left, and the caller may reuse or free its buffer before the peer receives. */
+    void* staged;
 };
 struct clique {
     int n;
@@ -49,11 +63,18 @@ struct clique {
         struct op ops[MAX_RANKS];
     } slot[SLOTS];
     uint64_t next_step[MAX_RANKS];
-    /* point to point: one pending send and recv per ordered pair */
-    struct op p2p_send[MAX_RANKS][MAX_RANKS];
-    int has_send[MAX_RANKS][MAX_RANKS];
-    struct op p2p_recv[MAX_RANKS][MAX_RANKS];
-    int has_recv[MAX_RANKS][MAX_RANKS];
+    /* point to point: a queue of pending sends and one of pending receives per ordered pair [src][dst] */
+    struct {
+        struct op send[P2P_DEPTH], recv[P2P_DEPTH];
+        uint64_t send_head, send_tail, recv_head, recv_tail;
+    } pq[MAX_RANKS][MAX_RANKS];
+    /* ncclCommSplit: one round at a time */
+    struct {
+        int arrived;
+        uint64_t generation;
+        int color[MAX_RANKS], key[MAX_RANKS];
+        void* out[MAX_RANKS];
+    } split;
 };
 struct comm {
     struct clique* c;
@@ -244,21 +265,30 @@ static int step_done(struct clique* c, const void* a) {
     const struct gen_wait* w = a;
     return c->slot[w->k].generation != w->gen;
 }
-struct pair {
+struct ticket {
     int s, d;
+    uint64_t n;
 };
 static int recv_done(struct clique* c, const void* a) {
-    const struct pair* p = a;
-    return !c->has_recv[p->s][p->d];
+    const struct ticket* t = a;
+    return c->pq[t->s][t->d].recv_head > t->n;
 }
 
+/* Matches the pending sends from s to d with the pending receives, in order. Called locked. */
 static void try_match(struct clique* c, int s, int d) {
-    if (c->has_send[s][d] && c->has_recv[s][d]) {
-        struct op* snd = &c->p2p_send[s][d];
-        memcpy(c->p2p_recv[s][d].recv, snd->send, snd->count * dsize(snd->dtype));
-        c->has_send[s][d] = c->has_recv[s][d] = 0;
-        pthread_cond_broadcast(&c->cv);
+    int matched = 0;
+    while (c->pq[s][d].send_head < c->pq[s][d].send_tail && c->pq[s][d].recv_head < c->pq[s][d].recv_tail) {
+        struct op* snd = &c->pq[s][d].send[c->pq[s][d].send_head % P2P_DEPTH];
+        struct op* rcv = &c->pq[s][d].recv[c->pq[s][d].recv_head % P2P_DEPTH];
+        size_t sb = snd->count * dsize(snd->dtype), rb = rcv->count * dsize(rcv->dtype);
+        if (sb != rb) fakehip_add_violation("ncclRecv", "fake RCCL: the matching send has another size");
+        memcpy(rcv->recv, snd->staged, sb < rb ? sb : rb);
+        free(snd->staged);
+        c->pq[s][d].send_head++;
+        c->pq[s][d].recv_head++;
+        matched = 1;
     }
+    if (matched) pthread_cond_broadcast(&c->cv);
 }
 
 static void post(void* arg) {
@@ -268,16 +298,26 @@ static void post(void* arg) {
     pthread_mutex_lock(&c->mu);
     if (p->op.kind == SEND) {
         int peer = p->op.peer;
-        c->p2p_send[rank][peer] = p->op;
-        c->has_send[rank][peer] = 1;
-        try_match(c, rank, peer);
+        if (c->pq[rank][peer].send_tail - c->pq[rank][peer].send_head == P2P_DEPTH) {
+            fakehip_add_violation("ncclSend", "fake RCCL: too many sends pending to one peer");
+        } else {
+            struct op o = p->op;
+            size_t bytes = o.count * dsize(o.dtype);
+            o.staged = malloc(bytes + 1);
+            memcpy(o.staged, o.send, bytes);
+            c->pq[rank][peer].send[c->pq[rank][peer].send_tail++ % P2P_DEPTH] = o;
+            try_match(c, rank, peer);
+        }
     } else if (p->op.kind == RECV) {
         int peer = p->op.peer;
-        c->p2p_recv[peer][rank] = p->op;
-        c->has_recv[peer][rank] = 1;
-        try_match(c, peer, rank);
-        struct pair pr = {peer, rank};
-        wait_until(c, recv_done, &pr, "ncclRecv");
+        if (c->pq[peer][rank].recv_tail - c->pq[peer][rank].recv_head == P2P_DEPTH) {
+            fakehip_add_violation("ncclRecv", "fake RCCL: too many receives pending from one peer");
+        } else {
+            struct ticket t = {peer, rank, c->pq[peer][rank].recv_tail};
+            c->pq[peer][rank].recv[c->pq[peer][rank].recv_tail++ % P2P_DEPTH] = p->op;
+            try_match(c, peer, rank);
+            wait_until(c, recv_done, &t, "ncclRecv");
+        }
     } else {
         uint64_t step = c->next_step[rank]++;
         int k = (int)(step % SLOTS);
@@ -295,14 +335,70 @@ static void post(void* arg) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* This thread's open group: its depth, the calls deferred to its end, and the first error refused inside it. */
+struct deferred {
+    void* stream;
+    struct posted p;
+};
+static __thread int group_depth = 0;
+static __thread int group_len = 0;
+static __thread int group_error = 0;
+static __thread struct deferred group_calls[MAX_GROUP];
+
+/* The test's view of this thread's group depth (0: no group open). */
+int fakerccl_group_depth(void) { return group_depth; }
+
 static ncclResult_t submit(void* comm, int kind, const void* send, void* recv, size_t count, int dtype, int redop,
                            int root, int peer, void* stream) {
     struct comm* cm = comm;
-    if (!cm) return 4;
-    if (dsize(dtype) == 0 || dtype >= 10) return 4; /* fp8 is not computed by the fake */
-    if (redop < 0 || redop > 4) return 4;
+    ncclResult_t refused = 0;
+    if (!cm) refused = 4;
+    else if (dsize(dtype) == 0 || dtype >= 10) refused = 4; /* fp8 is not computed by the fake */
+    else if (redop < 0 || redop > 4) refused = 4;
+    else if ((kind == SEND || kind == RECV) && (peer < 0 || peer >= cm->c->n || peer == cm->rank)) refused = 4;
     struct posted p = {cm, {kind, send, recv, count, dtype, redop, root, peer}};
+    if (group_depth > 0) {
+        if (!refused && group_len == MAX_GROUP) {
+            fakehip_add_violation("ncclGroupStart", "fake RCCL: too many calls in one group");
+            refused = 5;
+        }
+        if (refused) {
+            if (!group_error) group_error = refused;
+            return refused;
+        }
+        group_calls[group_len].stream = stream;
+        group_calls[group_len].p = p;
+        group_len++;
+        return 0;
+    }
+    if (refused) return refused;
     return fakehip_enqueue(stream, post, &p, sizeof p) ? 1 : 0;
+}
+
+ncclResult_t ncclGroupStart(void) {
+    group_depth++;
+    return 0;
+}
+
+ncclResult_t ncclGroupEnd(void) {
+    if (group_depth == 0) {
+        fakehip_add_violation("ncclGroupEnd", "fake RCCL: ncclGroupEnd without ncclGroupStart");
+        return 5; /* ncclInvalidUsage */
+    }
+    if (--group_depth > 0) return 0;
+    int n = group_len, err = group_error;
+    group_len = 0;
+    group_error = 0;
+    if (err) return err; /* the group is discarded, as NCCL does after a call in it failed */
+    ncclResult_t st = 0;
+    /* Sends first, then everything else in order: every send is posted before any receive waits. */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < n; i++) {
+            int is_send = group_calls[i].p.op.kind == SEND;
+            if (is_send != (pass == 0)) continue;
+            if (fakehip_enqueue(group_calls[i].stream, post, &group_calls[i].p, sizeof group_calls[i].p) && !st) st = 1;
+        }
+    return st;
 }
 
 ncclResult_t ncclGetVersion(int* v) { *v = FAKE_VERSION; return 0; }
@@ -351,8 +447,6 @@ ncclResult_t ncclCommGetAsyncError(void* c, int* e) { (void)c; *e = async_error;
 ncclResult_t ncclCommAbort(void* c) { free(c); aborted++; return 0; }
 const char* ncclGetErrorString(int s) { return s == 4 ? "invalid argument (fake RCCL)" : s == 1 ? "unhandled cuda error (fake RCCL)" : "error (fake RCCL)"; }
 const char* ncclGetLastError(void* c) { (void)c; return ""; }
-ncclResult_t ncclGroupStart(void) { return 0; }
-ncclResult_t ncclGroupEnd(void) { return 0; }
 ncclResult_t ncclAllReduce(const void* s, void* r, size_t n, int t, int op, void* c, void* st) {
     return submit(c, ALL_REDUCE, s, r, n, t, op, 0, 0, st);
 }
@@ -403,4 +497,73 @@ ncclResult_t ncclCommWindowRegister(void* c, void* p, size_t n, void** w, int fl
     return registration("ncclCommWindowRegister");
 }
 ncclResult_t ncclCommWindowDeregister(void* c, void* w) { (void)c, (void)w; return registration("ncclCommWindowDeregister"); }
+#endif
+
+/* ncclCommSplit: collective over the parent. The last rank to arrive makes one new clique per color and hands each
+ * member its communicator, ranked by (key, parent rank); the others wait for it. */
+static int split_done(struct clique* c, const void* a) { return c->split.generation != *(const uint64_t*)a; }
+static ncclResult_t fake_comm_split(void* comm, int color, int key, void** out, void* config) {
+    struct comm* cm = comm;
+    (void)config;
+    if (!cm || !out || color < -1 || key < 0) return 4;
+    if (group_depth > 0) fakehip_add_violation("ncclCommSplit", "fake RCCL: ncclCommSplit inside a group");
+    struct clique* c = cm->c;
+    pthread_mutex_lock(&c->mu);
+    c->split.color[cm->rank] = color;
+    c->split.key[cm->rank] = key;
+    uint64_t gen = c->split.generation;
+    if (++c->split.arrived == c->n) {
+        for (int r = 0; r < c->n; r++) c->split.out[r] = NULL;
+        for (int r = 0; r < c->n; r++) {
+            int col = c->split.color[r];
+            if (col < 0 || c->split.out[r]) continue;
+            /* Members of this color in (key, parent rank) order: a selection sort over at most MAX_RANKS. */
+            int members[MAX_RANKS], m = 0;
+            for (int q = 0; q < c->n; q++)
+                if (c->split.color[q] == col) members[m++] = q;
+            for (int i = 0; i < m; i++)
+                for (int j = i + 1; j < m; j++)
+                    if (c->split.key[members[j]] < c->split.key[members[i]] ||
+                        (c->split.key[members[j]] == c->split.key[members[i]] && members[j] < members[i])) {
+                        int t = members[i];
+                        members[i] = members[j];
+                        members[j] = t;
+                    }
+            struct clique* nc = calloc(1, sizeof *nc);
+            nc->n = m;
+            nc->joined = m;
+            pthread_mutex_init(&nc->mu, NULL);
+            pthread_cond_init(&nc->cv, NULL);
+            for (int i = 0; i < m; i++) {
+                struct comm* sub = calloc(1, sizeof *sub);
+                sub->c = nc;
+                sub->rank = i;
+                c->split.out[members[i]] = sub;
+            }
+        }
+        c->split.arrived = 0;
+        c->split.generation++;
+        pthread_cond_broadcast(&c->cv);
+    } else if (!wait_until(c, split_done, &gen, "ncclCommSplit")) {
+        pthread_mutex_unlock(&c->mu);
+        return 1;
+    }
+    *out = c->split.out[cm->rank];
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
+
+#ifdef HAVE_ncclCommSplit
+ncclResult_t ncclCommSplit(void* c, int color, int key, void** out, void* config) {
+    return fake_comm_split(c, color, key, out, config);
+}
+#else
+/* tests/support/fake_hip.rs appends `int ncclCommSplit(void) { return 0; }` after this file for every release
+ * that exports ncclCommSplit (it is not among its guarded symbols): this macro turns that stub into the real entry
+ * point, so the symbol exists exactly for those releases. */
+#define ncclCommSplit(stub_params)                                                                              \
+    ncclCommSplit(void* c, int color, int key, void** out, void* config) {                                      \
+        return fake_comm_split(c, color, key, out, config);                                                     \
+    }                                                                                                           \
+    static inline int fakerccl_unused_split_stub(stub_params)
 #endif

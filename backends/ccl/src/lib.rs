@@ -11,6 +11,8 @@
 //!   assembles the GPU backends' reports ([`caps::gpu_backend_report`], [`caps::gpu_runtime`]).
 //! - [`rank`]: one rank's collectives, barrier, query, wait and symmetric buffers, written once for the CUDA and
 //!   ROCm backends ([`CclRank`]).
+//! - [`ccl_bootstrap`]: a [`anyccl_core::Bootstrap`] over a rank's own communicator ([`CclBootstrap`]), so that
+//!   sub-communicators (and anything else that needs every rank's bytes) set up with no port of their own.
 //! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
 //!   backend's [`GpuAllocation`]), and the runtime the shared layers need of a backend ([`GpuRuntime`]).
 //! - [`gpu`]: the GPU communicator of both vendors ([`gpu::GpuComm`]) over a per-vendor [`gpu::GpuPlatform`]: the
@@ -21,6 +23,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod caps;
+pub mod ccl_bootstrap;
 pub mod device;
 pub mod find;
 pub mod gpu;
@@ -34,6 +37,7 @@ use std::sync::Arc;
 use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 
 pub use caps::derive as derive_capabilities;
+pub use ccl_bootstrap::CclBootstrap;
 pub use device::{GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
@@ -591,6 +595,51 @@ impl CclComm {
     fn missing(&self, symbol: &str) -> Error {
         missing_symbol(&self.lib, symbol)
     }
+
+    /// `ncclCommSplit`: the ranks that pass the same `color` form a new communicator, ranked by `(key, rank
+    /// here)`; a rank that passes `None` (`NCCL_SPLIT_NOCOLOR`) gets `Ok(None)`. Collective over this
+    /// communicator; blocking (the default configuration). A library without the symbol (NCCL < 2.18) is refused
+    /// with [`Error::Unsupported`] naming it, before anything is called. `color` and `key` must fit a
+    /// non-negative `int`.
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<CclComm>> {
+        let f = self.lib.table().optional.comm_split.ok_or_else(|| self.missing("ncclCommSplit"))?;
+        let max = i32::MAX as u64;
+        let c = match color {
+            None => sys::NCCL_SPLIT_NOCOLOR,
+            Some(c) => c_int::try_from(c).map_err(|_| InvalidArgument::OutOfRange {
+                what: "split color",
+                value: c.into(),
+                min: 0,
+                max,
+            })?,
+        };
+        let k = c_int::try_from(key).map_err(|_| InvalidArgument::OutOfRange {
+            what: "split key",
+            value: key.into(),
+            min: 0,
+            max,
+        })?;
+        let mut new: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `f` is the library's ncclCommSplit; the communicator is live, the library writes one handle
+        // through the valid pointer, and a null configuration asks for the default (blocking) one.
+        let st = unsafe { f(self.live()?, c, k, &mut new, std::ptr::null_mut()) };
+        self.status("ncclCommSplit", st)?;
+        match (color, new.is_null()) {
+            (Some(_), false) => Ok(Some(CclComm { lib: self.lib.clone(), comm: new })),
+            (None, true) => Ok(None),
+            (Some(c), true) => Err(Error::backend(
+                backend_name(&self.lib),
+                "ncclCommSplit",
+                None,
+                format!("returned success but no communicator for color {c}"),
+            )),
+            (None, false) => {
+                // Not what NCCL documents; own the handle so it is destroyed, not leaked.
+                drop(CclComm { lib: self.lib.clone(), comm: new });
+                Ok(None)
+            }
+        }
+    }
 }
 
 /// A registered symmetric window (`ncclWindow_t`).
@@ -612,6 +661,7 @@ fn missing_symbol(lib: &CclLibrary, symbol: &str) -> Error {
     let capability = match symbol {
         "ncclMemAlloc" | "ncclMemFree" => "ccl-mem-alloc",
         "ncclCommWindowRegister" | "ncclCommWindowDeregister" => "symmetric-windows",
+        "ncclCommSplit" => "comm-split",
         _ => "ccl",
     };
     Error::Unsupported {

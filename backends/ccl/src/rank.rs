@@ -614,3 +614,124 @@ impl<B> SymmetricBuffer<B> {
         &mut self.view
     }
 }
+
+/// One operation of a grouped point-to-point call, as the library takes it.
+struct GroupOp {
+    recv: bool,
+    ptr: u64,
+    count: usize,
+    dtype: DataType,
+    peer: usize,
+}
+
+impl GroupOp {
+    /// `"send of 16 × f32 to rank 2"`.
+    fn describe(&self) -> String {
+        let (kind, dir) = if self.recv { ("receive", "from") } else { ("send", "to") };
+        format!("{kind} of {} × {} {dir} rank {}", self.count, self.dtype, self.peer)
+    }
+}
+
+/// `e`, saying which operation `i` of a group of `n` it is the error of.
+fn in_group(e: Error, i: usize, n: usize, op: &GroupOp) -> Error {
+    let what = format!("operation {i} of {n} in a group: {}", op.describe());
+    match e {
+        Error::Backend { backend, call, code, message } => {
+            Error::Backend { backend, call: format!("{call} ({what})"), code, message }
+        }
+        Error::PeerFailure(m) => Error::PeerFailure(format!("{what}: {m}")),
+        other => other,
+    }
+}
+
+impl CclRank {
+    /// A grouped point-to-point call: `ncclGroupStart`, one `ncclSend`/`ncclRecv` per operation in the caller's
+    /// order, `ncclGroupEnd`, so that the library runs them as one and a rank may list a receive before the send
+    /// its peer waits for. Every element type is mapped before the group opens; `ncclGroupEnd` is called whatever
+    /// happens once it is open, and an operation the library refuses is returned as the error, naming it (its
+    /// index, kind, size and peer).
+    ///
+    /// # Safety
+    /// `args` was made by the `Communicator` of the backend that holds this rank (every buffer holds its
+    /// operation's elements on this rank's device; receive buffers overlap nothing else of the group).
+    pub unsafe fn p2p<B: CclBackend + ?Sized>(&self, mut args: anyccl_core::comm::P2pArgs<'_, '_, B>) -> Result<()> {
+        use anyccl_core::comm::P2pItem;
+        let stream = args.stream().ccl_handle();
+        let mut ops = Vec::new();
+        ops.try_reserve_exact(args.len())
+            .map_err(|_| Error::OutOfMemory { what: "a point-to-point group".into(), bytes: args.len() as u64 })?;
+        for item in args.items() {
+            ops.push(match item {
+                P2pItem::Send(s) => GroupOp {
+                    recv: false,
+                    ptr: s.buf().device_addr(),
+                    count: s.count(),
+                    dtype: s.dtype(),
+                    peer: s.peer(),
+                },
+                P2pItem::Recv(r) => {
+                    let (count, dtype, peer) = (r.count(), r.dtype(), r.peer());
+                    GroupOp { recv: true, ptr: r.into_buf().device_addr(), count, dtype, peer }
+                }
+            });
+        }
+        let lib = self.ccl.library();
+        for op in &ops {
+            crate::nccl_dtype(lib, op.dtype)?;
+        }
+        let n = ops.len();
+        crate::group_start(lib)?;
+        let mut failed = None;
+        for (i, op) in ops.iter().enumerate() {
+            // SAFETY: the caller's contract: each buffer holds `count` elements of this device for the group.
+            let r = unsafe {
+                if op.recv {
+                    self.ccl.recv(op.ptr as *mut c_void, op.count, op.dtype, op.peer, stream)
+                } else {
+                    self.ccl.send(op.ptr as *const c_void, op.count, op.dtype, op.peer, stream)
+                }
+            };
+            if let Err(e) = r {
+                failed = Some(in_group(e, i, n, op));
+                break;
+            }
+        }
+        let ended = crate::group_end(lib);
+        match (failed, ended) {
+            (Some(e), ended) => {
+                if let Err(end) = ended {
+                    tracing::warn!(error = %end, "ncclGroupEnd after a failed operation of the group failed too");
+                }
+                Err(e)
+            }
+            (None, Err(Error::Backend { backend, call, code, message })) => Err(Error::Backend {
+                backend,
+                call: format!("{call} (a group of {n} sends and receives)"),
+                code,
+                message,
+            }),
+            (None, ended) => ended,
+        }
+    }
+
+    /// A sub-communicator over `ncclCommSplit` ([`CclComm::split`]): the ranks with the same `color` form a new
+    /// communicator, ranked by `(key, rank here)`; `None` for a rank that passes no color. Collective over this
+    /// communicator. Refused with [`Error::Unsupported`] and the reason (`ncclCommSplit` missing from the loaded
+    /// release, NCCL < 2.18, or turned off) where `caps` has [`Capabilities::COMM_SPLIT`] off, before the library
+    /// is asked. The new rank has no symmetric windows; its rank and world are the library's answer.
+    pub fn split(&self, caps: &CapabilityReport, color: Option<u32>, key: u32) -> Result<Option<CclRank>> {
+        caps.require(Capabilities::COMM_SPLIT)?;
+        let Some(comm) = self.ccl.split(color, key)? else { return Ok(None) };
+        let (rank, world) = (comm.user_rank()?, comm.count()?);
+        if world == 0 || rank >= world {
+            return Err(Error::backend(
+                crate::backend_name(comm.library()),
+                "ncclCommSplit",
+                None,
+                format!("made a communicator that reports rank {rank} of {world}"),
+            ));
+        }
+        tracing::debug!(parent_rank = self.rank, parent_world = self.world, rank, world, ?color, key, "split");
+        Ok(Some(CclRank::new(comm, rank, world)))
+    }
+}

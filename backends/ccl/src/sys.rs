@@ -31,6 +31,8 @@ pub struct ncclUniqueId {
 pub const NCCL_SUCCESS: ncclResult_t = 0;
 /// `ncclInProgress` (non-blocking communicators).
 pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
+/// `NCCL_SPLIT_NOCOLOR`: the color of a rank that joins no communicator in `ncclCommSplit`.
+pub const NCCL_SPLIT_NOCOLOR: c_int = -1;
 /// `NCCL_WIN_COLL_SYMMETRIC`.
 pub const NCCL_WIN_COLL_SYMMETRIC: c_int = 0x1;
 

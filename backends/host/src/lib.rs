@@ -43,13 +43,14 @@ pub use reduce::Op as HostReduction;
 mod sync;
 
 use std::borrow::{Borrow, BorrowMut};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use anyccl_core::comm::{
-    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
+    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, P2pArgs, P2pItem, RecvArgs, ReduceArgs,
+    ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error, InOut,
@@ -258,6 +259,72 @@ struct Shared {
     /// Point-to-point mailboxes, index `src * world + dst`.
     mail: Vec<Mutex<VecDeque<Vec<u8>>>>,
     caps: CapabilityReport,
+    /// Sub-communicators being handed out by a split ([`HostComm`]'s `split`): the leader's parent rank → the new
+    /// group (or why it could not be made) and how many members have yet to take it.
+    splits: Mutex<HashMap<usize, Handout>>,
+}
+
+/// A sub-communicator's shared state being handed out by a split (or why it could not be made), and how many of
+/// its members have yet to take it.
+type Handout = (Result<Arc<Shared>>, usize);
+
+impl Shared {
+    /// The shared state of a new group of `world` ranks.
+    fn new(world: usize) -> Result<Arc<Shared>> {
+        if world == 0 {
+            return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
+        }
+        // One mailbox per (sender, receiver): world² of them, so the count is checked and reserved fallibly.
+        let boxes = world.checked_mul(world).ok_or_else(|| {
+            Error::from(InvalidArgument::BadWorld(format!("a host group of {world} ranks needs {world}² mailboxes")))
+        })?;
+        let mut mail = Vec::new();
+        mail.try_reserve_exact(boxes)
+            .map_err(|_| out_of_memory::<Mutex<VecDeque<Vec<u8>>>>(boxes, "the host mailboxes"))?;
+        mail.extend((0..boxes).map(|_| Mutex::new(VecDeque::new())));
+        let mut staging = Vec::new();
+        staging.try_reserve_exact(world).map_err(|_| out_of_memory::<Staging>(world, "the host staging buffers"))?;
+        staging.extend((0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]));
+        Ok(Arc::new(Shared {
+            world,
+            sync: GroupSync::new(world),
+            staging,
+            mail,
+            caps: host_capabilities(),
+            splits: Mutex::new(HashMap::new()),
+        }))
+    }
+}
+
+/// The ranks of the sub-communicator of `color` in a split where rank `q` passed `entries[q]` (its color, or
+/// `None`, and its key): their ranks in the parent, ordered by `(key, parent rank)` (the new ranks' order).
+pub(crate) fn split_members(entries: &[(Option<u32>, u32)], color: u32) -> Vec<usize> {
+    let mut members: Vec<(u32, usize)> =
+        entries.iter().enumerate().filter(|(_, e)| e.0 == Some(color)).map(|(q, e)| (e.1, q)).collect();
+    members.sort_unstable();
+    members.into_iter().map(|(_, q)| q).collect()
+}
+
+/// One rank's part of a split, as sent to its peers: whether it has a color, the color and the key.
+pub(crate) fn split_entry(color: Option<u32>, key: u32) -> [u8; 9] {
+    let mut e = [0u8; 9];
+    e[0] = u8::from(color.is_some());
+    e[1..5].copy_from_slice(&color.unwrap_or(0).to_le_bytes());
+    e[5..9].copy_from_slice(&key.to_le_bytes());
+    e
+}
+
+/// A peer's split entry ([`split_entry`]), or why it is malformed.
+pub(crate) fn parse_split_entry(q: usize, b: &[u8]) -> Result<(Option<u32>, u32)> {
+    let bad = || Error::PeerFailure(format!("rank {q} sent a malformed split request ({} bytes)", b.len()));
+    let e: [u8; 9] = b.get(..9).and_then(|b| b.try_into().ok()).ok_or_else(bad)?;
+    let color = u32::from_le_bytes([e[1], e[2], e[3], e[4]]);
+    let key = u32::from_le_bytes([e[5], e[6], e[7], e[8]]);
+    match e[0] {
+        0 => Ok((None, key)),
+        1 => Ok((Some(color), key)),
+        _ => Err(bad()),
+    }
 }
 
 /// One rank of a host communicator group. Create a group with [`create_group`] or [`communicators`], move each
@@ -308,21 +375,7 @@ pub struct HostComm {
 
 /// Creates the backends of a group of `world` ranks (index = rank).
 pub fn create_group(world: usize, timeout: Duration) -> Result<Vec<HostComm>> {
-    if world == 0 {
-        return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
-    }
-    // One mailbox per (sender, receiver): world² of them, so the count is checked and reserved fallibly.
-    let boxes = world.checked_mul(world).ok_or_else(|| {
-        Error::from(InvalidArgument::BadWorld(format!("a host group of {world} ranks needs {world}² mailboxes")))
-    })?;
-    let mut mail = Vec::new();
-    mail.try_reserve_exact(boxes)
-        .map_err(|_| out_of_memory::<Mutex<VecDeque<Vec<u8>>>>(boxes, "the host mailboxes"))?;
-    mail.extend((0..boxes).map(|_| Mutex::new(VecDeque::new())));
-    let mut staging = Vec::new();
-    staging.try_reserve_exact(world).map_err(|_| out_of_memory::<Staging>(world, "the host staging buffers"))?;
-    staging.extend((0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]));
-    let shared = Arc::new(Shared { world, sync: GroupSync::new(world), staging, mail, caps: host_capabilities() });
+    let shared = Shared::new(world)?;
     Ok((0..world).map(|rank| HostComm { rank, shared: shared.clone(), runtime: HostRuntime, timeout }).collect())
 }
 
@@ -651,6 +704,69 @@ impl CommBackend for HostComm {
         }
         args.into_buf()[..bytes].copy_from_slice(&msg);
         Ok(())
+    }
+
+    fn p2p(&mut self, mut args: P2pArgs<'_, '_, Self>) -> Result<()> {
+        // A send only queues a copy for its peer: with every send posted first, each receive that follows is
+        // matched whatever the order of the operations on each rank.
+        for item in args.items() {
+            if let P2pItem::Send(s) = item {
+                self.send(s)?;
+            }
+        }
+        for item in args.items() {
+            if let P2pItem::Recv(r) = item {
+                self.recv(r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The ranks exchange their (color, key) through the staging buffers; the first member of each color (in the
+    /// new order) makes the new group's shared state and hands it to the others through the parent's state.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        let world = self.world();
+        self.publish(0, &split_entry(color, key))?;
+        self.barrier_wait()?;
+        let entries = (0..world)
+            .map(|q| {
+                let g = self.staged(q, 0);
+                parse_split_entry(q, bytes_of(&g, 9))
+            })
+            .collect::<Result<Vec<_>>>();
+        let mine = match (&entries, color) {
+            (Ok(entries), Some(c)) => Some(split_members(entries, c)),
+            _ => None,
+        };
+        if let Some(members) = mine.as_ref().filter(|m| m.first() == Some(&self.rank)) {
+            let made = Shared::new(members.len());
+            let mut splits = self.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
+            splits.insert(self.rank, (made, members.len()));
+        }
+        // Every rank has read every entry, and every leader has left its group, past this barrier.
+        self.barrier_wait()?;
+        entries?;
+        let Some(members) = mine else { return Ok(None) };
+        // This rank passed `color`, so it is one of `members`.
+        let me = self.rank;
+        let rank = members
+            .iter()
+            .position(|q| *q == me)
+            .ok_or_else(|| reduce::internal(format!("rank {me} is not in its own split")))?;
+        let leader = members[0];
+        let shared = {
+            let mut splits = self.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = splits.get_mut(&leader).ok_or_else(|| {
+                reduce::internal(format!("rank {leader} left no sub-communicator for color {color:?}"))
+            })?;
+            let got = entry.0.clone();
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                splits.remove(&leader);
+            }
+            got?
+        };
+        Ok(Some(HostComm { rank, shared, runtime: HostRuntime, timeout: self.timeout }))
     }
 
     fn barrier(&mut self, _stream: &()) -> Result<()> {

@@ -16,6 +16,15 @@
 //! connecting peer proves itself with a random token exchanged over the bootstrap before its messages are
 //! accepted. The barrier runs on the shared-memory counters.
 //!
+//! **Groups and sub-communicators.** A grouped send/receive ([`anyccl_core::Communicator::p2p`]) writes its sends on
+//! one thread per destination while the calling thread receives in the group's order, so a group completes
+//! whatever the order of its operations on each rank (plain blocking sends of messages larger than a socket's
+//! buffer, each rank sending before it receives, would stall). A split ([`anyccl_core::Communicator::split`])
+//! exchanges every rank's color and key over this communicator's shared memory, then sets every color's new
+//! communicator up side by side over the parent's own collectives (each setup step is one all-gather of the
+//! whole parent, every rank taking its own color's part): no new rendezvous or port. The new communicator has its
+//! own segments and mesh, and outlives its parent if need be.
+//!
 //! **Failure.** A wait for peers spins briefly, then yields, then sleeps (at most 1 ms at a time), and gives up
 //! after [`HostOptions::timeout`]: a rank whose process died makes its peers fail with [`Error::PeerFailure`]
 //! naming it (its point-to-point connection hangs up) within milliseconds, a rank that stalls with
@@ -37,9 +46,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyccl_core::bootstrap::{checked_all_gather, Bootstrap};
+use anyccl_core::bootstrap::{all_gather_padded, checked_all_gather, Bootstrap, MAX_PADDED_PAYLOAD};
 use anyccl_core::comm::{
-    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, RecvArgs, ReduceArgs, ReduceScatterArgs, SendArgs,
+    AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, P2pArgs, P2pItem, RecvArgs, ReduceArgs,
+    ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
     Algorithm, CapabilityReport, CommBackend, Communicator, DataType, Error, InvalidArgument, ReduceOp, Result, Vendor,
@@ -47,7 +57,9 @@ use anyccl_core::{
 
 use crate::reduce::{cast, cast_mut, internal, reduce_into, resolve, with_type, Op, Reducible};
 use crate::shm::{Desc, Kind, ShmConfig, ShmGroup};
-use crate::{host_capabilities, split_io, HostBuffer, HostOptions, HostRuntime};
+use crate::{
+    host_capabilities, parse_split_entry, split_entry, split_io, split_members, HostBuffer, HostOptions, HostRuntime,
+};
 
 /// The all-reduce algorithm of the process backend: every rank reads every rank's chunk from shared memory and
 /// reduces it locally.
@@ -64,8 +76,11 @@ const TOKEN_LEN: usize = 32;
 pub struct ProcessComm {
     rank: usize,
     world: usize,
-    /// The bootstrap the communicator was set up over, kept (not closed) for the communicator's lifetime.
-    _boot: Box<dyn Bootstrap + Send>,
+    /// The bootstrap the communicator was set up over, kept (not closed) for the communicator's lifetime; `None`
+    /// for a sub-communicator, which was set up over its parent's collectives.
+    _boot: Option<Box<dyn Bootstrap + Send>>,
+    /// The options it was made with, for its sub-communicators.
+    options: HostOptions,
     /// Stream to and from each peer (`None` at this rank's own index).
     peers: Vec<Option<UnixStream>>,
     /// A message header read from a peer whose length did not match the receive: the payload waits in the stream
@@ -87,8 +102,9 @@ pub fn communicator_over(
     bootstrap: Box<dyn Bootstrap + Send>,
     options: HostOptions,
 ) -> Result<Communicator<ProcessComm>> {
-    let comm = ProcessComm::new(bootstrap, &options)?;
-    Ok(Communicator::new(comm, options.selector))
+    let selector = options.selector.clone();
+    let comm = ProcessComm::new(bootstrap, options)?;
+    Ok(Communicator::new(comm, selector))
 }
 
 /// A host communicator for a rank started by `torchrun` (or a launcher setting the same variables): joins the
@@ -130,7 +146,14 @@ impl Drop for RemoveDir {
 }
 
 impl ProcessComm {
-    fn new(mut boot: Box<dyn Bootstrap + Send>, options: &HostOptions) -> Result<Self> {
+    fn new(mut boot: Box<dyn Bootstrap + Send>, options: HostOptions) -> Result<Self> {
+        let mut comm = Self::setup(boot.as_mut(), options)?;
+        comm._boot = Some(boot);
+        Ok(comm)
+    }
+
+    /// Sets a communicator up over `boot`, which is needed only while this runs.
+    fn setup(boot: &mut dyn Bootstrap, options: HostOptions) -> Result<Self> {
         let (rank, world) = (boot.rank(), boot.world());
         if world == 0 || rank >= world {
             return Err(InvalidArgument::BadWorld(format!("bootstrap rank {rank} of world {world}")).into());
@@ -140,7 +163,7 @@ impl ProcessComm {
         crate::shm::checked_capacity(options.shm_capacity, world)?;
         // Shared memory and Unix sockets need every rank on this host: say so before trying either.
         if world > 1 {
-            if let Err(why) = anyccl_core::topology::check_one_host(boot.as_mut(), &|k| std::env::var(k).ok())? {
+            if let Err(why) = anyccl_core::topology::check_one_host(boot, &|k| std::env::var(k).ok())? {
                 return Err(Error::Unsupported {
                     capability: "host-processes".into(),
                     reason: anyccl_core::Reason::Unavailable {
@@ -158,20 +181,21 @@ impl ProcessComm {
         for _ in 0..world {
             scratch.push(HostBuffer::try_zeroed(sub)?);
         }
-        let peers = if world > 1 { mesh(boot.as_mut(), rank, world, timeout)? } else { vec![None] };
+        let peers = if world > 1 { mesh(boot, rank, world, timeout)? } else { vec![None] };
         let liveness = peers
             .iter()
             .map(|p| p.as_ref().map(UnixStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| io_error("duplicating a point-to-point stream", e))?;
         let cfg = ShmConfig { capacity: options.shm_capacity, dir: options.shm_dir.clone(), timeout };
-        let shm = ShmGroup::new(boot.as_mut(), &cfg, liveness)?;
+        let shm = ShmGroup::new(boot, &cfg, liveness)?;
         tracing::debug!(rank, world, "host communicator over a bootstrap is up");
         let pending = vec![None; world];
         Ok(ProcessComm {
             rank,
             world,
-            _boot: boot,
+            _boot: None,
+            options,
             peers,
             pending,
             shm,
@@ -182,11 +206,147 @@ impl ProcessComm {
         })
     }
 
-    fn peer(&mut self, peer: usize) -> Result<&mut UnixStream> {
-        self.peers
-            .get_mut(peer)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| peer_failure(format!("rank {peer} has no point-to-point connection")))
+    /// All-gathers `input.len()` bytes per rank into `out` through shared memory (the all-gather collective).
+    fn gather_raw(&mut self, input: Option<&[u8]>, buf: &mut [u8], part: usize) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
+        let own = rank * part..(rank + 1) * part;
+        self.shm
+            .run(|shm| {
+                if let Some(i) = input {
+                    buf[own.clone()].copy_from_slice(&i[..part]);
+                }
+                let cap = shm.capacity();
+                for (k, o) in chunk_starts(part, cap) {
+                    let len = cap.min(part - o);
+                    let mine = &buf[own.start + o..own.start + o + len];
+                    shm.exchange(Desc::new(Kind::AllGather, part, k), |w| w.put(0, mine))?;
+                    for q in (0..world).filter(|q| *q != rank) {
+                        shm.read(q, 0, &mut buf[q * part + o..q * part + o + len])?;
+                    }
+                    shm.done()?;
+                }
+                Ok(())
+            })
+            .map_err(|e| at(rank, "all-gather", e))
+    }
+
+    /// Every rank's `mine` (at most [`MAX_PADDED_PAYLOAD`] bytes), over this communicator's own all-gather.
+    fn exchange_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let (rank, world) = (self.rank, self.world);
+        all_gather_padded(rank, world, mine, MAX_PADDED_PAYLOAD, |input, out| {
+            self.gather_raw(Some(input), out, input.len())
+        })
+    }
+}
+
+/// Reads one message of `buf.len()` bytes from `rank`'s stream to `peer`. `pending` holds the length of a message
+/// whose header was read by an earlier receive that did not match it (its payload waits in the stream): a
+/// mismatched receive is refused with [`InvalidArgument::MessageMismatch`] and loses nothing.
+fn read_message(
+    s: &UnixStream,
+    pending: &mut Option<usize>,
+    (rank, peer): (usize, usize),
+    timeout: Duration,
+    buf: &mut [u8],
+) -> Result<()> {
+    let failed = |e: std::io::Error| {
+        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            Error::Timeout { what: format!("rank {rank}'s message from rank {peer}"), after: timeout }
+        } else {
+            io_error(&format!("rank {rank}'s message from rank {peer}"), e)
+        }
+    };
+    let mut s = s;
+    let got = match pending.take() {
+        Some(got) => got,
+        None => {
+            let mut len = [0u8; 8];
+            s.read_exact(&mut len).map_err(failed)?;
+            usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX)
+        }
+    };
+    if got != buf.len() {
+        *pending = Some(got);
+        return Err(InvalidArgument::MessageMismatch { peer, got, expected: buf.len() }.into());
+    }
+    s.read_exact(buf).map_err(failed)
+}
+
+/// Writes one message (its length, then its bytes) on `rank`'s stream to `peer`. A peer that does not read for
+/// the stream's write timeout (`timeout`) is [`Error::Timeout`].
+fn write_message(s: &UnixStream, (rank, peer): (usize, usize), timeout: Duration, msg: &[u8]) -> Result<()> {
+    let mut s = s;
+    s.write_all(&(msg.len() as u64).to_le_bytes()).and_then(|()| s.write_all(msg)).map_err(|e| {
+        let what = format!("rank {rank}'s message to rank {peer} (the peer is not receiving)");
+        if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
+            Error::Timeout { what, after: timeout }
+        } else {
+            io_error(&format!("rank {rank}'s message to rank {peer}"), e)
+        }
+    })
+}
+
+/// The stream to `peer`, or why there is none.
+fn stream_to(peers: &[Option<UnixStream>], peer: usize) -> Result<&UnixStream> {
+    peers
+        .get(peer)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| peer_failure(format!("rank {peer} has no point-to-point connection")))
+}
+
+/// Frame tags of a split's setup rounds ([`Lockstep`]).
+const ROUND_PAYLOAD: u8 = 0;
+const ROUND_DONE: u8 = 1;
+const ROUND_FAILED: u8 = 2;
+
+/// The bootstrap a sub-communicator is set up over: every rank of the parent takes part in every round (an
+/// all-gather over the parent's shared memory), each taking its own members' contributions, so that the setups of
+/// all colors run side by side over one parent. A rank whose setup has ended keeps joining rounds
+/// ([`finish_rounds`]) until every rank's has.
+struct Lockstep<'p> {
+    parent: &'p mut ProcessComm,
+    /// The members' parent ranks, in new-rank order.
+    members: Vec<usize>,
+    /// This rank in the new communicator.
+    me: usize,
+}
+
+impl Bootstrap for Lockstep<'_> {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn world(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let mut frame = Vec::new();
+        frame.try_reserve_exact(mine.len() + 1).map_err(|_| internal("no memory for a split round".into()))?;
+        frame.push(ROUND_PAYLOAD);
+        frame.extend_from_slice(mine);
+        let all = self.parent.exchange_bytes(&frame)?;
+        self.members
+            .iter()
+            .enumerate()
+            .map(|(i, q)| match all.get(*q).map(|e| e.split_first()) {
+                Some(Some((&ROUND_PAYLOAD, payload))) => Ok(payload.to_vec()),
+                _ => Err(peer_failure(format!(
+                    "rank {i} of the new communicator (rank {q} of its parent) ended its setup early (it failed)"
+                ))),
+            })
+            .collect()
+    }
+}
+
+/// Joins the parent's setup rounds ([`Lockstep`]) with nothing to contribute until every rank's setup has ended.
+fn finish_rounds(parent: &mut ProcessComm, ok: bool) -> Result<()> {
+    let tag = if ok { ROUND_DONE } else { ROUND_FAILED };
+    loop {
+        let all = parent.exchange_bytes(&[tag])?;
+        if all.iter().all(|e| e.first() != Some(&ROUND_PAYLOAD)) {
+            return Ok(());
+        }
     }
 }
 
@@ -331,26 +491,7 @@ impl CommBackend for ProcessComm {
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
         let part = args.count() * args.dtype().size_bytes();
         let (input, buf) = split_io(args.into_bufs());
-        let (rank, world) = (self.rank, self.world);
-        let own = rank * part..(rank + 1) * part;
-        self.shm
-            .run(|shm| {
-                if let Some(i) = input {
-                    buf[own.clone()].copy_from_slice(&i[..part]);
-                }
-                let cap = shm.capacity();
-                for (k, o) in chunk_starts(part, cap) {
-                    let len = cap.min(part - o);
-                    let mine = &buf[own.start + o..own.start + o + len];
-                    shm.exchange(Desc::new(Kind::AllGather, part, k), |w| w.put(0, mine))?;
-                    for q in (0..world).filter(|q| *q != rank) {
-                        shm.read(q, 0, &mut buf[q * part + o..q * part + o + len])?;
-                    }
-                    shm.done()?;
-                }
-                Ok(())
-            })
-            .map_err(|e| at(rank, "all-gather", e))
+        self.gather_raw(input, buf, part)
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
@@ -434,39 +575,96 @@ impl CommBackend for ProcessComm {
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
         let (peer, bytes) = (args.peer(), args.bytes());
-        let rank = self.rank;
-        let s = self.peer(peer)?;
-        let len = (bytes as u64).to_le_bytes();
-        s.write_all(&len)
-            .and_then(|()| s.write_all(&args.buf()[..bytes]))
-            .map_err(|e| io_error(&format!("rank {rank}'s message to rank {peer}"), e))
+        write_message(stream_to(&self.peers, peer)?, (self.rank, peer), self.timeout, &args.buf()[..bytes])
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         let (peer, bytes) = (args.peer(), args.bytes());
+        let s = stream_to(&self.peers, peer)?;
+        let pending =
+            self.pending.get_mut(peer).ok_or_else(|| internal(format!("no receive state for rank {peer}")))?;
+        read_message(s, pending, (self.rank, peer), self.timeout, &mut args.into_buf()[..bytes])
+    }
+
+    /// The sends go out on one thread per destination (in the group's order for each), while this thread receives
+    /// in the group's order: a send blocked on a full socket never keeps this rank from receiving, so the group
+    /// completes whatever the order of its operations on each rank.
+    fn p2p(&mut self, mut args: P2pArgs<'_, '_, Self>) -> Result<()> {
         let (rank, timeout) = (self.rank, self.timeout);
-        let pending = self.pending.get_mut(peer).and_then(Option::take);
-        let s = self.peer(peer)?;
-        let failed = |e: std::io::Error| {
-            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) {
-                Error::Timeout { what: format!("rank {rank}'s message from rank {peer}"), after: timeout }
-            } else {
-                io_error(&format!("rank {rank}'s message from rank {peer}"), e)
+        let mut sends: Vec<(usize, &[u8])> = Vec::new();
+        let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
+        for item in args.items() {
+            match item {
+                P2pItem::Send(s) => sends.push((s.peer(), &s.buf()[..s.bytes()])),
+                P2pItem::Recv(r) => {
+                    let (peer, bytes) = (r.peer(), r.bytes());
+                    recvs.push((peer, &mut r.into_buf()[..bytes]));
+                }
             }
-        };
-        let got = match pending {
-            Some(got) => got,
-            None => {
-                let mut len = [0u8; 8];
-                s.read_exact(&mut len).map_err(failed)?;
-                usize::try_from(u64::from_le_bytes(len)).unwrap_or(usize::MAX)
-            }
-        };
-        if got != bytes {
-            self.pending[peer] = Some(got);
-            return Err(InvalidArgument::MessageMismatch { peer, got, expected: bytes }.into());
         }
-        s.read_exact(&mut args.into_buf()[..bytes]).map_err(failed)
+        let (peers, pending) = (&self.peers, &mut self.pending);
+        let receive_all = |pending: &mut Vec<Option<usize>>| -> Result<()> {
+            for (peer, buf) in recvs {
+                let slot =
+                    pending.get_mut(peer).ok_or_else(|| internal(format!("no receive state for rank {peer}")))?;
+                read_message(stream_to(peers, peer)?, slot, (rank, peer), timeout, buf)?;
+            }
+            Ok(())
+        };
+        if sends.is_empty() {
+            return receive_all(pending);
+        }
+        let mut destinations: Vec<usize> = sends.iter().map(|(p, _)| *p).collect();
+        destinations.sort_unstable();
+        destinations.dedup();
+        let streams = destinations.iter().map(|d| stream_to(peers, *d).map(|s| (*d, s))).collect::<Result<Vec<_>>>()?;
+        std::thread::scope(|sc| {
+            let senders: Vec<_> = streams
+                .into_iter()
+                .map(|(d, s)| {
+                    let mine: Vec<&[u8]> = sends.iter().filter(|(p, _)| *p == d).map(|(_, m)| *m).collect();
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("anyccl-host-send-{rank}-{d}"))
+                        .spawn_scoped(sc, move || {
+                            mine.into_iter().try_for_each(|m| write_message(s, (rank, d), timeout, m))
+                        });
+                    spawned.map_err(|e| internal(format!("cannot start a thread to send to rank {d}: {e}")))
+                })
+                .collect();
+            let mut result = receive_all(pending);
+            for h in senders {
+                let sent =
+                    h.and_then(|h| h.join().unwrap_or_else(|_| Err(internal("a sending thread panicked".to_owned()))));
+                if let (Ok(()), Err(e)) = (&result, sent) {
+                    result = Err(e);
+                }
+            }
+            result
+        })
+        .map_err(|e| at(rank, "grouped send/receive", e))
+    }
+
+    /// The ranks exchange (color, key) over this communicator's shared memory, then every color's new
+    /// communicator is set up side by side over the parent's collectives ([`Lockstep`]): no new rendezvous.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        let all = self.exchange_bytes(&split_entry(color, key))?;
+        let entries = all.iter().enumerate().map(|(q, e)| parse_split_entry(q, e)).collect::<Result<Vec<_>>>()?;
+        let Some(c) = color else {
+            finish_rounds(self, true)?;
+            return Ok(None);
+        };
+        let members = split_members(&entries, c);
+        let me = self.rank;
+        let Some(new_rank) = members.iter().position(|q| *q == me) else {
+            return Err(internal(format!("rank {me} is not in its own split")));
+        };
+        let options = self.options.clone();
+        let made = {
+            let mut boot = Lockstep { parent: self, members, me: new_rank };
+            ProcessComm::setup(&mut boot, options)
+        };
+        finish_rounds(self, made.is_ok())?;
+        made.map(Some)
     }
 
     fn barrier(&mut self, _stream: &()) -> Result<()> {

@@ -1,0 +1,535 @@
+//! A drop-in `libnccl`: the whole `nccl.h` API of NCCL 2.28.9 (and its `pnccl*` profiling aliases) as a C
+//! library, `libanyccl_nccl.so`, that forwards every call to the real NCCL (or RCCL) anyccl's library search finds.
+//!
+//! - **Loading**: lazily, once per process, at the first call (thread-safe, [`std::sync::OnceLock`]); see
+//!   [`load`] for the search and how the drop-in never loads itself. Every entry point is resolved then, with
+//!   `dlsym` on the library's own handle; no symbol is looked up afterwards (so never during graph capture).
+//! - **Forwarding**: arguments, results and error codes pass through untouched; `ncclGetVersion` reports the
+//!   underlying version and `ncclGetErrorString` forwards.
+//! - **Failures of its own**: with no library underneath every call returns `ncclSystemError` (2): finding and
+//!   loading an external library is a system failure in `nccl.h`'s terms (`ncclSystemError` is "a system call or
+//!   external library call failed"), and nothing the caller changes in the call fixes it. A function the underlying
+//!   library does not export (an older NCCL; RCCL 7.0 without `ncclCommWindowRegister`) returns `ncclInvalidUsage`
+//!   (5): the program asked for something this installation does not offer, as NCCL answers a feature that is
+//!   turned off; it is never called through a null pointer. A panic inside the drop-in is caught at the boundary and
+//!   returns `ncclInternalError` (3). In each case `ncclGetLastError` on that thread returns the drop-in's text
+//!   (naming the function, the library's path and version, or every place tried) until a later call is forwarded;
+//!   otherwise it forwards too.
+//! - **Logging**: `ANYCCL_LOG=debug` logs each collective and group call with its arguments and what was chosen
+//!   (see [`logging`]).
+//! - **Nothing else**: the drop-in allocates no device memory and registers nothing; `ncclAllReduce` goes through
+//!   one function, [`dispatch_all_reduce`], where anyccl's own algorithms will be chosen later.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::ffi::{c_char, c_int, c_void};
+use std::panic::AssertUnwindSafe;
+use std::sync::OnceLock;
+
+pub mod api;
+pub mod last_error;
+pub mod load;
+pub mod logging;
+
+use api::{Api, Comm, Config, DataTypeName, NcclResult, RedOpName, SimInfo, Stream, UniqueId, Window};
+use last_error::Failure;
+use load::{State, Underlying};
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+thread_local! {
+    static LOADING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The library underneath, loaded at the first call; `Err` says why there is none.
+pub fn underlying() -> Result<&'static Underlying, &'static str> {
+    let state = match STATE.get() {
+        Some(s) => s,
+        None => {
+            // A call back into the drop-in from inside the load (a library initialiser calling an nccl.h function
+            // that resolves to us) would wait for itself: it fails instead.
+            if LOADING.try_with(|l| l.replace(true)).unwrap_or(true) {
+                return Err("the anyccl drop-in NCCL was called again while it was loading the library underneath");
+            }
+            // Cleared however the load ends (a panic in it leaves the cell empty for a later call to retry).
+            struct Loading;
+            impl Drop for Loading {
+                fn drop(&mut self) {
+                    let _ = LOADING.try_with(|l| l.set(false));
+                }
+            }
+            let _loading = Loading;
+            STATE.get_or_init(|| {
+                logging::init();
+                load::load()
+            })
+        }
+    };
+    match state {
+        State::Loaded(u) => Ok(u),
+        State::Missing(why) => Err(why),
+    }
+}
+
+/// The entry point `pick` chooses, or the drop-in's own failure for `name`.
+#[inline]
+fn entry<F>(name: &str, pick: impl FnOnce(&Api) -> Option<F>) -> Result<(F, &'static Underlying), Failure> {
+    match underlying() {
+        Ok(u) => match pick(&u.api) {
+            Some(f) => Ok((f, u)),
+            None => Err(missing(name, u)),
+        },
+        Err(why) => Err(Failure { code: api::NCCL_SYSTEM_ERROR, message: format!("{name}: {why}") }),
+    }
+}
+
+fn missing(name: &str, u: &Underlying) -> Failure {
+    Failure {
+        code: api::NCCL_INVALID_USAGE,
+        message: format!(
+            "{name} is not available: the library under the anyccl drop-in NCCL, {} ({}), does not export it (the \
+             drop-in implements nccl.h {}); nothing was called",
+            u.library.path().display(),
+            u.library.describe(),
+            api::NCCL_H_VERSION
+        ),
+    }
+}
+
+/// Runs `body` for the export `name` with panics caught: its result code, or the drop-in's own failure recorded
+/// for `ncclGetLastError`.
+#[inline]
+fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure>) -> NcclResult {
+    // AssertUnwindSafe: after a panic nothing `body` touched is used again; the call only reports the failure.
+    match std::panic::catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(code)) => {
+            last_error::forwarded();
+            code
+        }
+        Ok(Err(f)) => last_error::record(f),
+        Err(_) => last_error::record(Failure {
+            code: api::NCCL_INTERNAL_ERROR,
+            message: format!("{name}: internal error in the anyccl drop-in NCCL (a panic, caught)"),
+        }),
+    }
+}
+
+/// Both names of a forwarded `nccl.h` function (`ncclX` and `pncclX`), with an optional log statement.
+macro_rules! forward {
+    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?) => {
+        #[doc = concat!("`", stringify!($name), "` of `nccl.h`, forwarded to the underlying library.")]
+        ///
+        /// # Safety
+        /// The arguments must be what `nccl.h` requires of this function; they are passed on untouched.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> NcclResult {
+            guarded(stringify!($name), || {
+                let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                $( tracing::debug!(function = stringify!($name), $($log)*); )?
+                // SAFETY: `f` is the underlying library's own entry point of this name, with nccl.h's signature;
+                // the caller's arguments are passed on as the caller's contract with nccl.h requires.
+                Ok(unsafe { f($($arg),*) })
+            })
+        }
+
+        #[doc = concat!("`", stringify!($pname), "`: the profiling alias of [`", stringify!($name), "`].")]
+        ///
+        /// # Safety
+        #[doc = concat!("As for [`", stringify!($name), "`].")]
+        #[no_mangle]
+        pub unsafe extern "C" fn $pname($($arg: $ty),*) -> NcclResult {
+            guarded(stringify!($name), || {
+                let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                $( tracing::debug!(function = stringify!($pname), $($log)*); )?
+                // SAFETY: as for the `nccl*` name.
+                Ok(unsafe { f($($arg),*) })
+            })
+        }
+    };
+}
+
+/// Marks this library as an anyccl drop-in: a library search that finds this symbol in a candidate never
+/// forwards to it (see [`load`]). Returns 1, the version of this marker.
+#[no_mangle]
+pub extern "C" fn anyccl_nccl_dropin_marker() -> c_int {
+    1
+}
+
+/// What the drop-in forwards to: `"NCCL 2.28.9 /path/libnccl.so.2"`, or an empty string when it found nothing
+/// (then `ncclGetLastError` says why). Loads the library if no call has yet. The text lives as long as the process.
+#[no_mangle]
+pub extern "C" fn anyccl_nccl_dropin_underlying() -> *const c_char {
+    match std::panic::catch_unwind(underlying) {
+        Ok(Ok(u)) => u.description.as_ptr(),
+        _ => c"".as_ptr(),
+    }
+}
+
+forward!(ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) log { size, "forwarded" });
+forward!(ncclMemFree / pncclMemFree(ptr: *mut c_void) log { ?ptr, "forwarded" });
+forward!(ncclGetVersion / pncclGetVersion(version: *mut c_int));
+forward!(ncclGetUniqueId / pncclGetUniqueId(unique_id: *mut UniqueId) log { "forwarded" });
+forward!(
+    ncclCommInitRankConfig / pncclCommInitRankConfig(
+        comm: *mut Comm,
+        nranks: c_int,
+        comm_id: UniqueId,
+        rank: c_int,
+        config: Config,
+    ) log { nranks, rank, "forwarded" }
+);
+forward!(ncclCommInitRank / pncclCommInitRank(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int)
+    log { nranks, rank, "forwarded" });
+forward!(
+    ncclCommInitAll / pncclCommInitAll(
+        comm: *mut Comm,
+        ndev: c_int,
+        devlist: *const c_int,
+    ) log { ndev, "forwarded" }
+);
+forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" });
+forward!(ncclCommDestroy / pncclCommDestroy(comm: Comm) log { ?comm, "forwarded" });
+forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" });
+forward!(ncclCommRevoke / pncclCommRevoke(comm: Comm, revoke_flags: c_int) log { ?comm, revoke_flags, "forwarded" });
+forward!(ncclCommSplit / pncclCommSplit(comm: Comm, color: c_int, key: c_int, newcomm: *mut Comm, config: Config)
+    log { ?comm, color, key, "forwarded" });
+forward!(ncclCommShrink / pncclCommShrink(
+    comm: Comm,
+    exclude_ranks_list: *mut c_int,
+    exclude_ranks_count: c_int,
+    newcomm: *mut Comm,
+    config: Config,
+    shrink_flags: c_int
+) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" });
+forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
+    newcomm: *mut Comm,
+    nranks: c_int,
+    myrank: c_int,
+    n_id: c_int,
+    comm_ids: *mut UniqueId,
+    config: Config
+) log { nranks, myrank, n_id, "forwarded" });
+forward!(ncclCommGetAsyncError / pncclCommGetAsyncError(comm: Comm, async_error: *mut NcclResult));
+forward!(ncclCommCount / pncclCommCount(comm: Comm, count: *mut c_int));
+forward!(ncclCommCuDevice / pncclCommCuDevice(comm: Comm, device: *mut c_int));
+forward!(ncclCommUserRank / pncclCommUserRank(comm: Comm, rank: *mut c_int));
+forward!(ncclCommRegister / pncclCommRegister(comm: Comm, buff: *mut c_void, size: usize, handle: *mut *mut c_void)
+    log { ?comm, ?buff, size, "forwarded" });
+forward!(ncclCommDeregister / pncclCommDeregister(comm: Comm, handle: *mut c_void) log { ?comm, ?handle, "forwarded" });
+forward!(
+    ncclCommWindowRegister / pncclCommWindowRegister(
+        comm: Comm,
+        buff: *mut c_void,
+        size: usize,
+        win: *mut Window,
+        win_flags: c_int,
+    ) log { ?comm, ?buff, size, win_flags, "forwarded" }
+);
+forward!(
+    ncclCommWindowDeregister / pncclCommWindowDeregister(
+        comm: Comm,
+        win: Window,
+    ) log { ?comm, ?win, "forwarded" }
+);
+forward!(
+    ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
+        op: *mut c_int,
+        scalar: *mut c_void,
+        datatype: c_int,
+        residence: c_int,
+        comm: Comm,
+    ) log { dtype = %DataTypeName(datatype), residence, ?comm, "forwarded" }
+);
+forward!(ncclRedOpDestroy / pncclRedOpDestroy(op: c_int, comm: Comm) log { op, ?comm, "forwarded" });
+forward!(
+    ncclReduce / pncclReduce(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        op: c_int,
+        root: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log {
+        count, dtype = %DataTypeName(datatype), op = %RedOpName(op), root,
+        ?comm, ?stream, choice = "ccl", "forwarded"
+    }
+);
+forward!(
+    ncclBcast / pncclBcast(
+        buff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        root: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
+forward!(ncclBroadcast / pncclBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: Comm,
+    stream: Stream
+) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(
+    ncclReduceScatter / pncclReduceScatter(
+        sendbuff: *const c_void,
+        recvbuff: *mut c_void,
+        recvcount: usize,
+        datatype: c_int,
+        op: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log {
+        count = recvcount, dtype = %DataTypeName(datatype), op = %RedOpName(op),
+        ?comm, ?stream, choice = "ccl", "forwarded"
+    }
+);
+forward!(ncclAllGather / pncclAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: c_int,
+    comm: Comm,
+    stream: Stream
+) log { count = sendcount, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(ncclAlltoAll / pncclAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    comm: Comm,
+    stream: Stream
+) log { count, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(ncclGather / pncclGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: Comm,
+    stream: Stream
+) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(ncclScatter / pncclScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    root: c_int,
+    comm: Comm,
+    stream: Stream
+) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
+forward!(
+    ncclSend / pncclSend(
+        sendbuff: *const c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
+forward!(
+    ncclRecv / pncclRecv(
+        recvbuff: *mut c_void,
+        count: usize,
+        datatype: c_int,
+        peer: c_int,
+        comm: Comm,
+        stream: Stream,
+    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
+);
+forward!(ncclGroupStart / pncclGroupStart() log { "forwarded" });
+forward!(ncclGroupEnd / pncclGroupEnd() log { "forwarded" });
+forward!(ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: SimInfo) log { "forwarded" });
+
+/// The arguments of one `ncclAllReduce` call.
+#[derive(Debug, Clone, Copy)]
+pub struct AllReduceCall {
+    /// `sendbuff`.
+    pub sendbuff: *const c_void,
+    /// `recvbuff`.
+    pub recvbuff: *mut c_void,
+    /// `count` (elements).
+    pub count: usize,
+    /// `datatype` (`ncclDataType_t`).
+    pub datatype: c_int,
+    /// `op` (`ncclRedOp_t`).
+    pub op: c_int,
+    /// `comm`.
+    pub comm: Comm,
+    /// `stream`.
+    pub stream: Stream,
+}
+
+/// The one place `ncclAllReduce` is decided. Today every call goes to the underlying library (`choice = "ccl"`);
+/// anyccl's selector (custom one-shot/two-shot kernels for eligible same-node communicators, the window path for
+/// buffers in symmetric windows) will sit here.
+///
+/// # Safety
+/// `call` holds what `nccl.h` requires of `ncclAllReduce`'s arguments; `f` is the underlying `ncclAllReduce`.
+#[inline]
+pub unsafe fn dispatch_all_reduce(
+    function: &'static str,
+    f: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult,
+    call: AllReduceCall,
+) -> NcclResult {
+    tracing::debug!(
+        function,
+        count = call.count,
+        dtype = %DataTypeName(call.datatype),
+        op = %RedOpName(call.op),
+        comm = ?call.comm,
+        stream = ?call.stream,
+        choice = "ccl",
+        why = "the drop-in forwards every all-reduce to the underlying library (no anyccl algorithm is wired in yet)",
+        "forwarded"
+    );
+    // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's own.
+    unsafe { f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream) }
+}
+
+fn all_reduce(function: &'static str, call: AllReduceCall) -> NcclResult {
+    guarded("ncclAllReduce", || {
+        let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
+        // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's, passed on untouched.
+        Ok(unsafe { dispatch_all_reduce(function, f, call) })
+    })
+}
+
+/// `ncclAllReduce` of `nccl.h`, decided in [`dispatch_all_reduce`].
+///
+/// # Safety
+/// The arguments must be what `nccl.h` requires of `ncclAllReduce`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: Comm,
+    stream: Stream,
+) -> NcclResult {
+    all_reduce("ncclAllReduce", AllReduceCall { sendbuff, recvbuff, count, datatype, op, comm, stream })
+}
+
+/// `pncclAllReduce`: the profiling alias of [`ncclAllReduce`].
+///
+/// # Safety
+/// As for [`ncclAllReduce`].
+#[no_mangle]
+pub unsafe extern "C" fn pncclAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: Comm,
+    stream: Stream,
+) -> NcclResult {
+    all_reduce("pncclAllReduce", AllReduceCall { sendbuff, recvbuff, count, datatype, op, comm, stream })
+}
+
+fn error_string(code: NcclResult) -> *const c_char {
+    let forwarded = std::panic::catch_unwind(|| match underlying() {
+        // SAFETY: the library's own ncclGetErrorString; it takes any int and returns a static string.
+        Ok(u) => u.api.ncclGetErrorString.map(|f| unsafe { f(code) }),
+        Err(_) => None,
+    });
+    match forwarded {
+        Ok(Some(p)) => p,
+        _ => api::own_error_string(code).as_ptr(),
+    }
+}
+
+/// `ncclGetErrorString` of `nccl.h`: the underlying library's text; the drop-in's own only when there is no library.
+/// Does not change what `ncclGetLastError` reports.
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(result: NcclResult) -> *const c_char {
+    error_string(result)
+}
+
+/// `pncclGetErrorString`: the profiling alias of [`ncclGetErrorString`].
+#[no_mangle]
+pub extern "C" fn pncclGetErrorString(result: NcclResult) -> *const c_char {
+    error_string(result)
+}
+
+fn last_error_text(comm: Comm) -> *const c_char {
+    let answer = std::panic::catch_unwind(|| {
+        if let Some(own) = last_error::own() {
+            return own;
+        }
+        match underlying() {
+            Ok(u) => match u.api.ncclGetLastError {
+                // SAFETY: the library's own ncclGetLastError with the caller's communicator (or null), as nccl.h
+                // allows.
+                Some(f) => unsafe { f(comm) },
+                None => last_error::answer(&missing("ncclGetLastError", u).message),
+            },
+            Err(why) => last_error::answer(why),
+        }
+    });
+    answer.unwrap_or(c"anyccl drop-in NCCL: internal error (a panic, caught) in ncclGetLastError".as_ptr())
+}
+
+/// `ncclGetLastError` of `nccl.h`: the drop-in's own text when it failed the last call on this thread itself
+/// (valid until it fails another call on this thread), else the underlying library's.
+///
+/// # Safety
+/// `comm` is null or a communicator of the underlying library, as `nccl.h` requires.
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetLastError(comm: Comm) -> *const c_char {
+    last_error_text(comm)
+}
+
+/// `pncclGetLastError`: the profiling alias of [`ncclGetLastError`].
+///
+/// # Safety
+/// As for [`ncclGetLastError`].
+#[no_mangle]
+pub unsafe extern "C" fn pncclGetLastError(comm: Comm) -> *const c_char {
+    last_error_text(comm)
+}
+
+fn reset_debug_init(name: &'static str) {
+    let _ = guarded(name, || {
+        let (f, _u) = entry("ncclResetDebugInit", |a| a.ncclResetDebugInit)?;
+        // SAFETY: the library's own ncclResetDebugInit; it takes nothing.
+        unsafe { f() };
+        Ok(api::NCCL_SUCCESS)
+    });
+}
+
+/// `ncclResetDebugInit` of `nccl.h` (deprecated there), forwarded; without it underneath, the reason is left for
+/// `ncclGetLastError`.
+#[no_mangle]
+pub extern "C" fn ncclResetDebugInit() {
+    reset_debug_init("ncclResetDebugInit");
+}
+
+/// `pncclResetDebugInit`: the profiling alias of [`ncclResetDebugInit`].
+#[no_mangle]
+pub extern "C" fn pncclResetDebugInit() {
+    reset_debug_init("pncclResetDebugInit");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_an_internal_error_with_a_text_and_a_forwarded_call_clears_it() {
+        let code = guarded("ncclTestPanic", || panic!("a test panic"));
+        assert_eq!(code, api::NCCL_INTERNAL_ERROR);
+        // SAFETY: `own` returns this thread's live message.
+        let text = last_error::own().map(|p| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned());
+        assert_eq!(text.as_deref(), Some("ncclTestPanic: internal error in the anyccl drop-in NCCL (a panic, caught)"));
+        assert_eq!(guarded("ncclTestOk", || Ok(7)), 7);
+        assert!(last_error::own().is_none());
+    }
+}

@@ -1,0 +1,55 @@
+/* The drop-in's entry points as the forwarding test calls them, declared here (not from nccl.h, which the offline
+ * tests do not have): C enums are int, handles are opaque pointers. The real-NCCL test compiles against the
+ * wheel's nccl.h instead. */
+#include <stddef.h>
+
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef void* ncclComm_t;
+typedef void* cudaStream_t;
+
+int ncclGetVersion(int*);
+int ncclGetUniqueId(ncclUniqueId*);
+int ncclMemAlloc(void**, size_t);
+int ncclMemFree(void*);
+int ncclCommInitRankConfig(ncclComm_t*, int, ncclUniqueId, int, void*);
+int ncclCommInitRank(ncclComm_t*, int, ncclUniqueId, int);
+int ncclCommInitAll(ncclComm_t*, int, const int*);
+int ncclCommFinalize(ncclComm_t);
+int ncclCommDestroy(ncclComm_t);
+int ncclCommAbort(ncclComm_t);
+int ncclCommRevoke(ncclComm_t, int);
+int ncclCommSplit(ncclComm_t, int, int, ncclComm_t*, void*);
+int ncclCommShrink(ncclComm_t, int*, int, ncclComm_t*, void*, int);
+int ncclCommInitRankScalable(ncclComm_t*, int, int, int, ncclUniqueId*, void*);
+const char* ncclGetErrorString(int);
+const char* ncclGetLastError(ncclComm_t);
+void ncclResetDebugInit(void);
+int ncclCommGetAsyncError(ncclComm_t, int*);
+int ncclCommCount(ncclComm_t, int*);
+int ncclCommCuDevice(ncclComm_t, int*);
+int ncclCommUserRank(ncclComm_t, int*);
+int ncclCommRegister(ncclComm_t, void*, size_t, void**);
+int ncclCommDeregister(ncclComm_t, void*);
+int ncclCommWindowRegister(ncclComm_t, void*, size_t, void**, int);
+int ncclCommWindowDeregister(ncclComm_t, void*);
+int ncclRedOpCreatePreMulSum(int*, void*, int, int, ncclComm_t);
+int ncclRedOpDestroy(int, ncclComm_t);
+int ncclReduce(const void*, void*, size_t, int, int, int, ncclComm_t, cudaStream_t);
+int ncclBcast(void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclBroadcast(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclAllReduce(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int pncclAllReduce(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclReduceScatter(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclAllGather(const void*, void*, size_t, int, ncclComm_t, cudaStream_t);
+int ncclAlltoAll(const void*, void*, size_t, int, ncclComm_t, cudaStream_t);
+int ncclGather(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclScatter(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclSend(const void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int pncclSend(const void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclRecv(void*, size_t, int, int, ncclComm_t, cudaStream_t);
+int ncclGroupStart(void);
+int pncclGroupStart(void);
+int ncclGroupEnd(void);
+int ncclGroupSimulateEnd(void*);
+/* Weak: a program linked to the real library and run with the drop-in in LD_PRELOAD gets it from the drop-in. */
+const char* anyccl_nccl_dropin_underlying(void) __attribute__((weak));

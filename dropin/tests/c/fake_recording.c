@@ -1,0 +1,167 @@
+/* A fake NCCL for the drop-in's tests: it exports the nccl.h 2.28 functions and appends one line per call, with
+ * every argument, to the file named by FAKE_RECORD. Built by dropin/tests/forwarding.rs with
+ *   -DFAKE_VERSION=<code>   what ncclGetVersion answers
+ *   -DNO_WINDOWS            leave out ncclCommWindowRegister/Deregister (as RCCL 7.0 does)
+ *   -DRCCL                  export ncclAllToAllv too, an RCCL-only symbol (anyccl's loader then says RCCL)
+ * Results: every call returns ncclSuccess (0) except ncclGroupEnd, which returns ncclInProgress (7), and
+ * ncclAllGather with sendcount 13, which returns ncclInvalidArgument (4) and sets the last error. */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef void* comm_t;
+typedef void* stream_t;
+
+static char last_error[256] = "fake: no error yet";
+
+static void rec(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+#include <stdarg.h>
+static void rec(const char* fmt, ...) {
+    const char* path = getenv("FAKE_RECORD");
+    if (!path) return;
+    FILE* f = fopen(path, "a");
+    if (!f) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    fputc('\n', f);
+    fclose(f);
+}
+#define P(x) ((unsigned long)(uintptr_t)(x))
+
+int ncclGetVersion(int* v) { rec("ncclGetVersion"); *v = FAKE_VERSION; return 0; }
+int ncclGetUniqueId(ncclUniqueId* id) { rec("ncclGetUniqueId"); memset(id->internal, 0x5a, 128); return 0; }
+int ncclMemAlloc(void** p, size_t n) { rec("ncclMemAlloc size=%zu", n); *p = (void*)0xa110c; return 0; }
+int ncclMemFree(void* p) { rec("ncclMemFree ptr=%lx", P(p)); return 0; }
+int ncclCommInitRankConfig(comm_t* c, int n, ncclUniqueId id, int r, void* cfg) {
+    rec("ncclCommInitRankConfig nranks=%d id0=%d rank=%d config=%lx", n, id.internal[0], r, P(cfg));
+    *c = (void*)0xc0;
+    return 0;
+}
+int ncclCommInitRank(comm_t* c, int n, ncclUniqueId id, int r) {
+    rec("ncclCommInitRank nranks=%d id0=%d id127=%d rank=%d", n, id.internal[0], id.internal[127], r);
+    *c = (void*)0xc1;
+    return 0;
+}
+int ncclCommInitAll(comm_t* c, int n, const int* devs) {
+    if (devs && n == 2) rec("ncclCommInitAll ndev=%d devlist=%d,%d", n, devs[0], devs[1]);
+    else rec("ncclCommInitAll ndev=%d devlist=%lx", n, P(devs));
+    for (int i = 0; i < n; i++) c[i] = (void*)(uintptr_t)(0xd0 + i);
+    return 0;
+}
+int ncclCommFinalize(comm_t c) { rec("ncclCommFinalize comm=%lx", P(c)); return 0; }
+int ncclCommDestroy(comm_t c) { rec("ncclCommDestroy comm=%lx", P(c)); return 0; }
+int ncclCommAbort(comm_t c) { rec("ncclCommAbort comm=%lx", P(c)); return 0; }
+int ncclCommRevoke(comm_t c, int flags) { rec("ncclCommRevoke comm=%lx flags=%d", P(c), flags); return 0; }
+int ncclCommSplit(comm_t c, int color, int key, comm_t* out, void* cfg) {
+    rec("ncclCommSplit comm=%lx color=%d key=%d config=%lx", P(c), color, key, P(cfg));
+    *out = (void*)0xe0;
+    return 0;
+}
+int ncclCommShrink(comm_t c, int* ex, int nex, comm_t* out, void* cfg, int flags) {
+    rec("ncclCommShrink comm=%lx exclude=%d,%d count=%d config=%lx flags=%d", P(c), ex[0], ex[1], nex, P(cfg), flags);
+    *out = (void*)0xe1;
+    return 0;
+}
+int ncclCommInitRankScalable(comm_t* c, int n, int r, int nid, ncclUniqueId* ids, void* cfg) {
+    rec("ncclCommInitRankScalable nranks=%d rank=%d nId=%d id0=%d config=%lx", n, r, nid, ids[0].internal[0], P(cfg));
+    *c = (void*)0xc2;
+    return 0;
+}
+const char* ncclGetErrorString(int s) {
+    static char buf[16][40];
+    int i = s < 0 || s > 15 ? 15 : s;
+    snprintf(buf[i], sizeof buf[i], "fake error string %d", s);
+    return buf[i];
+}
+const char* ncclGetLastError(comm_t c) { (void)c; return last_error; }
+void ncclResetDebugInit(void) { rec("ncclResetDebugInit"); }
+int ncclCommGetAsyncError(comm_t c, int* e) { rec("ncclCommGetAsyncError comm=%lx", P(c)); *e = 6; return 0; }
+int ncclCommCount(comm_t c, int* n) { rec("ncclCommCount comm=%lx", P(c)); *n = 8; return 0; }
+int ncclCommCuDevice(comm_t c, int* d) { rec("ncclCommCuDevice comm=%lx", P(c)); *d = 3; return 0; }
+int ncclCommUserRank(comm_t c, int* r) { rec("ncclCommUserRank comm=%lx", P(c)); *r = 5; return 0; }
+int ncclCommRegister(comm_t c, void* b, size_t n, void** h) {
+    rec("ncclCommRegister comm=%lx buff=%lx size=%zu", P(c), P(b), n);
+    *h = (void*)0x4a;
+    return 0;
+}
+int ncclCommDeregister(comm_t c, void* h) { rec("ncclCommDeregister comm=%lx handle=%lx", P(c), P(h)); return 0; }
+#ifndef NO_WINDOWS
+int ncclCommWindowRegister(comm_t c, void* b, size_t n, void** w, int flags) {
+    rec("ncclCommWindowRegister comm=%lx buff=%lx size=%zu flags=%d", P(c), P(b), n, flags);
+    *w = (void*)0x3b;
+    return 0;
+}
+int ncclCommWindowDeregister(comm_t c, void* w) { rec("ncclCommWindowDeregister comm=%lx win=%lx", P(c), P(w)); return 0; }
+#endif
+int ncclRedOpCreatePreMulSum(int* op, void* scalar, int t, int residence, comm_t c) {
+    rec("ncclRedOpCreatePreMulSum scalar=%lx dtype=%d residence=%d comm=%lx", P(scalar), t, residence, P(c));
+    *op = 5;
+    return 0;
+}
+int ncclRedOpDestroy(int op, comm_t c) { rec("ncclRedOpDestroy op=%d comm=%lx", op, P(c)); return 0; }
+int ncclReduce(const void* s, void* r, size_t n, int t, int op, int root, comm_t c, stream_t st) {
+    rec("ncclReduce send=%lx recv=%lx count=%zu dtype=%d op=%d root=%d comm=%lx stream=%lx", P(s), P(r), n, t, op, root,
+        P(c), P(st));
+    return 0;
+}
+int ncclBcast(void* b, size_t n, int t, int root, comm_t c, stream_t st) {
+    rec("ncclBcast buff=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx", P(b), n, t, root, P(c), P(st));
+    return 0;
+}
+int ncclBroadcast(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st) {
+    rec("ncclBroadcast send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx", P(s), P(r), n, t, root, P(c),
+        P(st));
+    return 0;
+}
+int ncclAllReduce(const void* s, void* r, size_t n, int t, int op, comm_t c, stream_t st) {
+    rec("ncclAllReduce send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx", P(s), P(r), n, t, op, P(c), P(st));
+    return 0;
+}
+int ncclReduceScatter(const void* s, void* r, size_t n, int t, int op, comm_t c, stream_t st) {
+    rec("ncclReduceScatter send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx", P(s), P(r), n, t, op, P(c),
+        P(st));
+    return 0;
+}
+int ncclAllGather(const void* s, void* r, size_t n, int t, comm_t c, stream_t st) {
+    rec("ncclAllGather send=%lx recv=%lx count=%zu dtype=%d comm=%lx stream=%lx", P(s), P(r), n, t, P(c), P(st));
+    if (n == 13) {
+        snprintf(last_error, sizeof last_error, "fake: ncclAllGather refuses count 13");
+        return 4;
+    }
+    return 0;
+}
+int ncclAlltoAll(const void* s, void* r, size_t n, int t, comm_t c, stream_t st) {
+    rec("ncclAlltoAll send=%lx recv=%lx count=%zu dtype=%d comm=%lx stream=%lx", P(s), P(r), n, t, P(c), P(st));
+    return 0;
+}
+int ncclGather(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st) {
+    rec("ncclGather send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx", P(s), P(r), n, t, root, P(c), P(st));
+    return 0;
+}
+int ncclScatter(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st) {
+    rec("ncclScatter send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx", P(s), P(r), n, t, root, P(c), P(st));
+    return 0;
+}
+int ncclSend(const void* s, size_t n, int t, int peer, comm_t c, stream_t st) {
+    rec("ncclSend send=%lx count=%zu dtype=%d peer=%d comm=%lx stream=%lx", P(s), n, t, peer, P(c), P(st));
+    return 0;
+}
+int ncclRecv(void* r, size_t n, int t, int peer, comm_t c, stream_t st) {
+    rec("ncclRecv recv=%lx count=%zu dtype=%d peer=%d comm=%lx stream=%lx", P(r), n, t, peer, P(c), P(st));
+    return 0;
+}
+int ncclGroupStart(void) { rec("ncclGroupStart"); return 0; }
+int ncclGroupEnd(void) { rec("ncclGroupEnd"); return 7; }
+int ncclGroupSimulateEnd(void* info) { rec("ncclGroupSimulateEnd info=%lx", P(info)); return 0; }
+#ifdef RCCL
+int ncclAllToAllv(void) { return 0; }
+#endif
+/* The profiling aliases forward.c calls (the real library exports every one). */
+int pncclAllReduce(const void*, void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclAllReduce")));
+int pncclSend(const void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclSend")));
+int pncclGroupStart(void) __attribute__((alias("ncclGroupStart")));

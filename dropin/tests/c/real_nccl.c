@@ -1,0 +1,96 @@
+/* The real-NCCL test's program: compiled against the real nccl.h (from the PyPI wheel) and linked to the
+ * drop-in, run with the real libnccl.so.2 underneath (ANYCCL_NCCL_PATH). It opens that same library directly too
+ * and checks that the drop-in answers as it does. Prints what it saw; exits 1 on the first mismatch.
+ * Usage: real_nccl <path of the real libnccl.so.2> */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <nccl.h>
+
+const char* anyccl_nccl_dropin_underlying(void);
+/* Every nccl.h function by address (generated from the header by the test): linking fails if one is missing. */
+extern const int anyccl_test_function_count;
+
+static int failed = 0;
+#define CHECK(cond, ...)                                   \
+    do {                                                   \
+        if (!(cond)) {                                     \
+            printf("MISMATCH: " __VA_ARGS__);              \
+            printf("\n");                                  \
+            failed = 1;                                    \
+        }                                                  \
+    } while (0)
+
+static const char* str(const char* s) { return s ? s : "(null)"; }
+
+int main(int argc, char** argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc != 2) return 2;
+    void* real = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!real) {
+        printf("cannot open %s: %s\n", argv[1], dlerror());
+        return 1;
+    }
+    ncclResult_t (*real_version)(int*) = (ncclResult_t(*)(int*))dlsym(real, "ncclGetVersion");
+    const char* (*real_error_string)(ncclResult_t) = (const char* (*)(ncclResult_t))dlsym(real, "ncclGetErrorString");
+    const char* (*real_last_error)(ncclComm_t) = (const char* (*)(ncclComm_t))dlsym(real, "ncclGetLastError");
+    if (!real_version || !real_error_string || !real_last_error) {
+        printf("the real library lacks ncclGetVersion/ncclGetErrorString/ncclGetLastError\n");
+        return 1;
+    }
+    printf("functions linked: %d\n", anyccl_test_function_count);
+    printf("underlying: %s\n", anyccl_nccl_dropin_underlying());
+
+    int v = -1, rv = -2;
+    ncclResult_t rc = ncclGetVersion(&v);
+    real_version(&rv);
+    printf("ncclGetVersion rc=%d version=%d real=%d header=%d\n", rc, v, rv, NCCL_VERSION_CODE);
+    CHECK(rc == ncclSuccess && v == rv, "version %d (rc %d) through the drop-in, %d from the library", v, rc, rv);
+
+    for (int code = -1; code <= ncclNumResults + 1; code++) {
+        const char* mine = ncclGetErrorString((ncclResult_t)code);
+        const char* theirs = real_error_string((ncclResult_t)code);
+        printf("ncclGetErrorString(%d): %s\n", code, str(mine));
+        CHECK(mine == theirs || (mine && theirs && strcmp(mine, theirs) == 0), "error string %d: \"%s\" vs \"%s\"",
+              code, str(mine), str(theirs));
+    }
+
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    rc = ncclGetUniqueId(&id);
+    int nonzero = 0;
+    for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) nonzero |= id.internal[i] != 0;
+    printf("ncclGetUniqueId rc=%d nonzero=%d\n", rc, nonzero);
+    const char* e = ncclGetLastError(NULL);
+    printf("last after ncclGetUniqueId: %s\n", str(e));
+
+    ncclComm_t comm = NULL;
+    rc = ncclCommInitRank(&comm, 1, id, 0);
+    const char* mine = ncclGetLastError(NULL);
+    const char* theirs = real_last_error(NULL);
+    printf("ncclCommInitRank rc=%d comm_is_null=%d\n", rc, comm == NULL);
+    printf("last after ncclCommInitRank: %s\n", str(mine));
+    CHECK(mine == theirs || (mine && theirs && strcmp(mine, theirs) == 0), "last error \"%s\" vs \"%s\"", str(mine),
+          str(theirs));
+
+    /* A function this library may lack: the drop-in answers it, or forwards it and answers as the library does. */
+    ncclWindow_t win = NULL;
+    rc = ncclCommWindowRegister(NULL, NULL, 0, &win, NCCL_WIN_DEFAULT);
+    mine = ncclGetLastError(NULL);
+    printf("ncclCommWindowRegister rc=%d exported=%d\n", rc, dlsym(real, "ncclCommWindowRegister") != NULL);
+    printf("last after ncclCommWindowRegister: %s\n", str(mine));
+    if (dlsym(real, "ncclCommWindowRegister")) {
+        ncclResult_t (*real_register)(ncclComm_t, void*, size_t, ncclWindow_t*, int) =
+            (ncclResult_t(*)(ncclComm_t, void*, size_t, ncclWindow_t*, int))dlsym(real, "ncclCommWindowRegister");
+        ncclResult_t rrc = real_register(NULL, NULL, 0, &win, NCCL_WIN_DEFAULT);
+        theirs = real_last_error(NULL);
+        CHECK(rc == rrc, "ncclCommWindowRegister rc %d vs %d", rc, rrc);
+        CHECK(mine && theirs && strcmp(mine, theirs) == 0, "last error \"%s\" vs \"%s\"", str(mine), str(theirs));
+    } else {
+        CHECK(rc == ncclInvalidUsage, "ncclCommWindowRegister rc %d where the library lacks it", rc);
+    }
+    printf("%s\n", failed ? "FAILED" : "ALL CHECKS PASSED");
+    return failed;
+}
