@@ -585,3 +585,90 @@ fn ipc_setup_during_a_capture_is_refused_before_hip_and_works_after_it() {
     assert_eq!(s.fake.calls("hipModuleLoadData") - loads, world as i32);
     assert_eq!(s.fake.violations(), Vec::<String>::new());
 }
+
+/// What one rank of the split test saw: its sub-communicator's rank and world, the sub all-reduce's algorithm and
+/// sums, and what the grouped ring exchange on the parent received.
+type SplitSeen = (usize, usize, Algorithm, Vec<f32>, Vec<f32>);
+
+/// Sub-communicators of a one-process-per-GPU job (threads here): `split(rank % 2)` makes two of two ranks, each
+/// with its own custom-kernel state set up over HIP IPC through the sub-communicator itself, so an all-reduce on
+/// it runs the HIP one-shot over its two ranks and sums only theirs; a grouped ring of sends and receives on the
+/// parent (each rank receives before it sends in its list) completes. On a single-process parent the sub's
+/// kernels are off with the reason.
+#[test]
+fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
+    let _g = serial();
+    let s = setup();
+    let world = 4;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let env = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
+    let from = s.fake.launch_total();
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                let (s, env) = (&s, &env);
+                sc.spawn(move || -> Result<SplitSeen> {
+                    let mut c = join_rank(s, &mut boot, world, env)?;
+                    let rt = c.runtime().clone();
+                    let st = rt.stream()?;
+                    let mut sub = c.split(Some(rank as u32 % 2), rank as u32)?.expect("a color was given");
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = sub.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    // A ring on the parent: receive from the previous rank, send to the next, in one group.
+                    let mut mine = rt.alloc(16)?;
+                    rt.upload(&mut mine, &encode(DataType::F32, &[rank as f32; 4]), &st)?;
+                    let mut got = rt.alloc(16)?;
+                    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                    let mut ops = [
+                        anyccl_core::P2pOp::Recv { buf: &mut got, count: 4, dtype: DataType::F32, peer: prev },
+                        anyccl_core::P2pOp::Send { buf: &mine, count: 4, dtype: DataType::F32, peer: next },
+                    ];
+                    c.p2p(&mut ops, &st)?;
+                    st.synchronize()?;
+                    let mut ring = vec![0u8; 16];
+                    rt.download(&got, &mut ring, &st)?;
+                    Ok((
+                        sub.rank(),
+                        sub.world_size(),
+                        sel.algorithm,
+                        decode(DataType::F32, &host),
+                        decode(DataType::F32, &ring),
+                    ))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (sub_rank, sub_world, algorithm, sums, ring) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: the sub-communicator's own kernels");
+        let peers = [rank % 2, rank % 2 + 2];
+        let want: Vec<f32> = (0..1024).map(|i| peers.iter().map(|r| value(*r, 0, i)).sum()).collect();
+        assert!(sums == want, "rank {rank}: the sum over its sub-communicator only");
+        assert_eq!(ring, vec![((rank + world - 1) % world) as f32; 4], "rank {rank}: the previous rank's values");
+    }
+    let subs: Vec<Launch> = s
+        .fake
+        .launches()
+        .into_iter()
+        .filter(|l| l.seq > from && l.params.as_ref().is_some_and(|p| p.world == 2))
+        .collect();
+    assert_eq!(subs.len(), world, "one world-2 one-shot per rank: {subs:?}");
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+
+    // One process: the sub-communicators' kernels are off, with the reason, and RCCL serves them.
+    let mut cs = comms(&s, 2);
+    let subs = per_rank(&mut cs, |c| {
+        c.split(Some(0), 0).map(|sub| sub.map(|s| s.backend().custom_kernels_off().map(str::to_owned)))
+    });
+    for sub in subs {
+        let why = sub.expect("split").expect("colored").expect("off");
+        assert!(why.contains("peer access within one process"), "{why}");
+    }
+}

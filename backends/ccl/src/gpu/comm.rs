@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use anyccl_core::comm::{
-    AllGatherArgs, AllReduceArgs, AllReduceCall, Bootstrap, BroadcastArgs, GraphRegistration, RecvArgs, ReduceArgs,
-    ReduceScatterArgs, SendArgs,
+    AllGatherArgs, AllReduceArgs, AllReduceCall, Bootstrap, BroadcastArgs, GraphRegistration, P2pArgs, RecvArgs,
+    ReduceArgs, ReduceScatterArgs, SendArgs,
 };
 use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, MemoryRuntime, ReduceOp, Result, Teardown,
@@ -134,6 +134,9 @@ pub struct GpuComm<P: GpuPlatform> {
     custom: std::result::Result<CustomState<P>, String>,
     /// Bumped by every change of `custom` ([`CommBackend::eligibility_epoch`]).
     custom_generation: u64,
+    /// Whether the custom kernels were set up over IPC (one process per GPU): a sub-communicator then sets its
+    /// own up the same way ([`CommBackend::split`]).
+    custom_via_ipc: bool,
 }
 
 impl<P: GpuPlatform> GpuComm<P> {
@@ -206,9 +209,15 @@ impl<P: GpuPlatform> GpuComm<P> {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<()> {
         let r = self.setup_custom_ipc(bootstrap, env);
+        self.finish_custom_ipc(r)
+    }
+
+    /// Turns the custom kernels on with the state an IPC setup made, or off with its error (also returned).
+    fn finish_custom_ipc(&mut self, r: Result<CustomState<P>>) -> Result<()> {
         match r {
             Ok(st) => {
                 self.set_custom(Ok(st));
+                self.custom_via_ipc = true;
                 let mut caps = (*self.caps).clone();
                 caps.enable(Capabilities::P2P_ALL_PAIRS);
                 self.caps = Arc::new(caps);
@@ -369,13 +378,17 @@ impl<P: GpuPlatform> GpuComm<P> {
     }
 
     fn wrap(ccl: CclComm, runtime: P::Runtime, rank: usize, world: usize, caps: Arc<CapabilityReport>) -> Result<Self> {
+        Self::wrap_rank(CclRank::new(ccl, rank, world), runtime, caps)
+    }
+
+    fn wrap_rank(ccl: CclRank, runtime: P::Runtime, caps: Arc<CapabilityReport>) -> Result<Self> {
         let arch = P::arch(&runtime)?;
         let scratch = runtime.alloc(4)?;
         let custom = Err(format!(
             "the custom kernels need every rank's buffers mapped (set up by {}::init_all, or enable_custom_ipc)",
             P::COMM_NAME
         ));
-        Ok(GpuComm { ccl: CclRank::new(ccl, rank, world), runtime, arch, caps, scratch, custom, custom_generation: 0 })
+        Ok(GpuComm { ccl, runtime, arch, caps, scratch, custom, custom_generation: 0, custom_via_ipc: false })
     }
 
     /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
@@ -670,8 +683,50 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         // The library's destroy on a thread of its own; the barrier scratch, the custom kernels' buffers and
         // module, and last the device runtime are released after it, on that thread (a plain drop also destroys
         // the communicator first).
-        let GpuComm { ccl, runtime, arch: _, caps: _, scratch, custom, custom_generation: _ } = self;
+        let GpuComm { ccl, runtime, arch: _, caps: _, scratch, custom, custom_generation: _, custom_via_ipc: _ } = self;
         ccl.close_in_background_with((scratch, custom, runtime))
+    }
+
+    fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: `args` was made by this backend's `Communicator` after validating every operation against this
+        // rank (each buffer holds its elements on this device; receive buffers overlap nothing else of the group).
+        unsafe { self.ccl.p2p(args) }
+    }
+
+    /// A sub-communicator over `ncclCommSplit`, with its own custom-kernel state: where this communicator's
+    /// kernels run over IPC (one process per GPU), the sub-communicator sets its own up the same way, with the
+    /// handles carried by the sub-communicator itself ([`crate::CclBootstrap`]); otherwise (one process, or the
+    /// kernels off here) they are off on it with the reason, on every rank of it alike.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        self.runtime.bind()?;
+        let Some(rank) = self.ccl.split(&self.caps, color, key)? else { return Ok(None) };
+        let mut sub = Self::wrap_rank(rank, self.runtime.clone(), self.caps.clone())?;
+        if !self.custom_via_ipc || sub.ccl.world() < 2 {
+            sub.set_custom(Err(format!(
+                "off on this sub-communicator: {}",
+                if self.custom_via_ipc {
+                    "it has one rank".to_owned()
+                } else {
+                    match &self.custom {
+                        Ok(_) => "its parent's kernels run over peer access within one process".to_owned(),
+                        Err(why) => format!("they are off on its parent ({why})"),
+                    }
+                }
+            )));
+            return Ok(Some(sub));
+        }
+        // Every rank of the sub-communicator reaches this setup (their parent's kernels all run over IPC: the
+        // parent's setup was agreed by every rank), and its outcome is agreed among them.
+        let stream = P::stream(&sub.runtime)?;
+        let r = sub.setup_custom_ipc(
+            &mut crate::CclBootstrap::new(&sub.ccl, &sub.runtime, &stream),
+            &crate::caps::process_env,
+        );
+        if let Err(e) = sub.finish_custom_ipc(r) {
+            tracing::info!(error = %e, "custom all-reduce kernels off for this sub-communicator");
+        }
+        Ok(Some(sub))
     }
 
     fn barrier(&mut self, stream: &StreamOf<P>) -> Result<()> {
