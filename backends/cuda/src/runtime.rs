@@ -217,16 +217,7 @@ impl CudaStream {
     /// Polls [`Self::query`] until the stream's work is done, for at most `limit`: `Ok(false)` when it was still
     /// busy then. Refused while the stream is being captured.
     pub fn done_within(&self, limit: std::time::Duration) -> Result<bool> {
-        let start = std::time::Instant::now();
-        let mut pause = std::time::Duration::from_micros(20);
-        while !self.query()? {
-            if start.elapsed() >= limit {
-                return Ok(false);
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(std::time::Duration::from_millis(1));
-        }
-        Ok(true)
+        anyccl_ccl::gpu::done_within(self, limit)
     }
 
     /// [`InvalidArgument::DuringCapture`] naming `call` when the stream is being captured, where `call` would
