@@ -946,7 +946,7 @@ mod rocm_impl {
             Ok(AnyStream { inner: StreamInner::Rocm(c.runtime().stream()?) })
         }
         fn library(c: &Communicator<Self>) -> Option<String> {
-            let lib = c.backend().ccl().ccl().library();
+            let lib = c.backend().ccl().library();
             Some(format!("{} ({})", lib.describe(), lib.path().display()))
         }
         fn device(c: &Communicator<Self>) -> String {
@@ -1043,9 +1043,9 @@ fn cuda_devices() -> std::result::Result<usize, String> {
 /// The HIP runtime, loaded once per process.
 #[cfg(feature = "rocm")]
 pub(crate) fn hip_runtime() -> &'static std::result::Result<Arc<anyccl_rocm::HipLibrary>, anyccl_rocm::HipLoadError> {
-    static HIP: std::sync::OnceLock<std::result::Result<Arc<anyccl_rocm::HipLibrary>, anyccl_rocm::HipLoadError>> =
-        std::sync::OnceLock::new();
-    HIP.get_or_init(|| anyccl_rocm::HipLibrary::load().map(Arc::new))
+    // The ROCm backend's own, so the communicators of one process per GPU (`anyccl_rocm::bootstrap`) and of one
+    // process (`communicators`) share one runtime and one registry of streams for the capture rules.
+    anyccl_rocm::bootstrap::hip_library()
 }
 
 #[cfg(feature = "rocm")]
@@ -1146,7 +1146,7 @@ pub struct Joined {
     /// This rank's communicator.
     pub comm: AnyCommunicator,
     /// How the ranks reach each other outside the communicator (the rendezvous), where the backend keeps one:
-    /// [`DynComm::register_graph_buffers`] takes it on the CUDA backend.
+    /// [`DynComm::register_graph_buffers`] takes it on the CUDA and ROCm backends.
     pub bootstrap: Option<Box<dyn Bootstrap>>,
     /// The backends passed over, with the reason.
     pub passed_over: Vec<PassedOver>,
@@ -1154,21 +1154,13 @@ pub struct Joined {
 
 /// This process as one rank of a job started by torchrun or srun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `MASTER_ADDR`, `MASTER_PORT`; see the backends' `from_env`), on the backend `choice` names or the best present:
-/// cuda (one GPU per process, `LOCAL_RANK`), then host (shared memory). ROCm runs one process with every GPU
-/// ([`communicators`]) in this release, so it is passed over here with that reason.
+/// cuda or rocm (one GPU per process, `LOCAL_RANK`), then host (shared memory).
 pub fn from_env(choice: BackendChoice, selector: Arc<Selector>) -> Result<Joined> {
     let disabled = disabled_by_env()?;
     let mut passed_over = Vec::new();
     for kind in choice.order() {
         // One rank per process: any device count of at least one will do.
-        let why = match kind {
-            BackendKind::Rocm if kind.compiled_in() => Some(
-                "one process per GPU is not supported on ROCm yet (one process drives every GPU: run without \
-                 --per-rank)"
-                    .to_owned(),
-            ),
-            _ => unavailable(kind, 1, disabled),
-        };
+        let why = unavailable(kind, 1, disabled);
         if let Some(why) = why {
             passed_over.push(PassedOver { backend: kind, why });
             continue;
@@ -1192,6 +1184,11 @@ fn join(kind: BackendKind, selector: &Arc<Selector>) -> Result<(AnyCommunicator,
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
             let (c, rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector.clone())?;
+            Ok((Box::new(c), Some(Box::new(rdv))))
+        }
+        #[cfg(feature = "rocm")]
+        BackendKind::Rocm => {
+            let (c, rdv) = anyccl_rocm::bootstrap::communicator_from_env(selector.clone())?;
             Ok((Box::new(c), Some(Box::new(rdv))))
         }
         #[allow(unreachable_patterns)]

@@ -1,6 +1,6 @@
 //! The bench written once for every backend, over the type-erased communicator ([`anyccl::dynamic`]): host
 //! (threads, or processes with `--per-rank`), CUDA (a thread per GPU, or one process per GPU with `--per-rank`)
-//! and ROCm (a thread per GPU).
+//! and ROCm (a thread per GPU, or one process per GPU with `--per-rank`).
 //!
 //! Timing, per backend:
 //! - host ([`Timing::Barriers`]): each call between two barriers, timed on every rank;

@@ -98,7 +98,7 @@ struct BenchArgs {
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
     /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
     /// nvls-warp-pipeline, nvls-block-pipeline; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
-    /// cannot run are listed with the reason; on rocm the custom kernels are not wired yet).
+    /// cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).

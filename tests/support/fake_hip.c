@@ -1,15 +1,21 @@
 /* A fake HIP runtime for tests: host memory stands in for device memory, streams run their work at once, and
  * stream capture records that work into graphs that replay it. It enforces the capture rules of HIP (the same as
  * CUDA's): while a stream captures in global mode anywhere, or in any mode on the calling thread, "potentially
- * unsafe" calls (allocation, free, synchronous copies, IPC opens, module loads) fail with
- * hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations; synchronising a
- * capturing stream or an event recorded in one is a violation too. Tests read the record through the fakehip_*
- * functions. Every call is counted by name. Nothing here is thread-safe beyond one mutex around the records. */
+ * unsafe" calls (allocation, free, synchronous copies, IPC get/open/close, peer enabling, module load/unload) fail
+ * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
+ * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
+ * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's all-reduce kernels
+ * (anyccl_{one,two}_shot[_table]_{f32,f16,bf16}) by emulating them on host memory, ranks being threads of this
+ * process (see "The all-reduce kernels" below), records every launch, and refuses (with a violation) launches
+ * the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
+ * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef int hipError_t;
 #define MAX_STREAMS 256
@@ -47,22 +53,39 @@ int fakehip_call_count(const char* name) {
         if (strcmp(calls[i].name, name) == 0) return calls[i].n;
     return 0;
 }
-/* Live allocations, for hipMemGetAddressRange; tests can make the next hipMalloc "succeed" with a null pointer
- * or make the reported ranges shorter than the allocations, as a broken runtime might. */
-#define MAX_ALLOCS 4096
-static struct { uintptr_t base; size_t size; } allocs[MAX_ALLOCS];
-static int n_allocs;
+/* Live allocations (hipMemGetAddressRange, IPC handles, the kernels' bounds checks), each with a serial id so a
+ * handle of freed memory is refused even when a later allocation reuses the address; tests can make the next
+ * hipMalloc "succeed" with a null pointer or make the reported ranges shorter than the allocations, as a broken
+ * runtime might. */
+struct alloc {
+    uintptr_t base;
+    size_t size;  /* rounded up to pages, as hipMemGetAddressRange reports it */
+    size_t asked; /* what hipMalloc was asked for: the kernels' bounds */
+    uint64_t id;
+};
+static struct alloc* allocs;
+static int n_allocs, cap_allocs;
+static uint64_t next_alloc_id = 1;
 static int next_malloc_null;
 static size_t range_shrink;
 void fakehip_next_malloc_null(void) { next_malloc_null = 1; }
 void fakehip_set_range_shrink(size_t bytes) { range_shrink = bytes; }
+static void reset_launches(void);
 void fakehip_reset(void) {
     pthread_mutex_lock(&mu);
     n_violations = 0;
     n_call_names = 0;
     next_malloc_null = 0;
     range_shrink = 0;
+    reset_launches();
     pthread_mutex_unlock(&mu);
+}
+/* The live allocation holding [p, p + n) within the bytes hipMalloc was asked for, or NULL. Called locked. */
+static const struct alloc* alloc_holding(uintptr_t p, size_t n) {
+    for (int i = 0; i < n_allocs; i++)
+        if (p >= allocs[i].base && p - allocs[i].base < allocs[i].asked && n <= allocs[i].asked - (p - allocs[i].base))
+            return &allocs[i];
+    return NULL;
 }
 
 typedef void (*work_fn)(void* arg);
@@ -166,6 +189,16 @@ hipError_t hipGetDevice(int* d) {
     *d = current_device;
     return 0;
 }
+/* hipDeviceGetAttribute: the compute-unit count (hipDeviceAttributeMultiprocessorCount, 63): FAKEHIP_CUS or 104
+ * (an MI210); other attributes are not known to the fake (hipErrorInvalidValue). */
+hipError_t hipDeviceGetAttribute(int* value, int attr, int d) {
+    count_call("hipDeviceGetAttribute");
+    if (d < 0 || d >= device_count()) return 101;
+    if (!value || attr != 63) return 1;
+    const char* e = getenv("FAKEHIP_CUS");
+    *value = e ? atoi(e) : 104;
+    return 0;
+}
 hipError_t hipDeviceGetName(char* name, int len, int d) {
     count_call("hipDeviceGetName");
     snprintf(name, len, "Fake AMD Instinct %d", d);
@@ -220,24 +253,39 @@ hipError_t hipMalloc(void** p, size_t n) {
     *p = aligned_alloc(4096, size);
     if (!*p) return 2;
     pthread_mutex_lock(&mu);
-    if (n_allocs < MAX_ALLOCS) {
-        allocs[n_allocs].base = (uintptr_t)*p;
-        allocs[n_allocs].size = size;
-        n_allocs++;
+    if (n_allocs == cap_allocs) {
+        int cap = cap_allocs ? 2 * cap_allocs : 256;
+        struct alloc* grown = realloc(allocs, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&mu);
+            free(*p);
+            *p = NULL;
+            return 2;
+        }
+        allocs = grown;
+        cap_allocs = cap;
     }
+    allocs[n_allocs++] = (struct alloc){(uintptr_t)*p, size, n, next_alloc_id++};
     pthread_mutex_unlock(&mu);
     return 0;
 }
 hipError_t hipFree(void* p) {
     hipError_t e = unsafe_call("hipFree");
     if (e) return e;
+    if (!p) return 0;
+    int found = 0;
     pthread_mutex_lock(&mu);
     for (int i = 0; i < n_allocs; i++)
         if (allocs[i].base == (uintptr_t)p) {
             allocs[i] = allocs[--n_allocs];
+            found = 1;
             break;
         }
     pthread_mutex_unlock(&mu);
+    if (!found) {
+        fakehip_add_violation("hipFree", "not a live allocation of hipMalloc (freed twice, or never allocated)");
+        return 1;
+    }
     free(p);
     return 0;
 }
@@ -454,27 +502,84 @@ hipError_t hipGraphDestroy(void* g) {
     return 0;
 }
 
-/* IPC in one process: the handle carries the address. */
+/* IPC in one process: the handle names an allocation (its base, its serial id, the exporting process). Opening
+ * maps the whole allocation and returns its base, as HIP does; a handle of memory freed since (even if a later
+ * allocation took its address) or one made by another process (the fake cannot map across processes) fails
+ * with hipErrorInvalidHandle (400). Closing a pointer that no open returned fails with hipErrorInvalidValue. */
+struct ipc_handle {
+    char magic[8];
+    uint64_t base;
+    uint64_t id;
+    int32_t pid;
+};
+static struct opened {
+    uintptr_t base;
+    uint64_t id;
+}* opened;
+static int n_opened, cap_opened;
+
 hipError_t hipIpcGetMemHandle(void* handle, void* p) {
     hipError_t e = unsafe_call("hipIpcGetMemHandle");
     if (e) return e;
+    pthread_mutex_lock(&mu);
+    const struct alloc* a = alloc_holding((uintptr_t)p, 1);
+    struct ipc_handle h = {"FAKEHIP", a ? a->base : 0, a ? a->id : 0, (int32_t)getpid()};
+    pthread_mutex_unlock(&mu);
+    if (!a) {
+        fakehip_add_violation("hipIpcGetMemHandle", "the pointer is in no live allocation of hipMalloc");
+        return 1;
+    }
     memset(handle, 0, 64);
-    memcpy(handle, "FAKEHIP", 7);
-    memcpy((char*)handle + 8, &p, sizeof p);
+    memcpy(handle, &h, sizeof h);
     return 0;
 }
-hipError_t hipIpcOpenMemHandle(void** p, char handle[64], unsigned flags) {
+/* hipIpcMemHandle_t is passed by value (64 bytes, in memory on x86-64), not as a pointer. */
+typedef struct {
+    char reserved[64];
+} hipIpcMemHandle_t;
+hipError_t hipIpcOpenMemHandle(void** p, hipIpcMemHandle_t handle, unsigned flags) {
     hipError_t e = unsafe_call("hipIpcOpenMemHandle");
     if (e) return e;
     (void)flags;
-    if (memcmp(handle, "FAKEHIP", 7) != 0) return 400;
-    memcpy(p, handle + 8, sizeof *p);
+    struct ipc_handle h;
+    memcpy(&h, handle.reserved, sizeof h);
+    if (memcmp(h.magic, "FAKEHIP", 8) != 0) return 400;
+    if (h.pid != (int32_t)getpid()) return 400;
+    pthread_mutex_lock(&mu);
+    int live = 0;
+    for (int i = 0; i < n_allocs; i++) live |= allocs[i].base == h.base && allocs[i].id == h.id;
+    if (live && n_opened == cap_opened) {
+        int cap = cap_opened ? 2 * cap_opened : 64;
+        struct opened* grown = realloc(opened, (size_t)cap * sizeof *grown);
+        if (grown) opened = grown, cap_opened = cap;
+    }
+    int ok = live && n_opened < cap_opened;
+    if (ok) opened[n_opened++] = (struct opened){h.base, h.id};
+    pthread_mutex_unlock(&mu);
+    if (!live) return 400;
+    if (!ok) return 2;
+    *p = (void*)h.base;
     return 0;
 }
 hipError_t hipIpcCloseMemHandle(void* p) {
-    (void)p;
-    return unsafe_call("hipIpcCloseMemHandle");
+    hipError_t e = unsafe_call("hipIpcCloseMemHandle");
+    if (e) return e;
+    int found = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n_opened && !found; i++)
+        if (opened[i].base == (uintptr_t)p) {
+            opened[i] = opened[--n_opened];
+            found = 1;
+        }
+    pthread_mutex_unlock(&mu);
+    if (!found) {
+        fakehip_add_violation("hipIpcCloseMemHandle", "the pointer was not returned by hipIpcOpenMemHandle");
+        return 1;
+    }
+    return 0;
 }
+/* Mappings opened and not closed yet (tests check that a communicator closes what it opened). */
+int fakehip_ipc_open_count(void) { return n_opened; }
 hipError_t hipDeviceCanAccessPeer(int* ok, int a, int b) {
     count_call("hipDeviceCanAccessPeer");
     *ok = a != b;
@@ -485,39 +590,645 @@ hipError_t hipDeviceEnablePeerAccess(int peer, unsigned flags) {
     return unsafe_call("hipDeviceEnablePeerAccess");
 }
 
-/* Modules: a code object is accepted when it is AMDGPU ELF (e_machine 224); kernels are found by name, but the
- * fake cannot run GPU code, so a launch fails with hipErrorInvalidDeviceFunction. */
+/* Modules: a code object is accepted when it is a 64-bit AMDGPU ELF (e_machine 224); it is copied, as HIP
+ * copies it. hipModuleGetFunction finds FUNC symbols of its symbol tables by name (hipErrorNotFound, 500,
+ * otherwise) and copies the name. A function of an unloaded module cannot be launched. */
 struct module {
-    const unsigned char* image;
+    unsigned char* image;
+    size_t size;
+    int loaded;
 };
+struct function {
+    struct module* module;
+    char name[128];
+};
+static uint64_t rd(const unsigned char* b, size_t off, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = v << 8 | b[off + (size_t)i];
+    return v;
+}
+/* The bytes an ELF image spans, from its headers (0 when the headers do not fit the 1 GiB the fake accepts). */
+static size_t elf_size(const unsigned char* b) {
+    const uint64_t limit = (uint64_t)1 << 30;
+    uint64_t shoff = rd(b, 0x28, 8), shentsize = rd(b, 0x3a, 2), shnum = rd(b, 0x3c, 2);
+    uint64_t phoff = rd(b, 0x20, 8), phentsize = rd(b, 0x36, 2), phnum = rd(b, 0x38, 2);
+    if (shoff > limit || phoff > limit || (shentsize < 64 && shnum > 0)) return 0;
+    uint64_t end = 64;
+    if (shoff + shentsize * shnum > end) end = shoff + shentsize * shnum;
+    if (phoff + phentsize * phnum > end) end = phoff + phentsize * phnum;
+    for (uint64_t i = 0; i < shnum; i++) {
+        const unsigned char* sh = b + shoff + i * shentsize;
+        uint64_t type = rd(sh, 4, 4), off = rd(sh, 0x18, 8), size = rd(sh, 0x20, 8);
+        if (type == 8) continue; /* NOBITS */
+        if (off > limit || size > limit) return 0;
+        if (off + size > end) end = off + size;
+    }
+    return end > limit ? 0 : (size_t)end;
+}
+/* Whether the image defines a FUNC symbol `name` in .symtab or .dynsym. */
+static int elf_has_function(const unsigned char* b, size_t size, const char* name) {
+    uint64_t shoff = rd(b, 0x28, 8), shentsize = rd(b, 0x3a, 2), shnum = rd(b, 0x3c, 2);
+    for (uint64_t i = 0; i < shnum; i++) {
+        const unsigned char* sh = b + shoff + i * shentsize;
+        uint64_t type = rd(sh, 4, 4), off = rd(sh, 0x18, 8), bytes = rd(sh, 0x20, 8), link = rd(sh, 0x28, 4);
+        if ((type != 2 && type != 11) || link >= shnum) continue;
+        const unsigned char* str = b + shoff + link * shentsize;
+        uint64_t str_off = rd(str, 0x18, 8), str_size = rd(str, 0x20, 8);
+        for (uint64_t s = off; s + 24 <= off + bytes && s + 24 <= size; s += 24) {
+            uint64_t name_off = rd(b, s, 4);
+            if ((b[s + 4] & 0xf) != 2 || name_off >= str_size) continue;
+            const char* sym = (const char*)b + str_off + name_off;
+            if (strnlen(sym, str_size - name_off) < str_size - name_off && strcmp(sym, name) == 0) return 1;
+        }
+    }
+    return 0;
+}
 hipError_t hipModuleLoadData(void** m, const void* image) {
     hipError_t e = unsafe_call("hipModuleLoadData");
     if (e) return e;
     const unsigned char* b = image;
-    if (memcmp(b, "\x7f" "ELF", 4) != 0 || b[18] != 0xe0) return 200;
+    if (!m || !b) return 1;
+    if (memcmp(b, "\x7f" "ELF", 4) != 0 || b[4] != 2 || b[18] != 0xe0) return 200;
+    size_t size = elf_size(b);
+    if (size == 0) return 200;
     struct module* mod = calloc(1, sizeof *mod);
-    mod->image = b;
+    mod->image = malloc(size);
+    if (!mod->image) {
+        free(mod);
+        return 2;
+    }
+    memcpy(mod->image, b, size);
+    mod->size = size;
+    mod->loaded = 1;
     *m = mod;
     return 0;
 }
+/* The module's image is freed; the struct stays (functions of it still point to it, and refuse to launch). */
 hipError_t hipModuleUnload(void* m) {
     hipError_t e = unsafe_call("hipModuleUnload");
     if (e) return e;
-    free(m);
+    struct module* mod = m;
+    if (!mod || !mod->loaded) return 400;
+    mod->loaded = 0;
+    free(mod->image);
+    mod->image = NULL;
     return 0;
 }
 hipError_t hipModuleGetFunction(void** f, void* m, const char* name) {
     count_call("hipModuleGetFunction");
-    (void)m;
-    *f = (void*)name;
+    struct module* mod = m;
+    if (!f || !name) return 1;
+    if (!mod || !mod->loaded) return 400;
+    if (strlen(name) >= sizeof((struct function*)0)->name || !elf_has_function(mod->image, mod->size, name))
+        return 500;
+    struct function* fn = calloc(1, sizeof *fn);
+    fn->module = mod;
+    snprintf(fn->name, sizeof fn->name, "%s", name);
+    *f = fn;
     return 0;
 }
+
+/* ---- The all-reduce kernels of kernels-common/include/anyccl/allreduce.h, emulated ----
+ *
+ * Every hipModuleLaunchKernel is recorded (the last MAX_LAUNCHES; fakehip_launch_total counts all). A launch of
+ * anyccl_{one,two}_shot[_table]_{f32,f16,bf16} is checked (grid, block, rank, world, n_vec, every pointer in a
+ * live hipMalloc allocation large enough and 16-byte aligned) and enqueued as stream work (captured into a graph
+ * during capture, run again by each replay) that does what the kernel does, with the kernel's own protocol on the
+ * flag arrays in "device" memory: each block b of the grid reserves its epochs from its counter, stores each
+ * barrier's epoch into slot [b][rank] of every peer's flag array and waits until its own slots [b][peer] reach
+ * it. Ranks are threads of this process, each running its own launch, so the barriers meet the peers' launches
+ * of the same step exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a
+ * GPU would, and time out after FAKEHIP_KERNEL_TIMEOUT_MS, 20 s by default, with a violation instead of
+ * hanging). The sums are the kernel's: in f32, in rank order 0..world-1, rounded to the element type
+ * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). A rank whose abort word is set
+ * before or while it waits stops waiting (its barrier stores still reach its peers, as on a GPU), writes nothing
+ * to `out` and counts as aborted. A one-shot writing `out` over an input its peers read, or a two-shot writing it
+ * over a scratch buffer, is a race on a GPU and recorded as a violation. */
+#define K_MAX_RANKS 8
+#define K_MAX_BLOCKS 128
+#define K_MAX_THREADS 512
+#define K_EPOCHS (K_MAX_BLOCKS * K_MAX_RANKS)
+#define K_ABORT_WORD (K_EPOCHS + 2 * K_MAX_BLOCKS)
+#define K_FLAG_BYTES (K_ABORT_WORD * 4 + 16)
+#define K_TABLE_BYTES (K_MAX_RANKS * 8 + 8)
+#define MAX_LAUNCHES 4096
+
+/* One launch, as fakehip_launch copies it out (mirrored by `RawLaunch` in fake_hip.rs). */
+struct fakehip_launch {
+    uint64_t seq;           /* 1, 2, ... since the last reset */
+    char name[64];          /* the function's name (truncated) */
+    uint32_t grid[3], block[3];
+    uint32_t shared_bytes;
+    int32_t capturing;      /* the stream was capturing: the work runs at each replay */
+    uint64_t stream;
+    int32_t status;         /* what hipModuleLaunchKernel returned */
+    int32_t kernel;         /* 0: not an all-reduce kernel (or not decoded), 1: one-shot, 2: two-shot */
+    int32_t table_kernel;   /* 1: a _table kernel (inputs through `table`) */
+    int32_t dtype;          /* 0 f32, 1 f16, 2 bf16; -1 when not an all-reduce kernel */
+    int32_t rank, world;
+    uint64_t table, self_src, out, round_vecs, n_vec;
+    uint64_t in[8], scratch[8], flags[8];
+    uint32_t runs;          /* times the work started (eager: once; captured: once per replay) */
+    uint32_t completed;     /* runs that met every barrier and wrote `out` */
+    uint32_t aborted;       /* runs that stopped on the abort word */
+    uint32_t timed_out;     /* runs that gave up waiting for a peer */
+    uint32_t failed;        /* runs refused when they started (a buffer freed since the launch, a bad table) */
+    int32_t last_registered; /* the input table's `registered` word at the last run; -1: no table read */
+};
+static struct fakehip_launch launches[MAX_LAUNCHES];
+static uint64_t n_launches;
+static void reset_launches(void) { n_launches = 0; }
+uint64_t fakehip_launch_total(void) { return n_launches; }
+int fakehip_launch_count(void) { return n_launches < MAX_LAUNCHES ? (int)n_launches : MAX_LAUNCHES; }
+/* Copies launch `i` (0: the oldest held) into `out`, whose size must be sizeof(struct fakehip_launch); 0 on
+ * success, 1 when `i` is out of range, 2 when the size differs (the Rust mirror is stale). */
+int fakehip_launch(int i, struct fakehip_launch* out, size_t size) {
+    if (size != sizeof *out) return 2;
+    pthread_mutex_lock(&mu);
+    int held = fakehip_launch_count();
+    int r = 1;
+    if (i >= 0 && i < held) {
+        uint64_t seq = n_launches - (uint64_t)held + (uint64_t)i + 1;
+        *out = launches[(seq - 1) % MAX_LAUNCHES];
+        r = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+/* The record of launch `seq` if still held. Called locked. */
+static struct fakehip_launch* launch_rec(uint64_t seq) {
+    struct fakehip_launch* l = &launches[(seq - 1) % MAX_LAUNCHES];
+    return seq >= 1 && l->seq == seq ? l : NULL;
+}
+
+static pthread_mutex_t kmu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t kcv = PTHREAD_COND_INITIALIZER;
+static int kernels_waiting;
+static int kernel_timeout_ms = -1;
+/* Kernel runs waiting at a barrier now (tests wait for it before setting an abort word). */
+int fakehip_kernels_waiting(void) {
+    pthread_mutex_lock(&kmu);
+    int n = kernels_waiting;
+    pthread_mutex_unlock(&kmu);
+    return n;
+}
+/* How long a kernel waits for its peers before it records "timed out" (ms; < 0: FAKEHIP_KERNEL_TIMEOUT_MS or
+ * 20 s). */
+void fakehip_set_kernel_timeout_ms(int ms) {
+    pthread_mutex_lock(&kmu);
+    kernel_timeout_ms = ms;
+    pthread_mutex_unlock(&kmu);
+}
+static void wake_kernels(void) {
+    pthread_mutex_lock(&kmu);
+    pthread_cond_broadcast(&kcv);
+    pthread_mutex_unlock(&kmu);
+}
+
+struct kwork {
+    uint64_t seq;
+    char name[64];
+    int kind, table_kernel, dtype, rank, world;
+    unsigned blocks;
+    uint64_t table, self_src, out, round_vecs, n_vec;
+    uint64_t in[8], scratch[8], flags[8];
+};
+
+static void launch_note(const struct kwork* w, const char* why) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "rank %d of %d: %s", w->rank, w->world, why);
+    fakehip_add_violation(w->name, msg);
+}
+static void launch_count(uint64_t seq, uint32_t* (*field)(struct fakehip_launch*)) {
+    pthread_mutex_lock(&mu);
+    struct fakehip_launch* l = launch_rec(seq);
+    if (l) (*field(l))++;
+    pthread_mutex_unlock(&mu);
+}
+static uint32_t* f_runs(struct fakehip_launch* l) { return &l->runs; }
+static uint32_t* f_completed(struct fakehip_launch* l) { return &l->completed; }
+static uint32_t* f_aborted(struct fakehip_launch* l) { return &l->aborted; }
+static uint32_t* f_timed_out(struct fakehip_launch* l) { return &l->timed_out; }
+static uint32_t* f_failed(struct fakehip_launch* l) { return &l->failed; }
+
+static uint32_t* flag_word(uint64_t flags, size_t word) { return (uint32_t*)(uintptr_t)flags + word; }
+static int abort_set(const struct kwork* w) {
+    return __atomic_load_n(flag_word(w->flags[w->rank], K_ABORT_WORD), __ATOMIC_RELAXED) != 0;
+}
+/* Barrier `epoch[b]` for every block: stores, then (unless `signal_only`) waits. 0: met; 1: aborted; 2: timed out. */
+static int barrier(const struct kwork* w, const uint32_t* epoch, uint32_t step, int signal_only) {
+    for (unsigned b = 0; b < w->blocks; b++)
+        for (int peer = 0; peer < w->world; peer++)
+            __atomic_store_n(flag_word(w->flags[peer], (size_t)b * K_MAX_RANKS + (size_t)w->rank), epoch[b] + step,
+                             __ATOMIC_RELEASE);
+    wake_kernels();
+    if (signal_only) return 0;
+    pthread_mutex_lock(&kmu);
+    int timeout = kernel_timeout_ms;
+    if (timeout < 0) {
+        const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
+        timeout = env ? atoi(env) : 20000;
+    }
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout / 1000;
+    deadline.tv_nsec += (long)(timeout % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    int result = 0;
+    kernels_waiting++;
+    for (;;) {
+        int missing = 0;
+        for (unsigned b = 0; b < w->blocks && !missing; b++)
+            for (int peer = 0; peer < w->world && !missing; peer++) {
+                uint32_t v = __atomic_load_n(flag_word(w->flags[w->rank], (size_t)b * K_MAX_RANKS + (size_t)peer),
+                                             __ATOMIC_ACQUIRE);
+                missing = (int32_t)(v - (epoch[b] + step)) < 0;
+            }
+        if (!missing) break;
+        if (abort_set(w)) {
+            result = 1;
+            break;
+        }
+        /* Poll every 2 ms too: abort words and flags may be written by host copies that wake nobody. */
+        struct timespec now, until;
+        clock_gettime(CLOCK_REALTIME, &now);
+        if (now.tv_sec > deadline.tv_sec || (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)) {
+            result = 2;
+            break;
+        }
+        until = now;
+        until.tv_nsec += 2000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        if (until.tv_sec > deadline.tv_sec || (until.tv_sec == deadline.tv_sec && until.tv_nsec > deadline.tv_nsec))
+            until = deadline;
+        pthread_cond_timedwait(&kcv, &kmu, &until);
+    }
+    kernels_waiting--;
+    pthread_mutex_unlock(&kmu);
+    return result;
+}
+
+static float k_get(int dtype, const void* p, size_t i) {
+    if (dtype == 0) return ((const float*)p)[i];
+    if (dtype == 1) return (float)((const _Float16*)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static void k_put(int dtype, void* p, size_t i, float f) {
+    if (dtype == 0) {
+        ((float*)p)[i] = f;
+    } else if (dtype == 1) {
+        ((_Float16*)p)[i] = (_Float16)f;
+    } else {
+        /* allreduce.h's anyccl_f32_to_bf16: nearest even, NaN stays a quiet NaN. */
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t*)p)[i] = (uint16_t)((u >> 16) | 0x40);
+            return;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
+    }
+}
+/* Vectors [s, e) of every rank's input reduced into `dst` (reduce_vec: f32, rank order). */
+static void reduce_vecs(const struct kwork* w, const uint64_t* in, void* dst, size_t s, size_t e) {
+    size_t per = w->dtype == 0 ? 4 : 8;
+    for (size_t i = s * per; i < e * per; i++) {
+        float acc = k_get(w->dtype, (const void*)(uintptr_t)in[0], i);
+        for (int r = 1; r < w->world; r++) acc += k_get(w->dtype, (const void*)(uintptr_t)in[r], i);
+        k_put(w->dtype, dst, i, acc);
+    }
+}
+static int overlaps(uint64_t a, uint64_t b, uint64_t n) { return a < b + n && b < a + n; }
+
+/* Whether every buffer the run touches is live and large enough; reads the input table. Records why not. */
+static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, int* registered) {
+    uint64_t bytes = w->n_vec * 16;
+    char why[160] = "";
+    pthread_mutex_lock(&mu);
+    if (w->table_kernel) {
+        if (!alloc_holding(w->table, K_TABLE_BYTES)) {
+            snprintf(why, sizeof why, "the input table %#llx is in no live allocation (freed?)",
+                     (unsigned long long)w->table);
+        } else {
+            memcpy(in, (const void*)(uintptr_t)w->table, 64);
+            uint64_t reg;
+            memcpy(&reg, (const char*)(uintptr_t)w->table + 64, 8);
+            *registered = reg != 0;
+            *src = reg ? 0 : w->self_src;
+        }
+    } else {
+        memcpy(in, w->in, 64);
+        *src = w->self_src;
+    }
+    for (int r = 0; r < w->world && !why[0]; r++) {
+        if (!alloc_holding(w->flags[r], K_FLAG_BYTES))
+            snprintf(why, sizeof why, "flags[%d] %#llx: no live allocation of %d bytes (freed?)", r,
+                     (unsigned long long)w->flags[r], K_FLAG_BYTES);
+        else if (in[r] % 16 != 0 || !alloc_holding(in[r], bytes))
+            snprintf(why, sizeof why, "in[%d] %#llx: not 16-byte aligned in a live allocation of %llu bytes", r,
+                     (unsigned long long)in[r], (unsigned long long)bytes);
+        else if (w->kind == 2 && !alloc_holding(w->scratch[r], bytes))
+            snprintf(why, sizeof why, "scratch[%d] %#llx: no live allocation of %llu bytes (freed?)", r,
+                     (unsigned long long)w->scratch[r], (unsigned long long)bytes);
+    }
+    if (!why[0] && !alloc_holding(w->out, bytes))
+        snprintf(why, sizeof why, "out %#llx: no live allocation of %llu bytes (freed?)", (unsigned long long)w->out,
+                 (unsigned long long)bytes);
+    if (!why[0] && *src && !alloc_holding(*src, bytes))
+        snprintf(why, sizeof why, "self_src %#llx: no live allocation of %llu bytes (freed?)",
+                 (unsigned long long)*src, (unsigned long long)bytes);
+    pthread_mutex_unlock(&mu);
+    if (why[0]) {
+        launch_note(w, why);
+        return 0;
+    }
+    for (int r = 0; r < w->world; r++) {
+        if (w->kind == 1 && overlaps(w->out, in[r], bytes)) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "one-shot writes out over in[%d], which every rank reads (a race on a GPU)", r);
+            launch_note(w, msg);
+        }
+        if (w->kind == 2 && overlaps(w->out, w->scratch[r], bytes)) {
+            char msg[160];
+            snprintf(msg, sizeof msg, "two-shot writes out over scratch[%d], which every rank reads", r);
+            launch_note(w, msg);
+        }
+    }
+    return 1;
+}
+
+static void kernel_run(void* arg) {
+    const struct kwork* w = arg;
+    launch_count(w->seq, f_runs);
+    uint64_t in[8] = {0}, src = 0;
+    int registered = -1;
+    if (!run_buffers_ok(w, in, &src, &registered)) {
+        launch_count(w->seq, f_failed);
+        return;
+    }
+    pthread_mutex_lock(&mu);
+    struct fakehip_launch* l = launch_rec(w->seq);
+    if (l) l->last_registered = registered;
+    pthread_mutex_unlock(&mu);
+
+    size_t n_vec = w->n_vec, round_vecs = w->round_vecs, rounds = 1;
+    if (w->kind == 2) {
+        if (round_vecs == 0 || round_vecs > n_vec) round_vecs = n_vec;
+        rounds = (n_vec + round_vecs - 1) / round_vecs;
+    }
+    uint32_t steps = w->kind == 1 ? 2 : 2 + (uint32_t)rounds;
+    uint32_t epoch[K_MAX_BLOCKS];
+    for (unsigned b = 0; b < w->blocks; b++) {
+        uint32_t* counter = flag_word(w->flags[w->rank], K_EPOCHS + b);
+        epoch[b] = *counter;
+        *counter = epoch[b] + steps;
+    }
+    /* 0: running; 1: aborted; 2: timed out. Once stopped, the remaining barriers are only signalled. */
+    int stopped = abort_set(w) ? 1 : 0;
+    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, n_vec * 16);
+    int r = barrier(w, epoch, 1, stopped);
+    if (!stopped) stopped = r;
+    if (w->kind == 1) {
+        if (!stopped) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, n_vec);
+        r = barrier(w, epoch, 2, stopped);
+        if (!stopped) stopped = r;
+    } else {
+        void* mine = (void*)(uintptr_t)w->scratch[w->rank];
+        for (size_t k = 0; k < rounds; k++) {
+            size_t r0 = k * round_vecs, r1 = r0 + round_vecs < n_vec ? r0 + round_vecs : n_vec;
+            size_t chunk = (r1 - r0 + (size_t)w->world - 1) / (size_t)w->world;
+            size_t start = r0 + chunk * (size_t)w->rank, end = start + chunk < r1 ? start + chunk : r1;
+            if (!stopped && start < end) reduce_vecs(w, in, mine, start, end);
+            r = barrier(w, epoch, 2 + (uint32_t)k, stopped);
+            if (!stopped) stopped = r;
+            for (int q = 0; q < w->world && !stopped; q++) {
+                size_t qs = r0 + chunk * (size_t)q, qe = qs + chunk < r1 ? qs + chunk : r1;
+                if (qs < qe)
+                    memcpy((char*)(uintptr_t)w->out + qs * 16, (const char*)(uintptr_t)w->scratch[q] + qs * 16,
+                           (qe - qs) * 16);
+            }
+        }
+        r = barrier(w, epoch, 2 + (uint32_t)rounds, stopped);
+        if (!stopped) stopped = r;
+    }
+    if (stopped == 2) launch_note(w, "timed out waiting for the other ranks at a barrier");
+    launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
+}
+
+/* Parameters of the all-reduce kernels in order (allreduce_params in kernels-common): which field, bytes. */
+enum { P_IN, P_TABLE, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC };
+static const int one_shot_params[] = {P_IN, P_SELF, P_OUT, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+static const int two_shot_params[] = {P_IN, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+static size_t param_bytes(int p) {
+    return p == P_IN || p == P_SCRATCH || p == P_FLAGS ? 64 : p == P_RANK || p == P_WORLD ? 4 : 8;
+}
+static void store_param(struct kwork* w, int p, const void* v) {
+    switch (p) {
+        case P_IN: memcpy(w->in, v, 64); break;
+        case P_TABLE: memcpy(&w->table, v, 8); break;
+        case P_SELF: memcpy(&w->self_src, v, 8); break;
+        case P_SCRATCH: memcpy(w->scratch, v, 64); break;
+        case P_OUT: memcpy(&w->out, v, 8); break;
+        case P_ROUND: memcpy(&w->round_vecs, v, 8); break;
+        case P_FLAGS: memcpy(w->flags, v, 64); break;
+        case P_RANK: memcpy(&w->rank, v, 4); break;
+        case P_WORLD: memcpy(&w->world, v, 4); break;
+        case P_NVEC: memcpy(&w->n_vec, v, 8); break;
+    }
+}
+/* kind 1 one-shot / 2 two-shot, table, dtype from an all-reduce kernel name; 0 when it is none. */
+static int parse_kernel(const char* name, int* kind, int* table, int* dtype) {
+    const char* rest;
+    if (strncmp(name, "anyccl_one_shot_", 16) == 0) *kind = 1;
+    else if (strncmp(name, "anyccl_two_shot_", 16) == 0) *kind = 2;
+    else return 0;
+    rest = name + 16;
+    *table = strncmp(rest, "table_", 6) == 0;
+    if (*table) rest += 6;
+    if (strcmp(rest, "f32") == 0) *dtype = 0;
+    else if (strcmp(rest, "f16") == 0) *dtype = 1;
+    else if (strcmp(rest, "bf16") == 0) *dtype = 2;
+    else return 0;
+    return 1;
+}
+
+/* Checks a decoded launch; returns 0 or the error code, with `why` filled. */
+static hipError_t check_launch(const struct kwork* w, const unsigned* grid, const unsigned* block, char* why,
+                               size_t n) {
+    if (grid[0] < 1 || grid[0] > K_MAX_BLOCKS || grid[1] != 1 || grid[2] != 1)
+        return snprintf(why, n, "grid %ux%ux%u (1..=%d blocks in x only)", grid[0], grid[1], grid[2], K_MAX_BLOCKS),
+               1;
+    if (block[0] < 1 || block[0] > K_MAX_THREADS || block[1] != 1 || block[2] != 1)
+        return snprintf(why, n, "block %ux%ux%u (1..=%d threads in x only)", block[0], block[1], block[2],
+                        K_MAX_THREADS),
+               1;
+    if (w->world < 2 || w->world > K_MAX_RANKS) return snprintf(why, n, "world %d (2..=8)", w->world), 1;
+    if (w->rank < 0 || w->rank >= w->world) return snprintf(why, n, "rank %d of world %d", w->rank, w->world), 1;
+    if (w->n_vec == 0 || w->n_vec > ((uint64_t)1 << 40))
+        return snprintf(why, n, "n_vec %llu (1..=2^40)", (unsigned long long)w->n_vec), 1;
+    uint64_t bytes = w->n_vec * 16;
+    struct {
+        const char* what;
+        int index;
+        uint64_t p;
+        uint64_t bytes;
+        int may_be_null;
+    } ptrs[1 + 3 * K_MAX_RANKS + 3];
+    int np = 0;
+    for (int r = 0; r < w->world; r++) {
+        ptrs[np++] = (typeof(ptrs[0])){"flags", r, w->flags[r], K_FLAG_BYTES, 0};
+        if (!w->table_kernel) ptrs[np++] = (typeof(ptrs[0])){"in", r, w->in[r], bytes, 0};
+        if (w->kind == 2) ptrs[np++] = (typeof(ptrs[0])){"scratch", r, w->scratch[r], bytes, 0};
+    }
+    if (w->table_kernel) ptrs[np++] = (typeof(ptrs[0])){"table", -1, w->table, K_TABLE_BYTES, 0};
+    ptrs[np++] = (typeof(ptrs[0])){"out", -1, w->out, bytes, 0};
+    ptrs[np++] = (typeof(ptrs[0])){"self_src", -1, w->self_src, bytes, 1};
+    char at[24] = "";
+    for (int i = 0; i < np; i++) {
+        if (ptrs[i].index >= 0) snprintf(at, sizeof at, "[%d]", ptrs[i].index);
+        else at[0] = 0;
+        if (!ptrs[i].p) {
+            if (ptrs[i].may_be_null) continue;
+            return snprintf(why, n, "%s%s is null", ptrs[i].what, at), 1;
+        }
+        if (ptrs[i].p % 16 != 0)
+            return snprintf(why, n, "%s%s %#llx is not 16-byte aligned", ptrs[i].what, at,
+                            (unsigned long long)ptrs[i].p),
+                   1;
+        pthread_mutex_lock(&mu);
+        int live = alloc_holding(ptrs[i].p, ptrs[i].bytes) != NULL;
+        pthread_mutex_unlock(&mu);
+        if (!live)
+            return snprintf(why, n, "%s%s %#llx: no live hipMalloc allocation holds %llu bytes there", ptrs[i].what,
+                            at, (unsigned long long)ptrs[i].p, (unsigned long long)ptrs[i].bytes),
+                   1;
+    }
+    return 0;
+}
+
+/* Decodes the parameters from kernelParams (one pointer per parameter) or from `extra` (a parameter buffer laid
+ * out as allreduce_params says). Returns 0 or 1 with `why` filled. */
+static hipError_t decode_params(struct kwork* w, void** params, void** extra, char* why, size_t n) {
+    const int* order = w->kind == 1 ? one_shot_params : two_shot_params;
+    if ((params == NULL) == (extra == NULL))
+        return snprintf(why, n, "exactly one of kernelParams and extra must be given"), 1;
+    const unsigned char* buf = NULL;
+    size_t buf_size = 0;
+    if (extra) {
+        const void* size_p = NULL;
+        int i = 0;
+        for (; i < 16 && extra[i] != (void*)3; i += 2) {
+            if (extra[i] == (void*)1) buf = extra[i + 1];
+            else if (extra[i] == (void*)2) size_p = extra[i + 1];
+            else return snprintf(why, n, "extra[%d] is not a HIP_LAUNCH_PARAM_* key", i), 1;
+        }
+        if (i >= 16 || !buf || !size_p) return snprintf(why, n, "extra lacks a buffer, its size or the end"), 1;
+        memcpy(&buf_size, size_p, sizeof buf_size);
+    }
+    size_t off = 0;
+    for (int i = 0; order[i] >= 0; i++) {
+        int p = order[i] == P_IN && w->table_kernel ? P_TABLE : order[i];
+        size_t bytes = p == P_TABLE ? 8 : param_bytes(p);
+        size_t align = bytes < 8 ? bytes : 8;
+        off = (off + align - 1) / align * align;
+        const void* v;
+        if (params) {
+            v = params[i];
+            if (!v) return snprintf(why, n, "kernelParams[%d] is null", i), 1;
+        } else {
+            if (off + bytes > buf_size)
+                return snprintf(why, n, "the parameter buffer of %zu bytes ends before parameter %d", buf_size, i),
+                       1;
+            v = buf + off;
+        }
+        store_param(w, p, v);
+        off += bytes;
+    }
+    if (extra && off != buf_size)
+        return snprintf(why, n, "the parameter buffer has %zu bytes, the kernel's parameters %zu", buf_size, off), 1;
+    return 0;
+}
+
 hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned shared, void* s, void** params, void** extra) {
     count_call("hipModuleLaunchKernel");
-    (void)f, (void)gx, (void)gy, (void)gz, (void)bx, (void)by, (void)bz, (void)shared, (void)s, (void)params,
-        (void)extra;
-    return 98;
+    struct function* fn = f;
+    struct kwork w;
+    memset(&w, 0, sizeof w);
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    char why[200] = "";
+    hipError_t e = 0;
+    int known = 0;
+    if (!fn) {
+        e = 400, snprintf(why, sizeof why, "null function");
+    } else {
+        snprintf(w.name, sizeof w.name, "%s", fn->name);
+        if (!fn->module->loaded) {
+            e = 400, snprintf(why, sizeof why, "its module was unloaded");
+        } else if (!parse_kernel(fn->name, &w.kind, &w.table_kernel, &w.dtype)) {
+            e = 98, snprintf(why, sizeof why, "not an all-reduce kernel the fake can run");
+        } else {
+            known = 1;
+            e = decode_params(&w, params, extra, why, sizeof why);
+            if (!e) e = check_launch(&w, grid, block, why, sizeof why);
+        }
+    }
+    pthread_mutex_lock(&mu);
+    w.seq = ++n_launches;
+    struct fakehip_launch* l = &launches[(w.seq - 1) % MAX_LAUNCHES];
+    memset(l, 0, sizeof *l);
+    l->seq = w.seq;
+    snprintf(l->name, sizeof l->name, "%s", fn ? fn->name : "(null)");
+    memcpy(l->grid, grid, sizeof grid);
+    memcpy(l->block, block, sizeof block);
+    l->shared_bytes = shared;
+    l->capturing = fakehip_is_capturing(s);
+    l->stream = (uint64_t)(uintptr_t)s;
+    l->kernel = known ? w.kind : 0;
+    l->table_kernel = known ? w.table_kernel : 0;
+    l->dtype = known ? w.dtype : -1;
+    l->rank = w.rank, l->world = w.world;
+    l->table = w.table, l->self_src = w.self_src, l->out = w.out, l->round_vecs = w.round_vecs, l->n_vec = w.n_vec;
+    memcpy(l->in, w.in, 64), memcpy(l->scratch, w.scratch, 64), memcpy(l->flags, w.flags, 64);
+    l->last_registered = -1;
+    l->status = e;
+    pthread_mutex_unlock(&mu);
+    if (e) {
+        fakehip_add_violation(fn ? fn->name : "hipModuleLaunchKernel", why);
+        return e;
+    }
+    w.blocks = gx;
+    e = fakehip_enqueue(s, kernel_run, &w, sizeof w);
+    if (e) {
+        pthread_mutex_lock(&mu);
+        l = launch_rec(w.seq);
+        if (l) l->status = e;
+        pthread_mutex_unlock(&mu);
+    }
+    return e;
+}
+
+/* hipStreamWriteValue32: a stream-ordered 4-byte store (legal during capture, like a memset), which also wakes
+ * emulated kernels waiting at a barrier (the abort word). */
+struct write32_args {
+    uint32_t* ptr;
+    uint32_t value;
+};
+static void do_write32(void* a) {
+    struct write32_args* c = a;
+    __atomic_store_n(c->ptr, c->value, __ATOMIC_RELEASE);
+    wake_kernels();
+}
+hipError_t hipStreamWriteValue32(void* s, void* ptr, uint32_t value, unsigned flags) {
+    count_call("hipStreamWriteValue32");
+    (void)flags;
+    if (!ptr || (uintptr_t)ptr % 4 != 0) return 1;
+    struct write32_args c = {ptr, value};
+    return fakehip_enqueue(s, do_write32, &c, sizeof c);
 }
 
 struct event {

@@ -149,3 +149,207 @@ impl FakeHip {
         }
     }
 }
+
+/// `struct fakehip_launch` of fake_hip.c, field for field (the C side refuses a copy of another size).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RawLaunch {
+    seq: u64,
+    name: [std::ffi::c_char; 64],
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+    capturing: i32,
+    stream: u64,
+    status: i32,
+    kernel: i32,
+    table_kernel: i32,
+    dtype: i32,
+    rank: i32,
+    world: i32,
+    table: u64,
+    self_src: u64,
+    out: u64,
+    round_vecs: u64,
+    n_vec: u64,
+    inputs: [u64; 8],
+    scratch: [u64; 8],
+    flags: [u64; 8],
+    runs: u32,
+    completed: u32,
+    aborted: u32,
+    timed_out: u32,
+    failed: u32,
+    last_registered: i32,
+}
+
+/// Which all-reduce kernel a launch ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shot {
+    /// `anyccl_one_shot[_table]_*`.
+    One,
+    /// `anyccl_two_shot[_table]_*`.
+    Two,
+}
+
+/// The decoded parameters of an all-reduce kernel launch (`anyccl_kernels_common::allreduce_params`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllReduceParams {
+    /// One-shot or two-shot.
+    pub shot: Shot,
+    /// A `_table` kernel: the inputs' pointers are read from `table` when the work runs.
+    pub table_kernel: bool,
+    /// Element type: "f32", "f16" or "bf16".
+    pub dtype: &'static str,
+    /// `in`: every rank's input or staging buffer (zero for `_table` kernels).
+    pub inputs: [u64; 8],
+    /// `table`: the device input table (zero unless `table_kernel`).
+    pub table: u64,
+    /// `self_src`: this rank's input to copy into its staging first (0: none).
+    pub self_src: u64,
+    /// `scratch`: every rank's two-shot scratch (zero for one-shot).
+    pub scratch: [u64; 8],
+    /// `out`.
+    pub out: u64,
+    /// `round_vecs` (two-shot; 0 for one-shot).
+    pub round_vecs: u64,
+    /// `flags`: every rank's flag array.
+    pub flags: [u64; 8],
+    /// `rank`.
+    pub rank: i32,
+    /// `world`.
+    pub world: i32,
+    /// `n_vec`: 16-byte vectors.
+    pub n_vec: u64,
+    /// The input table's `registered` word at the last run (`None`: no table read yet, or not a table kernel).
+    pub last_registered: Option<bool>,
+}
+
+/// One `hipModuleLaunchKernel` as the fake recorded it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// 1, 2, … since the last reset.
+    pub seq: u64,
+    /// The function's name.
+    pub name: String,
+    /// Grid x, y, z.
+    pub grid: [u32; 3],
+    /// Block x, y, z.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared_bytes: u32,
+    /// The stream (its handle's address; 0: the null stream).
+    pub stream: usize,
+    /// The stream was capturing: the work runs at each replay of the graph instead of now.
+    pub capturing: bool,
+    /// What `hipModuleLaunchKernel` returned (0, or 98/1/400/900 for a refused launch).
+    pub status: i32,
+    /// The decoded parameters of an all-reduce kernel (also for launches refused after decoding).
+    pub params: Option<AllReduceParams>,
+    /// Times the work started (eager: 1; captured: one per replay).
+    pub runs: u32,
+    /// Runs that met every barrier and wrote `out`.
+    pub completed: u32,
+    /// Runs that stopped on this rank's abort word.
+    pub aborted: u32,
+    /// Runs that gave up waiting for a peer (a violation says so too).
+    pub timed_out: u32,
+    /// Runs refused when they started (a buffer freed since the launch, a bad input table).
+    pub failed: u32,
+}
+
+impl FakeHip {
+    fn sym<T: Copy>(&self, name: &[u8]) -> T {
+        // SAFETY: every caller names a function fake_hip.c exports with the signature `T`.
+        unsafe { *self.lib.get::<T>(name).expect("fake HIP symbol") }
+    }
+
+    /// The kernel launches held (the last 4096 since the reset, oldest first).
+    pub fn launches(&self) -> Vec<Launch> {
+        let count: unsafe extern "C" fn() -> i32 = self.sym(b"fakehip_launch_count\0");
+        let get: unsafe extern "C" fn(i32, *mut RawLaunch, usize) -> i32 = self.sym(b"fakehip_launch\0");
+        // SAFETY: plain reads of the fake's record into a struct of the C layout (whose size the C side checks).
+        let n = unsafe { count() };
+        (0..n)
+            .filter_map(|i| {
+                let mut raw = std::mem::MaybeUninit::<RawLaunch>::zeroed();
+                // SAFETY: as above; `raw` is a whole RawLaunch the C side fills on success.
+                let rc = unsafe { get(i, raw.as_mut_ptr(), std::mem::size_of::<RawLaunch>()) };
+                assert_ne!(rc, 2, "fake_hip.rs RawLaunch differs from fake_hip.c's struct fakehip_launch");
+                // SAFETY: zero-initialised, then filled: every bit pattern is a valid RawLaunch.
+                (rc == 0).then(|| Launch::from(unsafe { raw.assume_init() }))
+            })
+            .collect()
+    }
+
+    /// Kernel launches since the reset, including those no longer held.
+    pub fn launch_total(&self) -> u64 {
+        let f: unsafe extern "C" fn() -> u64 = self.sym(b"fakehip_launch_total\0");
+        // SAFETY: reads a counter.
+        unsafe { f() }
+    }
+
+    /// Emulated kernel runs waiting at a barrier for their peers now.
+    pub fn kernels_waiting(&self) -> i32 {
+        let f: unsafe extern "C" fn() -> i32 = self.sym(b"fakehip_kernels_waiting\0");
+        // SAFETY: reads a counter.
+        unsafe { f() }
+    }
+
+    /// How long an emulated kernel waits for its peers before it records "timed out" (negative: the default,
+    /// `FAKEHIP_KERNEL_TIMEOUT_MS` or 20 s).
+    pub fn set_kernel_timeout_ms(&self, ms: i32) {
+        let f: unsafe extern "C" fn(i32) = self.sym(b"fakehip_set_kernel_timeout_ms\0");
+        // SAFETY: sets a number.
+        unsafe { f(ms) }
+    }
+
+    /// IPC mappings opened and not closed yet.
+    pub fn ipc_open_count(&self) -> i32 {
+        let f: unsafe extern "C" fn() -> i32 = self.sym(b"fakehip_ipc_open_count\0");
+        // SAFETY: reads a counter.
+        unsafe { f() }
+    }
+}
+
+impl From<RawLaunch> for Launch {
+    fn from(r: RawLaunch) -> Self {
+        let name_bytes: Vec<u8> = r.name.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+        let params = (r.kernel == 1 || r.kernel == 2).then(|| AllReduceParams {
+            shot: if r.kernel == 1 { Shot::One } else { Shot::Two },
+            table_kernel: r.table_kernel != 0,
+            dtype: match r.dtype {
+                0 => "f32",
+                1 => "f16",
+                _ => "bf16",
+            },
+            inputs: r.inputs,
+            table: r.table,
+            self_src: r.self_src,
+            scratch: r.scratch,
+            out: r.out,
+            round_vecs: r.round_vecs,
+            flags: r.flags,
+            rank: r.rank,
+            world: r.world,
+            n_vec: r.n_vec,
+            last_registered: (r.last_registered >= 0).then_some(r.last_registered == 1),
+        });
+        Launch {
+            seq: r.seq,
+            name: String::from_utf8_lossy(&name_bytes).into_owned(),
+            grid: r.grid,
+            block: r.block,
+            shared_bytes: r.shared_bytes,
+            stream: r.stream as usize,
+            capturing: r.capturing != 0,
+            status: r.status,
+            params,
+            runs: r.runs,
+            completed: r.completed,
+            aborted: r.aborted,
+            timed_out: r.timed_out,
+            failed: r.failed,
+        }
+    }
+}

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyccl_core::runtime::{view_range, BufferLike};
 use anyccl_core::{BufferDesc, Location, MemoryRuntime, Result};
 
-use crate::DeviceAddress;
+use crate::{CclStream, DeviceAddress};
 
 /// One allocation of a GPU backend (`cuMemAlloc`, `hipMalloc`), freed when the last [`GpuBuffer`] or view holding
 /// it drops (its own `Drop`).
@@ -25,7 +25,12 @@ pub trait GpuAllocation: Sized + Send + Sync {
 
 /// A GPU backend's memory runtime of one device, as the shared layers use it: its buffers are [`GpuBuffer`]s.
 /// Cloning it is cheap (it holds the device by reference count).
-pub trait GpuRuntime: MemoryRuntime<Buffer = GpuBuffer<Self::Allocation>> + Clone + Send + 'static {
+pub trait GpuRuntime:
+    MemoryRuntime<Buffer = GpuBuffer<Self::Allocation>, OwnedBuffer = GpuBuffer<Self::Allocation>, Stream: CclStream>
+    + Clone
+    + Send
+    + 'static
+{
     /// The backend's allocation.
     type Allocation: GpuAllocation;
 

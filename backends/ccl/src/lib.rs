@@ -15,6 +15,9 @@
 //!   sub-communicators (and anything else that needs every rank's bytes) set up with no port of their own.
 //! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
 //!   backend's [`GpuAllocation`]), and the runtime the shared layers need of a backend ([`GpuRuntime`]).
+//! - [`gpu`]: the GPU communicator of both vendors ([`gpu::GpuComm`]) over a per-vendor [`gpu::GpuPlatform`]: the
+//!   custom kernels' load, parameter packing and launch, their peers' buffers over peer access or IPC, graph
+//!   buffers, the abort word, and the one-process-per-GPU bootstrap.
 //! - this module: a thin safe layer — status codes to errors carrying the vendor's text, unique ids as bytes,
 //!   dtype/op mappings that refuse what the loaded version lacks, and a small RAII communicator handle.
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -23,6 +26,7 @@ pub mod caps;
 pub mod ccl_bootstrap;
 pub mod device;
 pub mod find;
+pub mod gpu;
 pub mod loader;
 pub mod rank;
 pub mod sys;

@@ -10,14 +10,17 @@
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
+use anyccl_ccl::gpu::bootstrap as generic;
 pub use anyccl_ccl::UniqueId;
-use anyccl_ccl::{CclLibrary, CclVendor};
-use anyccl_core::{Bootstrap, Communicator, Error, InvalidArgument, Reason, Result, Selector};
+use anyccl_core::{Bootstrap, Communicator, Error, Result, Selector};
 use anyccl_rendezvous::{FdChannel, FdServer, Rendezvous, RendezvousConfig};
 
 use crate::comm::CudaComm;
 use crate::ipc::{LegacyMapping, VmmBuffer};
+use crate::platform::Cuda;
 use crate::runtime::{DeviceBuffer, DeviceContext};
+
+pub use crate::platform::load_nccl;
 
 /// Joins the communicator described by `cfg` on GPU `device` (default: `LOCAL_RANK`, else rank modulo the GPU
 /// count). Returns the communicator and the rendezvous, which stays usable for exchanging handles (it is a
@@ -31,65 +34,19 @@ pub fn communicator(
     device: Option<i32>,
     selector: Arc<Selector>,
 ) -> Result<(Communicator<CudaComm>, Rendezvous)> {
-    let local_rank = cfg.local_rank;
-    let mut rdv = Rendezvous::establish(cfg)?;
-    let (rank, world) = (rdv.rank(), rdv.world());
-    let lib = load_nccl();
-    // Every rank reaches the broadcast even if its own load failed, or the others wait for the timeout.
-    let id = share_unique_id(&mut rdv, lib.as_ref().ok());
-    let lib = lib?;
-    let id = id?;
-    let info =
-        crate::driver::probe().map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
-    let count = i32::try_from(info.devices.len()).unwrap_or(i32::MAX).max(1);
-    let ordinal = device.unwrap_or_else(|| local_rank.map_or(rank as i32 % count, |l| l as i32 % count));
-    let comm = join(lib, &id, rank, world, ordinal, &mut rdv, selector)?;
-    Ok((comm, rdv))
-}
-
-/// Loads NCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
-pub fn load_nccl() -> Result<Arc<CclLibrary>> {
-    anyccl_ccl::load(CclVendor::Nccl).map_err(|e| Error::Unsupported {
-        capability: "ccl".into(),
-        reason: Reason::Unavailable { component: "NCCL".into(), detail: e.to_string() },
-    })
+    generic::communicator::<Cuda>(cfg, device, selector)
 }
 
 /// A fresh NCCL unique id, made on one rank. Move its bytes ([`UniqueId::as_bytes`]) to the other ranks however the
 /// engine does (a file, an environment variable, its own store), rebuild it there with [`UniqueId::from_bytes`],
 /// and join with [`communicator_with_id`]; or let [`broadcast_unique_id`] do it through a [`Bootstrap`].
 pub fn new_unique_id() -> Result<UniqueId> {
-    let lib = load_nccl()?;
-    UniqueId::new(&lib)
+    generic::new_unique_id::<Cuda>()
 }
 
 /// Rank 0 makes an NCCL unique id and sends it to every rank through `bootstrap`. Collective.
 pub fn broadcast_unique_id(bootstrap: &mut dyn Bootstrap) -> Result<UniqueId> {
-    let lib = load_nccl();
-    share_unique_id(bootstrap, lib.as_ref().ok())
-}
-
-/// [`broadcast_unique_id`] with the library already loaded (or not: rank 0 then sends nothing, and every rank
-/// fails alike instead of waiting).
-fn share_unique_id(bootstrap: &mut dyn Bootstrap, lib: Option<&Arc<CclLibrary>>) -> Result<UniqueId> {
-    let rank = bootstrap.rank();
-    let made = match (lib, rank) {
-        (Some(l), 0) => Some(UniqueId::new(l)),
-        (None, 0) => Some(Err(Error::PeerFailure("rank 0 could not load NCCL".into()))),
-        _ => None,
-    };
-    let payload = match &made {
-        Some(Ok(id)) => id.as_bytes().to_vec(),
-        _ => Vec::new(),
-    };
-    let got = bootstrap.broadcast(0, (rank == 0).then_some(payload.as_slice()))?;
-    if let Some(Err(e)) = made {
-        return Err(e);
-    }
-    if got.is_empty() {
-        return Err(Error::PeerFailure("rank 0 could not create an NCCL unique id".into()));
-    }
-    UniqueId::from_bytes(&got)
+    generic::broadcast_unique_id::<Cuda>(bootstrap)
 }
 
 /// Joins communicator `id` as `rank` of `world` on GPU `device`, with everything the rendezvous path gives: NCCL,
@@ -108,45 +65,7 @@ pub fn communicator_with_id(
     bootstrap: &mut dyn Bootstrap,
     selector: Arc<Selector>,
 ) -> Result<Communicator<CudaComm>> {
-    check_shape(rank, world, device)?;
-    anyccl_core::comm::check_bootstrap(bootstrap, rank, world)?;
-    join(load_nccl()?, id, rank, world, device, bootstrap, selector)
-}
-
-/// Refuses a shape no communicator has: no ranks, a rank outside the world, a negative device.
-fn check_shape(rank: usize, world: usize, device: i32) -> Result<()> {
-    if world == 0 {
-        return Err(InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into());
-    }
-    if rank >= world {
-        return Err(InvalidArgument::RankOutOfRange { what: "this", rank, world }.into());
-    }
-    if device < 0 {
-        return Err(InvalidArgument::BadWorld(format!("device {device} is not a CUDA device ordinal")).into());
-    }
-    Ok(())
-}
-
-/// NCCL, then the custom kernels over `bootstrap`.
-fn join(
-    lib: Arc<CclLibrary>,
-    id: &UniqueId,
-    rank: usize,
-    world: usize,
-    ordinal: i32,
-    bootstrap: &mut dyn Bootstrap,
-    selector: Arc<Selector>,
-) -> Result<Communicator<CudaComm>> {
-    let mut caps = crate::capabilities(Some(&lib), &|k| std::env::var(k).ok());
-    caps.apply_env()?;
-    let mut comm = CudaComm::init_rank(lib, ordinal, world, rank, id, Arc::new(caps))?;
-    // The custom kernels over IPC; if they cannot be set up, NCCL still serves every call.
-    if world > 1 {
-        if let Err(e) = comm.enable_custom_ipc(bootstrap) {
-            tracing::info!(error = %e, "custom all-reduce kernels off for this communicator");
-        }
-    }
-    Ok(Communicator::new(comm, selector))
+    generic::communicator_with_id::<Cuda>(id, rank, world, device, bootstrap, selector)
 }
 
 /// [`communicator`] with the configuration read from the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
@@ -154,7 +73,7 @@ fn join(
 /// torchrun's agent holds `MASTER_PORT`; and the job's secret `ANYCCL_RENDEZVOUS_KEY` or
 /// `ANYCCL_RENDEZVOUS_KEY_FILE`, required unless `MASTER_ADDR` is a loopback address).
 pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<CudaComm>, Rendezvous)> {
-    communicator(RendezvousConfig::from_env()?, None, selector)
+    generic::communicator_from_env::<Cuda>(selector)
 }
 
 /// Exchanges legacy IPC handles of `buf` and opens every peer's buffer (index = rank; own = `None`).
@@ -274,7 +193,7 @@ mod tests {
             let hs: Vec<_> = (0..3)
                 .map(|r| {
                     let mut me = group.member(r);
-                    s.spawn(move || share_unique_id(&mut me, None).err().map(|e| e.to_string()))
+                    s.spawn(move || generic::share_unique_id::<Cuda>(&mut me, None).err().map(|e| e.to_string()))
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().expect("rank")).collect::<Option<Vec<_>>>().expect("every rank fails")

@@ -58,7 +58,7 @@ impl EmulatedRanks {
     /// Allocates everything for `world` ranks on device `ordinal`; flag arrays zeroed.
     pub fn new(ordinal: i32, world: usize, bytes: usize, blocks: u32) -> Result<Self> {
         let runtime = CudaRuntime::new(ordinal)?;
-        let kernels = CustomKernels::load(runtime.context())?;
+        let kernels = CustomKernels::load(&runtime)?;
         let s0 = runtime.stream()?;
         let alloc = |n: usize| -> Result<Vec<DeviceBuffer>> { (0..world).map(|_| runtime.alloc(n)).collect() };
         let inputs = alloc(bytes)?;
@@ -197,6 +197,12 @@ impl EmulatedRanks {
                         s,
                     )
                 }
+                other => Err(anyccl_core::Error::backend(
+                    "cuda",
+                    "emulated ranks",
+                    None,
+                    format!("{other:?} has no emulated launch"),
+                )),
             }
         }
     }

@@ -14,14 +14,19 @@ use crate::driver::cu_err;
 use crate::runtime::{DeviceBuffer, DeviceContext};
 
 /// Bytes of a legacy IPC handle (`CUipcMemHandle`).
-pub const LEGACY_HANDLE_BYTES: usize = 64;
+pub use anyccl_ccl::gpu::LEGACY_HANDLE_BYTES;
 
 /// A legacy IPC handle of `cuMemAlloc` memory, as bytes for the rendezvous.
 pub fn export_legacy(ctx: &Arc<DeviceContext>, buf: &DeviceBuffer) -> Result<[u8; LEGACY_HANDLE_BYTES]> {
+    export_legacy_ptr(ctx, buf.device_ptr())
+}
+
+/// A legacy IPC handle of the `cuMemAlloc` allocation at `ptr` (its start, or an address inside it), as bytes.
+pub fn export_legacy_ptr(ctx: &Arc<DeviceContext>, ptr: u64) -> Result<[u8; LEGACY_HANDLE_BYTES]> {
     ctx.bind()?;
     let mut h = sys::CUipcMemHandle { reserved: [0; LEGACY_HANDLE_BYTES] };
-    // SAFETY: `buf` is live device memory of this context; the driver fills the handle.
-    unsafe { sys::cuIpcGetMemHandle(&mut h, buf.device_ptr()) }.result().map_err(|e| cu_err("cuIpcGetMemHandle", e))?;
+    // SAFETY: the driver checks that `ptr` is device memory of this context and fills the handle.
+    unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) }.result().map_err(|e| cu_err("cuIpcGetMemHandle", e))?;
     Ok(h.reserved.map(|c| c as u8))
 }
 
@@ -34,6 +39,8 @@ pub struct LegacyMapping {
 
 // SAFETY: a mapped device address may be used from any thread.
 unsafe impl Send for LegacyMapping {}
+// SAFETY: as above; nothing in it changes after `open`.
+unsafe impl Sync for LegacyMapping {}
 
 impl LegacyMapping {
     /// Opens a peer's handle (`cuIpcOpenMemHandle`) for `len` bytes.
@@ -65,6 +72,11 @@ impl LegacyMapping {
         let range = ctx.address_range(ptr)?;
         anyccl_core::check_allocation("cuda", "cuIpcOpenMemHandle", ptr, len, range)?;
         Ok(mapping)
+    }
+
+    /// The mapped device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
     }
 
     /// A view of the mapped memory.

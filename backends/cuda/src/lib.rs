@@ -3,7 +3,10 @@
 //! - [`driver`]: the CUDA driver through cudarc, probed first so a machine without `libcuda.so.1` reports
 //!   "CUDA backend unavailable" instead of crashing;
 //! - [`runtime`]: core's memory runtime over the driver (device buffers, streams, capture status);
-//! - [`comm`]: the communicator over NCCL (through anyccl-ccl's table), symmetric-memory windows;
+//! - [`platform`]: the CUDA platform of anyccl-ccl's generic GPU communicator (module load and launch, IPC,
+//!   peer access, the abort word);
+//! - [`comm`]: the communicator ([`CudaComm`] = `GpuComm<Cuda>`): NCCL through anyccl-ccl's table, symmetric
+//!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
 //!   with a fake driver;
 //! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks.
@@ -34,6 +37,7 @@ pub mod multicast;
 #[cfg(feature = "multicast")]
 #[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast_driver;
+pub mod platform;
 pub mod runtime;
 
 use std::sync::Arc;
@@ -47,6 +51,7 @@ pub use comm::{CudaComm, SymmetricBuffer};
 pub use cudarc;
 #[cfg(feature = "cudarc")]
 pub use cudarc_interop::CudarcAllReduce;
+pub use platform::Cuda;
 pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceView, DeviceViewMut};
 
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective

@@ -179,6 +179,11 @@ impl CudaStream {
         CudaStream { raw: raw as sys::CUstream, ctx: ctx.clone(), owned: false, key: STREAMS.register(raw as usize) }
     }
 
+    /// The context of the stream's device.
+    pub fn context(&self) -> &Arc<DeviceContext> {
+        &self.ctx
+    }
+
     /// Its entry in the capture rules' known streams.
     pub(crate) fn key(&self) -> StreamKey {
         self.key
@@ -212,16 +217,7 @@ impl CudaStream {
     /// Polls [`Self::query`] until the stream's work is done, for at most `limit`: `Ok(false)` when it was still
     /// busy then. Refused while the stream is being captured.
     pub fn done_within(&self, limit: std::time::Duration) -> Result<bool> {
-        let start = std::time::Instant::now();
-        let mut pause = std::time::Duration::from_micros(20);
-        while !self.query()? {
-            if start.elapsed() >= limit {
-                return Ok(false);
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(std::time::Duration::from_millis(1));
-        }
-        Ok(true)
+        anyccl_ccl::gpu::done_within(self, limit)
     }
 
     /// [`InvalidArgument::DuringCapture`] naming `call` when the stream is being captured, where `call` would
@@ -326,6 +322,11 @@ impl CudaRuntime {
     /// The runtime of device `ordinal`.
     pub fn new(ordinal: i32) -> Result<Self> {
         Ok(CudaRuntime { ctx: DeviceContext::new(ordinal)? })
+    }
+
+    /// The runtime of `ctx`'s device.
+    pub fn from_context(ctx: Arc<DeviceContext>) -> Self {
+        CudaRuntime { ctx }
     }
 
     /// The device context.

@@ -5,14 +5,17 @@
 //!   is off.
 //! - [`runtime`]: devices, buffers, streams, graphs; core's [`anyccl_core::MemoryRuntime`] over HIP, with the
 //!   capture rules (no allocation, free, synchronous copy or registration while a stream captures).
-//! - [`comm`]: the RCCL communicator over the CCL rank shared with the CUDA backend; symmetric windows only where
-//!   RCCL exports the window symbols and `NCCL_CUMEM_ENABLE=1`.
-//! - The HIP one-shot/two-shot kernels are built by `anyccl-kernels-hip`; the communicator lists them and says why
-//!   they do not run yet.
+//! - [`platform`]: the HIP platform of anyccl-ccl's generic GPU communicator (module load and launch of the HIP
+//!   kernels of `anyccl-kernels-hip`, HIP IPC handles, peer access, the abort word).
+//! - [`comm`]: the communicator ([`RocmComm`] = `GpuComm<Hip>`, written once with the CUDA one): RCCL, symmetric
+//!   windows only where RCCL exports the window symbols and `NCCL_CUMEM_ENABLE=1`, and the custom one-shot /
+//!   two-shot kernels over peer access (one process) or HIP IPC (one process per GPU, [`bootstrap`]).
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod bootstrap;
 pub mod comm;
 pub mod loader;
+pub mod platform;
 pub mod runtime;
 pub mod sys;
 
@@ -21,8 +24,11 @@ use std::sync::Arc;
 use anyccl_ccl::CclLibrary;
 use anyccl_core::{Capabilities, CapabilityReport, Communicator, Reason, Result, Selector};
 
+/// The HIP kernels' crate: the code objects built in, and why none are ([`kernels::NOT_BUILT`]).
+pub use anyccl_kernels_hip as kernels;
 pub use comm::{RocmComm, SymmetricBuffer};
 pub use loader::{HipLibrary, HipLoadError};
+pub use platform::Hip;
 pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
 
 /// What the ROCm backend can do with `hip` (the HIP runtime, or why it did not load) and `ccl` (RCCL, if one
@@ -47,23 +53,20 @@ pub fn capabilities(
         Capabilities::HIP_RUNTIME,
         runtime,
         Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS,
-        "not probed by the ROCm backend (only the custom kernels need it)",
+        "checked per communicator, when the custom kernels are set up",
     );
     r.disable(
         Capabilities::MULTICAST,
         Reason::Unavailable { component: "AMD GPUs".into(), detail: "no NVLink SHARP multicast on AMD".into() },
     );
-    let kernels = match anyccl_kernels_hip::NOT_BUILT {
-        Some(why) => Reason::NotCompiledIn { what: "HIP kernels".into(), detail: why.into() },
-        None => Reason::Unavailable {
-            component: "HIP custom kernels".into(),
-            detail: format!(
-                "built for {} but not yet wired into the ROCm communicator",
-                anyccl_kernels_hip::built_targets().join(", ")
-            ),
-        },
-    };
-    r.disable(Capabilities::CUSTOM_KERNELS, kernels);
+    // Built in: on (each communicator checks that its devices' targets have code objects, and says why not).
+    match anyccl_kernels_hip::NOT_BUILT {
+        Some(why) => r.disable(
+            Capabilities::CUSTOM_KERNELS,
+            Reason::NotCompiledIn { what: "HIP kernels".into(), detail: why.into() },
+        ),
+        None => r.enable(Capabilities::CUSTOM_KERNELS),
+    }
     r
 }
 

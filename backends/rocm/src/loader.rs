@@ -140,6 +140,10 @@ hip_table! {
         mem_get_info: MemGetInfo = "hipMemGetInfo",
         // Lets anyccl allocate in relaxed capture mode, so a capture it cannot see is never invalidated by it.
         thread_exchange_stream_capture_mode: ThreadExchangeStreamCaptureMode = "hipThreadExchangeStreamCaptureMode",
+        // The abort word's stream-ordered write; without it a 4-byte hipMemcpyAsync on the control stream does it.
+        stream_write_value32: StreamWriteValue32 = "hipStreamWriteValue32",
+        // The compute-unit count (occupancy of emulated ranks); without it the count is unknown (0).
+        device_get_attribute: DeviceGetAttribute = "hipDeviceGetAttribute",
     }
 }
 

@@ -253,13 +253,15 @@ impl anyccl_ccl::CclStream for HipStream {
     }
 }
 
-/// A HIP stream (non-blocking), destroyed on drop. Known to its library's
-/// [`KnownStreams`](anyccl_core::capture::KnownStreams) while it lives.
+/// A HIP stream: created by anyccl (non-blocking, destroyed on drop) or borrowed from the engine
+/// ([`HipStream::from_raw`]). Known to its library's [`KnownStreams`](anyccl_core::capture::KnownStreams) while it
+/// lives.
 #[derive(Debug)]
 pub struct HipStream {
     raw: sys::hipStream_t,
     dev: Arc<HipDevice>,
     key: StreamKey,
+    owned: bool,
 }
 
 // SAFETY: HIP streams may be used from any thread.
@@ -276,7 +278,21 @@ impl HipStream {
         let st = unsafe { (dev.lib.table().stream_create_with_flags)(&mut raw, sys::HIP_STREAM_NON_BLOCKING) };
         check(&dev.lib, "hipStreamCreateWithFlags", st)?;
         let key = dev.lib.known_streams().register(raw as usize);
-        Ok(HipStream { raw, dev: dev.clone(), key })
+        Ok(HipStream { raw, dev: dev.clone(), key, owned: true })
+    }
+
+    /// Wraps an engine's stream (`hipStream_t`) without taking ownership: nothing is destroyed on drop.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of `dev`'s device (of the same HIP runtime) and outlives the returned value.
+    pub unsafe fn from_raw(raw: *mut c_void, dev: &Arc<HipDevice>) -> Self {
+        let key = dev.lib.known_streams().register(raw as usize);
+        HipStream { raw, dev: dev.clone(), key, owned: false }
+    }
+
+    /// The device of the stream.
+    pub fn device(&self) -> &Arc<HipDevice> {
+        &self.dev
     }
 
     /// The raw handle.
@@ -315,8 +331,11 @@ impl HipStream {
 
 impl Drop for HipStream {
     fn drop(&mut self) {
-        // Forgotten first: nothing queries a destroyed handle.
+        // Forgotten first: nothing queries a destroyed (or returned) handle.
         self.dev.lib.known_streams().unregister(self.key);
+        if !self.owned {
+            return;
+        }
         // SAFETY: created in `new`, destroyed once.
         let st = unsafe { (self.dev.lib.table().stream_destroy)(self.raw) };
         if let Err(e) = check(&self.dev.lib, "hipStreamDestroy", st) {

@@ -15,6 +15,8 @@ pub const HIP_SUCCESS: hipError_t = 0;
 pub const HIP_ERROR_NOT_READY: hipError_t = 600;
 /// `hipErrorNoDevice`.
 pub const HIP_ERROR_NO_DEVICE: hipError_t = 100;
+/// `hipErrorPeerAccessAlreadyEnabled`.
+pub const HIP_ERROR_PEER_ACCESS_ALREADY_ENABLED: hipError_t = 704;
 /// `hipErrorStreamCaptureUnsupported`: the call is not allowed while a stream is capturing.
 pub const HIP_ERROR_STREAM_CAPTURE_UNSUPPORTED: hipError_t = 900;
 /// `hipErrorStreamCaptureInvalidated`.
@@ -125,6 +127,10 @@ pub type ModuleLaunchKernel = unsafe extern "C" fn(
     *mut *mut c_void,
     *mut *mut c_void,
 ) -> hipError_t;
+/// `hipStreamWriteValue32(stream, ptr, value, flags)`: writes `value` at device address `ptr` in stream order.
+pub type StreamWriteValue32 = unsafe extern "C" fn(hipStream_t, *mut c_void, u32, c_uint) -> hipError_t;
+/// `hipDeviceGetAttribute(value, attribute, device)`.
+pub type DeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> hipError_t;
 pub type EventCreate = unsafe extern "C" fn(*mut hipEvent_t) -> hipError_t;
 pub type EventRecord = unsafe extern "C" fn(hipEvent_t, hipStream_t) -> hipError_t;
 pub type EventSynchronize = unsafe extern "C" fn(hipEvent_t) -> hipError_t;

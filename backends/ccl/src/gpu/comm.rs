@@ -1,0 +1,772 @@
+//! The GPU communicator of every vendor: collectives through the NCCL/RCCL rank, algorithm eligibility, symmetric
+//! windows, and the custom one-shot / two-shot kernels over peer access (one process, [`GpuComm::init_all`]) or
+//! legacy IPC handles (one process per GPU, [`GpuComm::enable_custom_ipc`]), with graph-buffer registration and
+//! the abort word.
+
+use std::sync::Arc;
+
+use anyccl_core::comm::{
+    AllGatherArgs, AllReduceArgs, AllReduceCall, Bootstrap, BroadcastArgs, GraphRegistration, P2pArgs, RecvArgs,
+    ReduceArgs, ReduceScatterArgs, SendArgs,
+};
+use anyccl_core::{
+    Algorithm, Capabilities, CapabilityReport, CommBackend, DataType, Error, MemoryRuntime, ReduceOp, Result, Teardown,
+    Vendor,
+};
+use anyccl_kernels_common as common;
+
+use super::graph_inputs::{GraphInputs, Transport};
+use super::kernels::{self, CustomKernels, Inputs, Kind};
+use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
+use crate::device::GpuRuntime;
+use crate::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
+
+/// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
+/// changes it.
+pub const DEFAULT_CUSTOM_MAX_BYTES: usize = 8 << 20;
+
+/// Default most blocks per rank of a custom all-reduce; `ANYCCL_CUSTOM_MAX_BLOCKS` changes it (4 to
+/// [`anyccl_kernels_common::MAX_BLOCKS`]; every rank must use the same value, which the IPC setup checks). On two
+/// H200s (TP2, graph mode) 64 beat 36 by 10–12% from 2 to 8 MiB; 96 and 128 gained nothing more.
+pub const DEFAULT_CUSTOM_MAX_BLOCKS: usize = 64;
+
+/// What the custom one-shot / two-shot kernels need on one rank: its kernels, its staging, scratch and flag
+/// buffers, and every rank's, as addressable from this device (peer access enabled, or IPC-mapped).
+struct CustomState<P: GpuPlatform> {
+    kernels: CustomKernels<P>,
+    _staging: BufferOf<P>,
+    _scratch: BufferOf<P>,
+    flags: BufferOf<P>,
+    /// A stream of this rank's own for telling stuck kernels to stop ([`CustomState::stop_kernels`]), made up
+    /// front so a failing wait creates nothing.
+    control: StreamOf<P>,
+    /// Peers' buffers opened through IPC (one process per GPU); closed when the state drops.
+    _mappings: Vec<P::Mapping>,
+    all_staging: Vec<u64>,
+    all_scratch: Vec<u64>,
+    all_flags: Vec<u64>,
+    capacity: usize,
+    /// Most blocks per launch ([`custom_max_blocks`]).
+    max_blocks: usize,
+    /// Input tables of captured calls, and their registration.
+    graph: GraphInputs<P>,
+}
+
+impl<P: GpuPlatform> CustomState<P> {
+    /// Tells this rank's custom kernels to stop waiting for peers (its flag array's abort word, written on the
+    /// control stream); a kernel stuck on a dead peer then ends within milliseconds. For good: call it only when
+    /// the custom kernels will not run again.
+    fn stop_kernels(&self, runtime: &P::Runtime) -> Result<()> {
+        super::stop_waiting::<P>(runtime, &self.flags, &self.control, STOP_WRITE_LIMIT)
+    }
+}
+
+/// How long a failing wait waits for the write that stops the custom kernels.
+const STOP_WRITE_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+/// How long a failing wait then waits for the stream to drain before it gives up on freeing the custom kernels'
+/// buffers (freeing under a kernel that still runs would wait for it forever).
+const STOP_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
+pub fn custom_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let Some(v) = env("ANYCCL_CUSTOM_MAX_BYTES") else {
+        return Ok(DEFAULT_CUSTOM_MAX_BYTES);
+    };
+    let bad = || Error::Parse {
+        what: "ANYCCL_CUSTOM_MAX_BYTES",
+        input: v.clone(),
+        expected: "a size of at least 16 bytes, such as 8MiB or 67108864".into(),
+    };
+    let bytes = anyccl_core::units::parse_bytes(&v).map_err(|_| bad())?;
+    let bytes = usize::try_from(bytes).map_err(|_| bad())?;
+    if bytes < 16 {
+        return Err(bad());
+    }
+    bytes.checked_next_multiple_of(16).ok_or_else(bad)
+}
+
+/// `ANYCCL_CUSTOM_MAX_BLOCKS` or the default; a value outside 4..=MAX_BLOCKS is an error.
+pub fn custom_max_blocks(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let Some(v) = env("ANYCCL_CUSTOM_MAX_BLOCKS") else {
+        return Ok(DEFAULT_CUSTOM_MAX_BLOCKS);
+    };
+    let max = common::MAX_BLOCKS;
+    v.trim().parse::<usize>().ok().filter(|b| (4..=max).contains(b)).ok_or_else(|| Error::Parse {
+        what: "ANYCCL_CUSTOM_MAX_BLOCKS",
+        input: v.clone(),
+        expected: format!("a block count from 4 to {max}"),
+    })
+}
+
+/// Blocks per rank for a message: one per 32 KiB, from 4 to `max` (the same on every rank, as the barriers need).
+pub fn custom_blocks(bytes: usize, max: usize) -> u32 {
+    (bytes / (32 << 10)).clamp(4, max) as u32
+}
+
+/// One rank's own custom-kernel resources: the kernels, staging and scratch of `capacity` bytes, and a zeroed
+/// flag array.
+type OwnBuffers<P> = (CustomKernels<P>, BufferOf<P>, BufferOf<P>, BufferOf<P>);
+
+fn own_custom_buffers<P: GpuPlatform>(rt: &P::Runtime, capacity: usize) -> Result<OwnBuffers<P>> {
+    let stream = P::stream(rt)?;
+    let staging = rt.alloc(capacity)?;
+    let scratch = rt.alloc(capacity)?;
+    let mut flags = rt.alloc(common::FLAG_BYTES)?;
+    rt.upload(&mut flags, &[0u8; common::FLAG_BYTES], &stream)?;
+    let kernels = CustomKernels::load(rt)?;
+    Ok((kernels, staging, scratch, flags))
+}
+
+/// How long a rank of a single-process communicator waits for the others while registering graph buffers.
+const GRAPH_EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// One rank of a GPU communicator of platform `P` (`CudaComm`, `RocmComm`).
+pub struct GpuComm<P: GpuPlatform> {
+    /// The NCCL/RCCL communicator with this rank's place in it (rank, world) and its windows.
+    ccl: CclRank,
+    runtime: P::Runtime,
+    arch: String,
+    caps: Arc<CapabilityReport>,
+    /// Four bytes for barriers, allocated up front so a barrier never allocates (it may run during capture).
+    scratch: BufferOf<P>,
+    /// The custom kernels' state, or why they cannot run on this communicator. Changed only through
+    /// [`GpuComm::set_custom`].
+    custom: std::result::Result<CustomState<P>, String>,
+    /// Bumped by every change of `custom` ([`CommBackend::eligibility_epoch`]).
+    custom_generation: u64,
+    /// Whether the custom kernels were set up over IPC (one process per GPU): a sub-communicator then sets its
+    /// own up the same way ([`CommBackend::split`]).
+    custom_via_ipc: bool,
+}
+
+impl<P: GpuPlatform> GpuComm<P> {
+    /// Joins communicator `id` as `rank` of `world` on `device`.
+    pub fn init_rank(
+        lib: Arc<CclLibrary>,
+        device: P::DeviceSpec,
+        world: usize,
+        rank: usize,
+        id: &UniqueId,
+        caps: Arc<CapabilityReport>,
+    ) -> Result<Self> {
+        let runtime = P::runtime(&device)?;
+        runtime.bind()?;
+        let ccl = CclComm::init_rank(lib, world, id, rank)?;
+        Self::wrap(ccl, runtime, rank, world, caps)
+    }
+
+    /// One communicator per listed device of this process (`ncclCommInitAll`), index = rank, with the custom
+    /// kernels set up over peer access where every pair of devices has it.
+    pub fn init_all(lib: Arc<CclLibrary>, devices: &[P::DeviceSpec], caps: Arc<CapabilityReport>) -> Result<Vec<Self>> {
+        let runtimes: Vec<P::Runtime> = devices.iter().map(P::runtime).collect::<Result<_>>()?;
+        let ordinals: Vec<i32> = devices.iter().map(P::ordinal).collect();
+        let ccls = crate::init_all(&lib, &ordinals)?;
+        let world = devices.len();
+        let mut comms: Vec<Self> = ccls
+            .into_iter()
+            .zip(runtimes)
+            .enumerate()
+            .map(|(rank, (c, rt))| Self::wrap(c, rt, rank, world, caps.clone()))
+            .collect::<Result<_>>()?;
+        // The custom kernels: every rank's buffers, peer access between every pair. A failure here only turns
+        // them off for this communicator, with the reason.
+        match Self::setup_custom(&comms) {
+            Ok(states) => {
+                let mut p2p = (*caps).clone();
+                p2p.enable(Capabilities::P2P_ALL_PAIRS);
+                let p2p = Arc::new(p2p);
+                for (c, st) in comms.iter_mut().zip(states) {
+                    c.set_custom(Ok(st));
+                    c.caps = p2p.clone();
+                }
+            }
+            Err(why) => {
+                tracing::info!(%why, "custom all-reduce kernels off for this communicator");
+                for c in &mut comms {
+                    c.set_custom(Err(why.clone()));
+                }
+            }
+        }
+        Ok(comms)
+    }
+
+    /// Sets the custom kernels up for a communicator with one process per GPU: checks that every rank is on one
+    /// host, allocates this rank's staging, scratch and flag buffers, exchanges their legacy IPC handles through
+    /// `bootstrap` (the TCP rendezvous or the engine's own; its rank and world must be this communicator's), and
+    /// opens every peer's. Collective: every rank calls it. A failure turns the kernels off for this communicator,
+    /// with the reason, and is returned too (the communicator stays usable through the collective library).
+    /// Settings and the host identity come from the process environment ([`Self::enable_custom_ipc_with_env`]).
+    pub fn enable_custom_ipc(&mut self, bootstrap: &mut dyn Bootstrap) -> Result<()> {
+        self.enable_custom_ipc_with_env(bootstrap, &crate::caps::process_env)
+    }
+
+    /// [`Self::enable_custom_ipc`] with the settings (`ANYCCL_CUSTOM_MAX_BYTES`, `ANYCCL_CUSTOM_MAX_BLOCKS`) and
+    /// this rank's host identity override (`ANYCCL_HOST_ID`, [`anyccl_core::topology`]) read through `env`, so
+    /// ranks of one process can act as if on different hosts (tests).
+    pub fn enable_custom_ipc_with_env(
+        &mut self,
+        bootstrap: &mut dyn Bootstrap,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<()> {
+        let r = self.setup_custom_ipc(bootstrap, env);
+        self.finish_custom_ipc(r)
+    }
+
+    /// Turns the custom kernels on with the state an IPC setup made, or off with its error (also returned).
+    fn finish_custom_ipc(&mut self, r: Result<CustomState<P>>) -> Result<()> {
+        match r {
+            Ok(st) => {
+                self.set_custom(Ok(st));
+                self.custom_via_ipc = true;
+                let mut caps = (*self.caps).clone();
+                caps.enable(Capabilities::P2P_ALL_PAIRS);
+                self.caps = Arc::new(caps);
+                Ok(())
+            }
+            Err(e) => {
+                self.set_custom(Err(e.to_string()));
+                Err(e)
+            }
+        }
+    }
+
+    fn setup_custom_ipc(
+        &self,
+        bootstrap: &mut dyn Bootstrap,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<CustomState<P>> {
+        let world = self.ccl.world();
+        anyccl_core::comm::check_bootstrap(bootstrap, self.ccl.rank(), world)?;
+        let off = |why: String| Error::AlgorithmNotEligible { algorithm: Algorithm::OneShot, why };
+        // Legacy IPC handles open only on the host that made them: the ranks check they share one before any
+        // handle is exported (the same answer on every rank, from one exchange).
+        if let Err(why) = anyccl_core::topology::check_one_host(bootstrap, env)? {
+            return Err(off(why));
+        }
+        // Every rank reaches every exchange below, even after a local failure, so nobody waits for a timeout:
+        // failures travel as an empty handle.
+        let local = (|| -> Result<_> {
+            if let Some(why) = kernels::unavailable::<P>(world) {
+                return Err(off(why));
+            }
+            let capacity = custom_capacity(env)?;
+            let max_blocks = custom_max_blocks(env)?;
+            let (kernels, staging, scratch, flags) = own_custom_buffers::<P>(&self.runtime, capacity)?;
+            let mut handles = Vec::with_capacity(3 * LEGACY_HANDLE_BYTES + 16);
+            for b in [&staging, &scratch, &flags] {
+                handles.extend_from_slice(&P::ipc_export(&self.runtime, b.device_ptr())?);
+            }
+            handles.extend_from_slice(&(capacity as u64).to_le_bytes());
+            handles.extend_from_slice(&(max_blocks as u64).to_le_bytes());
+            Ok((kernels, staging, scratch, flags, capacity, max_blocks, handles))
+        })();
+        let mine: &[u8] = match &local {
+            Ok(l) => &l.6,
+            Err(_) => &[],
+        };
+        let all = anyccl_core::bootstrap::checked_all_gather(bootstrap, mine)?;
+        let (kernels, staging, scratch, flags, capacity, max_blocks, _) = local?;
+        let h = LEGACY_HANDLE_BYTES;
+        if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 16) {
+            return Err(off(format!("rank {q} could not set up its custom-kernel buffers")));
+        }
+        if all.iter().any(|a| a[3 * h..3 * h + 8] != (capacity as u64).to_le_bytes()) {
+            return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BYTES".into()));
+        }
+        if all.iter().any(|a| a[3 * h + 8..] != (max_blocks as u64).to_le_bytes()) {
+            return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BLOCKS".into()));
+        }
+        // Up to here every rank has decided alike (from the same exchange). What follows can fail on one rank
+        // alone (opening a peer's handle, a table, a stream): the ranks agree on the outcome before any of them
+        // turns the kernels on, or one rank would choose them while another chose the library for the same call.
+        let mapped = (|| -> Result<_> {
+            let mut mappings = Vec::new();
+            let (mut all_staging, mut all_scratch, mut all_flags) = (Vec::new(), Vec::new(), Vec::new());
+            for (q, a) in all.iter().enumerate() {
+                if q == self.ccl.rank() {
+                    all_staging.push(staging.device_ptr());
+                    all_scratch.push(scratch.device_ptr());
+                    all_flags.push(flags.device_ptr());
+                    continue;
+                }
+                let sizes = [capacity, capacity, common::FLAG_BYTES];
+                for (k, size) in sizes.into_iter().enumerate() {
+                    let mut handle = [0u8; LEGACY_HANDLE_BYTES];
+                    handle.copy_from_slice(&a[k * h..(k + 1) * h]);
+                    let m = P::ipc_open(&self.runtime, &handle, size)?;
+                    let p = P::mapping_ptr(&m);
+                    [&mut all_staging, &mut all_scratch, &mut all_flags][k].push(p);
+                    mappings.push(m);
+                }
+            }
+            let graph = GraphInputs::new(&self.runtime, all_staging.clone(), self.ccl.rank(), Transport::Ipc)?;
+            let control = P::stream(&self.runtime)?;
+            Ok((mappings, all_staging, all_scratch, all_flags, graph, control))
+        })();
+        // Also the barrier: nobody launches before every rank has mapped everything.
+        let agreed = anyccl_core::bootstrap::checked_all_gather(bootstrap, &[u8::from(mapped.is_ok())])?;
+        let (mappings, all_staging, all_scratch, all_flags, graph, control) = mapped?;
+        if let Some(q) = agreed.iter().position(|a| a.as_slice() != [1]) {
+            return Err(off(format!("rank {q} could not map its peers' custom-kernel buffers")));
+        }
+        Ok(CustomState {
+            kernels,
+            _staging: staging,
+            _scratch: scratch,
+            flags,
+            control,
+            _mappings: mappings,
+            all_staging,
+            all_scratch,
+            all_flags,
+            capacity,
+            max_blocks,
+            graph,
+        })
+    }
+
+    fn setup_custom(comms: &[Self]) -> std::result::Result<Vec<CustomState<P>>, String> {
+        let world = comms.len();
+        if let Some(why) = kernels::unavailable::<P>(world) {
+            return Err(why);
+        }
+        let capacity = custom_capacity(&crate::caps::process_env).map_err(|e| e.to_string())?;
+        let max_blocks = custom_max_blocks(&crate::caps::process_env).map_err(|e| e.to_string())?;
+        for a in comms {
+            for b in comms {
+                let (oa, ob) = (a.runtime.ordinal(), b.runtime.ordinal());
+                if oa != ob {
+                    if !P::can_access_peer(&a.runtime, &b.runtime).map_err(|e| e.to_string())? {
+                        return Err(format!("device {oa} cannot access device {ob} (no P2P)"));
+                    }
+                    P::enable_peer_access(&a.runtime, &b.runtime).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        let mut parts = Vec::new();
+        for c in comms {
+            parts.push(own_custom_buffers::<P>(&c.runtime, capacity).map_err(|e| e.to_string())?);
+        }
+        let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
+        let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();
+        let all_flags: Vec<u64> = parts.iter().map(|p| p.3.device_ptr()).collect();
+        let group = anyccl_core::bootstrap::LocalGroup::new(world, GRAPH_EXCHANGE_TIMEOUT);
+        parts
+            .into_iter()
+            .zip(comms)
+            .enumerate()
+            .map(|(rank, ((kernels, staging, scratch, flags), comm))| {
+                let transport = Transport::InProcess(group.member(rank));
+                let graph =
+                    GraphInputs::new(&comm.runtime, all_staging.clone(), rank, transport).map_err(|e| e.to_string())?;
+                Ok(CustomState {
+                    kernels,
+                    _staging: staging,
+                    _scratch: scratch,
+                    flags,
+                    control: P::stream(&comm.runtime).map_err(|e| e.to_string())?,
+                    _mappings: Vec::new(),
+                    all_staging: all_staging.clone(),
+                    all_scratch: all_scratch.clone(),
+                    all_flags: all_flags.clone(),
+                    capacity,
+                    max_blocks,
+                    graph,
+                })
+            })
+            .collect()
+    }
+
+    fn wrap(ccl: CclComm, runtime: P::Runtime, rank: usize, world: usize, caps: Arc<CapabilityReport>) -> Result<Self> {
+        Self::wrap_rank(CclRank::new(ccl, rank, world), runtime, caps)
+    }
+
+    fn wrap_rank(ccl: CclRank, runtime: P::Runtime, caps: Arc<CapabilityReport>) -> Result<Self> {
+        let arch = P::arch(&runtime)?;
+        let scratch = runtime.alloc(4)?;
+        let custom = Err(format!(
+            "the custom kernels need every rank's buffers mapped (set up by {}::init_all, or enable_custom_ipc)",
+            P::COMM_NAME
+        ));
+        Ok(GpuComm { ccl, runtime, arch, caps, scratch, custom, custom_generation: 0, custom_via_ipc: false })
+    }
+
+    /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
+    fn set_custom(&mut self, custom: std::result::Result<CustomState<P>, String>) {
+        self.custom = custom;
+        self.custom_generation = self.custom_generation.wrapping_add(1);
+    }
+
+    /// The NCCL/RCCL communicator.
+    pub fn ccl(&self) -> &CclComm {
+        self.ccl.ccl()
+    }
+
+    /// The shared collective-library rank (rank, world, windows).
+    pub fn ccl_rank(&self) -> &CclRank {
+        &self.ccl
+    }
+
+    /// Why the custom kernels cannot run on this communicator, or `None` when they are set up.
+    pub fn custom_kernels_off(&self) -> Option<&str> {
+        self.custom.as_ref().err().map(String::as_str)
+    }
+
+    /// Allocates a symmetric buffer of `bytes` with `ncclMemAlloc` and registers it as a window
+    /// (`NCCL_WIN_COLL_SYMMETRIC`). Collective: every rank calls it with the same size. Refused while `stream`
+    /// is being captured (allocation and registration are not capture-safe), and where windows are off (RCCL
+    /// without the window symbols, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
+    pub fn symmetric_buffer(&self, bytes: usize, stream: &StreamOf<P>) -> Result<SymmetricBuffer<P>> {
+        self.ccl.symmetric_buffer(P::NAME, &self.caps, &self.runtime, bytes, stream)
+    }
+
+    /// Launches a custom all-reduce. Eager: the kernel copies this rank's input into its staging buffer, which the
+    /// peers read. During capture: the kernel reads the input through a table in device memory that starts as the
+    /// same staging copy and switches to reading every rank's input directly once
+    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers) has run (not for
+    /// in-place one-shot, where a rank would overwrite its input while peers still read it). Stream-ordered and
+    /// capture-safe (nothing is allocated).
+    fn custom_all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+        let (algorithm, bytes, dtype, stream) = (args.algorithm(), args.bytes(), args.dtype(), args.stream());
+        // Queried once, by the front-end, on this stream.
+        let capturing = args.capturing();
+        let rank = self.ccl.rank();
+        let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+        if bytes == 0 {
+            // Nothing to reduce: no launch. Every rank of the collective skips it alike (the same count), so the
+            // kernels' barrier epochs stay in step.
+            return Ok(());
+        }
+        self.runtime.bind()?;
+        let (src, dst) = crate::rank::io_ptrs(args.bufs());
+        let (src, dst) = (src as u64, dst as u64);
+        let table =
+            if capturing && !(algorithm == Algorithm::OneShot && src == dst) { st.graph.table_for(src) } else { None };
+        let inputs = match table {
+            Some(table) => Inputs::Table { table, own: src },
+            None => Inputs::Staged { staging: &st.all_staging, own: src },
+        };
+        let kind = if algorithm == Algorithm::OneShot { Kind::OneShot } else { Kind::TwoShot };
+        // SAFETY: every rank's staging/scratch/flags were allocated with `capacity >= bytes` (eligibility) by the
+        // setup and are reachable through peer access or IPC; the tables hold staging or registered inputs of
+        // every rank; every rank of this communicator makes the same calls in the same order (a collective), with
+        // the same block count (a function of `bytes`); ranks run on different GPUs.
+        unsafe {
+            st.kernels.launch(
+                kind,
+                dtype,
+                inputs,
+                &st.all_scratch,
+                dst,
+                &st.all_flags,
+                rank,
+                bytes,
+                custom_blocks(bytes, st.max_blocks),
+                kernels::TWO_SHOT_ROUND_BYTES,
+                stream,
+            )
+        }
+    }
+
+    /// Makes the device current where the collective library does not do it itself.
+    fn bind_for_ccl(&self) -> Result<()> {
+        if P::CCL_BINDS_DEVICE {
+            return Ok(());
+        }
+        self.runtime.bind()
+    }
+}
+
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator
+/// ([`GpuComm::symmetric_buffer`]).
+pub type SymmetricBuffer<P> = crate::rank::SymmetricBuffer<BufferOf<P>>;
+
+impl<P: GpuPlatform> CommBackend for GpuComm<P> {
+    type Reduction = CclReduction;
+    type Runtime = P::Runtime;
+
+    fn runtime(&self) -> &P::Runtime {
+        &self.runtime
+    }
+
+    fn name(&self) -> &'static str {
+        P::NAME
+    }
+
+    fn rank(&self) -> usize {
+        self.ccl.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ccl.world()
+    }
+
+    fn vendor(&self) -> Vendor {
+        P::VENDOR
+    }
+
+    fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    fn capabilities(&self) -> &CapabilityReport {
+        &self.caps
+    }
+
+    fn allreduce_algorithms(&self) -> &[Algorithm] {
+        P::ALGORITHMS
+    }
+
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
+        let hint = format!("{}::symmetric_buffer", P::COMM_NAME);
+        if let Some(r) = self.ccl.eligible(algorithm, call, &self.caps, &hint) {
+            return r;
+        }
+        match algorithm {
+            Algorithm::OneShot | Algorithm::TwoShot => {
+                let st = self.custom.as_ref().map_err(Clone::clone)?;
+                if call.op != ReduceOp::Sum {
+                    return Err(format!("the custom kernels implement sum, not {}", call.op));
+                }
+                if let Some(why) = kernels::ineligible::<P>(call.dtype, call.bytes, self.ccl.world()) {
+                    return Err(why);
+                }
+                if call.bytes > st.capacity {
+                    return Err(format!(
+                        "{} bytes exceed the custom kernels' staging buffers ({} bytes; ANYCCL_CUSTOM_MAX_BYTES)",
+                        call.bytes, st.capacity
+                    ));
+                }
+                Ok(())
+            }
+            other => Err(P::other_algorithm(&self.caps, other)),
+        }
+    }
+
+    fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<CclReduction> {
+        self.ccl.check_reduction(dtype, op)
+    }
+
+    fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
+        let algorithm = args.algorithm();
+        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
+            return self.custom_all_reduce(args);
+        }
+        if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
+            // The platform's other algorithms (CUDA's NVLS ones): listed, never eligible.
+            return Err(Error::AlgorithmNotEligible { algorithm, why: P::other_algorithm(&self.caps, algorithm) });
+        }
+        // ccl and ccl-symmetric are the same call: the library picks its symmetric kernels when the buffers lie in
+        // a registered window, which eligibility has checked. NCCL makes the communicator's device current itself
+        // before it prepares and launches a collective (what lets one thread drive several GPUs in a group), so
+        // the device is bound here only where the library does not ([`GpuPlatform::CCL_BINDS_DEVICE`]).
+        self.bind_for_ccl()?;
+        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
+        // buffers hold `count` elements of this device and do not overlap unless in place; the stream is live
+        // (borrowed for the call).
+        unsafe { self.ccl.all_reduce(args) }
+    }
+
+    fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.all_gather(args) }
+    }
+
+    fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce_scatter(args) }
+    }
+
+    fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.broadcast(args) }
+    }
+
+    fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.reduce(args) }
+    }
+
+    fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.send(args) }
+    }
+
+    fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: as in `all_reduce`.
+        unsafe { self.ccl.recv(args) }
+    }
+
+    /// Registers the inputs of custom all-reduces captured in graphs since the last call, so that replays read
+    /// every rank's input directly instead of copying it through staging (through
+    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers)).
+    ///
+    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`super::bootstrap`]): the
+    /// inputs' IPC handles travel through it; communicators of one process ([`GpuComm::init_all`]) exchange
+    /// pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`/`hipMalloc`
+    /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.
+    fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
+        match &mut self.custom {
+            // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
+            Err(_) => Ok(GraphRegistration::default()),
+            Ok(st) => st.graph.register(bootstrap),
+        }
+    }
+
+    fn pending_graph_buffers(&self) -> usize {
+        self.custom.as_ref().map_or(0, |st| st.graph.pending())
+    }
+
+    fn capture_independent(&self, algorithm: Algorithm) -> bool {
+        // No eligibility answer above reads `call.capturing`; the library's calls handle capture themselves, while
+        // the custom kernels choose their input table by it.
+        matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric)
+    }
+
+    fn eligibility_epoch(&self) -> Option<u64> {
+        // Eligibility reads the call, the capabilities (fixed once wrapped), the custom kernels' state and the
+        // registered windows: the two generations, both only ever growing, change when either of those does.
+        Some(self.custom_generation.wrapping_add(self.ccl.windows_generation()))
+    }
+
+    fn wait(&mut self, stream: &StreamOf<P>, timeout: std::time::Duration) -> Result<()> {
+        // The front-end has refused a capturing stream, and the query refuses one too, before the library is asked
+        // anything. Before the library's abort (which frees device memory and so waits for the device), the custom
+        // kernels are told to stop waiting for peers: the library's abort stops its kernels, the abort word ours.
+        let (custom, runtime) = (&self.custom, &self.runtime);
+        let r = self.ccl.wait_or_abort(timeout, &mut || crate::CclStream::query(stream), &mut || {
+            if let Ok(st) = custom {
+                if let Err(e) = st.stop_kernels(runtime) {
+                    tracing::error!(error = %e, "could not tell the custom all-reduce kernels to stop");
+                }
+            }
+        });
+        // The custom kernels go off only with the communicator itself: once aborted, every call on this rank
+        // fails, so no call runs here with a selection that differs from the peers'. Any other error (a query
+        // that failed) changes nothing: turning them off on this rank alone would make it choose the library where
+        // its peers still choose the custom kernels, and both would wait for each other.
+        if self.ccl.ccl().is_aborted() && self.custom.is_ok() {
+            let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
+            // Through `set_custom`, so the front-end's remembered decision is dropped too.
+            let old = std::mem::replace(&mut self.custom, Err(why.clone()));
+            self.set_custom(Err(why));
+            if let Ok(st) = old {
+                // A query error counts as not drained.
+                if matches!(super::done_within(stream, STOP_DRAIN_LIMIT), Ok(true)) {
+                    drop(st);
+                } else {
+                    // Freeing the buffers or unloading the module under a kernel that still runs would wait for it
+                    // forever, so they are leaked.
+                    std::mem::forget(st);
+                    tracing::error!(
+                        "the stream had not drained {STOP_DRAIN_LIMIT:?} after the custom kernels were told to \
+                         stop; their buffers are leaked"
+                    );
+                }
+            }
+        }
+        r
+    }
+
+    fn query(&mut self, stream: &StreamOf<P>) -> Result<bool> {
+        // The stream's query refuses a capturing stream before the library is asked anything.
+        self.ccl.query(stream)
+    }
+
+    fn close_in_background(self) -> Teardown {
+        // The library's destroy on a thread of its own; the barrier scratch, the custom kernels' buffers and
+        // module, and last the device runtime are released after it, on that thread (a plain drop also destroys
+        // the communicator first).
+        let GpuComm { ccl, runtime, arch: _, caps: _, scratch, custom, custom_generation: _, custom_via_ipc: _ } = self;
+        ccl.close_in_background_with((scratch, custom, runtime))
+    }
+
+    fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
+        self.bind_for_ccl()?;
+        // SAFETY: `args` was made by this backend's `Communicator` after validating every operation against this
+        // rank (each buffer holds its elements on this device; receive buffers overlap nothing else of the group).
+        unsafe { self.ccl.p2p(args) }
+    }
+
+    /// A sub-communicator over `ncclCommSplit`, with its own custom-kernel state: where this communicator's
+    /// kernels run over IPC (one process per GPU), the sub-communicator sets its own up the same way, with the
+    /// handles carried by the sub-communicator itself ([`crate::CclBootstrap`]); otherwise (one process, or the
+    /// kernels off here) they are off on it with the reason, on every rank of it alike.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        self.runtime.bind()?;
+        let Some(rank) = self.ccl.split(&self.caps, color, key)? else { return Ok(None) };
+        let mut sub = Self::wrap_rank(rank, self.runtime.clone(), self.caps.clone())?;
+        if !self.custom_via_ipc || sub.ccl.world() < 2 {
+            sub.set_custom(Err(format!(
+                "off on this sub-communicator: {}",
+                if self.custom_via_ipc {
+                    "it has one rank".to_owned()
+                } else {
+                    match &self.custom {
+                        Ok(_) => "its parent's kernels run over peer access within one process".to_owned(),
+                        Err(why) => format!("they are off on its parent ({why})"),
+                    }
+                }
+            )));
+            return Ok(Some(sub));
+        }
+        // Every rank of the sub-communicator reaches this setup (their parent's kernels all run over IPC: the
+        // parent's setup was agreed by every rank), and its outcome is agreed among them.
+        let stream = P::stream(&sub.runtime)?;
+        let r = sub.setup_custom_ipc(
+            &mut crate::CclBootstrap::new(&sub.ccl, &sub.runtime, &stream),
+            &crate::caps::process_env,
+        );
+        if let Err(e) = sub.finish_custom_ipc(r) {
+            tracing::info!(error = %e, "custom all-reduce kernels off for this sub-communicator");
+        }
+        Ok(Some(sub))
+    }
+
+    fn barrier(&mut self, stream: &StreamOf<P>) -> Result<()> {
+        self.runtime.bind()?;
+        // SAFETY: a 4-byte buffer of this device; a stream of this device.
+        unsafe { self.ccl.barrier(&self.scratch, stream) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let owned: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| owned.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn custom_kernel_settings_default_parse_and_refuse_bad_values() {
+        assert_eq!(custom_capacity(&env(&[])).expect("default"), DEFAULT_CUSTOM_MAX_BYTES);
+        assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "64MiB")])).expect("64 MiB"), 64 << 20);
+        assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "1000")])).expect("rounded"), 1008);
+        for bad in ["lots", "8", "-1MiB"] {
+            let e = custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", bad)])).expect_err("refused");
+            assert!(e.to_string().contains("ANYCCL_CUSTOM_MAX_BYTES"), "{e}");
+        }
+        assert_eq!(custom_max_blocks(&env(&[])).expect("default"), DEFAULT_CUSTOM_MAX_BLOCKS);
+        assert_eq!(custom_max_blocks(&env(&[("ANYCCL_CUSTOM_MAX_BLOCKS", "48")])).expect("48"), 48);
+        for bad in ["3", "129", "many", ""] {
+            let e = custom_max_blocks(&env(&[("ANYCCL_CUSTOM_MAX_BLOCKS", bad)])).expect_err("refused");
+            assert!(e.to_string().contains("from 4 to 128"), "{e}");
+        }
+    }
+
+    #[test]
+    fn blocks_grow_with_the_message_within_the_bounds() {
+        assert_eq!(custom_blocks(16, 64), 4);
+        assert_eq!(custom_blocks(1 << 20, 64), 32);
+        assert_eq!(custom_blocks(8 << 20, 64), 64);
+        assert_eq!(custom_blocks(8 << 20, 36), 36);
+    }
+}
