@@ -42,8 +42,8 @@ use anyccl_core::comm::{AllReduceCall, BufOf, StreamOf};
 use anyccl_core::runtime::{BufferLike, Location};
 use anyccl_core::{
     Algorithm, Bootstrap, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Error,
-    GraphRegistration, InOut, InvalidArgument, MemoryRuntime, Reason, ReduceOp, Result, Selection, Selector, Teardown,
-    Vendor,
+    GraphRegistration, InOut, InvalidArgument, MemoryRuntime, P2pOp, Reason, ReduceOp, Result, Selection, Selector,
+    Teardown, Vendor,
 };
 
 /// A backend a communicator can run on.
@@ -501,6 +501,12 @@ pub trait DynComm: Send {
         peer: usize,
         stream: &AnyStream,
     ) -> Result<()>;
+    /// Sends and receives as one group ([`Communicator::p2p`]): a pipeline stage's exchange or a ring step, in any
+    /// order of operations on each rank. Every buffer must be of this backend.
+    fn p2p(&mut self, ops: &mut [P2pOp<'_, AnyBuffer>], stream: &AnyStream) -> Result<()>;
+    /// Splits this communicator by `color` (`None`: this rank joins none), ordering ranks by `key`
+    /// ([`Communicator::split`]). Collective over this communicator.
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<AnyCommunicator>>;
     /// Waits until every rank reaches the barrier.
     fn barrier(&mut self, stream: &AnyStream) -> Result<()>;
     /// Waits for the work on `stream` for at most `timeout` ([`Communicator::wait`]).
@@ -745,6 +751,28 @@ impl<B: Erased> DynComm for Communicator<B> {
         let s = any_stream::<B>(stream)?;
         let b = any_buf_mut::<B>("recv buffer", buf)?;
         Communicator::recv(self, b, count, dtype, peer, s)
+    }
+    fn p2p(&mut self, ops: &mut [P2pOp<'_, AnyBuffer>], stream: &AnyStream) -> Result<()> {
+        let s = any_stream::<B>(stream)?;
+        let mut typed = Vec::new();
+        typed.try_reserve_exact(ops.len()).map_err(|_| Error::OutOfMemory {
+            what: "the operations of a grouped point-to-point call".into(),
+            bytes: (ops.len() * std::mem::size_of::<P2pOp<'_, BufOf<B>>>()) as u64,
+        })?;
+        for op in ops.iter_mut() {
+            typed.push(match op {
+                P2pOp::Send { buf, count, dtype, peer } => {
+                    P2pOp::send(any_buf::<B>("send buffer", buf)?, *count, *dtype, *peer)
+                }
+                P2pOp::Recv { buf, count, dtype, peer } => {
+                    P2pOp::recv(any_buf_mut::<B>("recv buffer", buf)?, *count, *dtype, *peer)
+                }
+            });
+        }
+        Communicator::p2p(self, &mut typed, s)
+    }
+    fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<AnyCommunicator>> {
+        Ok(Communicator::split(self, color, key)?.map(|c| Box::new(c) as AnyCommunicator))
     }
     fn barrier(&mut self, stream: &AnyStream) -> Result<()> {
         let s = any_stream::<B>(stream)?;
@@ -1264,6 +1292,70 @@ mod tests {
             assert_eq!(&sum[..32], &f32s(&[6.0; 8])[..], "1 + 2 + 3 in the first 8 elements");
             assert_eq!(&sum[32..], &[0u8; 32][..], "the rest untouched");
             assert!(matches!(algo, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::Ring));
+        }
+    }
+
+    /// Through the erased face: a grouped ring at world 4 (receive listed first on odd ranks), then a split into
+    /// even and odd ranks whose all-reduces sum only their members, with rank 3 joining none.
+    #[test]
+    fn host_ranks_through_the_erased_face_exchange_in_a_group_and_split() {
+        let chosen = communicators(BackendChoice::Host, 4, Arc::new(Selector::defaults())).expect("host ranks");
+        let out: Vec<Result<(Vec<u8>, Option<(usize, usize, Vec<u8>)>)>> = std::thread::scope(|s| {
+            let hs: Vec<_> = chosen
+                .comms
+                .into_iter()
+                .map(|mut c| {
+                    s.spawn(move || -> Result<(Vec<u8>, Option<(usize, usize, Vec<u8>)>)> {
+                        let (rank, world) = (c.rank(), c.world_size());
+                        let st = c.stream()?;
+                        let mut send = c.alloc(16)?;
+                        c.upload(&mut send, &f32s(&[rank as f32; 4]), &st)?;
+                        let mut recv = c.alloc(16)?;
+                        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                        let mut ops = if rank % 2 == 1 {
+                            vec![
+                                P2pOp::recv(&mut recv, 4, DataType::F32, prev),
+                                P2pOp::send(&send, 4, DataType::F32, next),
+                            ]
+                        } else {
+                            vec![
+                                P2pOp::send(&send, 4, DataType::F32, next),
+                                P2pOp::recv(&mut recv, 4, DataType::F32, prev),
+                            ]
+                        };
+                        c.p2p(&mut ops, &st)?;
+                        drop(ops);
+                        let mut got = vec![0u8; 16];
+                        c.download(&recv, &mut got, &st)?;
+                        let color = (rank != 3).then_some((rank % 2) as u32);
+                        let sub = c.split(color, 0)?;
+                        let sub = match sub {
+                            None => None,
+                            Some(mut sub) => {
+                                let sst = sub.stream()?;
+                                let mut b = sub.alloc(16)?;
+                                sub.upload(&mut b, &f32s(&[rank as f32 + 1.0; 4]), &sst)?;
+                                sub.all_reduce(InOut::InPlace(&mut b), 4, DataType::F32, ReduceOp::Sum, &sst)?;
+                                let mut summed = vec![0u8; 16];
+                                sub.download(&b, &mut summed, &sst)?;
+                                Some((sub.rank(), sub.world_size(), summed))
+                            }
+                        };
+                        Ok((got, sub))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        });
+        for (rank, r) in out.into_iter().enumerate() {
+            let (got, sub) = r.expect("rank");
+            assert_eq!(got, f32s(&[((rank + 3) % 4) as f32; 4]), "rank {rank} received from its predecessor");
+            match rank {
+                // Evens: ranks 0 and 2 (values 1 and 3); odds: rank 1 alone (rank 3 joined none).
+                0 | 2 => assert_eq!(sub, Some((rank / 2, 2, f32s(&[4.0; 4]))), "rank {rank}"),
+                1 => assert_eq!(sub, Some((0, 1, f32s(&[2.0; 4]))), "rank {rank}"),
+                _ => assert_eq!(sub, None, "rank {rank} joined no sub-communicator"),
+            }
         }
     }
 

@@ -235,7 +235,8 @@ fn out_of_memory<T>(n: usize, what: &str) -> Error {
     Error::OutOfMemory { what: what.to_owned(), bytes }
 }
 
-/// The capability report of the host backend: the backend itself, and nothing that needs a vendor library.
+/// The capability report of the host backend: the backend itself and sub-communicators
+/// ([`Communicator::split`], threads and processes), and nothing that needs a vendor library.
 pub fn host_capabilities() -> CapabilityReport {
     let mut r = CapabilityReport::all_disabled(|c| {
         let detail = if c == Capabilities::GRAPH_CAPTURE {
@@ -246,6 +247,7 @@ pub fn host_capabilities() -> CapabilityReport {
         Reason::NotApplicable { detail: detail.to_owned() }
     });
     r.enable(Capabilities::HOST_BACKEND);
+    r.enable(Capabilities::COMM_SPLIT);
     r
 }
 

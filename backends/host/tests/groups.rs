@@ -81,6 +81,8 @@ fn color(r: usize, world: usize) -> Option<u32> {
 /// and others still alive. Returns `rank/world:sum` in the sub-communicator, or `none`.
 fn split_and_reduce<B: CommBackend<Runtime = HostRuntime>>(comm: &mut Communicator<B>) -> Result<String> {
     let (me, world) = (comm.rank(), comm.world_size());
+    // What the probe reports for the host backend: it splits (threads and processes alike).
+    comm.capabilities().require(anyccl_core::Capabilities::COMM_SPLIT)?;
     let mine = color(me, world);
     let sub = comm.split(mine, (world - me) as u32)?;
     let mut keep = None;
