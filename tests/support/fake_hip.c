@@ -99,9 +99,10 @@ struct node {
 /* Work runs on the calling thread at once, as before, except for work that may wait for other ranks (the
  * emulated kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
  * on, and whatever is enqueued on the stream after it waits in the stream's queue behind it. While the queue is
- * not empty, hipStreamQuery answers hipErrorNotReady, hipStreamSynchronize and hipEventSynchronize wait, and
- * hipFree, hipModuleUnload and hipStreamDestroy wait for every stream's queue (as HIP's free waits for the
- * device). The null stream runs everything on the calling thread. */
+ * not empty, hipStreamQuery answers hipErrorNotReady, hipStreamSynchronize, hipEventSynchronize and
+ * hipStreamDestroy wait, and hipFree and hipModuleUnload wait for every stream of the calling thread's current
+ * device (as HIP's free waits for the device; other devices, i.e. other ranks, go on). The null stream runs
+ * everything on the calling thread. */
 struct stream {
     int device;
     int capturing;
@@ -190,8 +191,8 @@ static void* stream_worker(void* arg) {
     pthread_mutex_unlock(&amu);
     return NULL;
 }
-/* Waits until `st`'s queue is empty (every stream's when `st` is NULL). */
-static void drain(const struct stream* st) {
+/* Waits until `st`'s queue is empty (when `st` is NULL: that of every stream of `device`). */
+static void drain(const struct stream* st, int device) {
     pthread_mutex_lock(&amu);
     for (;;) {
         int pending = 0;
@@ -199,7 +200,8 @@ static void drain(const struct stream* st) {
             pending = stream_pending(st);
         } else {
             for (int i = 0; i < MAX_STREAMS && !pending; i++)
-                pending = streams[i] && (streams[i]->qhead != NULL || streams[i]->running);
+                pending = streams[i] && streams[i]->device == device &&
+                          (streams[i]->qhead != NULL || streams[i]->running);
         }
         if (!pending) break;
         pthread_cond_wait(&acv, &amu);
@@ -363,7 +365,7 @@ hipError_t hipFree(void* p) {
     hipError_t e = unsafe_call("hipFree");
     if (e) return e;
     if (!p) return 0;
-    drain(NULL); /* hipFree waits for the device */
+    drain(NULL, current_device); /* hipFree waits for the device (the calling thread's) */
     int found = 0;
     pthread_mutex_lock(&mu);
     for (int i = 0; i < n_allocs; i++)
@@ -466,7 +468,7 @@ hipError_t hipStreamDestroy(void* s) {
     count_call("hipStreamDestroy");
     struct stream* st = s;
     if (!st) return 400;
-    drain(st);
+    drain(st, 0);
     pthread_mutex_lock(&amu);
     st->stop = 1;
     int joined = st->has_worker;
@@ -519,7 +521,7 @@ hipError_t hipStreamSynchronize(void* s) {
         st->invalidated = 1;
         return 900;
     }
-    if (st) drain(st);
+    if (st) drain(st, 0);
     return 0;
 }
 hipError_t hipStreamGetCaptureInfo(void* s, int* status, unsigned long long* id) {
@@ -780,7 +782,7 @@ hipError_t hipModuleUnload(void* m) {
     if (e) return e;
     struct module* mod = m;
     if (!mod || !mod->loaded) return 400;
-    drain(NULL); /* its kernels may still run */
+    drain(NULL, current_device); /* its kernels may still run */
     mod->loaded = 0;
     free(mod->image);
     mod->image = NULL;

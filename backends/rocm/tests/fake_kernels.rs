@@ -902,3 +902,60 @@ fn the_compute_unit_count_is_an_attribute_and_others_are_refused() {
         assert_eq!(get(&mut n, 63, 99), 101, "a device that does not exist");
     }
 }
+
+#[test]
+fn a_free_waits_for_the_kernels_of_its_own_device_only() {
+    let (hip, _g) = Hip::open();
+    let set_device: unsafe extern "C" fn(i32) -> i32 = hip.sym("hipSetDevice");
+    // SAFETY: sets the calling thread's device (a thread-local of the fake).
+    let on_device = |d: i32| assert_eq!(unsafe { set_device(d) }, 0);
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let wait_for_a_waiting_kernel = || {
+        let deadline = Instant::now() + Duration::from_secs(4);
+        while hip.fake.kernels_waiting() == 0 {
+            assert!(Instant::now() < deadline, "no kernel waits at its barrier");
+            std::thread::yield_now();
+        }
+    };
+    // Rank 0 (device 0) waits in its kernel for rank 1 (device 1), whose thread frees memory before it launches:
+    // the free waits for device 1 only, so rank 1 gets to its launch and both complete.
+    hip.fake.set_kernel_timeout_ms(5000);
+    std::thread::scope(|sc| {
+        let (hip, w) = (&hip, &w);
+        let rank0 = sc.spawn(move || {
+            on_device(0);
+            let s = hip.stream();
+            let mut p = w.params(Shot::One, Mode::Direct, 0, 0);
+            assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+            assert_eq!(hip.synchronize(s), 0);
+        });
+        wait_for_a_waiting_kernel();
+        sc.spawn(move || {
+            on_device(1);
+            let s = hip.stream();
+            let started = Instant::now();
+            assert_eq!(hip.free(hip.malloc(64, 0)), 0);
+            assert!(started.elapsed() < Duration::from_secs(2), "a free on device 1 waited for device 0's kernel");
+            let mut p = w.params(Shot::One, Mode::Direct, 1, 0);
+            assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+            assert_eq!(hip.synchronize(s), 0);
+        });
+        rank0.join().expect("rank 0");
+    });
+    let l = hip.fake.launches();
+    assert!(l.iter().all(|l| l.completed == 1), "{l:?}");
+    // A free on device 0 while rank 0's kernel waits for a peer that never comes returns only once the kernel
+    // ended (here by timing out), as HIP's free waits for the device.
+    hip.fake.set_kernel_timeout_ms(300);
+    on_device(0);
+    let s = hip.stream();
+    let mut p = w.params(Shot::One, Mode::Direct, 0, 0);
+    assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+    wait_for_a_waiting_kernel();
+    assert_eq!(hip.free(hip.malloc(64, 0)), 0);
+    let last = hip.fake.launches().pop().expect("the launch");
+    assert_eq!((last.timed_out, last.completed), (1, 0), "the free returned before the kernel ended: {last:?}");
+    hip.fake.set_kernel_timeout_ms(-1);
+}
