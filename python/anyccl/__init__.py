@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -99,6 +100,21 @@ _NUMPY_NAMES = {
 }
 
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
+
+
+def _ensure_nccl_path(backend: str) -> None:
+    """Points anyccl at the NCCL that PyTorch's wheels install (``site-packages/nvidia/nccl/lib/libnccl.so.2``,
+    the library torch itself uses) when ``ANYCCL_NCCL_PATH`` is not set, so both share one NCCL. Searches
+    ``sys.path`` only (absolute directories); anyccl's own search applies when nothing is found."""
+    if backend not in ("best", "auto", "cuda") or os.environ.get("ANYCCL_NCCL_PATH"):
+        return
+    for entry in sys.path:
+        if not entry or not os.path.isabs(entry):
+            continue
+        candidate = os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so.2")
+        if os.path.isfile(candidate):
+            os.environ["ANYCCL_NCCL_PATH"] = candidate
+            return
 
 
 def _is_torch_tensor(x: Any) -> bool:
@@ -221,6 +237,7 @@ class Communicator:
         ``backend``: "best" (CUDA when a GPU and NCCL are present, else host), "cuda" or "host". anyccl's own
         authenticated rendezvous listens on MASTER_PORT + 1 (or ANYCCL_MASTER_PORT); set ANYCCL_RENDEZVOUS_KEY
         unless MASTER_ADDR is a loopback address."""
+        _ensure_nccl_path(backend)
         return cls(_anyccl.from_env(backend))
 
     @classmethod
@@ -235,6 +252,7 @@ class Communicator:
     ) -> "Communicator":
         """Joins the group named by ``uid`` (from ``anyccl.unique_id()`` on one process, moved to every rank by
         you) as ``rank`` of ``world_size``. Collective. ``timeout`` (seconds) bounds the wait for the group."""
+        _ensure_nccl_path(backend)
         return cls(_anyccl.from_unique_id(bytes(uid), rank, world_size, backend, device, timeout))
 
     @classmethod
@@ -242,6 +260,7 @@ class Communicator:
         """A communicator over ``bootstrap``: any object with ``rank``, ``world`` and ``all_gather(bytes) ->
         list[bytes]`` (one entry per rank, each at most ``anyccl.MAX_BOOTSTRAP_BYTES``). Collective. The bootstrap
         is kept for graph-buffer registration (``capture()``)."""
+        _ensure_nccl_path(backend)
         return cls(_anyccl.from_bootstrap(bootstrap, backend, device))
 
     @classmethod
