@@ -19,7 +19,7 @@ def main() -> int:
         for p in comm.passed_over:
             print(f"rank {comm.rank}: {p['backend']} not used: {p['why']}", file=sys.stderr)
         if comm.backend == "cuda":
-            import torch
+            import torch  # type: ignore[import-not-found, unused-ignore]
 
             x = torch.full((1 << 20,), float(comm.rank + 1), device=f"cuda:{comm.device_index}")
             comm.all_reduce(x)

@@ -190,7 +190,7 @@ class _HostBuf:
 def _new_like(x: Any, elems: int) -> Any:
     """A new 1-D array of `elems` elements of `x`'s type: a torch tensor for a tensor, else a NumPy array."""
     if _is_torch_tensor(x):
-        import torch
+        import torch  # type: ignore[import-not-found, unused-ignore]
 
         return torch.empty(elems, dtype=x.dtype, device=x.device)
     try:
@@ -301,7 +301,8 @@ class Communicator:
 
     def capabilities(self) -> Dict[str, Any]:
         """The backend, device, library, algorithms and every capability with the reason it is off, as a dict."""
-        return json.loads(self._comm.capabilities_json())
+        caps: Dict[str, Any] = json.loads(self._comm.capabilities_json())
+        return caps
 
     @property
     def last_selection(self) -> Optional[Dict[str, Any]]:
@@ -311,7 +312,9 @@ class Communicator:
 
     def select_all_reduce(self, count: int, dtype: str, op: str = "sum", in_place: bool = True) -> Dict[str, Any]:
         """The algorithm an all-reduce of this shape would use now, without running it."""
-        return json.loads(self._comm.select_all_reduce(count, _canon_dtype(dtype), op, in_place))
+        name = _canon_dtype(dtype) or "u8"  # not None: dtype is required
+        sel: Dict[str, Any] = json.loads(self._comm.select_all_reduce(count, name, op, in_place))
+        return sel
 
     def should_all_reduce(self, tensor: Any) -> bool:
         """Whether ``all_reduce`` takes ``tensor`` here (vLLM's predicate): on CUDA, a plain contiguous tensor on
@@ -468,7 +471,7 @@ class ProcessGroupBootstrap:
     ``torch.distributed.all_gather_object`` (use a gloo CPU group: it moves a few small byte strings)."""
 
     def __init__(self, group: Any = None) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
 
         self._dist = dist
         self.group = group

@@ -1,7 +1,28 @@
 """Type stubs of the extension module ``anyccl._anyccl`` (Rust, PyO3). Use ``anyccl.Communicator``; these are its
 building blocks."""
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
+
+from typing_extensions import final
+
+__all__: List[str] = [
+    "_Comm",
+    "from_env",
+    "from_bootstrap",
+    "from_unique_id",
+    "unique_id",
+    "backends",
+    "dtypes",
+    "Error",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "TimeoutError",
+    "BackendError",
+    "PeerFailureError",
+    "ClosedError",
+    "CUDA_COMPILED_IN",
+    "MAX_BOOTSTRAP_BYTES",
+]
 
 CUDA_COMPILED_IN: bool
 MAX_BOOTSTRAP_BYTES: int
@@ -20,6 +41,7 @@ class BackendError(Error): ...
 class PeerFailureError(Error): ...
 class ClosedError(Error): ...
 
+@final
 class _Comm:
     rank: int
     world_size: int

@@ -77,7 +77,12 @@ struct DevTensor {
 }
 
 /// Why a tensor is refused, or `Ok` with its memory. `ordinal` is the communicator's device.
-fn check_tensor(py: Python<'_>, t: &Bound<'_, PyAny>, which: &str, ordinal: i32) -> PyResult<Result<DevTensor, String>> {
+fn check_tensor(
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    which: &str,
+    ordinal: i32,
+) -> PyResult<Result<DevTensor, String>> {
     let torch = torch(py)?;
     let ty = t.get_type();
     // Exactly torch's own classes: a subclass could answer data_ptr()/numel() with anything.
@@ -151,9 +156,9 @@ fn raw_stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, ordinal: i32) -
 
 fn typed(comm: &mut anyccl::AnyCommunicator) -> Result<&mut Communicator<CudaComm>, Fail> {
     let backend = comm.backend().name();
-    comm.as_any_mut().downcast_mut::<Communicator<CudaComm>>().ok_or(Fail::Anyccl(
-        InvalidArgument::WrongBackend { which: "tensor", found: "cuda", expected: backend }.into(),
-    ))
+    comm.as_any_mut()
+        .downcast_mut::<Communicator<CudaComm>>()
+        .ok_or(Fail::Anyccl(InvalidArgument::WrongBackend { which: "tensor", found: "cuda", expected: backend }.into()))
 }
 
 /// Runs `call` on the tensors' memory on `stream` (GIL released by the caller).
@@ -175,24 +180,22 @@ fn run(
     let mut a = unsafe { DeviceBuffer::from_raw(send.ptr, send.bytes, ordinal) };
     // SAFETY: as above, for the receive tensor.
     let mut b = recv.map(|r| unsafe { DeviceBuffer::from_raw(r.ptr, r.bytes, ordinal) });
-    let io = match b.as_mut() {
-        Some(b) => InOut::Separate { send: &a, recv: b },
-        None => InOut::InPlace(&mut a),
-    };
     let Call { coll, count, dtype, op, peer } = call;
     match coll {
-        Coll::AllReduce => return Ok(Some(comm.all_reduce(io, count, dtype, op, &s)?)),
-        Coll::AllGather => comm.all_gather(io, count, dtype, &s)?,
-        Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, &s)?,
-        Coll::Broadcast => comm.broadcast(io, count, dtype, peer, &s)?,
-        Coll::Reduce => comm.reduce(io, count, dtype, op, peer, &s)?,
-        Coll::Send => {
-            drop(io);
-            comm.send(&a, count, dtype, peer, &s)?
-        }
-        Coll::Recv => {
-            drop(io);
-            comm.recv(&mut a, count, dtype, peer, &s)?
+        Coll::Send => comm.send(&a, count, dtype, peer, &s)?,
+        Coll::Recv => comm.recv(&mut a, count, dtype, peer, &s)?,
+        _ => {
+            let io = match b.as_mut() {
+                Some(b) => InOut::Separate { send: &a, recv: b },
+                None => InOut::InPlace(&mut a),
+            };
+            match coll {
+                Coll::AllReduce => return Ok(Some(comm.all_reduce(io, count, dtype, op, &s)?)),
+                Coll::AllGather => comm.all_gather(io, count, dtype, &s)?,
+                Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, &s)?,
+                Coll::Broadcast => comm.broadcast(io, count, dtype, peer, &s)?,
+                _ => comm.reduce(io, count, dtype, op, peer, &s)?,
+            }
         }
     }
     Ok(None)

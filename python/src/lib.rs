@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 mod errors {
-        pyo3::create_exception!(
+    pyo3::create_exception!(
         anyccl,
         Error,
         pyo3::exceptions::PyException,
@@ -288,8 +288,10 @@ fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> R
     }
     let out_buf = b.as_ref().unwrap_or(&a);
     let mut out = Vec::new();
-    out.try_reserve_exact(out_buf.len())
-        .map_err(|_| anyccl::Error::OutOfMemory { what: "the result of a collective".into(), bytes: out_buf.len() as u64 })?;
+    out.try_reserve_exact(out_buf.len()).map_err(|_| anyccl::Error::OutOfMemory {
+        what: "the result of a collective".into(),
+        bytes: out_buf.len() as u64,
+    })?;
     out.resize(out_buf.len(), 0);
     if coll != Coll::Send {
         comm.download(out_buf, &mut out, stream)?;
@@ -330,11 +332,7 @@ impl Comm {
     }
 
     /// Runs `f` on the live state with the GIL released.
-    fn with_state<R: Send>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut State) -> Result<R, Fail> + Send,
-    ) -> PyResult<R> {
+    fn with_state<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut State) -> Result<R, Fail> + Send) -> PyResult<R> {
         py.detach(|| {
             let mut guard = self.state.lock().map_err(|_| Fail::Poisoned)?;
             let st = guard.as_mut().ok_or(Fail::Closed)?;
@@ -416,13 +414,21 @@ impl Comm {
     /// The algorithm an all-reduce of `count` elements of `dtype` would use now, as JSON, without running it (an
     /// error when none can).
     #[pyo3(signature = (count, dtype, op="sum", in_place=true))]
-    fn select_all_reduce(&self, py: Python<'_>, count: usize, dtype: &str, op: &str, in_place: bool) -> PyResult<String> {
+    fn select_all_reduce(
+        &self,
+        py: Python<'_>,
+        count: usize,
+        dtype: &str,
+        op: &str,
+        in_place: bool,
+    ) -> PyResult<String> {
         let dtype = parse_dtype(py, dtype)?;
         let op = parse_op(py, op)?;
         let bytes = count
             .checked_mul(dtype.size_bytes())
             .ok_or_else(|| invalid(py, format!("{count} elements of {dtype} overflow")))?;
-        let call = anyccl::core::comm::AllReduceCall { count, dtype, op, bytes, in_place, capturing: false, bufs: None };
+        let call =
+            anyccl::core::comm::AllReduceCall { count, dtype, op, bytes, in_place, capturing: false, bufs: None };
         self.with_state(py, move |st| {
             let s = st.comm.select_all_reduce(&call)?;
             Ok(serde_json::to_string(&s).unwrap_or_default())
@@ -486,7 +492,7 @@ impl Comm {
     fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let limit = match timeout {
             None => None,
-            Some(t) if t.is_finite() && t >= 0.0 && t <= 86_400.0 => Some(std::time::Duration::from_secs_f64(t)),
+            Some(t) if (0.0..=86_400.0).contains(&t) => Some(std::time::Duration::from_secs_f64(t)),
             Some(t) => return Err(invalid(py, format!("timeout={t}: expected seconds between 0 and 86400"))),
         };
         let r: Result<(), Fail> = py.detach(|| {
@@ -495,8 +501,8 @@ impl Comm {
                 Err(p) => p.into_inner().take(),
             };
             let Some(st) = taken else { return Ok(()) };
-            let State { comm, boot, stream, .. } = st;
-            drop(stream);
+            // The staging stream goes last, after the teardown was waited for.
+            let State { comm, boot, stream: _stream, .. } = st;
             let teardown = comm.close_in_background();
             let done = match limit {
                 None => Some(teardown.wait()),
@@ -601,7 +607,7 @@ fn pick(choice: BackendChoice) -> anyccl::Result<(BackendKind, Vec<anyccl::dynam
 /// A communicator over `boot` on `kind` (collective: every rank of the bootstrap calls it).
 #[allow(unused_variables)]
 fn over_bootstrap(
-    mut boot: Box<dyn Bootstrap + Send>,
+    boot: Box<dyn Bootstrap + Send>,
     kind: BackendKind,
     device: Option<i32>,
     sel: Arc<Selector>,
@@ -613,6 +619,7 @@ fn over_bootstrap(
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
+            let mut boot = boot;
             let (rank, world) = (boot.rank(), boot.world());
             let id = anyccl::cuda::bootstrap::broadcast_unique_id(&mut *boot)?;
             let device = match device {
@@ -663,8 +670,9 @@ fn unique_id<'py>(py: Python<'py>, addr: &str, port: u16) -> PyResult<Bound<'py,
     let ip: std::net::IpAddr =
         addr.parse().map_err(|_| invalid(py, format!("addr={addr:?}: expected an IP address")))?;
     let port = if port == 0 {
-        let l = std::net::TcpListener::bind((ip, 0))
-            .map_err(|e| exception::<BackendError>(py, format!("cannot bind {ip}:0 to pick a port: {e}"), None, "backend"))?;
+        let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| {
+            exception::<BackendError>(py, format!("cannot bind {ip}:0 to pick a port: {e}"), None, "backend")
+        })?;
         l.local_addr().map(|a| a.port()).map_err(|e| exception::<BackendError>(py, e.to_string(), None, "backend"))?
     } else {
         port
