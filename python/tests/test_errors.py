@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -144,16 +145,17 @@ def test_cuda_asked_for_without_a_gpu_is_unsupported_with_the_reason() -> None:
     assert e.value.hint and "anyccl probe" in e.value.hint
 
 
-def test_from_env_without_a_launcher_names_the_variable() -> None:
+def test_from_env_without_a_launcher_names_the_variable(tmp_path: Path) -> None:
     code = "import anyccl\ntry:\n    anyccl.Communicator.from_env('host')\nexcept anyccl.Error as e:\n    print(type(e).__name__, e.message)\n"
     env = {"PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    # Run away from python/ (whose uncompiled anyccl/ would shadow the installed package).
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "RANK" in out.stdout or "WORLD_SIZE" in out.stdout or "MASTER_ADDR" in out.stdout, out.stdout
 
 
-def test_importing_anyccl_imports_neither_numpy_nor_torch() -> None:
+def test_importing_anyccl_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:
     code = "import sys, anyccl\nprint('numpy' in sys.modules, 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]

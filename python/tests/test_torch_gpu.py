@@ -14,7 +14,6 @@ import socket
 import tempfile
 from typing import Any, Iterator
 
-import numpy as np
 import pytest
 
 import anyccl
@@ -111,6 +110,8 @@ def test_tensors_are_checked_before_the_call(torch: Any, comm: anyccl.Communicat
 
 
 def test_host_arrays_on_a_cuda_communicator_are_staged(torch: Any, comm: anyccl.Communicator) -> None:
+    import numpy as np
+
     a = np.arange(10, dtype=np.float32)
     comm.all_reduce(a)
     np.testing.assert_array_equal(a, np.arange(10, dtype=np.float32))
@@ -198,7 +199,7 @@ def test_process_group_bootstrap_and_the_vllm_communicator(torch: Any) -> None:
             dist.destroy_process_group()
 
 
-def test_from_env_at_world_one(torch: Any) -> None:
+def test_from_env_at_world_one(torch: Any, tmp_path: Any) -> None:
     import subprocess
     import sys
 
@@ -211,7 +212,7 @@ def test_from_env_at_world_one(torch: Any) -> None:
         "print('RESULT', c.backend, c.rank, c.world_size, float(x.sum()))\n"
         "c.close()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "RESULT cuda 0 1 16.0" in out.stdout, out.stdout + out.stderr
 
