@@ -76,10 +76,10 @@ _FORMATS = {
     ("f", 4): "f32",
     ("d", 8): "f64",
 }
-for _code in ("i", "l", "q", "h"):
+for _code in ("i", "l", "q"):
     _FORMATS[(_code, 4)] = "i32"
     _FORMATS[(_code, 8)] = "i64"
-for _code in ("I", "L", "Q", "H"):
+for _code in ("I", "L", "Q"):
     _FORMATS[(_code, 4)] = "u32"
     _FORMATS[(_code, 8)] = "u64"
 
@@ -141,9 +141,17 @@ class _HostBuf:
         if _is_torch_tensor(obj):
             if obj.is_cuda:
                 raise InvalidArgumentError(
-                    f"{which}: a CUDA tensor on a {obj.device} needs a CUDA communicator "
-                    "(this one runs on the host backend)"
+                    f"{which}: a CUDA tensor ({obj.device}) cannot join host buffers in one call, and needs a CUDA "
+                    "communicator"
                 )
+            name = _NUMPY_NAMES.get(str(obj.dtype).replace("torch.", ""))
+            if name in ("bf16", "fp8e4m3", "fp8e5m2"):
+                # NumPy has no such type: the same bytes as integers of that size, read as `name` by anyccl.
+                import torch  # type: ignore[import-not-found, unused-ignore]
+
+                if dtype is None:
+                    dtype = name
+                obj = obj.detach().view(torch.int16 if name == "bf16" else torch.uint8)
             obj = obj.detach().numpy()
         try:
             view = memoryview(obj)
@@ -228,6 +236,7 @@ class Communicator:
         self.device_index: int = _comm.device_index
         #: The backends passed over, each with the reason.
         self.passed_over: List[Dict[str, str]] = json.loads(_comm.passed_over)
+        self._cuda = CUDA_COMPILED_IN and self.device_index >= 0
 
     # ---- construction -------------------------------------------------------------------------------------------
 
@@ -346,11 +355,14 @@ class Communicator:
         stream: Any = None,
         in_place_parts: bool = False,
     ) -> Any:
-        if _is_torch_tensor(x) and x.is_cuda:
-            if not CUDA_COMPILED_IN:
-                raise UnsupportedError("this anyccl wheel was built without the CUDA backend")
-            self._comm.cuda_collective(coll, x, out, op, peer, stream)
+        # The CUDA path first (one call into Rust, which checks the tensors); False: not a CUDA tensor.
+        if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream):
             return x if out is None else out
+        if _is_torch_tensor(x) and x.is_cuda:
+            raise InvalidArgumentError(
+                f"a CUDA tensor on {x.device} needs a CUDA communicator; this one runs on {self.backend}"
+                + ("" if CUDA_COMPILED_IN else " (this wheel was built without the CUDA backend)")
+            )
         dtype = _canon_dtype(dtype)
         writes_send = out is None and coll != "send"
         send = _HostBuf(x, "buffer" if out is None else "send", dtype, writes_send)
@@ -379,10 +391,14 @@ class Communicator:
             (send if recv is None else recv).write(result)
         return x if out is None else out
 
-    def all_reduce(self, x: Any, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None) -> Any:
+    def all_reduce(
+        self, x: Any, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None
+    ) -> Any:
         """Reduces ``x`` over every rank with ``op`` ("sum", "prod", "min", "max", "avg"): into ``x`` (returned)
         when ``out`` is None, else into ``out`` (returned). ``stream``: a ``torch.cuda.Stream`` (default: the
         current stream). ``dtype`` reads a host buffer of bytes as that type (e.g. "bf16")."""
+        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream):
+            return x if out is None else out
         return self._run("all_reduce", x, out, op, 0, dtype, stream)
 
     def all_gather(

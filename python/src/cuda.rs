@@ -201,6 +201,18 @@ fn run(
     Ok(None)
 }
 
+/// Whether `x` is a torch CUDA tensor (of any class), so the CUDA path is the one to take; `false` for anything
+/// else (a NumPy array, a CPU tensor), and when torch cannot be imported at all.
+fn is_cuda_tensor(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(torch) = torch(py) else { return Ok(false) };
+    if !x.is_instance(torch.tensor.bind(py))? {
+        return Ok(false);
+    }
+    x.getattr("is_cuda")?.extract()
+}
+
+/// Runs `coll` on CUDA tensors and returns `true`, or returns `false` without doing anything when `send` is not a
+/// CUDA tensor (the caller then takes the host path).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn collective(
     comm: &Comm,
@@ -211,10 +223,10 @@ pub(crate) fn collective(
     op: ReduceOp,
     peer: usize,
     stream: Option<&Bound<'_, PyAny>>,
-) -> PyResult<()> {
+) -> PyResult<bool> {
     let ordinal = comm.device_index;
-    if ordinal < 0 {
-        return Err(invalid(py, format!("CUDA tensors need a CUDA communicator; this one runs on {}", comm.backend)));
+    if ordinal < 0 || !is_cuda_tensor(py, send)? {
+        return Ok(false);
     }
     let sv = tensor(py, send, if recv.is_some() { "send" } else { "tensor" }, ordinal)?;
     let rv = recv.map(|r| tensor(py, r, "recv", ordinal)).transpose()?;
@@ -247,7 +259,7 @@ pub(crate) fn collective(
         if let Some(sel) = run(typed, call, sv, rv, raw)? {
             st.last = Some(sel);
         }
-        Ok(())
+        Ok(true)
     })
 }
 

@@ -256,7 +256,15 @@ fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DataType> {
 }
 
 fn parse_op(py: Python<'_>, s: &str) -> PyResult<ReduceOp> {
-    s.parse::<ReduceOp>().map_err(|e| to_py(py, &e))
+    // The exact names first: no allocation on the hot path.
+    match s {
+        "sum" => Ok(ReduceOp::Sum),
+        "max" => Ok(ReduceOp::Max),
+        "min" => Ok(ReduceOp::Min),
+        "prod" => Ok(ReduceOp::Prod),
+        "avg" => Ok(ReduceOp::Avg),
+        _ => s.parse::<ReduceOp>().map_err(|e| to_py(py, &e)),
+    }
 }
 
 /// Runs one collective on host bytes through the communicator's own buffers: upload, call, download.
@@ -521,7 +529,8 @@ impl Comm {
     }
 
     /// A collective on CUDA tensors (plain `torch.Tensor`s on this communicator's device), on `stream` (a
-    /// `torch.cuda.Stream`, or the current stream). `recv=None` runs in place.
+    /// `torch.cuda.Stream`, or the current stream). `recv=None` runs in place. Returns `False` without doing
+    /// anything when `send` is not a CUDA tensor or this communicator is not on CUDA (take the host path then).
     #[cfg(feature = "cuda")]
     #[pyo3(signature = (coll, send, recv=None, op="sum", peer=0, stream=None))]
     #[allow(clippy::too_many_arguments)]
@@ -534,7 +543,7 @@ impl Comm {
         op: &str,
         peer: usize,
         stream: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+    ) -> PyResult<bool> {
         let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
         let op = parse_op(py, op)?;
         cuda::collective(self, py, coll, send, recv, op, peer, stream)
