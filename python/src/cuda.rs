@@ -77,11 +77,13 @@ struct DevTensor {
 }
 
 /// Why a tensor is refused, or `Ok` with its memory. `ordinal` is the communicator's device.
+/// `cuda_checked`: the caller already saw `t.is_cuda` true (the hot path asks torch once, not twice).
 fn check_tensor(
     py: Python<'_>,
     t: &Bound<'_, PyAny>,
     which: &str,
     ordinal: i32,
+    cuda_checked: bool,
 ) -> PyResult<Result<DevTensor, String>> {
     let torch = torch(py)?;
     let ty = t.get_type();
@@ -92,7 +94,7 @@ fn check_tensor(
             ty.name().map(|n| n.to_string()).unwrap_or_else(|_| "an unknown type".into())
         )));
     }
-    if !t.getattr("is_cuda")?.extract::<bool>()? {
+    if !cuda_checked && !t.getattr("is_cuda")?.extract::<bool>()? {
         return Ok(Err(format!(
             "{which}: the tensor is on {} but the communicator is on cuda:{ordinal}",
             t.getattr("device")?.str()?
@@ -114,10 +116,8 @@ fn check_tensor(
         return Ok(Err(format!("{which}: internal dtype index {index}")));
     };
     let elems: usize = t.call_method0("numel")?.extract()?;
-    let esize: usize = t.call_method0("element_size")?.extract()?;
-    if esize != dtype.size_bytes() {
-        return Ok(Err(format!("{which}: torch says {esize}-byte elements for {dtype}")));
-    }
+    // torch's element size of each mapped dtype is anyccl's (the map pairs them by name and width).
+    let esize = dtype.size_bytes();
     let Some(bytes) = elems.checked_mul(esize) else {
         return Ok(Err(format!("{which}: {elems} elements of {esize} bytes overflow")));
     };
@@ -128,8 +128,8 @@ fn check_tensor(
     Ok(Ok(DevTensor { ptr, bytes, elems, dtype }))
 }
 
-fn tensor(py: Python<'_>, t: &Bound<'_, PyAny>, which: &str, ordinal: i32) -> PyResult<DevTensor> {
-    check_tensor(py, t, which, ordinal)?.map_err(|m| invalid(py, m))
+fn tensor(py: Python<'_>, t: &Bound<'_, PyAny>, which: &str, ordinal: i32, cuda_checked: bool) -> PyResult<DevTensor> {
+    check_tensor(py, t, which, ordinal, cuda_checked)?.map_err(|m| invalid(py, m))
 }
 
 /// The raw stream to enqueue on: `stream` (a `torch.cuda.Stream` of the communicator's device) or torch's
@@ -228,8 +228,8 @@ pub(crate) fn collective(
     if ordinal < 0 || !is_cuda_tensor(py, send)? {
         return Ok(false);
     }
-    let sv = tensor(py, send, if recv.is_some() { "send" } else { "tensor" }, ordinal)?;
-    let rv = recv.map(|r| tensor(py, r, "recv", ordinal)).transpose()?;
+    let sv = tensor(py, send, if recv.is_some() { "send" } else { "tensor" }, ordinal, true)?;
+    let rv = recv.map(|r| tensor(py, r, "recv", ordinal, false)).transpose()?;
     if let Some(rv) = &rv {
         if rv.dtype != sv.dtype {
             return Err(invalid(py, format!("send is {} but recv is {}", sv.dtype, rv.dtype)));
@@ -268,7 +268,7 @@ pub(crate) fn should_all_reduce(comm: &Comm, py: Python<'_>, t: &Bound<'_, PyAny
     if ordinal < 0 {
         return Ok(false);
     }
-    let Ok(tv) = check_tensor(py, t, "tensor", ordinal)? else { return Ok(false) };
+    let Ok(tv) = check_tensor(py, t, "tensor", ordinal, false)? else { return Ok(false) };
     if tv.elems == 0 {
         return Ok(false);
     }
