@@ -353,7 +353,6 @@ class Communicator:
         peer: int = 0,
         dtype: Optional[str] = None,
         stream: Any = None,
-        in_place_parts: bool = False,
     ) -> Any:
         # The CUDA path first (one call into Rust, which checks the tensors); False: not a CUDA tensor.
         if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream):
