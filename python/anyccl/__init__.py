@@ -1,0 +1,515 @@
+"""anyccl for Python: one communicator for GPU collectives (NCCL, custom kernels) and host collectives.
+
+``anyccl.Communicator`` is one rank's communicator. Make it
+
+* from the torchrun / srun environment: ``Communicator.from_env()``;
+* from a unique id you move to every rank yourself: ``uid = anyccl.unique_id()`` on one process, then
+  ``Communicator.from_unique_id(uid, rank, world)`` on each;
+* over a torch ``ProcessGroup`` (a gloo CPU group): ``Communicator.from_process_group(group)``;
+* over any object with ``rank``, ``world`` and ``all_gather(bytes) -> list[bytes]``: ``Communicator.from_bootstrap``.
+
+Host memory is any C-contiguous object with the buffer protocol (NumPy arrays; NumPy is needed only when anyccl
+allocates an output for you); CUDA memory is a plain contiguous ``torch.Tensor`` on the communicator's device.
+Importing anyccl imports neither NumPy nor torch.
+
+The GIL is released while a collective runs. Errors are ``anyccl.Error`` subclasses carrying anyccl's ``message``
+and ``hint``.
+
+Tensor contract (CUDA): the pointer, length, dtype, device and contiguity of every tensor are read from torch and
+checked before the call; the caller keeps the tensors alive, and does not resize them or swap their storage from
+another thread, until the call returns. The work is enqueued on the stream given (or torch's current stream), as
+with ``torch.distributed``: using the result on another stream needs the usual stream synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Dict, Iterator, List, Optional
+
+from . import _anyccl
+from ._anyccl import (
+    CUDA_COMPILED_IN,
+    BackendError,
+    ClosedError,
+    Error,
+    InvalidArgumentError,
+    PeerFailureError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "Communicator",
+    "ProcessGroupBootstrap",
+    "unique_id",
+    "backends",
+    "Error",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "TimeoutError",
+    "BackendError",
+    "PeerFailureError",
+    "ClosedError",
+    "CUDA_COMPILED_IN",
+    "DTYPES",
+    "REDUCE_OPS",
+]
+
+__version__ = "0.1.0"
+
+#: anyccl's data types by name, with their element sizes in bytes.
+DTYPES: Dict[str, int] = dict(_anyccl.dtypes())
+
+#: The reduction operators.
+REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
+
+# Buffer-protocol formats (struct codes, native order) → anyccl data types.
+_FORMATS = {
+    ("b", 1): "i8",
+    ("B", 1): "u8",
+    ("c", 1): "u8",
+    ("?", 1): "u8",
+    ("e", 2): "f16",
+    ("f", 4): "f32",
+    ("d", 8): "f64",
+}
+for _code in ("i", "l", "q"):
+    _FORMATS[(_code, 4)] = "i32"
+    _FORMATS[(_code, 8)] = "i64"
+for _code in ("I", "L", "Q"):
+    _FORMATS[(_code, 4)] = "u32"
+    _FORMATS[(_code, 8)] = "u64"
+
+# NumPy dtype names → anyccl names (for outputs anyccl allocates, and for arrays whose format is exotic).
+_NUMPY_NAMES = {
+    "int8": "i8",
+    "uint8": "u8",
+    "int32": "i32",
+    "uint32": "u32",
+    "int64": "i64",
+    "uint64": "u64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float32": "f32",
+    "float64": "f64",
+    "float8_e4m3fn": "fp8e4m3",
+    "float8_e5m2": "fp8e5m2",
+}
+
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "send", "recv")
+
+
+def _ensure_nccl_path(backend: str) -> None:
+    """Points anyccl at the NCCL that PyTorch's wheels install (``site-packages/nvidia/nccl/lib/libnccl.so.2``,
+    the library torch itself uses) when ``ANYCCL_NCCL_PATH`` is not set, so both share one NCCL. Searches
+    ``sys.path`` only (absolute directories); anyccl's own search applies when nothing is found."""
+    if backend not in ("best", "auto", "cuda") or os.environ.get("ANYCCL_NCCL_PATH"):
+        return
+    for entry in sys.path:
+        if not entry or not os.path.isabs(entry):
+            continue
+        candidate = os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so.2")
+        if os.path.isfile(candidate):
+            os.environ["ANYCCL_NCCL_PATH"] = candidate
+            return
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
+    if dtype is None:
+        return None
+    name = str(dtype).lower().replace("torch.", "").replace("numpy.", "")
+    name = _NUMPY_NAMES.get(name, name)
+    if name not in DTYPES:
+        raise InvalidArgumentError(f"dtype={dtype!r}: expected one of {', '.join(sorted(DTYPES))}")
+    return name
+
+
+class _HostBuf:
+    """One host buffer, checked: its bytes view, anyccl data type and element count."""
+
+    __slots__ = ("obj", "view", "dtype", "elems")
+
+    def __init__(self, obj: Any, which: str, dtype: Optional[str], writable: bool) -> None:
+        if _is_torch_tensor(obj):
+            if obj.is_cuda:
+                raise InvalidArgumentError(
+                    f"{which}: a CUDA tensor ({obj.device}) cannot join host buffers in one call, and needs a CUDA "
+                    "communicator"
+                )
+            name = _NUMPY_NAMES.get(str(obj.dtype).replace("torch.", ""))
+            if name in ("bf16", "fp8e4m3", "fp8e5m2"):
+                # NumPy has no such type: the same bytes as integers of that size, read as `name` by anyccl.
+                import torch  # type: ignore[import-not-found, unused-ignore]
+
+                if dtype is None:
+                    dtype = name
+                obj = obj.detach().view(torch.int16 if name == "bf16" else torch.uint8)
+            obj = obj.detach().numpy()
+        try:
+            view = memoryview(obj)
+        except TypeError as e:
+            raise InvalidArgumentError(
+                f"{which}: expected a NumPy array or another object with the buffer protocol, got "
+                f"{type(obj).__name__}"
+            ) from e
+        if not view.c_contiguous:
+            raise InvalidArgumentError(f"{which}: the buffer is not C-contiguous (pass a contiguous array)")
+        if writable and view.readonly:
+            raise InvalidArgumentError(f"{which}: the buffer is read-only, and this call writes into it")
+        fmt = view.format.lstrip("@=<")
+        native = _FORMATS.get((fmt, view.itemsize))
+        if native is None:
+            np_name = getattr(getattr(obj, "dtype", None), "name", None)
+            native = _NUMPY_NAMES.get(np_name) if np_name else None
+        if dtype is None:
+            if native is None:
+                raise InvalidArgumentError(
+                    f"{which}: element format {view.format!r} ({view.itemsize} bytes) has no anyccl data type; "
+                    "pass dtype= (e.g. 'bf16') with a buffer of that element size or of bytes"
+                )
+            dtype = native
+        elif native is not None and native != dtype and view.itemsize != 1:
+            raise InvalidArgumentError(f"{which}: dtype {dtype} was asked for, but the buffer holds {native}")
+        size = DTYPES[dtype]
+        if view.itemsize not in (1, size):
+            raise InvalidArgumentError(
+                f"{which}: dtype {dtype} has {size}-byte elements but the buffer's are {view.itemsize} bytes"
+            )
+        if view.nbytes % size:
+            raise InvalidArgumentError(f"{which}: {view.nbytes} bytes is not a whole number of {dtype} elements")
+        self.obj = obj
+        self.view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+        self.dtype = dtype
+        self.elems = view.nbytes // size
+
+    def write(self, data: bytes) -> None:
+        n = min(len(data), self.view.nbytes)
+        self.view[:n] = memoryview(data)[:n]
+
+
+def _new_like(x: Any, elems: int) -> Any:
+    """A new 1-D array of `elems` elements of `x`'s type: a torch tensor for a tensor, else a NumPy array."""
+    if _is_torch_tensor(x):
+        import torch  # type: ignore[import-not-found, unused-ignore]
+
+        return torch.empty(elems, dtype=x.dtype, device=x.device)
+    try:
+        import numpy as np
+    except ImportError as e:
+        raise InvalidArgumentError(
+            "out= is needed: anyccl allocates outputs as NumPy arrays, and NumPy is not installed"
+        ) from e
+    return np.empty(elems, dtype=np.asarray(x).dtype)
+
+
+class Communicator:
+    """One rank's communicator.
+
+    Every collective takes host buffers (NumPy arrays, buffer-protocol objects, CPU tensors) or CUDA tensors, and
+    runs in place when ``out`` is not given (``all_reduce``, ``broadcast``, ``reduce``: on the buffer; ``all_gather``
+    and ``reduce_scatter`` with ``in_place=True``: NCCL's layout, the buffer holds ``world`` parts and this rank's
+    part is part ``rank``), or out of place into ``out`` (allocated when ``None`` for all_gather / reduce_scatter).
+    Use it as a context manager to close it on exit.
+    """
+
+    def __init__(self, _comm: Any) -> None:
+        """Internal: use ``from_env``, ``from_unique_id``, ``from_process_group`` or ``from_bootstrap``."""
+        if not isinstance(_comm, _anyccl._Comm):
+            raise InvalidArgumentError(
+                "make a Communicator with Communicator.from_env(), from_unique_id(), from_process_group() or "
+                "from_bootstrap()"
+            )
+        self._comm = _comm
+        self.rank: int = _comm.rank
+        self.world_size: int = _comm.world_size
+        self.backend: str = _comm.backend
+        self.device: str = _comm.device
+        #: The CUDA device ordinal, or -1 when the communicator is not on CUDA.
+        self.device_index: int = _comm.device_index
+        #: The backends passed over, each with the reason.
+        self.passed_over: List[Dict[str, str]] = json.loads(_comm.passed_over)
+        self._cuda = CUDA_COMPILED_IN and self.device_index >= 0
+
+    # ---- construction -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, backend: str = "best") -> "Communicator":
+        """Joins the job started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), on
+        ``backend``: "best" (CUDA when a GPU and NCCL are present, else host), "cuda" or "host". anyccl's own
+        authenticated rendezvous listens on MASTER_PORT + 1 (or ANYCCL_MASTER_PORT); set ANYCCL_RENDEZVOUS_KEY
+        unless MASTER_ADDR is a loopback address."""
+        _ensure_nccl_path(backend)
+        return cls(_anyccl.from_env(backend))
+
+    @classmethod
+    def from_unique_id(
+        cls,
+        uid: bytes,
+        rank: int,
+        world_size: int,
+        backend: str = "best",
+        device: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> "Communicator":
+        """Joins the group named by ``uid`` (from ``anyccl.unique_id()`` on one process, moved to every rank by
+        you) as ``rank`` of ``world_size``. Collective. ``timeout`` (seconds) bounds the wait for the group."""
+        _ensure_nccl_path(backend)
+        return cls(_anyccl.from_unique_id(bytes(uid), rank, world_size, backend, device, timeout))
+
+    @classmethod
+    def from_bootstrap(cls, bootstrap: Any, backend: str = "best", device: Optional[int] = None) -> "Communicator":
+        """A communicator over ``bootstrap``: any object with ``rank``, ``world`` and ``all_gather(bytes) ->
+        list[bytes]`` (one entry per rank, each at most ``anyccl.MAX_BOOTSTRAP_BYTES``). Collective. The bootstrap
+        is kept for graph-buffer registration (``capture()``)."""
+        _ensure_nccl_path(backend)
+        return cls(_anyccl.from_bootstrap(bootstrap, backend, device))
+
+    @classmethod
+    def from_process_group(
+        cls, group: Any = None, backend: str = "best", device: Optional[int] = None
+    ) -> "Communicator":
+        """A communicator over a torch ``ProcessGroup`` (a gloo CPU group is best: the bootstrap moves small byte
+        strings; ``None`` is the default group). Collective over the group. On CUDA the device defaults to
+        ``torch.cuda.current_device()``."""
+        if device is None and backend != "host":
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available():
+                device = torch.cuda.current_device()
+        return cls.from_bootstrap(ProcessGroupBootstrap(group), backend, device)
+
+    # ---- lifetime -----------------------------------------------------------------------------------------------
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Tears the rank down (idempotent); every later call raises ``ClosedError``."""
+        self._comm.close(timeout)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return bool(self._comm.closed())
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<anyccl.Communicator rank {self.rank} of {self.world_size} on {self.device} ({self.backend}, {state})>"
+
+    # ---- queries ------------------------------------------------------------------------------------------------
+
+    def capabilities(self) -> Dict[str, Any]:
+        """The backend, device, library, algorithms and every capability with the reason it is off, as a dict."""
+        caps: Dict[str, Any] = json.loads(self._comm.capabilities_json())
+        return caps
+
+    @property
+    def last_selection(self) -> Optional[Dict[str, Any]]:
+        """The last all-reduce's algorithm and the rule that chose it (``{"algorithm": ..., "why": ...}``)."""
+        s = self._comm.last_selection_json()
+        return None if s is None else json.loads(s)
+
+    def select_all_reduce(self, count: int, dtype: str, op: str = "sum", in_place: bool = True) -> Dict[str, Any]:
+        """The algorithm an all-reduce of this shape would use now, without running it."""
+        name = _canon_dtype(dtype) or "u8"  # not None: dtype is required
+        sel: Dict[str, Any] = json.loads(self._comm.select_all_reduce(count, name, op, in_place))
+        return sel
+
+    def should_all_reduce(self, tensor: Any) -> bool:
+        """Whether ``all_reduce`` takes ``tensor`` here (vLLM's predicate): on CUDA, a plain contiguous tensor on
+        this device of a supported dtype with an eligible algorithm; on the host, a host buffer anyccl can read."""
+        if self.device_index >= 0 and CUDA_COMPILED_IN:
+            return bool(self._comm.cuda_should_all_reduce(tensor))
+        if self.closed:
+            return False
+        try:
+            buf = _HostBuf(tensor, "tensor", None, True)
+        except Error:
+            return False
+        return buf.elems > 0
+
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+        self._comm.barrier()
+
+    # ---- collectives --------------------------------------------------------------------------------------------
+
+    def _run(
+        self,
+        coll: str,
+        x: Any,
+        out: Any,
+        op: str = "sum",
+        peer: int = 0,
+        dtype: Optional[str] = None,
+        stream: Any = None,
+    ) -> Any:
+        # The CUDA path first (one call into Rust, which checks the tensors); False: not a CUDA tensor.
+        if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream):
+            return x if out is None else out
+        if _is_torch_tensor(x) and x.is_cuda:
+            raise InvalidArgumentError(
+                f"a CUDA tensor on {x.device} needs a CUDA communicator; this one runs on {self.backend}"
+                + ("" if CUDA_COMPILED_IN else " (this wheel was built without the CUDA backend)")
+            )
+        dtype = _canon_dtype(dtype)
+        writes_send = out is None and coll != "send"
+        send = _HostBuf(x, "buffer" if out is None else "send", dtype, writes_send)
+        recv = None if out is None else _HostBuf(out, "recv", dtype or send.dtype, True)
+        if recv is not None and recv.dtype != send.dtype:
+            raise InvalidArgumentError(f"send is {send.dtype} but recv is {recv.dtype}")
+        world = self.world_size
+        if coll == "reduce_scatter":
+            if recv is not None:
+                count = recv.elems
+            else:
+                if send.elems % world:
+                    raise InvalidArgumentError(f"buffer: {send.elems} elements do not split into {world} parts")
+                count = send.elems // world
+        elif coll == "all_gather" and recv is None:
+            if send.elems % world:
+                raise InvalidArgumentError(f"buffer: {send.elems} elements do not split into {world} parts")
+            count = send.elems // world
+        else:
+            count = send.elems
+        data = send.view.tobytes()
+        result = self._comm.host_collective(
+            coll, data, None if recv is None else recv.view.nbytes, send.dtype, count, op, peer
+        )
+        if result is not None:
+            (send if recv is None else recv).write(result)
+        return x if out is None else out
+
+    def all_reduce(
+        self, x: Any, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None
+    ) -> Any:
+        """Reduces ``x`` over every rank with ``op`` ("sum", "prod", "min", "max", "avg"): into ``x`` (returned)
+        when ``out`` is None, else into ``out`` (returned). ``stream``: a ``torch.cuda.Stream`` (default: the
+        current stream). ``dtype`` reads a host buffer of bytes as that type (e.g. "bf16")."""
+        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream):
+            return x if out is None else out
+        return self._run("all_reduce", x, out, op, 0, dtype, stream)
+
+    def all_gather(
+        self, x: Any, out: Any = None, *, in_place: bool = False, dtype: Optional[str] = None, stream: Any = None
+    ) -> Any:
+        """Every rank's ``x`` concatenated in rank order into ``out`` (allocated, 1-D, when None). With
+        ``in_place=True``, ``x`` holds ``world`` parts, this rank's at part ``rank``, and is filled in."""
+        if in_place:
+            return self._run("all_gather", x, None, "sum", 0, dtype, stream)
+        if out is None:
+            out = _new_like(x, self._numel(x) * self.world_size)
+        return self._run("all_gather", x, out, "sum", 0, dtype, stream)
+
+    def reduce_scatter(
+        self,
+        x: Any,
+        out: Any = None,
+        op: str = "sum",
+        *,
+        in_place: bool = False,
+        dtype: Optional[str] = None,
+        stream: Any = None,
+    ) -> Any:
+        """``x`` (``world`` equal parts) reduced over every rank; this rank gets part ``rank`` in ``out`` (allocated
+        when None). With ``in_place=True`` the result is left in part ``rank`` of ``x``."""
+        if in_place:
+            return self._run("reduce_scatter", x, None, op, 0, dtype, stream)
+        if out is None:
+            n = self._numel(x)
+            if n % self.world_size:
+                raise InvalidArgumentError(f"x: {n} elements do not split into {self.world_size} parts")
+            out = _new_like(x, n // self.world_size)
+        return self._run("reduce_scatter", x, out, op, 0, dtype, stream)
+
+    def broadcast(self, x: Any, root: int = 0, out: Any = None, *, dtype: Optional[str] = None, stream: Any = None) -> Any:
+        """``root``'s ``x`` on every rank: into ``x`` (in place) or ``out``."""
+        return self._run("broadcast", x, out, "sum", root, dtype, stream)
+
+    def reduce(
+        self, x: Any, root: int = 0, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None
+    ) -> Any:
+        """``x`` reduced over every rank with ``op`` into ``root``'s ``x`` (in place) or ``out``."""
+        return self._run("reduce", x, out, op, root, dtype, stream)
+
+    def send(self, x: Any, peer: int, *, dtype: Optional[str] = None, stream: Any = None) -> None:
+        """Sends ``x`` to rank ``peer`` (which calls ``recv``)."""
+        self._run("send", x, None, "sum", peer, dtype, stream)
+
+    def recv(self, x: Any, peer: int, *, dtype: Optional[str] = None, stream: Any = None) -> Any:
+        """Receives into ``x`` from rank ``peer``; returns ``x``."""
+        return self._run("recv", x, None, "sum", peer, dtype, stream)
+
+    # ---- CUDA graphs --------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator["Communicator"]:
+        """Wrap the code that captures CUDA graphs (``torch.cuda.graph``): on a clean exit the inputs of every
+        collective captured are registered with the custom kernels on every rank (collective), before the first
+        replay. Replays before registration are correct, just slower."""
+        yield self
+        self.register_graph_buffers()
+
+    def register_graph_buffers(self) -> Dict[str, int]:
+        """Registers the captured collectives' inputs now (collective); returns the counts."""
+        registered, kept = self._comm.register_graph_buffers()
+        return {"registered": registered, "kept_staged": kept}
+
+    @property
+    def pending_graph_buffers(self) -> int:
+        """Inputs of captured collectives not registered yet."""
+        return int(self._comm.pending_graph_buffers())
+
+    @staticmethod
+    def _numel(x: Any) -> int:
+        if _is_torch_tensor(x):
+            return int(x.numel())
+        size = getattr(x, "size", None)
+        if isinstance(size, int):
+            return size
+        view = memoryview(x)
+        return view.nbytes // max(view.itemsize, 1)
+
+
+class ProcessGroupBootstrap:
+    """anyccl's bootstrap over a torch ``ProcessGroup``: ``all_gather(bytes)`` through
+    ``torch.distributed.all_gather_object`` (use a gloo CPU group: it moves a few small byte strings)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
+
+        self._dist = dist
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world: int = dist.get_world_size(group)
+
+    def all_gather(self, mine: bytes) -> List[bytes]:
+        """Every rank's ``mine``, by rank."""
+        out: List[Any] = [None] * self.world
+        self._dist.all_gather_object(out, bytes(mine), group=self.group)
+        return [bytes(b) if isinstance(b, (bytes, bytearray)) else b for b in out]
+
+
+def unique_id(addr: str = "127.0.0.1", port: int = 0) -> bytes:
+    """A fresh unique id: rank 0 will listen at ``addr``:``port`` (0: a free port picked now), and a random secret
+    every rank proves it holds. Move it to every rank yourself (a file, an environment variable, your store) and
+    call ``Communicator.from_unique_id`` on each. Treat it as a secret."""
+    return bytes(_anyccl.unique_id(addr, port))
+
+
+def backends() -> Dict[str, Optional[str]]:
+    """Each backend of this build and why it cannot run here (None when it can)."""
+    return dict(_anyccl.backends())
+
+
+MAX_BOOTSTRAP_BYTES: int = _anyccl.MAX_BOOTSTRAP_BYTES

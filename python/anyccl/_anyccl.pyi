@@ -1,0 +1,94 @@
+"""Type stubs of the extension module ``anyccl._anyccl`` (Rust, PyO3). Use ``anyccl.Communicator``; these are its
+building blocks."""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from typing_extensions import final
+
+__all__: List[str] = [
+    "_Comm",
+    "from_env",
+    "from_bootstrap",
+    "from_unique_id",
+    "unique_id",
+    "backends",
+    "dtypes",
+    "Error",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "TimeoutError",
+    "BackendError",
+    "PeerFailureError",
+    "ClosedError",
+    "CUDA_COMPILED_IN",
+    "MAX_BOOTSTRAP_BYTES",
+]
+
+CUDA_COMPILED_IN: bool
+MAX_BOOTSTRAP_BYTES: int
+
+class Error(Exception):
+    """Base of every anyccl error."""
+
+    message: str
+    hint: Optional[str]
+    kind: str
+
+class InvalidArgumentError(Error): ...
+class UnsupportedError(Error): ...
+class TimeoutError(Error): ...
+class BackendError(Error): ...
+class PeerFailureError(Error): ...
+class ClosedError(Error): ...
+
+@final
+class _Comm:
+    rank: int
+    world_size: int
+    backend: str
+    device_index: int
+    device: str
+    passed_over: str
+    def host_collective(
+        self,
+        coll: str,
+        data: bytes,
+        recv_len: Optional[int],
+        dtype: str,
+        count: int,
+        op: str = "sum",
+        peer: int = 0,
+    ) -> Optional[bytes]: ...
+    def needs(self, coll: str, count: int, dtype: str) -> Tuple[int, int]: ...
+    def select_all_reduce(self, count: int, dtype: str, op: str = "sum", in_place: bool = True) -> str: ...
+    def capabilities_json(self) -> str: ...
+    def last_selection_json(self) -> Optional[str]: ...
+    def barrier(self) -> None: ...
+    def register_graph_buffers(self) -> Tuple[int, int]: ...
+    def pending_graph_buffers(self) -> int: ...
+    def closed(self) -> bool: ...
+    def close(self, timeout: Optional[float] = None) -> None: ...
+    def cuda_collective(
+        self,
+        coll: str,
+        send: Any,
+        recv: Any = None,
+        op: str = "sum",
+        peer: int = 0,
+        stream: Any = None,
+    ) -> bool: ...
+    def cuda_should_all_reduce(self, tensor: Any) -> bool: ...
+
+def from_env(backend: str = "best") -> _Comm: ...
+def from_bootstrap(bootstrap: Any, backend: str = "best", device: Optional[int] = None) -> _Comm: ...
+def from_unique_id(
+    uid: bytes,
+    rank: int,
+    world: int,
+    backend: str = "best",
+    device: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> _Comm: ...
+def unique_id(addr: str = "127.0.0.1", port: int = 0) -> bytes: ...
+def backends() -> Dict[str, Optional[str]]: ...
+def dtypes() -> Dict[str, int]: ...

@@ -1,0 +1,81 @@
+"""anyccl's all-reduce as torch custom ops, so ``torch.compile`` graphs and CUDA graphs keep working.
+
+Importing this module imports torch and registers (once per process):
+
+* ``torch.ops.anyccl.all_reduce(x, handle, op) -> Tensor`` — out of place (a new tensor); compile-friendly;
+* ``torch.ops.anyccl.all_reduce_(x, handle, op) -> None`` — in place on ``x`` (declared as mutating ``x``).
+
+``handle`` is the integer ``register(comm)`` returns (a custom op takes tensors and plain values, not Python
+objects). Both ops have fake (meta) implementations, so tracing needs no communication. Inside ``torch.cuda.graph``
+the real implementation runs once, during capture, and enqueues on the capturing stream; wrap the capture in
+``comm.capture()`` to register the graph buffers afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Dict
+
+import torch
+
+from . import Communicator, InvalidArgumentError
+
+_COMMS: Dict[int, Communicator] = {}
+_NEXT = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def register(comm: Communicator) -> int:
+    """The handle the custom ops take for ``comm`` (the same handle for the same communicator)."""
+    with _LOCK:
+        for h, c in _COMMS.items():
+            if c is comm:
+                return h
+        h = next(_NEXT)
+        _COMMS[h] = comm
+        return h
+
+
+def unregister(handle: int) -> None:
+    """Forgets a handle (the communicator itself is not closed)."""
+    with _LOCK:
+        _COMMS.pop(handle, None)
+
+
+def communicator(handle: int) -> Communicator:
+    """The communicator registered as ``handle``."""
+    try:
+        return _COMMS[handle]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"anyccl custom op: handle {handle} names no communicator (register it with anyccl.torch_ops.register)"
+        ) from None
+
+
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+    raise ImportError(f"anyccl.torch_ops needs torch >= 2.4 (torch.library.custom_op); this is torch {torch.__version__}")
+
+
+@torch.library.custom_op("anyccl::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, handle: int, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over every rank, in a new tensor."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    communicator(handle).all_reduce(x.contiguous(), out=out, op=op)
+    return out
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(x: torch.Tensor, handle: int, op: str = "sum") -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("anyccl::all_reduce_", mutates_args=("x",))
+def all_reduce_(x: torch.Tensor, handle: int, op: str = "sum") -> None:
+    """Reduces ``x`` over every rank, in place (``x`` must be contiguous)."""
+    communicator(handle).all_reduce(x, op=op)
+
+
+@all_reduce_.register_fake
+def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, op: str = "sum") -> None:
+    return None

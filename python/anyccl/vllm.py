@@ -1,0 +1,134 @@
+"""A communicator with the shape of vLLM's device communicators (``DeviceCommunicatorBase``): duck-typed, so vLLM
+is not a dependency.
+
+    comm = AnycclDeviceCommunicator(cpu_group, device=torch.device("cuda", local_rank))
+    if comm.should_custom_ar(x):          # the predicate vLLM's custom all-reduce has
+        y = comm.all_reduce(x)            # out of place; None would mean "fall back" (never, here)
+    with comm.capture():                  # around torch.cuda.graph captures: registers graph buffers on exit
+        ...
+    comm.destroy()
+
+``cpu_group`` is a torch ``ProcessGroup`` able to move Python objects (gloo): anyccl bootstraps over it (the NCCL
+unique id, the custom kernels' IPC handles, graph buffers). All-reduce goes through the ``anyccl::all_reduce``
+custom op, so ``torch.compile`` and CUDA graphs keep working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import Communicator
+from . import torch_ops
+
+__all__ = ["AnycclDeviceCommunicator"]
+
+
+class AnycclDeviceCommunicator:
+    """vLLM's ``DeviceCommunicatorBase`` methods over an anyccl ``Communicator``."""
+
+    def __init__(
+        self,
+        cpu_group: Any,
+        device: Optional[torch.device] = None,
+        device_group: Any = None,
+        unique_name: str = "",
+        *,
+        comm: Optional[Communicator] = None,
+    ) -> None:
+        self.cpu_group = cpu_group
+        self.device_group = device_group
+        self.unique_name = unique_name
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = device
+        if comm is None:
+            if device.type == "cuda":
+                comm = Communicator.from_process_group(cpu_group, backend="cuda", device=device.index)
+            else:
+                comm = Communicator.from_process_group(cpu_group, backend="host")
+        self.comm = comm
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self.ranks = dist.get_process_group_ranks(cpu_group) if cpu_group is not None else list(range(self.world_size))
+        self.rank_in_group = comm.rank
+        self._handle = torch_ops.register(comm)
+        self.disabled = False
+
+    # ---- the predicate and the all-reduce ----------------------------------------------------------------------
+
+    def should_custom_ar(self, input_: torch.Tensor) -> bool:
+        """Whether ``all_reduce`` handles ``input_`` (vLLM's custom all-reduce predicate)."""
+        return not self.disabled and self.comm.should_all_reduce(input_)
+
+    should_all_reduce = should_custom_ar
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """The sum over the group, in a new tensor (the custom op: safe under torch.compile and CUDA graphs)."""
+        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum")
+
+    def custom_all_reduce(self, input_: torch.Tensor) -> Optional[torch.Tensor]:
+        """vLLM's custom all-reduce shape: the result, or None to make the caller fall back."""
+        if not self.should_custom_ar(input_):
+            return None
+        return self.all_reduce(input_)
+
+    # ---- the other collectives, with vLLM's layouts -------------------------------------------------------------
+
+    def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``input_`` concatenated along ``dim``."""
+        if dim < 0:
+            dim += input_.dim()
+        size = input_.size()
+        gathered = self.comm.all_gather(input_.contiguous())  # 1-D: world × numel, rank order
+        out = gathered.reshape((self.world_size,) + tuple(size))
+        out = out.movedim(0, dim)
+        return out.reshape(size[:dim] + (self.world_size * size[dim],) + size[dim + 1 :])
+
+    def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """``input_`` summed over the group and split along ``dim``; this rank's part."""
+        if dim < 0:
+            dim += input_.dim()
+        x = input_.movedim(0, dim).contiguous()
+        if x.shape[0] % self.world_size:
+            raise ValueError(f"reduce_scatter: dimension {dim} ({x.shape[0]}) does not split into {self.world_size}")
+        chunk = x.shape[0] // self.world_size
+        out = torch.empty((chunk,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.comm.reduce_scatter(x, out=out.view(-1))
+        return out.movedim(0, dim).contiguous()
+
+    def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> Optional[torch.Tensor]:
+        """``all_gather`` kept on rank ``dst`` only (None elsewhere)."""
+        out = self.all_gather(input_, dim)
+        return out if self.rank_in_group == dst else None
+
+    def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
+        """Sends ``tensor`` to rank ``dst`` of the group (default: the next rank)."""
+        if dst is None:
+            dst = (self.rank_in_group + 1) % self.world_size
+        self.comm.send(tensor.contiguous(), dst)
+
+    def recv(self, size: torch.Size, dtype: torch.dtype, src: Optional[int] = None) -> torch.Tensor:
+        """A new tensor of ``size`` and ``dtype`` received from rank ``src`` (default: the previous rank)."""
+        if src is None:
+            src = (self.rank_in_group - 1) % self.world_size
+        t = torch.empty(size, dtype=dtype, device=self.device)
+        self.comm.recv(t, src)
+        return t
+
+    # ---- graphs and lifetime ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Around CUDA graph captures: the graph buffers are registered on exit (collective)."""
+        with self.comm.capture():
+            yield
+
+    def destroy(self) -> None:
+        """Closes the communicator (idempotent)."""
+        torch_ops.unregister(self._handle)
+        self.comm.close()
+        self.disabled = True

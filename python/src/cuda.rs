@@ -1,0 +1,285 @@
+//! CUDA tensors: a plain `torch.Tensor`'s pointer, element count, element size, dtype, device and contiguity are
+//! read from torch and checked here, then the memory is viewed (not owned) for one call on the caller's stream.
+//!
+//! The contract (documented on `anyccl.Communicator`): the tensors stay alive and are not resized or re-pointed
+//! (`set_`, `resize_`) by another thread while the call runs. The work is enqueued on the stream, as with every
+//! torch collective: the caching allocator's stream rules apply when the tensor is used on another stream.
+
+use std::ffi::c_void;
+
+use anyccl::core::{InvalidArgument, Selection};
+use anyccl::cuda::{CudaComm, CudaStream, DeviceBuffer};
+use anyccl::{Communicator, DataType, InOut, ReduceOp};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
+
+use crate::{invalid, needs, Call, Coll, Comm, Fail};
+
+/// torch's objects, looked up once.
+struct Torch {
+    tensor: Py<PyType>,
+    parameter: Py<PyType>,
+    stream: Py<PyType>,
+    /// torch.dtype → anyccl data type index in `DataType::ALL`.
+    dtypes: Py<PyDict>,
+    /// `torch._C._cuda_getCurrentRawStream(device) -> int`, or `None` (then `torch.cuda.current_stream`).
+    raw_stream: Option<Py<PyAny>>,
+    current_stream: Py<PyAny>,
+}
+
+static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
+
+fn torch(py: Python<'_>) -> PyResult<&Torch> {
+    TORCH.get_or_try_init(py, || {
+        let torch = py.import("torch")?;
+        let dtypes = PyDict::new(py);
+        for (name, t) in [
+            ("int8", DataType::I8),
+            ("uint8", DataType::U8),
+            ("int32", DataType::I32),
+            ("uint32", DataType::U32),
+            ("int64", DataType::I64),
+            ("uint64", DataType::U64),
+            ("float16", DataType::F16),
+            ("bfloat16", DataType::Bf16),
+            ("float32", DataType::F32),
+            ("float64", DataType::F64),
+            ("float8_e4m3fn", DataType::Fp8E4M3),
+            ("float8_e5m2", DataType::Fp8E5M2),
+        ] {
+            // Older torch releases lack the unsigned and fp8 types: those are simply not mapped.
+            if let Ok(d) = torch.getattr(name) {
+                let index = DataType::ALL.iter().position(|x| *x == t).unwrap_or(0);
+                dtypes.set_item(d, index)?;
+            }
+        }
+        let c = torch.getattr("_C")?;
+        let cuda = torch.getattr("cuda")?;
+        Ok(Torch {
+            tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+            parameter: torch.getattr("nn")?.getattr("Parameter")?.cast_into::<PyType>()?.unbind(),
+            stream: cuda.getattr("Stream")?.cast_into::<PyType>()?.unbind(),
+            dtypes: dtypes.unbind(),
+            raw_stream: c.getattr("_cuda_getCurrentRawStream").ok().map(Bound::unbind),
+            current_stream: cuda.getattr("current_stream")?.unbind(),
+        })
+    })
+}
+
+/// One tensor's memory, as read from torch and checked.
+#[derive(Clone, Copy, Debug)]
+struct DevTensor {
+    ptr: u64,
+    bytes: usize,
+    elems: usize,
+    dtype: DataType,
+}
+
+/// Why a tensor is refused, or `Ok` with its memory. `ordinal` is the communicator's device.
+/// `cuda_checked`: the caller already saw `t.is_cuda` true (the hot path asks torch once, not twice).
+fn check_tensor(
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    which: &str,
+    ordinal: i32,
+    cuda_checked: bool,
+) -> PyResult<Result<DevTensor, String>> {
+    let torch = torch(py)?;
+    let ty = t.get_type();
+    // Exactly torch's own classes: a subclass could answer data_ptr()/numel() with anything.
+    if !(ty.is(torch.tensor.bind(py)) || ty.is(torch.parameter.bind(py))) {
+        return Ok(Err(format!(
+            "{which}: expected a plain torch.Tensor on cuda:{ordinal}, got {}",
+            ty.name().map(|n| n.to_string()).unwrap_or_else(|_| "an unknown type".into())
+        )));
+    }
+    if !cuda_checked && !t.getattr("is_cuda")?.extract::<bool>()? {
+        return Ok(Err(format!(
+            "{which}: the tensor is on {} but the communicator is on cuda:{ordinal}",
+            t.getattr("device")?.str()?
+        )));
+    }
+    let dev: i64 = t.call_method0("get_device")?.extract()?;
+    if dev != i64::from(ordinal) {
+        return Ok(Err(format!("{which}: the tensor is on cuda:{dev} but the communicator is on cuda:{ordinal}")));
+    }
+    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Ok(Err(format!("{which}: the tensor is not contiguous (call .contiguous() first)")));
+    }
+    let dt = t.getattr("dtype")?;
+    let Some(index) = torch.dtypes.bind(py).get_item(&dt)? else {
+        return Ok(Err(format!("{which}: dtype {} has no anyccl data type", dt.str()?)));
+    };
+    let index: usize = index.extract()?;
+    let Some(&dtype) = DataType::ALL.get(index) else {
+        return Ok(Err(format!("{which}: internal dtype index {index}")));
+    };
+    let elems: usize = t.call_method0("numel")?.extract()?;
+    // torch's element size of each mapped dtype is anyccl's (the map pairs them by name and width).
+    let esize = dtype.size_bytes();
+    let Some(bytes) = elems.checked_mul(esize) else {
+        return Ok(Err(format!("{which}: {elems} elements of {esize} bytes overflow")));
+    };
+    let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+    if ptr == 0 && bytes > 0 {
+        return Ok(Err(format!("{which}: the tensor has no memory (data_ptr() is 0)")));
+    }
+    Ok(Ok(DevTensor { ptr, bytes, elems, dtype }))
+}
+
+fn tensor(py: Python<'_>, t: &Bound<'_, PyAny>, which: &str, ordinal: i32, cuda_checked: bool) -> PyResult<DevTensor> {
+    check_tensor(py, t, which, ordinal, cuda_checked)?.map_err(|m| invalid(py, m))
+}
+
+/// The raw stream to enqueue on: `stream` (a `torch.cuda.Stream` of the communicator's device) or torch's
+/// current stream of the device.
+fn raw_stream(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>, ordinal: i32) -> PyResult<usize> {
+    let torch = torch(py)?;
+    match stream {
+        Some(s) => {
+            if !s.is_instance(torch.stream.bind(py))? {
+                return Err(invalid(py, "stream: expected a torch.cuda.Stream".into()));
+            }
+            let dev: i64 = s.getattr("device_index")?.extract()?;
+            if dev != i64::from(ordinal) {
+                return Err(invalid(py, format!("stream: on cuda:{dev}, the communicator is on cuda:{ordinal}")));
+            }
+            s.getattr("cuda_stream")?.extract()
+        }
+        None => match &torch.raw_stream {
+            Some(f) => f.bind(py).call1((ordinal,))?.extract(),
+            None => torch.current_stream.bind(py).call1((ordinal,))?.getattr("cuda_stream")?.extract(),
+        },
+    }
+}
+
+fn typed(comm: &mut anyccl::AnyCommunicator) -> Result<&mut Communicator<CudaComm>, Fail> {
+    let backend = comm.backend().name();
+    comm.as_any_mut()
+        .downcast_mut::<Communicator<CudaComm>>()
+        .ok_or(Fail::Anyccl(InvalidArgument::WrongBackend { which: "tensor", found: "cuda", expected: backend }.into()))
+}
+
+/// Runs `call` on the tensors' memory on `stream` (GIL released by the caller).
+fn run(
+    comm: &mut Communicator<CudaComm>,
+    call: Call,
+    send: DevTensor,
+    recv: Option<DevTensor>,
+    stream: usize,
+) -> Result<Option<Selection>, Fail> {
+    let ctx = comm.runtime().context().clone();
+    let ordinal = ctx.ordinal().unsigned_abs();
+    // SAFETY: `stream` is torch's stream of this communicator's device (its current stream, or a torch.cuda.Stream
+    // whose device was checked), alive for the call; the wrapper is dropped before returning and destroys nothing.
+    let s = unsafe { CudaStream::from_raw(stream as *mut c_void, &ctx) };
+    // SAFETY: `[send.ptr, send.ptr + send.bytes)` is the memory of a plain contiguous torch CUDA tensor of this
+    // device (pointer, element count and size read from torch and checked by `check_tensor`), which the caller keeps
+    // alive and unresized for the call (the documented contract); the view frees nothing.
+    let mut a = unsafe { DeviceBuffer::from_raw(send.ptr, send.bytes, ordinal) };
+    // SAFETY: as above, for the receive tensor.
+    let mut b = recv.map(|r| unsafe { DeviceBuffer::from_raw(r.ptr, r.bytes, ordinal) });
+    let Call { coll, count, dtype, op, peer } = call;
+    match coll {
+        Coll::Send => comm.send(&a, count, dtype, peer, &s)?,
+        Coll::Recv => comm.recv(&mut a, count, dtype, peer, &s)?,
+        _ => {
+            let io = match b.as_mut() {
+                Some(b) => InOut::Separate { send: &a, recv: b },
+                None => InOut::InPlace(&mut a),
+            };
+            match coll {
+                Coll::AllReduce => return Ok(Some(comm.all_reduce(io, count, dtype, op, &s)?)),
+                Coll::AllGather => comm.all_gather(io, count, dtype, &s)?,
+                Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, &s)?,
+                Coll::Broadcast => comm.broadcast(io, count, dtype, peer, &s)?,
+                _ => comm.reduce(io, count, dtype, op, peer, &s)?,
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Whether `x` is a torch CUDA tensor (of any class), so the CUDA path is the one to take; `false` for anything
+/// else (a NumPy array, a CPU tensor), and when torch cannot be imported at all.
+fn is_cuda_tensor(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(torch) = torch(py) else { return Ok(false) };
+    if !x.is_instance(torch.tensor.bind(py))? {
+        return Ok(false);
+    }
+    x.getattr("is_cuda")?.extract()
+}
+
+/// Runs `coll` on CUDA tensors and returns `true`, or returns `false` without doing anything when `send` is not a
+/// CUDA tensor (the caller then takes the host path).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn collective(
+    comm: &Comm,
+    py: Python<'_>,
+    coll: Coll,
+    send: &Bound<'_, PyAny>,
+    recv: Option<&Bound<'_, PyAny>>,
+    op: ReduceOp,
+    peer: usize,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<bool> {
+    let ordinal = comm.device_index;
+    if ordinal < 0 || !is_cuda_tensor(py, send)? {
+        return Ok(false);
+    }
+    let sv = tensor(py, send, if recv.is_some() { "send" } else { "tensor" }, ordinal, true)?;
+    let rv = recv.map(|r| tensor(py, r, "recv", ordinal, false)).transpose()?;
+    if let Some(rv) = &rv {
+        if rv.dtype != sv.dtype {
+            return Err(invalid(py, format!("send is {} but recv is {}", sv.dtype, rv.dtype)));
+        }
+    }
+    let world = comm.world_size;
+    let count = match (coll, &rv) {
+        (Coll::ReduceScatter, Some(rv)) => rv.elems,
+        (Coll::ReduceScatter | Coll::AllGather, None) => {
+            if sv.elems % world != 0 {
+                return Err(invalid(py, format!("tensor: {} elements do not split into {world} parts", sv.elems)));
+            }
+            sv.elems / world
+        }
+        _ => sv.elems,
+    };
+    // The lengths are checked again by anyccl's front-end; this names the tensor in the message first.
+    if let (Some(rv), Some((_, need))) = (&rv, needs(coll, count, sv.dtype.size_bytes(), world)) {
+        if rv.bytes < need {
+            return Err(invalid(py, format!("recv: holds {} bytes, the call needs {need}", rv.bytes)));
+        }
+    }
+    let raw = raw_stream(py, stream, ordinal)?;
+    let call = Call { coll, count, dtype: sv.dtype, op, peer };
+    comm.with_state(py, move |st| {
+        let typed = typed(&mut st.comm)?;
+        if let Some(sel) = run(typed, call, sv, rv, raw)? {
+            st.last = Some(sel);
+        }
+        Ok(true)
+    })
+}
+
+pub(crate) fn should_all_reduce(comm: &Comm, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let ordinal = comm.device_index;
+    if ordinal < 0 {
+        return Ok(false);
+    }
+    let Ok(tv) = check_tensor(py, t, "tensor", ordinal, false)? else { return Ok(false) };
+    if tv.elems == 0 {
+        return Ok(false);
+    }
+    let call = anyccl::core::comm::AllReduceCall {
+        count: tv.elems,
+        dtype: tv.dtype,
+        op: ReduceOp::Sum,
+        bytes: tv.bytes,
+        in_place: false,
+        capturing: false,
+        bufs: None,
+    };
+    comm.with_state(py, move |st| Ok(st.comm.select_all_reduce(&call).is_ok()))
+}

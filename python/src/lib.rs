@@ -1,0 +1,803 @@
+//! `anyccl._anyccl`, the extension module under the `anyccl` Python package (python/anyccl): one rank's
+//! communicator ([`Comm`]) over anyccl's type-erased communicator ([`anyccl::dynamic`]), made from the torchrun
+//! environment, from a unique id the caller moves itself, or over a Python object that exchanges bytes (a torch
+//! `ProcessGroup` through `anyccl.ProcessGroupBootstrap`).
+//!
+//! Host memory (NumPy arrays, any C-contiguous object with the buffer protocol) is copied in and out of the
+//! communicator's own buffers while the GIL is held, so no Rust reference to Python-owned memory lives while other
+//! Python threads run. CUDA tensors (the `cuda` feature) are passed by pointer: the pointer, element count, element
+//! size, dtype, device and contiguity are read from a plain `torch.Tensor` here and checked before the call; the
+//! caller keeps the tensor alive and unresized for the call (the same contract as every torch extension that
+//! enqueues work on a stream). The GIL is released while a collective runs. Every failure is a Python exception of
+//! the `anyccl.Error` hierarchy carrying anyccl's message and hint; nothing here panics.
+
+use std::sync::{Arc, Mutex};
+
+use anyccl::core::{Bootstrap, InvalidArgument};
+use anyccl::dynamic::{AnyCommunicator, AnyStream, BackendChoice, BackendKind};
+use anyccl::{DataType, InOut, ReduceOp, Selector};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+mod errors {
+    pyo3::create_exception!(
+        anyccl,
+        Error,
+        pyo3::exceptions::PyException,
+        "Base of every anyccl error; `message` is anyccl's text, `hint` what to do (or None)."
+    );
+    pyo3::create_exception!(anyccl, InvalidArgumentError, Error, "Bad input: nothing was sent, no buffer touched.");
+    pyo3::create_exception!(anyccl, UnsupportedError, Error, "A capability the call needs is off here (the reason).");
+    pyo3::create_exception!(anyccl, TimeoutError, Error, "A wait for a peer or the device exceeded its limit.");
+    pyo3::create_exception!(anyccl, BackendError, Error, "A vendor library or runtime call failed.");
+    pyo3::create_exception!(anyccl, PeerFailureError, Error, "Another rank failed or left.");
+    pyo3::create_exception!(anyccl, ClosedError, Error, "The communicator was closed.");
+}
+use errors::*;
+
+/// The largest byte string one rank may contribute to a Python bootstrap's all-gather, and the largest it accepts
+/// from a peer (the rendezvous' own default limit).
+const MAX_BOOTSTRAP_BYTES: usize = 1 << 20;
+
+/// Why a call failed on the Rust side, before it becomes a Python exception.
+enum Fail {
+    Anyccl(anyccl::Error),
+    Closed,
+    Poisoned,
+}
+
+impl From<anyccl::Error> for Fail {
+    fn from(e: anyccl::Error) -> Self {
+        Fail::Anyccl(e)
+    }
+}
+
+impl From<InvalidArgument> for Fail {
+    fn from(e: InvalidArgument) -> Self {
+        Fail::Anyccl(e.into())
+    }
+}
+
+/// An exception of class `T` with `message`, `hint` and `kind` attributes.
+fn exception<T: pyo3::PyTypeInfo>(py: Python<'_>, message: String, hint: Option<String>, kind: &str) -> PyErr {
+    let text = match &hint {
+        Some(h) => format!("{message}\nhint: {h}"),
+        None => message.clone(),
+    };
+    let err = PyErr::new::<T, _>(text);
+    let value = err.value(py);
+    // Setting attributes on a fresh exception instance cannot fail short of memory exhaustion; if it does, the
+    // exception still carries the text.
+    let _ = value.setattr("message", message);
+    let _ = value.setattr("hint", hint);
+    let _ = value.setattr("kind", kind);
+    err
+}
+
+/// anyccl's error as the matching Python exception.
+fn to_py(py: Python<'_>, e: &anyccl::Error) -> PyErr {
+    use anyccl::Error as E;
+    let (message, hint) = (e.to_string(), e.hint());
+    match e {
+        E::InvalidArgument(_) => exception::<InvalidArgumentError>(py, message, hint, "invalid-argument"),
+        E::Parse { .. } | E::Config { .. } => exception::<InvalidArgumentError>(py, message, hint, "config"),
+        E::Unsupported { .. } | E::AlgorithmNotEligible { .. } | E::NoEligibleAlgorithm { .. } => {
+            exception::<UnsupportedError>(py, message, hint, "unsupported")
+        }
+        E::Timeout { .. } => exception::<TimeoutError>(py, message, hint, "timeout"),
+        E::PeerFailure(_) => exception::<PeerFailureError>(py, message, hint, "peer-failure"),
+        E::Backend { .. } | E::OutOfMemory { .. } => exception::<BackendError>(py, message, hint, "backend"),
+        _ => exception::<Error>(py, message, hint, "other"),
+    }
+}
+
+fn fail_to_py(py: Python<'_>, f: Fail) -> PyErr {
+    match f {
+        Fail::Anyccl(e) => to_py(py, &e),
+        Fail::Closed => exception::<ClosedError>(
+            py,
+            "the communicator is closed".into(),
+            Some("make a new Communicator; close() ends this one for good".into()),
+            "closed",
+        ),
+        Fail::Poisoned => exception::<Error>(
+            py,
+            "the communicator failed in an earlier call on another thread and can no longer be used".into(),
+            Some("close it and make a new Communicator".into()),
+            "poisoned",
+        ),
+    }
+}
+
+fn invalid(py: Python<'_>, message: String) -> PyErr {
+    exception::<InvalidArgumentError>(py, message, None, "invalid-argument")
+}
+
+/// A [`Bootstrap`] over a Python object with `rank`, `world` and `all_gather(bytes) -> list[bytes]` (such as
+/// `anyccl.ProcessGroupBootstrap` over a torch gloo group). Called with the GIL taken for the call only; every
+/// answer is checked: one entry per rank, each `bytes` of at most [`MAX_BOOTSTRAP_BYTES`].
+struct PyBootstrap {
+    obj: Py<PyAny>,
+    rank: usize,
+    world: usize,
+}
+
+impl PyBootstrap {
+    fn new(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = obj.py();
+        let rank: usize = obj.getattr("rank")?.extract()?;
+        let world: usize = obj.getattr("world")?.extract()?;
+        if world == 0 || rank >= world {
+            return Err(invalid(py, format!("bootstrap: rank {rank} of world {world} is not a rank of its group")));
+        }
+        Ok(PyBootstrap { obj: obj.clone().unbind(), rank, world })
+    }
+
+    fn gather(&self, py: Python<'_>, mine: &[u8]) -> anyccl::Result<Vec<Vec<u8>>> {
+        let peer = |e: PyErr| anyccl::Error::PeerFailure(format!("the Python bootstrap's all_gather failed: {e}"));
+        let out = self.obj.bind(py).call_method1("all_gather", (PyBytes::new(py, mine),)).map_err(peer)?;
+        let list = out.cast::<PyList>().map_err(|_| {
+            anyccl::Error::PeerFailure("the Python bootstrap's all_gather returned something other than a list".into())
+        })?;
+        if list.len() != self.world {
+            return Err(anyccl::Error::PeerFailure(format!(
+                "the Python bootstrap's all_gather returned {} entries for {} ranks",
+                list.len(),
+                self.world
+            )));
+        }
+        let mut all = Vec::new();
+        all.try_reserve_exact(self.world)
+            .map_err(|_| anyccl::Error::OutOfMemory { what: "bootstrap entries".into(), bytes: self.world as u64 })?;
+        for (i, item) in list.iter().enumerate() {
+            let b = item.cast::<PyBytes>().map_err(|_| {
+                anyccl::Error::PeerFailure(format!("the Python bootstrap's entry of rank {i} is not bytes"))
+            })?;
+            let bytes = b.as_bytes();
+            if bytes.len() > MAX_BOOTSTRAP_BYTES {
+                return Err(anyccl::Error::PeerFailure(format!(
+                    "rank {i} sent {} bytes through the Python bootstrap; the limit is {MAX_BOOTSTRAP_BYTES}",
+                    bytes.len()
+                )));
+            }
+            all.push(bytes.to_vec());
+        }
+        Ok(all)
+    }
+}
+
+impl Bootstrap for PyBootstrap {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world(&self) -> usize {
+        self.world
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> anyccl::Result<Vec<Vec<u8>>> {
+        if mine.len() > MAX_BOOTSTRAP_BYTES {
+            return Err(anyccl::Error::PeerFailure(format!(
+                "a bootstrap message of {} bytes (the Python bootstrap carries at most {MAX_BOOTSTRAP_BYTES})",
+                mine.len()
+            )));
+        }
+        Python::attach(|py| self.gather(py, mine))
+    }
+}
+
+/// One rank's state behind the lock: the communicator, the bootstrap kept for graph-buffer registration, the
+/// stream host data is staged on, and the last all-reduce's selection.
+struct State {
+    comm: AnyCommunicator,
+    boot: Option<Box<dyn Bootstrap + Send>>,
+    stream: AnyStream,
+    last: Option<anyccl::core::Selection>,
+}
+
+/// One rank's communicator (the extension side of `anyccl.Communicator`).
+#[pyclass(module = "anyccl._anyccl", name = "_Comm", frozen)]
+struct Comm {
+    state: Mutex<Option<State>>,
+    #[pyo3(get)]
+    rank: usize,
+    #[pyo3(get)]
+    world_size: usize,
+    #[pyo3(get)]
+    backend: &'static str,
+    /// The CUDA device ordinal, or -1 off CUDA.
+    #[pyo3(get)]
+    device_index: i32,
+    #[pyo3(get)]
+    device: String,
+    /// The backends passed over, as JSON.
+    #[pyo3(get)]
+    passed_over: String,
+}
+
+/// The collectives, numbered as the Python side passes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Coll {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+    Send,
+    Recv,
+}
+
+impl Coll {
+    fn from_name(s: &str) -> Option<Coll> {
+        Some(match s {
+            "all_reduce" => Coll::AllReduce,
+            "all_gather" => Coll::AllGather,
+            "reduce_scatter" => Coll::ReduceScatter,
+            "broadcast" => Coll::Broadcast,
+            "reduce" => Coll::Reduce,
+            "send" => Coll::Send,
+            "recv" => Coll::Recv,
+            _ => return None,
+        })
+    }
+}
+
+/// One call's arguments after the Python values were checked.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    coll: Coll,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    /// Root of broadcast/reduce, peer of send/recv.
+    peer: usize,
+}
+
+fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DataType> {
+    s.parse::<DataType>().map_err(|e| to_py(py, &e))
+}
+
+fn parse_op(py: Python<'_>, s: &str) -> PyResult<ReduceOp> {
+    // The exact names first: no allocation on the hot path.
+    match s {
+        "sum" => Ok(ReduceOp::Sum),
+        "max" => Ok(ReduceOp::Max),
+        "min" => Ok(ReduceOp::Min),
+        "prod" => Ok(ReduceOp::Prod),
+        "avg" => Ok(ReduceOp::Avg),
+        _ => s.parse::<ReduceOp>().map_err(|e| to_py(py, &e)),
+    }
+}
+
+/// Runs one collective on host bytes through the communicator's own buffers: upload, call, download.
+fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> Result<Vec<u8>, Fail> {
+    let State { comm, stream, last, .. } = st;
+    let mut a = comm.alloc(send.len())?;
+    comm.upload(&mut a, send, stream)?;
+    let mut b = match recv_len {
+        Some(n) => Some(comm.alloc(n)?),
+        None => None,
+    };
+    let Call { coll, count, dtype, op, peer } = call;
+    match coll {
+        Coll::Send => comm.send(&a, count, dtype, peer, stream)?,
+        Coll::Recv => comm.recv(&mut a, count, dtype, peer, stream)?,
+        _ => {
+            let io = match b.as_mut() {
+                Some(b) => InOut::Separate { send: &a, recv: b },
+                None => InOut::InPlace(&mut a),
+            };
+            match coll {
+                Coll::AllReduce => *last = Some(comm.all_reduce(io, count, dtype, op, stream)?),
+                Coll::AllGather => comm.all_gather(io, count, dtype, stream)?,
+                Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, stream)?,
+                Coll::Broadcast => comm.broadcast(io, count, dtype, peer, stream)?,
+                _ => comm.reduce(io, count, dtype, op, peer, stream)?,
+            }
+        }
+    }
+    let out_buf = b.as_ref().unwrap_or(&a);
+    let mut out = Vec::new();
+    out.try_reserve_exact(out_buf.len()).map_err(|_| anyccl::Error::OutOfMemory {
+        what: "the result of a collective".into(),
+        bytes: out_buf.len() as u64,
+    })?;
+    out.resize(out_buf.len(), 0);
+    if coll != Coll::Send {
+        comm.download(out_buf, &mut out, stream)?;
+    }
+    comm.synchronize(stream)?;
+    Ok(out)
+}
+
+fn choice_of(py: Python<'_>, backend: &str) -> PyResult<BackendChoice> {
+    backend.parse::<BackendChoice>().map_err(|e| to_py(py, &e))
+}
+
+fn selector(py: Python<'_>) -> PyResult<Arc<Selector>> {
+    Selector::from_env().map(Arc::new).map_err(|e| to_py(py, &e))
+}
+
+fn passed_over_json(p: &[anyccl::dynamic::PassedOver]) -> String {
+    serde_json::to_string(p).unwrap_or_else(|_| "[]".into())
+}
+
+impl Comm {
+    fn new(
+        comm: AnyCommunicator,
+        boot: Option<Box<dyn Bootstrap + Send>>,
+        passed_over: String,
+    ) -> anyccl::Result<Comm> {
+        let stream = comm.stream()?;
+        let device_index = cuda_ordinal(&*comm);
+        Ok(Comm {
+            rank: comm.rank(),
+            world_size: comm.world_size(),
+            backend: comm.backend().name(),
+            device: comm.device(),
+            device_index,
+            passed_over,
+            state: Mutex::new(Some(State { comm, boot, stream, last: None })),
+        })
+    }
+
+    /// Runs `f` on the live state with the GIL released.
+    fn with_state<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut State) -> Result<R, Fail> + Send) -> PyResult<R> {
+        py.detach(|| {
+            let mut guard = self.state.lock().map_err(|_| Fail::Poisoned)?;
+            let st = guard.as_mut().ok_or(Fail::Closed)?;
+            f(st)
+        })
+        .map_err(|f| fail_to_py(py, f))
+    }
+
+    /// Reads the state with the GIL held (no collective runs: quick queries only).
+    fn peek<R>(&self, py: Python<'_>, f: impl FnOnce(&State) -> R + Send) -> PyResult<R>
+    where
+        R: Send,
+    {
+        self.with_state(py, |st| Ok(f(st)))
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_ordinal(comm: &dyn anyccl::DynComm) -> i32 {
+    comm.as_any()
+        .downcast_ref::<anyccl::Communicator<anyccl::cuda::CudaComm>>()
+        .map_or(-1, |c| c.runtime().context().ordinal())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_ordinal(_: &dyn anyccl::DynComm) -> i32 {
+    -1
+}
+
+/// The byte lengths a collective of `count` elements of `elem` bytes needs in its send and receive buffers, at
+/// `world` ranks (`None`: the call takes no such buffer).
+fn needs(coll: Coll, count: usize, elem: usize, world: usize) -> Option<(usize, usize)> {
+    let one = count.checked_mul(elem)?;
+    let all = one.checked_mul(world)?;
+    Some(match coll {
+        Coll::AllReduce | Coll::Broadcast | Coll::Reduce | Coll::Send | Coll::Recv => (one, one),
+        Coll::AllGather => (one, all),
+        Coll::ReduceScatter => (all, one),
+    })
+}
+
+#[pymethods]
+impl Comm {
+    /// A collective on host bytes: `data` is the send (or in-place) buffer's bytes, `recv_len` the receive
+    /// buffer's length in bytes (`None`: in place). `count` is anyccl's element count (per rank for all_gather and
+    /// reduce_scatter). Returns the bytes of the buffer written (recv, or the in-place buffer); `None` for send.
+    /// The Python side (`anyccl.Communicator`) checks the arrays and copies the result back into them.
+    #[pyo3(signature = (coll, data, recv_len, dtype, count, op="sum", peer=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn host_collective<'py>(
+        &self,
+        py: Python<'py>,
+        coll: &str,
+        data: &[u8],
+        recv_len: Option<usize>,
+        dtype: &str,
+        count: usize,
+        op: &str,
+        peer: usize,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
+        let op = parse_op(py, op)?;
+        let dtype = parse_dtype(py, dtype)?;
+        let call = Call { coll, count, dtype, op, peer };
+        // `data` is the content of an immutable `bytes` object the caller holds: it stays valid and unchanged while
+        // the GIL is released.
+        let out = self.with_state(py, move |st| staged(st, call, data, recv_len))?;
+        Ok((coll != Coll::Send).then(|| PyBytes::new(py, &out)))
+    }
+
+    /// The byte lengths (send, recv) a collective needs; for the Python side's allocation of outputs.
+    fn needs(&self, py: Python<'_>, coll: &str, count: usize, dtype: &str) -> PyResult<(usize, usize)> {
+        let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
+        let d = parse_dtype(py, dtype)?;
+        needs(coll, count, d.size_bytes(), self.world_size)
+            .ok_or_else(|| invalid(py, format!("{count} elements of {d} at {} ranks overflow", self.world_size)))
+    }
+
+    /// The algorithm an all-reduce of `count` elements of `dtype` would use now, as JSON, without running it (an
+    /// error when none can).
+    #[pyo3(signature = (count, dtype, op="sum", in_place=true))]
+    fn select_all_reduce(
+        &self,
+        py: Python<'_>,
+        count: usize,
+        dtype: &str,
+        op: &str,
+        in_place: bool,
+    ) -> PyResult<String> {
+        let dtype = parse_dtype(py, dtype)?;
+        let op = parse_op(py, op)?;
+        let bytes = count
+            .checked_mul(dtype.size_bytes())
+            .ok_or_else(|| invalid(py, format!("{count} elements of {dtype} overflow")))?;
+        let call =
+            anyccl::core::comm::AllReduceCall { count, dtype, op, bytes, in_place, capturing: false, bufs: None };
+        self.with_state(py, move |st| {
+            let s = st.comm.select_all_reduce(&call)?;
+            Ok(serde_json::to_string(&s).unwrap_or_default())
+        })
+    }
+
+    /// The capability report as JSON.
+    fn capabilities_json(&self, py: Python<'_>) -> PyResult<String> {
+        self.peek(py, |st| {
+            let report = serde_json::to_value(st.comm.capabilities()).unwrap_or_default();
+            let info = serde_json::json!({
+                "backend": st.comm.backend(),
+                "vendor": format!("{:?}", st.comm.vendor()),
+                "arch": st.comm.arch(),
+                "device": st.comm.device(),
+                "library": st.comm.library(),
+                "rank": st.comm.rank(),
+                "world_size": st.comm.world_size(),
+                "allreduce_algorithms": st.comm.allreduce_algorithms(),
+                "capabilities": report,
+            });
+            info.to_string()
+        })
+    }
+
+    /// The last all-reduce's selection as JSON, or `None` before the first.
+    fn last_selection_json(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.peek(py, |st| st.last.as_ref().map(|s| serde_json::to_string(s).unwrap_or_default()))
+    }
+
+    /// Waits until every rank reaches the barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_state(py, |st| Ok(st.comm.barrier(&st.stream)?))
+    }
+
+    /// Registers the inputs of collectives captured into graphs since the last registration (collective: every
+    /// rank calls it). Returns (registered, kept_staged).
+    fn register_graph_buffers(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.with_state(py, |st| {
+            let boot: Option<&mut dyn Bootstrap> = match st.boot.as_mut() {
+                Some(b) => Some(&mut **b),
+                None => None,
+            };
+            let r = st.comm.register_graph_buffers(boot)?;
+            Ok((r.registered, r.kept_staged.len()))
+        })
+    }
+
+    /// Inputs of captured collectives not registered yet.
+    fn pending_graph_buffers(&self, py: Python<'_>) -> PyResult<usize> {
+        self.peek(py, |st| st.comm.pending_graph_buffers())
+    }
+
+    /// Whether the communicator is closed.
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.state.lock().map(|g| g.is_none()).unwrap_or(true))
+    }
+
+    /// Tears the rank down and waits for it, at most `timeout` seconds (None: without a limit). Idempotent.
+    #[pyo3(signature = (timeout=None))]
+    fn close(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let limit = match timeout {
+            None => None,
+            Some(t) if (0.0..=86_400.0).contains(&t) => Some(std::time::Duration::from_secs_f64(t)),
+            Some(t) => return Err(invalid(py, format!("timeout={t}: expected seconds between 0 and 86400"))),
+        };
+        let r: Result<(), Fail> = py.detach(|| {
+            let taken = match self.state.lock() {
+                Ok(mut g) => g.take(),
+                Err(p) => p.into_inner().take(),
+            };
+            let Some(st) = taken else { return Ok(()) };
+            // The staging stream goes last, after the teardown was waited for.
+            let State { comm, boot, stream: _stream, .. } = st;
+            let teardown = comm.close_in_background();
+            let done = match limit {
+                None => Some(teardown.wait()),
+                Some(l) => teardown.wait_timeout(l),
+            };
+            drop(boot);
+            match done {
+                None => Err(Fail::Anyccl(anyccl::Error::Timeout {
+                    what: "the communicator's teardown".into(),
+                    after: limit.unwrap_or_default(),
+                })),
+                Some(r) => Ok(r?),
+            }
+        });
+        r.map_err(|f| fail_to_py(py, f))
+    }
+
+    /// A collective on CUDA tensors (plain `torch.Tensor`s on this communicator's device), on `stream` (a
+    /// `torch.cuda.Stream`, or the current stream). `recv=None` runs in place. Returns `False` without doing
+    /// anything when `send` is not a CUDA tensor or this communicator is not on CUDA (take the host path then).
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (coll, send, recv=None, op="sum", peer=0, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_collective(
+        &self,
+        py: Python<'_>,
+        coll: &str,
+        send: &Bound<'_, PyAny>,
+        recv: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        peer: usize,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
+        let op = parse_op(py, op)?;
+        cuda::collective(self, py, coll, send, recv, op, peer, stream)
+    }
+
+    /// Whether `tensor` is one this communicator's `all_reduce` takes: a plain contiguous CUDA tensor on its
+    /// device, of a supported dtype, with an all-reduce algorithm eligible for it now.
+    #[cfg(feature = "cuda")]
+    fn cuda_should_all_reduce(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
+        cuda::should_all_reduce(self, py, tensor)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// Joins the job this process was started into by torchrun or srun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// `MASTER_ADDR`, `MASTER_PORT`; anyccl's rendezvous on `MASTER_PORT + 1` or `ANYCCL_MASTER_PORT`) on `backend`
+/// (`best`, `host`, `cuda`): cuda takes GPU `LOCAL_RANK`.
+#[pyfunction]
+#[pyo3(signature = (backend="best"))]
+fn from_env(py: Python<'_>, backend: &str) -> PyResult<Comm> {
+    let choice = choice_of(py, backend)?;
+    let sel = selector(py)?;
+    let r = py.detach(move || -> anyccl::Result<Comm> {
+        let (kind, passed) = pick(choice)?;
+        let (comm, boot): (AnyCommunicator, Option<Box<dyn Bootstrap + Send>>) = match kind {
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => {
+                let (c, rdv) = anyccl::cuda::bootstrap::communicator_from_env(sel)?;
+                (Box::new(c), Some(Box::new(rdv)))
+            }
+            _ => {
+                let options = anyccl::host::HostOptions { selector: sel, ..Default::default() };
+                (Box::new(anyccl::host::from_env(options)?), None)
+            }
+        };
+        Comm::new(comm, boot, passed_over_json(&passed))
+    });
+    r.map_err(|e| to_py(py, &e))
+}
+
+/// The backend `choice` picks for one rank in this process, or the error listing why none can run.
+fn pick(choice: BackendChoice) -> anyccl::Result<(BackendKind, Vec<anyccl::dynamic::PassedOver>)> {
+    let disabled = anyccl::dynamic::disabled_by_env()?;
+    let order: &[BackendKind] = match choice {
+        BackendChoice::Best => &[BackendKind::Cuda, BackendKind::Host],
+        BackendChoice::Host => &[BackendKind::Host],
+        BackendChoice::Cuda => &[BackendKind::Cuda],
+        BackendChoice::Rocm => &[BackendKind::Rocm],
+    };
+    let mut passed = Vec::new();
+    for &kind in order {
+        let why = match kind {
+            BackendKind::Rocm => Some("the Python package runs ROCm in no release yet".to_owned()),
+            _ => anyccl::dynamic::unavailable(kind, 1, disabled),
+        };
+        match why {
+            None => return Ok((kind, passed)),
+            Some(why) => passed.push(anyccl::dynamic::PassedOver { backend: kind, why }),
+        }
+    }
+    let detail = passed.iter().map(|p| format!("{}: {}", p.backend, p.why)).collect::<Vec<_>>().join("; ");
+    Err(anyccl::Error::Unsupported {
+        capability: "backend".into(),
+        reason: anyccl::core::Reason::Unavailable { component: "anyccl".into(), detail },
+    })
+}
+
+/// A communicator over `boot` on `kind` (collective: every rank of the bootstrap calls it).
+#[allow(unused_variables)]
+fn over_bootstrap(
+    boot: Box<dyn Bootstrap + Send>,
+    kind: BackendKind,
+    device: Option<i32>,
+    sel: Arc<Selector>,
+) -> anyccl::Result<(AnyCommunicator, Option<Box<dyn Bootstrap + Send>>)> {
+    match kind {
+        BackendKind::Host => {
+            let options = anyccl::host::HostOptions { selector: sel, ..Default::default() };
+            Ok((Box::new(anyccl::host::communicator_over(boot, options)?), None))
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda => {
+            let mut boot = boot;
+            let (rank, world) = (boot.rank(), boot.world());
+            let id = anyccl::cuda::bootstrap::broadcast_unique_id(&mut *boot)?;
+            let device = match device {
+                Some(d) => d,
+                None => {
+                    let n = anyccl::dynamic::device_count(BackendKind::Cuda).unwrap_or(1).max(1);
+                    i32::try_from(rank % n).unwrap_or(0)
+                }
+            };
+            let comm = anyccl::cuda::bootstrap::communicator_with_id(&id, rank, world, device, &mut *boot, sel)?;
+            Ok((Box::new(comm), Some(boot)))
+        }
+        other => Err(anyccl::Error::Unsupported {
+            capability: other.capability().name().unwrap_or("backend").into(),
+            reason: anyccl::core::Reason::NotCompiledIn {
+                what: format!("the {other} backend in the Python package"),
+                detail: format!("cargo feature `{other}` of anyccl-python"),
+            },
+        }),
+    }
+}
+
+/// A communicator over a Python bootstrap object (`rank`, `world`, `all_gather(bytes) -> list[bytes]`), such as
+/// `anyccl.ProcessGroupBootstrap(group)`. Collective.
+#[pyfunction]
+#[pyo3(signature = (bootstrap, backend="best", device=None))]
+fn from_bootstrap(py: Python<'_>, bootstrap: &Bound<'_, PyAny>, backend: &str, device: Option<i32>) -> PyResult<Comm> {
+    let choice = choice_of(py, backend)?;
+    let sel = selector(py)?;
+    let boot = PyBootstrap::new(bootstrap)?;
+    let r = py.detach(move || -> anyccl::Result<Comm> {
+        let (kind, passed) = pick(choice)?;
+        let (comm, boot) = over_bootstrap(Box::new(boot), kind, device, sel)?;
+        Comm::new(comm, boot, passed_over_json(&passed))
+    });
+    r.map_err(|e| to_py(py, &e))
+}
+
+/// Length of a unique id: a version byte, the 32-byte secret, the port (2 bytes), the address length, the address.
+const UID_SECRET: usize = 32;
+const UID_VERSION: u8 = 1;
+
+/// A fresh unique id: where rank 0 will listen (`addr`, `port`; 0 picks a free port now) and a random secret.
+/// Move its bytes to every rank yourself, then call `from_unique_id` on each.
+#[pyfunction]
+#[pyo3(signature = (addr="127.0.0.1", port=0))]
+fn unique_id<'py>(py: Python<'py>, addr: &str, port: u16) -> PyResult<Bound<'py, PyBytes>> {
+    let ip: std::net::IpAddr =
+        addr.parse().map_err(|_| invalid(py, format!("addr={addr:?}: expected an IP address")))?;
+    let port = if port == 0 {
+        let l = std::net::TcpListener::bind((ip, 0)).map_err(|e| {
+            exception::<BackendError>(py, format!("cannot bind {ip}:0 to pick a port: {e}"), None, "backend")
+        })?;
+        l.local_addr().map(|a| a.port()).map_err(|e| exception::<BackendError>(py, e.to_string(), None, "backend"))?
+    } else {
+        port
+    };
+    let mut secret = [0u8; UID_SECRET];
+    getrandom::fill(&mut secret)
+        .map_err(|e| exception::<BackendError>(py, format!("no randomness for a unique id: {e}"), None, "backend"))?;
+    let text = ip.to_string();
+    let mut out = vec![UID_VERSION];
+    out.extend_from_slice(&secret);
+    out.extend_from_slice(&port.to_be_bytes());
+    out.push(text.len() as u8); // an IP address's text is at most 45 bytes
+    out.extend_from_slice(text.as_bytes());
+    Ok(PyBytes::new(py, &out))
+}
+
+/// The rendezvous configuration a unique id describes for `rank` of `world`.
+fn parse_uid(uid: &[u8], rank: usize, world: usize) -> Result<anyccl_rendezvous::RendezvousConfig, String> {
+    let bad = |what: &str| format!("unique id: {what} (expected the bytes anyccl.unique_id() returned)");
+    let (&version, rest) = uid.split_first().ok_or_else(|| bad("empty"))?;
+    if version != UID_VERSION {
+        return Err(bad(&format!("version {version}")));
+    }
+    if rest.len() < UID_SECRET + 3 {
+        return Err(bad(&format!("{} bytes is too short", uid.len())));
+    }
+    let (secret, rest) = rest.split_at(UID_SECRET);
+    let port = u16::from_be_bytes([rest[0], rest[1]]);
+    let len = usize::from(rest[2]);
+    let text = rest.get(3..).filter(|t| t.len() == len).ok_or_else(|| bad("address length mismatch"))?;
+    let ip: std::net::IpAddr = std::str::from_utf8(text)
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .ok_or_else(|| bad("the address is not an IP address"))?;
+    Ok(anyccl_rendezvous::RendezvousConfig::new(rank, world, std::net::SocketAddr::new(ip, port))
+        .with_key(anyccl_rendezvous::JobKey::from_secret(secret)))
+}
+
+/// Joins the group a unique id names as `rank` of `world` (collective: every rank calls it with the same id;
+/// rank 0 listens at the id's address). `timeout` bounds the wait for the group, in seconds.
+#[pyfunction]
+#[pyo3(signature = (uid, rank, world, backend="best", device=None, timeout=None))]
+fn from_unique_id(
+    py: Python<'_>,
+    uid: &[u8],
+    rank: usize,
+    world: usize,
+    backend: &str,
+    device: Option<i32>,
+    timeout: Option<f64>,
+) -> PyResult<Comm> {
+    let choice = choice_of(py, backend)?;
+    let sel = selector(py)?;
+    if world == 0 || rank >= world {
+        let e: anyccl::Error = if world == 0 {
+            InvalidArgument::BadWorld("a communicator needs at least one rank".into()).into()
+        } else {
+            InvalidArgument::RankOutOfRange { what: "this", rank, world }.into()
+        };
+        return Err(to_py(py, &e));
+    }
+    let mut cfg = parse_uid(uid, rank, world).map_err(|m| invalid(py, m))?;
+    if let Some(t) = timeout {
+        if !(t.is_finite() && t > 0.0 && t <= 86_400.0) {
+            return Err(invalid(py, format!("timeout={t}: expected seconds between 0 and 86400")));
+        }
+        cfg = cfg.with_timeout(std::time::Duration::from_secs_f64(t));
+    }
+    let r = py.detach(move || -> anyccl::Result<Comm> {
+        let (kind, passed) = pick(choice)?;
+        let rdv = anyccl_rendezvous::Rendezvous::establish(cfg)?;
+        let (comm, boot) = over_bootstrap(Box::new(rdv), kind, device, sel)?;
+        Comm::new(comm, boot, passed_over_json(&passed))
+    });
+    r.map_err(|e| to_py(py, &e))
+}
+
+/// The backends compiled into this build, and for each why it cannot run here (None when it can).
+#[pyfunction]
+fn backends(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    let disabled = anyccl::dynamic::disabled_by_env().map_err(|e| to_py(py, &e))?;
+    for kind in [BackendKind::Host, BackendKind::Cuda] {
+        d.set_item(kind.name(), anyccl::dynamic::unavailable(kind, 1, disabled))?;
+    }
+    Ok(d)
+}
+
+/// The data types anyccl knows, by name, with their element sizes.
+#[pyfunction]
+fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for t in DataType::ALL {
+        d.set_item(t.to_string(), t.size_bytes())?;
+    }
+    Ok(d)
+}
+
+#[pymodule]
+fn _anyccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Comm>()?;
+    m.add_function(wrap_pyfunction!(from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(from_bootstrap, m)?)?;
+    m.add_function(wrap_pyfunction!(from_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(backends, m)?)?;
+    m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
+    m.add("TimeoutError", py.get_type::<TimeoutError>())?;
+    m.add("BackendError", py.get_type::<BackendError>())?;
+    m.add("PeerFailureError", py.get_type::<PeerFailureError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("CUDA_COMPILED_IN", cfg!(feature = "cuda"))?;
+    m.add("MAX_BOOTSTRAP_BYTES", MAX_BOOTSTRAP_BYTES)?;
+    Ok(())
+}

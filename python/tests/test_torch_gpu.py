@@ -1,0 +1,252 @@
+"""torch on a CUDA GPU: world 1 eager, torch.cuda.graph capture + replay, torch.compile, the custom ops, the
+ProcessGroup bootstrap, the vLLM-shaped communicator (also at TP2 on CPU tensors over gloo).
+
+Selected only with ``-m gpu`` (pytest.ini deselects the marker otherwise, so a plain run reports these as
+deselected, never as passed). Selected, the tests FAIL, not skip, when torch or a CUDA GPU is missing.
+
+    python -m pytest -m gpu python/tests/test_torch_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import Any, Iterator
+
+import pytest
+
+import anyccl
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # selected with -m gpu: a missing torch is a failure
+        pytest.fail(f"the gpu tests need torch: {e}")
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA GPU (torch.cuda.is_available() is False)")
+    assert anyccl.CUDA_COMPILED_IN, "this anyccl wheel was built without the cuda feature"
+    return torch
+
+
+@pytest.fixture(scope="module")
+def comm(torch: Any) -> Iterator[anyccl.Communicator]:
+    torch.cuda.set_device(0)
+    with anyccl.Communicator.from_unique_id(anyccl.unique_id(), 0, 1, backend="cuda", device=0) as c:
+        assert c.backend == "cuda" and c.device_index == 0, c
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ops(torch: Any, comm: anyccl.Communicator) -> int:
+    from anyccl import torch_ops
+
+    return torch_ops.register(comm)
+
+
+DTYPES = ["float32", "bfloat16", "float16", "int32", "float64"]
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_eager_collectives_at_world_one(torch: Any, comm: anyccl.Communicator, name: str) -> None:
+    dtype = getattr(torch, name)
+    x = (torch.arange(4096, device="cuda") % 97).to(dtype)
+    ref = x.clone()
+    assert comm.all_reduce(x) is x
+    torch.cuda.synchronize()
+    assert torch.equal(x, ref)
+    out = torch.empty_like(x)
+    comm.all_reduce(x, out=out, op="max")
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert comm.last_selection is not None and comm.last_selection["algorithm"]
+    g = comm.all_gather(x)
+    rs = comm.reduce_scatter(x)
+    comm.broadcast(x, root=0)
+    comm.reduce(x, root=0)
+    torch.cuda.synchronize()
+    assert torch.equal(g, ref) and torch.equal(rs, ref) and torch.equal(x, ref)
+
+
+def test_the_stream_given_is_the_stream_used(torch: Any, comm: anyccl.Communicator) -> None:
+    s = torch.cuda.Stream()
+    x = torch.ones(1 << 20, device="cuda")
+    with torch.cuda.stream(s):
+        comm.all_reduce(x)  # on s, torch's current stream here
+    comm.all_reduce(x, stream=s)
+    s.synchronize()
+    assert torch.all(x == 1)
+
+
+def test_tensors_are_checked_before_the_call(torch: Any, comm: anyccl.Communicator) -> None:
+    x = torch.ones(64, 64, device="cuda")
+    with pytest.raises(anyccl.InvalidArgumentError, match="not contiguous"):
+        comm.all_reduce(x.t())
+    with pytest.raises(anyccl.InvalidArgumentError, match="no anyccl data type"):
+        comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.complex64))
+    with pytest.raises(anyccl.InvalidArgumentError, match="holds .* bytes|needs"):
+        comm.all_reduce(torch.ones(8, device="cuda"), out=torch.empty(4, device="cuda"))
+    with pytest.raises(anyccl.InvalidArgumentError, match="send is f32 but recv is bf16"):
+        comm.all_reduce(torch.ones(8, device="cuda"), out=torch.empty(8, device="cuda", dtype=torch.bfloat16))
+
+    class Sub(torch.Tensor):
+        pass
+
+    with pytest.raises(anyccl.InvalidArgumentError, match="plain torch.Tensor"):
+        comm.all_reduce(torch.ones(4, device="cuda").as_subclass(Sub))
+    with pytest.raises(anyccl.InvalidArgumentError, match="torch.cuda.Stream"):
+        comm.all_reduce(torch.ones(4, device="cuda"), stream=12345)
+    assert comm.should_all_reduce(torch.ones(1024, device="cuda", dtype=torch.bfloat16))
+    assert not comm.should_all_reduce(x.t())
+    assert not comm.should_all_reduce(torch.ones(4, device="cuda", dtype=torch.complex64))
+    assert not comm.should_all_reduce(torch.ones(4))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(anyccl.InvalidArgumentError, match="cuda:1"):
+            comm.all_reduce(torch.ones(4, device="cuda:1"))
+
+
+def test_host_arrays_on_a_cuda_communicator_are_staged(torch: Any, comm: anyccl.Communicator) -> None:
+    import numpy as np
+
+    a = np.arange(10, dtype=np.float32)
+    comm.all_reduce(a)
+    np.testing.assert_array_equal(a, np.arange(10, dtype=np.float32))
+    t = torch.arange(6, dtype=torch.float64)  # a CPU tensor goes through NumPy
+    comm.all_reduce(t)
+    assert torch.equal(t, torch.arange(6, dtype=torch.float64))
+
+
+def test_capabilities_are_a_plain_dict(comm: anyccl.Communicator) -> None:
+    caps = comm.capabilities()
+    assert caps["backend"] == "cuda" and caps["world_size"] == 1
+    assert "NCCL" in (caps["library"] or "")
+    assert caps["arch"].startswith("sm_")
+
+
+def test_custom_ops_eager(torch: Any, ops: int) -> None:
+    x = torch.randn(1000, device="cuda")
+    y = torch.ops.anyccl.all_reduce(x, ops, "sum")
+    torch.ops.anyccl.all_reduce_(x, ops, "sum")
+    torch.cuda.synchronize()
+    assert torch.equal(x, y) and y.data_ptr() != x.data_ptr()
+
+
+def test_cuda_graph_capture_and_replay(torch: Any, comm: anyccl.Communicator, ops: int) -> None:
+    x = torch.zeros(1 << 16, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up outside capture, as torch asks
+        for _ in range(2):
+            torch.ops.anyccl.all_reduce(x, ops, "sum")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            y = torch.ops.anyccl.all_reduce(x * 2, ops, "sum")
+            comm.all_reduce(x)  # in place, the method itself
+    assert comm.pending_graph_buffers == 0
+    for value in (1.0, 3.0, -2.0):
+        x.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.all(y == 2 * value), (value, y[:4])
+        assert torch.all(x == value)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_torch_compile(torch: Any, ops: int, mode: Any) -> None:
+    def f(x: Any) -> Any:
+        return torch.ops.anyccl.all_reduce(x * 2, ops, "sum") + 1
+
+    compiled = torch.compile(f, fullgraph=True, mode=mode)
+    for _ in range(3):
+        x = torch.randn(4096, device="cuda")
+        assert torch.allclose(compiled(x), x * 2 + 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_process_group_bootstrap_and_the_vllm_communicator(torch: Any) -> None:
+    import torch.distributed as dist
+
+    from anyccl.vllm import AnycclDeviceCommunicator
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            vc = AnycclDeviceCommunicator(dist.group.WORLD, device=torch.device("cuda", 0))
+            assert vc.comm.backend == "cuda"
+            x = torch.randn(8, 6, device="cuda", dtype=torch.bfloat16)
+            assert vc.should_custom_ar(x)
+            assert torch.equal(vc.all_reduce(x), x)
+            assert torch.equal(vc.custom_all_reduce(x), x)
+            assert torch.equal(vc.all_gather(x, dim=1), x)
+            assert torch.equal(vc.reduce_scatter(x, dim=0), x)
+            compiled = torch.compile(lambda t: vc.all_reduce(t) * 3, fullgraph=True)
+            assert torch.equal(compiled(x), x * 3)
+            vc.destroy()
+            vc.destroy()
+            assert vc.comm.closed and not vc.should_custom_ar(x)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_from_env_at_world_one(torch: Any, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    code = (
+        "import torch, anyccl\n"
+        "c = anyccl.Communicator.from_env()\n"
+        "x = torch.ones(16, device='cuda')\n"
+        "c.all_reduce(x); torch.cuda.synchronize()\n"
+        "print('RESULT', c.backend, c.rank, c.world_size, float(x.sum()))\n"
+        "c.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "RESULT cuda 0 1 16.0" in out.stdout, out.stdout + out.stderr
+
+
+def _tp2_rank(rank: int, world: int, store_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from anyccl.vllm import AnycclDeviceCommunicator
+
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world)
+    try:
+        vc = AnycclDeviceCommunicator(dist.group.WORLD, device=torch.device("cpu"))
+        assert vc.comm.backend == "host"
+        x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * rank
+        ref_ar = sum(torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * r for r in range(world))
+        assert torch.equal(vc.all_reduce(x), ref_ar)
+        parts = [torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * r for r in range(world)]
+        for dim in (0, 1, -1):
+            assert torch.equal(vc.all_gather(x, dim=dim), torch.cat(parts, dim=dim)), dim
+        y = torch.arange(2 * 4 * world, dtype=torch.float32).reshape(2, 4 * world) * (rank + 1)
+        full = sum(torch.arange(2 * 4 * world, dtype=torch.float32).reshape(2, 4 * world) * (r + 1) for r in range(world))
+        assert torch.equal(vc.reduce_scatter(y, dim=-1), full.chunk(world, dim=-1)[rank])
+        if rank == 0:
+            vc.send(torch.full((3,), 7.0))
+        else:
+            assert torch.equal(vc.recv(torch.Size([3]), torch.float32), torch.full((3,), 7.0))
+        vc.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vllm_communicator_at_tp2_over_gloo_on_cpu_tensors(torch: Any) -> None:
+    import torch.multiprocessing as tmp
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp.spawn(_tp2_rank, args=(2, d), nprocs=2, join=True)
