@@ -86,6 +86,9 @@ HIP_LIB="$(ldconfig -p | awk '/libamdhip64\.so\.5 /{print $NF; exit}')"
 ANYCCL_TEST_REAL_HIP="$HIP_LIB" cargo test --locked -p anyccl-rocm --test fake -- --ignored
 cargo run --release --locked --features rocm -- probe
 
+step "the Python package: wheel, fresh venv, pytest, type stubs (ci/python.sh)"
+ci/python.sh
+
 step "README commands: probe and bench (release)"
 cargo run --release --locked -- probe
 cargo run --release --locked -- probe --json >/dev/null
