@@ -93,8 +93,16 @@ struct node {
     work_fn fn;
     void* arg;
     size_t arg_size;
+    int async; /* may wait for other ranks: runs on the stream's worker thread (the emulated kernels) */
     struct node* next;
 };
+/* Work runs on the calling thread at once, as before, except for work that may wait for other ranks (the
+ * emulated kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
+ * on, and whatever is enqueued on the stream after it waits in the stream's queue behind it. While the queue is
+ * not empty, hipStreamQuery answers hipErrorNotReady, hipStreamSynchronize, hipEventSynchronize and
+ * hipStreamDestroy wait, and hipFree and hipModuleUnload wait for every stream of the calling thread's current
+ * device (as HIP's free waits for the device; other devices, i.e. other ranks, go on). The null stream runs
+ * everything on the calling thread. */
 struct stream {
     int device;
     int capturing;
@@ -102,6 +110,12 @@ struct stream {
     int invalidated;
     pthread_t owner;
     struct node *head, *tail;
+    /* The queue of work behind asynchronous work, under amu. */
+    struct node *qhead, *qtail;
+    int running;      /* the worker runs a work now */
+    int sync_running; /* a work runs on an enqueuing thread now */
+    int stop, has_worker;
+    pthread_t worker;
 };
 struct graph {
     struct node* head;
@@ -144,17 +158,93 @@ static hipError_t unsafe_call(const char* name) {
 static struct node* copy_node(const struct node* n) {
     struct node* c = calloc(1, sizeof *c);
     c->fn = n->fn;
+    c->async = n->async;
     c->arg_size = n->arg_size;
     c->arg = malloc(n->arg_size ? n->arg_size : 1);
     memcpy(c->arg, n->arg, n->arg_size);
     return c;
 }
 
+static pthread_mutex_t amu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t acv = PTHREAD_COND_INITIALIZER;
+static int stream_pending(const struct stream* st) {
+    return st->qhead != NULL || st->running || st->sync_running;
+}
+static void* stream_worker(void* arg) {
+    struct stream* st = arg;
+    pthread_mutex_lock(&amu);
+    for (;;) {
+        while (!st->stop && (st->qhead == NULL || st->sync_running)) pthread_cond_wait(&acv, &amu);
+        if (st->qhead == NULL) break; /* stopping, and nothing left */
+        struct node* n = st->qhead;
+        st->qhead = n->next;
+        if (!st->qhead) st->qtail = NULL;
+        st->running = 1;
+        pthread_mutex_unlock(&amu);
+        n->fn(n->arg);
+        free(n->arg);
+        free(n);
+        pthread_mutex_lock(&amu);
+        st->running = 0;
+        pthread_cond_broadcast(&acv);
+    }
+    pthread_mutex_unlock(&amu);
+    return NULL;
+}
+/* Waits until `st`'s queue is empty (when `st` is NULL: that of every stream of `device`). */
+static void drain(const struct stream* st, int device) {
+    pthread_mutex_lock(&amu);
+    for (;;) {
+        int pending = 0;
+        if (st) {
+            pending = stream_pending(st);
+        } else {
+            for (int i = 0; i < MAX_STREAMS && !pending; i++)
+                pending = streams[i] && streams[i]->device == device &&
+                          (streams[i]->qhead != NULL || streams[i]->running);
+        }
+        if (!pending) break;
+        pthread_cond_wait(&acv, &amu);
+    }
+    pthread_mutex_unlock(&amu);
+}
+
+/* Runs `n` in stream order on a stream that is not capturing: now on this thread, or on the stream's worker when
+ * it may wait for other ranks or work is queued there already. */
+static int run_or_queue(struct stream* st, const struct node* n) {
+    pthread_mutex_lock(&amu);
+    if (n->async || stream_pending(st)) {
+        struct node* c = copy_node(n);
+        if (st->qtail) st->qtail->next = c; else st->qhead = c;
+        st->qtail = c;
+        int start = !st->has_worker;
+        st->has_worker = 1;
+        pthread_cond_broadcast(&acv);
+        pthread_mutex_unlock(&amu);
+        if (start && pthread_create(&st->worker, NULL, stream_worker, st) != 0) {
+            fakehip_add_violation("fake HIP", "could not start a stream's worker thread");
+            pthread_mutex_lock(&amu);
+            st->has_worker = 0;
+            pthread_mutex_unlock(&amu);
+            return 2;
+        }
+        return 0;
+    }
+    st->sync_running++;
+    pthread_mutex_unlock(&amu);
+    n->fn(n->arg);
+    pthread_mutex_lock(&amu);
+    st->sync_running--;
+    pthread_cond_broadcast(&acv);
+    pthread_mutex_unlock(&amu);
+    return 0;
+}
+
 /* Runs `fn(arg)` in stream order: now, or recorded into the stream's capture. `arg` is copied. Used by the fake
  * RCCL for its "kernels". */
-int fakehip_enqueue(void* s, work_fn fn, const void* arg, size_t size) {
+static int enqueue(void* s, work_fn fn, const void* arg, size_t size, int async) {
     struct stream* st = s;
-    struct node n = {fn, (void*)arg, size, NULL};
+    struct node n = {fn, (void*)arg, size, async, NULL};
     if (st && st->capturing) {
         struct node* c = copy_node(&n);
         if (st->tail) st->tail->next = c; else st->head = c;
@@ -166,9 +256,11 @@ int fakehip_enqueue(void* s, work_fn fn, const void* arg, size_t size) {
         invalidate_captures();
         return 900;
     }
+    if (st) return run_or_queue(st, &n);
     fn((void*)arg);
     return 0;
 }
+int fakehip_enqueue(void* s, work_fn fn, const void* arg, size_t size) { return enqueue(s, fn, arg, size, 0); }
 
 int fakehip_is_capturing(void* s) { return s && ((struct stream*)s)->capturing; }
 int fakehip_any_capture(void) { return global_captures > 0 || thread_captures > 0; }
@@ -273,6 +365,7 @@ hipError_t hipFree(void* p) {
     hipError_t e = unsafe_call("hipFree");
     if (e) return e;
     if (!p) return 0;
+    drain(NULL, current_device); /* hipFree waits for the device (the calling thread's) */
     int found = 0;
     pthread_mutex_lock(&mu);
     for (int i = 0; i < n_allocs; i++)
@@ -359,20 +452,34 @@ hipError_t hipStreamCreateWithFlags(void** s, unsigned flags) {
     struct stream* st = calloc(1, sizeof *st);
     st->device = current_device;
     pthread_mutex_lock(&mu);
+    pthread_mutex_lock(&amu);
     for (int i = 0; i < MAX_STREAMS; i++)
         if (!streams[i]) {
             streams[i] = st;
             break;
         }
+    pthread_mutex_unlock(&amu);
     pthread_mutex_unlock(&mu);
     *s = st;
     return 0;
 }
+/* Waits for the stream's work first, as HIP does. */
 hipError_t hipStreamDestroy(void* s) {
     count_call("hipStreamDestroy");
+    struct stream* st = s;
+    if (!st) return 400;
+    drain(st, 0);
+    pthread_mutex_lock(&amu);
+    st->stop = 1;
+    int joined = st->has_worker;
+    pthread_cond_broadcast(&acv);
+    pthread_mutex_unlock(&amu);
+    if (joined) pthread_join(st->worker, NULL);
     pthread_mutex_lock(&mu);
+    pthread_mutex_lock(&amu);
     for (int i = 0; i < MAX_STREAMS; i++)
         if (streams[i] == s) streams[i] = NULL;
+    pthread_mutex_unlock(&amu);
     pthread_mutex_unlock(&mu);
     free(s);
     return 0;
@@ -399,6 +506,11 @@ hipError_t hipStreamQuery(void* s) {
     pthread_mutex_lock(&mu);
     for (int i = 0; i < MAX_STREAMS; i++) busy |= s != NULL && busy_streams[i] == s;
     pthread_mutex_unlock(&mu);
+    if (st) {
+        pthread_mutex_lock(&amu);
+        busy |= stream_pending(st);
+        pthread_mutex_unlock(&amu);
+    }
     return busy ? 600 : 0;
 }
 hipError_t hipStreamSynchronize(void* s) {
@@ -409,6 +521,7 @@ hipError_t hipStreamSynchronize(void* s) {
         st->invalidated = 1;
         return 900;
     }
+    if (st) drain(st, 0);
     return 0;
 }
 hipError_t hipStreamGetCaptureInfo(void* s, int* status, unsigned long long* id) {
@@ -486,7 +599,7 @@ hipError_t hipGraphLaunch(void* exec, void* s) {
     count_call("hipGraphLaunch");
     if (!exec) return 400;
     for (struct node* n = ((struct graph*)exec)->head; n; n = n->next) {
-        hipError_t e = fakehip_enqueue(s, n->fn, n->arg, n->arg_size);
+        hipError_t e = enqueue(s, n->fn, n->arg, n->arg_size, n->async);
         if (e) return e;
     }
     return 0;
@@ -669,6 +782,7 @@ hipError_t hipModuleUnload(void* m) {
     if (e) return e;
     struct module* mod = m;
     if (!mod || !mod->loaded) return 400;
+    drain(NULL, current_device); /* its kernels may still run */
     mod->loaded = 0;
     free(mod->image);
     mod->image = NULL;
@@ -1202,7 +1316,7 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
         return e;
     }
     w.blocks = gx;
-    e = fakehip_enqueue(s, kernel_run, &w, sizeof w);
+    e = enqueue(s, kernel_run, &w, sizeof w, 1);
     if (e) {
         pthread_mutex_lock(&mu);
         l = launch_rec(w.seq);
@@ -1231,17 +1345,43 @@ hipError_t hipStreamWriteValue32(void* s, void* ptr, uint32_t value, unsigned fl
     return fakehip_enqueue(s, do_write32, &c, sizeof c);
 }
 
+/* An event recorded behind queued work completes when the stream's worker reaches it. */
 struct event {
     int recorded_in_capture;
+    int pending; /* markers not reached yet, under amu */
 };
 hipError_t hipEventCreate(void** e) {
     count_call("hipEventCreate");
     *e = calloc(1, sizeof(struct event));
     return 0;
 }
+static void event_reached(void* a) {
+    struct event* ev = *(struct event**)a;
+    pthread_mutex_lock(&amu);
+    ev->pending--;
+    pthread_cond_broadcast(&acv);
+    pthread_mutex_unlock(&amu);
+}
+static void event_wait(struct event* ev) {
+    pthread_mutex_lock(&amu);
+    while (ev->pending > 0) pthread_cond_wait(&acv, &amu);
+    pthread_mutex_unlock(&amu);
+}
 hipError_t hipEventRecord(void* e, void* s) {
     count_call("hipEventRecord");
-    ((struct event*)e)->recorded_in_capture = fakehip_is_capturing(s);
+    struct event* ev = e;
+    struct stream* st = s;
+    ev->recorded_in_capture = fakehip_is_capturing(s);
+    if (st && !st->capturing) {
+        pthread_mutex_lock(&amu);
+        int behind = stream_pending(st);
+        if (behind) ev->pending++;
+        pthread_mutex_unlock(&amu);
+        if (behind) {
+            struct node n = {event_reached, &ev, sizeof ev, 0, NULL};
+            return run_or_queue(st, &n);
+        }
+    }
     return 0;
 }
 hipError_t hipEventSynchronize(void* e) {
@@ -1251,6 +1391,7 @@ hipError_t hipEventSynchronize(void* e) {
         invalidate_captures();
         return 900;
     }
+    event_wait(e);
     return 0;
 }
 hipError_t hipEventElapsedTime(float* ms, void* a, void* b) {
@@ -1261,6 +1402,7 @@ hipError_t hipEventElapsedTime(float* ms, void* a, void* b) {
 }
 hipError_t hipEventDestroy(void* e) {
     count_call("hipEventDestroy");
+    if (e) event_wait(e); /* its marker still points to it */
     free(e);
     return 0;
 }

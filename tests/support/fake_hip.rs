@@ -51,7 +51,9 @@ pub fn build_hip() -> PathBuf {
     fake_ccl::compile_once(
         &format!("hip/{HIP_SONAME}"),
         HIP_C,
-        &[format!("-Wl,-soname,{HIP_SONAME}"), "-lpthread".into()],
+        // nodelete: the streams' worker threads run code of the library, so a dlclose by the last handle of a
+        // test must not unmap it (another test would load a fresh copy under the old threads).
+        &[format!("-Wl,-soname,{HIP_SONAME}"), "-Wl,-z,nodelete".into(), "-lpthread".into()],
     )
 }
 

@@ -181,6 +181,18 @@ impl Hip {
         }
     }
 
+    fn synchronize(&self, s: Dev) -> i32 {
+        let f: unsafe extern "C" fn(Ptr) -> i32 = self.sym("hipStreamSynchronize");
+        // SAFETY: a live stream.
+        unsafe { f(s.0 as Ptr) }
+    }
+
+    fn query(&self, s: Dev) -> i32 {
+        let f: unsafe extern "C" fn(Ptr) -> i32 = self.sym("hipStreamQuery");
+        // SAFETY: a live stream.
+        unsafe { f(s.0 as Ptr) }
+    }
+
     fn write_value32(&self, s: Dev, p: Dev, v: u32) -> i32 {
         let f: unsafe extern "C" fn(Ptr, Ptr, u32, u32) -> i32 = self.sym("hipStreamWriteValue32");
         // SAFETY: a 4-byte aligned word of fake device memory.
@@ -403,14 +415,18 @@ fn module(hip: &Hip, extra: &[&str]) -> Dev {
     hip.module(&tiny_code_object(&names)).expect("module loads")
 }
 
-/// Every rank launches its kernel on its own thread and stream; the launches' statuses by rank.
+/// Every rank launches its kernel on its own thread and stream and waits for it; the launches' statuses by rank.
 fn run_ranks(hip: &Hip, w: &World, f: Dev, grid: u32, shot: Shot, mode: Mode, round_vecs: u64) -> Vec<i32> {
     std::thread::scope(|sc| {
         let handles: Vec<_> = (0..w.world)
             .map(|rank| {
                 let mut params = w.params(shot, mode, rank, round_vecs);
                 let stream = w.streams[rank];
-                sc.spawn(move || hip.launch(f, [grid, 1, 1], [256, 1, 1], stream, &mut params))
+                sc.spawn(move || {
+                    let rc = hip.launch(f, [grid, 1, 1], [256, 1, 1], stream, &mut params);
+                    assert_eq!(hip.synchronize(stream), 0);
+                    rc
+                })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
@@ -528,7 +544,7 @@ fn a_captured_launch_recomputes_at_every_replay_with_the_inputs_of_the_moment() 
         std::thread::scope(|sc| {
             for (&exec, &s) in execs.iter().zip(&w.streams) {
                 let hip = &hip;
-                sc.spawn(move || assert_eq!(hip.graph_launch(exec, s), 0));
+                sc.spawn(move || assert_eq!((hip.graph_launch(exec, s), hip.synchronize(s)), (0, 0)));
             }
         });
         let want = w.expected(dtype);
@@ -616,32 +632,34 @@ fn an_aborted_rank_ends_without_its_peers() {
         hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
     };
     // The abort word set before the launch (from another stream, as the communicator sets it): rank 0's kernel
-    // returns at once, alone, writing nothing.
+    // ends at once, alone, writing nothing.
     assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
     let started = Instant::now();
     assert_eq!(launch(0), 0);
+    assert_eq!(hip.synchronize(w.streams[0]), 0);
     assert!(started.elapsed() < Duration::from_secs(2), "the aborted kernel waited for its peer");
     let l = &hip.fake.launches()[0];
     assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (1, 0, 1, 0), "{l:?}");
     assert!(w.read(w.outs[0]).iter().all(|b| *b == 0xee), "an aborted kernel wrote its output");
     assert_eq!(hip.fake.violations(), Vec::<String>::new());
     // Its barrier stores reached rank 1 as on a GPU: rank 1's launch of the same step completes without waiting.
-    assert_eq!(launch(1), 0);
+    assert_eq!((launch(1), hip.synchronize(w.streams[1])), (0, 0));
     let l = &hip.fake.launches()[1];
     assert_eq!((l.completed, l.timed_out), (1, 0), "{l:?}");
 
-    // The abort word set while the kernel waits for a peer that never launches: the wait ends.
+    // The abort word set while the kernel waits for a peer that never launches: the launch returned at once (the
+    // kernel runs on, as on a GPU), the stream is busy until the abort word ends the wait.
     assert_eq!(hip.write_value32(side, abort_word(&w, 0), 0), 0);
-    std::thread::scope(|sc| {
-        let waiter = sc.spawn(|| launch(0));
-        let deadline = Instant::now() + Duration::from_secs(4);
-        while hip.fake.kernels_waiting() == 0 {
-            assert!(Instant::now() < deadline, "rank 0's kernel never waited at its barrier");
-            std::thread::yield_now();
-        }
-        assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
-        assert_eq!(waiter.join().expect("rank 0"), 0);
-    });
+    assert_eq!(launch(0), 0);
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while hip.fake.kernels_waiting() == 0 {
+        assert!(Instant::now() < deadline, "rank 0's kernel never waited at its barrier");
+        std::thread::yield_now();
+    }
+    assert_eq!(hip.query(w.streams[0]), 600, "hipErrorNotReady while the kernel waits");
+    assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
+    assert_eq!(hip.synchronize(w.streams[0]), 0);
+    assert_eq!(hip.query(w.streams[0]), 0);
     let l = &hip.fake.launches()[2];
     assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (1, 0, 1, 0), "{l:?}");
     assert_eq!(hip.fake.violations(), Vec::<String>::new());
@@ -658,6 +676,7 @@ fn a_kernel_whose_peer_never_comes_times_out_with_a_violation() {
     let mut p = w.params(Shot::Two, Mode::Direct, 0, 0);
     let started = Instant::now();
     assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[0], &mut p), 0);
+    assert_eq!(hip.synchronize(w.streams[0]), 0);
     assert!(started.elapsed() < Duration::from_secs(3));
     let v = hip.fake.violations();
     assert!(v.len() == 1 && v[0].contains("rank 0 of 2: timed out"), "{v:?}");
@@ -680,7 +699,9 @@ fn ranks_launching_different_grids_wait_as_on_a_gpu() {
                 let (hip, w) = (&hip, &w);
                 sc.spawn(move || {
                     let mut p = w.params(Shot::One, Mode::Direct, rank, 0);
-                    hip.launch(f, [1 + rank as u32, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
+                    let rc = hip.launch(f, [1 + rank as u32, 1, 1], [256, 1, 1], w.streams[rank], &mut p);
+                    assert_eq!(hip.synchronize(w.streams[rank]), 0);
+                    rc
                 })
             })
             .collect();
@@ -710,7 +731,9 @@ fn races_and_freed_buffers_are_violations() {
                 sc.spawn(move || {
                     let mut p = w.params(Shot::One, Mode::Direct, rank, 0);
                     p[2] = Param::U64(w.inputs[rank].0);
-                    hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
+                    let rc = hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p);
+                    assert_eq!(hip.synchronize(w.streams[rank]), 0);
+                    rc
                 })
             })
             .collect();
@@ -731,7 +754,7 @@ fn races_and_freed_buffers_are_violations() {
     assert_eq!(hip.launch(table, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
     let exec = hip.end_capture(s).expect("graph");
     assert_eq!(hip.free(w.tables[0]), 0);
-    assert_eq!(hip.graph_launch(exec, s), 0);
+    assert_eq!((hip.graph_launch(exec, s), hip.synchronize(s)), (0, 0));
     let v = hip.fake.violations();
     assert!(v.len() == 1 && v[0].contains("the input table") && v[0].contains("freed"), "{v:?}");
     assert_eq!(hip.fake.launches()[0].failed, 1);
@@ -795,7 +818,9 @@ fn a_parameter_buffer_in_extra_is_decoded_at_the_kernels_offsets() {
                     b[144..148].copy_from_slice(&(rank as i32).to_le_bytes());
                     b[148..152].copy_from_slice(&2i32.to_le_bytes());
                     b[152..160].copy_from_slice(&16u64.to_le_bytes());
-                    hip.launch_extra(f, [2, 1, 1], w.streams[rank], &mut b)
+                    let rc = hip.launch_extra(f, [2, 1, 1], w.streams[rank], &mut b);
+                    assert_eq!(hip.synchronize(w.streams[rank]), 0);
+                    rc
                 })
             })
             .collect();
@@ -876,4 +901,61 @@ fn the_compute_unit_count_is_an_attribute_and_others_are_refused() {
         assert_eq!(get(&mut n, 1, 0), 1, "an attribute the fake does not know");
         assert_eq!(get(&mut n, 63, 99), 101, "a device that does not exist");
     }
+}
+
+#[test]
+fn a_free_waits_for_the_kernels_of_its_own_device_only() {
+    let (hip, _g) = Hip::open();
+    let set_device: unsafe extern "C" fn(i32) -> i32 = hip.sym("hipSetDevice");
+    // SAFETY: sets the calling thread's device (a thread-local of the fake).
+    let on_device = |d: i32| assert_eq!(unsafe { set_device(d) }, 0);
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    let wait_for_a_waiting_kernel = || {
+        let deadline = Instant::now() + Duration::from_secs(4);
+        while hip.fake.kernels_waiting() == 0 {
+            assert!(Instant::now() < deadline, "no kernel waits at its barrier");
+            std::thread::yield_now();
+        }
+    };
+    // Rank 0 (device 0) waits in its kernel for rank 1 (device 1), whose thread frees memory before it launches:
+    // the free waits for device 1 only, so rank 1 gets to its launch and both complete.
+    hip.fake.set_kernel_timeout_ms(5000);
+    std::thread::scope(|sc| {
+        let (hip, w) = (&hip, &w);
+        let rank0 = sc.spawn(move || {
+            on_device(0);
+            let s = hip.stream();
+            let mut p = w.params(Shot::One, Mode::Direct, 0, 0);
+            assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+            assert_eq!(hip.synchronize(s), 0);
+        });
+        wait_for_a_waiting_kernel();
+        sc.spawn(move || {
+            on_device(1);
+            let s = hip.stream();
+            let started = Instant::now();
+            assert_eq!(hip.free(hip.malloc(64, 0)), 0);
+            assert!(started.elapsed() < Duration::from_secs(2), "a free on device 1 waited for device 0's kernel");
+            let mut p = w.params(Shot::One, Mode::Direct, 1, 0);
+            assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+            assert_eq!(hip.synchronize(s), 0);
+        });
+        rank0.join().expect("rank 0");
+    });
+    let l = hip.fake.launches();
+    assert!(l.iter().all(|l| l.completed == 1), "{l:?}");
+    // A free on device 0 while rank 0's kernel waits for a peer that never comes returns only once the kernel
+    // ended (here by timing out), as HIP's free waits for the device.
+    hip.fake.set_kernel_timeout_ms(300);
+    on_device(0);
+    let s = hip.stream();
+    let mut p = w.params(Shot::One, Mode::Direct, 0, 0);
+    assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], s, &mut p), 0);
+    wait_for_a_waiting_kernel();
+    assert_eq!(hip.free(hip.malloc(64, 0)), 0);
+    let last = hip.fake.launches().pop().expect("the launch");
+    assert_eq!((last.timed_out, last.completed), (1, 0), "the free returned before the kernel ended: {last:?}");
+    hip.fake.set_kernel_timeout_ms(-1);
 }
