@@ -254,8 +254,8 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr p) {
 }
 
 /* ---- Streams and capture ---- */
-/* Blocking streams (created with CU_STREAM_DEFAULT): a capture on one makes the legacy stream answer
- * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as the driver does. */
+/* Blocking streams (created with CU_STREAM_DEFAULT): a capture on one makes the legacy stream of its device
+ * answer CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as the driver does. */
 static void* blocking_streams[MAX_STREAMS];
 static void note_blocking(void* s, int add) {
     pthread_mutex_lock(&mu);
@@ -294,11 +294,13 @@ CUresult cuStreamIsCapturing(void* s, int* status) {
     count_call("cuStreamIsCapturing");
     if (!status) return 1;
     if (!hs(s)) {
-        /* The legacy stream: implicitly synchronised with every blocking stream of the process. */
+        /* The legacy stream: implicitly synchronised with every blocking stream of the current device. */
         int implicit = 0;
         pthread_mutex_lock(&mu);
-        for (int i = 0; i < MAX_STREAMS; i++)
-            implicit |= blocking_streams[i] != NULL && ((struct stream*)blocking_streams[i])->capturing;
+        for (int i = 0; i < MAX_STREAMS; i++) {
+            const struct stream* b = blocking_streams[i];
+            implicit |= b != NULL && b->capturing && b->device == current_device;
+        }
         pthread_mutex_unlock(&mu);
         *status = 0;
         return implicit ? 906 : 0;

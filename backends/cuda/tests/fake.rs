@@ -33,6 +33,7 @@ use anyccl_core::{
 };
 use anyccl_cuda::graph::Graph;
 use anyccl_cuda::{Cuda, CudaComm, CudaStream};
+use cudarc::driver::sys;
 use fake_hip::{FakeHip, Launch, Shot};
 use wait_timeout::ChildExt;
 
@@ -145,6 +146,15 @@ fn allocation_during_capture_is_refused_before_the_driver() {
     run_case("alloc_in_capture");
 }
 
+/// The engine's own streams: a borrowed blocking stream (`CudaStream::from_raw`) runs the kernels and stays the
+/// engine's; while the engine captures a blocking stream anyccl never saw, in global mode, allocation is refused
+/// before the driver (the legacy stream answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and the capture stays valid;
+/// while it captures a non-blocking one, allocation goes ahead in relaxed mode without invalidating it.
+#[test]
+fn engine_streams_borrowed_and_captured_behind_anyccls_back() {
+    run_case("engine_streams");
+}
+
 /// The conformance suite (every collective, dtype but fp8, op, worlds 1 to 4, counts not divisible by the world)
 /// on the CUDA communicator over the fakes, custom kernels on; no capture violation.
 #[test]
@@ -172,6 +182,7 @@ fn child() {
         "ipc_threads" => ipc_threads(&s),
         "two_hosts" => two_hosts(&s),
         "alloc_in_capture" => alloc_in_capture(&s),
+        "engine_streams" => engine_streams(&s),
         "conformance" => conformance_suite(&s),
         other => panic!("unknown case {other}"),
     }
@@ -497,7 +508,30 @@ fn abort(s: &Setup) {
     let mut b = rt.alloc(4096).expect("buffer");
     assert!(c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).is_err(), "aborted");
     s.fake.set_busy(st.raw().cast(), false);
-    println!("abort: {err}; kernels off: {off}");
+    println!("rank 0 abort: {err}; kernels off: {off}");
+
+    // Rank 1 still chooses the kernel, whose launch waits for rank 0 at its barrier for good (rank 0 fails every
+    // call now): rank 1's own wait gives up, writes its abort word, which stops the kernel (aborted, not timed
+    // out), and rank 1's kernels go off too. So the call fails on every rank and none hangs.
+    let c = &mut cs[1];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    let mut b = rt.alloc(4096).expect("buffer");
+    let from = s.fake.launch_total();
+    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).expect("rank 1 launches");
+    assert_eq!(sel.algorithm, Algorithm::OneShot, "rank 1 has seen no failure");
+    let started = std::time::Instant::now();
+    let err = c.wait(&st, Duration::from_millis(300)).expect_err("rank 0 never comes");
+    assert!(matches!(err, Error::Timeout { .. } | Error::PeerFailure(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
+    assert_eq!(s.fake.calls("cuStreamWriteValue32_v2"), writes + 2, "rank 1's abort word was written once");
+    assert_eq!(read(word1), 1, "rank 1's abort word is set");
+    let stuck: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!((stuck[0].runs, stuck[0].aborted, stuck[0].timed_out, stuck[0].completed), (1, 1, 0, 0), "{stuck:?}");
+    let off = c.backend().custom_kernels_off().expect("off on rank 1 too").to_owned();
+    assert!(off.contains("an earlier wait failed"), "{off}");
+    println!("rank 1 abort: {err}; kernels off: {off}");
 }
 
 /// A rank's eager sums, its registered replay's sums, how many graph inputs it registered, and the communicator.
@@ -651,6 +685,79 @@ fn alloc_in_capture(s: &Setup) {
     // The driver saw each rank's buffer `b`, and not the allocation refused during the capture.
     assert_eq!(s.fake.calls("cuMemAlloc_v2") - allocs, 2, "the refused allocation never reached cuMemAlloc_v2");
     assert_eq!(s.fake.calls("cuStreamEndCapture"), 2);
+}
+
+/// A raw stream made as an engine makes it (`CU_STREAM_DEFAULT`: blocking, or `CU_STREAM_NON_BLOCKING`).
+fn engine_stream(rt: &anyccl_cuda::CudaRuntime, blocking: bool) -> sys::CUstream {
+    rt.context().bind().expect("bind");
+    let mut raw: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one stream handle.
+    let rc = unsafe { sys::cuStreamCreate(&mut raw, if blocking { 0 } else { 1 }) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    raw
+}
+
+/// Ends the engine's capture on `raw` and destroys the graph: the capture must have stayed valid.
+fn end_engine_capture(raw: sys::CUstream) {
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: a stream this test began capturing; writes one graph handle.
+    let rc = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "the engine's capture stayed valid");
+    assert!(!graph.is_null());
+    // SAFETY: the graph just ended, destroyed once; the stream is the test's own.
+    unsafe {
+        assert_eq!(sys::cuGraphDestroy(graph), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamDestroy_v2(raw), sys::CUresult::CUDA_SUCCESS);
+    }
+}
+
+fn engine_streams(s: &Setup) {
+    let mut cs = comms(s, 2);
+    let out = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+        let rt = c.runtime().clone();
+        let raw = engine_stream(&rt, true);
+        let mut b = rt.alloc(4096)?;
+        let got = {
+            // SAFETY: `raw` is a live stream of this device and outlives the wrapper (destroyed below).
+            let st = unsafe { CudaStream::from_raw(raw.cast(), rt.context()) };
+            rt.upload(&mut b, &input(DataType::F32, c.rank(), 0, 1024), &st)?;
+            let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+            assert_eq!(sel.algorithm, Algorithm::OneShot);
+            let mut host = vec![0u8; 4096];
+            rt.download(&b, &mut host, &st)?;
+            decode(DataType::F32, &host)
+        };
+        // SAFETY: the engine's stream, still alive after the wrapper dropped; destroyed once.
+        assert_eq!(unsafe { sys::cuStreamDestroy_v2(raw) }, sys::CUresult::CUDA_SUCCESS, "the wrapper kept it");
+        Ok(got)
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        assert!(r.expect("rank") == reference(2, 0, 1024), "rank {rank}");
+    }
+    let rt = cs[0].runtime().clone();
+    for blocking in [true, false] {
+        let raw = engine_stream(&rt, blocking);
+        let allocs = s.fake.calls("cuMemAlloc_v2");
+        // SAFETY: a live stream of this device, not capturing.
+        let rc = unsafe {
+            sys::cuStreamBeginCapture_v2(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+        let r = rt.alloc(64);
+        if blocking {
+            let e = r.err().expect("refused while a blocking stream captures");
+            assert!(matches!(e, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{e}");
+            assert_eq!(s.fake.calls("cuMemAlloc_v2"), allocs, "refused before the driver");
+        } else {
+            let b = r.expect("allowed in relaxed mode beside a capture anyccl cannot see");
+            assert_eq!(s.fake.calls("cuMemAlloc_v2"), allocs + 1);
+            // Freeing is refused the same way while the capture runs: the buffer is kept until it ends.
+            end_engine_capture(raw);
+            drop(b);
+            continue;
+        }
+        end_engine_capture(raw);
+    }
 }
 
 struct FakeCuda<'a> {
