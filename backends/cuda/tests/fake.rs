@@ -44,8 +44,17 @@ const CHILD_DEADLINE: Duration = Duration::from_secs(90);
 
 /// Cases that check the custom kernels: without them compiled in (no nvcc at build time) they fail with the reason
 /// instead of passing without checking anything.
-const NEED_KERNELS: &[&str] =
-    &["init_all", "graphs", "abort", "ipc_threads", "two_hosts", "alloc_in_capture", "engine_streams"];
+const NEED_KERNELS: &[&str] = &[
+    "init_all",
+    "graphs",
+    "abort",
+    "ipc_threads",
+    "two_hosts",
+    "alloc_in_capture",
+    "engine_streams",
+    "ipc_during_capture",
+    "split",
+];
 
 /// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
 fn run_case(case: &str) -> String {
@@ -168,6 +177,23 @@ fn engine_streams_borrowed_and_captured_behind_anyccls_back() {
     run_case("engine_streams");
 }
 
+/// The kernels' IPC setup (`enable_custom_ipc_with_env`) called while the engine captures in global mode is
+/// refused before the driver on every rank (no handle, no module load, no violation, the capture stays valid);
+/// after the capture the same setup succeeds and the CUDA one-shot runs.
+#[test]
+fn ipc_setup_during_a_capture_is_refused_before_the_driver_and_works_after_it() {
+    run_case("ipc_during_capture");
+}
+
+/// Sub-communicators of a one-process-per-GPU job (threads): `split(rank % 2)` gives two of two ranks, each with
+/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 one-shot over its two
+/// ranks only; a grouped ring of sends and receives on the parent completes. On a single-process parent the sub's
+/// kernels are off with the reason.
+#[test]
+fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
+    run_case("split");
+}
+
 /// The conformance suite (every collective, dtype but fp8, op, worlds 1 to 4, counts not divisible by the world)
 /// on the CUDA communicator over the fakes, custom kernels on; no capture violation.
 #[test]
@@ -196,6 +222,8 @@ fn child() {
         "two_hosts" => two_hosts(&s),
         "alloc_in_capture" => alloc_in_capture(&s),
         "engine_streams" => engine_streams(&s),
+        "ipc_during_capture" => ipc_during_capture(&s),
+        "split" => split(&s),
         "conformance" => conformance_suite(&s),
         other => panic!("unknown case {other}"),
     }
@@ -777,6 +805,144 @@ fn engine_streams(s: &Setup) {
             continue;
         }
         end_engine_capture(raw);
+    }
+}
+
+fn ipc_during_capture(s: &Setup) {
+    let world = 2;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let env = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
+    let caps = Arc::new(anyccl_cuda::capabilities(Some(&s.lib), &|_| None));
+    let id = anyccl_ccl::UniqueId::new(&s.lib).expect("unique id");
+    let (gets, loads) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuModuleLoadData"));
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                let (env, caps, id) = (&env, caps.clone(), &id);
+                sc.spawn(move || -> Result<(Error, Algorithm, Vec<f32>)> {
+                    let mut comm = CudaComm::init_rank(s.lib.clone(), rank as i32, world, rank, id, caps)?;
+                    let rt = anyccl_core::CommBackend::runtime(&comm).clone();
+                    let st = rt.stream()?;
+                    // A global capture refuses allocation on every thread: every rank is set up before any
+                    // captures, and every capture has ended before any rank allocates again.
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    let mut during = None;
+                    let _graph = Graph::capture_with(rt.context(), &st, anyccl_core::CaptureMode::Global, |_| {
+                        during = Some(comm.enable_custom_ipc_with_env(&mut boot, env));
+                        Ok(())
+                    })?;
+                    let refused = during.and_then(|r| r.err()).expect("refused during the capture");
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    comm.enable_custom_ipc_with_env(&mut boot, env)?;
+                    let mut c = Communicator::new(comm, Arc::new(Selector::defaults()));
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    Ok((refused, sel.algorithm, decode(DataType::F32, &host)))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (refused, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            matches!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })),
+            "rank {rank}: {refused}"
+        );
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: set up after the capture");
+        assert!(got == reference(world, 0, 1024), "rank {rank}");
+    }
+    // Only the setup after the capture reached the driver: three handles per rank, one module load per rank.
+    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 3 * world as i32);
+    assert_eq!(s.fake.calls("cuModuleLoadData") - loads, world as i32);
+}
+
+/// What one rank of the split case saw: its sub-communicator's rank and world, the sub all-reduce's algorithm and
+/// sums, and what the grouped ring exchange on the parent received.
+type SplitSeen = (usize, usize, Algorithm, Vec<f32>, Vec<f32>);
+
+fn split(s: &Setup) {
+    let world = 4;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let from = s.fake.launch_total();
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                sc.spawn(move || -> Result<SplitSeen> {
+                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
+                    let selector = Arc::new(Selector::defaults());
+                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
+                        &id,
+                        rank,
+                        world,
+                        rank as i32,
+                        &mut boot,
+                        selector,
+                    )?;
+                    let rt = c.runtime().clone();
+                    let st = rt.stream()?;
+                    let mut sub = c.split(Some(rank as u32 % 2), rank as u32)?.expect("a color was given");
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = sub.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    let mut mine = rt.alloc(16)?;
+                    rt.upload(&mut mine, &encode(DataType::F32, &[rank as f32; 4]), &st)?;
+                    let mut got = rt.alloc(16)?;
+                    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                    let mut ops = [
+                        anyccl_core::P2pOp::Recv { buf: &mut got, count: 4, dtype: DataType::F32, peer: prev },
+                        anyccl_core::P2pOp::Send { buf: &mine, count: 4, dtype: DataType::F32, peer: next },
+                    ];
+                    c.p2p(&mut ops, &st)?;
+                    st.synchronize()?;
+                    let mut ring = vec![0u8; 16];
+                    rt.download(&got, &mut ring, &st)?;
+                    Ok((
+                        sub.rank(),
+                        sub.world_size(),
+                        sel.algorithm,
+                        decode(DataType::F32, &host),
+                        decode(DataType::F32, &ring),
+                    ))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (sub_rank, sub_world, algorithm, sums, ring) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: the sub-communicator's own kernels");
+        let peers = [rank % 2, rank % 2 + 2];
+        let want: Vec<f32> = (0..1024).map(|i| peers.iter().map(|r| value(*r, 0, i)).sum()).collect();
+        assert!(sums == want, "rank {rank}: the sum over its sub-communicator only");
+        assert_eq!(ring, vec![((rank + world - 1) % world) as f32; 4], "rank {rank}: the previous rank's values");
+    }
+    let subs: Vec<Launch> = s
+        .fake
+        .launches()
+        .into_iter()
+        .filter(|l| l.seq > from && l.params.as_ref().is_some_and(|p| p.world == 2))
+        .collect();
+    assert_eq!(subs.len(), world, "one world-2 one-shot per rank: {subs:?}");
+
+    // One process: the sub-communicators' kernels are off, with the reason, and NCCL serves them.
+    let mut cs = comms(s, 2);
+    let subs = per_rank(&mut cs, |c| {
+        c.split(Some(0), 0).map(|sub| sub.map(|s| s.backend().custom_kernels_off().map(str::to_owned)))
+    });
+    for sub in subs {
+        let why = sub.expect("split").expect("colored").expect("off");
+        assert!(why.contains("peer access within one process"), "{why}");
     }
 }
 
