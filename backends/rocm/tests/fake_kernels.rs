@@ -959,3 +959,22 @@ fn a_free_waits_for_the_kernels_of_its_own_device_only() {
     assert_eq!((last.timed_out, last.completed), (1, 0), "the free returned before the kernel ended: {last:?}");
     hip.fake.set_kernel_timeout_ms(-1);
 }
+
+#[test]
+fn the_launch_record_keeps_the_last_4096_and_counts_all() {
+    let (hip, _g) = Hip::open();
+    let m = module(&hip, &[]);
+    let w = World::new(&hip, 2, 8);
+    let f = hip.function(m, "anyccl_one_shot_f32").expect("function");
+    // Refused launches (world 9) are recorded too, and cost nothing to make.
+    for _ in 0..4100 {
+        let mut p = w.params(Shot::One, Mode::Direct, 0, 0);
+        p[5] = Param::I32(9);
+        assert_eq!(hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[0], &mut p), 1);
+    }
+    let held = hip.fake.launches();
+    assert_eq!((held.len(), hip.fake.launch_total()), (4096, 4100));
+    assert_eq!((held[0].seq, held[4095].seq), (5, 4100), "oldest first, the first four dropped");
+    hip.fake.reset();
+    assert_eq!((hip.fake.launches().len(), hip.fake.launch_total()), (0, 0));
+}
