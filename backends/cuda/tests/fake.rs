@@ -161,8 +161,9 @@ fn ranks_on_two_hosts_turn_the_kernels_off_before_any_ipc() {
     run_case("two_hosts");
 }
 
-/// Allocation during a capture is refused before the driver sees it (no `cuMemAlloc_v2`), and the capture stays
-/// valid: the graph instantiates and replays the captured all-reduce correctly.
+/// Allocation during a capture is refused before the driver sees it (no `cuMemAlloc_v2`), and so is a wait (the
+/// kernels stay on: a refused wait is no failed wait); the capture stays valid: the graph instantiates and replays
+/// the captured all-reduce correctly.
 #[test]
 fn allocation_during_capture_is_refused_before_the_driver() {
     run_case("alloc_in_capture");
@@ -192,6 +193,15 @@ fn ipc_setup_during_a_capture_is_refused_before_the_driver_and_works_after_it() 
 #[test]
 fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
     run_case("split");
+}
+
+/// The typed all-reduce over cudarc's own context, streams and slices (feature `cudarc`) at world 2: bf16 data
+/// written on one cudarc stream and reduced on another (cudarc's event tracking orders them), in place and into
+/// a sub-range, runs the one-shot kernel on cudarc's memory and sums right.
+#[cfg(feature = "cudarc")]
+#[test]
+fn cudarc_slices_and_streams_all_reduce_at_world_two() {
+    run_case("cudarc");
 }
 
 /// The conformance suite (every collective, dtype but fp8, op, worlds 1 to 4, counts not divisible by the world)
@@ -224,6 +234,8 @@ fn child() {
         "engine_streams" => engine_streams(&s),
         "ipc_during_capture" => ipc_during_capture(&s),
         "split" => split(&s),
+        #[cfg(feature = "cudarc")]
+        "cudarc" => cudarc_world_two(&s),
         "conformance" => conformance_suite(&s),
         other => panic!("unknown case {other}"),
     }
@@ -716,11 +728,17 @@ fn alloc_in_capture(s: &Setup) {
         let st = rt.stream()?;
         let mut b = rt.alloc(4096)?;
         rt.upload(&mut b, &input(DataType::F32, c.rank(), 0, 1024), &st)?;
-        let mut refused = None;
+        let (mut refused, mut wait) = (None, None);
         let graph = Graph::capture_with(rt.context(), &st, anyccl_core::CaptureMode::ThreadLocal, |st| {
             refused = rt.alloc(64).err();
-            c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, st).map(|_| ())
+            c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, st)?;
+            // A wait during the capture is refused too, and is no failed wait: nothing is aborted.
+            wait = c.wait(st, Duration::from_secs(1)).err();
+            Ok(())
         })?;
+        let wait = wait.expect("wait during the capture refused");
+        assert!(matches!(wait, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{wait}");
+        assert!(c.backend().custom_kernels_off().is_none(), "{:?}", c.backend().custom_kernels_off());
         graph.launch(&st)?;
         st.synchronize()?;
         let mut host = vec![0u8; 4096];
@@ -944,6 +962,42 @@ fn split(s: &Setup) {
         let why = sub.expect("split").expect("colored").expect("off");
         assert!(why.contains("peer access within one process"), "{why}");
     }
+}
+
+#[cfg(feature = "cudarc")]
+fn cudarc_world_two(s: &Setup) {
+    use anyccl_cuda::CudarcAllReduce;
+    use half::bf16;
+    let n = 1024;
+    let data = |rank: usize| (0..n).map(|i| bf16::from_f32(value(rank, 3, i))).collect::<Vec<bf16>>();
+    let mut cs = comms(s, 2);
+    let from = s.fake.launch_total();
+    let out = per_rank(&mut cs, |c| -> std::result::Result<(Algorithm, Vec<bf16>, Vec<bf16>), String> {
+        let rank = c.rank();
+        let ctx = cudarc::driver::CudaContext::new(rank).map_err(|e| e.to_string())?;
+        let upload = ctx.new_stream().map_err(|e| e.to_string())?;
+        let work = ctx.new_stream().map_err(|e| e.to_string())?;
+        let mut x = upload.clone_htod(&data(rank)).map_err(|e| e.to_string())?;
+        let sel = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &work).map_err(|e| e.to_string())?;
+        let summed = upload.clone_dtoh(&x).map_err(|e| e.to_string())?;
+        // Into elements 16..528 of a zeroed output (whole vectors): nothing outside is written.
+        let send = upload.clone_htod(&data(rank)).map_err(|e| e.to_string())?;
+        let mut into = upload.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+        c.all_reduce_into(&send.slice(0..512), &mut into.slice_mut(16..528), ReduceOp::Sum, &work)
+            .map_err(|e| e.to_string())?;
+        let ranged = upload.clone_dtoh(&into).map_err(|e| e.to_string())?;
+        Ok((sel.algorithm, summed, ranged))
+    });
+    let want: Vec<bf16> = reference(2, 3, n).into_iter().map(bf16::from_f32).collect();
+    for (rank, r) in out.into_iter().enumerate() {
+        let (algorithm, summed, ranged) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}");
+        assert_eq!(summed, want, "rank {rank}: in place");
+        assert_eq!(&ranged[16..528], &want[..512], "rank {rank}: into the sub-range");
+        assert!(ranged[..16].iter().chain(&ranged[528..]).all(|v| *v == bf16::ZERO), "rank {rank}: outside");
+    }
+    let launched: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_one_shot_bf16" && l.completed == 1).count(), 4);
 }
 
 struct FakeCuda<'a> {
