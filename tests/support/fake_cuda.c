@@ -158,13 +158,24 @@ CUresult cuCtxSynchronize(void) {
     drain(NULL, current_context->device);
     return 0;
 }
+/* Peer access as the driver grants it: from the current context to another device's (CUDA_ERROR_INVALID_DEVICE
+ * for its own, CUDA_ERROR_INVALID_CONTEXT without a current context), once
+ * (CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED after that); potentially unsafe during capture, as in HIP. */
+static int peer_enabled[N_CONTEXTS][N_CONTEXTS];
 CUresult cuCtxEnablePeerAccess(void* peer, unsigned flags) {
     struct cu_context* p = context_of(peer);
     if (flags) return 1;
-    if (!p) return 201;
+    if (!p || !current_context) return 201;
+    if (p == current_context) return 101;
     CUresult e = cu(hipDeviceEnablePeerAccess(p->device, 0));
     count_call("cuCtxEnablePeerAccess");
-    return e;
+    if (e) return e;
+    pthread_mutex_lock(&mu);
+    int* on = &peer_enabled[current_context->device][p->device];
+    int again = *on;
+    *on = 1;
+    pthread_mutex_unlock(&mu);
+    return again ? 704 : 0;
 }
 
 /* ---- Memory ---- */
