@@ -53,6 +53,12 @@ const GUARDED: &[&str] = &[
 /// The fake CUDA driver, built once per test process: `<dir>/libcuda.so.1`, with `<dir>/libcuda.so` linking to it
 /// (the first name cudarc tries), so a process started with `LD_LIBRARY_PATH=<dir>` loads it by either name.
 pub fn build_cuda() -> PathBuf {
+    // Once per process: the tests of a binary call this from several threads, and the link is made here.
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(build_cuda_uncached).clone()
+}
+
+fn build_cuda_uncached() -> PathBuf {
     let source = format!("{HIP_C}\n/* ---- fake_cuda.c ---- */\n{CUDA_C}");
     let lib = fake_ccl::compile_once(
         &format!("cuda/{CUDA_SONAME}"),
