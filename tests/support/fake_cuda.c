@@ -332,6 +332,15 @@ CUresult cuStreamGetCaptureInfo_v2(void* s, int* status, unsigned long long* id,
     }
     return cu(hipStreamGetCaptureInfo(s, status, id));
 }
+CUresult cuStreamGetCaptureInfo(void* s, int* status, unsigned long long* id) {
+    return cuStreamGetCaptureInfo_v2(s, status, id, NULL, NULL, NULL);
+}
+/* CUDA 12.3's form, with edge data (none here). */
+CUresult cuStreamGetCaptureInfo_v3(void* s, int* status, unsigned long long* id, void** graph, const void** deps,
+                                   const void** edges, size_t* n_deps) {
+    if (edges) *edges = NULL;
+    return cuStreamGetCaptureInfo_v2(s, status, id, graph, deps, n_deps);
+}
 CUresult cuStreamBeginCapture_v2(void* s, int mode) {
     count_call("cuStreamBeginCapture_v2");
     if (!hs(s)) return 906; /* the legacy stream cannot capture */
