@@ -1,0 +1,1042 @@
+//! The CUDA communicator (`CudaComm = GpuComm<Cuda>`) end to end with no GPU: on the fake CUDA driver
+//! (`libcuda.so.1` from tests/support/fake_cuda.c over the fake HIP runtime: host memory as device memory, streams
+//! on worker threads, graphs, the capture rules, IPC handles within one process, and the one-shot / two-shot
+//! kernels emulated from the sm_90 cubin, every launch recorded) and a computing fake NCCL 2.28 linked against it.
+//!
+//! cudarc finds `libcuda.so` by name through the dynamic loader, which reads `LD_LIBRARY_PATH` when the process
+//! starts, so every test runs this binary again as a child (`child`, with `FAKECUDA_CASE` naming the case) with
+//! `LD_LIBRARY_PATH` at the fake driver and `ANYCCL_NCCL_PATH` at the fake NCCL; the child does the work and
+//! asserts, and the parent asserts that it passed within its deadline and printed the case's closing line. If the
+//! fakes cannot be built (no `cc`), the parent fails with the compiler's reason: nothing here is skipped.
+
+#[path = "../../../tests/support/fake_ccl.rs"]
+mod fake_ccl;
+#[path = "../../../tests/support/fake_cuda.rs"]
+mod fake_cuda;
+#[path = "../../../tests/support/fake_hip.rs"]
+mod fake_hip;
+
+use std::ffi::c_void;
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyccl_ccl::CclLibrary;
+use anyccl_core::bootstrap::LocalGroup;
+use anyccl_core::comm::AllReduceCall;
+use anyccl_core::conformance::{self, Config, ConformanceTarget};
+use anyccl_core::{
+    Algorithm, Capabilities, CapabilityState, Communicator, DataType, Error, InOut, InvalidArgument, MemoryRuntime,
+    ReduceOp, Result, Selector,
+};
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::{Cuda, CudaComm, CudaStream};
+use cudarc::driver::sys;
+use fake_hip::{FakeHip, Launch, Shot};
+use wait_timeout::ChildExt;
+
+/// A child still running then is taken as hung (and killed).
+const CHILD_DEADLINE: Duration = Duration::from_secs(90);
+
+// ---- The parent half ----
+
+/// Cases that check the custom kernels: without them compiled in (no nvcc at build time) they fail with the reason
+/// instead of passing without checking anything.
+const NEED_KERNELS: &[&str] = &[
+    "init_all",
+    "graphs",
+    "abort",
+    "ipc_threads",
+    "two_hosts",
+    "alloc_in_capture",
+    "engine_streams",
+    "ipc_during_capture",
+    "split",
+];
+
+/// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
+fn run_case(case: &str) -> String {
+    if let (Some(why), true) = (anyccl_kernels_cuda::NOT_BUILT, NEED_KERNELS.contains(&case)) {
+        panic!(
+            "case {case} runs the custom CUDA kernels, which this build lacks ({why}); build with \
+             ANYCCL_CUDA_TOOLKIT=$(ci/install-cuda.sh) as CI does"
+        );
+    }
+    let cuda = fake_cuda::build_cuda();
+    let nccl = fake_cuda::build_nccl(&fake_ccl::NCCL_2_28);
+    let dir = cuda.parent().expect("the fake driver's folder");
+    let mut cmd = Command::new(std::env::current_exe().expect("this test binary"));
+    cmd.args(["child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("RUST_BACKTRACE", "1")
+        .env("FAKECUDA_CASE", case)
+        .env("FAKECUDA_LIB", &cuda)
+        .env("FAKECUDA_DEVICES", "4")
+        // An emulated kernel that waits this long for a peer records "timed out" instead of hanging the child.
+        .env("FAKEHIP_KERNEL_TIMEOUT_MS", "20000")
+        .env("LD_LIBRARY_PATH", dir)
+        .env("ANYCCL_NCCL_PATH", &nccl)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the child");
+    let mut out_pipe = child.stdout.take().expect("stdout");
+    let mut err_pipe = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out_pipe.read_to_string(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err_pipe.read_to_string(&mut s);
+        s
+    });
+    let status = child.wait_timeout(CHILD_DEADLINE).expect("wait for the child");
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let (stdout, stderr) = (out.join().expect("stdout reader"), err.join().expect("stderr reader"));
+    let Some(status) = status else {
+        panic!(
+            "case {case}: still running after {CHILD_DEADLINE:?} (a hang)\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+        )
+    };
+    assert!(status.success(), "case {case}: the child failed ({status})\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    assert!(
+        stdout.contains(&format!("FAKECUDA-CASE-PASSED {case}\n")) && stdout.contains("1 passed"),
+        "case {case}: the child did not run the case\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+    );
+    stdout
+}
+
+/// The fake driver reports its devices to `anyccl_cuda::available()` (4, compute capability 9.0, no multicast,
+/// driver 12.8); the capability report has the runtime and the custom kernels on and multicast off with the
+/// device attribute; NCCL is the fake 2.28 found through `ANYCCL_NCCL_PATH`.
+#[test]
+fn the_fake_driver_is_available_with_its_devices() {
+    run_case("available");
+}
+
+/// `communicators_single_process` at worlds 2 and 4: f32 and bf16 sums, in place and out of place, run the
+/// kernel the selection names (one-shot or two-shot), once per rank with the grid for the size and 512 threads,
+/// with decoded parameters naming every rank, and the sums equal the host reference; i32 (no custom kernel) and a
+/// size that is not whole 16-byte vectors go to NCCL, whose sums are right too. No capture violation.
+#[test]
+fn init_all_runs_the_selected_cuda_kernel_and_sums_right() {
+    run_case("init_all");
+}
+
+/// Graph capture of an out-of-place all-reduce launches the `_table` kernel (capturing, nothing runs), a replay
+/// before `register_graph_buffers` reads the input through staging, registration registers it on every rank, and
+/// later replays read the registered inputs; every replay sums right. One-shot at world 2, two-shot at world 4.
+#[test]
+fn captured_all_reduces_replay_before_and_after_register_graph_buffers() {
+    run_case("graphs");
+}
+
+/// A wait that gives up writes rank 0's abort word once (`cuStreamWriteValue32_v2`), turns the kernels off with
+/// the reason, and the aborted communicator refuses the next call; the peer's selection never diverges.
+#[test]
+fn a_failed_wait_writes_the_abort_word_and_turns_the_kernels_off() {
+    run_case("abort");
+}
+
+/// One process per GPU as threads: `bootstrap::broadcast_unique_id` + `communicator_with_id` set the kernels up
+/// over legacy IPC handles (counted), eager and registered-graph sums are right, and every mapping is closed with
+/// its communicator.
+#[test]
+fn one_process_per_gpu_as_threads_sets_up_cuda_ipc() {
+    run_case("ipc_threads");
+}
+
+/// Ranks with different `ANYCCL_HOST_ID`s turn the kernels off with "ranks span 2 hosts" before any IPC call or
+/// module load; NCCL serves the call and sums right.
+#[test]
+fn ranks_on_two_hosts_turn_the_kernels_off_before_any_ipc() {
+    run_case("two_hosts");
+}
+
+/// Allocation during a capture is refused before the driver sees it (no `cuMemAlloc_v2`), and so is a wait (the
+/// kernels stay on: a refused wait is no failed wait); the capture stays valid: the graph instantiates and replays
+/// the captured all-reduce correctly.
+#[test]
+fn allocation_during_capture_is_refused_before_the_driver() {
+    run_case("alloc_in_capture");
+}
+
+/// The engine's own streams: a borrowed blocking stream (`CudaStream::from_raw`) runs the kernels and stays the
+/// engine's; while the engine captures a blocking stream anyccl never saw, in global mode, allocation is refused
+/// before the driver (the legacy stream answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and the capture stays valid;
+/// while it captures a non-blocking one, allocation goes ahead in relaxed mode without invalidating it.
+#[test]
+fn engine_streams_borrowed_and_captured_behind_anyccls_back() {
+    run_case("engine_streams");
+}
+
+/// The kernels' IPC setup (`enable_custom_ipc_with_env`) called while the engine captures in global mode is
+/// refused before the driver on every rank (no handle, no module load, no violation, the capture stays valid);
+/// after the capture the same setup succeeds and the CUDA one-shot runs.
+#[test]
+fn ipc_setup_during_a_capture_is_refused_before_the_driver_and_works_after_it() {
+    run_case("ipc_during_capture");
+}
+
+/// Sub-communicators of a one-process-per-GPU job (threads): `split(rank % 2)` gives two of two ranks, each with
+/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 one-shot over its two
+/// ranks only; a grouped ring of sends and receives on the parent completes. On a single-process parent the sub's
+/// kernels are off with the reason.
+#[test]
+fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
+    run_case("split");
+}
+
+/// The typed all-reduce over cudarc's own context, streams and slices (feature `cudarc`) at world 2: bf16 data
+/// written on one cudarc stream and reduced on another (cudarc's event tracking orders them), in place and into
+/// a sub-range, runs the one-shot kernel on cudarc's memory and sums right.
+#[cfg(feature = "cudarc")]
+#[test]
+fn cudarc_slices_and_streams_all_reduce_at_world_two() {
+    run_case("cudarc");
+}
+
+/// The conformance suite (every collective, dtype but fp8, op, worlds 1 to 4, counts not divisible by the world)
+/// on the CUDA communicator over the fakes, custom kernels on; no capture violation.
+#[test]
+fn conformance_of_every_collective_on_the_fake_cuda_driver() {
+    run_case("conformance");
+}
+
+// ---- The child half ----
+
+/// The child half: runs the case `FAKECUDA_CASE` names (set by the tests above, which start it) and prints its
+/// closing line. Run alone (as by `--ignored`) it does nothing.
+#[test]
+#[ignore = "the child half of the fake CUDA tests, which start it with the fakes on LD_LIBRARY_PATH"]
+fn child() {
+    let Some(case) = std::env::var("FAKECUDA_CASE").ok() else {
+        eprintln!("child: not started by a fake CUDA test (FAKECUDA_CASE unset); nothing to do");
+        return;
+    };
+    let s = setup();
+    match case.as_str() {
+        "available" => available(&s),
+        "init_all" => init_all(&s),
+        "graphs" => graphs(&s),
+        "abort" => abort(&s),
+        "ipc_threads" => ipc_threads(&s),
+        "two_hosts" => two_hosts(&s),
+        "alloc_in_capture" => alloc_in_capture(&s),
+        "engine_streams" => engine_streams(&s),
+        "ipc_during_capture" => ipc_during_capture(&s),
+        "split" => split(&s),
+        #[cfg(feature = "cudarc")]
+        "cudarc" => cudarc_world_two(&s),
+        "conformance" => conformance_suite(&s),
+        other => panic!("unknown case {other}"),
+    }
+    assert_eq!(s.fake.violations(), Vec::<String>::new(), "capture violations");
+    println!("FAKECUDA-CASE-PASSED {case}");
+}
+
+struct Setup {
+    lib: Arc<CclLibrary>,
+    fake: FakeHip,
+}
+
+fn setup() -> Setup {
+    let lib = anyccl_cuda::platform::load_nccl().expect("the fake NCCL through ANYCCL_NCCL_PATH");
+    let path = PathBuf::from(std::env::var_os("FAKECUDA_LIB").expect("FAKECUDA_LIB"));
+    // The driver the backend loads through LD_LIBRARY_PATH must be the fake one.
+    anyccl_cuda::available().expect("the fake driver");
+    let fake = FakeHip::open(&path);
+    Setup { lib, fake }
+}
+
+fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
+    let ordinals: Vec<i32> = (0..world as i32).collect();
+    anyccl_cuda::communicators_single_process(s.lib.clone(), &ordinals, Arc::new(Selector::defaults()))
+        .expect("communicators")
+}
+
+/// Runs `f` on one thread per rank.
+fn per_rank<T: Send>(
+    comms: &mut [Communicator<CudaComm>],
+    f: impl Fn(&mut Communicator<CudaComm>) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = comms.iter_mut().map(|c| sc.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+/// Small integers, exact in f32, bf16 and i32 and in their sums over 8 ranks.
+fn value(rank: usize, round: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13 + round * 5) % 17) as f32 - 8.0
+}
+
+fn encode(dtype: DataType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DataType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DataType::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
+        // Exact for these integers: bf16 is the upper half of the f32.
+        DataType::Bf16 => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        other => panic!("no encoding for {other}"),
+    }
+}
+
+fn decode(dtype: DataType, b: &[u8]) -> Vec<f32> {
+    match dtype {
+        DataType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        DataType::I32 => b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
+        DataType::Bf16 => {
+            b.chunks_exact(2).map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)).collect()
+        }
+        other => panic!("no decoding for {other}"),
+    }
+}
+
+fn input(dtype: DataType, rank: usize, round: usize, count: usize) -> Vec<u8> {
+    encode(dtype, &(0..count).map(|i| value(rank, round, i)).collect::<Vec<_>>())
+}
+
+fn reference(world: usize, round: usize, count: usize) -> Vec<f32> {
+    (0..count).map(|i| (0..world).map(|r| value(r, round, i)).sum()).collect()
+}
+
+fn kernel(shot: Shot, table: bool, dtype: DataType) -> String {
+    let s = if shot == Shot::One { "one_shot" } else { "two_shot" };
+    let t = if table { "table_" } else { "" };
+    format!("anyccl_{s}_{t}{}", if dtype == DataType::F32 { "f32" } else { "bf16" })
+}
+
+fn shot_of(a: Algorithm) -> Shot {
+    match a {
+        Algorithm::OneShot => Shot::One,
+        Algorithm::TwoShot => Shot::Two,
+        other => panic!("{other} is not a custom kernel"),
+    }
+}
+
+/// The launches recorded since `from` must be `world` launches of `name`, one per rank, with the communicator's
+/// grid for `bytes`, 512 threads, and decoded parameters for `world` ranks of `bytes / 16` vectors.
+fn check_launches(fake: &FakeHip, from: u64, world: usize, name: &str, bytes: usize) -> Vec<Launch> {
+    let new: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(new.len(), world, "one launch per rank: {new:?}");
+    let blocks = anyccl_ccl::gpu::comm::custom_blocks(bytes, anyccl_cuda::comm::DEFAULT_CUSTOM_MAX_BLOCKS);
+    let mut ranks: Vec<i32> = Vec::new();
+    for l in &new {
+        assert_eq!(l.name, name);
+        assert_eq!((l.grid, l.block, l.status), ([blocks, 1, 1], [512, 1, 1], 0), "{l:?}");
+        let p = l.params.as_ref().expect("decoded all-reduce parameters");
+        assert_eq!((p.world as usize, p.n_vec as usize), (world, bytes / 16), "{l:?}");
+        assert!(p.flags[..world].iter().all(|f| *f != 0), "every rank's flags: {l:?}");
+        ranks.push(p.rank);
+    }
+    ranks.sort();
+    assert_eq!(ranks, (0..world as i32).collect::<Vec<_>>());
+    new
+}
+
+fn call(count: usize, dtype: DataType) -> AllReduceCall {
+    AllReduceCall {
+        count,
+        dtype,
+        op: ReduceOp::Sum,
+        bytes: count * dtype.size_bytes(),
+        in_place: true,
+        capturing: false,
+        bufs: None,
+    }
+}
+
+fn available(s: &Setup) {
+    let info = anyccl_cuda::available().expect("available");
+    assert_eq!(info.version, 12080);
+    assert_eq!(info.devices.len(), 4, "{info:?}");
+    for (i, d) in info.devices.iter().enumerate() {
+        assert_eq!((d.ordinal, d.compute_capability, d.multicast_supported), (i as i32, (9, 0), false), "{d:?}");
+        assert_eq!(d.name, format!("Fake NVIDIA H200 {i}"));
+        assert_eq!(d.arch(), "sm_90");
+    }
+    assert_eq!(s.lib.version().code, 22809, "{}", s.lib.describe());
+    let caps = anyccl_cuda::capabilities(Some(&s.lib), &|_| None);
+    assert!(caps.has(Capabilities::CUDA_RUNTIME), "{caps:?}");
+    match anyccl_kernels_cuda::NOT_BUILT {
+        None => assert!(caps.has(Capabilities::CUSTOM_KERNELS), "{caps:?}"),
+        Some(why) => {
+            let off = caps.require(Capabilities::CUSTOM_KERNELS).expect_err("not built").to_string();
+            assert!(off.contains(why), "{off}");
+        }
+    }
+    match caps.state(Capabilities::MULTICAST) {
+        CapabilityState::Disabled(r) => assert!(r.to_string().contains("MULTICAST_SUPPORTED = 0"), "{r}"),
+        other => panic!("multicast on the fake: {other:?}"),
+    }
+    // cuMulticastCreate is not even exported.
+    // SAFETY: the fake driver, already loaded; a lookup only reads its symbol table.
+    let driver = unsafe { libloading::Library::new(std::env::var_os("FAKECUDA_LIB").expect("lib")) }.expect("open");
+    // SAFETY: a lookup only.
+    assert!(unsafe { driver.get::<*const c_void>(b"cuMulticastCreate\0") }.is_err(), "cuMulticastCreate exported");
+}
+
+fn init_all(s: &Setup) {
+    for world in [2usize, 4] {
+        let mut cs = comms(s, world);
+        assert!(cs[0].backend().custom_kernels_off().is_none(), "{:?}", cs[0].backend().custom_kernels_off());
+        let cases = [
+            (DataType::F32, 4096usize, false),
+            (DataType::Bf16, 4096, true),
+            (DataType::F32, 1 << 20, true),
+            (DataType::Bf16, 1 << 20, false),
+        ];
+        for (round, (dtype, bytes, in_place)) in cases.into_iter().enumerate() {
+            let count = bytes / dtype.size_bytes();
+            let want = cs[0].select_all_reduce(&call(count, dtype)).expect("selection").algorithm;
+            assert!(matches!(want, Algorithm::OneShot | Algorithm::TwoShot), "world {world} {dtype} {bytes}: {want}");
+            let from = s.fake.launch_total();
+            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
+                let rt = c.runtime().clone();
+                let st = rt.stream()?;
+                let mut a = rt.alloc(bytes)?;
+                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
+                let mut b = rt.alloc(bytes)?;
+                let sel = if in_place {
+                    c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
+                } else {
+                    c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
+                };
+                st.synchronize()?;
+                let mut host = vec![0u8; bytes];
+                rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
+                Ok((sel.algorithm, decode(dtype, &host)))
+            });
+            let launches = check_launches(&s.fake, from, world, &kernel(shot_of(want), false, dtype), bytes);
+            assert!(launches.iter().all(|l| !l.capturing && l.completed == 1), "{launches:?}");
+            for (rank, r) in out.into_iter().enumerate() {
+                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype} {bytes}: {e}"));
+                assert_eq!(algorithm, want, "world {world} {dtype} {bytes} rank {rank}");
+                assert!(got == reference(world, round, count), "world {world} {dtype} {bytes} rank {rank}: wrong sums");
+            }
+            println!("world {world} {dtype} {bytes} bytes: {want}");
+        }
+        // The small sizes take one-shot on NVIDIA's default table.
+        assert_eq!(cs[0].select_all_reduce(&call(1024, DataType::F32)).expect("sel").algorithm, Algorithm::OneShot);
+        // i32 (no custom kernel) and 40 bytes (not whole vectors) go to NCCL, which sums them right.
+        let why = cs[0].check_algorithm(Algorithm::OneShot, &call(10, DataType::F32)).expect_err("40 bytes");
+        assert!(why.to_string().contains("multiple of 16"), "{why}");
+        for (dtype, count) in [(DataType::I32, 4096usize), (DataType::F32, 10)] {
+            let from = s.fake.launch_total();
+            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
+                let rt = c.runtime().clone();
+                let st = rt.stream()?;
+                let bytes = count * dtype.size_bytes();
+                let mut a = rt.alloc(bytes)?;
+                rt.upload(&mut a, &input(dtype, c.rank(), 7, count), &st)?;
+                let sel = c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?;
+                st.synchronize()?;
+                let mut host = vec![0u8; bytes];
+                rt.download(&a, &mut host, &st)?;
+                Ok((sel.algorithm, decode(dtype, &host)))
+            });
+            assert_eq!(s.fake.launch_total(), from, "no kernel for {dtype} x {count}");
+            for (rank, r) in out.into_iter().enumerate() {
+                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype}: {e}"));
+                assert_eq!(algorithm, Algorithm::Ccl, "world {world} {dtype} x {count} rank {rank}");
+                assert!(got == reference(world, 7, count), "world {world} {dtype} rank {rank}: wrong sums");
+            }
+        }
+    }
+}
+
+type Captured = (Graph, CudaStream, anyccl_cuda::DeviceBuffer, anyccl_cuda::DeviceBuffer);
+
+fn graphs(s: &Setup) {
+    for (world, bytes) in [(2usize, 4096usize), (4, 1 << 20)] {
+        let mut cs = comms(s, world);
+        let dtype = DataType::F32;
+        let count = bytes / 4;
+        let mut capturing = call(count, dtype);
+        (capturing.in_place, capturing.capturing) = (false, true);
+        let want = cs[0].select_all_reduce(&capturing).expect("selection").algorithm;
+        let from = s.fake.launch_total();
+        let graphs = per_rank(&mut cs, |c| -> Result<_> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let mut inp = rt.alloc(bytes)?;
+            let mut out = rt.alloc(bytes)?;
+            let mut chosen = None;
+            let graph = Graph::capture(rt.context(), &st, |st| {
+                let sel =
+                    c.all_reduce(InOut::Separate { send: &inp, recv: &mut out }, count, dtype, ReduceOp::Sum, st)?;
+                chosen = Some(sel.algorithm);
+                Ok(())
+            })?;
+            let pending = c.pending_graph_buffers();
+            rt.upload(&mut inp, &input(dtype, c.rank(), 0, count), &st)?;
+            graph.launch(&st)?;
+            st.synchronize()?;
+            let mut host = vec![0u8; bytes];
+            rt.download(&out, &mut host, &st)?;
+            Ok(((graph, st, inp, out), chosen, pending, decode(dtype, &host)))
+        });
+        let captured = check_launches(&s.fake, from, world, &kernel(shot_of(want), true, dtype), bytes);
+        assert!(captured.iter().all(|l| l.capturing && l.runs == 1 && l.completed == 1), "{captured:?}");
+        assert!(captured.iter().all(|l| l.params.as_ref().and_then(|p| p.last_registered) == Some(false)));
+        let mut kept: Vec<Captured> = Vec::new();
+        for (rank, g) in graphs.into_iter().enumerate() {
+            let (k, chosen, pending, got) = g.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
+            assert_eq!(chosen, Some(want), "rank {rank}");
+            assert_eq!(pending, 1, "one input seen in the capture");
+            assert!(got == reference(world, 0, count), "world {world} rank {rank}: first replay");
+            kept.push(k);
+        }
+        let regs = per_rank(&mut cs, |c| c.register_graph_buffers(None));
+        for r in regs {
+            let r = r.expect("registration");
+            assert_eq!((r.registered, r.kept_staged.len()), (1, 0), "{r:?}");
+        }
+        assert_eq!(cs[0].pending_graph_buffers(), 0);
+        let runtimes: Vec<_> = cs.iter().map(|c| c.runtime().clone()).collect();
+        let results = std::thread::scope(|sc| {
+            let hs: Vec<_> = kept
+                .iter_mut()
+                .zip(runtimes)
+                .enumerate()
+                .map(|(rank, ((graph, st, inp, out), rt))| {
+                    sc.spawn(move || -> Result<Vec<f32>> {
+                        rt.upload(inp, &input(dtype, rank, 1, count), st)?;
+                        graph.launch(st)?;
+                        st.synchronize()?;
+                        let mut host = vec![0u8; bytes];
+                        rt.download(out, &mut host, st)?;
+                        Ok(decode(dtype, &host))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            assert!(r.expect("replay") == reference(world, 1, count), "world {world} rank {rank}: registered replay");
+        }
+        let replayed: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+        for l in &replayed {
+            assert_eq!((l.runs, l.completed, l.failed), (2, 2, 0), "{l:?}");
+            assert_eq!(l.params.as_ref().and_then(|p| p.last_registered), Some(true), "{l:?}");
+        }
+        println!("world {world}: captured {want}, replayed before and after registration");
+        drop(kept);
+    }
+}
+
+fn abort(s: &Setup) {
+    let mut cs = comms(s, 2);
+    let from = s.fake.launch_total();
+    let ok = per_rank(&mut cs, |c| -> Result<()> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut b = rt.alloc(4096)?;
+        c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+        c.wait(&st, Duration::from_secs(5))
+    });
+    assert!(ok.iter().all(|r| r.is_ok()), "{ok:?}");
+    let launched = check_launches(&s.fake, from, 2, "anyccl_one_shot_f32", 4096);
+    let flags_of = |rank: i32| {
+        let p = launched.iter().filter_map(|l| l.params.clone()).find(|p| p.rank == rank).expect("launch");
+        (p.flags[rank as usize] + anyccl_kernels_cuda::ABORT_WORD_OFFSET as u64) as *const u32
+    };
+    let (word0, word1) = (flags_of(0), flags_of(1));
+    // SAFETY: the fake's device memory is host memory; the flag arrays live while the communicators do.
+    let read = |w: *const u32| unsafe { std::ptr::read_volatile(w) };
+    assert_eq!((read(word0), read(word1)), (0, 0), "the abort words start clear");
+
+    let c = &mut cs[0];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    s.fake.set_busy(st.raw().cast(), true);
+    let writes = s.fake.calls("cuStreamWriteValue32_v2");
+    let started = std::time::Instant::now();
+    let err = c.wait(&st, Duration::from_millis(200)).expect_err("the stream never drains");
+    assert!(matches!(err, Error::Timeout { .. } | Error::PeerFailure(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
+    assert_eq!(s.fake.calls("cuStreamWriteValue32_v2"), writes + 1, "the abort word was written once");
+    assert_eq!(read(word0), 1, "rank 0's abort word is set");
+    let off = c.backend().custom_kernels_off().expect("off").to_owned();
+    assert!(off.contains("an earlier wait failed"), "{off}");
+    let mut b = rt.alloc(4096).expect("buffer");
+    assert!(c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).is_err(), "aborted");
+    s.fake.set_busy(st.raw().cast(), false);
+    println!("rank 0 abort: {err}; kernels off: {off}");
+
+    // Rank 1 still chooses the kernel, whose launch waits for rank 0 at its barrier for good (rank 0 fails every
+    // call now): rank 1's own wait gives up, writes its abort word, which stops the kernel (aborted, not timed
+    // out), and rank 1's kernels go off too. So the call fails on every rank and none hangs.
+    let c = &mut cs[1];
+    let rt = c.runtime().clone();
+    let st = rt.stream().expect("stream");
+    let mut b = rt.alloc(4096).expect("buffer");
+    let from = s.fake.launch_total();
+    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).expect("rank 1 launches");
+    assert_eq!(sel.algorithm, Algorithm::OneShot, "rank 1 has seen no failure");
+    let started = std::time::Instant::now();
+    let err = c.wait(&st, Duration::from_millis(300)).expect_err("rank 0 never comes");
+    assert!(matches!(err, Error::Timeout { .. } | Error::PeerFailure(_)), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
+    assert_eq!(s.fake.calls("cuStreamWriteValue32_v2"), writes + 2, "rank 1's abort word was written once");
+    assert_eq!(read(word1), 1, "rank 1's abort word is set");
+    let stuck: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!((stuck[0].runs, stuck[0].aborted, stuck[0].timed_out, stuck[0].completed), (1, 1, 0, 0), "{stuck:?}");
+    let off = c.backend().custom_kernels_off().expect("off on rank 1 too").to_owned();
+    assert!(off.contains("an earlier wait failed"), "{off}");
+    println!("rank 1 abort: {err}; kernels off: {off}");
+}
+
+/// A rank's eager sums, its registered replay's sums, how many graph inputs it registered, and the communicator.
+type RankResult = (Vec<f32>, Vec<f32>, usize, Communicator<CudaComm>);
+
+fn ipc_threads(s: &Setup) {
+    let world = 3;
+    let (gets, opens) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuIpcOpenMemHandle_v2"));
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let bytes = 8192;
+    let count = bytes / 4;
+    let from = s.fake.launch_total();
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                sc.spawn(move || -> Result<RankResult> {
+                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
+                    let selector = Arc::new(Selector::defaults());
+                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
+                        &id,
+                        rank,
+                        world,
+                        rank as i32,
+                        &mut boot,
+                        selector,
+                    )?;
+                    let rt = c.runtime().clone();
+                    let st = rt.stream()?;
+                    let mut inp = rt.alloc(bytes)?;
+                    let mut out = rt.alloc(bytes)?;
+                    rt.upload(&mut inp, &input(DataType::F32, rank, 0, count), &st)?;
+                    let io = InOut::Separate { send: &inp, recv: &mut out };
+                    c.all_reduce(io, count, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; bytes];
+                    rt.download(&out, &mut host, &st)?;
+                    let eager = decode(DataType::F32, &host);
+                    let graph = Graph::capture(rt.context(), &st, |st| {
+                        let io = InOut::Separate { send: &inp, recv: &mut out };
+                        c.all_reduce(io, count, DataType::F32, ReduceOp::Sum, st).map(|_| ())
+                    })?;
+                    let reg = c.register_graph_buffers(Some(&mut boot))?;
+                    rt.upload(&mut inp, &input(DataType::F32, rank, 1, count), &st)?;
+                    graph.launch(&st)?;
+                    st.synchronize()?;
+                    rt.download(&out, &mut host, &st)?;
+                    Ok((eager, decode(DataType::F32, &host), reg.registered, c))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    let mut comms = Vec::new();
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (eager, replay, registered, c) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(c.backend().custom_kernels_off().is_none(), "{:?}", c.backend().custom_kernels_off());
+        assert!(eager == reference(world, 0, count), "rank {rank}: eager");
+        assert!(replay == reference(world, 1, count), "rank {rank}: registered replay");
+        assert_eq!(registered, 1, "rank {rank}");
+        comms.push(c);
+    }
+    let launched: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_one_shot_f32").count(), world, "{launched:?}");
+    let table: Vec<&Launch> = launched.iter().filter(|l| l.name == "anyccl_one_shot_table_f32").collect();
+    assert_eq!(table.len(), world);
+    assert!(table.iter().all(|l| l.params.as_ref().and_then(|p| p.last_registered) == Some(true)), "{table:?}");
+    // Setup: staging, scratch and flags of every rank, each opened by every peer; then one graph input each.
+    let n = world as i32;
+    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 3 * n + n);
+    assert_eq!(s.fake.calls("cuIpcOpenMemHandle_v2") - opens, (3 + 1) * n * (n - 1));
+    assert_eq!(s.fake.ipc_open_count(), (3 + 1) * n * (n - 1), "every mapping open while the communicators live");
+    drop(comms);
+    assert_eq!(s.fake.ipc_open_count(), 0, "every mapping closed with its communicator");
+    assert_eq!(s.fake.calls("cuIpcCloseMemHandle"), (3 + 1) * n * (n - 1));
+}
+
+fn two_hosts(s: &Setup) {
+    let world = 2;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                sc.spawn(move || -> Result<(String, Algorithm, Vec<f32>)> {
+                    let host = if rank == 0 { "node-a" } else { "node-b" };
+                    let env = move |k: &str| (k == "ANYCCL_HOST_ID").then(|| host.to_owned());
+                    let id = anyccl_ccl::gpu::bootstrap::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
+                    let selector = Arc::new(Selector::defaults());
+                    let mut c = anyccl_ccl::gpu::bootstrap::join::<Cuda>(
+                        s.lib.clone(),
+                        &id,
+                        rank,
+                        world,
+                        rank as i32,
+                        &mut boot,
+                        selector,
+                        &env,
+                    )?;
+                    let off = c.backend().custom_kernels_off().unwrap_or_default().to_owned();
+                    let rt = c.runtime().clone();
+                    let st = rt.stream()?;
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host_bytes = vec![0u8; 4096];
+                    rt.download(&b, &mut host_bytes, &st)?;
+                    Ok((off, sel.algorithm, decode(DataType::F32, &host_bytes)))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (off, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(off.contains("ranks span 2 hosts (rank 0 on node-a, rank 1 on node-b)"), "rank {rank}: {off}");
+        assert_eq!(algorithm, Algorithm::Ccl, "rank {rank}");
+        assert!(got == reference(world, 0, 1024), "rank {rank}");
+        println!("rank {rank}: {off}");
+    }
+    for call in ["cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuModuleLoadData", "hipIpcGetMemHandle"] {
+        assert_eq!(s.fake.calls(call), 0, "{call}: no IPC handle and not even the kernels before the check");
+    }
+}
+
+fn alloc_in_capture(s: &Setup) {
+    let mut cs = comms(s, 2);
+    let allocs = s.fake.calls("cuMemAlloc_v2");
+    let out = per_rank(&mut cs, |c| -> Result<(Error, Vec<f32>)> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut b = rt.alloc(4096)?;
+        rt.upload(&mut b, &input(DataType::F32, c.rank(), 0, 1024), &st)?;
+        let (mut refused, mut wait) = (None, None);
+        let graph = Graph::capture_with(rt.context(), &st, anyccl_core::CaptureMode::ThreadLocal, |st| {
+            refused = rt.alloc(64).err();
+            c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, st)?;
+            // A wait during the capture is refused too, and is no failed wait: nothing is aborted.
+            wait = c.wait(st, Duration::from_secs(1)).err();
+            Ok(())
+        })?;
+        let wait = wait.expect("wait during the capture refused");
+        assert!(matches!(wait, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{wait}");
+        assert!(c.backend().custom_kernels_off().is_none(), "{:?}", c.backend().custom_kernels_off());
+        graph.launch(&st)?;
+        st.synchronize()?;
+        let mut host = vec![0u8; 4096];
+        rt.download(&b, &mut host, &st)?;
+        Ok((refused.expect("allocation during the capture refused"), decode(DataType::F32, &host)))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (refused, got) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(matches!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{refused}");
+        assert!(got == reference(2, 0, 1024), "rank {rank}: the captured all-reduce replayed");
+    }
+    // The driver saw each rank's buffer `b`, and not the allocation refused during the capture.
+    assert_eq!(s.fake.calls("cuMemAlloc_v2") - allocs, 2, "the refused allocation never reached cuMemAlloc_v2");
+    assert_eq!(s.fake.calls("cuStreamEndCapture"), 2);
+}
+
+/// A raw stream made as an engine makes it (`CU_STREAM_DEFAULT`: blocking, or `CU_STREAM_NON_BLOCKING`).
+fn engine_stream(rt: &anyccl_cuda::CudaRuntime, blocking: bool) -> sys::CUstream {
+    rt.context().bind().expect("bind");
+    let mut raw: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: writes one stream handle.
+    let rc = unsafe { sys::cuStreamCreate(&mut raw, if blocking { 0 } else { 1 }) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    raw
+}
+
+/// Ends the engine's capture on `raw` and destroys the graph: the capture must have stayed valid.
+fn end_engine_capture(raw: sys::CUstream) {
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: a stream this test began capturing; writes one graph handle.
+    let rc = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "the engine's capture stayed valid");
+    assert!(!graph.is_null());
+    // SAFETY: the graph just ended, destroyed once; the stream is the test's own.
+    unsafe {
+        assert_eq!(sys::cuGraphDestroy(graph), sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(sys::cuStreamDestroy_v2(raw), sys::CUresult::CUDA_SUCCESS);
+    }
+}
+
+fn engine_streams(s: &Setup) {
+    let mut cs = comms(s, 2);
+    let out = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+        let rt = c.runtime().clone();
+        let raw = engine_stream(&rt, true);
+        let mut b = rt.alloc(4096)?;
+        let got = {
+            // SAFETY: `raw` is a live stream of this device and outlives the wrapper (destroyed below).
+            let st = unsafe { CudaStream::from_raw(raw.cast(), rt.context()) };
+            rt.upload(&mut b, &input(DataType::F32, c.rank(), 0, 1024), &st)?;
+            let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+            assert_eq!(sel.algorithm, Algorithm::OneShot);
+            let mut host = vec![0u8; 4096];
+            rt.download(&b, &mut host, &st)?;
+            decode(DataType::F32, &host)
+        };
+        // SAFETY: the engine's stream, still alive after the wrapper dropped; destroyed once.
+        assert_eq!(unsafe { sys::cuStreamDestroy_v2(raw) }, sys::CUresult::CUDA_SUCCESS, "the wrapper kept it");
+        Ok(got)
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        assert!(r.expect("rank") == reference(2, 0, 1024), "rank {rank}");
+    }
+    let rt = cs[0].runtime().clone();
+    for blocking in [true, false] {
+        let raw = engine_stream(&rt, blocking);
+        let allocs = s.fake.calls("cuMemAlloc_v2");
+        // SAFETY: a live stream of this device, not capturing.
+        let rc = unsafe { sys::cuStreamBeginCapture_v2(raw, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+        let r = rt.alloc(64);
+        if blocking {
+            let e = r.err().expect("refused while a blocking stream captures");
+            assert!(matches!(e, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{e}");
+            assert_eq!(s.fake.calls("cuMemAlloc_v2"), allocs, "refused before the driver");
+        } else {
+            let b = r.expect("allowed in relaxed mode beside a capture anyccl cannot see");
+            assert_eq!(s.fake.calls("cuMemAlloc_v2"), allocs + 1);
+            // Freeing is refused the same way while the capture runs: the buffer is kept until it ends.
+            end_engine_capture(raw);
+            drop(b);
+            continue;
+        }
+        end_engine_capture(raw);
+    }
+}
+
+fn ipc_during_capture(s: &Setup) {
+    let world = 2;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let env = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
+    let caps = Arc::new(anyccl_cuda::capabilities(Some(&s.lib), &|_| None));
+    let id = anyccl_ccl::UniqueId::new(&s.lib).expect("unique id");
+    let (gets, loads) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuModuleLoadData"));
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                let (env, caps, id) = (&env, caps.clone(), &id);
+                sc.spawn(move || -> Result<(Error, Algorithm, Vec<f32>)> {
+                    let mut comm = CudaComm::init_rank(s.lib.clone(), rank as i32, world, rank, id, caps)?;
+                    let rt = anyccl_core::CommBackend::runtime(&comm).clone();
+                    let st = rt.stream()?;
+                    // A global capture refuses allocation on every thread: every rank is set up before any
+                    // captures, and every capture has ended before any rank allocates again.
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    let mut during = None;
+                    let _graph = Graph::capture_with(rt.context(), &st, anyccl_core::CaptureMode::Global, |_| {
+                        during = Some(comm.enable_custom_ipc_with_env(&mut boot, env));
+                        Ok(())
+                    })?;
+                    let refused = during.and_then(|r| r.err()).expect("refused during the capture");
+                    anyccl_core::Bootstrap::barrier(&mut boot)?;
+                    comm.enable_custom_ipc_with_env(&mut boot, env)?;
+                    let mut c = Communicator::new(comm, Arc::new(Selector::defaults()));
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    Ok((refused, sel.algorithm, decode(DataType::F32, &host)))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (refused, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert!(
+            matches!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })),
+            "rank {rank}: {refused}"
+        );
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: set up after the capture");
+        assert!(got == reference(world, 0, 1024), "rank {rank}");
+    }
+    // Only the setup after the capture reached the driver: three handles per rank, one module load per rank.
+    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 3 * world as i32);
+    assert_eq!(s.fake.calls("cuModuleLoadData") - loads, world as i32);
+}
+
+/// What one rank of the split case saw: its sub-communicator's rank and world, the sub all-reduce's algorithm and
+/// sums, and what the grouped ring exchange on the parent received.
+type SplitSeen = (usize, usize, Algorithm, Vec<f32>, Vec<f32>);
+
+fn split(s: &Setup) {
+    let world = 4;
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let from = s.fake.launch_total();
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                sc.spawn(move || -> Result<SplitSeen> {
+                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
+                    let selector = Arc::new(Selector::defaults());
+                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
+                        &id,
+                        rank,
+                        world,
+                        rank as i32,
+                        &mut boot,
+                        selector,
+                    )?;
+                    let rt = c.runtime().clone();
+                    let st = rt.stream()?;
+                    let mut sub = c.split(Some(rank as u32 % 2), rank as u32)?.expect("a color was given");
+                    let mut b = rt.alloc(4096)?;
+                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
+                    let sel = sub.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; 4096];
+                    rt.download(&b, &mut host, &st)?;
+                    let mut mine = rt.alloc(16)?;
+                    rt.upload(&mut mine, &encode(DataType::F32, &[rank as f32; 4]), &st)?;
+                    let mut got = rt.alloc(16)?;
+                    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+                    let mut ops = [
+                        anyccl_core::P2pOp::Recv { buf: &mut got, count: 4, dtype: DataType::F32, peer: prev },
+                        anyccl_core::P2pOp::Send { buf: &mine, count: 4, dtype: DataType::F32, peer: next },
+                    ];
+                    c.p2p(&mut ops, &st)?;
+                    st.synchronize()?;
+                    let mut ring = vec![0u8; 16];
+                    rt.download(&got, &mut ring, &st)?;
+                    Ok((
+                        sub.rank(),
+                        sub.world_size(),
+                        sel.algorithm,
+                        decode(DataType::F32, &host),
+                        decode(DataType::F32, &ring),
+                    ))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (sub_rank, sub_world, algorithm, sums, ring) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: the sub-communicator's own kernels");
+        let peers = [rank % 2, rank % 2 + 2];
+        let want: Vec<f32> = (0..1024).map(|i| peers.iter().map(|r| value(*r, 0, i)).sum()).collect();
+        assert!(sums == want, "rank {rank}: the sum over its sub-communicator only");
+        assert_eq!(ring, vec![((rank + world - 1) % world) as f32; 4], "rank {rank}: the previous rank's values");
+    }
+    let subs: Vec<Launch> = s
+        .fake
+        .launches()
+        .into_iter()
+        .filter(|l| l.seq > from && l.params.as_ref().is_some_and(|p| p.world == 2))
+        .collect();
+    assert_eq!(subs.len(), world, "one world-2 one-shot per rank: {subs:?}");
+
+    // One process: the sub-communicators' kernels are off, with the reason, and NCCL serves them.
+    let mut cs = comms(s, 2);
+    let subs = per_rank(&mut cs, |c| {
+        c.split(Some(0), 0).map(|sub| sub.map(|s| s.backend().custom_kernels_off().map(str::to_owned)))
+    });
+    for sub in subs {
+        let why = sub.expect("split").expect("colored").expect("off");
+        assert!(why.contains("peer access within one process"), "{why}");
+    }
+}
+
+#[cfg(feature = "cudarc")]
+fn cudarc_world_two(s: &Setup) {
+    use anyccl_cuda::CudarcAllReduce;
+    use half::bf16;
+    let n = 1024;
+    let data = |rank: usize| (0..n).map(|i| bf16::from_f32(value(rank, 3, i))).collect::<Vec<bf16>>();
+    let mut cs = comms(s, 2);
+    let from = s.fake.launch_total();
+    let out = per_rank(&mut cs, |c| -> std::result::Result<(Algorithm, Vec<bf16>, Vec<bf16>), String> {
+        let rank = c.rank();
+        let ctx = cudarc::driver::CudaContext::new(rank).map_err(|e| e.to_string())?;
+        let upload = ctx.new_stream().map_err(|e| e.to_string())?;
+        let work = ctx.new_stream().map_err(|e| e.to_string())?;
+        let mut x = upload.clone_htod(&data(rank)).map_err(|e| e.to_string())?;
+        let sel = c.all_reduce_in_place(&mut x, ReduceOp::Sum, &work).map_err(|e| e.to_string())?;
+        let summed = upload.clone_dtoh(&x).map_err(|e| e.to_string())?;
+        // Into elements 16..528 of a zeroed output (whole vectors): nothing outside is written.
+        let send = upload.clone_htod(&data(rank)).map_err(|e| e.to_string())?;
+        let mut into = upload.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+        c.all_reduce_into(&send.slice(0..512), &mut into.slice_mut(16..528), ReduceOp::Sum, &work)
+            .map_err(|e| e.to_string())?;
+        let ranged = upload.clone_dtoh(&into).map_err(|e| e.to_string())?;
+        Ok((sel.algorithm, summed, ranged))
+    });
+    let want: Vec<bf16> = reference(2, 3, n).into_iter().map(bf16::from_f32).collect();
+    for (rank, r) in out.into_iter().enumerate() {
+        let (algorithm, summed, ranged) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}");
+        assert_eq!(summed, want, "rank {rank}: in place");
+        assert_eq!(&ranged[16..528], &want[..512], "rank {rank}: into the sub-range");
+        assert!(ranged[..16].iter().chain(&ranged[528..]).all(|v| *v == bf16::ZERO), "rank {rank}: outside");
+    }
+    let launched: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_one_shot_bf16" && l.completed == 1).count(), 4);
+}
+
+struct FakeCuda<'a> {
+    s: &'a Setup,
+}
+
+impl ConformanceTarget for FakeCuda<'_> {
+    type Backend = CudaComm;
+
+    fn name(&self) -> String {
+        format!("cuda on the fake driver and {}", self.s.lib.describe())
+    }
+
+    fn create(&self, world: usize) -> Result<Vec<Communicator<CudaComm>>> {
+        Ok(comms(self.s, world))
+    }
+
+    fn stream(&self, comm: &Communicator<CudaComm>) -> Result<CudaStream> {
+        comm.runtime().stream()
+    }
+}
+
+fn conformance_suite(s: &Setup) {
+    let target = FakeCuda { s };
+    // fp8 is left out: the fake NCCL does not compute it (it refuses it with ncclInvalidArgument).
+    let dtypes: Vec<DataType> =
+        DataType::ALL.iter().copied().filter(|d| !matches!(d, DataType::Fp8E4M3 | DataType::Fp8E5M2)).collect();
+    // 1024 elements: whole 16-byte vectors for every kernel type, so the custom kernels are in the suite too.
+    let cfg = Config { worlds: vec![1, 2, 3, 4], dtypes, counts: vec![0, 1, 5, 1037, 1024], ..Config::default() };
+    let from = s.fake.launch_total();
+    let summary = conformance::run(&target, &cfg);
+    println!(
+        "conformance: {} checks, {} expected errors, {} custom kernel launches",
+        summary.checks,
+        summary.expected_errors,
+        s.fake.launch_total() - from
+    );
+    summary.assert_ok();
+    if anyccl_kernels_cuda::NOT_BUILT.is_none() {
+        assert!(s.fake.launch_total() > from, "the custom kernels ran in the suite");
+    }
+}

@@ -1,0 +1,101 @@
+//! The fake CUDA driver (`libcuda.so.1`: `fake_hip.c` and the CUDA driver API facade `fake_cuda.c` compiled as one
+//! translation unit, so it shares the fake HIP runtime's memory, streams, graphs, capture rules, IPC and kernel
+//! emulation) and a computing fake NCCL (`fake_rccl.c` with an NCCL profile's symbol set, linked against that
+//! driver by soname, as the fake RCCL links the fake HIP runtime), compiled at test time with the system `cc`.
+//! Used through `#[path]` together with `fake_ccl.rs` and `fake_hip.rs` (whose `FakeHip` reads the records: the
+//! driver exports the `fakehip_*` test interface too).
+#![allow(dead_code)]
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use super::fake_ccl::{self, Profile};
+
+const HIP_C: &str = include_str!("fake_hip.c");
+const CUDA_C: &str = include_str!("fake_cuda.c");
+const NCCL_C: &str = include_str!("fake_rccl.c");
+/// The fake driver's soname.
+pub const CUDA_SONAME: &str = "libcuda.so.1";
+
+/// Symbols `fake_rccl.c` defines itself; those in `GUARDED` only when the release exports them (as in
+/// `fake_hip.rs`).
+const IMPLEMENTED: &[&str] = &[
+    "ncclGetVersion",
+    "ncclGetUniqueId",
+    "ncclCommInitRank",
+    "ncclCommInitAll",
+    "ncclCommDestroy",
+    "ncclCommCount",
+    "ncclCommUserRank",
+    "ncclCommGetAsyncError",
+    "ncclCommAbort",
+    "ncclGetErrorString",
+    "ncclGetLastError",
+    "ncclGroupStart",
+    "ncclGroupEnd",
+    "ncclAllReduce",
+    "ncclAllGather",
+    "ncclReduceScatter",
+    "ncclBroadcast",
+    "ncclReduce",
+    "ncclSend",
+    "ncclRecv",
+];
+const GUARDED: &[&str] = &[
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+];
+
+/// The fake CUDA driver, built once per test process: `<dir>/libcuda.so.1`, with `<dir>/libcuda.so` linking to it
+/// (the first name cudarc tries), so a process started with `LD_LIBRARY_PATH=<dir>` loads it by either name.
+pub fn build_cuda() -> PathBuf {
+    // Once per process: the tests of a binary call this from several threads, and the link is made here.
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(build_cuda_uncached).clone()
+}
+
+fn build_cuda_uncached() -> PathBuf {
+    let source = format!("{HIP_C}\n/* ---- fake_cuda.c ---- */\n{CUDA_C}");
+    let lib = fake_ccl::compile_once(
+        &format!("cuda/{CUDA_SONAME}"),
+        &source,
+        // nodelete: the streams' worker threads run code of the library (see fake_hip.rs).
+        &[format!("-Wl,-soname,{CUDA_SONAME}"), "-Wl,-z,nodelete".into(), "-lpthread".into()],
+    );
+    let dir = lib.parent().expect("the fake driver's folder");
+    let link = dir.join("libcuda.so");
+    if std::fs::read_link(&link).ok().as_deref() != Some(std::path::Path::new(CUDA_SONAME)) {
+        let tmp = dir.join(format!(".libcuda.so.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(CUDA_SONAME, &tmp).expect("symlink libcuda.so");
+        std::fs::rename(&tmp, &link).expect("rename the libcuda.so link");
+    }
+    lib
+}
+
+/// A computing fake NCCL with the symbol set of `p`, linked against the fake CUDA driver (whose `hipMalloc` and
+/// `fakehip_enqueue` it calls).
+pub fn build_nccl(p: &Profile) -> PathBuf {
+    let cuda = build_cuda();
+    let cuda_dir = cuda.parent().expect("cuda dir").display().to_string();
+    let mut syms: Vec<&str> = anyccl_ccl::loader::REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(fake_ccl::BASE);
+    syms.extend_from_slice(p.extra);
+    let mut c = format!("#define FAKE_VERSION {}\n", p.version);
+    for s in syms.iter().filter(|s| GUARDED.contains(s)) {
+        let _ = writeln!(c, "#define HAVE_{s} 1");
+    }
+    c.push_str(NCCL_C);
+    for s in syms.iter().filter(|s| !IMPLEMENTED.contains(s) && !GUARDED.contains(s)) {
+        let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
+    }
+    fake_ccl::compile_once(
+        &format!("cuda-compute/{}", p.file),
+        &c,
+        &[format!("-L{cuda_dir}"), format!("-l:{CUDA_SONAME}"), format!("-Wl,-rpath,{cuda_dir}"), "-lpthread".into()],
+    )
+}
