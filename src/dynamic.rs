@@ -1295,17 +1295,21 @@ mod tests {
         }
     }
 
+    /// One rank's outcome of the group-and-split test: what it received, and its sub-communicator's rank, world and
+    /// sum (`None`: it joined none).
+    type GroupSplitOutcome = (Vec<u8>, Option<(usize, usize, Vec<u8>)>);
+
     /// Through the erased face: a grouped ring at world 4 (receive listed first on odd ranks), then a split into
     /// even and odd ranks whose all-reduces sum only their members, with rank 3 joining none.
     #[test]
     fn host_ranks_through_the_erased_face_exchange_in_a_group_and_split() {
         let chosen = communicators(BackendChoice::Host, 4, Arc::new(Selector::defaults())).expect("host ranks");
-        let out: Vec<Result<(Vec<u8>, Option<(usize, usize, Vec<u8>)>)>> = std::thread::scope(|s| {
+        let out: Vec<Result<GroupSplitOutcome>> = std::thread::scope(|s| {
             let hs: Vec<_> = chosen
                 .comms
                 .into_iter()
                 .map(|mut c| {
-                    s.spawn(move || -> Result<(Vec<u8>, Option<(usize, usize, Vec<u8>)>)> {
+                    s.spawn(move || -> Result<GroupSplitOutcome> {
                         let (rank, world) = (c.rank(), c.world_size());
                         let st = c.stream()?;
                         let mut send = c.alloc(16)?;
