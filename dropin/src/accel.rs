@@ -165,10 +165,13 @@ pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
     if comm.is_null() {
         return;
     }
-    let slot: Box<dyn Accel> = match lib.vendor() {
+    // Never fails the caller's call: a panic in a vendor runtime's loading becomes "off" with the reason.
+    let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match lib.vendor() {
         CclVendor::Rccl => pending::<anyccl_rocm::Hip>(lib, api, comm),
         _ => pending::<anyccl_cuda::Cuda>(lib, api, comm),
-    };
+    }));
+    let slot: Box<dyn Accel> = made
+        .unwrap_or_else(|_| Box::new(Off("internal error while setting up anyccl's state (a panic, caught)".into())));
     if map().insert(comm as usize, Arc::new(Mutex::new(slot))).is_none() {
         LIVE.fetch_add(1, Ordering::AcqRel);
     }
@@ -177,6 +180,10 @@ pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
 /// What the drop-in needs of a vendor beyond [`GpuPlatform`]: the device current on this thread and the caller's
 /// stream as the runtime's stream type.
 pub trait DropinPlatform: GpuPlatform {
+    /// Whether the vendor's runtime can be used at all (checked before anything of it is touched).
+    fn usable() -> Result<(), String> {
+        Ok(())
+    }
     /// The device current on this thread (where NCCL creates a communicator).
     fn current_device() -> anyccl_core::Result<i32>;
     /// The device's ordinal of a runtime (the buffers' device).
@@ -189,6 +196,17 @@ pub trait DropinPlatform: GpuPlatform {
 }
 
 impl DropinPlatform for anyccl_rocm::Hip {
+    fn usable() -> Result<(), String> {
+        if let Err(e) = anyccl_rocm::platform::hip_library() {
+            return Err(format!("the HIP runtime could not be loaded: {e}"));
+        }
+        match <Self as GpuPlatform>::device_count() {
+            Ok(n) if n > 0 => Ok(()),
+            Ok(_) => Err("the HIP runtime sees no device".into()),
+            Err(e) => Err(format!("the HIP runtime sees no device: {e}")),
+        }
+    }
+
     fn current_device() -> anyccl_core::Result<i32> {
         let lib = anyccl_rocm::platform::hip_library().as_ref().map_err(|e| Error::Unsupported {
             capability: "hip-runtime".into(),
@@ -214,6 +232,10 @@ impl DropinPlatform for anyccl_rocm::Hip {
 }
 
 impl DropinPlatform for anyccl_cuda::Cuda {
+    fn usable() -> Result<(), String> {
+        anyccl_cuda::available().map(|_| ()).map_err(|r| format!("the CUDA driver is not usable: {r}"))
+    }
+
     fn current_device() -> anyccl_core::Result<i32> {
         Err(Error::backend(
             "cuda",
@@ -319,6 +341,7 @@ where
         if let Some(why) = disabled() {
             return Err(why);
         }
+        P::usable()?;
         // SAFETY: `comm` was just created by `lib`; the caller destroys it only through the drop-in, which drops
         // every borrowed value first. This one answers two queries and is dropped at once.
         let probe = unsafe { CclComm::from_raw_borrowed(lib.clone(), comm) };

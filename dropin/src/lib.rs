@@ -137,11 +137,12 @@ macro_rules! forward {
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> NcclResult {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                // Before the log line: what the drop-in does first (releasing its state) is logged first.
+                $( $($before)* )?
                 $( tracing::debug!(function = stringify!($name), $($log)*); )?
                 if $counted {
                     count_collective();
                 }
-                $( $($before)* )?
                 // SAFETY: `f` is the underlying library's own entry point of this name, with nccl.h's signature;
                 // the caller's arguments are passed on as the caller's contract with nccl.h requires.
                 let rc = unsafe { f($($arg),*) };
@@ -158,11 +159,12 @@ macro_rules! forward {
         pub unsafe extern "C" fn $pname($($arg: $ty),*) -> NcclResult {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                // Before the log line: what the drop-in does first (releasing its state) is logged first.
+                $( $($before)* )?
                 $( tracing::debug!(function = stringify!($pname), $($log)*); )?
                 if $counted {
                     count_collective();
                 }
-                $( $($before)* )?
                 // SAFETY: as for the `nccl*` name.
                 let rc = unsafe { f($($arg),*) };
                 $( let ($rc, $u) = (rc, _u); { $($after)* }; )?
