@@ -25,7 +25,6 @@
 //! - **Groups**: calls between `ncclGroupStart` and `ncclGroupEnd` on this thread are forwarded (NCCL defers them
 //!   to the group's end; a setup inside would join the caller's group).
 
-use std::borrow::Cow;
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -46,12 +45,34 @@ use crate::AllReduceCall;
 /// What the drop-in did with one `ncclAllReduce`.
 #[derive(Debug)]
 pub enum Outcome {
-    /// Forward to the library underneath; why, for the log (a fixed text on the frequent paths: no allocation).
-    Forward(Cow<'static, str>),
+    /// Forward to the library underneath; why, for the log (no allocation on the frequent paths).
+    Forward(Why),
     /// Ran on anyccl's kernels (the algorithm, and the selector's rule).
     Ran(Algorithm, String),
     /// anyccl failed the call itself.
     Failed(Failure),
+}
+
+/// Why a call was forwarded: a fixed or shared text on the paths every forwarded call takes (nothing allocated),
+/// a formatted one on rare paths.
+#[derive(Debug, Clone)]
+pub enum Why {
+    /// A fixed text.
+    Static(&'static str),
+    /// A text kept by the communicator's state (why anyccl is off for it).
+    Shared(Arc<str>),
+    /// A text made for this call.
+    Owned(String),
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Why::Static(s) => s,
+            Why::Shared(s) => s,
+            Why::Owned(s) => s,
+        })
+    }
 }
 
 /// One communicator's anyccl state, behind its lock.
@@ -105,13 +126,13 @@ fn lock(e: &Entry) -> std::sync::MutexGuard<'_, Box<dyn Accel>> {
 /// Decides one `ncclAllReduce`.
 pub fn all_reduce(call: &AllReduceCall) -> Outcome {
     if LIVE.load(Ordering::Acquire) == 0 {
-        return Outcome::Forward(Cow::Borrowed("no communicator was created through the drop-in"));
+        return Outcome::Forward(Why::Static("no communicator was created through the drop-in"));
     }
     let Some(entry) = map().get(&(call.comm as usize)).map(|e| e.value().clone()) else {
-        return Outcome::Forward(Cow::Borrowed("a communicator the drop-in did not see created"));
+        return Outcome::Forward(Why::Static("a communicator the drop-in did not see created"));
     };
     if in_group() {
-        return Outcome::Forward(Cow::Borrowed("inside ncclGroupStart/ncclGroupEnd (the group runs it)"));
+        return Outcome::Forward(Why::Static("inside ncclGroupStart/ncclGroupEnd (the group runs it)"));
     }
     let out = lock(&entry).all_reduce(call);
     if matches!(out, Outcome::Ran(..)) {
@@ -133,7 +154,7 @@ pub fn release(comm: Comm, abort: bool) {
             slot.stop();
         }
         // Replaced by an empty slot: the GpuComm (buffers, mappings, module) drops here, under the lock.
-        *slot = Box::new(Off(String::from("released")));
+        *slot = Box::new(Off::new("released"));
         tracing::debug!(?comm, abort, "anyccl state of the communicator released");
     }
 }
@@ -170,8 +191,8 @@ pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
         CclVendor::Rccl => pending::<anyccl_rocm::Hip>(lib, api, comm),
         _ => pending::<anyccl_cuda::Cuda>(lib, api, comm),
     }));
-    let slot: Box<dyn Accel> = made
-        .unwrap_or_else(|_| Box::new(Off("internal error while setting up anyccl's state (a panic, caught)".into())));
+    let slot: Box<dyn Accel> =
+        made.unwrap_or_else(|_| Box::new(Off::new("internal error while setting up anyccl's state (a panic, caught)")));
     if map().insert(comm as usize, Arc::new(Mutex::new(slot))).is_none() {
         LIVE.fetch_add(1, Ordering::AcqRel);
     }
@@ -255,12 +276,18 @@ impl DropinPlatform for anyccl_cuda::Cuda {
     }
 }
 
-/// A slot whose anyccl state is off: every call forwards with the reason.
-struct Off(String);
+/// A slot whose anyccl state is off: every call forwards with the reason (kept whole, shared with each call).
+struct Off(Arc<str>);
+
+impl Off {
+    fn new(why: &str) -> Self {
+        Off(Arc::from(format!("anyccl is off for this communicator: {why}")))
+    }
+}
 
 impl Accel for Off {
     fn all_reduce(&mut self, _call: &AllReduceCall) -> Outcome {
-        Outcome::Forward(Cow::Owned(format!("anyccl is off for this communicator: {}", self.0)))
+        Outcome::Forward(Why::Shared(self.0.clone()))
     }
     fn window_registered(&mut self, _: usize, _: usize, _: usize) {}
     fn window_deregistered(&mut self, _: usize) {}
@@ -294,7 +321,7 @@ where
         }
         Err(why) => {
             tracing::debug!(?comm, %why, "anyccl state: off");
-            Box::new(Off(why))
+            Box::new(Off::new(&why))
         }
     }
 }
@@ -325,8 +352,8 @@ struct Slot<P: DropinPlatform> {
     windows: Windows,
     /// Set up: the custom kernels over IPC, on a [`GpuComm`] borrowing `comm`.
     ready: Option<Communicator<GpuComm<P>>>,
-    /// Why the custom kernels are off for good (their setup failed, on some rank).
-    off: Option<String>,
+    /// Why the custom kernels are off for good (their setup failed, on some rank), as the log shows it.
+    off: Option<Arc<str>>,
 }
 
 // SAFETY: `comm` is a handle used only under the slot's lock (one call at a time, as NCCL requires of one
@@ -432,39 +459,39 @@ where
 {
     fn all_reduce(&mut self, call: &AllReduceCall) -> Outcome {
         if let Some(why) = &self.off {
-            return Outcome::Forward(Cow::Owned(format!("the custom kernels are off for this communicator: {why}")));
+            return Outcome::Forward(Why::Shared(why.clone()));
         }
         let (dtype, op, bytes) = match shape(call) {
             Ok(s) => s,
-            Err(why) => return Outcome::Forward(Cow::Borrowed(why)),
+            Err(why) => return Outcome::Forward(Why::Static(why)),
         };
         if bytes > self.capacity {
-            return Outcome::Forward(Cow::Borrowed(
+            return Outcome::Forward(Why::Static(
                 "the message exceeds the custom kernels' staging buffers (ANYCCL_CUSTOM_MAX_BYTES)",
             ));
         }
         if let Err(why) = custom_fits::<P>(dtype, op, bytes, self.world, self.capacity) {
-            return Outcome::Forward(Cow::Owned(why));
+            return Outcome::Forward(Why::Owned(why));
         }
         if self.windows.holds(call.sendbuff as usize, bytes) && self.windows.holds(call.recvbuff as usize, bytes) {
-            return Outcome::Forward(Cow::Borrowed("ccl-symmetric: the buffers lie in symmetric windows"));
+            return Outcome::Forward(Why::Static("ccl-symmetric: the buffers lie in symmetric windows"));
         }
         if self.ready.is_none() {
             match self.would_choose(dtype, op, bytes) {
                 Ok(s) if matches!(s.algorithm, Algorithm::OneShot | Algorithm::TwoShot) => {}
                 Ok(s) => {
-                    return Outcome::Forward(Cow::Owned(format!("the selector chose {} ({})", s.algorithm, s.why)))
+                    return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", s.algorithm, s.why)))
                 }
-                Err(e) => return Outcome::Forward(Cow::Owned(e.to_string())),
+                Err(e) => return Outcome::Forward(Why::Owned(e.to_string())),
             }
             match capturing::<P>(&self.runtime, call.stream) {
                 Ok(false) => {}
                 Ok(true) => {
-                    return Outcome::Forward(Cow::Borrowed(
+                    return Outcome::Forward(Why::Static(
                         "the custom kernels are not set up yet, and nothing is set up during capture",
                     ))
                 }
-                Err(e) => return Outcome::Forward(Cow::Owned(format!("the capture state is unknown ({e})"))),
+                Err(e) => return Outcome::Forward(Why::Owned(format!("the capture state is unknown ({e})"))),
             }
             // Every rank reaches this call (it was decided from what every rank shares): the setup is collective.
             match self.setup() {
@@ -475,13 +502,14 @@ where
                 Err(e) => {
                     let why = e.to_string();
                     tracing::info!(comm = ?self.comm, %why, "custom all-reduce kernels off for this communicator");
-                    self.off = Some(why.clone());
-                    return Outcome::Forward(Cow::Owned(format!("the custom kernels' setup turned them off: {why}")));
+                    let text: Arc<str> = Arc::from(format!("the custom kernels are off for this communicator: {why}"));
+                    self.off = Some(text.clone());
+                    return Outcome::Forward(Why::Shared(text));
                 }
             }
         }
         let Some(comm) = self.ready.as_mut() else {
-            return Outcome::Forward(Cow::Borrowed("the custom kernels are not set up"));
+            return Outcome::Forward(Why::Static("the custom kernels are not set up"));
         };
         let ordinal = P::device_ordinal(comm.runtime());
         // SAFETY: the caller's stream, live for the call (nccl.h's contract); dropped before returning.
@@ -504,10 +532,10 @@ where
         let core_call = CoreCall { count: call.count, dtype, op, bytes, in_place, capturing, bufs: Some(bufs.desc()) };
         let sel = match comm.select_all_reduce(&core_call) {
             Ok(s) => s,
-            Err(e) => return Outcome::Forward(Cow::Owned(e.to_string())),
+            Err(e) => return Outcome::Forward(Why::Owned(e.to_string())),
         };
         if !matches!(sel.algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
-            return Outcome::Forward(Cow::Owned(format!("the selector chose {} ({})", sel.algorithm, sel.why)));
+            return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", sel.algorithm, sel.why)));
         }
         match comm.all_reduce_with(sel.algorithm, bufs, call.count, dtype, op, &stream) {
             Ok(()) => Outcome::Ran(sel.algorithm, sel.why.to_string()),

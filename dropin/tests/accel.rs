@@ -104,7 +104,7 @@ fn small_sums_run_the_custom_kernels_and_the_rest_forwards() {
     // 64 KiB staging) forwarded. Every result was checked against the host reference in the child.
     assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=2 two_shot=0 other=0");
     assert_eq!(field(&c, "custom_calls"), "6");
-    assert_eq!(field(&c, "calls"), "12");
+    assert_eq!(field(&c, "calls"), "14");
     assert_eq!(field(&c, "violations"), "0");
     // ANYCCL_LOG=debug: what ran each call and why.
     assert_eq!(log_lines(&c, &["choice=\"one-shot\"", "count=1024", "dtype=float32"]).len(), 4, "{}", c.stderr);
@@ -113,6 +113,22 @@ fn small_sums_run_the_custom_kernels_and_the_rest_forwards() {
     assert_eq!(int.len(), 2, "{}", c.stderr);
     assert_eq!(log_lines(&c, &["choice=\"ccl\"", "count=7", "not a multiple of 16"]).len(), 2, "{}", c.stderr);
     assert_eq!(log_lines(&c, &["choice=\"ccl\"", "count=32768", "ANYCCL_CUSTOM_MAX_BYTES"]).len(), 2, "{}", c.stderr);
+    assert_eq!(log_lines(&c, &["choice=\"ccl\"", "inside ncclGroupStart"]).len(), 2, "{}", c.stderr);
+}
+
+#[test]
+fn a_failed_setup_turns_the_kernels_off_on_every_rank_and_everything_forwards() {
+    // Every rank's setup refuses the setting (3 blocks is below the minimum); the agreement rounds still run, so
+    // nobody waits, and both ranks forward this call and every later one, with the reason.
+    let c = checked("setup_off", &[("ANYCCL_CUSTOM_MAX_BLOCKS", "3")]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "calls"), "4");
+    let off = log_lines(
+        &c,
+        &["choice=\"ccl\"", "the custom kernels are off for this communicator", "ANYCCL_CUSTOM_MAX_BLOCKS"],
+    );
+    assert_eq!(off.len(), 4, "{}", c.stderr);
 }
 
 #[test]
@@ -185,6 +201,8 @@ struct Api {
     init_rank: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
     destroy: unsafe extern "C" fn(Comm) -> c_int,
+    group_start: unsafe extern "C" fn() -> c_int,
+    group_end: unsafe extern "C" fn() -> c_int,
     count: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
     calls: unsafe extern "C" fn() -> u64,
     custom_calls: unsafe extern "C" fn() -> u64,
@@ -217,6 +235,8 @@ fn load_api() -> (Api, FakeHip) {
         init_rank: sym(d, "ncclCommInitRank"),
         all_reduce: sym(d, "ncclAllReduce"),
         destroy: sym(d, "ncclCommDestroy"),
+        group_start: sym(d, "ncclGroupStart"),
+        group_end: sym(d, "ncclGroupEnd"),
         count: sym(d, "ncclCommCount"),
         calls: sym(d, "anyccl_nccl_dropin_calls"),
         custom_calls: sym(d, "anyccl_nccl_dropin_custom_calls"),
@@ -335,6 +355,18 @@ impl Rank<'_> {
         self.check(recv, dtype, count, round);
     }
 
+    /// As [`Rank::checked_all_reduce`] out of place, with `end` run after the call (a group's end).
+    fn checked_all_reduce_in(&self, dtype: c_int, count: usize, round: usize, end: impl FnOnce()) {
+        let bytes = count * elem(dtype);
+        let (send, recv) = (self.alloc(bytes), self.alloc(bytes));
+        let mine: Vec<f32> = (0..count).map(|i| value(self.rank, round, i)).collect();
+        self.upload(send, &encode(dtype, &mine));
+        self.all_reduce(send, recv, count, dtype);
+        end();
+        self.sync();
+        self.check(recv, dtype, count, round);
+    }
+
     fn check(&self, recv: *const c_void, dtype: c_int, count: usize, round: usize) {
         let got = decode(dtype, &self.download(recv, count * elem(dtype)));
         let want: Vec<f32> = (0..count).map(|i| (0..self.world).map(|r| value(r, round, i)).sum()).collect();
@@ -406,10 +438,13 @@ fn child() {
     let (api, fake) = load_api();
     fake.reset();
     match case.as_str() {
-        "world2" | "disabled" => {
+        "world2" | "disabled" | "setup_off" => {
             ranks(&api, 2, |r| {
                 r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
-                if case == "disabled" {
+                if case == "setup_off" {
+                    r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+                }
+                if case != "world2" {
                     return;
                 }
                 r.checked_all_reduce(NCCL_BFLOAT16, 2048, 1, false);
@@ -417,6 +452,12 @@ fn child() {
                 r.checked_all_reduce(NCCL_FLOAT32, 7, 3, false);
                 r.checked_all_reduce(NCCL_FLOAT32, 32768, 4, false);
                 r.checked_all_reduce(NCCL_FLOAT32, 1024, 5, true);
+                // Inside a group: the group runs it (forwarded), even though the kernels are set up.
+                // SAFETY: group calls of the drop-in, balanced.
+                unsafe {
+                    assert_eq!((api.group_start)(), 0);
+                    r.checked_all_reduce_in(NCCL_FLOAT32, 1024, 6, || assert_eq!((api.group_end)(), 0));
+                }
             });
         }
         "world4" => {
@@ -427,13 +468,21 @@ fn child() {
         }
         "capture" => {
             let before = std::sync::Mutex::new(String::new());
+            // Global-mode captures: no rank allocates or copies while another captures (the fake counts that as a
+            // violation of the test itself), so the phases are separated by barriers.
+            let phase = std::sync::Barrier::new(2);
             ranks(&api, 2, |r| {
                 let n = 1024;
                 let bytes = n * 4;
-                // Before setup: captured, forwarded to RCCL, replayed right.
                 let (send, recv) = (r.alloc(bytes), r.alloc(bytes));
-                r.upload(send, &encode(NCCL_FLOAT32, &(0..n).map(|i| value(r.rank, 0, i)).collect::<Vec<_>>()));
+                let (send2, recv2) = (r.alloc(bytes), r.alloc(bytes));
+                let input =
+                    |round: usize| encode(NCCL_FLOAT32, &(0..n).map(|i| value(r.rank, round, i)).collect::<Vec<_>>());
+                r.upload(send, &input(0));
+                // Before setup: captured, forwarded to RCCL, replayed right.
+                phase.wait();
                 let exec = r.capture(|| r.all_reduce(send, recv, n, NCCL_FLOAT32));
+                phase.wait();
                 r.replay(exec);
                 r.check(recv, NCCL_FLOAT32, n, 0);
                 if r.rank == 0 {
@@ -448,13 +497,11 @@ fn child() {
                 // Eager: sets the kernels up.
                 r.checked_all_reduce(NCCL_FLOAT32, n, 1, false);
                 // Captured after setup, replayed twice with new inputs.
-                let (send2, recv2) = (r.alloc(bytes), r.alloc(bytes));
+                phase.wait();
                 let exec = r.capture(|| r.all_reduce(send2, recv2, n, NCCL_FLOAT32));
+                phase.wait();
                 for round in [2, 3] {
-                    r.upload(
-                        send2,
-                        &encode(NCCL_FLOAT32, &(0..n).map(|i| value(r.rank, round, i)).collect::<Vec<_>>()),
-                    );
+                    r.upload(send2, &input(round));
                     r.replay(exec);
                     r.check(recv2, NCCL_FLOAT32, n, round);
                 }
