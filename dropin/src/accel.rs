@@ -198,6 +198,17 @@ pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
     }
 }
 
+/// A communicator the caller created through the drop-in that anyccl leaves alone: forwarded with `why` (one thread
+/// driving every device of `ncclCommInitAll` could not reach the collective setup on every rank at once).
+pub fn register_off(comm: Comm, why: &str) {
+    if comm.is_null() {
+        return;
+    }
+    if map().insert(comm as usize, Arc::new(Mutex::new(Box::new(Off::new(why))))).is_none() {
+        LIVE.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
 /// What the drop-in needs of a vendor beyond [`GpuPlatform`]: the device current on this thread and the caller's
 /// stream as the runtime's stream type.
 pub trait DropinPlatform: GpuPlatform {

@@ -19,8 +19,13 @@
 //!   (see [`logging`]).
 //! - **Proof of interposition**: [`anyccl_nccl_dropin_calls`] counts the collective and point-to-point calls
 //!   forwarded, so a program that preloads the drop-in (PyTorch) can check that its calls really went through it.
-//! - **Nothing else**: the drop-in allocates no device memory and registers nothing; `ncclAllReduce` goes through
-//!   one function, [`dispatch_all_reduce`], where anyccl's own algorithms will be chosen later.
+//! - **anyccl's all-reduce** ([`accel`]): for communicators created through the drop-in, `ncclAllReduce` asks
+//!   anyccl's selector ([`dispatch_all_reduce`]); eligible same-node calls run anyccl's custom one-shot / two-shot
+//!   kernels (CUDA over NCCL, HIP over RCCL), set up lazily and collectively over the communicator itself at the
+//!   first eligible call outside capture; everything else is forwarded. That setup (device buffers, IPC mappings,
+//!   the kernels' module) is the only device memory the drop-in allocates, never during capture, and it is
+//!   released before the caller's `ncclCommDestroy`/`ncclCommAbort`/`ncclCommFinalize` is forwarded.
+//!   `ANYCCL_DISABLE=custom-kernels` turns it off; [`anyccl_nccl_dropin_custom_calls`] counts the calls it ran.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::ffi::{c_char, c_int, c_void};
@@ -193,8 +198,9 @@ fn count_collective() {
 
 /// How many collective and point-to-point calls (`ncclAllReduce`, `ncclReduce`, `ncclBcast`, `ncclBroadcast`,
 /// `ncclReduceScatter`, `ncclAllGather`, `ncclAlltoAll`, `ncclGather`, `ncclScatter`, `ncclSend`, `ncclRecv` and their
-/// `pnccl*` names) this process has made through the drop-in that reached the library underneath, from any thread,
-/// whatever that library answered. A program that preloads the drop-in reads it to prove its calls were interposed
+/// `pnccl*` names) this process has made through the drop-in that reached the library underneath (or, for
+/// `ncclAllReduce`, ran on anyccl's own kernels: [`anyccl_nccl_dropin_custom_calls`]), from any thread, whatever
+/// the answer. A program that preloads the drop-in reads it to prove its calls were interposed
 /// (a program linked to NCCL statically, or one that bypasses the global symbol scope, leaves it at 0). Calls the
 /// drop-in answers itself (no library; a caught panic) are not counted.
 #[no_mangle]
@@ -254,7 +260,16 @@ forward!(
         ndev: c_int,
         devlist: *const c_int,
     ) log { ndev, "forwarded" }
-    after |rc, u| { register_out(rc, u, comm, usize::try_from(ndev).unwrap_or(0)) }
+    after |rc, _u| {
+        if rc == api::NCCL_SUCCESS && !comm.is_null() {
+            for i in 0..usize::try_from(ndev).unwrap_or(0) {
+                // SAFETY: the library returned success and wrote `ndev` communicators into the caller's array.
+                let c = unsafe { *comm.add(i) };
+                accel::register_off(c, "ncclCommInitAll: one thread drives every rank, and the custom kernels' \
+                    setup needs every rank at once");
+            }
+        }
+    }
 );
 forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" }
     before { accel::release(comm, false); });

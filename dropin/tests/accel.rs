@@ -186,6 +186,27 @@ fn anyccl_disable_turns_it_off_and_everything_forwards() {
     assert_eq!(log_lines(&c, &["choice=\"ccl\"", "ANYCCL_DISABLE"]).len(), 2, "{}", c.stderr);
 }
 
+/// A benchmark, not a test of time: host nanoseconds per `ncclAllReduce` call (world 1, one f32, the fake RCCL's
+/// call itself included) straight into the fake RCCL, and through the drop-in for a communicator it did not see
+/// created (with no communicator registered at all, and with one registered), and for one it created (world 1:
+/// anyccl off, "one rank"). Run with `-- --ignored host_time --nocapture`; `ACCEL_BENCH_DROPIN=<path>` times
+/// another build of the drop-in the same way.
+#[test]
+#[ignore = "a benchmark: prints host time per call; run by hand"]
+fn host_time_on_the_fakes() {
+    // ACCEL_BENCH_DROPIN: another build of the drop-in to time instead (an older one, for a before/after).
+    let other = std::env::var("ACCEL_BENCH_DROPIN").unwrap_or_default();
+    let mut env = vec![("ANYCCL_LOG", "")];
+    if !other.is_empty() {
+        env.push(("ACCEL_DROPIN", other.as_str()));
+    }
+    let c = checked("host_time", &env);
+    for l in c.stdout.lines().filter(|l| l.starts_with("host_time ")) {
+        println!("{l}");
+    }
+    assert!(c.stdout.contains("host_time registered"), "{}", c.stdout);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The child half.
 
@@ -205,7 +226,8 @@ struct Api {
     group_end: unsafe extern "C" fn() -> c_int,
     count: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
     calls: unsafe extern "C" fn() -> u64,
-    custom_calls: unsafe extern "C" fn() -> u64,
+    /// `None` in a drop-in built before the acceleration (the benchmark's comparison).
+    custom_calls: Option<unsafe extern "C" fn() -> u64>,
     set_device: unsafe extern "C" fn(c_int) -> c_int,
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int,
     memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int,
@@ -239,7 +261,10 @@ fn load_api() -> (Api, FakeHip) {
         group_end: sym(d, "ncclGroupEnd"),
         count: sym(d, "ncclCommCount"),
         calls: sym(d, "anyccl_nccl_dropin_calls"),
-        custom_calls: sym(d, "anyccl_nccl_dropin_custom_calls"),
+        // SAFETY: the drop-in's counter, a C function without arguments.
+        custom_calls: unsafe { d.get::<unsafe extern "C" fn() -> u64>(b"anyccl_nccl_dropin_custom_calls") }
+            .ok()
+            .map(|f| *f),
         set_device: sym(h, "hipSetDevice"),
         malloc: sym(h, "hipMalloc"),
         memcpy: sym(h, "hipMemcpy"),
@@ -487,7 +512,7 @@ fn child() {
                 r.check(recv, NCCL_FLOAT32, n, 0);
                 if r.rank == 0 {
                     // SAFETY: a counter read.
-                    let custom = unsafe { (api.custom_calls)() };
+                    let custom = unsafe { (api.custom_calls.expect("the drop-in counts custom calls"))() };
                     *before.lock().expect("lock") = format!(
                         "launches={} custom={custom} violations={}",
                         fake.launch_total(),
@@ -550,16 +575,77 @@ fn child() {
                 r.destroy();
             });
         }
+        "host_time" => host_time(&api),
         other => panic!("unknown case {other}"),
     }
     println!("launches={}", launches_summary(&fake.launches()));
     // SAFETY: counter reads.
     unsafe {
-        println!("custom_calls={}", (api.custom_calls)());
+        if let Some(f) = api.custom_calls {
+            println!("custom_calls={}", f());
+        }
         println!("calls={}", (api.calls)());
     }
     println!("violations={}", fake.violations().len());
     for v in fake.violations() {
         println!("violation: {v}");
     }
+}
+
+/// The child half of [`host_time_on_the_fakes`].
+fn host_time(api: &Api) {
+    let rccl: &'static libloading::Library = {
+        let p = std::env::var_os("ANYCCL_RCCL_PATH").expect("set by the parent");
+        // SAFETY: the fake RCCL built for this test (the same file the drop-in forwards to: one copy).
+        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open")))
+    };
+    let direct_init: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int = sym(rccl, "ncclCommInitRank");
+    let direct_ar: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int =
+        sym(rccl, "ncclAllReduce");
+    // SAFETY: C calls with valid out-pointers; world 1.
+    let (plain, stream) = unsafe {
+        assert_eq!((api.set_device)(0), 0);
+        let mut comm: Comm = std::ptr::null_mut();
+        assert_eq!(direct_init(&mut comm, 1, unique_id(api), 0), 0);
+        let mut stream = std::ptr::null_mut();
+        assert_eq!((api.stream_create)(&mut stream, 1), 0);
+        (comm, stream)
+    };
+    let r = Rank { api, rank: 0, world: 1, comm: plain, stream };
+    let (send, recv) = (r.alloc(64), r.alloc(64));
+    type Ar = unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
+    let time = |variants: &[(&str, Ar, Comm)]| {
+        const CALLS: u32 = 1000;
+        const BLOCKS: usize = 300;
+        let mut per: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+        for b in 0..BLOCKS {
+            for k in 0..variants.len() {
+                let k = if b % 2 == 0 { k } else { variants.len() - 1 - k };
+                let (_, f, comm) = variants[k];
+                let t = std::time::Instant::now();
+                for _ in 0..CALLS {
+                    // SAFETY: 64-byte buffers of this device, one f32, a live communicator and stream.
+                    let rc = unsafe { f(send, recv, 1, NCCL_FLOAT32, 0, comm, stream) };
+                    debug_assert_eq!(rc, 0);
+                }
+                per[k].push(t.elapsed().as_nanos() as f64 / f64::from(CALLS));
+            }
+            r.sync();
+        }
+        for ((name, _, _), mut v) in variants.iter().zip(per) {
+            v.sort_by(f64::total_cmp);
+            let q = |x: f64| v[((v.len() - 1) as f64 * x) as usize];
+            println!("host_time {name} median_ns={:.1} p10_ns={:.1} p90_ns={:.1}", q(0.5), q(0.1), q(0.9));
+        }
+    };
+    // Warm up the drop-in (it loads the library at its first call).
+    r.all_reduce(send, recv, 1, NCCL_FLOAT32);
+    r.sync();
+    time(&[("direct", direct_ar, plain), ("dropin_nothing_registered", api.all_reduce, plain)]);
+    let registered = Rank::new(api, 0, 1, unique_id(api));
+    time(&[
+        ("direct", direct_ar, plain),
+        ("dropin_unregistered_comm", api.all_reduce, plain),
+        ("registered", api.all_reduce, registered.comm),
+    ]);
 }
