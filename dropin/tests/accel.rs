@@ -179,6 +179,24 @@ fn destroy_releases_the_state_first_then_destroys() {
 }
 
 #[test]
+fn ranks_on_different_hosts_forward_with_the_reason() {
+    // ANYCCL_HOST_ID differs per rank (a preloaded getenv answers it per thread): the setup's one-host check, run
+    // over the communicator before any IPC handle is made, turns the kernels off on both ranks.
+    let shim = fake_ccl::compile_once(
+        "dropin-thread-env/libthreadenv.so",
+        &std::fs::read_to_string(programs::c_dir().join("thread_env.c")).expect("thread_env.c"),
+        &["-ldl".into()],
+    );
+    let shim = shim.to_str().expect("a UTF-8 path").to_owned();
+    let c = checked("host_id", &[("LD_PRELOAD", shim.as_str()), ("ACCEL_THREADENV", shim.as_str())]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "ipc_opened"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ranks span 2 hosts (rank 0 on node-a, rank 1 on node-b)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
 fn anyccl_disable_turns_it_off_and_everything_forwards() {
     let c = checked("disabled", &[("ANYCCL_DISABLE", "custom-kernels")]);
     assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
@@ -576,6 +594,21 @@ fn child() {
             });
         }
         "host_time" => host_time(&api),
+        "host_id" => {
+            let p = std::env::var_os("ACCEL_THREADENV").expect("set by the parent");
+            // SAFETY: the preloaded shim (already loaded: the same copy); its initialisers do nothing.
+            let shim: &'static libloading::Library =
+                Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open the shim")));
+            let set: unsafe extern "C" fn(*const std::ffi::c_char) = sym(shim, "threadenv_set_host_id");
+            ranks(&api, 2, |r| {
+                let host: &'static std::ffi::CStr = if r.rank == 0 { c"node-a" } else { c"node-b" };
+                // SAFETY: a static C string, for this thread.
+                unsafe { set(host.as_ptr()) };
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+            });
+            println!("ipc_opened={}", fake.calls("hipIpcOpenMemHandle"));
+        }
         other => panic!("unknown case {other}"),
     }
     println!("launches={}", launches_summary(&fake.launches()));
