@@ -78,7 +78,8 @@ impl std::fmt::Display for Why {
 /// One communicator's anyccl state, behind its lock.
 trait Accel: Send {
     /// Decides (and runs, when anyccl runs it) one all-reduce.
-    fn all_reduce(&mut self, call: &AllReduceCall) -> Outcome;
+    /// `verbose`: the log wants the reason (otherwise a forwarded call's reason may be left empty).
+    fn all_reduce(&mut self, call: &AllReduceCall, verbose: bool) -> Outcome;
     /// A window registered on the communicator (`ncclCommWindowRegister` succeeded).
     fn window_registered(&mut self, base: usize, size: usize, win: usize);
     /// A window deregistered.
@@ -89,10 +90,45 @@ trait Accel: Send {
 
 type Entry = Arc<Mutex<Box<dyn Accel>>>;
 
+/// The map's hasher: its keys are communicator handles (heap addresses the library chose, not input an attacker
+/// picks to collide), so a multiply-and-fold of the address spreads them over the shards at a fraction of the
+/// default SipHash's cost on every call. Hand-written: a dozen lines, where a hashing crate would add a dependency
+/// for one integer mix.
+#[derive(Clone, Copy, Default)]
+struct PointerHash;
+
+impl std::hash::BuildHasher for PointerHash {
+    type Hasher = PointerHasher;
+    fn build_hasher(&self) -> PointerHasher {
+        PointerHasher(0)
+    }
+}
+
+/// See [`PointerHash`].
+#[derive(Default)]
+struct PointerHasher(u64);
+
+impl std::hash::Hasher for PointerHasher {
+    fn finish(&self) -> u64 {
+        // Fibonacci hashing, folded so both the high bits (dashmap's shard) and the low bits (the table's bucket)
+        // depend on every bit of the address.
+        let h = self.0.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        h ^ (h >> 32)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8 | u64::from(*b)).rotate_left(5);
+        }
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.0 ^= v as u64;
+    }
+}
+
 /// Communicators with a slot, by handle.
-fn map() -> &'static DashMap<usize, Entry> {
-    static MAP: OnceLock<DashMap<usize, Entry>> = OnceLock::new();
-    MAP.get_or_init(DashMap::new)
+fn map() -> &'static DashMap<usize, Entry, PointerHash> {
+    static MAP: OnceLock<DashMap<usize, Entry, PointerHash>> = OnceLock::new();
+    MAP.get_or_init(|| DashMap::with_hasher(PointerHash))
 }
 
 /// How many slots exist: zero means every call forwards without a lookup.
@@ -123,6 +159,12 @@ fn lock(e: &Entry) -> std::sync::MutexGuard<'_, Box<dyn Accel>> {
     e.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether any communicator has a slot (if not, every call forwards without a lookup).
+#[inline]
+pub fn any_registered() -> bool {
+    LIVE.load(Ordering::Acquire) != 0
+}
+
 /// Decides one `ncclAllReduce`.
 pub fn all_reduce(call: &AllReduceCall) -> Outcome {
     if LIVE.load(Ordering::Acquire) == 0 {
@@ -134,7 +176,7 @@ pub fn all_reduce(call: &AllReduceCall) -> Outcome {
     if in_group() {
         return Outcome::Forward(Why::Static("inside ncclGroupStart/ncclGroupEnd (the group runs it)"));
     }
-    let out = lock(&entry).all_reduce(call);
+    let out = lock(&entry).all_reduce(call, tracing::enabled!(tracing::Level::DEBUG));
     if matches!(out, Outcome::Ran(..)) {
         CUSTOM_CALLS.fetch_add(1, Ordering::Relaxed);
     }
@@ -297,8 +339,8 @@ impl Off {
 }
 
 impl Accel for Off {
-    fn all_reduce(&mut self, _call: &AllReduceCall) -> Outcome {
-        Outcome::Forward(Why::Shared(self.0.clone()))
+    fn all_reduce(&mut self, _call: &AllReduceCall, verbose: bool) -> Outcome {
+        Outcome::Forward(if verbose { Why::Shared(self.0.clone()) } else { Why::Static("") })
     }
     fn window_registered(&mut self, _: usize, _: usize, _: usize) {}
     fn window_deregistered(&mut self, _: usize) {}
@@ -468,9 +510,9 @@ impl<P: DropinPlatform> Accel for Slot<P>
 where
     StreamOf<P>: CclStream,
 {
-    fn all_reduce(&mut self, call: &AllReduceCall) -> Outcome {
+    fn all_reduce(&mut self, call: &AllReduceCall, verbose: bool) -> Outcome {
         if let Some(why) = &self.off {
-            return Outcome::Forward(Why::Shared(why.clone()));
+            return Outcome::Forward(if verbose { Why::Shared(why.clone()) } else { Why::Static("") });
         }
         let (dtype, op, bytes) = match shape(call) {
             Ok(s) => s,
@@ -595,7 +637,7 @@ fn custom_fits<P: GpuPlatform>(
 
 /// The call's type and operator as anyccl's, when the custom kernels could take them at all (else why not, a fixed
 /// text).
-fn shape(call: &AllReduceCall) -> Result<(DataType, ReduceOp, usize), &'static str> {
+fn shape(call: &AllReduceCall) -> std::result::Result<(DataType, ReduceOp, usize), &'static str> {
     let dtype = match call.datatype {
         6 => DataType::F16,
         7 => DataType::F32,
@@ -623,4 +665,59 @@ where
     // SAFETY: the caller's stream, live for the call (nccl.h's contract); the borrowed value is dropped here.
     let s = unsafe { P::borrow_stream(runtime, raw) };
     s.is_capturing()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(datatype: c_int, op: c_int, count: usize) -> AllReduceCall {
+        let p = 0x1000 as *mut c_void;
+        AllReduceCall {
+            sendbuff: p,
+            recvbuff: p,
+            count,
+            datatype,
+            op,
+            comm: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+        }
+    }
+
+    #[test]
+    fn only_float_sums_of_something_reach_the_selector() {
+        assert_eq!(shape(&call(9, 0, 8)), Ok((DataType::Bf16, ReduceOp::Sum, 16)));
+        assert_eq!(shape(&call(7, 0, 4)), Ok((DataType::F32, ReduceOp::Sum, 16)));
+        assert_eq!(shape(&call(6, 0, 8)), Ok((DataType::F16, ReduceOp::Sum, 16)));
+        assert!(shape(&call(2, 0, 4)).is_err(), "int32");
+        assert!(shape(&call(7, 2, 4)).is_err(), "max");
+        assert!(shape(&call(7, 0, 0)).is_err(), "empty");
+        assert!(shape(&call(7, 0, usize::MAX)).is_err(), "overflow");
+        let mut null = call(7, 0, 4);
+        null.recvbuff = std::ptr::null_mut();
+        assert!(shape(&null).is_err(), "null buffer");
+    }
+
+    #[test]
+    fn a_window_holds_only_ranges_inside_it() {
+        let w = Windows(vec![(0x1000, 0x100, 1)]);
+        assert!(w.holds(0x1000, 0x100));
+        assert!(w.holds(0x1080, 0x10));
+        assert!(!w.holds(0x1080, 0x81), "runs past the end");
+        assert!(!w.holds(0xff0, 0x10), "starts before");
+        assert!(!w.holds(usize::MAX, 2), "wraps");
+    }
+
+    #[test]
+    fn group_depth_is_per_thread_and_never_negative() {
+        group_end();
+        assert!(!in_group());
+        group_start();
+        group_start();
+        assert!(in_group());
+        assert!(!std::thread::spawn(in_group).join().expect("thread"));
+        group_end();
+        group_end();
+        assert!(!in_group());
+    }
 }

@@ -474,6 +474,24 @@ pub unsafe fn dispatch_all_reduce(
     f: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult,
     call: AllReduceCall,
 ) -> Result<NcclResult, Failure> {
+    if !accel::any_registered() {
+        // The path of every call before any communicator was created through the drop-in: as cheap as forwarding.
+        tracing::debug!(
+            function,
+            count = call.count,
+            dtype = %DataTypeName(call.datatype),
+            op = %RedOpName(call.op),
+            comm = ?call.comm,
+            stream = ?call.stream,
+            choice = "ccl",
+            why = "no communicator was created through the drop-in",
+            "forwarded"
+        );
+        // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's.
+        return Ok(unsafe {
+            f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream)
+        });
+    }
     let log = |choice: &str, why: &dyn std::fmt::Display, what: &str| {
         tracing::debug!(
             function,
