@@ -197,6 +197,20 @@ fn ranks_on_different_hosts_forward_with_the_reason() {
 }
 
 #[test]
+fn an_argument_anyccl_refuses_is_ncclinvalidargument_with_a_readable_last_error() {
+    let c = checked("bad_args", &[]);
+    let bad: Vec<&str> = c.stdout.lines().filter_map(|l| l.strip_prefix("bad_call=")).collect();
+    assert_eq!(bad.len(), 2, "{}", c.stdout);
+    for b in bad {
+        assert!(b.starts_with("rc=4 text=ncclAllReduce: the anyccl drop-in's custom all-reduce failed: "), "{b}");
+        assert!(b.contains("overlap"), "{b}");
+    }
+    // Two good calls per rank on the kernels, nothing launched for the refused one.
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+}
+
+#[test]
 fn anyccl_disable_turns_it_off_and_everything_forwards() {
     let c = checked("disabled", &[("ANYCCL_DISABLE", "custom-kernels")]);
     assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
@@ -241,6 +255,7 @@ struct Api {
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
     destroy: unsafe extern "C" fn(Comm) -> c_int,
     group_start: unsafe extern "C" fn() -> c_int,
+    last_error: unsafe extern "C" fn(Comm) -> *const std::ffi::c_char,
     group_end: unsafe extern "C" fn() -> c_int,
     count: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
     calls: unsafe extern "C" fn() -> u64,
@@ -276,6 +291,7 @@ fn load_api() -> (Api, FakeHip) {
         all_reduce: sym(d, "ncclAllReduce"),
         destroy: sym(d, "ncclCommDestroy"),
         group_start: sym(d, "ncclGroupStart"),
+        last_error: sym(d, "ncclGetLastError"),
         group_end: sym(d, "ncclGroupEnd"),
         count: sym(d, "ncclCommCount"),
         calls: sym(d, "anyccl_nccl_dropin_calls"),
@@ -594,6 +610,27 @@ fn child() {
             });
         }
         "host_time" => host_time(&api),
+        "bad_args" => {
+            let seen = std::sync::Mutex::new(Vec::new());
+            ranks(&api, 2, |r| {
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                // Set up. Now an output that overlaps its input without being it: anyccl refuses it on every rank
+                // before anything is launched, with NCCL's code for a bad argument and a readable text.
+                let buf = r.alloc(8192);
+                // SAFETY: both ranges lie in the 8 KiB buffer; the rank's communicator and stream.
+                let rc = unsafe {
+                    (api.all_reduce)(buf, buf.cast::<u8>().add(16).cast(), 1024, NCCL_FLOAT32, 0, r.comm, r.stream)
+                };
+                // SAFETY: the drop-in's text for this thread's last call.
+                let text = unsafe { std::ffi::CStr::from_ptr((api.last_error)(r.comm)) }.to_string_lossy().into_owned();
+                seen.lock().expect("lock").push(format!("rc={rc} text={text}"));
+                // The communicator still works afterwards.
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+            });
+            for l in seen.into_inner().expect("lock") {
+                println!("bad_call={l}");
+            }
+        }
         "host_id" => {
             let p = std::env::var_os("ACCEL_THREADENV").expect("set by the parent");
             // SAFETY: the preloaded shim (already loaded: the same copy); its initialisers do nothing.
