@@ -22,10 +22,14 @@ pub type SimInfo = *mut c_void;
 
 /// `ncclSuccess`.
 pub const NCCL_SUCCESS: NcclResult = 0;
+/// `ncclUnhandledCudaError`: what `ncclAllReduce` returns when the device runtime failed anyccl's own kernel.
+pub const NCCL_UNHANDLED_CUDA_ERROR: NcclResult = 1;
 /// `ncclSystemError`: what every call returns when there is no underlying library to forward to.
 pub const NCCL_SYSTEM_ERROR: NcclResult = 2;
 /// `ncclInternalError`: what a call returns when the drop-in itself failed (a panic caught at the boundary).
 pub const NCCL_INTERNAL_ERROR: NcclResult = 3;
+/// `ncclInvalidArgument`: what `ncclAllReduce` returns when anyccl refused the call's arguments.
+pub const NCCL_INVALID_ARGUMENT: NcclResult = 4;
 /// `ncclInvalidUsage`: what a call returns when the underlying library does not export that function.
 pub const NCCL_INVALID_USAGE: NcclResult = 5;
 

@@ -19,8 +19,13 @@
 //!   (see [`logging`]).
 //! - **Proof of interposition**: [`anyccl_nccl_dropin_calls`] counts the collective and point-to-point calls
 //!   forwarded, so a program that preloads the drop-in (PyTorch) can check that its calls really went through it.
-//! - **Nothing else**: the drop-in allocates no device memory and registers nothing; `ncclAllReduce` goes through
-//!   one function, [`dispatch_all_reduce`], where anyccl's own algorithms will be chosen later.
+//! - **anyccl's all-reduce** ([`accel`]): for communicators created through the drop-in, `ncclAllReduce` asks
+//!   anyccl's selector ([`dispatch_all_reduce`]); eligible same-node calls run anyccl's custom one-shot / two-shot
+//!   kernels (CUDA over NCCL, HIP over RCCL), set up lazily and collectively over the communicator itself at the
+//!   first eligible call outside capture; everything else is forwarded. That setup (device buffers, IPC mappings,
+//!   the kernels' module) is the only device memory the drop-in allocates, never during capture, and it is
+//!   released before the caller's `ncclCommDestroy`/`ncclCommAbort`/`ncclCommFinalize` is forwarded.
+//!   `ANYCCL_DISABLE=custom-kernels` turns it off; [`anyccl_nccl_dropin_custom_calls`] counts the calls it ran.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::ffi::{c_char, c_int, c_void};
@@ -28,6 +33,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+pub mod accel;
 pub mod api;
 pub mod last_error;
 pub mod load;
@@ -121,10 +127,13 @@ macro_rules! forward {
     (collective $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) log { $($log:tt)* }) => {
         forward!(@both true, $name / $pname ( $($arg : $ty),* ) log { $($log)* });
     };
-    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?) => {
-        forward!(@both false, $name / $pname ( $($arg : $ty),* ) $(log { $($log)* })?);
+    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?
+        $(before { $($before:tt)* })? $(after |$rc:ident, $u:ident| { $($after:tt)* })?) => {
+        forward!(@both false, $name / $pname ( $($arg : $ty),* ) $(log { $($log)* })?
+            $(before { $($before)* })? $(after |$rc, $u| { $($after)* })?);
     };
-    (@both $counted:literal, $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) $(log { $($log:tt)* })?) => {
+    (@both $counted:literal, $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) $(log { $($log:tt)* })?
+        $(before { $($before:tt)* })? $(after |$rc:ident, $u:ident| { $($after:tt)* })?) => {
         #[doc = concat!("`", stringify!($name), "` of `nccl.h`, forwarded to the underlying library.")]
         ///
         /// # Safety
@@ -133,13 +142,17 @@ macro_rules! forward {
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> NcclResult {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                // Before the log line: what the drop-in does first (releasing its state) is logged first.
+                $( $($before)* )?
                 $( tracing::debug!(function = stringify!($name), $($log)*); )?
                 if $counted {
                     count_collective();
                 }
                 // SAFETY: `f` is the underlying library's own entry point of this name, with nccl.h's signature;
                 // the caller's arguments are passed on as the caller's contract with nccl.h requires.
-                Ok(unsafe { f($($arg),*) })
+                let rc = unsafe { f($($arg),*) };
+                $( let ($rc, $u) = (rc, _u); { $($after)* }; )?
+                Ok(rc)
             })
         }
 
@@ -151,12 +164,16 @@ macro_rules! forward {
         pub unsafe extern "C" fn $pname($($arg: $ty),*) -> NcclResult {
             guarded(stringify!($name), || {
                 let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                // Before the log line: what the drop-in does first (releasing its state) is logged first.
+                $( $($before)* )?
                 $( tracing::debug!(function = stringify!($pname), $($log)*); )?
                 if $counted {
                     count_collective();
                 }
                 // SAFETY: as for the `nccl*` name.
-                Ok(unsafe { f($($arg),*) })
+                let rc = unsafe { f($($arg),*) };
+                $( let ($rc, $u) = (rc, _u); { $($after)* }; )?
+                Ok(rc)
             })
         }
     };
@@ -181,13 +198,34 @@ fn count_collective() {
 
 /// How many collective and point-to-point calls (`ncclAllReduce`, `ncclReduce`, `ncclBcast`, `ncclBroadcast`,
 /// `ncclReduceScatter`, `ncclAllGather`, `ncclAlltoAll`, `ncclGather`, `ncclScatter`, `ncclSend`, `ncclRecv` and their
-/// `pnccl*` names) this process has made through the drop-in that reached the library underneath, from any thread,
-/// whatever that library answered. A program that preloads the drop-in reads it to prove its calls were interposed
+/// `pnccl*` names) this process has made through the drop-in that reached the library underneath (or, for
+/// `ncclAllReduce`, ran on anyccl's own kernels: [`anyccl_nccl_dropin_custom_calls`]), from any thread, whatever
+/// the answer. A program that preloads the drop-in reads it to prove its calls were interposed
 /// (a program linked to NCCL statically, or one that bypasses the global symbol scope, leaves it at 0). Calls the
 /// drop-in answers itself (no library; a caught panic) are not counted.
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
+}
+
+/// How many `ncclAllReduce` calls (and `pncclAllReduce`) this process has run on anyccl's own custom kernels
+/// instead of the library underneath (those are counted by [`anyccl_nccl_dropin_calls`] too).
+#[no_mangle]
+pub extern "C" fn anyccl_nccl_dropin_custom_calls() -> u64 {
+    accel::CUSTOM_CALLS.load(Ordering::Relaxed)
+}
+
+/// After a call that created `n` communicators at `out` (`ncclCommInitRank`, `ncclCommSplit`, …) returned `rc`:
+/// anyccl's state for each (see [`accel`]). A non-blocking init still in progress is not registered (forwarded).
+fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm, n: usize) {
+    if rc != api::NCCL_SUCCESS || out.is_null() {
+        return;
+    }
+    for i in 0..n {
+        // SAFETY: the library returned success and wrote `n` communicators through the caller's array of `n`.
+        let comm = unsafe { *out.add(i) };
+        accel::register(&u.library, &u.api, comm);
+    }
 }
 
 /// What the drop-in forwards to: `"NCCL 2.28.9 /path/libnccl.so.2"`, or an empty string when it found nothing
@@ -212,22 +250,36 @@ forward!(
         rank: c_int,
         config: Config,
     ) log { nranks, rank, "forwarded" }
+    after |rc, u| { register_out(rc, u, comm, 1) }
 );
 forward!(ncclCommInitRank / pncclCommInitRank(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int)
-    log { nranks, rank, "forwarded" });
+    log { nranks, rank, "forwarded" } after |rc, u| { register_out(rc, u, comm, 1) });
 forward!(
     ncclCommInitAll / pncclCommInitAll(
         comm: *mut Comm,
         ndev: c_int,
         devlist: *const c_int,
     ) log { ndev, "forwarded" }
+    after |rc, _u| {
+        if rc == api::NCCL_SUCCESS && !comm.is_null() {
+            for i in 0..usize::try_from(ndev).unwrap_or(0) {
+                // SAFETY: the library returned success and wrote `ndev` communicators into the caller's array.
+                let c = unsafe { *comm.add(i) };
+                accel::register_off(c, "ncclCommInitAll: one thread drives every rank, and the custom kernels' \
+                    setup needs every rank at once");
+            }
+        }
+    }
 );
-forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" });
-forward!(ncclCommDestroy / pncclCommDestroy(comm: Comm) log { ?comm, "forwarded" });
-forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" });
-forward!(ncclCommRevoke / pncclCommRevoke(comm: Comm, revoke_flags: c_int) log { ?comm, revoke_flags, "forwarded" });
+forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" }
+    before { accel::release(comm, false); });
+forward!(ncclCommDestroy / pncclCommDestroy(comm: Comm) log { ?comm, "forwarded" }
+    before { accel::release(comm, false); });
+forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" } before { accel::release(comm, true); });
+forward!(ncclCommRevoke / pncclCommRevoke(comm: Comm, revoke_flags: c_int) log { ?comm, revoke_flags, "forwarded" }
+    before { accel::release(comm, true); });
 forward!(ncclCommSplit / pncclCommSplit(comm: Comm, color: c_int, key: c_int, newcomm: *mut Comm, config: Config)
-    log { ?comm, color, key, "forwarded" });
+    log { ?comm, color, key, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
 forward!(ncclCommShrink / pncclCommShrink(
     comm: Comm,
     exclude_ranks_list: *mut c_int,
@@ -235,7 +287,7 @@ forward!(ncclCommShrink / pncclCommShrink(
     newcomm: *mut Comm,
     config: Config,
     shrink_flags: c_int
-) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" });
+) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
 forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
     newcomm: *mut Comm,
     nranks: c_int,
@@ -243,7 +295,7 @@ forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
     n_id: c_int,
     comm_ids: *mut UniqueId,
     config: Config
-) log { nranks, myrank, n_id, "forwarded" });
+) log { nranks, myrank, n_id, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
 forward!(ncclCommGetAsyncError / pncclCommGetAsyncError(comm: Comm, async_error: *mut NcclResult));
 forward!(ncclCommCount / pncclCommCount(comm: Comm, count: *mut c_int));
 forward!(ncclCommCuDevice / pncclCommCuDevice(comm: Comm, device: *mut c_int));
@@ -259,12 +311,19 @@ forward!(
         win: *mut Window,
         win_flags: c_int,
     ) log { ?comm, ?buff, size, win_flags, "forwarded" }
+    after |rc, _u| {
+        if rc == api::NCCL_SUCCESS && !win.is_null() {
+            // SAFETY: the library wrote the window through the caller's valid pointer.
+            accel::window_registered(comm, buff, size, unsafe { *win });
+        }
+    }
 );
 forward!(
     ncclCommWindowDeregister / pncclCommWindowDeregister(
         comm: Comm,
         win: Window,
     ) log { ?comm, ?win, "forwarded" }
+    before { accel::window_deregistered(comm, win); }
 );
 forward!(
     ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
@@ -378,9 +437,11 @@ forward!(
         stream: Stream,
     ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
 );
-forward!(ncclGroupStart / pncclGroupStart() log { "forwarded" });
-forward!(ncclGroupEnd / pncclGroupEnd() log { "forwarded" });
-forward!(ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: SimInfo) log { "forwarded" });
+forward!(ncclGroupStart / pncclGroupStart() log { "forwarded" }
+    after |rc, _u| { if rc == api::NCCL_SUCCESS { accel::group_start(); } });
+forward!(ncclGroupEnd / pncclGroupEnd() log { "forwarded" } after |_rc, _u| { accel::group_end(); });
+forward!(ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: SimInfo) log { "forwarded" }
+    after |_rc, _u| { accel::group_end(); });
 
 /// The arguments of one `ncclAllReduce` call.
 #[derive(Debug, Clone, Copy)]
@@ -401,9 +462,9 @@ pub struct AllReduceCall {
     pub stream: Stream,
 }
 
-/// The one place `ncclAllReduce` is decided. Today every call goes to the underlying library (`choice = "ccl"`);
-/// anyccl's selector (custom one-shot/two-shot kernels for eligible same-node communicators, the window path for
-/// buffers in symmetric windows) will sit here.
+/// The one place `ncclAllReduce` is decided: anyccl's selector ([`accel`]) runs eligible calls of communicators
+/// created through the drop-in on the custom one-shot / two-shot kernels; everything else goes to the underlying
+/// library untouched (its result code is returned as it is). `Err`: anyccl failed the call itself.
 ///
 /// # Safety
 /// `call` holds what `nccl.h` requires of `ncclAllReduce`'s arguments; `f` is the underlying `ncclAllReduce`.
@@ -412,28 +473,61 @@ pub unsafe fn dispatch_all_reduce(
     function: &'static str,
     f: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult,
     call: AllReduceCall,
-) -> NcclResult {
-    tracing::debug!(
-        function,
-        count = call.count,
-        dtype = %DataTypeName(call.datatype),
-        op = %RedOpName(call.op),
-        comm = ?call.comm,
-        stream = ?call.stream,
-        choice = "ccl",
-        why = "the drop-in forwards every all-reduce to the underlying library (no anyccl algorithm is wired in yet)",
-        "forwarded"
-    );
-    // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's own.
-    unsafe { f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream) }
+) -> Result<NcclResult, Failure> {
+    if !accel::any_registered() {
+        // The path of every call before any communicator was created through the drop-in: as cheap as forwarding.
+        tracing::debug!(
+            function,
+            count = call.count,
+            dtype = %DataTypeName(call.datatype),
+            op = %RedOpName(call.op),
+            comm = ?call.comm,
+            stream = ?call.stream,
+            choice = "ccl",
+            why = "no communicator was created through the drop-in",
+            "forwarded"
+        );
+        // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's.
+        return Ok(unsafe {
+            f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream)
+        });
+    }
+    let log = |choice: &str, why: &dyn std::fmt::Display, what: &str| {
+        tracing::debug!(
+            function,
+            count = call.count,
+            dtype = %DataTypeName(call.datatype),
+            op = %RedOpName(call.op),
+            comm = ?call.comm,
+            stream = ?call.stream,
+            choice,
+            why = %why,
+            "{what}"
+        );
+    };
+    match accel::all_reduce(&call) {
+        accel::Outcome::Forward(why) => {
+            log("ccl", &why, "forwarded");
+            // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's.
+            Ok(unsafe { f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream) })
+        }
+        accel::Outcome::Ran(algorithm, why) => {
+            log(&algorithm.to_string(), &why, "anyccl");
+            Ok(api::NCCL_SUCCESS)
+        }
+        accel::Outcome::Failed(failure) => {
+            log("none", &failure.message, "failed");
+            Err(failure)
+        }
+    }
 }
 
 fn all_reduce(function: &'static str, call: AllReduceCall) -> NcclResult {
     guarded("ncclAllReduce", || {
         let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
         count_collective();
-        // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's, passed on untouched.
-        Ok(unsafe { dispatch_all_reduce(function, f, call) })
+        // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's.
+        unsafe { dispatch_all_reduce(function, f, call) }
     })
 }
 

@@ -30,8 +30,8 @@ pub const MARKER: &str = "anyccl_nccl_dropin_marker";
 pub struct Underlying {
     /// Every `nccl.h` entry point it exports.
     pub api: Api,
-    /// Its version, vendor and path, as anyccl's loader reads them.
-    pub library: CclLibrary,
+    /// Its version, vendor and path, as anyccl's loader reads them (shared with the communicators anyccl wraps).
+    pub library: std::sync::Arc<CclLibrary>,
     /// `"NCCL 2.28.9 /path/libnccl.so.2"`, for `anyccl_nccl_dropin_underlying`.
     pub description: CString,
     /// Places refused before it (for the log).
@@ -231,7 +231,13 @@ fn open(candidate: &Path, me: &Me) -> Result<Underlying, Refusal> {
     let api = Api::resolve(&mut own);
     let library = CclLibrary::load_with(&file, &mut own).map_err(Refusal::Failed)?;
     let description = crate::last_error::to_c_string(&format!("{} {}", library.describe(), file.display()));
-    Ok(Underlying { api, library, description, refused: Vec::new(), _lib: std::mem::ManuallyDrop::new(lib) })
+    Ok(Underlying {
+        api,
+        library: std::sync::Arc::new(library),
+        description,
+        refused: Vec::new(),
+        _lib: std::mem::ManuallyDrop::new(lib),
+    })
 }
 
 #[cfg(test)]

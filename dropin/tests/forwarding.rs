@@ -184,6 +184,7 @@ fn the_exports_are_exactly_nccl_h_2_28_9_and_its_aliases() {
     want.push("anyccl_nccl_dropin_marker".into());
     want.push("anyccl_nccl_dropin_underlying".into());
     want.push("anyccl_nccl_dropin_calls".into());
+    want.push("anyccl_nccl_dropin_custom_calls".into());
     want.sort();
     assert_eq!(exported, want);
 }

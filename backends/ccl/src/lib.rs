@@ -264,10 +264,14 @@ impl CclReduction {
     }
 }
 
-/// A communicator handle that keeps its library loaded (`Arc`) and destroys the communicator on drop.
+/// A communicator handle that keeps its library loaded (`Arc`) and destroys the communicator on drop (unless it
+/// was borrowed: [`CclComm::from_raw_borrowed`]).
 pub struct CclComm {
     lib: Arc<CclLibrary>,
     comm: sys::ncclComm_t,
+    /// Made by [`CclComm::from_raw_borrowed`]: someone else owns the communicator's life, so neither drop nor
+    /// destroy nor abort ever reaches the library.
+    borrowed: bool,
 }
 
 // SAFETY: an ncclComm_t may be used from any thread as long as calls on one communicator are not concurrent;
@@ -308,7 +312,7 @@ impl CclComm {
                 "returned success but no communicator",
             ));
         }
-        Ok(CclComm { lib, comm })
+        Ok(CclComm { lib, comm, borrowed: false })
     }
 
     fn query(&self, name: &str, f: sys::CommQuery) -> Result<usize> {
@@ -319,6 +323,37 @@ impl CclComm {
         check(&self.lib, name, status, self.comm)?;
         usize::try_from(v)
             .map_err(|_| Error::backend(backend_name(&self.lib), name, None, format!("returned a negative value {v}")))
+    }
+
+    /// Wraps a communicator that someone else created and will destroy (the caller of the drop-in `libnccl`):
+    /// every call of this type works on it, but dropping the value, [`CclComm::destroy`] and
+    /// [`CclComm::close_in_background`] only forget the handle, and [`CclComm::abort_in_place`] /
+    /// [`CclComm::abort_within`] forget it and return an error (its owner aborts it). Every later call through
+    /// this value then fails as on an aborted communicator.
+    ///
+    /// # Safety
+    /// `comm` is a live communicator of `lib` (created through the same loaded library), and stays live for as long
+    /// as the returned value (and anything made from it) is used: its owner destroys or aborts it only after
+    /// dropping this value. Calls through this value and the owner's own calls on the communicator are not
+    /// concurrent (NCCL's rule for one communicator).
+    pub unsafe fn from_raw_borrowed(lib: Arc<CclLibrary>, comm: sys::ncclComm_t) -> Self {
+        CclComm { lib, comm, borrowed: true }
+    }
+
+    /// Whether the value was made by [`CclComm::from_raw_borrowed`] (it never destroys the communicator).
+    pub fn is_borrowed(&self) -> bool {
+        self.borrowed
+    }
+
+    /// Forgets a borrowed handle instead of aborting it: `Err` saying so.
+    fn refuse_borrowed_abort(&mut self) -> Result<()> {
+        self.comm = std::ptr::null_mut();
+        Err(Error::backend(
+            backend_name(&self.lib),
+            "ncclCommAbort",
+            None,
+            "the communicator is borrowed (its owner aborts or destroys it); this handle was forgotten instead",
+        ))
     }
 
     /// `ncclCommCount`.
@@ -376,6 +411,9 @@ impl CclComm {
         if self.comm.is_null() {
             return Ok(());
         }
+        if self.borrowed {
+            return self.refuse_borrowed_abort();
+        }
         let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
         // SAFETY: `comm` was live and is aborted exactly once (the field is null from now on).
         let st = unsafe { (self.lib.table().required.comm_abort)(comm) };
@@ -391,6 +429,9 @@ impl CclComm {
     pub fn abort_within(&mut self, grace: std::time::Duration) -> AbortOutcome {
         if self.comm.is_null() {
             return AbortOutcome::Done(Ok(()));
+        }
+        if self.borrowed {
+            return AbortOutcome::Done(self.refuse_borrowed_abort());
         }
         /// The handle moving to the aborting thread.
         struct Handle(sys::ncclComm_t);
@@ -625,7 +666,7 @@ impl CclComm {
         let st = unsafe { f(self.live()?, c, k, &mut new, std::ptr::null_mut()) };
         self.status("ncclCommSplit", st)?;
         match (color, new.is_null()) {
-            (Some(_), false) => Ok(Some(CclComm { lib: self.lib.clone(), comm: new })),
+            (Some(_), false) => Ok(Some(CclComm { lib: self.lib.clone(), comm: new, borrowed: false })),
             (None, true) => Ok(None),
             (Some(c), true) => Err(Error::backend(
                 backend_name(&self.lib),
@@ -635,7 +676,7 @@ impl CclComm {
             )),
             (None, false) => {
                 // Not what NCCL documents; own the handle so it is destroyed, not leaked.
-                drop(CclComm { lib: self.lib.clone(), comm: new });
+                drop(CclComm { lib: self.lib.clone(), comm: new, borrowed: false });
                 Ok(None)
             }
         }
@@ -720,7 +761,7 @@ pub fn init_all(lib: &Arc<CclLibrary>, devices: &[i32]) -> Result<Vec<CclComm>> 
     // SAFETY: NCCL writes `n` handles into the array of `n` and reads `n` device ordinals.
     let st = unsafe { f(comms.as_mut_ptr(), n, devices.as_ptr()) };
     check(lib, "ncclCommInitAll", st, std::ptr::null_mut())?;
-    Ok(comms.into_iter().map(|comm| CclComm { lib: lib.clone(), comm }).collect())
+    Ok(comms.into_iter().map(|comm| CclComm { lib: lib.clone(), comm, borrowed: false }).collect())
 }
 
 impl CclComm {
@@ -741,6 +782,10 @@ impl CclComm {
             return Ok(());
         }
         let comm = std::mem::replace(&mut self.comm, std::ptr::null_mut());
+        if self.borrowed {
+            // Its owner destroys it.
+            return Ok(());
+        }
         // SAFETY: `comm` was live and is destroyed exactly once (the field is null from now on).
         let status = unsafe { (self.lib.table().required.comm_destroy)(comm) };
         check(&self.lib, "ncclCommDestroy", status, std::ptr::null_mut())
@@ -749,7 +794,11 @@ impl CclComm {
     /// Moves the communicator out of `self` into a new value, leaving `self` holding nothing to destroy: for an
     /// owner that tears it down on another thread while `self` is dropped here.
     pub(crate) fn take(&mut self) -> CclComm {
-        CclComm { lib: self.lib.clone(), comm: std::mem::replace(&mut self.comm, std::ptr::null_mut()) }
+        CclComm {
+            lib: self.lib.clone(),
+            comm: std::mem::replace(&mut self.comm, std::ptr::null_mut()),
+            borrowed: self.borrowed,
+        }
     }
 
     /// `ncclCommDestroy` on a thread of its own (named `anyccl-ccl-destroy`), returning at once: NCCL's destroy

@@ -671,3 +671,54 @@ fn a_capture_refusal_from_the_stream_query_aborts_nothing() {
     assert!(!rank.ccl().is_aborted(), "the communicator stays usable");
     assert_eq!(rank.ccl().count().expect("still live"), 1);
 }
+
+#[test]
+fn a_borrowed_communicator_never_destroys_or_aborts_what_it_borrows() {
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    let counting = "static int destroys = 0, aborts = 0;\n\
+        int fake_destroys(void) { return destroys; }\n\
+        int fake_aborts(void) { return aborts; }\n\
+        int ncclCommDestroy(void* c) { free(c); destroys++; return 0; }";
+    let source = c_source(&syms, 22809, 0).replace(PLAIN_DESTROY, counting).replace(
+        "int ncclCommAbort(void* c) { free(c); return 0; }",
+        "int ncclCommAbort(void* c) { free(c); aborts++; return 0; }",
+    );
+    assert!(
+        source.contains("aborts++") && source.contains("destroys++"),
+        "the fake's bodies changed; update this test"
+    );
+    let path = compile_once("nccl-counting-destroy/libnccl.so.2", &source, &[]);
+    let lib = Arc::new(CclLibrary::open(&path).expect("loads"));
+    // SAFETY: the fake built above; its initialisers do nothing.
+    let fake = unsafe { libloading::Library::new(&path) }.expect("open the fake");
+    // SAFETY: the counters' C signatures.
+    let (destroys, aborts) = unsafe {
+        let d: unsafe extern "C" fn() -> std::ffi::c_int = *fake.get(b"fake_destroys\0").expect("symbol");
+        let a: unsafe extern "C" fn() -> std::ffi::c_int = *fake.get(b"fake_aborts\0").expect("symbol");
+        (d, a)
+    };
+    let id = UniqueId::new(&lib).expect("id");
+    let owner = CclComm::init_rank(lib.clone(), 1, &id, 0).expect("communicator");
+    // SAFETY: `owner` keeps the communicator live for as long as the borrowed values below are used.
+    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    assert!(borrowed.is_borrowed() && !owner.is_borrowed());
+    assert_eq!(borrowed.count().expect("a query through the borrowed handle"), 1);
+    drop(borrowed);
+    // SAFETY: as above.
+    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    borrowed.destroy().expect("forgetting is fine");
+    // SAFETY: as above.
+    let mut borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    let e = borrowed.abort_in_place().expect_err("a borrowed communicator is not aborted");
+    assert!(e.to_string().contains("borrowed"), "{e}");
+    assert!(borrowed.is_aborted(), "the handle is forgotten: later calls fail instead of touching it");
+    assert!(borrowed.count().is_err());
+    drop(borrowed);
+    // SAFETY: counter reads.
+    assert_eq!(unsafe { (destroys(), aborts()) }, (0, 0), "nothing borrowed was destroyed or aborted");
+    assert_eq!(owner.count().expect("the owner's communicator is untouched"), 1);
+    owner.destroy().expect("destroy");
+    // SAFETY: a counter read.
+    assert_eq!(unsafe { destroys() }, 1, "the owner destroys it, once");
+}

@@ -212,6 +212,54 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.finish_custom_ipc(r)
     }
 
+    /// Wraps a collective-library communicator made elsewhere (the drop-in `libnccl` wraps its caller's
+    /// `ncclComm_t` through [`CclComm::from_raw_borrowed`]) as rank `rank` of `world` on `device`, with the custom
+    /// kernels off until [`Self::enable_custom_ipc_over_ccl`] (or [`Self::enable_custom_ipc`]) sets them up.
+    /// Allocates a 4-byte barrier scratch on the device: not during capture.
+    pub fn from_ccl(
+        ccl: CclComm,
+        device: &P::DeviceSpec,
+        rank: usize,
+        world: usize,
+        caps: Arc<CapabilityReport>,
+    ) -> Result<Self> {
+        if world == 0 || rank >= world {
+            return Err(anyccl_core::InvalidArgument::RankOutOfRange { what: "own", rank, world }.into());
+        }
+        let runtime = P::runtime(device)?;
+        runtime.bind()?;
+        Self::wrap(ccl, runtime, rank, world, caps)
+    }
+
+    /// [`Self::enable_custom_ipc_with_env`] with the communicator itself as the bootstrap ([`crate::CclBootstrap`]
+    /// on `stream`, a stream of this communicator's device): no port, no rendezvous. Collective: every rank calls
+    /// it, outside capture; the outcome is agreed among the ranks (on or off everywhere).
+    pub fn enable_custom_ipc_over_ccl(
+        &mut self,
+        stream: &StreamOf<P>,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<()> {
+        self.runtime.bind()?;
+        let r = self.setup_custom_ipc(&mut crate::CclBootstrap::new(&self.ccl, &self.runtime, stream), env);
+        self.finish_custom_ipc(r)
+    }
+
+    /// Tells this rank's custom kernels to stop waiting for their peers, for good (the abort word, written on a
+    /// stream of the communicator's own and waited for): what an owner does before it aborts the communicator
+    /// underneath, so a kernel stuck on a dead peer ends and its buffers can be freed. Nothing to do when the
+    /// kernels are off. Not during capture.
+    pub fn stop_custom_kernels(&self) -> Result<()> {
+        match &self.custom {
+            Ok(st) => st.stop_kernels(&self.runtime),
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// The largest message the custom kernels take on this communicator (their staging size), when set up.
+    pub fn custom_capacity(&self) -> Option<usize> {
+        self.custom.as_ref().ok().map(|st| st.capacity)
+    }
+
     /// Turns the custom kernels on with the state an IPC setup made, or off with its error (also returned).
     fn finish_custom_ipc(&mut self, r: Result<CustomState<P>>) -> Result<()> {
         match r {
