@@ -108,7 +108,7 @@ pub fn plan(env: &dyn Fn(&str) -> Option<PathBuf>) -> Vec<Place> {
                 extra.dir("LD_LIBRARY_PATH", d);
             }
         }
-        for d in system_library_dirs() {
+        for d in anyccl_ccl::find::system_library_dirs() {
             extra.dir("the system library directories", d);
         }
         let (head, tail) = standard.split_at(after_sonames);
@@ -122,17 +122,6 @@ pub fn plan(env: &dyn Fn(&str) -> Option<PathBuf>) -> Vec<Place> {
         _ => true,
     });
     places
-}
-
-/// The directories the dynamic loader searches by default, those that exist (as anyccl's library search has them;
-/// that list is private to `anyccl-ccl`).
-fn system_library_dirs() -> Vec<PathBuf> {
-    let triple = format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH);
-    [triple.as_str(), "/usr/local/lib", "/usr/lib64", "/usr/lib"]
-        .into_iter()
-        .map(PathBuf::from)
-        .filter(|d| d.is_dir())
-        .collect()
 }
 
 /// Why a candidate was not used.

@@ -304,8 +304,9 @@ pub fn loader_path_hazard(value: &OsStr) -> Option<String> {
 }
 
 /// The directories the dynamic loader searches by default on this machine (searched as paths when
-/// `LD_LIBRARY_PATH` rules out handing sonames to the loader), those that exist.
-fn system_library_dirs() -> Vec<PathBuf> {
+/// `LD_LIBRARY_PATH` rules out handing sonames to the loader), those that exist. Public for the drop-in `libnccl`,
+/// which searches them as paths too.
+pub fn system_library_dirs() -> Vec<PathBuf> {
     let triple = format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH);
     [triple.as_str(), "/usr/local/lib", "/usr/lib64", "/usr/lib"]
         .into_iter()
