@@ -125,6 +125,52 @@ pub fn gpu_runtime(
     }
 }
 
+/// What one GPU vendor puts into its backend's capability report ([`gpu_report`]); the rest is the same for every
+/// vendor.
+pub struct GpuReport<'a> {
+    /// The backend's name in messages (`"CUDA"`, `"ROCm"`).
+    pub label: &'a str,
+    /// Why the collective library's capabilities are off when none was loaded.
+    pub missing_ccl: Reason,
+    /// The runtime's flag (`cuda-runtime`, `hip-runtime`), and whether the runtime is usable (else why not).
+    pub runtime: (Capabilities, Result<(), Reason>),
+    /// The flags that need the runtime ([`gpu_runtime`]).
+    pub dependents: Capabilities,
+    /// Why multicast is off, where the vendor says so (applied after the runtime's flags).
+    pub multicast_off: Option<Reason>,
+    /// Whether `NCCL_NVLS_ENABLE` decides multicast too where the runtime is usable (NVIDIA only).
+    pub nvls_env: bool,
+    /// The custom kernels' name in reasons (`"custom CUDA kernels"`) and why they are not built, if they are not.
+    pub kernels: (&'a str, Option<&'a str>),
+}
+
+/// The capability report of a GPU backend: the collective library's capabilities (over `lib`, or off with
+/// [`GpuReport::missing_ccl`]), the runtime's, multicast, and the custom kernels, from the vendor's `parts`. `env`
+/// reads environment variables.
+pub fn gpu_report(
+    parts: GpuReport<'_>,
+    lib: Option<&CclLibrary>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> CapabilityReport {
+    let GpuReport { label, missing_ccl, runtime: (flag, state), dependents, multicast_off, nvls_env, kernels } = parts;
+    let mut r = gpu_backend_report(label, lib, missing_ccl, env);
+    let usable = state.is_ok();
+    gpu_runtime(&mut r, flag, state, dependents, "checked per communicator, when the custom kernels are set up");
+    if let Some(reason) = multicast_off {
+        r.disable(Capabilities::MULTICAST, reason);
+    }
+    if usable && nvls_env {
+        r.apply_nvls_env(env);
+    }
+    match kernels {
+        (_, None) => r.enable(Capabilities::CUSTOM_KERNELS),
+        (what, Some(why)) => {
+            r.disable(Capabilities::CUSTOM_KERNELS, Reason::NotCompiledIn { what: what.into(), detail: why.into() })
+        }
+    }
+    r
+}
+
 /// The first release with fp8 reductions: NCCL 2.24; RCCL from ROCm 6.2 (RCCL 2.20, named `ncclFp8E4M3`).
 pub fn fp8_first_version(vendor: CclVendor) -> (u32, u32) {
     match vendor {
