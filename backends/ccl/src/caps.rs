@@ -190,6 +190,40 @@ mod tests {
     use anyccl_core::CapabilityState;
 
     #[test]
+    fn a_gpu_report_applies_the_vendor_parts_in_order() {
+        let off = Reason::Unavailable { component: "AMD GPUs".into(), detail: "no multicast".into() };
+        let nvls_off = |k: &str| (k == "NCCL_NVLS_ENABLE").then(|| "0".to_owned());
+        let parts = |state: Result<(), Reason>, nvls_env: bool, not_built: Option<&'static str>| GpuReport {
+            label: "X",
+            missing_ccl: Reason::Unavailable { component: "XCCL".into(), detail: "none".into() },
+            runtime: (Capabilities::HIP_RUNTIME, state),
+            dependents: Capabilities::IPC | Capabilities::GRAPH_CAPTURE,
+            multicast_off: Some(off.clone()),
+            nvls_env,
+            kernels: ("X kernels", not_built),
+        };
+        // A usable runtime: the vendor's multicast reason, unless NCCL_NVLS_ENABLE=0 applies (it replaces it).
+        let r = gpu_report(parts(Ok(()), false, None), None, &nvls_off);
+        assert!(r.has(Capabilities::HIP_RUNTIME | Capabilities::IPC | Capabilities::CUSTOM_KERNELS));
+        assert_eq!(r.state(Capabilities::MULTICAST), &CapabilityState::Disabled(off.clone()));
+        let r = gpu_report(parts(Ok(()), true, None), None, &nvls_off);
+        assert!(matches!(r.state(Capabilities::MULTICAST), CapabilityState::Disabled(Reason::EnvVar { .. })));
+        // An unusable runtime: its dependents off because of it, NCCL_NVLS_ENABLE not read, the kernels' reason.
+        let gone = Reason::Unavailable { component: "runtime".into(), detail: "absent".into() };
+        let r = gpu_report(parts(Err(gone.clone()), true, Some("no compiler")), None, &nvls_off);
+        assert_eq!(r.state(Capabilities::HIP_RUNTIME), &CapabilityState::Disabled(gone));
+        assert!(matches!(r.state(Capabilities::IPC), CapabilityState::Disabled(Reason::Requires { .. })));
+        assert_eq!(r.state(Capabilities::MULTICAST), &CapabilityState::Disabled(off));
+        assert_eq!(
+            r.state(Capabilities::CUSTOM_KERNELS),
+            &CapabilityState::Disabled(Reason::NotCompiledIn {
+                what: "X kernels".into(),
+                detail: "no compiler".into()
+            })
+        );
+    }
+
+    #[test]
     fn a_gpu_runtime_sets_its_dependents_on_or_off_with_the_reason() {
         let missing = Reason::Unavailable { component: "RCCL".into(), detail: "none".into() };
         let mut r = gpu_backend_report("ROCm", None, missing.clone(), &|_| None);
