@@ -29,7 +29,7 @@ pub use anyccl_kernels_hip as kernels;
 pub use comm::{RocmComm, SymmetricBuffer};
 pub use loader::{HipLibrary, HipLoadError};
 pub use platform::Hip;
-pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
+pub use runtime::{HipBuffer, HipDevice, HipEvent, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
 
 /// What the ROCm backend can do with `hip` (the HIP runtime, or why it did not load) and `ccl` (RCCL, if one
 /// loaded); `env` reads environment variables.

@@ -339,6 +339,63 @@ impl Drop for HipStream {
     }
 }
 
+/// A HIP timing event (`hipEventCreate`), destroyed on drop: recorded on a stream outside capture, then the time
+/// between two is read ([`HipEvent::elapsed_ms`]).
+#[derive(Debug)]
+pub struct HipEvent {
+    raw: sys::hipEvent_t,
+    dev: Arc<HipDevice>,
+}
+
+// SAFETY: HIP events may be recorded, queried and destroyed from any thread.
+unsafe impl Send for HipEvent {}
+// SAFETY: as above; HIP serialises the operations on an event.
+unsafe impl Sync for HipEvent {}
+
+impl HipEvent {
+    /// A new timing event on `dev`.
+    pub fn new(dev: &Arc<HipDevice>) -> Result<Self> {
+        dev.bind()?;
+        let mut raw: sys::hipEvent_t = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check(&dev.lib, "hipEventCreate", unsafe { (dev.lib.table().event_create)(&mut raw) })?;
+        Ok(HipEvent { raw, dev: dev.clone() })
+    }
+
+    /// Records the event on `stream`. Refused while the stream captures: an event recorded in a capture becomes a
+    /// node of the graph, its time cannot be read, and waiting for it while the capture runs would invalidate it.
+    pub fn record(&self, stream: &HipStream) -> Result<()> {
+        anyccl_core::capture::refuse_if("HipEvent::record (hipEventRecord)", stream.is_capturing()?)?;
+        // SAFETY: a live event and a live stream.
+        check(&self.dev.lib, "hipEventRecord", unsafe { (self.dev.lib.table().event_record)(self.raw, stream.raw) })
+    }
+
+    /// Waits until the work before the event's last record is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live event, recorded outside capture ([`Self::record`] refuses otherwise).
+        check(&self.dev.lib, "hipEventSynchronize", unsafe { (self.dev.lib.table().event_synchronize)(self.raw) })
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded and completed).
+    pub fn elapsed_ms(&self, end: &HipEvent) -> Result<f32> {
+        let mut ms = 0f32;
+        // SAFETY: two live events; writes one float.
+        let st = unsafe { (self.dev.lib.table().event_elapsed_time)(&mut ms, self.raw, end.raw) };
+        check(&self.dev.lib, "hipEventElapsedTime", st)?;
+        Ok(ms)
+    }
+}
+
+impl Drop for HipEvent {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let st = unsafe { (self.dev.lib.table().event_destroy)(self.raw) };
+        if let Err(e) = check(&self.dev.lib, "hipEventDestroy", st) {
+            tracing::warn!(error = %e, "hipEventDestroy failed");
+        }
+    }
+}
+
 /// An instantiated HIP graph captured from a stream.
 pub struct HipGraph {
     graph: sys::hipGraph_t,
