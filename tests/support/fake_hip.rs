@@ -90,6 +90,16 @@ impl FakeHip {
         unsafe { self.lib.get::<unsafe extern "C" fn(usize)>(b"fakehip_set_range_shrink\0").expect("sym")(bytes) }
     }
 
+    /// Makes the next `count` `hipMemcpyAsync` calls of exactly `bytes` bytes on a stream of device `device` fail
+    /// (hipErrorInvalidValue); `count` 0 turns it off.
+    pub fn fail_copies(&self, device: i32, bytes: usize, count: i32) {
+        // SAFETY: as above.
+        unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(i32, usize, i32)>(b"fakehip_fail_copies\0");
+            f.expect("sym")(device, bytes, count)
+        }
+    }
+
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.
     pub fn raw_malloc(&self, bytes: usize) -> i32 {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
