@@ -19,7 +19,7 @@ use anyccl_ccl::gpu::bootstrap as gpu_bootstrap;
 use anyccl_ccl::CclLibrary;
 use anyccl_core::bootstrap::LocalGroup;
 use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result, Selector};
-use anyccl_rocm::{Hip, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
+use anyccl_rocm::{Hip, HipBuffer, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
 use fake_hip::{FakeHip, Launch, Shot};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -208,6 +208,38 @@ fn init_all_launches_the_selected_hip_kernel_with_its_grid_and_sums_right() {
     assert_eq!(s.fake.violations(), Vec::<String>::new());
 }
 
+/// A rank's captured graph, its stream, input and output.
+type Captured = (HipGraph, HipStream, HipBuffer, HipBuffer);
+
+/// On a thread per rank: uploads round `round`'s input, replays the graph once and reads the output.
+fn replay_all(
+    cs: &[Communicator<RocmComm>],
+    kept: &mut [Captured],
+    dtype: DataType,
+    round: usize,
+) -> Vec<Result<Vec<f32>>> {
+    let runtimes: Vec<_> = cs.iter().map(|c| c.runtime().clone()).collect();
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = kept
+            .iter_mut()
+            .zip(runtimes)
+            .enumerate()
+            .map(|(rank, ((graph, st, inp, out), rt))| {
+                sc.spawn(move || -> Result<Vec<f32>> {
+                    let count = inp.len() / dtype.size_bytes();
+                    rt.upload(inp, &input(dtype, rank, round, count), st)?;
+                    graph.launch(st)?;
+                    st.synchronize()?;
+                    let mut host = vec![0u8; out.len()];
+                    rt.download(out, &mut host, st)?;
+                    Ok(decode(dtype, &host))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
 /// Graph capture on ROCm: a captured out-of-place all-reduce launches the `_table` kernel (capturing, nothing runs
 /// yet), a replay before registration reads its input through staging (`registered` 0), `register_graph_buffers`
 /// registers the one input on every rank, and later replays read the registered inputs directly (`registered`
@@ -258,26 +290,7 @@ fn captured_all_reduces_read_registered_inputs_after_register_graph_buffers() {
         }
         assert_eq!(cs[0].pending_graph_buffers(), 0);
         // Replays now read every rank's input directly.
-        let runtimes: Vec<_> = cs.iter().map(|c| c.runtime().clone()).collect();
-        let results = std::thread::scope(|sc| {
-            let hs: Vec<_> = kept
-                .iter_mut()
-                .zip(runtimes)
-                .enumerate()
-                .map(|(rank, ((graph, st, inp, out), rt))| {
-                    sc.spawn(move || -> Result<Vec<f32>> {
-                        rt.upload(inp, &input(dtype, rank, 1, count), st)?;
-                        graph.launch(st)?;
-                        st.synchronize()?;
-                        let mut host = vec![0u8; bytes];
-                        rt.download(out, &mut host, st)?;
-                        Ok(decode(dtype, &host))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-        });
-        for (rank, r) in results.into_iter().enumerate() {
+        for (rank, r) in replay_all(&cs, &mut kept, dtype, 1).into_iter().enumerate() {
             assert!(r.expect("replay") == reference(world, 1, count), "world {world} rank {rank}: registered replay");
         }
         let replayed: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
@@ -337,26 +350,7 @@ fn a_table_write_failing_on_one_rank_fails_registration_on_every_rank() {
             continue;
         }
         // Both ranks' tables are staging: the replay copies through staging on both, and the sums are right.
-        let runtimes: Vec<_> = cs.iter().map(|c| c.runtime().clone()).collect();
-        let results = std::thread::scope(|sc| {
-            let hs: Vec<_> = kept
-                .iter_mut()
-                .zip(runtimes)
-                .enumerate()
-                .map(|(rank, ((graph, st, inp, out), rt))| {
-                    sc.spawn(move || -> Result<Vec<f32>> {
-                        rt.upload(inp, &input(dtype, rank, 0, count), st)?;
-                        graph.launch(st)?;
-                        st.synchronize()?;
-                        let mut host = vec![0u8; bytes];
-                        rt.download(out, &mut host, st)?;
-                        Ok(decode(dtype, &host))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-        });
-        for (rank, r) in results.into_iter().enumerate() {
+        for (rank, r) in replay_all(&cs, &mut kept, dtype, 0).into_iter().enumerate() {
             assert!(r.expect("replay") == reference(world, 0, count), "rank {rank}: replay after the failure");
         }
         let replayed: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
