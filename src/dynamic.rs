@@ -301,31 +301,50 @@ pub struct AnyEvent {
 enum EventInner {
     #[cfg(feature = "cuda")]
     Cuda(anyccl_cuda::graph::Event),
+    #[cfg(feature = "rocm")]
+    Rocm(anyccl_rocm::HipEvent),
     /// Keeps the enum inhabited in builds without a backend that has events (never constructed there).
     #[allow(dead_code)]
     None(std::convert::Infallible),
 }
 
 impl AnyEvent {
-    /// Records the event on `stream` (of the backend that made it).
+    /// The backend that made the event.
+    fn backend(&self) -> BackendKind {
+        match &self.inner {
+            #[cfg(feature = "cuda")]
+            EventInner::Cuda(_) => BackendKind::Cuda,
+            #[cfg(feature = "rocm")]
+            EventInner::Rocm(_) => BackendKind::Rocm,
+            EventInner::None(never) => match *never {},
+        }
+    }
+
+    /// Records the event on `stream` (of the backend that made it). On ROCm, refused while the stream captures.
     pub fn record(&self, stream: &AnyStream) -> Result<()> {
         match (&self.inner, &stream.inner) {
             #[cfg(feature = "cuda")]
             (EventInner::Cuda(e), StreamInner::Cuda(s)) => e.record(s),
+            #[cfg(feature = "rocm")]
+            (EventInner::Rocm(e), StreamInner::Rocm(s)) => e.record(s),
             (EventInner::None(never), _) => match *never {},
             #[allow(unreachable_patterns)]
-            _ => Err(wrong_backend("stream", stream.backend(), BackendKind::Cuda)),
+            _ => Err(wrong_backend("stream", stream.backend(), self.backend())),
         }
     }
 
-    /// Milliseconds from this event to `end`, both recorded and completed.
+    /// Milliseconds from this event to `end` (of the same backend), both recorded and completed.
     pub fn elapsed_ms(&self, end: &AnyEvent) -> Result<f32> {
         match (&self.inner, &end.inner) {
             #[cfg(feature = "cuda")]
             (EventInner::Cuda(a), EventInner::Cuda(b)) => a.elapsed_ms(b),
+            #[cfg(feature = "rocm")]
+            (EventInner::Rocm(a), EventInner::Rocm(b)) => a.elapsed_ms(b),
             (EventInner::None(never), _) => match *never {},
             #[allow(unreachable_patterns)]
             (_, EventInner::None(never)) => match *never {},
+            #[allow(unreachable_patterns)]
+            _ => Err(wrong_backend("end event", end.backend(), self.backend())),
         }
     }
 }
@@ -427,7 +446,7 @@ pub trait DynComm: Send {
     fn synchronize(&self, stream: &AnyStream) -> Result<()>;
     /// Whether `stream` is being captured.
     fn is_capturing(&self, stream: &AnyStream) -> Result<bool>;
-    /// A device timing event, where the backend offers them (CUDA); elsewhere [`Error::Unsupported`] naming
+    /// A device timing event, where the backend offers them (CUDA, ROCm); elsewhere [`Error::Unsupported`] naming
     /// `device-timing-events` (time on the host up to [`DynComm::synchronize`] instead).
     fn event(&self) -> Result<AnyEvent>;
 
@@ -989,6 +1008,9 @@ mod rocm_impl {
             // The body enqueues on `stream`, the very stream being captured (HipGraph::capture hands it back).
             let g = HipGraph::capture(s, |_| body(c, stream))?;
             Ok(AnyGraph { inner: GraphInner::Rocm(g) })
+        }
+        fn event(c: &Communicator<Self>) -> Result<AnyEvent> {
+            Ok(AnyEvent { inner: EventInner::Rocm(anyccl_rocm::HipEvent::new(c.runtime().device())?) })
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The type-erased communicator on the ROCm backend, chosen at run time over the fake HIP runtime and the
 //! computing fake RCCL of ROCm 7.1 (windows on): eager and captured all-reduce (the HIP one-shot kernel), a
-//! symmetric window, the other collectives, and buffers or streams of another backend refused with a typed error.
+//! symmetric window, the other collectives, HIP timing events, and buffers or streams of another backend refused
+//! with a typed error.
 //! No GPU needed.
 //!
 //! One test in its own binary: the chooser loads the HIP runtime once per process, from `ANYCCL_HIP_PATH`.
@@ -120,6 +121,43 @@ fn rocm_ranks_chosen_at_run_time_reduce_capture_and_refuse_foreign_memory() {
     assert!(e.to_string().contains("stream belongs to the host backend, but this communicator is rocm"), "{e}");
     let e = h.upload(&mut mine, &[0; 16], &hs).expect_err("device memory on the host communicator");
     assert!(matches!(e, Error::InvalidArgument(InvalidArgument::WrongBackend { found: "rocm", .. })), "{e:?}");
+    // HIP timing events through the erased face: created, recorded, read and destroyed in balance; a record on a
+    // capturing stream refused before HIP sees it (the capture stays valid); a stream of another backend refused.
+    let calls = |n: &str| fake.calls(n);
+    let before: Vec<i32> = ["hipEventCreate", "hipEventRecord", "hipEventElapsedTime", "hipEventDestroy"]
+        .iter()
+        .map(|n| calls(n))
+        .collect();
+    {
+        let (start, end) = (r.event().expect("a HIP event"), r.event().expect("a HIP event"));
+        start.record(&rs).expect("record");
+        r.all_reduce(InOut::InPlace(&mut mine), 4, DataType::F32, ReduceOp::Sum, &rs).expect("all-reduce");
+        end.record(&rs).expect("record");
+        r.synchronize(&rs).expect("synchronize");
+        // The fake's hipEventElapsedTime reports 1 µs.
+        assert_eq!(start.elapsed_ms(&end).expect("elapsed"), 0.001);
+        let g = r
+            .capture(&rs, &mut |_, s| {
+                let e = start.record(s).expect_err("refused during capture");
+                assert!(matches!(e, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })), "{e:?}");
+                Ok(())
+            })
+            .expect("the capture stays valid");
+        g.launch(&rs).expect("replay");
+        r.synchronize(&rs).expect("synchronize");
+        let e = start.record(&hs).expect_err("a host stream");
+        assert_eq!(
+            e,
+            Error::InvalidArgument(InvalidArgument::WrongBackend { which: "stream", found: "host", expected: "rocm" })
+        );
+    }
+    let after: Vec<i32> = ["hipEventCreate", "hipEventRecord", "hipEventElapsedTime", "hipEventDestroy"]
+        .iter()
+        .map(|n| calls(n))
+        .collect();
+    let delta: Vec<i32> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(delta, [2, 2, 1, 2], "created, recorded (refused records never reach HIP), read, destroyed");
+    assert_eq!(fake.violations(), Vec::<String>::new(), "capture violations around the events");
     // One process per GPU on ROCm joins through the rendezvous: without a launcher's variables it says which one
     // is missing, before any GPU work.
     for v in ["WORLD_SIZE", "SLURM_NTASKS", "RANK", "SLURM_PROCID"] {

@@ -5,8 +5,8 @@
 //! Timing, per backend:
 //! - host ([`Timing::Barriers`]): each call between two barriers, timed on every rank;
 //! - GPU graph ([`Timing::Graph`], the default): one graph of [`CALLS_PER_GRAPH`] back-to-back all-reduces per
-//!   replay, each replay between two device events (CUDA) or timed on the host up to a stream synchronisation
-//!   (ROCm, whose erased face has no events yet), divided by the calls;
+//!   replay, each replay between two device events (CUDA, ROCm) or, where a backend has none, timed on the host up
+//!   to a stream synchronisation, divided by the calls;
 //! - GPU eager ([`Timing::Eager`]): each call between two events, or on the host up to a synchronisation. On CUDA
 //!   the host time per call is measured too, anyccl against a raw `ncclAllReduce`, on the typed
 //!   `Communicator<CudaComm>` (`bench_cuda`): the erased face's virtual call does not enter that measurement.

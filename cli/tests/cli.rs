@@ -322,8 +322,8 @@ fn probe_with_the_rocm_backend_on_a_fake_rocm_7_0() {
 /// fake RCCL: one process, a thread per GPU, through the type-erased communicator. With RCCL 2.27.7 (ROCm 7.1) and
 /// `NCCL_CUMEM_ENABLE=1` the bench measures ccl, ccl-symmetric (windows) and, where the HIP kernels are built, the
 /// custom one-shot and two-shot (launched by the ROCm communicator, run by the fake's emulation), and every result
-/// is right; with RCCL 2.26.6 (ROCm 7.0) ccl-symmetric is not eligible because the library lacks the window symbol.
-/// Tune writes an `amd`/`gfx90a` table and its check passes.
+/// is right, timed with HIP events; with RCCL 2.26.6 (ROCm 7.0) ccl-symmetric is not eligible because the library
+/// lacks the window symbol. Tune writes an `amd`/`gfx90a` table and its check passes.
 #[cfg(feature = "rocm")]
 #[test]
 fn bench_and_tune_run_on_the_rocm_backend_over_the_fakes() {
@@ -359,6 +359,9 @@ fn bench_and_tune_run_on_the_rocm_backend_over_the_fakes() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!((v["backend"].as_str(), v["schema"].as_u64(), v["wrong"].as_u64()), (Some("rocm"), Some(2), Some(0)));
+    // Each eager call between two HIP events (the fake's hipEventElapsedTime reports 1 µs), as on CUDA.
+    let method = v["method"].as_str().unwrap_or("");
+    assert!(method.contains("each eager call timed with device events"), "{method}");
     let ineligible = v["ineligible"].as_array().expect("ineligible");
     if anyccl::rocm::kernels::NOT_BUILT.is_none() {
         assert_eq!(v["algorithms"], serde_json::json!(["ccl", "ccl-symmetric", "one-shot", "two-shot"]));
@@ -387,6 +390,9 @@ fn bench_and_tune_run_on_the_rocm_backend_over_the_fakes() {
     let custom = if anyccl::rocm::kernels::NOT_BUILT.is_none() { &["one-shot", "two-shot"][..] } else { &[] };
     let want: Vec<&str> = ["ccl"].iter().chain(custom).copied().collect();
     assert_eq!((v["algorithms"].clone(), v["wrong"].as_u64()), (serde_json::json!(want), Some(0)));
+    // Graph replays between HIP events too.
+    let method = v["method"].as_str().unwrap_or("");
+    assert!(method.contains("each replay timed with device events"), "{method}");
     let sym = v["ineligible"].as_array().and_then(|a| a.iter().find(|i| i["algorithm"] == "ccl-symmetric"));
     assert!(sym.is_some_and(|s| s["reason"].as_str().unwrap_or("").contains("ncclCommWindowRegister")), "{v}");
     // Tune: one algorithm, so the check cannot depend on timing noise.

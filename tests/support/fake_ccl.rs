@@ -4,13 +4,76 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyccl_ccl::loader::REQUIRED_SYMBOLS;
 
 pub const BASE: &[&str] =
     &["ncclCommInitAll", "ncclCommInitRankConfig", "ncclCommFinalize", "ncclGetLastError", "ncclRedOpCreatePreMulSum"];
+
+/// The computing fake library's C source (fake_rccl.c), over a fake runtime's memory and streams.
+const COMPUTING_C: &str = include_str!("fake_rccl.c");
+
+/// Symbols `fake_rccl.c` defines itself; those in [`COMPUTING_GUARDED`] only when the release exports them.
+const COMPUTING_IMPLEMENTED: &[&str] = &[
+    "ncclGetVersion",
+    "ncclGetUniqueId",
+    "ncclCommInitRank",
+    "ncclCommInitAll",
+    "ncclCommDestroy",
+    "ncclCommCount",
+    "ncclCommUserRank",
+    "ncclCommGetAsyncError",
+    "ncclCommAbort",
+    "ncclGetErrorString",
+    "ncclGetLastError",
+    "ncclGroupStart",
+    "ncclGroupEnd",
+    "ncclAllReduce",
+    "ncclAllGather",
+    "ncclReduceScatter",
+    "ncclBroadcast",
+    "ncclReduce",
+    "ncclSend",
+    "ncclRecv",
+];
+/// Symbols `fake_rccl.c` defines under `#ifdef HAVE_<symbol>`, set for the releases that export them.
+const COMPUTING_GUARDED: &[&str] = &[
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+    "ncclCommSplit",
+];
+
+/// A computing fake collective library (`fake_rccl.c`) with the symbol set of `p`, built once per process at
+/// `<folder>/<p.file>` and linked by soname against the fake runtime `runtime` (the fake HIP runtime, or the fake
+/// CUDA driver built over it), whose memory, streams and `fakehip_enqueue` it uses, as the real RCCL links
+/// libamdhip64 and NCCL the CUDA driver. Symbols it does not implement get a stub returning 0.
+pub fn build_computing(p: &Profile, folder: &str, runtime: &Path) -> PathBuf {
+    let dir = runtime.parent().expect("the fake runtime's folder").display().to_string();
+    let soname = runtime.file_name().expect("the fake runtime's name").to_string_lossy().into_owned();
+    let mut syms: Vec<&str> = REQUIRED_SYMBOLS.to_vec();
+    syms.extend_from_slice(BASE);
+    syms.extend_from_slice(p.extra);
+    let mut c = format!("#define FAKE_VERSION {}\n", p.version);
+    for s in syms.iter().filter(|s| COMPUTING_GUARDED.contains(s)) {
+        let _ = writeln!(c, "#define HAVE_{s} 1");
+    }
+    c.push_str(COMPUTING_C);
+    for s in syms.iter().filter(|s| !COMPUTING_IMPLEMENTED.contains(s) && !COMPUTING_GUARDED.contains(s)) {
+        let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
+    }
+    compile_once(
+        &format!("{folder}/{}", p.file),
+        &c,
+        &[format!("-L{dir}"), format!("-l:{soname}"), format!("-Wl,-rpath,{dir}"), "-lpthread".into()],
+    )
+}
 
 pub struct Profile {
     pub file: &'static str,

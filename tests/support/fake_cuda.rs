@@ -6,49 +6,14 @@
 //! driver exports the `fakehip_*` test interface too).
 #![allow(dead_code)]
 
-use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use super::fake_ccl::{self, Profile};
 
 const HIP_C: &str = include_str!("fake_hip.c");
 const CUDA_C: &str = include_str!("fake_cuda.c");
-const NCCL_C: &str = include_str!("fake_rccl.c");
 /// The fake driver's soname.
 pub const CUDA_SONAME: &str = "libcuda.so.1";
-
-/// Symbols `fake_rccl.c` defines itself; those in `GUARDED` only when the release exports them (as in
-/// `fake_hip.rs`).
-const IMPLEMENTED: &[&str] = &[
-    "ncclGetVersion",
-    "ncclGetUniqueId",
-    "ncclCommInitRank",
-    "ncclCommInitAll",
-    "ncclCommDestroy",
-    "ncclCommCount",
-    "ncclCommUserRank",
-    "ncclCommGetAsyncError",
-    "ncclCommAbort",
-    "ncclGetErrorString",
-    "ncclGetLastError",
-    "ncclGroupStart",
-    "ncclGroupEnd",
-    "ncclAllReduce",
-    "ncclAllGather",
-    "ncclReduceScatter",
-    "ncclBroadcast",
-    "ncclReduce",
-    "ncclSend",
-    "ncclRecv",
-];
-const GUARDED: &[&str] = &[
-    "ncclMemAlloc",
-    "ncclMemFree",
-    "ncclCommRegister",
-    "ncclCommDeregister",
-    "ncclCommWindowRegister",
-    "ncclCommWindowDeregister",
-];
 
 /// The fake CUDA driver, built once per test process: `<dir>/libcuda.so.1`, with `<dir>/libcuda.so` linking to it
 /// (the first name cudarc tries), so a process started with `LD_LIBRARY_PATH=<dir>` loads it by either name.
@@ -80,22 +45,5 @@ fn build_cuda_uncached() -> PathBuf {
 /// A computing fake NCCL with the symbol set of `p`, linked against the fake CUDA driver (whose `hipMalloc` and
 /// `fakehip_enqueue` it calls).
 pub fn build_nccl(p: &Profile) -> PathBuf {
-    let cuda = build_cuda();
-    let cuda_dir = cuda.parent().expect("cuda dir").display().to_string();
-    let mut syms: Vec<&str> = anyccl_ccl::loader::REQUIRED_SYMBOLS.to_vec();
-    syms.extend_from_slice(fake_ccl::BASE);
-    syms.extend_from_slice(p.extra);
-    let mut c = format!("#define FAKE_VERSION {}\n", p.version);
-    for s in syms.iter().filter(|s| GUARDED.contains(s)) {
-        let _ = writeln!(c, "#define HAVE_{s} 1");
-    }
-    c.push_str(NCCL_C);
-    for s in syms.iter().filter(|s| !IMPLEMENTED.contains(s) && !GUARDED.contains(s)) {
-        let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
-    }
-    fake_ccl::compile_once(
-        &format!("cuda-compute/{}", p.file),
-        &c,
-        &[format!("-L{cuda_dir}"), format!("-l:{CUDA_SONAME}"), format!("-Wl,-rpath,{cuda_dir}"), "-lpthread".into()],
-    )
+    fake_ccl::build_computing(p, "cuda-compute", &build_cuda())
 }

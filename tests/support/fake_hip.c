@@ -418,9 +418,27 @@ static void do_copy(void* a) {
     struct copy_args* c = a;
     memmove(c->dst, c->src, c->n);
 }
+/* Test hook (fakehip_fail_copies): the next `count` hipMemcpyAsync calls of exactly `bytes` bytes on a stream of
+ * device `device` fail with hipErrorInvalidValue, as a copy on a failing device would. */
+static int fail_copy_device = -1, fail_copy_count;
+static size_t fail_copy_bytes;
+void fakehip_fail_copies(int device, size_t bytes, int count) {
+    pthread_mutex_lock(&amu);
+    fail_copy_device = device;
+    fail_copy_bytes = bytes;
+    fail_copy_count = count;
+    pthread_mutex_unlock(&amu);
+}
 hipError_t hipMemcpyAsync(void* dst, const void* src, size_t n, int kind, void* s) {
     count_call("hipMemcpyAsync");
     (void)kind;
+    if (s) {
+        pthread_mutex_lock(&amu);
+        int fail = fail_copy_count > 0 && ((struct stream*)s)->device == fail_copy_device && n == fail_copy_bytes;
+        if (fail) fail_copy_count--;
+        pthread_mutex_unlock(&amu);
+        if (fail) return 1;
+    }
     struct copy_args c = {dst, src, n};
     return fakehip_enqueue(s, do_copy, &c, sizeof c);
 }

@@ -4,47 +4,13 @@
 //! one links libamdhip64. Used through `#[path]` together with `fake_ccl.rs`.
 #![allow(dead_code)]
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use super::fake_ccl::{self, Profile};
 
 const HIP_C: &str = include_str!("fake_hip.c");
-const RCCL_C: &str = include_str!("fake_rccl.c");
 /// The fake HIP runtime's soname.
 pub const HIP_SONAME: &str = "libamdhip64.so.6";
-
-/// Symbols `fake_rccl.c` defines itself; those in `GUARDED` only when the release exports them.
-const IMPLEMENTED: &[&str] = &[
-    "ncclGetVersion",
-    "ncclGetUniqueId",
-    "ncclCommInitRank",
-    "ncclCommInitAll",
-    "ncclCommDestroy",
-    "ncclCommCount",
-    "ncclCommUserRank",
-    "ncclCommGetAsyncError",
-    "ncclCommAbort",
-    "ncclGetErrorString",
-    "ncclGetLastError",
-    "ncclGroupStart",
-    "ncclGroupEnd",
-    "ncclAllReduce",
-    "ncclAllGather",
-    "ncclReduceScatter",
-    "ncclBroadcast",
-    "ncclReduce",
-    "ncclSend",
-    "ncclRecv",
-];
-const GUARDED: &[&str] = &[
-    "ncclMemAlloc",
-    "ncclMemFree",
-    "ncclCommRegister",
-    "ncclCommDeregister",
-    "ncclCommWindowRegister",
-    "ncclCommWindowDeregister",
-];
 
 /// The fake HIP runtime, built once per test process.
 pub fn build_hip() -> PathBuf {
@@ -59,24 +25,7 @@ pub fn build_hip() -> PathBuf {
 
 /// A computing fake RCCL with the symbol set of `p`, linked against the fake HIP runtime.
 pub fn build_rccl(p: &Profile) -> PathBuf {
-    let hip = build_hip();
-    let hip_dir = hip.parent().expect("hip dir").display().to_string();
-    let mut syms: Vec<&str> = anyccl_ccl::loader::REQUIRED_SYMBOLS.to_vec();
-    syms.extend_from_slice(fake_ccl::BASE);
-    syms.extend_from_slice(p.extra);
-    let mut c = format!("#define FAKE_VERSION {}\n", p.version);
-    for s in syms.iter().filter(|s| GUARDED.contains(s)) {
-        let _ = writeln!(c, "#define HAVE_{s} 1");
-    }
-    c.push_str(RCCL_C);
-    for s in syms.iter().filter(|s| !IMPLEMENTED.contains(s) && !GUARDED.contains(s)) {
-        let _ = writeln!(c, "int {s}(void) {{ return 0; }}");
-    }
-    fake_ccl::compile_once(
-        &format!("compute/{}", p.file),
-        &c,
-        &[format!("-L{hip_dir}"), format!("-l:{HIP_SONAME}"), format!("-Wl,-rpath,{hip_dir}"), "-lpthread".into()],
-    )
+    fake_ccl::build_computing(p, "compute", &build_hip())
 }
 
 /// The fake HIP runtime's test interface, reached through the same loaded copy the backend uses.
@@ -139,6 +88,16 @@ impl FakeHip {
     pub fn set_range_shrink(&self, bytes: usize) {
         // SAFETY: as above.
         unsafe { self.lib.get::<unsafe extern "C" fn(usize)>(b"fakehip_set_range_shrink\0").expect("sym")(bytes) }
+    }
+
+    /// Makes the next `count` `hipMemcpyAsync` calls of exactly `bytes` bytes on a stream of device `device` fail
+    /// (hipErrorInvalidValue); `count` 0 turns it off.
+    pub fn fail_copies(&self, device: i32, bytes: usize, count: i32) {
+        // SAFETY: as above.
+        unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(i32, usize, i32)>(b"fakehip_fail_copies\0");
+            f.expect("sym")(device, bytes, count)
+        }
     }
 
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.

@@ -1,5 +1,5 @@
 /* A fake RCCL whose collectives compute on host memory (the fake HIP runtime's "device" memory), for tests. It
- * is built per release by tests/support/fake_hip.rs, which defines FAKE_VERSION and one HAVE_<symbol> per
+ * is built per release by tests/support/fake_ccl.rs (build_computing), which defines FAKE_VERSION and one HAVE_<symbol> per
  * optional symbol the release exports, and links it against the fake HIP runtime, as the real RCCL links
  * libamdhip64.
  *
@@ -557,13 +557,4 @@ static ncclResult_t fake_comm_split(void* comm, int color, int key, void** out, 
 ncclResult_t ncclCommSplit(void* c, int color, int key, void** out, void* config) {
     return fake_comm_split(c, color, key, out, config);
 }
-#else
-/* tests/support/fake_hip.rs appends `int ncclCommSplit(void) { return 0; }` after this file for every release
- * that exports ncclCommSplit (it is not among its guarded symbols): this macro turns that stub into the real entry
- * point, so the symbol exists exactly for those releases. */
-#define ncclCommSplit(stub_params)                                                                              \
-    ncclCommSplit(void* c, int color, int key, void** out, void* config) {                                      \
-        return fake_comm_split(c, color, key, out, config);                                                     \
-    }                                                                                                           \
-    static inline int fakerccl_unused_split_stub(stub_params)
 #endif

@@ -125,6 +125,52 @@ pub fn gpu_runtime(
     }
 }
 
+/// What one GPU vendor puts into its backend's capability report ([`gpu_report`]); the rest is the same for every
+/// vendor.
+pub struct GpuReport<'a> {
+    /// The backend's name in messages (`"CUDA"`, `"ROCm"`).
+    pub label: &'a str,
+    /// Why the collective library's capabilities are off when none was loaded.
+    pub missing_ccl: Reason,
+    /// The runtime's flag (`cuda-runtime`, `hip-runtime`), and whether the runtime is usable (else why not).
+    pub runtime: (Capabilities, Result<(), Reason>),
+    /// The flags that need the runtime ([`gpu_runtime`]).
+    pub dependents: Capabilities,
+    /// Why multicast is off, where the vendor says so (applied after the runtime's flags).
+    pub multicast_off: Option<Reason>,
+    /// Whether `NCCL_NVLS_ENABLE` decides multicast too where the runtime is usable (NVIDIA only).
+    pub nvls_env: bool,
+    /// The custom kernels' name in reasons (`"custom CUDA kernels"`) and why they are not built, if they are not.
+    pub kernels: (&'a str, Option<&'a str>),
+}
+
+/// The capability report of a GPU backend: the collective library's capabilities (over `lib`, or off with
+/// [`GpuReport::missing_ccl`]), the runtime's, multicast, and the custom kernels, from the vendor's `parts`. `env`
+/// reads environment variables.
+pub fn gpu_report(
+    parts: GpuReport<'_>,
+    lib: Option<&CclLibrary>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> CapabilityReport {
+    let GpuReport { label, missing_ccl, runtime: (flag, state), dependents, multicast_off, nvls_env, kernels } = parts;
+    let mut r = gpu_backend_report(label, lib, missing_ccl, env);
+    let usable = state.is_ok();
+    gpu_runtime(&mut r, flag, state, dependents, "checked per communicator, when the custom kernels are set up");
+    if let Some(reason) = multicast_off {
+        r.disable(Capabilities::MULTICAST, reason);
+    }
+    if usable && nvls_env {
+        r.apply_nvls_env(env);
+    }
+    match kernels {
+        (_, None) => r.enable(Capabilities::CUSTOM_KERNELS),
+        (what, Some(why)) => {
+            r.disable(Capabilities::CUSTOM_KERNELS, Reason::NotCompiledIn { what: what.into(), detail: why.into() })
+        }
+    }
+    r
+}
+
 /// The first release with fp8 reductions: NCCL 2.24; RCCL from ROCm 6.2 (RCCL 2.20, named `ncclFp8E4M3`).
 pub fn fp8_first_version(vendor: CclVendor) -> (u32, u32) {
     match vendor {
@@ -142,6 +188,40 @@ pub fn process_env(name: &str) -> Option<String> {
 mod tests {
     use super::*;
     use anyccl_core::CapabilityState;
+
+    #[test]
+    fn a_gpu_report_applies_the_vendor_parts_in_order() {
+        let off = Reason::Unavailable { component: "AMD GPUs".into(), detail: "no multicast".into() };
+        let nvls_off = |k: &str| (k == "NCCL_NVLS_ENABLE").then(|| "0".to_owned());
+        let parts = |state: Result<(), Reason>, nvls_env: bool, not_built: Option<&'static str>| GpuReport {
+            label: "X",
+            missing_ccl: Reason::Unavailable { component: "XCCL".into(), detail: "none".into() },
+            runtime: (Capabilities::HIP_RUNTIME, state),
+            dependents: Capabilities::IPC | Capabilities::GRAPH_CAPTURE,
+            multicast_off: Some(off.clone()),
+            nvls_env,
+            kernels: ("X kernels", not_built),
+        };
+        // A usable runtime: the vendor's multicast reason, unless NCCL_NVLS_ENABLE=0 applies (it replaces it).
+        let r = gpu_report(parts(Ok(()), false, None), None, &nvls_off);
+        assert!(r.has(Capabilities::HIP_RUNTIME | Capabilities::IPC | Capabilities::CUSTOM_KERNELS));
+        assert_eq!(r.state(Capabilities::MULTICAST), &CapabilityState::Disabled(off.clone()));
+        let r = gpu_report(parts(Ok(()), true, None), None, &nvls_off);
+        assert!(matches!(r.state(Capabilities::MULTICAST), CapabilityState::Disabled(Reason::EnvVar { .. })));
+        // An unusable runtime: its dependents off because of it, NCCL_NVLS_ENABLE not read, the kernels' reason.
+        let gone = Reason::Unavailable { component: "runtime".into(), detail: "absent".into() };
+        let r = gpu_report(parts(Err(gone.clone()), true, Some("no compiler")), None, &nvls_off);
+        assert_eq!(r.state(Capabilities::HIP_RUNTIME), &CapabilityState::Disabled(gone));
+        assert!(matches!(r.state(Capabilities::IPC), CapabilityState::Disabled(Reason::Requires { .. })));
+        assert_eq!(r.state(Capabilities::MULTICAST), &CapabilityState::Disabled(off));
+        assert_eq!(
+            r.state(Capabilities::CUSTOM_KERNELS),
+            &CapabilityState::Disabled(Reason::NotCompiledIn {
+                what: "X kernels".into(),
+                detail: "no compiler".into()
+            })
+        );
+    }
 
     #[test]
     fn a_gpu_runtime_sets_its_dependents_on_or_off_with_the_reason() {

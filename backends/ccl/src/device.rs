@@ -12,6 +12,61 @@ use anyccl_core::{BufferDesc, Location, MemoryRuntime, Result};
 
 use crate::{CclStream, DeviceAddress};
 
+/// What the capture rules ([`anyccl_core::capture`]) ask of one vendor's runtime: the streams it knows, a capture
+/// query that is legal during capture, and its thread capture-mode exchange. The rules built on them
+/// ([`Self::capture_blocks_this_thread`], [`Self::refuse_unsafe_call`], [`Self::relaxed`]) are written once here.
+pub trait CaptureQueries {
+    /// The runtime's capture interaction mode (`CUstreamCaptureMode`, `hipStreamCaptureMode`).
+    type Mode: Copy;
+    /// Its relaxed mode.
+    const RELAXED: Self::Mode;
+
+    /// The streams anyccl made or wraps on this runtime.
+    fn known_streams(&self) -> &anyccl_core::capture::KnownStreams;
+    /// Whether the raw stream `handle` is being captured (`cuStreamIsCapturing`, `hipStreamGetCaptureInfo`).
+    fn stream_is_capturing(&self, handle: usize) -> Result<bool>;
+    /// Whether a capture that no known stream shows would still break a potentially unsafe call from this
+    /// thread (CUDA: one on a blocking stream of the device, which the legacy stream reveals). None by default.
+    fn implicit_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Swaps this thread's capture interaction mode with `mode`; `false` where the runtime cannot (nothing was
+    /// swapped).
+    fn exchange_capture_mode(&self, mode: &mut Self::Mode) -> bool;
+
+    /// Whether a capture that a potentially unsafe call (allocation, free, synchronous copy) made on this thread
+    /// would break is running: on a known stream ([`anyccl_core::capture::KnownStreams`]), or one
+    /// [`Self::implicit_capture`] sees.
+    fn capture_blocks_this_thread(&self) -> Result<bool> {
+        if self.known_streams().capture_blocks_this_thread(&mut |h| self.stream_is_capturing(h))? {
+            return Ok(true);
+        }
+        self.implicit_capture()
+    }
+
+    /// Refuses `what` ([`anyccl_core::capture::refuse`]) while [`Self::capture_blocks_this_thread`].
+    fn refuse_unsafe_call(&self, what: &'static str) -> Result<()> {
+        anyccl_core::capture::refuse_if(what, self.capture_blocks_this_thread()?)
+    }
+
+    /// Runs `f` with this thread's capture interaction mode relaxed, then restores the previous mode: a
+    /// potentially unsafe call made by `f` neither fails nor invalidates a capture that anyccl could not see (as
+    /// PyTorch's caching allocator allocates during capture). Where the runtime cannot exchange the mode, `f` just
+    /// runs.
+    fn relaxed<T>(&self, f: impl FnOnce() -> T) -> T
+    where
+        Self: Sized,
+    {
+        let mut mode = Self::RELAXED;
+        let swapped = self.exchange_capture_mode(&mut mode);
+        let out = f();
+        if swapped {
+            self.exchange_capture_mode(&mut mode);
+        }
+        out
+    }
+}
+
 /// One allocation of a GPU backend (`cuMemAlloc`, `hipMalloc`), freed when the last [`GpuBuffer`] or view holding
 /// it drops (its own `Drop`).
 pub trait GpuAllocation: Sized + Send + Sync {

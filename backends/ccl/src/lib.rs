@@ -38,7 +38,7 @@ use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 
 pub use caps::derive as derive_capabilities;
 pub use ccl_bootstrap::CclBootstrap;
-pub use device::{GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
+pub use device::{CaptureQueries, GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
 pub use rank::{CclBackend, CclRank, CclStream, DeviceAddress, ABORT_GRACE};

@@ -57,43 +57,31 @@ pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceVi
 /// The capability report of the CUDA backend on this machine: the driver and devices, and the collective
 /// library's capabilities when one is loaded.
 pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<String>) -> CapabilityReport {
-    let missing = Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() };
-    let mut r = anyccl_ccl::caps::gpu_backend_report("CUDA", lib, missing, env);
     let probed = driver::probe();
-    anyccl_ccl::caps::gpu_runtime(
-        &mut r,
-        Capabilities::CUDA_RUNTIME,
-        probed.clone().map(|_| ()),
-        Capabilities::P2P_ALL_PAIRS | Capabilities::IPC | Capabilities::MULTICAST | Capabilities::GRAPH_CAPTURE,
-        "checked per communicator, when the custom kernels are set up",
-    );
-    if let Ok(info) = probed {
-        match info.devices.iter().find(|d| !d.multicast_supported) {
-            Some(d) => r.disable(
-                Capabilities::MULTICAST,
-                Reason::DeviceAttribute {
-                    device: format!("device {} ({})", d.ordinal, d.name),
-                    attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
-                },
-            ),
-            None => r.disable(
-                Capabilities::MULTICAST,
-                Reason::Unavailable {
-                    component: "NVLS all-reduce".into(),
-                    detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
-                },
-            ),
-        }
-        r.apply_nvls_env(env);
-    }
-    match anyccl_kernels_cuda::NOT_BUILT {
-        None => r.enable(Capabilities::CUSTOM_KERNELS),
-        Some(why) => r.disable(
-            Capabilities::CUSTOM_KERNELS,
-            Reason::NotCompiledIn { what: "custom CUDA kernels".into(), detail: why.into() },
-        ),
-    }
-    r
+    // Where the driver runs: off because a device lacks multicast, or because the NVLS kernels are not wired yet.
+    let multicast_off = probed.as_ref().ok().map(|info| match info.devices.iter().find(|d| !d.multicast_supported) {
+        Some(d) => Reason::DeviceAttribute {
+            device: format!("device {} ({})", d.ordinal, d.name),
+            attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
+        },
+        None => Reason::Unavailable {
+            component: "NVLS all-reduce".into(),
+            detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
+        },
+    });
+    let parts = anyccl_ccl::caps::GpuReport {
+        label: "CUDA",
+        missing_ccl: Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() },
+        runtime: (Capabilities::CUDA_RUNTIME, probed.clone().map(|_| ())),
+        dependents: Capabilities::P2P_ALL_PAIRS
+            | Capabilities::IPC
+            | Capabilities::MULTICAST
+            | Capabilities::GRAPH_CAPTURE,
+        multicast_off,
+        nvls_env: true,
+        kernels: ("custom CUDA kernels", anyccl_kernels_cuda::NOT_BUILT),
+    };
+    anyccl_ccl::caps::gpu_report(parts, lib, env)
 }
 
 /// Whether the backend can run here; `Err` says why not.

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::{GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
+use anyccl_ccl::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use anyccl_core::capture::{KnownStreams, StreamKey};
 use anyccl_core::{Error, InvalidArgument, Location, MemoryRuntime, Result};
 use cudarc::driver::{result, sys};
@@ -35,42 +35,39 @@ fn stream_is_capturing(raw: sys::CUstream) -> Result<bool> {
     Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
 }
 
-/// Whether a capture that a potentially unsafe call (allocation, free, synchronous copy) made on this thread for
-/// `ctx` would break is running: on a stream anyccl knows ([`KnownStreams`]), or on a blocking stream of `ctx`'s
-/// device (asking the legacy stream answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then, and the driver documents
-/// that the capture is not invalidated by the question). Binds `ctx`.
-pub(crate) fn capture_blocks_this_thread(ctx: &DeviceContext) -> Result<bool> {
-    if STREAMS.capture_blocks_this_thread(&mut |h| stream_is_capturing(h as sys::CUstream))? {
-        return Ok(true);
-    }
-    ctx.bind()?;
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: CU_STREAM_LEGACY is the documented handle of the legacy stream; the query writes one status.
-    match unsafe { sys::cuStreamIsCapturing(CU_STREAM_LEGACY, &mut status) } {
-        sys::CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
-        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
-        e => Err(cu_err("cuStreamIsCapturing(CU_STREAM_LEGACY)", cudarc::driver::DriverError(e))),
-    }
-}
+/// The capture rules' questions to the CUDA driver for one context ([`CaptureQueries`]; the rules are written
+/// once in anyccl-ccl). Checking the legacy stream binds the context.
+impl CaptureQueries for DeviceContext {
+    type Mode = sys::CUstreamCaptureMode;
+    const RELAXED: sys::CUstreamCaptureMode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
 
-/// Refuses `what` ([`anyccl_core::capture::refuse`]) while [`capture_blocks_this_thread`].
-pub(crate) fn refuse_unsafe_call(ctx: &DeviceContext, what: &'static str) -> Result<()> {
-    anyccl_core::capture::refuse_if(what, capture_blocks_this_thread(ctx)?)
-}
-
-/// Runs `f` with this thread's capture interaction mode relaxed (`cuThreadExchangeStreamCaptureMode`), then
-/// restores the previous mode: a potentially unsafe call made by `f` neither fails nor invalidates a capture that
-/// anyccl could not see (as PyTorch's caching allocator allocates during capture).
-fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: swaps this thread's mode with `mode` (read and written).
-    let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == sys::CUresult::CUDA_SUCCESS;
-    let out = f();
-    if swapped {
-        // SAFETY: as above; restores the mode swapped out.
-        let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    fn known_streams(&self) -> &KnownStreams {
+        &STREAMS
     }
-    out
+
+    fn stream_is_capturing(&self, handle: usize) -> Result<bool> {
+        stream_is_capturing(handle as sys::CUstream)
+    }
+
+    /// A capture on a blocking stream of the device: asking the legacy stream answers
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` then, and the driver documents that the capture is not invalidated by
+    /// the question.
+    fn implicit_capture(&self) -> Result<bool> {
+        self.bind()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: CU_STREAM_LEGACY is the documented handle of the legacy stream; the query writes one status.
+        match unsafe { sys::cuStreamIsCapturing(CU_STREAM_LEGACY, &mut status) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE),
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT => Ok(true),
+            e => Err(cu_err("cuStreamIsCapturing(CU_STREAM_LEGACY)", cudarc::driver::DriverError(e))),
+        }
+    }
+
+    fn exchange_capture_mode(&self, mode: &mut sys::CUstreamCaptureMode) -> bool {
+        // SAFETY: swaps this thread's mode with `mode` (read and written).
+        let st = unsafe { sys::cuThreadExchangeStreamCaptureMode(mode) };
+        st == sys::CUresult::CUDA_SUCCESS
+    }
 }
 
 /// A retained primary context of one device. Released when the last user drops it.
@@ -254,7 +251,7 @@ pub struct CudaAllocation {
 impl Drop for CudaAllocation {
     fn drop(&mut self) {
         // A query that fails counts as a capture: leaking is the safe side.
-        if capture_blocks_this_thread(&self.ctx).unwrap_or(true) {
+        if self.ctx.capture_blocks_this_thread().unwrap_or(true) {
             // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
             tracing::warn!("a CUDA buffer dropped during graph capture is leaked, not freed");
             return;
@@ -279,9 +276,9 @@ impl GpuAllocation for CudaAllocation {
         // cuMemAlloc refuses 0 bytes; a 1-byte allocation gives zero-length buffers a valid address.
         let bytes = anyccl_core::round_allocation("a device buffer", len, 1)?;
         // Binds the context.
-        refuse_unsafe_call(ctx, "MemoryRuntime::alloc (cuMemAlloc)")?;
+        ctx.refuse_unsafe_call("MemoryRuntime::alloc (cuMemAlloc)")?;
         // SAFETY: plain allocation in the current context.
-        let ptr = relaxed(|| unsafe { result::malloc_sync(bytes) }).map_err(|e| cu_err("cuMemAlloc", e))?;
+        let ptr = ctx.relaxed(|| unsafe { result::malloc_sync(bytes) }).map_err(|e| cu_err("cuMemAlloc", e))?;
         anyccl_core::runtime::check_non_null("cuda", "cuMemAlloc", ptr, bytes)?;
         let owner = Arc::new(CudaAllocation { ptr, ctx: ctx.clone() });
         // SAFETY: `bytes >= len` bytes of this device were just allocated at `ptr`, owned by `owner`.
@@ -408,7 +405,7 @@ impl MemoryRuntime for CudaRuntime {
     }
 
     fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
-        refuse_unsafe_call(&self.ctx, what)
+        self.ctx.refuse_unsafe_call(what)
     }
 
     fn query(&self, stream: &CudaStream) -> Result<bool> {

@@ -29,7 +29,7 @@ pub use anyccl_kernels_hip as kernels;
 pub use comm::{RocmComm, SymmetricBuffer};
 pub use loader::{HipLibrary, HipLoadError};
 pub use platform::Hip;
-pub use runtime::{HipBuffer, HipDevice, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
+pub use runtime::{HipBuffer, HipDevice, HipEvent, HipGraph, HipRuntime, HipStream, HipView, HipViewMut};
 
 /// What the ROCm backend can do with `hip` (the HIP runtime, or why it did not load) and `ccl` (RCCL, if one
 /// loaded); `env` reads environment variables.
@@ -38,8 +38,6 @@ pub fn capabilities(
     ccl: Option<&CclLibrary>,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> CapabilityReport {
-    let missing = Reason::Unavailable { component: "RCCL".into(), detail: "no librccl.so.1 could be loaded".into() };
-    let mut r = anyccl_ccl::caps::gpu_backend_report("ROCm", ccl, missing, env);
     let runtime = match hip {
         Err(e) => Err(Reason::Unavailable { component: "HIP runtime".into(), detail: e.to_string() }),
         Ok(lib) => match runtime::device_count(lib) {
@@ -48,26 +46,20 @@ pub fn capabilities(
             Ok(_) => Ok(()),
         },
     };
-    anyccl_ccl::caps::gpu_runtime(
-        &mut r,
-        Capabilities::HIP_RUNTIME,
-        runtime,
-        Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS,
-        "checked per communicator, when the custom kernels are set up",
-    );
-    r.disable(
-        Capabilities::MULTICAST,
-        Reason::Unavailable { component: "AMD GPUs".into(), detail: "no NVLink SHARP multicast on AMD".into() },
-    );
-    // Built in: on (each communicator checks that its devices' targets have code objects, and says why not).
-    match anyccl_kernels_hip::NOT_BUILT {
-        Some(why) => r.disable(
-            Capabilities::CUSTOM_KERNELS,
-            Reason::NotCompiledIn { what: "HIP kernels".into(), detail: why.into() },
-        ),
-        None => r.enable(Capabilities::CUSTOM_KERNELS),
-    }
-    r
+    let parts = anyccl_ccl::caps::GpuReport {
+        label: "ROCm",
+        missing_ccl: Reason::Unavailable { component: "RCCL".into(), detail: "no librccl.so.1 could be loaded".into() },
+        runtime: (Capabilities::HIP_RUNTIME, runtime),
+        dependents: Capabilities::GRAPH_CAPTURE | Capabilities::IPC | Capabilities::P2P_ALL_PAIRS,
+        multicast_off: Some(Reason::Unavailable {
+            component: "AMD GPUs".into(),
+            detail: "no NVLink SHARP multicast on AMD".into(),
+        }),
+        nvls_env: false,
+        // Built in: on (each communicator checks that its devices' targets have code objects, and says why not).
+        kernels: ("HIP kernels", anyccl_kernels_hip::NOT_BUILT),
+    };
+    anyccl_ccl::caps::gpu_report(parts, ccl, env)
 }
 
 /// One communicator per listed HIP device of this process (`ncclCommInitAll`), wrapped in the validating

@@ -12,8 +12,8 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use anyccl_ccl::{GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
-use anyccl_core::capture::StreamKey;
+use anyccl_ccl::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
+use anyccl_core::capture::{KnownStreams, StreamKey};
 use anyccl_core::{CaptureMode, Error, Location, MemoryRuntime, Result};
 
 use crate::loader::HipLibrary;
@@ -30,32 +30,27 @@ fn stream_is_capturing(lib: &HipLibrary, raw: sys::hipStream_t) -> Result<bool> 
     Ok(status != sys::HIP_STREAM_CAPTURE_STATUS_NONE)
 }
 
-/// Whether a capture that a potentially unsafe call on this thread would break is running on a stream of `lib`.
-fn capture_blocks_this_thread(lib: &HipLibrary) -> Result<bool> {
-    lib.known_streams().capture_blocks_this_thread(&mut |h| stream_is_capturing(lib, h as sys::hipStream_t))
-}
+/// The capture rules' questions to the HIP runtime ([`CaptureQueries`]; the rules are written once in
+/// anyccl-ccl). The capture mode is exchanged where HIP has `hipThreadExchangeStreamCaptureMode`.
+impl CaptureQueries for HipLibrary {
+    type Mode = sys::hipStreamCaptureMode;
+    const RELAXED: sys::hipStreamCaptureMode = sys::HIP_STREAM_CAPTURE_MODE_RELAXED;
 
-/// Refuses `what` ([`anyccl_core::capture::refuse`]) while [`capture_blocks_this_thread`].
-fn refuse_unsafe_call(lib: &HipLibrary, what: &'static str) -> Result<()> {
-    anyccl_core::capture::refuse_if(what, capture_blocks_this_thread(lib)?)
-}
-
-/// Runs `f` with this thread's capture interaction mode relaxed (`hipThreadExchangeStreamCaptureMode`, where the
-/// runtime has it), then restores the previous mode: a potentially unsafe call made by `f` then neither fails nor
-/// invalidates a capture anyccl could not see.
-fn relaxed<T>(lib: &HipLibrary, f: impl FnOnce() -> T) -> T {
-    let Some(exchange) = lib.table().thread_exchange_stream_capture_mode else {
-        return f();
-    };
-    let mut mode = sys::HIP_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: swaps this thread's mode with `mode` (one int, read and written).
-    let swapped = unsafe { exchange(&mut mode) } == sys::HIP_SUCCESS;
-    let out = f();
-    if swapped {
-        // SAFETY: as above; restores the mode swapped out.
-        let _ = unsafe { exchange(&mut mode) };
+    fn known_streams(&self) -> &KnownStreams {
+        HipLibrary::known_streams(self)
     }
-    out
+
+    fn stream_is_capturing(&self, handle: usize) -> Result<bool> {
+        stream_is_capturing(self, handle as sys::hipStream_t)
+    }
+
+    fn exchange_capture_mode(&self, mode: &mut sys::hipStreamCaptureMode) -> bool {
+        let Some(exchange) = self.table().thread_exchange_stream_capture_mode else {
+            return false;
+        };
+        // SAFETY: swaps this thread's mode with `mode` (one int, read and written).
+        unsafe { exchange(mode) == sys::HIP_SUCCESS }
+    }
 }
 
 /// Turns a HIP status into a `Result`, with HIP's error text.
@@ -186,7 +181,7 @@ pub struct HipAllocation {
 impl Drop for HipAllocation {
     fn drop(&mut self) {
         // A query that fails counts as a capture: leaking is the safe side.
-        if capture_blocks_this_thread(&self.dev.lib).unwrap_or(true) {
+        if self.dev.lib.capture_blocks_this_thread().unwrap_or(true) {
             // Freeing during a capture would invalidate it; leaking one buffer is the lesser harm.
             tracing::warn!(bytes = self.len, "a HIP buffer dropped during graph capture is leaked, not freed");
             return;
@@ -210,12 +205,12 @@ impl GpuAllocation for HipAllocation {
     /// runtime ([`anyccl_core::capture`]); made in relaxed capture mode otherwise, so that a capture on a stream
     /// anyccl never saw is not invalidated either.
     fn alloc(dev: &Arc<HipDevice>, bytes: usize) -> Result<HipBuffer> {
-        refuse_unsafe_call(&dev.lib, "MemoryRuntime::alloc (hipMalloc)")?;
+        dev.lib.refuse_unsafe_call("MemoryRuntime::alloc (hipMalloc)")?;
         let size = anyccl_core::round_allocation("a device buffer", bytes, 1)?;
         dev.bind()?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: writes one pointer.
-        let st = relaxed(&dev.lib, || unsafe { (dev.lib.table().malloc)(&mut p, size) });
+        let st = dev.lib.relaxed(|| unsafe { (dev.lib.table().malloc)(&mut p, size) });
         check(&dev.lib, "hipMalloc", st)?;
         anyccl_core::check_non_null("rocm", "hipMalloc", p as u64, size)?;
         let owner = Arc::new(HipAllocation { ptr: p as u64, len: size, dev: dev.clone() });
@@ -340,6 +335,63 @@ impl Drop for HipStream {
         let st = unsafe { (self.dev.lib.table().stream_destroy)(self.raw) };
         if let Err(e) = check(&self.dev.lib, "hipStreamDestroy", st) {
             tracing::warn!(error = %e, "hipStreamDestroy failed");
+        }
+    }
+}
+
+/// A HIP timing event (`hipEventCreate`), destroyed on drop: recorded on a stream outside capture, then the time
+/// between two is read ([`HipEvent::elapsed_ms`]).
+#[derive(Debug)]
+pub struct HipEvent {
+    raw: sys::hipEvent_t,
+    dev: Arc<HipDevice>,
+}
+
+// SAFETY: HIP events may be recorded, queried and destroyed from any thread.
+unsafe impl Send for HipEvent {}
+// SAFETY: as above; HIP serialises the operations on an event.
+unsafe impl Sync for HipEvent {}
+
+impl HipEvent {
+    /// A new timing event on `dev`.
+    pub fn new(dev: &Arc<HipDevice>) -> Result<Self> {
+        dev.bind()?;
+        let mut raw: sys::hipEvent_t = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check(&dev.lib, "hipEventCreate", unsafe { (dev.lib.table().event_create)(&mut raw) })?;
+        Ok(HipEvent { raw, dev: dev.clone() })
+    }
+
+    /// Records the event on `stream`. Refused while the stream captures: an event recorded in a capture becomes a
+    /// node of the graph, its time cannot be read, and waiting for it while the capture runs would invalidate it.
+    pub fn record(&self, stream: &HipStream) -> Result<()> {
+        anyccl_core::capture::refuse_if("HipEvent::record (hipEventRecord)", stream.is_capturing()?)?;
+        // SAFETY: a live event and a live stream.
+        check(&self.dev.lib, "hipEventRecord", unsafe { (self.dev.lib.table().event_record)(self.raw, stream.raw) })
+    }
+
+    /// Waits until the work before the event's last record is done.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live event, recorded outside capture ([`Self::record`] refuses otherwise).
+        check(&self.dev.lib, "hipEventSynchronize", unsafe { (self.dev.lib.table().event_synchronize)(self.raw) })
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded and completed).
+    pub fn elapsed_ms(&self, end: &HipEvent) -> Result<f32> {
+        let mut ms = 0f32;
+        // SAFETY: two live events; writes one float.
+        let st = unsafe { (self.dev.lib.table().event_elapsed_time)(&mut ms, self.raw, end.raw) };
+        check(&self.dev.lib, "hipEventElapsedTime", st)?;
+        Ok(ms)
+    }
+}
+
+impl Drop for HipEvent {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        let st = unsafe { (self.dev.lib.table().event_destroy)(self.raw) };
+        if let Err(e) = check(&self.dev.lib, "hipEventDestroy", st) {
+            tracing::warn!(error = %e, "hipEventDestroy failed");
         }
     }
 }
@@ -530,7 +582,7 @@ impl MemoryRuntime for HipRuntime {
     }
 
     fn refuse_during_capture(&self, what: &'static str) -> Result<()> {
-        refuse_unsafe_call(&self.dev.lib, what)
+        self.dev.lib.refuse_unsafe_call(what)
     }
 
     fn query(&self, stream: &HipStream) -> Result<bool> {

@@ -137,6 +137,10 @@ pub struct GpuComm<P: GpuPlatform> {
     /// Whether the custom kernels were set up over IPC (one process per GPU): a sub-communicator then sets its
     /// own up the same way ([`CommBackend::split`]).
     custom_via_ipc: bool,
+    /// Custom-kernel states turned off while graphs captured with them may still be replayed (a registration that
+    /// left the ranks' input tables disagreeing): their buffers and tables live as long as the communicator, so
+    /// such a replay never reads freed memory.
+    retired: Vec<CustomState<P>>,
 }
 
 impl<P: GpuPlatform> GpuComm<P> {
@@ -436,7 +440,17 @@ impl<P: GpuPlatform> GpuComm<P> {
             "the custom kernels need every rank's buffers mapped (set up by {}::init_all, or enable_custom_ipc)",
             P::COMM_NAME
         ));
-        Ok(GpuComm { ccl, runtime, arch, caps, scratch, custom, custom_generation: 0, custom_via_ipc: false })
+        Ok(GpuComm {
+            ccl,
+            runtime,
+            arch,
+            caps,
+            scratch,
+            custom,
+            custom_generation: 0,
+            custom_via_ipc: false,
+            retired: Vec::new(),
+        })
     }
 
     /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
@@ -659,12 +673,27 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     /// inputs' IPC handles travel through it; communicators of one process ([`GpuComm::init_all`]) exchange
     /// pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`/`hipMalloc`
     /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.
+    ///
+    /// A table write that fails on one rank fails the registration on every rank, with every rank's tables put
+    /// back to staging. Where that revert fails somewhere too, the ranks' tables may disagree: the custom kernels
+    /// are then turned off on every rank (each learns it from the same exchange), and their buffers are kept for
+    /// the communicator's life in case a graph captured with them is replayed anyway.
     fn register_graph_buffers(&mut self, bootstrap: Option<&mut dyn Bootstrap>) -> Result<GraphRegistration> {
-        match &mut self.custom {
+        let Ok(st) = &mut self.custom else {
             // The custom kernels are off on every rank alike (their setup is collective): nothing was captured.
-            Err(_) => Ok(GraphRegistration::default()),
-            Ok(st) => st.graph.register(bootstrap),
+            return Ok(GraphRegistration::default());
+        };
+        let r = st.graph.register(bootstrap);
+        if let Some(why) = st.graph.unusable() {
+            let why = format!("off: a graph-buffer registration left the input tables unusable ({why})");
+            tracing::error!(%why, "custom all-reduce kernels off");
+            if let Ok(st) = std::mem::replace(&mut self.custom, Err(why.clone())) {
+                self.retired.push(st);
+            }
+            // Through `set_custom`, so the front-end's remembered decision is dropped too.
+            self.set_custom(Err(why));
         }
+        r
     }
 
     fn pending_graph_buffers(&self) -> usize {
@@ -731,8 +760,18 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         // The library's destroy on a thread of its own; the barrier scratch, the custom kernels' buffers and
         // module, and last the device runtime are released after it, on that thread (a plain drop also destroys
         // the communicator first).
-        let GpuComm { ccl, runtime, arch: _, caps: _, scratch, custom, custom_generation: _, custom_via_ipc: _ } = self;
-        ccl.close_in_background_with((scratch, custom, runtime))
+        let GpuComm {
+            ccl,
+            runtime,
+            arch: _,
+            caps: _,
+            scratch,
+            custom,
+            custom_generation: _,
+            custom_via_ipc: _,
+            retired,
+        } = self;
+        ccl.close_in_background_with((scratch, custom, retired, runtime))
     }
 
     fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
