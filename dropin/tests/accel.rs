@@ -182,17 +182,104 @@ fn destroy_releases_the_state_first_then_destroys() {
 fn ranks_on_different_hosts_forward_with_the_reason() {
     // ANYCCL_HOST_ID differs per rank (a preloaded getenv answers it per thread): the setup's one-host check, run
     // over the communicator before any IPC handle is made, turns the kernels off on both ranks.
-    let shim = fake_ccl::compile_once(
-        "dropin-thread-env/libthreadenv.so",
-        &std::fs::read_to_string(programs::c_dir().join("thread_env.c")).expect("thread_env.c"),
-        &["-ldl".into()],
-    );
-    let shim = shim.to_str().expect("a UTF-8 path").to_owned();
+    let shim = thread_env_shim();
     let c = checked("host_id", &[("LD_PRELOAD", shim.as_str()), ("ACCEL_THREADENV", shim.as_str())]);
     assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
     assert_eq!(field(&c, "custom_calls"), "0");
     assert_eq!(field(&c, "ipc_opened"), "0");
     let off = log_lines(&c, &["choice=\"ccl\"", "ranks span 2 hosts (rank 0 on node-a, rank 1 on node-b)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+/// The preloaded getenv shim (tests/c/thread_env.c) that answers variables set per thread (per rank).
+fn thread_env_shim() -> String {
+    let shim = fake_ccl::compile_once(
+        "dropin-thread-env-2/libthreadenv.so",
+        &std::fs::read_to_string(programs::c_dir().join("thread_env.c")).expect("thread_env.c"),
+        &["-ldl".into()],
+    );
+    shim.to_str().expect("a UTF-8 path").to_owned()
+}
+
+/// Runs `case` with the per-thread getenv shim preloaded (and `extra`).
+fn checked_per_rank_env(case: &str, extra: &[(&str, &str)]) -> Child {
+    let shim = thread_env_shim();
+    let mut env = vec![("LD_PRELOAD", shim.as_str()), ("ACCEL_THREADENV", shim.as_str())];
+    env.extend_from_slice(extra);
+    checked(case, &env)
+}
+
+/// Log lines of the drop-in's agreement round at communicator creation with all of `words`.
+fn agreement_lines<'a>(c: &'a Child, words: &[&str]) -> Vec<&'a str> {
+    c.stderr.lines().filter(|l| l.contains("anyccl agreement") && words.iter().all(|w| l.contains(w))).collect()
+}
+
+#[test]
+fn ranks_with_different_custom_max_bytes_agree_to_forward() {
+    // Rank 1 stages 64 KiB, rank 0 the default 8 MiB. Without the agreement round at creation, a 128 KiB call (between
+    // the two limits) sends rank 0 into the kernels' setup (an ncclAllGather) while rank 1 forwards an
+    // ncclAllReduce: mismatched collectives. With it, both ranks see the difference when the communicator is created
+    // and forward every call, with the setting named in the reason; every result is checked in the child.
+    let c = checked_per_rank_env("max_bytes_differ", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    // Per rank: one all-gather of the agreement round (the fake RCCL's calls are not counted by the drop-in), then
+    // the two all-reduces forwarded.
+    assert_eq!(field(&c, "calls"), "4");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_CUSTOM_MAX_BYTES differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+    assert_eq!(agreement_lines(&c, &["verdict=\"off\"", "ANYCCL_CUSTOM_MAX_BYTES differs"]).len(), 2, "{}", c.stderr);
+}
+
+#[test]
+fn equal_custom_max_bytes_spelled_differently_still_run_the_kernels() {
+    // "64KiB" on rank 0 and "65536" on rank 1: the same staging size, so the ranks agree and the kernels run.
+    let c = checked_per_rank_env("max_bytes_equal", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    assert_eq!(agreement_lines(&c, &["verdict=\"on\""]).len(), 2, "{}", c.stderr);
+}
+
+#[test]
+fn one_rank_with_anyccl_disable_turns_both_off() {
+    // Rank 0 sets ANYCCL_DISABLE=custom-kernels, rank 1 does not: rank 0 still takes part in the round (with an "off"
+    // fingerprint), and both forward.
+    let c = checked_per_rank_env("disable_one", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_DISABLE differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
+fn a_table_file_on_one_rank_only_turns_both_off() {
+    // Rank 1 reads a table file (ANYCCL_TUNE_FILE) that sends small world-2 sums to RCCL; rank 0 uses the defaults,
+    // which put them on the kernels. Without the round rank 0 would set up while rank 1 forwards.
+    let dir = programs::case_dir("accel-table-file");
+    let table = dir.join("tune.toml");
+    std::fs::write(&table, "version = 1\n[[rule]]\nworld = 2\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n")
+        .expect("table file");
+    let c = checked_per_rank_env("table_differ", &[("ACCEL_TABLE", table.to_str().expect("UTF-8 path"))]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_TUNE_FILE differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
+fn a_communicator_created_inside_a_group_is_off_with_that_reason() {
+    // ncclCommInitRank between ncclGroupStart and ncclGroupEnd: the round's all-gather would join the caller's
+    // group, so none is issued and the communicator forwards.
+    let c = checked("group_init", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "created inside ncclGroupStart/ncclGroupEnd"]);
     assert_eq!(off.len(), 4, "{}", c.stderr);
 }
 
@@ -468,10 +555,22 @@ fn unique_id(api: &Api) -> Id {
 
 /// Runs `f` on one thread per rank of a new communicator of `world`.
 fn ranks(api: &Api, world: usize, f: impl Fn(&Rank<'_>) + Sync) {
+    ranks_with(api, world, |_| {}, f)
+}
+
+/// As [`ranks`], with `before(rank)` run on each rank's thread before its communicator is created.
+fn ranks_with(api: &Api, world: usize, before: impl Fn(usize) + Sync, f: impl Fn(&Rank<'_>) + Sync) {
     let id = unique_id(api);
-    let f = &f;
+    let (f, before) = (&f, &before);
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world).map(|r| s.spawn(move || f(&Rank::new(api, r, world, id)))).collect();
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                s.spawn(move || {
+                    before(r);
+                    f(&Rank::new(api, r, world, id))
+                })
+            })
+            .collect();
         for h in hs {
             h.join().expect("rank thread");
         }
@@ -610,6 +709,61 @@ fn child() {
             });
         }
         "host_time" => host_time(&api),
+        "max_bytes_differ" | "max_bytes_equal" | "disable_one" | "table_differ" => {
+            let table = std::env::var("ACCEL_TABLE").unwrap_or_default();
+            let setting = |rank: usize| match (case.as_str(), rank) {
+                ("max_bytes_differ", 1) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "64KiB")),
+                ("max_bytes_equal", 0) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "64KiB")),
+                ("max_bytes_equal", 1) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "65536")),
+                ("disable_one", 0) => Some(("ANYCCL_DISABLE", "custom-kernels")),
+                ("table_differ", 1) => Some(("ANYCCL_TUNE_FILE", table.as_str())),
+                _ => None,
+            };
+            ranks_with(
+                &api,
+                2,
+                |rank| {
+                    if let Some((k, v)) = setting(rank) {
+                        set_thread_env(k, v);
+                    }
+                },
+                |r| {
+                    // 128 KiB: above rank 1's 64 KiB staging in max_bytes_differ, below rank 0's 8 MiB; then 4 KiB,
+                    // below both (the kernels' size when the ranks agree).
+                    if case != "max_bytes_equal" {
+                        r.checked_all_reduce(NCCL_FLOAT32, 32768, 0, false);
+                    }
+                    r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+                    if case == "max_bytes_equal" {
+                        r.checked_all_reduce(NCCL_FLOAT32, 1024, 2, true);
+                    }
+                },
+            );
+        }
+        "group_init" => {
+            let id = unique_id(&api);
+            let api = &api;
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            // SAFETY: group calls of the drop-in, balanced around the init.
+                            let r = unsafe {
+                                assert_eq!((api.group_start)(), 0);
+                                let r = Rank::new(api, rank, 2, id);
+                                assert_eq!((api.group_end)(), 0);
+                                r
+                            };
+                            r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                            r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, true);
+                        })
+                    })
+                    .collect();
+                for h in hs {
+                    h.join().expect("rank thread");
+                }
+            });
+        }
         "bad_args" => {
             let seen = std::sync::Mutex::new(Vec::new());
             ranks(&api, 2, |r| {
@@ -660,6 +814,23 @@ fn child() {
     for v in fake.violations() {
         println!("violation: {v}");
     }
+}
+
+/// The preloaded getenv shim's setter for this thread: `set(name, value)` (both must live for the process).
+fn thread_env_setter() -> unsafe extern "C" fn(*const std::ffi::c_char, *const std::ffi::c_char) -> c_int {
+    let p = std::env::var_os("ACCEL_THREADENV").expect("set by the parent");
+    // SAFETY: the preloaded shim (already loaded: the same copy); its initialisers do nothing.
+    let shim: &'static libloading::Library =
+        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open the shim")));
+    sym(shim, "threadenv_set")
+}
+
+/// Sets `name=value` for this thread only (through the shim).
+fn set_thread_env(name: &str, value: &str) {
+    let set = thread_env_setter();
+    let leak = |s: &str| Box::leak(std::ffi::CString::new(s).expect("no NUL").into_boxed_c_str()).as_ptr();
+    // SAFETY: two C strings leaked for the process.
+    assert_eq!(unsafe { set(leak(name), leak(value)) }, 0);
 }
 
 /// The child half of [`host_time_on_the_fakes`].
