@@ -326,6 +326,28 @@ fn host_time_on_the_fakes() {
     assert!(c.stdout.contains("host_time registered"), "{}", c.stdout);
 }
 
+/// A benchmark, not a test of time: host microseconds per `ncclCommInitRank` of a world-2 communicator (ranks as
+/// threads, each timing its own call; a barrier before each creation) straight into the fake RCCL, and through the
+/// drop-in (its state made, and since the agreement round, the round's `ncclAllGather`). Run with
+/// `-- --ignored init_time --nocapture`; `ACCEL_BENCH_DROPIN=<path>` times another build of the drop-in.
+#[test]
+#[ignore = "a benchmark: prints host time per communicator creation; run by hand"]
+fn init_time_on_the_fakes() {
+    let other = std::env::var("ACCEL_BENCH_DROPIN").unwrap_or_default();
+    let mut env = vec![("ANYCCL_LOG", "")];
+    if !other.is_empty() {
+        env.push(("ACCEL_DROPIN", other.as_str()));
+    }
+    // The fake RCCL keeps at most 64 communicator ids per process: several children of 30 creations per variant.
+    for _ in 0..5 {
+        let c = checked("init_time", &env);
+        for l in c.stdout.lines().filter(|l| l.starts_with("init_time ")) {
+            println!("{l}");
+        }
+        assert!(c.stdout.contains("init_time dropin"), "{}", c.stdout);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The child half.
 
@@ -709,6 +731,7 @@ fn child() {
             });
         }
         "host_time" => host_time(&api),
+        "init_time" => init_time(&api),
         "max_bytes_differ" | "max_bytes_equal" | "disable_one" | "table_differ" => {
             let table = std::env::var("ACCEL_TABLE").unwrap_or_default();
             let setting = |rank: usize| match (case.as_str(), rank) {
@@ -831,6 +854,53 @@ fn set_thread_env(name: &str, value: &str) {
     let leak = |s: &str| Box::leak(std::ffi::CString::new(s).expect("no NUL").into_boxed_c_str()).as_ptr();
     // SAFETY: two C strings leaked for the process.
     assert_eq!(unsafe { set(leak(name), leak(value)) }, 0);
+}
+
+/// The child half of [`init_time_on_the_fakes`].
+fn init_time(api: &Api) {
+    let rccl: &'static libloading::Library = {
+        let p = std::env::var_os("ANYCCL_RCCL_PATH").expect("set by the parent");
+        // SAFETY: the fake RCCL built for this test (the same file the drop-in forwards to: one copy).
+        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open")))
+    };
+    type Init = unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int;
+    type Destroy = unsafe extern "C" fn(Comm) -> c_int;
+    let direct: (Init, Destroy) = (sym(rccl, "ncclCommInitRank"), sym(rccl, "ncclCommDestroy"));
+    let dropin: (Init, Destroy) = (api.init_rank, api.destroy);
+    // 30 creations per variant: the fake RCCL keeps 64 communicator ids per process.
+    const ROUNDS: usize = 30;
+    for (name, (init, destroy)) in [("direct", direct), ("dropin", dropin)] {
+        let ids: Vec<Id> = (0..ROUNDS).map(|_| unique_id(api)).collect();
+        let barrier = std::sync::Barrier::new(2);
+        let times = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (ids, barrier, times) = (&ids, &barrier, &times);
+                s.spawn(move || {
+                    // SAFETY: C calls with valid out-pointers; each communicator destroyed once.
+                    unsafe {
+                        assert_eq!((api.set_device)(rank), 0);
+                        for id in ids {
+                            barrier.wait();
+                            let mut comm: Comm = std::ptr::null_mut();
+                            let t = std::time::Instant::now();
+                            assert_eq!(init(&mut comm, 2, *id, rank), 0);
+                            let us = t.elapsed().as_nanos() as f64 / 1000.0;
+                            if rank == 0 {
+                                times.lock().expect("lock").push(us);
+                            }
+                            barrier.wait();
+                            assert_eq!(destroy(comm), 0);
+                        }
+                    }
+                });
+            }
+        });
+        let mut v = times.into_inner().expect("lock");
+        v.sort_by(f64::total_cmp);
+        let q = |x: f64| v[((v.len() - 1) as f64 * x) as usize];
+        println!("init_time {name} median_us={:.1} p10_us={:.1} p90_us={:.1}", q(0.5), q(0.1), q(0.9));
+    }
 }
 
 /// The child half of [`host_time_on_the_fakes`].
