@@ -289,6 +289,16 @@ pub trait DropinPlatform: GpuPlatform {
     }
     /// The device current on this thread (where NCCL creates a communicator).
     fn current_device() -> anyccl_core::Result<i32>;
+    /// What is current on the calling thread (a device, a context).
+    type Current;
+    /// Reads what is current on the calling thread, so the drop-in can put it back after it used the
+    /// communicator's device inside the caller's call; `None` when it cannot be read (nothing is put back).
+    fn save_current() -> Option<Self::Current>;
+    /// Puts back what [`DropinPlatform::save_current`] read (a failure is logged, not returned).
+    ///
+    /// # Safety
+    /// `saved` is what `save_current` returned on this thread, during the same call of the caller's.
+    unsafe fn restore_current(saved: Self::Current);
     /// The device's ordinal of a runtime (the buffers' device).
     fn device_ordinal(runtime: &Self::Runtime) -> u32;
     /// The caller's stream, borrowed (never destroyed).
@@ -324,6 +334,26 @@ impl DropinPlatform for anyccl_rocm::Hip {
         Ok(d)
     }
 
+    type Current = c_int;
+
+    fn save_current() -> Option<c_int> {
+        let lib = anyccl_rocm::platform::hip_library().as_ref().ok()?;
+        let mut d: c_int = -1;
+        // SAFETY: hipGetDevice writes one int.
+        let st = unsafe { (lib.table().get_device)(&mut d) };
+        (st == 0 && d >= 0).then_some(d)
+    }
+
+    unsafe fn restore_current(saved: c_int) {
+        if let Ok(lib) = anyccl_rocm::platform::hip_library().as_ref() {
+            // SAFETY: hipSetDevice takes a device ordinal the runtime itself returned.
+            let st = unsafe { (lib.table().set_device)(saved) };
+            if st != 0 {
+                tracing::warn!(device = saved, status = st, "could not make the caller's device current again");
+            }
+        }
+    }
+
     fn device_ordinal(runtime: &anyccl_rocm::runtime::HipRuntime) -> u32 {
         u32::try_from(runtime.device().ordinal()).unwrap_or(u32::MAX)
     }
@@ -346,6 +376,24 @@ impl DropinPlatform for anyccl_cuda::Cuda {
             None,
             "the library did not say which device the communicator is on",
         ))
+    }
+
+    /// The current context (null: none).
+    type Current = anyccl_cuda::cudarc::driver::sys::CUcontext;
+
+    fn save_current() -> Option<Self::Current> {
+        match anyccl_cuda::cudarc::driver::result::ctx::get_current() {
+            Ok(c) => Some(c.unwrap_or(std::ptr::null_mut())),
+            Err(_) => None,
+        }
+    }
+
+    unsafe fn restore_current(saved: Self::Current) {
+        // SAFETY: the caller's contract: the context the driver returned as current on this thread a moment ago
+        // (or null: none), which the caller still holds (the drop-in runs inside the caller's own call).
+        if let Err(e) = unsafe { anyccl_cuda::cudarc::driver::result::ctx::set_current(saved) } {
+            tracing::warn!(error = %e, "could not make the caller's CUDA context current again");
+        }
     }
 
     fn device_ordinal(runtime: &anyccl_cuda::CudaRuntime) -> u32 {
@@ -451,6 +499,8 @@ where
     fn agreed(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) -> Result<Self, String> {
         // Without a usable runtime this rank cannot take part (checked before anything else is asked).
         P::usable().map_err(cannot_take_part)?;
+        // The round uses the communicator's device; the caller's current device (or context) is put back after.
+        let _current = crate::agree::KeepCurrent::<P>::new();
         // SAFETY: `comm` was just created by `lib`; the caller destroys it only through the drop-in, which drops
         // every borrowed value first. This one answers two queries and is dropped at once.
         let probe = unsafe { CclComm::from_raw_borrowed(lib.clone(), comm) };

@@ -229,6 +229,26 @@ impl Local {
     }
 }
 
+/// Puts back, when dropped, what was current on the calling thread when it was made.
+pub(crate) struct KeepCurrent<P: DropinPlatform>(Option<P::Current>);
+
+impl<P: DropinPlatform> KeepCurrent<P> {
+    /// Reads what is current now.
+    pub(crate) fn new() -> Self {
+        KeepCurrent(P::save_current())
+    }
+}
+
+impl<P: DropinPlatform> Drop for KeepCurrent<P> {
+    fn drop(&mut self) {
+        if let Some(saved) = self.0.take() {
+            // SAFETY: read by `new` on this thread; the guard is a local of one call of the caller's (never moved
+            // to another thread or kept).
+            unsafe { P::restore_current(saved) };
+        }
+    }
+}
+
 /// The device and runtime a rank takes part with (the communicator's device), or why it has none.
 /// [`DropinPlatform::usable`] has said yes already.
 pub(crate) fn participant<P: DropinPlatform>(
