@@ -284,6 +284,21 @@ fn a_communicator_created_inside_a_group_is_off_with_that_reason() {
 }
 
 #[test]
+fn a_split_runs_its_own_round() {
+    // Equal settings when the parent is created (its kernels run); then rank 1 sets ANYCCL_CUSTOM_MAX_BYTES=64KiB
+    // and both ranks split the parent (one color): the split's own round finds the difference, so the split
+    // forwards while the parent still runs the kernels.
+    let c = checked_per_rank_env("split", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    assert_eq!(agreement_lines(&c, &["verdict=\"on\""]).len(), 2, "{}", c.stderr);
+    assert_eq!(agreement_lines(&c, &["verdict=\"off\"", "ANYCCL_CUSTOM_MAX_BYTES differs"]).len(), 2, "{}", c.stderr);
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_CUSTOM_MAX_BYTES differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
 fn an_argument_anyccl_refuses_is_ncclinvalidargument_with_a_readable_last_error() {
     let c = checked("bad_args", &[]);
     let bad: Vec<&str> = c.stdout.lines().filter_map(|l| l.strip_prefix("bad_call=")).collect();
@@ -363,6 +378,7 @@ struct Api {
     init_rank: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
     destroy: unsafe extern "C" fn(Comm) -> c_int,
+    split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> c_int,
     group_start: unsafe extern "C" fn() -> c_int,
     last_error: unsafe extern "C" fn(Comm) -> *const std::ffi::c_char,
     group_end: unsafe extern "C" fn() -> c_int,
@@ -399,6 +415,7 @@ fn load_api() -> (Api, FakeHip) {
         init_rank: sym(d, "ncclCommInitRank"),
         all_reduce: sym(d, "ncclAllReduce"),
         destroy: sym(d, "ncclCommDestroy"),
+        split: sym(d, "ncclCommSplit"),
         group_start: sym(d, "ncclGroupStart"),
         last_error: sym(d, "ncclGetLastError"),
         group_end: sym(d, "ncclGroupEnd"),
@@ -762,6 +779,24 @@ fn child() {
                     }
                 },
             );
+        }
+        "split" => {
+            ranks(&api, 2, |r| {
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                if r.rank == 1 {
+                    set_thread_env("ANYCCL_CUSTOM_MAX_BYTES", "64KiB");
+                }
+                let mut child: Comm = std::ptr::null_mut();
+                // SAFETY: a collective split of the rank's live communicator; writes one communicator.
+                assert_eq!(unsafe { (api.split)(r.comm, 0, r.rank as c_int, &mut child, std::ptr::null_mut()) }, 0);
+                assert!(!child.is_null());
+                let s = Rank { api: r.api, rank: r.rank, world: 2, comm: child, stream: r.stream };
+                s.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+                s.checked_all_reduce(NCCL_FLOAT32, 1024, 2, true);
+                // The parent keeps its agreed state.
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 3, false);
+                s.destroy();
+            });
         }
         "group_init" => {
             let id = unique_id(&api);
