@@ -519,6 +519,10 @@ where
         let verdict = verdict(&all, world, &local);
         match &verdict {
             Ok(()) => tracing::debug!(?comm, rank, world, verdict = "on", "anyccl agreement"),
+            // On here but off by the round: the ranks' settings differ (a misconfiguration worth seeing).
+            Err(why) if local.on.is_ok() => {
+                tracing::info!(?comm, rank, world, verdict = "off", %why, "anyccl agreement")
+            }
             Err(why) => tracing::debug!(?comm, rank, world, verdict = "off", %why, "anyccl agreement"),
         }
         verdict?;
