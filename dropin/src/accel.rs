@@ -233,7 +233,7 @@ fn slot(comm: Comm) -> Option<Entry> {
 }
 
 /// A communicator the caller just created through the drop-in (`ncclCommInitRank` and the others, after the
-/// library returned success): the creation-time agreement round over it (see [`agree`]), then its slot,
+/// library returned success): the creation-time agreement round over it (see [`crate::agree`]), then its slot,
 /// `Pending` or `Off` with the reason. Collective over the new communicator, like the call that created it; never
 /// fails the caller's call.
 pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {

@@ -13,8 +13,21 @@
 //! ranks (bounded: setting names and rank numbers, no values), and forwards for good.
 //!
 //! The round needs a device buffer on every rank, so a rank takes part through its device runtime (the same one
-//! the kernels would use). A rank whose runtime cannot be loaded or sees no device cannot take part: see
-//! [`crate::accel`]'s module text and the README for that remaining case.
+//! the kernels would use). What it cannot fix, because a rank then has no device memory to send from:
+//!
+//! - a rank whose runtime cannot be used ([`DropinPlatform::usable`] fails, or the communicator's device cannot
+//!   be opened) while its peers' can: it skips the round, and its peers wait in theirs until its next collective
+//!   on the communicator is paired with their all-gather. (If no rank can use its runtime, none runs the round.)
+//! - a rank whose two small allocations, or its stream, fail (out of memory; another thread capturing in global
+//!   mode, where NCCL's own init could not have allocated either): the same.
+//!
+//! The library's `ncclMemAlloc` would give such a rank device memory, but nothing to write its fingerprint into it
+//! or to wait for the all-gather with, and an unwritten buffer could hold a stale fingerprint of an earlier round;
+//! a sound variant needs a nonce per communicator (a digest of the unique id; for splits, the parent's and a
+//! counter) or a reduction in which such a rank contributes exactly zero (`ncclRedOpCreatePreMulSum` with a host
+//! scalar 0 over per-bit counts), neither of which the test fakes compute.
+//!
+//! Every other failure after the allocations still reaches the all-gather, so no peer is left waiting.
 
 use std::borrow::{Borrow, BorrowMut};
 use std::ffi::{c_int, c_void};
