@@ -12,9 +12,18 @@
 //! - **Lifetime**: `ncclCommDestroy`, `ncclCommAbort` and `ncclCommFinalize` remove the slot and drop it first (the
 //!   custom kernels told to stop on abort; buffers freed, IPC mappings closed, module unloaded), then forward: the
 //!   borrowed handle never destroys anything.
+//! - **Agreement at creation** ([`crate::agree`]): right after the library created the communicator (every rank
+//!   calls that collectively, outside capture), one `ncclAllGather` of a fixed-size fingerprint of every
+//!   rank-local input of the lazy decision below (`ANYCCL_DISABLE`, `ANYCCL_CUSTOM_MAX_BYTES`,
+//!   `ANYCCL_CUSTOM_MAX_BLOCKS`, the `ANYCCL_TUNE_FILE` table, `ANYCCL_ALLREDUCE_ALGO`, the architecture and
+//!   kernels); ranks where anyccl is off locally take part too. Unless every rank is on with equal fingerprints,
+//!   every rank marks the communicator off with the same reason. No round (and off) for a communicator created
+//!   inside `ncclGroupStart`/`ncclGroupEnd` (the all-gather would join the caller's group), a non-blocking one
+//!   (`ncclInProgress`), one of world 1, and those of `ncclCommInitAll`. A rank whose device runtime cannot be
+//!   loaded (or sees no device) cannot take part: it is off, and a peer that can would wait for it (documented).
 //! - **Setup**: lazily, at the first call the selector would run on the custom kernels, outside capture and
-//!   outside a group. That decision reads only what is the same on every rank (count, type, operator, world, the
-//!   selector's table and `ANYCCL_CUSTOM_MAX_BYTES`), so every rank sets up at the same call. The setup is
+//!   outside a group. That decision reads the call's shape and the world (the same on every rank) and the
+//!   settings the agreement round found equal on every rank, so every rank sets up at the same call. The setup is
 //!   [`GpuComm::enable_custom_ipc_over_ccl`]: the one-host check and the handles travel over the communicator
 //!   itself ([`anyccl_ccl::CclBootstrap`]), and its agreement rounds turn the kernels on or off on every rank
 //!   alike. Off once means forwarded for good.
@@ -35,9 +44,10 @@ use anyccl_ccl::gpu::{GpuComm, GpuPlatform, StreamOf};
 use anyccl_ccl::{CclComm, CclLibrary, CclStream, CclVendor};
 use anyccl_core::comm::AllReduceCall as CoreCall;
 use anyccl_core::selector::SelectionQuery;
-use anyccl_core::{Algorithm, Capabilities, Communicator, DataType, Error, InOut, ReduceOp, Selection, Selector};
+use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, ReduceOp, Selection, Selector};
 use dashmap::DashMap;
 
+use crate::agree::{agree, participant, verdict, Local};
 use crate::api::{self, Comm, Stream};
 use crate::last_error::Failure;
 use crate::AllReduceCall;
@@ -222,11 +232,22 @@ fn slot(comm: Comm) -> Option<Entry> {
     map().get(&(comm as usize)).map(|e| e.value().clone())
 }
 
-/// A communicator the caller just created through the drop-in (`ncclCommInitRank` and the others): its slot,
-/// `Pending` or `Off` with the reason. Never fails the caller's call.
+/// A communicator the caller just created through the drop-in (`ncclCommInitRank` and the others, after the
+/// library returned success): the creation-time agreement round over it (see [`crate::agree`]), then its slot,
+/// `Pending` or `Off` with the reason. Collective over the new communicator, like the call that created it; never
+/// fails the caller's call.
 pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
     if comm.is_null() {
         return;
+    }
+    if in_group() {
+        // The library defers what is called inside a group to its end (the new communicator is not even usable
+        // before): an all-gather now would join the caller's group. No round; every rank of a communicator
+        // created in a group forwards.
+        return register_off(
+            comm,
+            "created inside ncclGroupStart/ncclGroupEnd (the agreement round would join the caller's group)",
+        );
     }
     // Never fails the caller's call: a panic in a vendor runtime's loading becomes "off" with the reason.
     let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match lib.vendor() {
@@ -235,6 +256,10 @@ pub fn register(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) {
     }));
     let slot: Box<dyn Accel> =
         made.unwrap_or_else(|_| Box::new(Off::new("internal error while setting up anyccl's state (a panic, caught)")));
+    insert(comm, slot);
+}
+
+fn insert(comm: Comm, slot: Box<dyn Accel>) {
     if map().insert(comm as usize, Arc::new(Mutex::new(slot))).is_none() {
         LIVE.fetch_add(1, Ordering::AcqRel);
     }
@@ -246,9 +271,13 @@ pub fn register_off(comm: Comm, why: &str) {
     if comm.is_null() {
         return;
     }
-    if map().insert(comm as usize, Arc::new(Mutex::new(Box::new(Off::new(why))))).is_none() {
-        LIVE.fetch_add(1, Ordering::AcqRel);
-    }
+    insert(comm, Box::new(Off::new(why)));
+}
+
+/// A non-blocking communicator (its creation returned `ncclInProgress`): forwarded, no round (its collectives may
+/// return `ncclInProgress` too, and it is not usable before its init has finished).
+pub fn register_off_nonblocking(comm: Comm) {
+    register_off(comm, "a non-blocking communicator (its creation returned ncclInProgress)");
 }
 
 /// What the drop-in needs of a vendor beyond [`GpuPlatform`]: the device current on this thread and the caller's
@@ -260,6 +289,16 @@ pub trait DropinPlatform: GpuPlatform {
     }
     /// The device current on this thread (where NCCL creates a communicator).
     fn current_device() -> anyccl_core::Result<i32>;
+    /// What is current on the calling thread (a device, a context).
+    type Current;
+    /// Reads what is current on the calling thread, so the drop-in can put it back after it used the
+    /// communicator's device inside the caller's call; `None` when it cannot be read (nothing is put back).
+    fn save_current() -> Option<Self::Current>;
+    /// Puts back what [`DropinPlatform::save_current`] read (a failure is logged, not returned).
+    ///
+    /// # Safety
+    /// `saved` is what `save_current` returned on this thread, during the same call of the caller's.
+    unsafe fn restore_current(saved: Self::Current);
     /// The device's ordinal of a runtime (the buffers' device).
     fn device_ordinal(runtime: &Self::Runtime) -> u32;
     /// The caller's stream, borrowed (never destroyed).
@@ -295,6 +334,26 @@ impl DropinPlatform for anyccl_rocm::Hip {
         Ok(d)
     }
 
+    type Current = c_int;
+
+    fn save_current() -> Option<c_int> {
+        let lib = anyccl_rocm::platform::hip_library().as_ref().ok()?;
+        let mut d: c_int = -1;
+        // SAFETY: hipGetDevice writes one int.
+        let st = unsafe { (lib.table().get_device)(&mut d) };
+        (st == 0 && d >= 0).then_some(d)
+    }
+
+    unsafe fn restore_current(saved: c_int) {
+        if let Ok(lib) = anyccl_rocm::platform::hip_library().as_ref() {
+            // SAFETY: hipSetDevice takes a device ordinal the runtime itself returned.
+            let st = unsafe { (lib.table().set_device)(saved) };
+            if st != 0 {
+                tracing::warn!(device = saved, status = st, "could not make the caller's device current again");
+            }
+        }
+    }
+
     fn device_ordinal(runtime: &anyccl_rocm::runtime::HipRuntime) -> u32 {
         u32::try_from(runtime.device().ordinal()).unwrap_or(u32::MAX)
     }
@@ -319,6 +378,24 @@ impl DropinPlatform for anyccl_cuda::Cuda {
         ))
     }
 
+    /// The current context (null: none).
+    type Current = anyccl_cuda::cudarc::driver::sys::CUcontext;
+
+    fn save_current() -> Option<Self::Current> {
+        match anyccl_cuda::cudarc::driver::result::ctx::get_current() {
+            Ok(c) => Some(c.unwrap_or(std::ptr::null_mut())),
+            Err(_) => None,
+        }
+    }
+
+    unsafe fn restore_current(saved: Self::Current) {
+        // SAFETY: the caller's contract: the context the driver returned as current on this thread a moment ago
+        // (or null: none), which the caller still holds (the drop-in runs inside the caller's own call).
+        if let Err(e) = unsafe { anyccl_cuda::cudarc::driver::result::ctx::set_current(saved) } {
+            tracing::warn!(error = %e, "could not make the caller's CUDA context current again");
+        }
+    }
+
     fn device_ordinal(runtime: &anyccl_cuda::CudaRuntime) -> u32 {
         u32::try_from(runtime.context().ordinal()).unwrap_or(u32::MAX)
     }
@@ -330,17 +407,19 @@ impl DropinPlatform for anyccl_cuda::Cuda {
 }
 
 /// A slot whose anyccl state is off: every call forwards with the reason (kept whole, shared with each call).
-struct Off(Arc<str>);
+struct Off {
+    why: Arc<str>,
+}
 
 impl Off {
     fn new(why: &str) -> Self {
-        Off(Arc::from(format!("anyccl is off for this communicator: {why}")))
+        Off { why: Arc::from(format!("anyccl is off for this communicator: {why}")) }
     }
 }
 
 impl Accel for Off {
     fn all_reduce(&mut self, _call: &AllReduceCall, verbose: bool) -> Outcome {
-        Outcome::Forward(if verbose { Why::Shared(self.0.clone()) } else { Why::Static("") })
+        Outcome::Forward(if verbose { Why::Shared(self.why.clone()) } else { Why::Static("") })
     }
     fn window_registered(&mut self, _: usize, _: usize, _: usize) {}
     fn window_deregistered(&mut self, _: usize) {}
@@ -352,22 +431,11 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// Why anyccl is off for every communicator of this process, if it is (`ANYCCL_DISABLE`).
-fn disabled() -> Option<String> {
-    match anyccl_core::caps::disabled_by_env() {
-        Ok(d) if d.intersects(Capabilities::CUSTOM_KERNELS | Capabilities::IPC) => {
-            Some("ANYCCL_DISABLE turns the custom kernels (custom-kernels or ipc) off".into())
-        }
-        Ok(_) => None,
-        Err(e) => Some(format!("{e}")),
-    }
-}
-
 fn pending<P: DropinPlatform>(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) -> Box<dyn Accel>
 where
     StreamOf<P>: CclStream,
 {
-    match Slot::<P>::new(lib, api, comm) {
+    match Slot::<P>::agreed(lib, api, comm) {
         Ok(p) => {
             tracing::debug!(?comm, rank = p.rank, world = p.world, backend = P::NAME, "anyccl state: pending");
             Box::new(p)
@@ -377,6 +445,14 @@ where
             Box::new(Off::new(&why))
         }
     }
+}
+
+/// Why a rank without a usable device runtime is off (and what that means for its peers).
+fn cannot_take_part(why: String) -> String {
+    format!(
+        "{why}; this rank cannot hold its fingerprint in device memory, so it did not take part in the agreement \
+         round at creation (a peer that could would wait for it: see the drop-in's README on settings)"
+    )
 }
 
 /// Windows registered through the drop-in on one communicator: (base, size, handle).
@@ -417,11 +493,14 @@ impl<P: DropinPlatform> Slot<P>
 where
     StreamOf<P>: CclStream,
 {
-    fn new(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) -> Result<Self, String> {
-        if let Some(why) = disabled() {
-            return Err(why);
-        }
-        P::usable()?;
+    /// The slot of a communicator just created: this rank's settings, the agreement round over the communicator
+    /// (every rank takes part, also one where anyccl is off locally), then `Ok` only if every rank is on with
+    /// the same settings; otherwise why not (the same verdict on every rank).
+    fn agreed(lib: &Arc<CclLibrary>, api: &api::Api, comm: Comm) -> Result<Self, String> {
+        // Without a usable runtime this rank cannot take part (checked before anything else is asked).
+        P::usable().map_err(cannot_take_part)?;
+        // The round uses the communicator's device; the caller's current device (or context) is put back after.
+        let _current = crate::agree::KeepCurrent::<P>::new();
         // SAFETY: `comm` was just created by `lib`; the caller destroys it only through the drop-in, which drops
         // every borrowed value first. This one answers two queries and is dropped at once.
         let probe = unsafe { CclComm::from_raw_borrowed(lib.clone(), comm) };
@@ -429,25 +508,28 @@ where
         let rank = probe.user_rank().map_err(|e| e.to_string())?;
         drop(probe);
         if world < 2 {
+            // Every rank sees the same world: no round, nothing to agree on.
             return Err(format!("one rank (world {world})"));
         }
-        if let Some(why) = anyccl_ccl::gpu::kernels::unavailable::<P>(world) {
-            return Err(why);
+        let (device, runtime) = participant::<P>(api, comm).map_err(cannot_take_part)?;
+        let local = Local::read::<P>(lib, &device, &runtime, world);
+        let mine = local.fingerprint();
+        let all = agree::<P>(lib, comm, world, &runtime, &mine)
+            .map_err(|e| format!("the agreement round at creation failed: {e}"))?;
+        let verdict = verdict(&all, world, &local);
+        match &verdict {
+            Ok(()) => tracing::debug!(?comm, rank, world, verdict = "on", "anyccl agreement"),
+            // On here but off by the round: the ranks' settings differ (a misconfiguration worth seeing).
+            Err(why) if local.on.is_ok() => {
+                tracing::info!(?comm, rank, world, verdict = "off", %why, "anyccl agreement")
+            }
+            Err(why) => tracing::debug!(?comm, rank, world, verdict = "off", %why, "anyccl agreement"),
         }
-        let mut ordinal: c_int = -1;
-        if let Some(f) = api.ncclCommCuDevice {
-            // SAFETY: the library's own ncclCommCuDevice on its live communicator; writes one int.
-            let _ = unsafe { f(comm, &mut ordinal) };
-        }
-        if ordinal < 0 {
-            ordinal = P::current_device().map_err(|e| e.to_string())?;
-        }
-        let device = P::device(ordinal).map_err(|e| e.to_string())?;
-        let runtime = P::runtime(&device).map_err(|e| e.to_string())?;
-        let arch = P::arch(&runtime).map_err(|e| e.to_string())?;
-        let caps = Arc::new(P::capabilities(&device, lib, &env).map_err(|e| e.to_string())?);
-        let selector = Arc::new(Selector::from_env().map_err(|e| e.to_string())?);
-        let capacity = anyccl_ccl::gpu::comm::custom_capacity(&env).map_err(|e| e.to_string())?;
+        verdict?;
+        let Ok(on) = local.on else {
+            // Unreachable: the verdict is "on" only when this rank's own state is on.
+            return Err("internal error: agreed on while off locally".into());
+        };
         Ok(Slot {
             lib: lib.clone(),
             comm,
@@ -455,10 +537,10 @@ where
             world,
             device,
             runtime,
-            arch,
-            caps,
-            selector,
-            capacity,
+            arch: on.arch,
+            caps: on.caps,
+            selector: on.selector,
+            capacity: on.capacity,
             windows: Windows::default(),
             ready: None,
             off: None,

@@ -32,6 +32,8 @@ pub const NCCL_INTERNAL_ERROR: NcclResult = 3;
 pub const NCCL_INVALID_ARGUMENT: NcclResult = 4;
 /// `ncclInvalidUsage`: what a call returns when the underlying library does not export that function.
 pub const NCCL_INVALID_USAGE: NcclResult = 5;
+/// `ncclInProgress`: a non-blocking operation has not finished.
+pub const NCCL_IN_PROGRESS: NcclResult = 7;
 
 /// The `nccl.h` version whose API this library exports.
 pub const NCCL_H_VERSION: &str = "2.28.9";

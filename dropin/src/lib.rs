@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub mod accel;
+pub mod agree;
 pub mod api;
 pub mod last_error;
 pub mod load;
@@ -215,15 +216,20 @@ pub extern "C" fn anyccl_nccl_dropin_custom_calls() -> u64 {
     accel::CUSTOM_CALLS.load(Ordering::Relaxed)
 }
 
-/// After a call that created `n` communicators at `out` (`ncclCommInitRank`, `ncclCommSplit`, …) returned `rc`:
-/// anyccl's state for each (see [`accel`]). A non-blocking init still in progress is not registered (forwarded).
-fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm, n: usize) {
-    if rc != api::NCCL_SUCCESS || out.is_null() {
+/// After a call that created a communicator at `out` (`ncclCommInitRank`, `ncclCommSplit`, …) returned `rc`:
+/// anyccl's state for it, after the agreement round over it (see [`accel::register`]). A non-blocking communicator
+/// is registered off without a round: NCCL's (and RCCL's) init, split and shrink of one always return
+/// `ncclInProgress` (the work runs on a thread of the library's), never `ncclSuccess`.
+fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm) {
+    if out.is_null() || (rc != api::NCCL_SUCCESS && rc != api::NCCL_IN_PROGRESS) {
         return;
     }
-    for i in 0..n {
-        // SAFETY: the library returned success and wrote `n` communicators through the caller's array of `n`.
-        let comm = unsafe { *out.add(i) };
+    // SAFETY: the library returned success (or in-progress, which writes the handle too) through the caller's
+    // valid pointer.
+    let comm = unsafe { *out };
+    if rc == api::NCCL_IN_PROGRESS {
+        accel::register_off_nonblocking(comm);
+    } else {
         accel::register(&u.library, &u.api, comm);
     }
 }
@@ -250,10 +256,10 @@ forward!(
         rank: c_int,
         config: Config,
     ) log { nranks, rank, "forwarded" }
-    after |rc, u| { register_out(rc, u, comm, 1) }
+    after |rc, u| { register_out(rc, u, comm) }
 );
 forward!(ncclCommInitRank / pncclCommInitRank(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int)
-    log { nranks, rank, "forwarded" } after |rc, u| { register_out(rc, u, comm, 1) });
+    log { nranks, rank, "forwarded" } after |rc, u| { register_out(rc, u, comm) });
 forward!(
     ncclCommInitAll / pncclCommInitAll(
         comm: *mut Comm,
@@ -279,7 +285,7 @@ forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" } b
 forward!(ncclCommRevoke / pncclCommRevoke(comm: Comm, revoke_flags: c_int) log { ?comm, revoke_flags, "forwarded" }
     before { accel::release(comm, true); });
 forward!(ncclCommSplit / pncclCommSplit(comm: Comm, color: c_int, key: c_int, newcomm: *mut Comm, config: Config)
-    log { ?comm, color, key, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
+    log { ?comm, color, key, "forwarded" } after |rc, u| { register_out(rc, u, newcomm) });
 forward!(ncclCommShrink / pncclCommShrink(
     comm: Comm,
     exclude_ranks_list: *mut c_int,
@@ -287,7 +293,8 @@ forward!(ncclCommShrink / pncclCommShrink(
     newcomm: *mut Comm,
     config: Config,
     shrink_flags: c_int
-) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
+) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" }
+    after |rc, u| { register_out(rc, u, newcomm) });
 forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
     newcomm: *mut Comm,
     nranks: c_int,
@@ -295,7 +302,8 @@ forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
     n_id: c_int,
     comm_ids: *mut UniqueId,
     config: Config
-) log { nranks, myrank, n_id, "forwarded" } after |rc, u| { register_out(rc, u, newcomm, 1) });
+) log { nranks, myrank, n_id, "forwarded" }
+    after |rc, u| { register_out(rc, u, newcomm) });
 forward!(ncclCommGetAsyncError / pncclCommGetAsyncError(comm: Comm, async_error: *mut NcclResult));
 forward!(ncclCommCount / pncclCommCount(comm: Comm, count: *mut c_int));
 forward!(ncclCommCuDevice / pncclCommCuDevice(comm: Comm, device: *mut c_int));

@@ -182,17 +182,119 @@ fn destroy_releases_the_state_first_then_destroys() {
 fn ranks_on_different_hosts_forward_with_the_reason() {
     // ANYCCL_HOST_ID differs per rank (a preloaded getenv answers it per thread): the setup's one-host check, run
     // over the communicator before any IPC handle is made, turns the kernels off on both ranks.
-    let shim = fake_ccl::compile_once(
-        "dropin-thread-env/libthreadenv.so",
-        &std::fs::read_to_string(programs::c_dir().join("thread_env.c")).expect("thread_env.c"),
-        &["-ldl".into()],
-    );
-    let shim = shim.to_str().expect("a UTF-8 path").to_owned();
+    let shim = thread_env_shim();
     let c = checked("host_id", &[("LD_PRELOAD", shim.as_str()), ("ACCEL_THREADENV", shim.as_str())]);
     assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
     assert_eq!(field(&c, "custom_calls"), "0");
     assert_eq!(field(&c, "ipc_opened"), "0");
     let off = log_lines(&c, &["choice=\"ccl\"", "ranks span 2 hosts (rank 0 on node-a, rank 1 on node-b)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+/// The preloaded getenv shim (tests/c/thread_env.c) that answers variables set per thread (per rank).
+fn thread_env_shim() -> String {
+    let shim = fake_ccl::compile_once(
+        "dropin-thread-env-2/libthreadenv.so",
+        &std::fs::read_to_string(programs::c_dir().join("thread_env.c")).expect("thread_env.c"),
+        &["-ldl".into()],
+    );
+    shim.to_str().expect("a UTF-8 path").to_owned()
+}
+
+/// Runs `case` with the per-thread getenv shim preloaded (and `extra`).
+fn checked_per_rank_env(case: &str, extra: &[(&str, &str)]) -> Child {
+    let shim = thread_env_shim();
+    let mut env = vec![("LD_PRELOAD", shim.as_str()), ("ACCEL_THREADENV", shim.as_str())];
+    env.extend_from_slice(extra);
+    checked(case, &env)
+}
+
+/// Log lines of the drop-in's agreement round at communicator creation with all of `words`.
+fn agreement_lines<'a>(c: &'a Child, words: &[&str]) -> Vec<&'a str> {
+    c.stderr.lines().filter(|l| l.contains("anyccl agreement") && words.iter().all(|w| l.contains(w))).collect()
+}
+
+#[test]
+fn ranks_with_different_custom_max_bytes_agree_to_forward() {
+    // Rank 1 stages 64 KiB, rank 0 the default 8 MiB. Without the agreement round at creation, a 128 KiB call (between
+    // the two limits) sends rank 0 into the kernels' setup (an ncclAllGather) while rank 1 forwards an
+    // ncclAllReduce: mismatched collectives. With it, both ranks see the difference when the communicator is created
+    // and forward every call, with the setting named in the reason; every result is checked in the child.
+    let c = checked_per_rank_env("max_bytes_differ", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    // Per rank: one all-gather of the agreement round (the fake RCCL's calls are not counted by the drop-in), then
+    // the two all-reduces forwarded.
+    assert_eq!(field(&c, "calls"), "4");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_CUSTOM_MAX_BYTES differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+    assert_eq!(agreement_lines(&c, &["verdict=\"off\"", "ANYCCL_CUSTOM_MAX_BYTES differs"]).len(), 2, "{}", c.stderr);
+}
+
+#[test]
+fn equal_custom_max_bytes_spelled_differently_still_run_the_kernels() {
+    // "64KiB" on rank 0 and "65536" on rank 1: the same staging size, so the ranks agree and the kernels run.
+    let c = checked_per_rank_env("max_bytes_equal", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    assert_eq!(agreement_lines(&c, &["verdict=\"on\""]).len(), 2, "{}", c.stderr);
+}
+
+#[test]
+fn one_rank_with_anyccl_disable_turns_both_off() {
+    // Rank 0 sets ANYCCL_DISABLE=custom-kernels, rank 1 does not: rank 0 still takes part in the round (with an "off"
+    // fingerprint), and both forward.
+    let c = checked_per_rank_env("disable_one", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_DISABLE differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
+fn a_table_file_on_one_rank_only_turns_both_off() {
+    // Rank 1 reads a table file (ANYCCL_TUNE_FILE) that sends small world-2 sums to RCCL; rank 0 uses the defaults,
+    // which put them on the kernels. Without the round rank 0 would set up while rank 1 forwards.
+    let dir = programs::case_dir("accel-table-file");
+    let table = dir.join("tune.toml");
+    std::fs::write(&table, "version = 1\n[[rule]]\nworld = 2\nbytes = \"0-1MiB\"\nalgorithms = [\"ccl\"]\n")
+        .expect("table file");
+    let c = checked_per_rank_env("table_differ", &[("ACCEL_TABLE", table.to_str().expect("UTF-8 path"))]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_TUNE_FILE differs between ranks (rank 0 and rank 1)"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
+fn a_communicator_created_inside_a_group_is_off_with_that_reason() {
+    // ncclCommInitRank between ncclGroupStart and ncclGroupEnd: the round's all-gather would join the caller's
+    // group, so none is issued and the communicator forwards.
+    let c = checked("group_init", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=0 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "0");
+    assert_eq!(field(&c, "calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    let off = log_lines(&c, &["choice=\"ccl\"", "created inside ncclGroupStart/ncclGroupEnd"]);
+    assert_eq!(off.len(), 4, "{}", c.stderr);
+}
+
+#[test]
+fn a_split_runs_its_own_round() {
+    // Equal settings when the parent is created (its kernels run); then rank 1 sets ANYCCL_CUSTOM_MAX_BYTES=64KiB
+    // and both ranks split the parent (one color): the split's own round finds the difference, so the split
+    // forwards while the parent still runs the kernels.
+    let c = checked_per_rank_env("split", &[]);
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    assert_eq!(agreement_lines(&c, &["verdict=\"on\""]).len(), 2, "{}", c.stderr);
+    assert_eq!(agreement_lines(&c, &["verdict=\"off\"", "ANYCCL_CUSTOM_MAX_BYTES differs"]).len(), 2, "{}", c.stderr);
+    let off = log_lines(&c, &["choice=\"ccl\"", "ANYCCL_CUSTOM_MAX_BYTES differs between ranks (rank 0 and rank 1)"]);
     assert_eq!(off.len(), 4, "{}", c.stderr);
 }
 
@@ -239,6 +341,28 @@ fn host_time_on_the_fakes() {
     assert!(c.stdout.contains("host_time registered"), "{}", c.stdout);
 }
 
+/// A benchmark, not a test of time: host microseconds per `ncclCommInitRank` of a world-2 communicator (ranks as
+/// threads, each timing its own call; a barrier before each creation) straight into the fake RCCL, and through the
+/// drop-in (its state made, and since the agreement round, the round's `ncclAllGather`). Run with
+/// `-- --ignored init_time --nocapture`; `ACCEL_BENCH_DROPIN=<path>` times another build of the drop-in.
+#[test]
+#[ignore = "a benchmark: prints host time per communicator creation; run by hand"]
+fn init_time_on_the_fakes() {
+    let other = std::env::var("ACCEL_BENCH_DROPIN").unwrap_or_default();
+    let mut env = vec![("ANYCCL_LOG", "")];
+    if !other.is_empty() {
+        env.push(("ACCEL_DROPIN", other.as_str()));
+    }
+    // The fake RCCL keeps at most 64 communicator ids per process: several children of 30 creations per variant.
+    for _ in 0..5 {
+        let c = checked("init_time", &env);
+        for l in c.stdout.lines().filter(|l| l.starts_with("init_time ")) {
+            println!("{l}");
+        }
+        assert!(c.stdout.contains("init_time dropin"), "{}", c.stdout);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The child half.
 
@@ -254,6 +378,7 @@ struct Api {
     init_rank: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
     destroy: unsafe extern "C" fn(Comm) -> c_int,
+    split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> c_int,
     group_start: unsafe extern "C" fn() -> c_int,
     last_error: unsafe extern "C" fn(Comm) -> *const std::ffi::c_char,
     group_end: unsafe extern "C" fn() -> c_int,
@@ -290,6 +415,7 @@ fn load_api() -> (Api, FakeHip) {
         init_rank: sym(d, "ncclCommInitRank"),
         all_reduce: sym(d, "ncclAllReduce"),
         destroy: sym(d, "ncclCommDestroy"),
+        split: sym(d, "ncclCommSplit"),
         group_start: sym(d, "ncclGroupStart"),
         last_error: sym(d, "ncclGetLastError"),
         group_end: sym(d, "ncclGroupEnd"),
@@ -468,10 +594,22 @@ fn unique_id(api: &Api) -> Id {
 
 /// Runs `f` on one thread per rank of a new communicator of `world`.
 fn ranks(api: &Api, world: usize, f: impl Fn(&Rank<'_>) + Sync) {
+    ranks_with(api, world, |_| {}, f)
+}
+
+/// As [`ranks`], with `before(rank)` run on each rank's thread before its communicator is created.
+fn ranks_with(api: &Api, world: usize, before: impl Fn(usize) + Sync, f: impl Fn(&Rank<'_>) + Sync) {
     let id = unique_id(api);
-    let f = &f;
+    let (f, before) = (&f, &before);
     std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world).map(|r| s.spawn(move || f(&Rank::new(api, r, world, id)))).collect();
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                s.spawn(move || {
+                    before(r);
+                    f(&Rank::new(api, r, world, id))
+                })
+            })
+            .collect();
         for h in hs {
             h.join().expect("rank thread");
         }
@@ -610,6 +748,80 @@ fn child() {
             });
         }
         "host_time" => host_time(&api),
+        "init_time" => init_time(&api),
+        "max_bytes_differ" | "max_bytes_equal" | "disable_one" | "table_differ" => {
+            let table = std::env::var("ACCEL_TABLE").unwrap_or_default();
+            let setting = |rank: usize| match (case.as_str(), rank) {
+                ("max_bytes_differ", 1) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "64KiB")),
+                ("max_bytes_equal", 0) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "64KiB")),
+                ("max_bytes_equal", 1) => Some(("ANYCCL_CUSTOM_MAX_BYTES", "65536")),
+                ("disable_one", 0) => Some(("ANYCCL_DISABLE", "custom-kernels")),
+                ("table_differ", 1) => Some(("ANYCCL_TUNE_FILE", table.as_str())),
+                _ => None,
+            };
+            ranks_with(
+                &api,
+                2,
+                |rank| {
+                    if let Some((k, v)) = setting(rank) {
+                        set_thread_env(k, v);
+                    }
+                },
+                |r| {
+                    // 128 KiB: above rank 1's 64 KiB staging in max_bytes_differ, below rank 0's 8 MiB; then 4 KiB,
+                    // below both (the kernels' size when the ranks agree).
+                    if case != "max_bytes_equal" {
+                        r.checked_all_reduce(NCCL_FLOAT32, 32768, 0, false);
+                    }
+                    r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+                    if case == "max_bytes_equal" {
+                        r.checked_all_reduce(NCCL_FLOAT32, 1024, 2, true);
+                    }
+                },
+            );
+        }
+        "split" => {
+            ranks(&api, 2, |r| {
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                if r.rank == 1 {
+                    set_thread_env("ANYCCL_CUSTOM_MAX_BYTES", "64KiB");
+                }
+                let mut child: Comm = std::ptr::null_mut();
+                // SAFETY: a collective split of the rank's live communicator; writes one communicator.
+                assert_eq!(unsafe { (api.split)(r.comm, 0, r.rank as c_int, &mut child, std::ptr::null_mut()) }, 0);
+                assert!(!child.is_null());
+                let s = Rank { api: r.api, rank: r.rank, world: 2, comm: child, stream: r.stream };
+                s.checked_all_reduce(NCCL_FLOAT32, 1024, 1, false);
+                s.checked_all_reduce(NCCL_FLOAT32, 1024, 2, true);
+                // The parent keeps its agreed state.
+                r.checked_all_reduce(NCCL_FLOAT32, 1024, 3, false);
+                s.destroy();
+            });
+        }
+        "group_init" => {
+            let id = unique_id(&api);
+            let api = &api;
+            std::thread::scope(|s| {
+                let hs: Vec<_> = (0..2)
+                    .map(|rank| {
+                        s.spawn(move || {
+                            // SAFETY: group calls of the drop-in, balanced around the init.
+                            let r = unsafe {
+                                assert_eq!((api.group_start)(), 0);
+                                let r = Rank::new(api, rank, 2, id);
+                                assert_eq!((api.group_end)(), 0);
+                                r
+                            };
+                            r.checked_all_reduce(NCCL_FLOAT32, 1024, 0, false);
+                            r.checked_all_reduce(NCCL_FLOAT32, 1024, 1, true);
+                        })
+                    })
+                    .collect();
+                for h in hs {
+                    h.join().expect("rank thread");
+                }
+            });
+        }
         "bad_args" => {
             let seen = std::sync::Mutex::new(Vec::new());
             ranks(&api, 2, |r| {
@@ -659,6 +871,70 @@ fn child() {
     println!("violations={}", fake.violations().len());
     for v in fake.violations() {
         println!("violation: {v}");
+    }
+}
+
+/// The preloaded getenv shim's setter for this thread: `set(name, value)` (both must live for the process).
+fn thread_env_setter() -> unsafe extern "C" fn(*const std::ffi::c_char, *const std::ffi::c_char) -> c_int {
+    let p = std::env::var_os("ACCEL_THREADENV").expect("set by the parent");
+    // SAFETY: the preloaded shim (already loaded: the same copy); its initialisers do nothing.
+    let shim: &'static libloading::Library =
+        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open the shim")));
+    sym(shim, "threadenv_set")
+}
+
+/// Sets `name=value` for this thread only (through the shim).
+fn set_thread_env(name: &str, value: &str) {
+    let set = thread_env_setter();
+    let leak = |s: &str| Box::leak(std::ffi::CString::new(s).expect("no NUL").into_boxed_c_str()).as_ptr();
+    // SAFETY: two C strings leaked for the process.
+    assert_eq!(unsafe { set(leak(name), leak(value)) }, 0);
+}
+
+/// The child half of [`init_time_on_the_fakes`].
+fn init_time(api: &Api) {
+    let rccl: &'static libloading::Library = {
+        let p = std::env::var_os("ANYCCL_RCCL_PATH").expect("set by the parent");
+        // SAFETY: the fake RCCL built for this test (the same file the drop-in forwards to: one copy).
+        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open")))
+    };
+    type Init = unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int;
+    type Destroy = unsafe extern "C" fn(Comm) -> c_int;
+    let direct: (Init, Destroy) = (sym(rccl, "ncclCommInitRank"), sym(rccl, "ncclCommDestroy"));
+    let dropin: (Init, Destroy) = (api.init_rank, api.destroy);
+    // 30 creations per variant: the fake RCCL keeps 64 communicator ids per process.
+    const ROUNDS: usize = 30;
+    for (name, (init, destroy)) in [("direct", direct), ("dropin", dropin)] {
+        let ids: Vec<Id> = (0..ROUNDS).map(|_| unique_id(api)).collect();
+        let barrier = std::sync::Barrier::new(2);
+        let times = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for rank in 0..2 {
+                let (ids, barrier, times) = (&ids, &barrier, &times);
+                s.spawn(move || {
+                    // SAFETY: C calls with valid out-pointers; each communicator destroyed once.
+                    unsafe {
+                        assert_eq!((api.set_device)(rank), 0);
+                        for id in ids {
+                            barrier.wait();
+                            let mut comm: Comm = std::ptr::null_mut();
+                            let t = std::time::Instant::now();
+                            assert_eq!(init(&mut comm, 2, *id, rank), 0);
+                            let us = t.elapsed().as_nanos() as f64 / 1000.0;
+                            if rank == 0 {
+                                times.lock().expect("lock").push(us);
+                            }
+                            barrier.wait();
+                            assert_eq!(destroy(comm), 0);
+                        }
+                    }
+                });
+            }
+        });
+        let mut v = times.into_inner().expect("lock");
+        v.sort_by(f64::total_cmp);
+        let q = |x: f64| v[((v.len() - 1) as f64 * x) as usize];
+        println!("init_time {name} median_us={:.1} p10_us={:.1} p90_us={:.1}", q(0.5), q(0.1), q(0.9));
     }
 }
 
