@@ -891,57 +891,69 @@ mod host_impl {
     erased_host!(ProcessComm, |_rank: usize| "host".to_owned());
 }
 
+/// The part of `Erased` that is the same for both GPU backends (they are one generic communicator): buffers, plain
+/// and symmetric, streams, the library's description and symmetric buffers, each in the backend's own variant;
+/// `$rest` adds what differs (the device's description, capture, events).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+macro_rules! erased_gpu {
+    ($comm:ty, $kind:ident, $buf:ty, $stream:ty, $sym:ident, { $($rest:item)* }) => {
+        impl Erased for $comm {
+            const KIND: BackendKind = BackendKind::$kind;
+            fn buf(b: &AnyBuffer) -> Option<&$buf> {
+                match &b.inner {
+                    BufInner::$kind(d) => Some(d),
+                    BufInner::$sym(s) => Some(s.buffer()),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+            fn buf_mut(b: &mut AnyBuffer) -> Option<&mut $buf> {
+                match &mut b.inner {
+                    BufInner::$kind(d) => Some(d),
+                    BufInner::$sym(s) => Some(s.buffer_mut()),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+            fn stream_of(s: &AnyStream) -> Option<&$stream> {
+                match &s.inner {
+                    StreamInner::$kind(s) => Some(s),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+            fn wrap(b: $buf) -> AnyBuffer {
+                AnyBuffer { inner: BufInner::$kind(b) }
+            }
+            fn new_stream(c: &Communicator<Self>) -> Result<AnyStream> {
+                Ok(AnyStream { inner: StreamInner::$kind(c.runtime().stream()?) })
+            }
+            fn library(c: &Communicator<Self>) -> Option<String> {
+                let lib = c.backend().ccl().library();
+                Some(format!("{} ({})", lib.describe(), lib.path().display()))
+            }
+            fn symmetric(c: &Communicator<Self>, bytes: usize, stream: &AnyStream) -> Result<AnyBuffer> {
+                let s = any_stream::<Self>(stream)?;
+                Ok(AnyBuffer { inner: BufInner::$sym(c.backend().symmetric_buffer(bytes, s)?) })
+            }
+            $($rest)*
+        }
+    };
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_impl {
     use super::*;
     use anyccl_cuda::graph::Graph;
     use anyccl_cuda::{CudaComm, CudaStream, DeviceBuffer};
 
-    impl Erased for CudaComm {
-        const KIND: BackendKind = BackendKind::Cuda;
-        fn buf(b: &AnyBuffer) -> Option<&DeviceBuffer> {
-            match &b.inner {
-                BufInner::Cuda(d) => Some(d),
-                BufInner::CudaSymmetric(s) => Some(s.buffer()),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn buf_mut(b: &mut AnyBuffer) -> Option<&mut DeviceBuffer> {
-            match &mut b.inner {
-                BufInner::Cuda(d) => Some(d),
-                BufInner::CudaSymmetric(s) => Some(s.buffer_mut()),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn stream_of(s: &AnyStream) -> Option<&CudaStream> {
-            match &s.inner {
-                StreamInner::Cuda(s) => Some(s),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn wrap(b: DeviceBuffer) -> AnyBuffer {
-            AnyBuffer { inner: BufInner::Cuda(b) }
-        }
-        fn new_stream(c: &Communicator<Self>) -> Result<AnyStream> {
-            Ok(AnyStream { inner: StreamInner::Cuda(c.runtime().stream()?) })
-        }
-        fn library(c: &Communicator<Self>) -> Option<String> {
-            let lib = c.backend().ccl().library();
-            Some(format!("{} ({})", lib.describe(), lib.path().display()))
-        }
+    erased_gpu!(CudaComm, Cuda, DeviceBuffer, CudaStream, CudaSymmetric, {
         fn device(c: &Communicator<Self>) -> String {
             let ordinal = c.runtime().context().ordinal();
             match anyccl_cuda::available().ok().and_then(|i| i.devices.iter().find(|d| d.ordinal == ordinal)) {
                 Some(d) => format!("GPU {ordinal}: {} ({}, {} GiB)", d.name, d.arch(), d.total_memory >> 30),
                 None => format!("GPU {ordinal}"),
             }
-        }
-        fn symmetric(c: &Communicator<Self>, bytes: usize, stream: &AnyStream) -> Result<AnyBuffer> {
-            let s = any_stream::<Self>(stream)?;
-            Ok(AnyBuffer { inner: BufInner::CudaSymmetric(c.backend().symmetric_buffer(bytes, s)?) })
         }
         fn capture(c: &mut Communicator<Self>, stream: &AnyStream, body: &mut CaptureBody<'_>) -> Result<AnyGraph> {
             let s = any_stream::<Self>(stream)?;
@@ -953,7 +965,7 @@ mod cuda_impl {
         fn event(c: &Communicator<Self>) -> Result<AnyEvent> {
             Ok(AnyEvent { inner: EventInner::Cuda(anyccl_cuda::graph::Event::new(c.runtime().context())?) })
         }
-    }
+    });
 }
 
 #[cfg(feature = "rocm")]
@@ -961,47 +973,9 @@ mod rocm_impl {
     use super::*;
     use anyccl_rocm::{HipBuffer, HipGraph, HipStream, RocmComm};
 
-    impl Erased for RocmComm {
-        const KIND: BackendKind = BackendKind::Rocm;
-        fn buf(b: &AnyBuffer) -> Option<&HipBuffer> {
-            match &b.inner {
-                BufInner::Rocm(d) => Some(d),
-                BufInner::RocmSymmetric(s) => Some(s.buffer()),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn buf_mut(b: &mut AnyBuffer) -> Option<&mut HipBuffer> {
-            match &mut b.inner {
-                BufInner::Rocm(d) => Some(d),
-                BufInner::RocmSymmetric(s) => Some(s.buffer_mut()),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn stream_of(s: &AnyStream) -> Option<&HipStream> {
-            match &s.inner {
-                StreamInner::Rocm(s) => Some(s),
-                #[allow(unreachable_patterns)]
-                _ => None,
-            }
-        }
-        fn wrap(b: HipBuffer) -> AnyBuffer {
-            AnyBuffer { inner: BufInner::Rocm(b) }
-        }
-        fn new_stream(c: &Communicator<Self>) -> Result<AnyStream> {
-            Ok(AnyStream { inner: StreamInner::Rocm(c.runtime().stream()?) })
-        }
-        fn library(c: &Communicator<Self>) -> Option<String> {
-            let lib = c.backend().ccl().library();
-            Some(format!("{} ({})", lib.describe(), lib.path().display()))
-        }
+    erased_gpu!(RocmComm, Rocm, HipBuffer, HipStream, RocmSymmetric, {
         fn device(c: &Communicator<Self>) -> String {
             format!("GPU {} ({})", c.runtime().device().ordinal(), c.backend().arch())
-        }
-        fn symmetric(c: &Communicator<Self>, bytes: usize, stream: &AnyStream) -> Result<AnyBuffer> {
-            let s = any_stream::<Self>(stream)?;
-            Ok(AnyBuffer { inner: BufInner::RocmSymmetric(c.backend().symmetric_buffer(bytes, s)?) })
         }
         fn capture(c: &mut Communicator<Self>, stream: &AnyStream, body: &mut CaptureBody<'_>) -> Result<AnyGraph> {
             let s = any_stream::<Self>(stream)?;
@@ -1012,7 +986,7 @@ mod rocm_impl {
         fn event(c: &Communicator<Self>) -> Result<AnyEvent> {
             Ok(AnyEvent { inner: EventInner::Rocm(anyccl_rocm::HipEvent::new(c.runtime().device())?) })
         }
-    }
+    });
 }
 
 /// A backend that was not chosen, and why.
