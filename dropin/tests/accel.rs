@@ -8,6 +8,8 @@
 //! `ANYCCL_HIP_PATH` once per process, and the fake runtime's records are per process. The child checks results
 //! against the host reference and prints what it saw; the parent asserts on that and on the drop-in's log.
 
+#[path = "support/accel_common.rs"]
+mod accel_common;
 #[path = "../../tests/support/fake_ccl.rs"]
 mod fake_ccl;
 #[path = "../../tests/support/fake_hip.rs"]
@@ -16,85 +18,19 @@ mod fake_hip;
 mod programs;
 
 use std::ffi::{c_int, c_void};
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Duration;
 
-use fake_hip::{FakeHip, Launch, Shot};
-use wait_timeout::ChildExt;
+use accel_common::*;
+use fake_hip::Launch;
 
-/// A child that has not ended by then has hung.
-const CHILD_DEADLINE: Duration = Duration::from_secs(60);
-
-// ---------------------------------------------------------------------------------------------------------------
-// The parent half.
-
-struct Child {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-fn run_child(case: &str, extra: &[(&str, &str)]) -> Child {
-    let hip = fake_hip::build_hip();
-    let rccl = fake_hip::build_rccl(&fake_ccl::RCCL_7_1);
-    let mut cmd = Command::new(std::env::current_exe().expect("test binary"));
-    cmd.args(["child", "--exact", "--ignored", "--nocapture", "--test-threads=1", "-q"])
-        .env_clear()
-        .env("ACCEL_CASE", case)
-        .env("ACCEL_DROPIN", programs::dropin_so())
-        .env("ANYCCL_RCCL_PATH", &rccl)
-        .env("ANYCCL_HIP_PATH", &hip)
-        .env("ANYCCL_LOG", "anyccl_nccl=debug")
-        .env("FAKEHIP_KERNEL_TIMEOUT_MS", "10000")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    for (k, v) in extra {
-        cmd.env(k, v);
-    }
-    let dir = programs::case_dir(&format!("accel-{case}"));
-    let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
-    cmd.stdout(std::fs::File::create(&out_path).expect("stdout file"));
-    cmd.stderr(std::fs::File::create(&err_path).expect("stderr file"));
-    let mut child = cmd.spawn().expect("spawn the child");
-    let status = match child.wait_timeout(CHILD_DEADLINE).expect("wait") {
-        Some(s) => s,
-        None => {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "the child of case {case} hung; stderr:\n{}",
-                std::fs::read_to_string(&err_path).unwrap_or_default()
-            );
-        }
-    };
-    let stdout = std::fs::read_to_string(&out_path).unwrap_or_default();
-    let stderr = std::fs::read_to_string(&err_path).unwrap_or_default();
-    Child { ok: status.success(), stdout, stderr }
+fn base_env() -> Vec<(&'static str, std::ffi::OsString)> {
+    vec![
+        ("ANYCCL_RCCL_PATH", fake_hip::build_rccl(&fake_ccl::RCCL_7_1).into()),
+        ("ANYCCL_HIP_PATH", fake_hip::build_hip().into()),
+    ]
 }
 
 fn checked(case: &str, extra: &[(&str, &str)]) -> Child {
-    let c = run_child(case, extra);
-    assert!(c.ok, "case {case} failed\nstdout:\n{}\nstderr:\n{}", c.stdout, c.stderr);
-    c
-}
-
-/// The value of `KEY=value` lines the child printed.
-fn field(c: &Child, key: &str) -> String {
-    let prefix = format!("{key}=");
-    c.stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no {key} in the child's output:\n{}", c.stdout))
-        .to_owned()
-}
-
-/// Log lines of the drop-in's `ncclAllReduce` decisions with all of `words`.
-fn log_lines<'a>(c: &'a Child, words: &[&str]) -> Vec<&'a str> {
-    c.stderr
-        .lines()
-        .filter(|l| l.contains("function=\"ncclAllReduce\"") && words.iter().all(|w| l.contains(w)))
-        .collect()
+    accel_common::checked_child("accel", case, &base_env(), extra)
 }
 
 #[test]
@@ -366,273 +302,11 @@ fn init_time_on_the_fakes() {
 // ---------------------------------------------------------------------------------------------------------------
 // The child half.
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Id([u8; 128]);
-
-type Comm = *mut c_void;
-
-/// The C entry points the child calls: the drop-in's and the fake HIP runtime's.
-struct Api {
-    get_unique_id: unsafe extern "C" fn(*mut Id) -> c_int,
-    init_rank: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int,
-    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
-    destroy: unsafe extern "C" fn(Comm) -> c_int,
-    split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> c_int,
-    group_start: unsafe extern "C" fn() -> c_int,
-    last_error: unsafe extern "C" fn(Comm) -> *const std::ffi::c_char,
-    group_end: unsafe extern "C" fn() -> c_int,
-    count: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
-    calls: unsafe extern "C" fn() -> u64,
-    /// `None` in a drop-in built before the acceleration (the benchmark's comparison).
-    custom_calls: Option<unsafe extern "C" fn() -> u64>,
-    set_device: unsafe extern "C" fn(c_int) -> c_int,
-    malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int,
-    memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> c_int,
-    stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> c_int,
-    synchronize: unsafe extern "C" fn(*mut c_void) -> c_int,
-    begin_capture: unsafe extern "C" fn(*mut c_void, c_int) -> c_int,
-    end_capture: unsafe extern "C" fn(*mut c_void, *mut *mut c_void) -> c_int,
-    instantiate: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *mut c_void, *mut c_void, usize) -> c_int,
-    graph_launch: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
-}
-
-fn sym<T: Copy>(lib: &'static libloading::Library, name: &str) -> T {
-    // SAFETY: every caller names a C function of the drop-in or the fake runtime with the signature `T`.
-    unsafe { *lib.get::<T>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
-}
-
-fn load_api() -> (Api, FakeHip) {
-    let open = |var: &str| -> &'static libloading::Library {
-        let p = std::env::var_os(var).unwrap_or_else(|| panic!("{var} is set by the parent"));
-        // SAFETY: the drop-in and the fake runtime built for this test; leaked so their code stays mapped.
-        Box::leak(Box::new(unsafe { libloading::Library::new(&p) }.expect("open")))
-    };
-    let d = open("ACCEL_DROPIN");
-    let h = open("ANYCCL_HIP_PATH");
-    let api = Api {
-        get_unique_id: sym(d, "ncclGetUniqueId"),
-        init_rank: sym(d, "ncclCommInitRank"),
-        all_reduce: sym(d, "ncclAllReduce"),
-        destroy: sym(d, "ncclCommDestroy"),
-        split: sym(d, "ncclCommSplit"),
-        group_start: sym(d, "ncclGroupStart"),
-        last_error: sym(d, "ncclGetLastError"),
-        group_end: sym(d, "ncclGroupEnd"),
-        count: sym(d, "ncclCommCount"),
-        calls: sym(d, "anyccl_nccl_dropin_calls"),
-        // SAFETY: the drop-in's counter, a C function without arguments.
-        custom_calls: unsafe { d.get::<unsafe extern "C" fn() -> u64>(b"anyccl_nccl_dropin_custom_calls") }
-            .ok()
-            .map(|f| *f),
-        set_device: sym(h, "hipSetDevice"),
-        malloc: sym(h, "hipMalloc"),
-        memcpy: sym(h, "hipMemcpy"),
-        stream_create: sym(h, "hipStreamCreateWithFlags"),
-        synchronize: sym(h, "hipStreamSynchronize"),
-        begin_capture: sym(h, "hipStreamBeginCapture"),
-        end_capture: sym(h, "hipStreamEndCapture"),
-        instantiate: sym(h, "hipGraphInstantiate"),
-        graph_launch: sym(h, "hipGraphLaunch"),
-    };
-    let fake = FakeHip::open(Path::new(&std::env::var_os("ANYCCL_HIP_PATH").expect("hip path")));
-    (api, fake)
-}
-
-/// `ncclDataType_t` values used here.
-const NCCL_INT32: c_int = 2;
-const NCCL_FLOAT32: c_int = 7;
-const NCCL_BFLOAT16: c_int = 9;
-
-fn value(rank: usize, round: usize, i: usize) -> f32 {
-    ((i * 7 + rank * 13 + round * 5) % 17) as f32 - 8.0
-}
-
-fn encode(dtype: c_int, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        NCCL_FLOAT32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        NCCL_BFLOAT16 => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-        NCCL_INT32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-        other => panic!("no encoding for {other}"),
-    }
-}
-
-fn decode(dtype: c_int, b: &[u8]) -> Vec<f32> {
-    match dtype {
-        NCCL_FLOAT32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        NCCL_BFLOAT16 => {
-            b.chunks_exact(2).map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)).collect()
-        }
-        NCCL_INT32 => b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
-        other => panic!("no decoding for {other}"),
-    }
-}
-
-fn elem(dtype: c_int) -> usize {
-    if dtype == NCCL_BFLOAT16 {
-        2
-    } else {
-        4
-    }
-}
-
-/// One rank's communicator, stream and device memory, driven through the C ABI.
-struct Rank<'a> {
-    api: &'a Api,
-    rank: usize,
-    world: usize,
-    comm: Comm,
-    stream: *mut c_void,
-}
-
-impl Rank<'_> {
-    fn new(api: &Api, rank: usize, world: usize, id: Id) -> Rank<'_> {
-        // SAFETY: C calls of the fake runtime and the drop-in with valid out-pointers.
-        unsafe {
-            assert_eq!((api.set_device)(rank as c_int), 0);
-            let mut comm: Comm = std::ptr::null_mut();
-            assert_eq!((api.init_rank)(&mut comm, world as c_int, id, rank as c_int), 0, "ncclCommInitRank");
-            let mut stream = std::ptr::null_mut();
-            assert_eq!((api.stream_create)(&mut stream, 1), 0);
-            Rank { api, rank, world, comm, stream }
-        }
-    }
-
-    fn alloc(&self, bytes: usize) -> *mut c_void {
-        let mut p = std::ptr::null_mut();
-        // SAFETY: hipMalloc writes one pointer.
-        assert_eq!(unsafe { (self.api.malloc)(&mut p, bytes) }, 0);
-        p
-    }
-
-    fn upload(&self, dst: *mut c_void, bytes: &[u8]) {
-        // SAFETY: `dst` holds at least `bytes.len()` bytes of fake device memory.
-        assert_eq!(unsafe { (self.api.memcpy)(dst, bytes.as_ptr().cast(), bytes.len(), 1) }, 0);
-    }
-
-    fn download(&self, src: *const c_void, len: usize) -> Vec<u8> {
-        let mut out = vec![0u8; len];
-        // SAFETY: `src` holds at least `len` bytes of fake device memory.
-        assert_eq!(unsafe { (self.api.memcpy)(out.as_mut_ptr().cast(), src, len, 2) }, 0);
-        out
-    }
-
-    fn sync(&self) {
-        // SAFETY: the rank's live stream.
-        assert_eq!(unsafe { (self.api.synchronize)(self.stream) }, 0);
-    }
-
-    fn all_reduce(&self, send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int) {
-        // SAFETY: buffers of `count` elements of this device; the rank's communicator and stream.
-        let rc = unsafe { (self.api.all_reduce)(send, recv, count, dtype, 0, self.comm, self.stream) };
-        assert_eq!(rc, 0, "ncclAllReduce rank {}", self.rank);
-    }
-
-    /// An all-reduce of `count` elements of round `round`'s inputs, checked against the host reference.
-    fn checked_all_reduce(&self, dtype: c_int, count: usize, round: usize, in_place: bool) {
-        let bytes = count * elem(dtype);
-        let send = self.alloc(bytes);
-        let recv = if in_place { send } else { self.alloc(bytes) };
-        let mine: Vec<f32> = (0..count).map(|i| value(self.rank, round, i)).collect();
-        self.upload(send, &encode(dtype, &mine));
-        self.all_reduce(send, recv, count, dtype);
-        self.sync();
-        self.check(recv, dtype, count, round);
-    }
-
-    /// As [`Rank::checked_all_reduce`] out of place, with `end` run after the call (a group's end).
-    fn checked_all_reduce_in(&self, dtype: c_int, count: usize, round: usize, end: impl FnOnce()) {
-        let bytes = count * elem(dtype);
-        let (send, recv) = (self.alloc(bytes), self.alloc(bytes));
-        let mine: Vec<f32> = (0..count).map(|i| value(self.rank, round, i)).collect();
-        self.upload(send, &encode(dtype, &mine));
-        self.all_reduce(send, recv, count, dtype);
-        end();
-        self.sync();
-        self.check(recv, dtype, count, round);
-    }
-
-    fn check(&self, recv: *const c_void, dtype: c_int, count: usize, round: usize) {
-        let got = decode(dtype, &self.download(recv, count * elem(dtype)));
-        let want: Vec<f32> = (0..count).map(|i| (0..self.world).map(|r| value(r, round, i)).sum()).collect();
-        assert!(got == want, "rank {} round {round} dtype {dtype}: wrong sum", self.rank);
-    }
-
-    fn capture(&self, f: impl FnOnce()) -> *mut c_void {
-        // SAFETY: capture calls of the fake runtime on the rank's live stream (global mode: anything unsafe on any
-        // thread during the capture is a recorded violation).
-        unsafe {
-            assert_eq!((self.api.begin_capture)(self.stream, 0), 0);
-            f();
-            let mut graph = std::ptr::null_mut();
-            assert_eq!((self.api.end_capture)(self.stream, &mut graph), 0);
-            let mut exec = std::ptr::null_mut();
-            let null = std::ptr::null_mut();
-            assert_eq!((self.api.instantiate)(&mut exec, graph, null, null, 0), 0);
-            exec
-        }
-    }
-
-    fn replay(&self, exec: *mut c_void) {
-        // SAFETY: an instantiated graph of the fake runtime and the rank's stream.
-        assert_eq!(unsafe { (self.api.graph_launch)(exec, self.stream) }, 0);
-        self.sync();
-    }
-
-    fn destroy(&self) {
-        // SAFETY: the rank's communicator, destroyed once.
-        assert_eq!(unsafe { (self.api.destroy)(self.comm) }, 0);
-    }
-}
-
-fn unique_id(api: &Api) -> Id {
-    let mut id = Id([0; 128]);
-    // SAFETY: writes one id.
-    assert_eq!(unsafe { (api.get_unique_id)(&mut id) }, 0);
-    id
-}
-
-/// Runs `f` on one thread per rank of a new communicator of `world`.
-fn ranks(api: &Api, world: usize, f: impl Fn(&Rank<'_>) + Sync) {
-    ranks_with(api, world, |_| {}, f)
-}
-
-/// As [`ranks`], with `before(rank)` run on each rank's thread before its communicator is created.
-fn ranks_with(api: &Api, world: usize, before: impl Fn(usize) + Sync, f: impl Fn(&Rank<'_>) + Sync) {
-    let id = unique_id(api);
-    let (f, before) = (&f, &before);
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|r| {
-                s.spawn(move || {
-                    before(r);
-                    f(&Rank::new(api, r, world, id))
-                })
-            })
-            .collect();
-        for h in hs {
-            h.join().expect("rank thread");
-        }
-    });
-}
-
-fn launches_summary(launches: &[Launch]) -> String {
-    let n = |f: &dyn Fn(&Launch) -> bool| launches.iter().filter(|l| f(l)).count();
-    let shot = |l: &Launch, s: Shot, d: &str| l.params.as_ref().is_some_and(|p| p.shot == s && p.dtype == d);
-    format!(
-        "one_shot_f32={} one_shot_bf16={} two_shot={} other={}",
-        n(&|l| shot(l, Shot::One, "f32")),
-        n(&|l| shot(l, Shot::One, "bf16")),
-        n(&|l| l.params.as_ref().is_some_and(|p| p.shot == Shot::Two)),
-        n(&|l| l.params.is_none()),
-    )
-}
-
 #[test]
 #[ignore = "the child half of the drop-in acceleration tests, which run it with the fakes' environment"]
 fn child() {
     let case = std::env::var("ACCEL_CASE").expect("run by the other tests of this file, which set ACCEL_CASE");
-    let (api, fake) = load_api();
+    let (api, fake) = load_api(Runtime::Hip);
     fake.reset();
     match case.as_str() {
         "world2" | "disabled" | "setup_off" => {

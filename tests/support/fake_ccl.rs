@@ -25,6 +25,7 @@ const COMPUTING_IMPLEMENTED: &[&str] = &[
     "ncclCommDestroy",
     "ncclCommCount",
     "ncclCommUserRank",
+    "ncclCommCuDevice",
     "ncclCommGetAsyncError",
     "ncclCommAbort",
     "ncclGetErrorString",

@@ -32,6 +32,7 @@ int fakehip_any_capture(void);
 void fakehip_add_violation(const char* call, const char* why);
 int hipMalloc(void** p, size_t n);
 int hipFree(void* p);
+int hipGetDevice(int* d);
 
 #define MAX_RANKS 16
 #define SLOTS 64
@@ -79,6 +80,7 @@ struct clique {
 struct comm {
     struct clique* c;
     int rank;
+    int device; /* ncclCommCuDevice: the device current at ncclCommInitRank, as NCCL's */
 };
 
 static pthread_mutex_t cliques_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -418,11 +420,11 @@ ncclResult_t ncclCommInitRank(void** out, int n, ncclUniqueId id, int rank) {
     struct comm* c = calloc(1, sizeof *c);
     c->c = clique_for(key, n);
     c->rank = rank;
+    if (hipGetDevice(&c->device) != 0) c->device = 0;
     *out = c;
     return 0;
 }
 ncclResult_t ncclCommInitAll(void** out, int n, const int* devs) {
-    (void)devs;
     if (n < 1 || n > MAX_RANKS) return 4;
     pthread_mutex_lock(&cliques_mu);
     uint64_t key = next_id++ | (1ull << 63);
@@ -431,6 +433,7 @@ ncclResult_t ncclCommInitAll(void** out, int n, const int* devs) {
         struct comm* c = calloc(1, sizeof *c);
         c->c = clique_for(key, n);
         c->rank = r;
+        c->device = devs ? devs[r] : r;
         out[r] = c;
     }
     return 0;
@@ -438,6 +441,11 @@ ncclResult_t ncclCommInitAll(void** out, int n, const int* devs) {
 ncclResult_t ncclCommDestroy(void* c) { free(c); return 0; }
 ncclResult_t ncclCommCount(void* c, int* n) { *n = ((struct comm*)c)->c->n; return 0; }
 ncclResult_t ncclCommUserRank(void* c, int* r) { *r = ((struct comm*)c)->rank; return 0; }
+ncclResult_t ncclCommCuDevice(void* c, int* d) {
+    if (!c || !d) return 4;
+    *d = ((struct comm*)c)->device;
+    return 0;
+}
 /* An asynchronous error the tests inject (0: healthy), and the communicators aborted so far. */
 static int async_error = 0;
 static int aborted = 0;
@@ -549,6 +557,7 @@ static ncclResult_t fake_comm_split(void* comm, int color, int key, void** out, 
         return 1;
     }
     *out = c->split.out[cm->rank];
+    if (*out) ((struct comm*)*out)->device = cm->device;
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
