@@ -6,7 +6,8 @@
 //! Each case runs in a child process (this test binary's ignored `child` test) with an empty environment but the
 //! variables it sets: the drop-in finds the fake RCCL through `ANYCCL_RCCL_PATH` and the fake HIP runtime through
 //! `ANYCCL_HIP_PATH` once per process, and the fake runtime's records are per process. The child checks results
-//! against the host reference and prints what it saw; the parent asserts on that and on the drop-in's log.
+//! against the host reference and prints what it saw; the parent asserts on that and on the drop-in's log. The
+//! ranks and both halves' machinery are shared with accel_cuda.rs (the CUDA side) in support/accel_common.rs.
 
 #[path = "support/accel_common.rs"]
 mod accel_common;
