@@ -90,7 +90,15 @@ impl FusedOutput {
 impl NormArgs {
     /// The arguments of a call over `tokens` rows of `hidden` elements; sizes bounded by [`fused_ineligible`]
     /// first (`hidden` a multiple of 8 up to [`common::MAX_HIDDEN`]).
-    pub fn new(residual: u64, weight: u64, out: u64, tokens: usize, hidden: usize, eps: f32, output: FusedOutput) -> Self {
+    pub fn new(
+        residual: u64,
+        weight: u64,
+        out: u64,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
+        output: FusedOutput,
+    ) -> Self {
         let (out_fp8, scale) = match output {
             FusedOutput::Same => (0, 1.0),
             FusedOutput::Fp8E4M3 { scale } => (1, scale),
@@ -209,7 +217,10 @@ impl<P: GpuPlatform> FusedKernels<P> {
         if let Some(why) = P::kernels_not_built() {
             return Err(Error::Unsupported {
                 capability: "fused-allreduce-rmsnorm".into(),
-                reason: anyccl_core::Reason::NotCompiledIn { what: format!("custom {} kernels", P::LABEL), detail: why },
+                reason: anyccl_core::Reason::NotCompiledIn {
+                    what: format!("custom {} kernels", P::LABEL),
+                    detail: why,
+                },
             });
         }
         let image = P::kernel_image(runtime)?;
@@ -285,9 +296,15 @@ impl<P: GpuPlatform> FusedKernels<P> {
             Inputs::Staged { staging, own } => (staging, own, 0),
             Inputs::Table { table, own } => (&[][..], own, table),
         };
-        if (table == 0 && peers.len() != world) || (form == FusedForm::TwoShot && scratch.len() != world) || rank >= world
+        if (table == 0 && peers.len() != world)
+            || (form == FusedForm::TwoShot && scratch.len() != world)
+            || rank >= world
         {
-            return Err(bad(format!("{} inputs, {world} flags, {} scratch buffers, rank {rank}", peers.len(), scratch.len())));
+            return Err(bad(format!(
+                "{} inputs, {world} flags, {} scratch buffers, rank {rank}",
+                peers.len(),
+                scratch.len()
+            )));
         }
         if blocks == 0 || blocks as usize > common::MAX_BLOCKS {
             return Err(bad(format!("{blocks} blocks (1..={})", common::MAX_BLOCKS)));
@@ -451,11 +468,8 @@ pub mod reference {
     /// `weight`, with the kernels' order of operations (blocks of [`common::NORM_THREADS`] threads).
     pub fn norm_row(dtype: DataType, reduced: &[u16], residual: &[u16], weight: &[u16], eps: f32) -> Row {
         let hidden = reduced.len();
-        let new_res: Vec<u16> = reduced
-            .iter()
-            .zip(residual)
-            .map(|(s, r)| from_f32(dtype, to_f32(dtype, *s) + to_f32(dtype, *r)))
-            .collect();
+        let new_res: Vec<u16> =
+            reduced.iter().zip(residual).map(|(s, r)| from_f32(dtype, to_f32(dtype, *s) + to_f32(dtype, *r))).collect();
         let threads = common::NORM_THREADS as usize;
         let hv = hidden / 8;
         let mut part = vec![0f32; threads];
@@ -483,7 +497,8 @@ pub mod reference {
         let total = tree(&mut warps);
         let mean = total / hidden as f32;
         let inv = 1.0f32 / (mean + eps).sqrt();
-        let y: Vec<f32> = new_res.iter().zip(weight).map(|(r, w)| to_f32(dtype, *r) * inv * to_f32(dtype, *w)).collect();
+        let y: Vec<f32> =
+            new_res.iter().zip(weight).map(|(r, w)| to_f32(dtype, *r) * inv * to_f32(dtype, *w)).collect();
         let out = y.iter().map(|v| from_f32(dtype, *v)).collect();
         Row { residual: new_res, y, out }
     }
