@@ -48,7 +48,7 @@ impl Data {
         let n = tokens * hidden;
         let inputs = (0..world)
             .map(|r| {
-                let mut next = rng(seed ^ (r as u64 + 1) * 0x1000_0001);
+                let mut next = rng(seed ^ ((r as u64 + 1) * 0x1000_0001));
                 (0..n).map(|_| reference::from_f32(dtype, next())).collect()
             })
             .collect();

@@ -144,8 +144,8 @@ pub struct GpuComm<P: GpuPlatform> {
     /// left the ranks' input tables disagreeing): their buffers and tables live as long as the communicator, so
     /// such a replay never reads freed memory.
     retired: Vec<CustomState<P>>,
-    /// The fused all-reduce + RMSNorm kernels ([`GpuComm::all_reduce_rmsnorm`]), loaded with the custom kernels'
-    /// state by [`GpuComm::set_custom`]; `None` while those are off or when the load failed.
+    /// The fused all-reduce + RMSNorm kernels ([`GpuComm::all_reduce_rmsnorm`]) of the custom kernels' module,
+    /// set with the custom kernels' state by [`GpuComm::set_custom`]; `None` while those are off.
     fused: Option<super::fused::FusedKernels<P>>,
 }
 
@@ -462,13 +462,9 @@ impl<P: GpuPlatform> GpuComm<P> {
 
     /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
     fn set_custom(&mut self, custom: std::result::Result<CustomState<P>, String>) {
-        self.fused = match (&custom, self.fused.take()) {
-            (Err(_), _) => None,
-            (Ok(_), Some(f)) => Some(f),
-            (Ok(_), None) => super::fused::FusedKernels::load(&self.runtime)
-                .inspect_err(|e| tracing::warn!(error = %e, "fused all-reduce + RMSNorm kernels not loaded"))
-                .ok(),
-        };
+        // Handles into the custom kernels' module (no second load); a state replaced here is kept (`retired`) or
+        // dropped with its graphs' last use, and `fused` always follows the current one.
+        self.fused = custom.as_ref().ok().map(|st| super::fused::FusedKernels::from_custom(&self.runtime, &st.kernels));
         self.custom = custom;
         self.custom_generation = self.custom_generation.wrapping_add(1);
     }

@@ -223,7 +223,7 @@ impl<P: GpuPlatform> GpuComm<P> {
         let not_eligible =
             |why: String| Error::AlgorithmNotEligible { algorithm: anyccl_core::Algorithm::OneShot, why };
         let st = self.custom.as_mut().map_err(|why| not_eligible(why.clone()))?;
-        let fk = self.fused.as_ref().ok_or_else(|| not_eligible("the fused kernels did not load".into()))?;
+        let fk = self.fused.as_ref().ok_or_else(|| not_eligible("the fused kernels are not set up".into()))?;
         let choice = resolve(spec, world, st.capacity, env)?;
         if bytes == 0 {
             // Nothing to do on any rank alike: no launch keeps the barrier epochs in step.

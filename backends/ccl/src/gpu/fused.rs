@@ -13,7 +13,7 @@ use std::ffi::{c_void, CString};
 use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
 
-use super::kernels::Inputs;
+use super::kernels::{CustomKernels, Inputs};
 use super::{GpuPlatform, StreamOf};
 
 /// Which fused kernel.
@@ -194,7 +194,9 @@ fn fused_suffix(dtype: DataType) -> Option<&'static str> {
 pub struct FusedKernels<P: GpuPlatform> {
     /// In [`common::FUSED_KERNELS`] order; declared before the module, so nothing outlives it.
     functions: [Option<P::Function>; common::FUSED_KERNELS.len()],
-    _module: P::Module,
+    /// The module, when loaded by [`Self::load`]; `None` when the functions are those of a [`CustomKernels`]'
+    /// module ([`Self::from_custom`]), which then must outlive every launch.
+    _module: Option<P::Module>,
     runtime: P::Runtime,
     sms: usize,
 }
@@ -235,7 +237,22 @@ impl<P: GpuPlatform> FusedKernels<P> {
                 Err(e) => tracing::debug!(kernel = %name, error = %e, "no such kernel"),
             }
         }
-        Ok(FusedKernels { functions, _module: module, runtime: runtime.clone(), sms })
+        Ok(FusedKernels { functions, _module: Some(module), runtime: runtime.clone(), sms })
+    }
+
+    /// The fused kernels of the module `custom` already loaded (no second load). They are handles into that
+    /// module: launch them only while `custom` (or whatever keeps its module loaded) lives.
+    pub fn from_custom(runtime: &P::Runtime, custom: &CustomKernels<P>) -> Self {
+        let mut functions = [None; common::FUSED_KERNELS.len()];
+        for (slot, name) in functions.iter_mut().zip(common::FUSED_KERNELS) {
+            // Kernel names are fixed ASCII without NUL bytes.
+            let Ok(c) = CString::new(name) else { continue };
+            match custom.function_named(&c) {
+                Ok(f) => *slot = Some(f),
+                Err(e) => tracing::debug!(kernel = %name, error = %e, "no such kernel"),
+            }
+        }
+        FusedKernels { functions, _module: None, runtime: runtime.clone(), sms: custom.multiprocessors() }
     }
 
     fn function(&self, name: Option<String>, dtype: DataType) -> Result<P::Function> {
