@@ -286,3 +286,87 @@ fn paths_cover_both_fused_forms_and_both_unfused_all_reduces() {
         ]
     );
 }
+
+/// The communicator method on real GPUs (one rank per GPU, NCCL for the communicator): every form against the
+/// reference, bit for bit on every rank, and a bad call refused with a typed error.
+#[test]
+#[ignore = "needs 2 or more NVIDIA GPUs and NCCL: run on a multi-GPU machine with --ignored"]
+fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
+    use anyccl_ccl::gpu::comm::fused_call::RmsNormSpec;
+    use anyccl_ccl::gpu::fused::FusedChoice;
+    use anyccl_ccl::gpu::GpuPlatform;
+    use anyccl_core::CommBackend;
+    use std::sync::Arc;
+    let gpus = anyccl_cuda::Cuda::device_count().expect("device count");
+    assert!(gpus >= 2, "this test needs at least 2 GPUs, found {gpus}");
+    let lib = anyccl_ccl::load(anyccl_ccl::CclVendor::Nccl).unwrap_or_else(|e| panic!("NCCL must be installed: {e}"));
+    for world in [2, gpus.min(8)] {
+        let caps = Arc::new(anyccl_cuda::capabilities(Some(&lib), &|k| std::env::var(k).ok()));
+        let ordinals: Vec<i32> = (0..world as i32).collect();
+        let mut comms = anyccl_cuda::CudaComm::init_all(lib.clone(), &ordinals, caps).expect("communicators");
+        assert!(comms[0].custom_kernels_off().is_none(), "custom kernels off: {:?}", comms[0].custom_kernels_off());
+        for (tokens, hidden) in [(1usize, 8192usize), (64, 4096), (300, 2048)] {
+            let dtype = DataType::Bf16;
+            let d = Data::new(dtype, world, tokens, hidden, 31 + tokens as u64);
+            let rows = d.reference(dtype, 1e-6);
+            let bytes = tokens * hidden * 2;
+            let mut bufs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    let rt = c.runtime().clone();
+                    let st = rt.stream().expect("stream");
+                    let mut input = rt.alloc(bytes).expect("alloc");
+                    rt.upload(&mut input, &bytes_of(&d.inputs[r]), &st).expect("upload");
+                    let mut weight = rt.alloc(hidden * 2).expect("alloc");
+                    rt.upload(&mut weight, &bytes_of(&d.weight), &st).expect("upload");
+                    let (residual, out) = (rt.alloc(bytes).expect("alloc"), rt.alloc(bytes).expect("alloc"));
+                    (rt, st, input, weight, residual, out)
+                })
+                .collect();
+            let forms =
+                [FusedChoice::Fused(FusedForm::OneShot), FusedChoice::Fused(FusedForm::TwoShot), FusedChoice::Unfused];
+            for (choice, fp8) in
+                forms.iter().map(|c| (*c, None)).chain([(forms[0], Some(0.01f32)), (forms[1], Some(0.01))])
+            {
+                let mut spec = RmsNormSpec::new(dtype, tokens, hidden, 1e-6).with_choice(choice);
+                if let Some(scale) = fp8 {
+                    spec = spec.fp8_output(scale);
+                }
+                for (rt, st, _, _, residual, out) in &mut bufs {
+                    rt.upload(residual, &bytes_of(&d.residual), st).expect("reset residual");
+                    rt.upload(out, &vec![0xFFu8; bytes], st).expect("poison");
+                }
+                for (c, (_, st, input, weight, residual, out)) in comms.iter_mut().zip(&mut bufs) {
+                    let how =
+                        c.all_reduce_rmsnorm(input, residual, weight, out, &spec, st).expect("all_reduce_rmsnorm");
+                    assert_eq!(how, choice, "{choice:?} carried out as asked");
+                }
+                let output = spec.output;
+                let got: Vec<(Vec<u8>, Vec<u16>)> = bufs
+                    .iter()
+                    .map(|(rt, st, _, _, residual, out)| {
+                        st.synchronize().expect("sync");
+                        let mut o = vec![0u8; tokens * hidden * output.element_bytes(dtype)];
+                        rt.download(out, &mut o, st).expect("download");
+                        let mut res = vec![0u8; bytes];
+                        rt.download(residual, &mut res, st).expect("download");
+                        (o, u16s(&res))
+                    })
+                    .collect();
+                assert_exact(
+                    &format!("comm world {world} {tokens}x{hidden} {choice:?} fp8 {fp8:?}"),
+                    &got,
+                    &rows,
+                    output,
+                );
+            }
+            // A bad call: refused before anything is launched, with the culprit named.
+            let (_, st, input, weight, residual, out) = &mut bufs[0];
+            let bad = RmsNormSpec::new(dtype, tokens, hidden + 4, 1e-6);
+            let e = comms[0].all_reduce_rmsnorm(input, residual, weight, out, &bad, st).expect_err("refused");
+            assert!(e.to_string().contains("hidden"), "{e}");
+        }
+        eprintln!("communicator, world {world}: fused one-shot, two-shot, unfused, fp8: bit-exact");
+    }
+}
