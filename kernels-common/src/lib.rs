@@ -119,6 +119,81 @@ pub fn allreduce_params(kernel: &str) -> Option<&'static [Param]> {
     Some(params)
 }
 
+/// The fused all-reduce + residual add + RMSNorm kernels (`include/anyccl/fused.h`), for f16 and bf16:
+/// `anyccl_fused_{one_shot,two_shot}[_table]_{f16,bf16}`, and the separate RMSNorm kernel of the unfused baseline
+/// `anyccl_rmsnorm_{f16,bf16}` (the same add + RMSNorm math, so fused and unfused results are bitwise equal).
+pub const FUSED_KERNELS: [&str; 10] = [
+    "anyccl_fused_one_shot_f16",
+    "anyccl_fused_one_shot_bf16",
+    "anyccl_fused_one_shot_table_f16",
+    "anyccl_fused_one_shot_table_bf16",
+    "anyccl_fused_two_shot_f16",
+    "anyccl_fused_two_shot_bf16",
+    "anyccl_fused_two_shot_table_f16",
+    "anyccl_fused_two_shot_table_bf16",
+    "anyccl_rmsnorm_f16",
+    "anyccl_rmsnorm_bf16",
+];
+
+/// The element types the fused kernels are built for.
+pub const FUSED_DTYPES: [&str; 2] = ["f16", "bf16"];
+
+/// Threads per block of the fused and RMSNorm kernels (`ANYCCL_NORM_THREADS`): the order of a row's sum of
+/// squares depends on it, so every launch uses exactly this many.
+pub const NORM_THREADS: u32 = 512;
+/// Largest row (`hidden`, elements) the fused kernels take (`ANYCCL_MAX_HIDDEN`); rows are multiples of 8 elements.
+pub const MAX_HIDDEN: usize = 16384;
+/// Bytes of the `NormArgs` struct every fused kernel takes by value: `residual`, `weight`, `out` pointers, `eps`
+/// and `scale` (f32), `out_fp8` (i32), `hidden_vec` (u32), `tokens` (u64).
+pub const NORM_ARGS_BYTES: usize = 48;
+
+const FUSED_ONE_SHOT_PARAMS: [Param; 6] =
+    [("in", 0, 64), ("self_src", 64, 8), ("args", 72, 48), ("flags", 120, 64), ("rank", 184, 4), ("world", 188, 4)];
+const FUSED_ONE_SHOT_TABLE_PARAMS: [Param; 6] =
+    [("table", 0, 8), ("self_src", 8, 8), ("args", 16, 48), ("flags", 64, 64), ("rank", 128, 4), ("world", 132, 4)];
+const FUSED_TWO_SHOT_PARAMS: [Param; 7] = [
+    ("in", 0, 64),
+    ("self_src", 64, 8),
+    ("scratch", 72, 64),
+    ("args", 136, 48),
+    ("flags", 184, 64),
+    ("rank", 248, 4),
+    ("world", 252, 4),
+];
+const FUSED_TWO_SHOT_TABLE_PARAMS: [Param; 7] = [
+    ("table", 0, 8),
+    ("self_src", 8, 8),
+    ("scratch", 16, 64),
+    ("args", 80, 48),
+    ("flags", 128, 64),
+    ("rank", 192, 4),
+    ("world", 196, 4),
+];
+const RMSNORM_PARAMS: [Param; 2] = [("in", 0, 8), ("args", 8, 48)];
+
+/// The parameters of a kernel of [`FUSED_KERNELS`], in order, as every vendor's compiler lays them out; `None`
+/// for another name.
+pub fn fused_params(kernel: &str) -> Option<&'static [Param]> {
+    if !FUSED_KERNELS.contains(&kernel) {
+        return None;
+    }
+    let params: &'static [Param] = if kernel.starts_with("anyccl_fused_one_shot_table_") {
+        &FUSED_ONE_SHOT_TABLE_PARAMS
+    } else if kernel.starts_with("anyccl_fused_one_shot_") {
+        &FUSED_ONE_SHOT_PARAMS
+    } else if kernel.starts_with("anyccl_fused_two_shot_table_") {
+        &FUSED_TWO_SHOT_TABLE_PARAMS
+    } else if kernel.starts_with("anyccl_fused_two_shot_") {
+        &FUSED_TWO_SHOT_PARAMS
+    } else {
+        &RMSNORM_PARAMS
+    };
+    Some(params)
+}
+
+/// The fused kernels' source (`include/anyccl/fused.h`, included after `allreduce.h`).
+pub const FUSED_HEADER: &str = include_str!("../include/anyccl/fused.h");
+
 /// The shared kernel source and vendor headers, by path under `include/` (for tests and tools that read them).
 pub const HEADERS: [(&str, &str); 3] = [
     ("anyccl/allreduce.h", include_str!("../include/anyccl/allreduce.h")),
@@ -223,6 +298,82 @@ mod tests {
             "Elem<",
         ] {
             assert!(HEADERS[0].1.contains(name), "allreduce.h does not use {name}");
+            for (path, text) in &HEADERS[1..] {
+                assert!(text.contains(name), "{path} does not define {name}");
+            }
+        }
+    }
+
+    /// The integer a `#define NAME <n>` of fused.h is.
+    fn fused_define(name: &str) -> usize {
+        FUSED_HEADER
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ").and_then(|r| r.strip_prefix(name)).filter(|r| r.starts_with(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("fused.h has no numeric #define {name}"))
+    }
+
+    #[test]
+    fn fused_constants_names_and_params_are_the_headers() {
+        assert_eq!(fused_define("ANYCCL_NORM_THREADS"), NORM_THREADS as usize);
+        assert_eq!(fused_define("ANYCCL_MAX_HIDDEN"), MAX_HIDDEN);
+        let mut stamped = Vec::new();
+        for kind in ["fused_one_shot", "fused_one_shot_table", "fused_two_shot", "fused_two_shot_table", "rmsnorm"] {
+            assert!(FUSED_HEADER.contains(&format!("anyccl_{kind}_##NAME(")), "fused.h stamps no anyccl_{kind}_");
+            for dt in FUSED_DTYPES {
+                stamped.push(format!("anyccl_{kind}_{dt}"));
+            }
+        }
+        let mut listed: Vec<String> = FUSED_KERNELS.iter().map(|k| String::from(*k)).collect();
+        stamped.sort();
+        listed.sort();
+        assert_eq!(stamped, listed);
+        // NormArgs: three pointers, two f32, i32, u32, u64, in that order (48 bytes, no padding).
+        let start = FUSED_HEADER.find("struct NormArgs {").expect("NormArgs");
+        let body = &FUSED_HEADER[start..start + FUSED_HEADER[start..].find("};").expect("end")];
+        let fields: Vec<&str> = body
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && l.ends_with(';'))
+            .map(|l| l.trim_end_matches(';').rsplit(' ').next().unwrap_or(""))
+            .collect();
+        assert_eq!(fields, ["residual", "weight", "out", "eps", "scale", "out_fp8", "hidden_vec", "tokens"]);
+        assert_eq!(NORM_ARGS_BYTES, 3 * 8 + 4 * 4 + 8);
+        for k in FUSED_KERNELS {
+            let params = fused_params(k).unwrap_or_else(|| panic!("{k}: no parameters"));
+            let mut end = 0usize;
+            for (name, offset, size) in params {
+                assert_eq!(*offset, end.next_multiple_of((*size).min(8)), "{k}: {name} at {offset}");
+                end = offset + size;
+            }
+            if params.iter().any(|p| p.0 == "args") {
+                assert!(params.iter().any(|p| p.0 == "args" && p.2 == NORM_ARGS_BYTES), "{k}");
+            }
+            let kind = k.rsplit_once('_').map(|(kind, _)| kind).unwrap_or(k);
+            let start = FUSED_HEADER.find(&format!("{kind}_##NAME(")).unwrap_or_else(|| panic!("{kind} not found"));
+            let sig = &FUSED_HEADER[start..start + FUSED_HEADER[start..].find(')').unwrap_or(0)];
+            let mut at = 0;
+            for (name, _, _) in params {
+                let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
+                let pos = pos.unwrap_or_else(|| panic!("{k}: parameter {name} not in the source's order: {sig}"));
+                at += pos + name.len();
+            }
+        }
+        assert!(fused_params("anyccl_one_shot_f32").is_none());
+        assert!(allreduce_params("anyccl_fused_one_shot_bf16").is_none());
+    }
+
+    #[test]
+    fn vendor_headers_define_the_fused_layer() {
+        for name in [
+            "anyccl_fadd_rn(",
+            "anyccl_fmul_rn(",
+            "anyccl_fdiv_rn(",
+            "anyccl_fsqrt_rn(",
+            "anyccl_fma_rn(",
+            "anyccl_shfl_xor32(",
+        ] {
+            assert!(FUSED_HEADER.contains(name), "fused.h does not use {name}");
             for (path, text) in &HEADERS[1..] {
                 assert!(text.contains(name), "{path} does not define {name}");
             }

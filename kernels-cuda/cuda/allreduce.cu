@@ -254,3 +254,8 @@ __device__ __forceinline__ void nvls_warp_pipeline(const void* in, void* out, vo
 ANYCCL_NVLS_KERNELS(f32, anyccl_f32)
 ANYCCL_NVLS_KERNELS(f16, anyccl_f16)
 ANYCCL_NVLS_KERNELS(bf16, anyccl_bf16)
+
+// Fused all-reduce + residual add + RMSNorm (one-shot, two-shot) and the separate RMSNorm kernel: fused.h.
+#include "anyccl/fused.h"
+ANYCCL_FUSED_KERNELS(f16, anyccl_f16)
+ANYCCL_FUSED_KERNELS(bf16, anyccl_bf16)

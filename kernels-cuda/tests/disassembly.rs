@@ -45,6 +45,19 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
             assert!(loads >= 7 * 2, "{arch}: {k}: {loads} system-scope flag loads, expected at least 14");
             assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
         }
+        // The fused all-reduce + RMSNorm kernels synchronise the same way (2 or 3 barriers per world), and are
+        // unicast code; the separate RMSNorm kernel synchronises with nobody.
+        for k in anyccl_kernels_common::FUSED_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in a fused kernel");
+            let stores = body.matches("STG.E.STRONG.SYS").count();
+            let loads = body.matches("LDG.E.STRONG.SYS").count();
+            if k.starts_with("anyccl_rmsnorm_") {
+                assert_eq!(stores + loads, 0, "{arch}: {k}: the RMSNorm kernel touches no flags");
+            } else {
+                assert!(stores >= 7 * 2 && loads >= 7 * 2, "{arch}: {k}: {stores} flag stores, {loads} flag loads");
+            }
+        }
         for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
             for dt in ["f32", "f16", "bf16"] {
                 let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
@@ -97,9 +110,9 @@ fn allreduce_kernels_take_the_shared_parameters() {
         std::fs::remove_file(&path).ok();
         assert!(out.status.success(), "cuobjdump -elf failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
         let elf = String::from_utf8_lossy(&out.stdout);
-        for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
-            let want: Vec<(usize, usize)> =
-                anyccl_kernels_common::allreduce_params(k).expect("listed").iter().map(|p| (p.1, p.2)).collect();
+        for k in anyccl_kernels_common::ALLREDUCE_KERNELS.into_iter().chain(anyccl_kernels_common::FUSED_KERNELS) {
+            let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
+            let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
     }

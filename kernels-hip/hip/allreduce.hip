@@ -11,3 +11,8 @@
 ANYCCL_ALLREDUCE_KERNELS(f32, anyccl_f32)
 ANYCCL_ALLREDUCE_KERNELS(f16, anyccl_f16)
 ANYCCL_ALLREDUCE_KERNELS(bf16, anyccl_bf16)
+
+// Fused all-reduce + residual add + RMSNorm (one-shot, two-shot) and the separate RMSNorm kernel: fused.h.
+#include "anyccl/fused.h"
+ANYCCL_FUSED_KERNELS(f16, anyccl_f16)
+ANYCCL_FUSED_KERNELS(bf16, anyccl_bf16)

@@ -16,6 +16,10 @@ pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_R
 /// parameters of the CUDA kernels.
 pub const KERNELS: [&str; 12] = anyccl_kernels_common::ALLREDUCE_KERNELS;
 
+/// The fused all-reduce + residual add + RMSNorm kernels and the separate RMSNorm kernel every code object also
+/// holds (`anyccl-kernels-common`'s `fused.h`, the same names and parameters as the CUDA kernels).
+pub const FUSED_KERNELS: [&str; 10] = anyccl_kernels_common::FUSED_KERNELS;
+
 /// The code object of `source` for GPU target `arch` (`"gfx90a"`, `"gfx942"`; feature suffixes such as
 /// `":sramecc+:xnack-"` are ignored). AMDGPU code objects run only on the exact target they were built for.
 pub fn code_object_for(source: &str, arch: &str) -> Option<&'static [u8]> {

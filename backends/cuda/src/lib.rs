@@ -9,7 +9,8 @@
 //!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
 //!   with a fake driver;
-//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks.
+//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks;
+//!   `emulated_fused`: the same for the fused all-reduce + residual add + RMSNorm and its unfused baseline.
 //!
 //! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
 //!
@@ -28,6 +29,9 @@ pub mod driver;
 #[cfg(feature = "emulation")]
 #[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated;
+#[cfg(feature = "emulation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
+pub mod emulated_fused;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;

@@ -58,3 +58,14 @@ template <> struct Elem<__nv_bfloat16> {
     __device__ static float get(__nv_bfloat16 v) { return __bfloat162float(v); }
     __device__ static __nv_bfloat16 put(float f) { return __float2bfloat16_rn(f); }
 };
+
+// f32 arithmetic with one rounding each (round to nearest even) that the compiler never contracts into an fma, and
+// an explicit fma: the fused all-reduce + RMSNorm (fused.h) computes the same bits in every kernel and on the host.
+__device__ __forceinline__ float anyccl_fadd_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float anyccl_fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float anyccl_fdiv_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float anyccl_fsqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+
+// Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (every one of them calls it).
+__device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }

@@ -71,3 +71,21 @@ template <> struct Elem<anyccl_bf16> {
     __device__ static float get(anyccl_bf16 v) { return anyccl_bf16_to_f32(v.bits); }
     __device__ static anyccl_bf16 put(float f) { return anyccl_bf16{anyccl_f32_to_bf16(f)}; }
 };
+
+// f32 arithmetic with one rounding each (round to nearest even) that the compiler never contracts into an fma, and
+// an explicit fma: the fused all-reduce + RMSNorm (fused.h) computes the same bits in every kernel and on the host.
+// HIP's division and square root are correctly rounded by default (clang's -fhip-fp32-correctly-rounded-divide-sqrt).
+__device__ __forceinline__ float anyccl_fadd_rn(float a, float b) {
+#pragma clang fp contract(off)
+    return a + b;
+}
+__device__ __forceinline__ float anyccl_fmul_rn(float a, float b) {
+#pragma clang fp contract(off)
+    return a * b;
+}
+__device__ __forceinline__ float anyccl_fdiv_rn(float a, float b) { return a / b; }
+__device__ __forceinline__ float anyccl_fsqrt_rn(float a) { return sqrtf(a); }
+__device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+// Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (half a 64-wide wavefront).
+__device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor(v, mask, 32); }

@@ -21,6 +21,9 @@ use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
 use crate::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
 
+#[path = "comm_fused.rs"]
+pub mod fused_call;
+
 /// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
 /// changes it.
 pub const DEFAULT_CUSTOM_MAX_BYTES: usize = 8 << 20;
@@ -141,6 +144,9 @@ pub struct GpuComm<P: GpuPlatform> {
     /// left the ranks' input tables disagreeing): their buffers and tables live as long as the communicator, so
     /// such a replay never reads freed memory.
     retired: Vec<CustomState<P>>,
+    /// The fused all-reduce + RMSNorm kernels ([`GpuComm::all_reduce_rmsnorm`]) of the custom kernels' module,
+    /// set with the custom kernels' state by [`GpuComm::set_custom`]; `None` while those are off.
+    fused: Option<super::fused::FusedKernels<P>>,
 }
 
 impl<P: GpuPlatform> GpuComm<P> {
@@ -450,11 +456,15 @@ impl<P: GpuPlatform> GpuComm<P> {
             custom_generation: 0,
             custom_via_ipc: false,
             retired: Vec::new(),
+            fused: None,
         })
     }
 
     /// Replaces the custom kernels' state; what the front-end remembered about eligibility is then stale.
     fn set_custom(&mut self, custom: std::result::Result<CustomState<P>, String>) {
+        // Handles into the custom kernels' module (no second load); a state replaced here is kept (`retired`) or
+        // dropped with its graphs' last use, and `fused` always follows the current one.
+        self.fused = custom.as_ref().ok().map(|st| super::fused::FusedKernels::from_custom(&self.runtime, &st.kernels));
         self.custom = custom;
         self.custom_generation = self.custom_generation.wrapping_add(1);
     }
@@ -770,8 +780,9 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
             custom_generation: _,
             custom_via_ipc: _,
             retired,
+            fused,
         } = self;
-        ccl.close_in_background_with((scratch, custom, retired, runtime))
+        ccl.close_in_background_with((scratch, custom, fused, retired, runtime))
     }
 
     fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {

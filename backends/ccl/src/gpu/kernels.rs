@@ -9,7 +9,7 @@
 //! rank's flag array keep the barriers in step, also across graph replays. The parameters are packed here once
 //! for `cuLaunchKernel` and `hipModuleLaunchKernel` alike (both take one pointer per parameter).
 
-use std::ffi::{c_void, CString};
+use std::ffi::{c_void, CStr, CString};
 
 use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
@@ -240,6 +240,12 @@ impl<P: GpuPlatform> CustomKernels<P> {
     /// The device's multiprocessor count.
     pub fn multiprocessors(&self) -> usize {
         self.sms
+    }
+
+    /// Another kernel of the loaded module, by symbol (the fused kernels share the module:
+    /// [`super::fused::FusedKernels::from_custom`]). Valid while these kernels are.
+    pub fn function_named(&self, name: &CStr) -> Result<P::Function> {
+        P::function(&self.runtime, &self._module, name)
     }
 
     /// `kind`'s `dtype` kernel (reading its inputs through a table or not), resolved when the module was loaded.

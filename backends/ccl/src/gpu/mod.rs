@@ -8,12 +8,15 @@
 //! - [`kernels`]: the kernels of a device ([`CustomKernels`]), what each launch takes ([`Inputs`], [`Kind`]) and
 //!   the parameter packing (the kernels' parameters are the same on every vendor,
 //!   [`anyccl_kernels_common::allreduce_params`]);
+//! - [`fused`]: the fused all-reduce + residual add + RMSNorm kernels ([`fused::FusedKernels`]), their choice and
+//!   their host reference;
 //! - [`graph_inputs`]: inputs of captured all-reduces and their registration ([`GraphInputs`]);
 //! - [`comm`]: the communicator ([`GpuComm`]);
 //! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
 pub mod bootstrap;
 pub mod comm;
+pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
 
