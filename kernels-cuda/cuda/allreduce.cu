@@ -254,3 +254,9 @@ __device__ __forceinline__ void nvls_warp_pipeline(const void* in, void* out, vo
 ANYCCL_NVLS_KERNELS(f32, anyccl_f32)
 ANYCCL_NVLS_KERNELS(f16, anyccl_f16)
 ANYCCL_NVLS_KERNELS(bf16, anyccl_bf16)
+
+// Push-mode one-shot (Lamport sentinels, programmatic dependent launch on sm_90+), shared with HIP.
+#include "anyccl/push.h"
+ANYCCL_PUSH_KERNELS(f32, anyccl_f32)
+ANYCCL_PUSH_KERNELS(f16, anyccl_f16)
+ANYCCL_PUSH_KERNELS(bf16, anyccl_bf16)
