@@ -31,7 +31,8 @@ pub const PUSH_CANONICAL: u32 = 0x7FFF_7FFF;
 const _: () = assert!(PUSH_RECV_BYTES.is_multiple_of(VECTOR_BYTES) && PUSH_MAX_BYTES.is_multiple_of(VECTOR_BYTES));
 
 /// The push one-shot kernels, one per name of [`DTYPES`], the same on every vendor.
-pub const PUSH_KERNELS: [&str; 3] = ["anyccl_push_one_shot_f32", "anyccl_push_one_shot_f16", "anyccl_push_one_shot_bf16"];
+pub const PUSH_KERNELS: [&str; 3] =
+    ["anyccl_push_one_shot_f32", "anyccl_push_one_shot_f16", "anyccl_push_one_shot_bf16"];
 
 /// The parameters of every push kernel, in order: this rank's input and output, every rank's receive buffer (8
 /// pointers by value), this rank's flag array (its abort word), rank, world, vector count.

@@ -14,9 +14,9 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
-pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 /// The push-mode one-shot's kernels, parameters and receive-buffer layout (`push.h`, built into the same cubins).
 pub use anyccl_kernels_common::push;
+pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 
 /// The cubin of `source` best suited to compute capability `major.minor`: the highest embedded arch not above
 /// it (machine code for sm_90 runs on sm_90 only; sm_80 code runs on sm_8x).

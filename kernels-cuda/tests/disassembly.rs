@@ -118,8 +118,7 @@ fn allreduce_kernels_take_the_shared_parameters() {
                 anyccl_kernels_common::allreduce_params(k).expect("listed").iter().map(|p| (p.1, p.2)).collect();
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
-        let want: Vec<(usize, usize)> =
-            anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+        let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
         for k in anyccl_kernels_common::push::PUSH_KERNELS {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }

@@ -35,11 +35,14 @@ pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String>
     None
 }
 
-/// The grid the push one-shot is meant to run with for `bytes`: one block per 1024 vectors (16 KiB, two vectors
-/// per thread), from 4 to 16 blocks. 16 keeps 8 emulated ranks co-resident twice over (programmatic dependent
-/// launch) on an H100/H200 (8 × 16 × 2 = 256 blocks of 512 threads at ≤ 64 registers, 2 per SM on 132 SMs).
-pub fn push_blocks(bytes: usize) -> u32 {
-    (bytes / (16 << 10)).clamp(4, 16) as u32
+/// The grid the push one-shot is meant to run with for `bytes` on `world` ranks: one block per 8 KiB, from 4 to
+/// `max(8, 64 / world)` blocks. Measured with anyccl-cuda-push-bench on an H200 (8 emulated ranks, bf16, with
+/// programmatic dependent launch): 8 blocks beat 4 and 16 from 16 to 256 KiB (64 KiB: 8.2 µs against 11.6 and
+/// 10.6), and 4 blocks are best at 4 KiB. The bound keeps every rank's blocks co-resident twice over (programmatic
+/// dependent launch) on one GPU: world × blocks × 2 ≤ 128 blocks of 512 threads, 2 per SM.
+pub fn push_blocks(bytes: usize, world: usize) -> u32 {
+    let max = (64 / world.max(1)).max(8);
+    (bytes / (8 << 10)).clamp(4, max) as u32
 }
 
 fn slot(dtype: DataType) -> Option<usize> {
@@ -217,7 +220,9 @@ pub fn init_receive_buffer(buf: &DeviceBuffer, stream: &CudaStream) -> Result<()
     let p = buf.device_ptr();
     // SAFETY: both ranges lie inside the live buffer (length checked above); the stream is live.
     unsafe {
-        sys::cuMemsetD8Async(p, 0xFF, PUSH_CTRL_OFFSET, stream.raw()).result().map_err(|e| cu_err("cuMemsetD8Async", e))?;
+        sys::cuMemsetD8Async(p, 0xFF, PUSH_CTRL_OFFSET, stream.raw())
+            .result()
+            .map_err(|e| cu_err("cuMemsetD8Async", e))?;
         sys::cuMemsetD8Async(p + PUSH_CTRL_OFFSET as u64, 0, PUSH_CTRL_BYTES, stream.raw())
             .result()
             .map_err(|e| cu_err("cuMemsetD8Async", e))?;

@@ -123,7 +123,8 @@ fn check_state(g: &EmulatedRanks, p: &EmulatedPush, calls: u32, what: &str) {
     for r in 0..g.streams.len() {
         let (epoch, sets) = p.state(g, r, &g.streams[0]).expect("state");
         assert_eq!(epoch, calls, "{what}: rank {r}'s call counter");
-        if let Some(at) = sets.chunks_exact(4).position(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != PUSH_SENTINEL)
+        if let Some(at) =
+            sets.chunks_exact(4).position(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) != PUSH_SENTINEL)
         {
             panic!("{what}: rank {r}: receive word {at} was not reset to the sentinel");
         }
@@ -134,7 +135,7 @@ fn check_state(g: &EmulatedRanks, p: &EmulatedPush, calls: u32, what: &str) {
 /// other set, would show), with the grid changing between calls, the first half without programmatic dependent
 /// launch and the second half with it (where the device has it); each checked against today's one-shot.
 fn eager_calls(world: usize, dtype: DataType, bytes: usize, calls: usize, seed: u64) -> (EmulatedRanks, EmulatedPush) {
-    let base = push_blocks(bytes);
+    let base = push_blocks(bytes, world);
     let mut g = EmulatedRanks::new(0, world, bytes, base).expect("emulated ranks");
     let mut p = EmulatedPush::new(&g).expect("push buffers");
     let pdl = p.kernels.pdl_supported();
@@ -182,7 +183,8 @@ fn back_to_back_calls_without_host_sync_and_graph_replays_equal_eager() {
                 seed += 1;
                 // Five eager calls leave the counter odd, so the graphs below start on the second set.
                 let (g, mut p) = eager_calls(world, dtype, bytes, 5, seed);
-                let inputs: Vec<Vec<u8>> = (0..world).map(|r| random_input(dtype, bytes, seed * 77 + r as u64)).collect();
+                let inputs: Vec<Vec<u8>> =
+                    (0..world).map(|r| random_input(dtype, bytes, seed * 77 + r as u64)).collect();
                 upload_inputs(&g, &inputs);
                 let want = one_shot(&g, dtype);
                 // Seven calls queued back to back on every rank's stream, no host synchronisation in between.
@@ -219,7 +221,7 @@ fn inputs_holding_the_sentinel_s_bits_are_reduced_like_today_s_one_shot() {
     for world in [2, 4, 8] {
         for dtype in DTYPES {
             let bytes = 16 * 1037;
-            let g = EmulatedRanks::new(0, world, bytes, push_blocks(bytes)).expect("emulated ranks");
+            let g = EmulatedRanks::new(0, world, bytes, push_blocks(bytes, world)).expect("emulated ranks");
             let p = EmulatedPush::new(&g).expect("push buffers");
             // Random values with, on every rank, words of exactly the sentinel's bits (0xFFFFFFFF: NaNs) at
             // scattered places, words that merely start or end like it, and -0.0 (the sign bit alone).
@@ -260,7 +262,7 @@ fn in_place_push_equals_out_of_place() {
     for world in [2, 8] {
         let dtype = DataType::Bf16;
         let bytes = 64 << 10;
-        let mut g = EmulatedRanks::new(0, world, bytes, push_blocks(bytes)).expect("emulated ranks");
+        let mut g = EmulatedRanks::new(0, world, bytes, push_blocks(bytes, world)).expect("emulated ranks");
         let inputs: Vec<Vec<u8>> = (0..world).map(|r| random_input(dtype, bytes, 700 + r as u64)).collect();
         upload_inputs(&g, &inputs);
         let want = one_shot(&g, dtype);
@@ -316,6 +318,11 @@ fn sizes_beyond_the_receive_slots_and_odd_sizes_are_refused() {
     assert!(ineligible(DataType::I32, 4096, 4).is_some());
     assert!(ineligible(DataType::Bf16, 4096, 9).is_some());
     assert!(ineligible(DataType::Bf16, 4096, 1).is_some());
-    assert_eq!(push_blocks(16), 4);
-    assert_eq!(push_blocks(PUSH_MAX_BYTES), 16);
+    assert_eq!(push_blocks(16, 2), 4);
+    assert_eq!(push_blocks(64 << 10, 8), 8);
+    assert_eq!(push_blocks(PUSH_MAX_BYTES, 8), 8);
+    assert_eq!(push_blocks(PUSH_MAX_BYTES, 2), 32);
+    for world in 2..=8 {
+        assert!(world * push_blocks(PUSH_MAX_BYTES, world) as usize * 2 <= 128, "world {world}");
+    }
 }

@@ -12,6 +12,7 @@
 //! fresh inputs (which catches data left over from an earlier call). Any wrong cell makes the exit status non-zero.
 //!
 //! Usage: anyccl-cuda-push-bench [--world N] [--device D] [--dtype bf16|f16|f32] [--sizes 4KiB,16KiB,...]
+//!        [--push-blocks B]   (the push columns' grid; default `push_blocks(size, world)`)
 
 use std::process::ExitCode;
 
@@ -117,10 +118,11 @@ fn capture(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) -
 }
 
 /// Median time of one all-reduce of `col`, seconds, and whether every result was right.
-fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType, device: i32) -> Result<(f64, bool)> {
+fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) -> Result<(f64, bool)> {
+    let (dtype, device) = (opts.dtype, opts.device);
     g.blocks = match col {
         Col::OneShot => anyccl_ccl::gpu::comm::custom_blocks(g.bytes, anyccl_ccl::gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
-        Col::Push { .. } => push_blocks(g.bytes),
+        Col::Push { .. } => opts.push_blocks.unwrap_or_else(|| push_blocks(g.bytes, g.streams.len())),
     };
     let want = set_inputs(g, dtype, 0, device)?;
     launch(g, p, col, dtype)?;
@@ -155,14 +157,24 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataTy
     Ok((median(times), ok))
 }
 
-fn run(world: usize, device: i32, dtype: DataType, sizes: &[usize]) -> Result<bool> {
+/// The command line's choices.
+struct Opts {
+    device: i32,
+    dtype: DataType,
+    sizes: Vec<usize>,
+    /// The push columns' grid instead of `push_blocks` (1..=128).
+    push_blocks: Option<u32>,
+}
+
+fn run(world: usize, opts: &Opts) -> Result<bool> {
+    let (device, dtype) = (opts.device, opts.dtype);
     println!(
         "push one-shot vs one-shot, {world} ranks emulated on one GPU, {dtype} sum; time per all-reduce (graphs of \
          {CALLS} calls, median of {ROUNDS}); ratio = push / one-shot (target <= 0.75x)"
     );
     let mut all_ok = true;
     let mut header = false;
-    for &bytes in sizes {
+    for &bytes in &opts.sizes {
         let mut g = EmulatedRanks::new(device, world, bytes, 4)?;
         let mut p = EmulatedPush::new(&g)?;
         let pdl = p.kernels.pdl_supported();
@@ -173,11 +185,11 @@ fn run(world: usize, device: i32, dtype: DataType, sizes: &[usize]) -> Result<bo
             );
             header = true;
         }
-        let (one, ok1) = time_col(&mut g, &mut p, Col::OneShot, dtype, device)?;
+        let (one, ok1) = time_col(&mut g, &mut p, Col::OneShot, opts)?;
         let one_blocks = g.blocks;
-        let (push, ok2) = time_col(&mut g, &mut p, Col::Push { pdl: false }, dtype, device)?;
+        let (push, ok2) = time_col(&mut g, &mut p, Col::Push { pdl: false }, opts)?;
         let (pdl_cell, pdl_ratio, ok3) = if pdl {
-            let (t, ok) = time_col(&mut g, &mut p, Col::Push { pdl: true }, dtype, device)?;
+            let (t, ok) = time_col(&mut g, &mut p, Col::Push { pdl: true }, opts)?;
             (format!("{:.2} us", t * 1e6), format!("{:.2}x", t / one), ok)
         } else {
             ("-".to_string(), "-".to_string(), true)
@@ -194,11 +206,7 @@ fn run(world: usize, device: i32, dtype: DataType, sizes: &[usize]) -> Result<bo
             format!("{:.2}x", push / one),
             pdl_cell,
             pdl_ratio,
-            if ok {
-                "ok".to_string()
-            } else {
-                format!("WRONG (one-shot {ok1}, push {ok2}, push+pdl {ok3})")
-            }
+            if ok { "ok".to_string() } else { format!("WRONG (one-shot {ok1}, push {ok2}, push+pdl {ok3})") }
         );
     }
     println!();
@@ -211,7 +219,8 @@ fn main() -> ExitCode {
     let usage = || {
         eprintln!(
             "usage: anyccl-cuda-push-bench [--world N (2..=8; default: 2, then 8)] [--device D] \
-             [--dtype bf16|f16|f32] [--sizes 4KiB,16KiB,64KiB,256KiB (multiples of 16, at most 256 KiB)]"
+             [--dtype bf16|f16|f32] [--sizes 4KiB,16KiB,64KiB,256KiB (multiples of 16, at most 256 KiB)] \
+             [--push-blocks B (1..=128; default: push_blocks(size, world))]"
         );
         ExitCode::FAILURE
     };
@@ -235,9 +244,15 @@ fn main() -> ExitCode {
     if sizes.iter().any(|&b| b == 0 || b % 16 != 0 || b > PUSH_MAX_BYTES) {
         return usage();
     }
+    let push_blocks = match value("--push-blocks").map(|v| v.parse::<u32>()) {
+        None => None,
+        Some(Ok(b)) if (1..=128).contains(&b) => Some(b),
+        Some(_) => return usage(),
+    };
+    let opts = Opts { device, dtype, sizes, push_blocks };
     let mut ok = true;
     for world in worlds {
-        match run(world, device, dtype, &sizes) {
+        match run(world, &opts) {
             Ok(good) => ok &= good,
             Err(e) => {
                 eprintln!("error: {e}");
