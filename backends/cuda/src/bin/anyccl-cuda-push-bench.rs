@@ -81,7 +81,7 @@ fn set_inputs(g: &EmulatedRanks, dtype: DataType, k: usize, device: i32) -> Resu
 }
 
 /// Whether every rank's output equals `want`; poisons them afterwards.
-fn outputs_equal(g: &EmulatedRanks, want: &[u8]) -> Result<bool> {
+fn outputs_equal(g: &EmulatedRanks, want: &[u8], device: i32) -> Result<bool> {
     g.synchronize()?;
     let s = &g.streams[0];
     let mut ok = true;
@@ -90,7 +90,7 @@ fn outputs_equal(g: &EmulatedRanks, want: &[u8]) -> Result<bool> {
         g.runtime.download(o, &mut v, s)?;
         ok &= v == want;
         // SAFETY: a view of the group's own output buffer, used only here.
-        let mut view = unsafe { anyccl_cuda::DeviceBuffer::from_raw(o.device_ptr(), o.len(), 0) };
+        let mut view = unsafe { anyccl_cuda::DeviceBuffer::from_raw(o.device_ptr(), o.len(), device.unsigned_abs()) };
         g.runtime.upload(&mut view, &vec![0xA5u8; g.bytes], s)?;
     }
     s.synchronize()?;
@@ -126,7 +126,7 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) 
     };
     let want = set_inputs(g, dtype, 0, device)?;
     launch(g, p, col, dtype)?;
-    let mut ok = outputs_equal(g, &want)?;
+    let mut ok = outputs_equal(g, &want, device)?;
     let graphs = capture(g, p, col, dtype)?;
     let timer = g.runtime.stream()?;
     let ctx = g.runtime.context();
@@ -149,11 +149,11 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) 
             times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / CALLS as f64);
         }
     }
-    ok &= outputs_equal(g, &want)?;
+    ok &= outputs_equal(g, &want, device)?;
     // One eager call on other inputs: a result left over from an earlier call would show here.
     let want = set_inputs(g, dtype, 1, device)?;
     launch(g, p, col, dtype)?;
-    ok &= outputs_equal(g, &want)?;
+    ok &= outputs_equal(g, &want, device)?;
     Ok((median(times), ok))
 }
 
