@@ -29,11 +29,14 @@ pub enum Algorithm {
     NvlsWarpPipeline,
     /// NVLS multicast through staging buffers, pipelined per block.
     NvlsBlockPipeline,
+    /// One step in push mode: every rank writes its input into every peer's receive buffer and reduces its own,
+    /// with flag-free completion (sentinel values) and no barrier round; for small messages (custom kernel).
+    OneShotPush,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Ccl,
         Algorithm::CclSymmetric,
         Algorithm::OneShot,
@@ -42,6 +45,7 @@ impl Algorithm {
         Algorithm::NvlsZeroCopy,
         Algorithm::NvlsWarpPipeline,
         Algorithm::NvlsBlockPipeline,
+        Algorithm::OneShotPush,
     ];
 
     /// The stable kebab-case name used in `ANYCCL_ALLREDUCE_ALGO`, table files and the CLI.
@@ -55,6 +59,7 @@ impl Algorithm {
             Algorithm::NvlsZeroCopy => "nvls-zero-copy",
             Algorithm::NvlsWarpPipeline => "nvls-warp-pipeline",
             Algorithm::NvlsBlockPipeline => "nvls-block-pipeline",
+            Algorithm::OneShotPush => "one-shot-push",
         }
     }
 
@@ -136,6 +141,7 @@ mod tests {
             assert_eq!(a.name().parse::<Algorithm>().ok(), Some(a));
         }
         assert_eq!("ONE_SHOT".parse::<Algorithm>().ok(), Some(Algorithm::OneShot));
+        assert_eq!("one_shot_push".parse::<Algorithm>().ok(), Some(Algorithm::OneShotPush));
         let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
         assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
     }

@@ -12,6 +12,8 @@
 //! ([`FLAG_BYTES`]); the constants here are the header's, which a test checks.
 #![forbid(unsafe_code)]
 
+pub mod push;
+
 /// Most ranks one launch handles (`ANYCCL_MAX_RANKS`).
 pub const MAX_RANKS: usize = 8;
 /// Most blocks per launch; the flag arrays are sized for it (`ANYCCL_MAX_BLOCKS`).

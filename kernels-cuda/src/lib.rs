@@ -14,6 +14,8 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// The push-mode one-shot's kernels, parameters and receive-buffer layout (`push.h`, built into the same cubins).
+pub use anyccl_kernels_common::push;
 pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 
 /// The cubin of `source` best suited to compute capability `major.minor`: the highest embedded arch not above

@@ -58,6 +58,22 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(stores >= 7 * 2 && loads >= 7 * 2, "{arch}: {k}: {stores} flag stores, {loads} flag loads");
             }
         }
+        // The push one-shot: no flags and no multimem; its receive slots are polled with volatile 16-byte loads
+        // (LDG.E.128.STRONG.SYS) and written with volatile 16-byte stores, one copy per world 2..=8; on sm_90 and
+        // newer it waits for its stream predecessor through programmatic dependent launch (griddepcontrol.wait is
+        // ACQBULK in SASS) and lets its dependents launch (PREEXIT).
+        for k in anyccl_kernels_common::push::PUSH_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            let polls = body.lines().filter(|l| l.contains("LDG.E.128.STRONG.SYS")).count();
+            let pushes = body.lines().filter(|l| l.contains("STG.E.128.STRONG.SYS")).count();
+            assert!(polls >= 7, "{arch}: {k}: {polls} volatile 16-byte loads, expected at least 7");
+            assert!(pushes >= 7, "{arch}: {k}: {pushes} volatile 16-byte stores, expected at least 7");
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in the push one-shot");
+            if *arch != "sm_80" {
+                assert!(body.contains("ACQBULK"), "{arch}: {k}: no griddepcontrol.wait (ACQBULK)");
+                assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
+            }
+        }
         for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
             for dt in ["f32", "f16", "bf16"] {
                 let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
@@ -113,6 +129,10 @@ fn allreduce_kernels_take_the_shared_parameters() {
         for k in anyccl_kernels_common::ALLREDUCE_KERNELS.into_iter().chain(anyccl_kernels_common::FUSED_KERNELS) {
             let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
             let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
+            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        }
+        let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+        for k in anyccl_kernels_common::push::PUSH_KERNELS {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
     }

@@ -16,3 +16,9 @@ ANYCCL_ALLREDUCE_KERNELS(bf16, anyccl_bf16)
 #include "anyccl/fused.h"
 ANYCCL_FUSED_KERNELS(f16, anyccl_f16)
 ANYCCL_FUSED_KERNELS(bf16, anyccl_bf16)
+
+// Push-mode one-shot (Lamport sentinels; programmatic dependent launch is a no-op on HIP), shared with CUDA.
+#include "anyccl/push.h"
+ANYCCL_PUSH_KERNELS(f32, anyccl_f32)
+ANYCCL_PUSH_KERNELS(f16, anyccl_f16)
+ANYCCL_PUSH_KERNELS(bf16, anyccl_bf16)

@@ -20,6 +20,10 @@ pub const KERNELS: [&str; 12] = anyccl_kernels_common::ALLREDUCE_KERNELS;
 /// holds (`anyccl-kernels-common`'s `fused.h`, the same names and parameters as the CUDA kernels).
 pub const FUSED_KERNELS: [&str; 10] = anyccl_kernels_common::FUSED_KERNELS;
 
+/// The push-mode one-shot kernels every code object also holds (`anyccl-kernels-common`'s `push.h`, the same names
+/// and parameters as on CUDA; programmatic dependent launch is a no-op here).
+pub const PUSH_KERNELS: [&str; 3] = anyccl_kernels_common::push::PUSH_KERNELS;
+
 /// The code object of `source` for GPU target `arch` (`"gfx90a"`, `"gfx942"`; feature suffixes such as
 /// `":sramecc+:xnack-"` are ignored). AMDGPU code objects run only on the exact target they were built for.
 pub fn code_object_for(source: &str, arch: &str) -> Option<&'static [u8]> {

@@ -43,7 +43,11 @@ fn code_objects_hold_every_kernel() {
     for (src, arch, bytes) in anyccl_kernels_hip::CODE_OBJECTS {
         let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
         let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
-        for k in anyccl_kernels_hip::KERNELS.iter().chain(&anyccl_kernels_hip::FUSED_KERNELS) {
+        for k in anyccl_kernels_hip::KERNELS
+            .iter()
+            .chain(&anyccl_kernels_hip::FUSED_KERNELS)
+            .chain(&anyccl_kernels_hip::PUSH_KERNELS)
+        {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
@@ -53,6 +57,7 @@ fn code_objects_hold_every_kernel() {
         held.dedup();
         let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
         listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
+        listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
         listed.sort_unstable();
         assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
     }
@@ -97,6 +102,15 @@ fn flag_accesses_are_system_scope_release_acquire() {
         assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
         assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
     }
+    // The push one-shot has no flags: its receive slots are polled with loads that bypass L1 (`glc`, relaxed at
+    // system scope), four 32-bit words per vector, for every world 2..=8.
+    for k in anyccl_kernels_hip::PUSH_KERNELS {
+        let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
+        let range = sym.address()..sym.address() + sym.size();
+        let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
+        let polls = body.iter().filter(|c| c.starts_with("global_load_dword ") && c.contains(" glc")).count();
+        assert!(polls >= 7 * 4, "{k}: {polls} uncached (glc) 32-bit loads, expected at least 28");
+    }
 }
 
 /// Every kernel takes the parameters of the shared source, laid out as anyccl-kernels-common says (the CUDA cubins
@@ -119,6 +133,11 @@ fn kernels_take_the_shared_parameters() {
     for k in anyccl_kernels_hip::KERNELS.into_iter().chain(anyccl_kernels_hip::FUSED_KERNELS) {
         let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
         let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
+        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
+    }
+    let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+    for k in anyccl_kernels_hip::PUSH_KERNELS {
         let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
     }

@@ -42,6 +42,9 @@ pub mod multicast;
 #[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast_driver;
 pub mod platform;
+#[cfg(feature = "emulation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
+pub mod push;
 pub mod runtime;
 
 use std::sync::Arc;

@@ -14,9 +14,9 @@ use crate::driver::cu_err;
 use crate::ipc::LegacyMapping;
 use crate::runtime::{CudaRuntime, CudaStream};
 
-/// The all-reduce algorithms of the CUDA backend. The NVLS ones are listed so that selection and the bench say
-/// why they cannot run (multicast off, or not wired yet); they are never eligible today.
-pub const ALGORITHMS: [Algorithm; 7] = [
+/// The all-reduce algorithms of the CUDA backend. The NVLS ones and the push one-shot are listed so that selection
+/// and the bench say why they cannot run (multicast off, or not wired yet); they are never eligible today.
+pub const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::Ccl,
     Algorithm::CclSymmetric,
     Algorithm::OneShot,
@@ -24,6 +24,7 @@ pub const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::NvlsZeroCopy,
     Algorithm::NvlsWarpPipeline,
     Algorithm::NvlsBlockPipeline,
+    Algorithm::OneShotPush,
 ];
 
 /// The CUDA platform (a marker type: [`crate::CudaComm`] is `GpuComm<Cuda>`).
@@ -255,6 +256,10 @@ impl GpuPlatform for Cuda {
             Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
                 nvls_unavailable(caps)
             }
+            Algorithm::OneShotPush => "the push one-shot's kernels are built and run on emulated ranks \
+                                       (anyccl_cuda::push, anyccl-cuda-push-bench), but the communicator does not \
+                                       allocate and exchange its receive buffers yet"
+                .into(),
             other => format!("{other} is not implemented by the CUDA backend yet"),
         }
     }

@@ -40,6 +40,37 @@ __device__ __forceinline__ uint32_t anyccl_ld_volatile(const uint32_t* addr) {
 // enough on its own).
 __device__ __forceinline__ void anyccl_spin_pause() {}
 
+// Push one-shot (push.h): a 16-byte load that always reaches memory (a peer's store is polled for: ld.volatile,
+// relaxed at system scope, never an L1 hit), and the 16-byte store peers poll for (st.volatile, likewise).
+__device__ __forceinline__ anyccl_vec16 anyccl_ld_vec_volatile(const anyccl_vec16* p) {
+    anyccl_vec16 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void anyccl_st_vec_volatile(anyccl_vec16* p, anyccl_vec16 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Programmatic dependent launch (sm_90+; nothing on older archs, and nothing when the kernel was launched without
+// the programmatic-stream-serialization attribute). anyccl_grid_dependency_wait: griddepcontrol.wait, returns
+// once the grids this one depends on (the previous kernel of the stream) have completed and their memory is
+// visible; nothing the previous kernel writes may be read, and nothing peers read may be written, before it.
+// anyccl_launch_dependents: griddepcontrol.launch_dependents, lets the next kernel of the stream start launching
+// (it still waits for this grid's completion in its own anyccl_grid_dependency_wait).
+__device__ __forceinline__ void anyccl_grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void anyccl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // The smaller of two sizes (CUDA's min, which compiles to a 64-bit min instruction).
 __device__ __forceinline__ size_t anyccl_min_size(size_t a, size_t b) { return min(a, b); }
 

@@ -43,6 +43,31 @@ __device__ __forceinline__ uint32_t anyccl_ld_volatile(const uint32_t* addr) {
 // without it over XGMI slows the peer being waited for).
 __device__ __forceinline__ void anyccl_spin_pause() { __builtin_amdgcn_s_sleep(1); }
 
+// Push one-shot (push.h): a 16-byte load that always reaches memory (a peer's store is polled for) and the
+// 16-byte store peers poll for, as four relaxed 32-bit atomics at system scope each (they bypass the caches a
+// plain access could hit or linger in; push.h checks every 32-bit word on its own, so the four need not be one
+// access).
+__device__ __forceinline__ anyccl_vec16 anyccl_ld_vec_volatile(const anyccl_vec16* p) {
+    uint32_t* w = const_cast<uint32_t*>(reinterpret_cast<const uint32_t*>(p));
+    anyccl_vec16 v;
+    v.x = __hip_atomic_load(w + 0, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    v.y = __hip_atomic_load(w + 1, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    v.z = __hip_atomic_load(w + 2, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    v.w = __hip_atomic_load(w + 3, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    return v;
+}
+__device__ __forceinline__ void anyccl_st_vec_volatile(anyccl_vec16* p, anyccl_vec16 v) {
+    uint32_t* w = reinterpret_cast<uint32_t*>(p);
+    __hip_atomic_store(w + 0, v.x, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    __hip_atomic_store(w + 1, v.y, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    __hip_atomic_store(w + 2, v.z, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+    __hip_atomic_store(w + 3, v.w, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+
+// Programmatic dependent launch is CUDA's (sm_90+): HIP launches in plain stream order, so both are no-ops.
+__device__ __forceinline__ void anyccl_grid_dependency_wait() {}
+__device__ __forceinline__ void anyccl_launch_dependents() {}
+
 // The smaller of two sizes.
 __device__ __forceinline__ size_t anyccl_min_size(size_t a, size_t b) { return b < a ? b : a; }
 

@@ -1,0 +1,153 @@
+// anyccl push-mode one-shot all-reduce, written once for every vendor over the vendor layer (vendor_cuda.h,
+// vendor_hip.h) and allreduce.h (RankPtrs, pick, aborted, Vec, ANYCCL_DISPATCH), which the including source has
+// included first. For small messages (at most ANYCCL_PUSH_MAX_BYTES): it has the latency of one write across the
+// links instead of today's one-shot's two barrier rounds plus the reads.
+//
+// Push: every rank writes its input into slot [set][its rank] of every peer's receive buffer (one store per
+// vector, no flags), then reduces the W slots [set][0..W) of its own receive buffer (its own slot is its input,
+// read directly) in rank order 0..W-1 with the same Vec<T> loads and adds as reduce_vec: the result's bits equal
+// today's one-shot's (NaN payloads aside, below).
+//
+// Completion is flag-free (Lamport-style): every 32-bit word of a receive buffer holds ANYCCL_PUSH_SENTINEL
+// (0xFFFFFFFF) until a peer's value lands there. A reader polls each 16-byte vector of a slot until none of its
+// four words is the sentinel (each word is checked on its own, so a vector store that lands in parts is fine),
+// uses it, and writes the sentinel back, so the slot is ready for a later call. 0xFFFFFFFF is a NaN in every
+// element type (one f32 NaN, two f16 NaNs, two bf16 NaNs), so a finite input never has it; an input word that
+// has it anyway (such NaNs) is written as ANYCCL_PUSH_CANONICAL (0x7FFF7FFF, again a NaN in every element type)
+// instead, so a reader never waits for a value that has already arrived. A sum with a NaN is a NaN either way
+// (on NVIDIA GPUs the f32 add returns the canonical NaN, so even the bits match today's one-shot).
+//
+// Buffer sets: a receive buffer holds ANYCCL_PUSH_SETS (2) sets of ANYCCL_MAX_RANKS slots of
+// ANYCCL_PUSH_MAX_BYTES each, then ANYCCL_PUSH_CTRL_WORDS control words: [0] the call counter (the epoch; call k
+// uses set k mod 2), [1] the arrival counter of this call's blocks. Every block reads the epoch at its start; the
+// last block to finish (the arrival counter reaches gridDim.x) resets the arrivals and increments the epoch, so
+// all blocks of a call use the same set even when the grid size changes between calls, and graph replays keep
+// counting. Why two sets suffice: a peer writes set s in call k + 2 only after it finished call k + 1, which
+// needed this rank's call-(k + 1) pushes, which this rank makes only after its call k completed (stream order;
+// with programmatic dependent launch, after anyccl_grid_dependency_wait): so every slot of set s that call k read
+// has been reset before any call-(k + 2) write to it. Call k + 1 uses the other set, so a peer one call ahead
+// never writes into a slot this rank has yet to read.
+//
+// Programmatic dependent launch (sm_90+, through the launch attribute): everything before
+// anyccl_grid_dependency_wait runs while the previous kernel of the stream still finishes; nothing before it reads
+// the input or the epoch, or writes anything a peer reads. The kernel lets its own dependents launch once its
+// pushes are out. HIP: both are no-ops.
+//
+// Stopping: a poll that has spun ANYCCL_ABORT_CHECK times looks at this rank's abort word (allreduce.h,
+// "Stopping") every ANYCCL_ABORT_CHECK spins; once it is set the thread stops waiting for the rest of the call,
+// and the kernel runs to its end with garbage results (the receive buffers are then unusable too: the caller is
+// done with the custom kernels for good, as for the others).
+//
+// The layout constants are mirrored in Rust by anyccl-kernels-common (src/push.rs), whose test reads them here.
+
+#pragma once
+
+// Largest message the receive buffers are sized for: 256 KiB (16384 vectors of 16 bytes) per slot.
+#define ANYCCL_PUSH_SLOT_VECS 16384
+#define ANYCCL_PUSH_MAX_BYTES (ANYCCL_PUSH_SLOT_VECS * 16)
+#define ANYCCL_PUSH_SETS 2
+// Byte offset of the control words in a receive buffer (after the sets), and their count (32-bit words; 4 keeps
+// the buffer a whole number of vectors).
+#define ANYCCL_PUSH_CTRL (ANYCCL_PUSH_SETS * ANYCCL_MAX_RANKS * ANYCCL_PUSH_MAX_BYTES)
+#define ANYCCL_PUSH_CTRL_WORDS 4
+#define ANYCCL_PUSH_SENTINEL 0xFFFFFFFFu
+#define ANYCCL_PUSH_CANONICAL 0x7FFF7FFFu
+
+__device__ __forceinline__ uint32_t push_word(uint32_t w) {
+    return w == ANYCCL_PUSH_SENTINEL ? ANYCCL_PUSH_CANONICAL : w;
+}
+
+// The input vector as it is pushed: any word equal to the sentinel replaced by the canonical NaN.
+__device__ __forceinline__ anyccl_vec16 push_canonical(anyccl_vec16 v) {
+    v.x = push_word(v.x);
+    v.y = push_word(v.y);
+    v.z = push_word(v.z);
+    v.w = push_word(v.w);
+    return v;
+}
+
+__device__ __forceinline__ bool push_pending(const anyccl_vec16& v) {
+    return v.x == ANYCCL_PUSH_SENTINEL || v.y == ANYCCL_PUSH_SENTINEL || v.z == ANYCCL_PUSH_SENTINEL ||
+           v.w == ANYCCL_PUSH_SENTINEL;
+}
+
+// `v` (a first load of `slot`) once none of its words is the sentinel: polls `slot` until then, or until this
+// rank's abort word is set (then `stop` is set, and later waits of the thread return at once).
+__device__ __forceinline__ anyccl_vec16 push_wait(const anyccl_vec16* slot, anyccl_vec16 v, const uint32_t* my_flags,
+                                                  bool& stop) {
+    for (uint32_t spins = 1; push_pending(v) && !stop; spins++) {
+        if (spins % ANYCCL_ABORT_CHECK == 0 && aborted(my_flags)) {
+            stop = true;
+            break;
+        }
+        anyccl_spin_pause();
+        v = anyccl_ld_vec_volatile(slot);
+    }
+    return v;
+}
+
+// `recv.p[r]`: rank r's receive buffer as mapped here (ANYCCL_PUSH_CTRL + 4 × ANYCCL_PUSH_CTRL_WORDS bytes, the
+// sets filled with the sentinel and the control words zeroed before first use); `my_flags`: this rank's flag array
+// (only its abort word is used).
+template <typename T, int W>
+__device__ __forceinline__ void push_one_shot(const void* in, void* out, const RankPtrs& recv,
+                                              const uint32_t* my_flags, int rank, size_t n_vec) {
+    char* mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
+    uint32_t* ctrl = reinterpret_cast<uint32_t*>(mine + ANYCCL_PUSH_CTRL);
+    const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    anyccl_grid_dependency_wait();
+    __shared__ uint32_t epoch;
+    if (threadIdx.x == 0) epoch = anyccl_ld_volatile(ctrl);
+    __syncthreads();
+    const size_t set_vecs = (size_t)(epoch % ANYCCL_PUSH_SETS) * ANYCCL_MAX_RANKS * ANYCCL_PUSH_SLOT_VECS;
+    const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
+    // Push: this rank's slot of the set in every peer's receive buffer.
+    const size_t my_slot = set_vecs + (size_t)rank * ANYCCL_PUSH_SLOT_VECS;
+    for (size_t i = first; i < n_vec; i += stride) {
+        const anyccl_vec16 v = push_canonical(src[i]);
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r != rank)
+                anyccl_st_vec_volatile(
+                    reinterpret_cast<anyccl_vec16*>(const_cast<void*>(recv.p[r])) + my_slot + i, v);
+    }
+    anyccl_launch_dependents();
+    // Reduce this rank's slots in rank order, resetting each to the sentinel once read.
+    anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
+    anyccl_vec16* o = reinterpret_cast<anyccl_vec16*>(out);
+    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
+                                ANYCCL_PUSH_SENTINEL};
+    bool stop = false;
+    for (size_t i = first; i < n_vec; i += stride) {
+        anyccl_vec16 v[W];
+        // All W loads in flight before the first wait.
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            v[r] = r == rank ? src[i] : anyccl_ld_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i);
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r != rank) v[r] = push_wait(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, v[r], my_flags, stop);
+        float acc[Vec<T>::N];
+        Vec<T>::load(v[0], acc);
+#pragma unroll
+        for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
+        o[i] = Vec<T>::store(acc);
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r != rank) anyccl_st_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, empty);
+    }
+    // The last block of the call moves the epoch on (every block has read it by then).
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctrl + 1, 1u) == gridDim.x - 1) {
+        ctrl[1] = 0;
+        ctrl[0] = epoch + 1;
+    }
+}
+
+// The push one-shot kernel of element type T, named by NAME; the same name and parameters on every vendor.
+#define ANYCCL_PUSH_KERNELS(NAME, T)                                                                                 \
+    extern "C" __global__ void ANYCCL_LAUNCH_BOUNDS anyccl_push_one_shot_##NAME(                                     \
+        const void* in, void* out, RankPtrs recv, const uint32_t* my_flags, int rank, int world, size_t n_vec) {     \
+        ANYCCL_DISPATCH(push_one_shot, T, in, out, recv, my_flags, rank, n_vec)                                      \
+    }
