@@ -64,7 +64,12 @@ pub(crate) type Tamper<'a> = Option<&'a (dyn Fn(CellId, &mut [u8]) + Sync)>;
 /// The algorithms of `cfg` this communicator can run (in column order), and the others with the reason.
 pub(crate) fn eligible(c: &dyn DynComm, cfg: &BenchConfig) -> (Vec<Algorithm>, Vec<Ineligible>) {
     let esz = cfg.dtype.size_bytes();
-    let requested = cfg.algorithms.clone().unwrap_or_else(|| c.allreduce_algorithms());
+    // Lossy (quantized) algorithms only when asked for by name: their results are not the exact sum the check
+    // compares against, and `tune` must never pick one from a default sweep.
+    let requested = cfg
+        .algorithms
+        .clone()
+        .unwrap_or_else(|| c.allreduce_algorithms().into_iter().filter(|a| !a.is_lossy()).collect());
     let mut algorithms = Vec::new();
     let mut ineligible = Vec::new();
     for a in requested {

@@ -29,11 +29,18 @@ pub enum Algorithm {
     NvlsWarpPipeline,
     /// NVLS multicast through staging buffers, pipelined per block.
     NvlsBlockPipeline,
+    /// Two-shot exchanging fp8 (e4m3) codes with one f32 scale per 32 elements, summed in f32 (custom kernels).
+    /// Lossy: runs only when named (an explicit algorithm, `ANYCCL_ALLREDUCE_ALGO`, a table rule), never chosen by
+    /// the defaults or the fallback.
+    TwoShotFp8,
+    /// Two-shot exchanging int8 codes with one f32 scale per 32 elements, summed in f32 (custom kernels). Lossy,
+    /// like [`Algorithm::TwoShotFp8`].
+    TwoShotInt8,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 10] = [
         Algorithm::Ccl,
         Algorithm::CclSymmetric,
         Algorithm::OneShot,
@@ -42,6 +49,8 @@ impl Algorithm {
         Algorithm::NvlsZeroCopy,
         Algorithm::NvlsWarpPipeline,
         Algorithm::NvlsBlockPipeline,
+        Algorithm::TwoShotFp8,
+        Algorithm::TwoShotInt8,
     ];
 
     /// The stable kebab-case name used in `ANYCCL_ALLREDUCE_ALGO`, table files and the CLI.
@@ -55,6 +64,35 @@ impl Algorithm {
             Algorithm::NvlsZeroCopy => "nvls-zero-copy",
             Algorithm::NvlsWarpPipeline => "nvls-warp-pipeline",
             Algorithm::NvlsBlockPipeline => "nvls-block-pipeline",
+            Algorithm::TwoShotFp8 => "two-shot-fp8",
+            Algorithm::TwoShotInt8 => "two-shot-int8",
+        }
+    }
+
+    /// Whether the result is not the sum of the inputs rounded once (the quantized algorithms): such an
+    /// algorithm runs only when the caller names it, never by default or as a fallback.
+    pub const fn is_lossy(self) -> bool {
+        matches!(self, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8)
+    }
+
+    /// Why `self` cannot run in deterministic mode, or `None` when it can. Deterministic algorithms sum every
+    /// element in rank order 0, 1, …, W−1 (in f32 for f16 and bf16, from rank 0's value) and round once, whatever
+    /// the message size: one-shot and two-shot (in one round or several) give bitwise the same result, run after
+    /// run. The rule for any new kernel that wants to count as deterministic (the fused all-reduce + RMSNorm
+    /// included) is the same.
+    pub const fn nondeterministic(self) -> Option<&'static str> {
+        match self {
+            Algorithm::OneShot | Algorithm::TwoShot => None,
+            Algorithm::Ccl | Algorithm::CclSymmetric => {
+                Some("the vendor library's reduction order depends on its algorithm, protocol and channels")
+            }
+            Algorithm::Ring => Some("the ring sums each chunk starting at a different rank"),
+            Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
+                Some("the switch's reduction order is unspecified")
+            }
+            Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8 => {
+                Some("quantized: the result is not the exact rank-order sum of the other algorithms")
+            }
         }
     }
 
@@ -138,5 +176,16 @@ mod tests {
         assert_eq!("ONE_SHOT".parse::<Algorithm>().ok(), Some(Algorithm::OneShot));
         let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
         assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
+        assert!(err.to_string().contains("two-shot-fp8"), "{err}");
+    }
+
+    #[test]
+    fn only_one_and_two_shot_are_deterministic_and_only_quantized_ones_lossy() {
+        for a in Algorithm::ALL {
+            let det = a.nondeterministic().is_none();
+            assert_eq!(det, matches!(a, Algorithm::OneShot | Algorithm::TwoShot), "{a}");
+            assert_eq!(a.is_lossy(), matches!(a, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8), "{a}");
+            assert!(!(det && a.is_lossy()), "{a}");
+        }
     }
 }

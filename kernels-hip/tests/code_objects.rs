@@ -43,7 +43,7 @@ fn code_objects_hold_every_kernel() {
     for (src, arch, bytes) in anyccl_kernels_hip::CODE_OBJECTS {
         let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
         let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
-        for k in anyccl_kernels_hip::KERNELS {
+        for k in anyccl_kernels_hip::KERNELS.into_iter().chain(anyccl_kernels_hip::QUANT_KERNELS) {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
@@ -52,6 +52,7 @@ fn code_objects_hold_every_kernel() {
         held.sort_unstable();
         held.dedup();
         let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
+        listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
         listed.sort_unstable();
         assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
     }
@@ -83,7 +84,7 @@ fn flag_accesses_are_system_scope_release_acquire() {
         .collect();
     // On gfx90a a system-scope release writes back L2 before the store; a system-scope acquire invalidates L2
     // after the load. A relaxed or agent-scope flag would have neither.
-    for k in anyccl_kernels_hip::KERNELS {
+    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(anyccl_kernels_hip::QUANT_KERNELS) {
         let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
         let range = sym.address()..sym.address() + sym.size();
         let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
@@ -118,6 +119,11 @@ fn kernels_take_the_shared_parameters() {
             anyccl_kernels_common::allreduce_params(k).expect("listed").iter().map(|p| (p.1, p.2)).collect();
         let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
+    }
+    let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+    for k in anyccl_kernels_hip::QUANT_KERNELS {
+        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, quant, "{k}: parameters (offset, size) differ from QUANT_PARAMS");
     }
 }
 

@@ -9,7 +9,8 @@
 //!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
 //!   with a fake driver;
-//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks.
+//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks;
+//!   `emulated_quant` adds the quantized two-shot to them.
 //!
 //! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
 //!
@@ -28,6 +29,9 @@ pub mod driver;
 #[cfg(feature = "emulation")]
 #[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated;
+#[cfg(feature = "emulation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
+pub mod emulated_quant;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;

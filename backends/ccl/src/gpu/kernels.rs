@@ -242,6 +242,17 @@ impl<P: GpuPlatform> CustomKernels<P> {
         self.sms
     }
 
+    /// The kernel `name` of the loaded module, for the launchers of other kernels of the same module (the
+    /// quantized two-shot, [`super::quant`]). The handle is valid while `self` lives.
+    pub(crate) fn lookup(&self, name: &std::ffi::CStr) -> Result<P::Function> {
+        P::function(&self.runtime, &self._module, name)
+    }
+
+    /// The runtime the kernels were loaded on.
+    pub(crate) fn runtime(&self) -> &P::Runtime {
+        &self.runtime
+    }
+
     /// `kind`'s `dtype` kernel (reading its inputs through a table or not), resolved when the module was loaded.
     fn function(&self, kind: Kind, dtype: DataType, table: bool) -> Result<P::Function> {
         let Some(slot) = function_slot(kind, dtype, table) else {

@@ -9,6 +9,7 @@
 //!   the parameter packing (the kernels' parameters are the same on every vendor,
 //!   [`anyccl_kernels_common::allreduce_params`]);
 //! - [`graph_inputs`]: inputs of captured all-reduces and their registration ([`GraphInputs`]);
+//! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
 //! - [`comm`]: the communicator ([`GpuComm`]);
 //! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
@@ -16,6 +17,7 @@ pub mod bootstrap;
 pub mod comm;
 pub mod graph_inputs;
 pub mod kernels;
+pub mod quant;
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
