@@ -1171,7 +1171,10 @@ mod tests {
         let below = sel.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible").algorithm;
         assert_eq!(below, Selector::defaults().select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible").algorithm);
         let forced = Selector::defaults().with_forced(Some(Algorithm::TwoShotInt8));
-        assert_eq!(forced.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("forced").algorithm, Algorithm::TwoShotInt8);
+        assert_eq!(
+            forced.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("forced").algorithm,
+            Algorithm::TwoShotInt8
+        );
     }
 
     #[test]

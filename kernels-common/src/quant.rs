@@ -70,8 +70,11 @@ impl Format {
     fn encode(self, x: f32) -> u8 {
         match self {
             Format::Fp8E4m3 => e4m3_encode(x),
-            // As the kernel: clamped as a float first (`max` turns NaN into -127), then converted exactly.
-            Format::Int8 => x.round_ties_even().max(-127.0).min(127.0) as i8 as u8,
+            // As the kernel: clamped as a float first (`fmaxf` turns NaN into -127), then converted exactly.
+            Format::Int8 => {
+                let r = x.round_ties_even();
+                (if r.is_nan() { -127.0 } else { r.clamp(-127.0, 127.0) }) as i8 as u8
+            }
         }
     }
 

@@ -9,11 +9,11 @@
 //!   replayed, every size: all bitwise equal to the host's rank-order sum (f32, rounded once), so to each other, run
 //!   after run, and independent of the message size.
 
+use anyccl_ccl::gpu::quant::model as quant;
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
 use anyccl_cuda::emulated_quant::{Format, QuantRanks};
-use anyccl_ccl::gpu::quant::model as quant;
 
 fn encode(dtype: DataType, v: f32) -> Vec<u8> {
     match dtype {
@@ -132,7 +132,10 @@ fn check_quant(world: usize, dtype: DataType, format: Format, bytes: usize, seed
         got64.push(f64::from(got));
         exact64.push(exact);
     }
-    assert!(mismatches.is_empty(), "{format:?} {dtype} world {world} bytes {bytes}: differs from the model: {mismatches:?}");
+    assert!(
+        mismatches.is_empty(),
+        "{format:?} {dtype} world {world} bytes {bytes}: differs from the model: {mismatches:?}"
+    );
     for (r, o) in eager.iter().enumerate() {
         assert_eq!(o, &eager[0], "{format:?} {dtype} world {world}: rank {r} differs bitwise from rank 0");
     }
@@ -162,7 +165,9 @@ fn quantized_two_shot_matches_the_host_model_within_the_bound_for_2_to_8_ranks()
                 }
             }
         }
-        eprintln!("world {world}: fp8 and int8, f32/f16/bf16, 16 B / 16.2 KiB / 1 MiB: equal to the model, within the bound");
+        eprintln!(
+            "world {world}: fp8 and int8, f32/f16/bf16, 16 B / 16.2 KiB / 1 MiB: equal to the model, within the bound"
+        );
     }
 }
 
@@ -171,7 +176,8 @@ fn quantized_two_shot_matches_the_host_model_within_the_bound_for_2_to_8_ranks()
 fn quantized_two_shot_at_64_mib_with_8_and_2_ranks_and_its_measured_error() {
     for (world, dtype) in [(8, DataType::Bf16), (2, DataType::Bf16), (8, DataType::F32)] {
         for format in Format::ALL {
-            let m = check_quant(world, dtype, format, 64 << 20, 77 + world as u64, world == 8 && dtype == DataType::Bf16);
+            let m =
+                check_quant(world, dtype, format, 64 << 20, 77 + world as u64, world == 8 && dtype == DataType::Bf16);
             eprintln!(
                 "{} {dtype} world {world} 64 MiB: max |err|/max |exact| = {:.5}, sum |err|/sum |exact| = {:.5}",
                 format.name(),
@@ -202,13 +208,11 @@ fn rank_order_sum(dtype: DataType, ins: &[Vec<f32>]) -> Vec<u8> {
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn deterministic_forms_are_bitwise_identical_across_forms_sizes_and_runs() {
-    let mut seed = 5000;
     for world in [2, 3, 5, 8] {
         for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
             let sizes = [16usize, 16 * 1037, 4 << 20];
             let mut prefix: Option<Vec<u8>> = None;
             for bytes in sizes {
-                seed += 1;
                 let mut g = EmulatedRanks::new(0, world, bytes, 8).expect("emulated ranks");
                 // The same seed for every size: each smaller message's inputs are the larger ones' first elements,
                 // so the outputs' common prefix must agree (independence of the message size).
@@ -249,7 +253,10 @@ fn deterministic_forms_are_bitwise_identical_across_forms_sizes_and_runs() {
                         gr.launch(st).expect("replay");
                     }
                     g.synchronize().expect("sync");
-                    assert!(outputs(&g).iter().all(|o| *o == want), "{kind:?} replay {dtype} world {world} bytes {bytes}");
+                    assert!(
+                        outputs(&g).iter().all(|o| *o == want),
+                        "{kind:?} replay {dtype} world {world} bytes {bytes}"
+                    );
                 }
                 if let Some(p) = &prefix {
                     assert_eq!(&want[..p.len()], &p[..], "{dtype} world {world}: a smaller message's sums differ");

@@ -48,8 +48,15 @@ fn one_shot_and_two_shot_agree_bitwise_at_every_size_and_the_ring_is_refused() {
                         out.push(buf.to_vec::<f32>().iter().map(|v| v.to_bits()).collect());
                         for algo in [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::OneShot, Algorithm::TwoShot] {
                             let mut buf = HostBuffer::from_elems(&input);
-                            comm.all_reduce_with(algo, InOut::InPlace(buf.as_bytes_mut()), n, DataType::F32, ReduceOp::Sum, &())
-                                .expect("deterministic algorithm");
+                            comm.all_reduce_with(
+                                algo,
+                                InOut::InPlace(buf.as_bytes_mut()),
+                                n,
+                                DataType::F32,
+                                ReduceOp::Sum,
+                                &(),
+                            )
+                            .expect("deterministic algorithm");
                             out.push(buf.to_vec::<f32>().iter().map(|v| v.to_bits()).collect());
                         }
                         let mut buf = HostBuffer::from_elems(&input);
@@ -61,7 +68,10 @@ fn one_shot_and_two_shot_agree_bitwise_at_every_size_and_the_ring_is_refused() {
                             ReduceOp::Sum,
                             &(),
                         );
-                        assert!(matches!(r, Err(Error::AlgorithmNotEligible { algorithm: Algorithm::Ring, .. })), "{r:?}");
+                        assert!(
+                            matches!(r, Err(Error::AlgorithmNotEligible { algorithm: Algorithm::Ring, .. })),
+                            "{r:?}"
+                        );
                         assert_eq!(buf.to_vec::<f32>(), input, "a refused call touched the buffer");
                     }
                     out
@@ -100,8 +110,15 @@ fn one_shot_and_two_shot_agree_bitwise_at_every_size_and_the_ring_is_refused() {
             .map(|mut comm| {
                 s.spawn(move || {
                     let mut buf = HostBuffer::from_elems(&values(comm.rank() as u64 + 1, n));
-                    comm.all_reduce_with(Algorithm::Ring, InOut::InPlace(buf.as_bytes_mut()), n, DataType::F32, ReduceOp::Sum, &())
-                        .expect("ring without the mode");
+                    comm.all_reduce_with(
+                        Algorithm::Ring,
+                        InOut::InPlace(buf.as_bytes_mut()),
+                        n,
+                        DataType::F32,
+                        ReduceOp::Sum,
+                        &(),
+                    )
+                    .expect("ring without the mode");
                     buf.to_vec::<f32>().iter().map(|v| v.to_bits()).collect()
                 })
             })

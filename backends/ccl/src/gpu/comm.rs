@@ -660,10 +660,8 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         let algorithm = args.algorithm();
-        if matches!(
-            algorithm,
-            Algorithm::OneShot | Algorithm::TwoShot | Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8
-        ) {
+        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8)
+        {
             return self.custom_all_reduce(args);
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {

@@ -14,9 +14,9 @@ use std::ffi::{c_void, CString};
 
 use anyccl_core::{Algorithm, DataType, Error, Result};
 use anyccl_kernels_common as common;
-pub use common::quant::Format;
 /// The host side of the quantized kernels: layout, the model of their arithmetic, the error bound.
 pub use common::quant as model;
+pub use common::quant::Format;
 
 use super::kernels::{CustomKernels, THREADS};
 use super::{GpuPlatform, StreamOf};
@@ -194,7 +194,8 @@ mod tests {
         listed.sort();
         assert_eq!(names, listed);
         // Packed parameters: 8 of the sizes the shared table lists.
-        let sizes = [8usize, std::mem::size_of::<Ptrs>(), std::mem::size_of::<Ptrs>(), 8, std::mem::size_of::<Ptrs>(), 4, 4, 8];
+        let sizes =
+            [8usize, std::mem::size_of::<Ptrs>(), std::mem::size_of::<Ptrs>(), 8, std::mem::size_of::<Ptrs>(), 4, 4, 8];
         let want: Vec<usize> = common::QUANT_PARAMS.iter().map(|p| p.2).collect();
         assert_eq!(sizes.to_vec(), want);
         // A quantized message fits the staging its full-precision message fits, from one block up.

@@ -23,13 +23,13 @@
 
 use std::process::ExitCode;
 
+use anyccl_ccl::gpu::quant::model as quant;
 use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
 use anyccl_cuda::emulated_quant::{Format, QuantRanks};
 use anyccl_cuda::graph::{Event, Graph};
-use anyccl_ccl::gpu::quant::model as quant;
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -217,9 +217,7 @@ fn run(world: usize, device: i32, sizes: &[usize]) -> Result<bool> {
         for r in 0..world {
             let mut next = rng(0x5eed ^ ((r as u64 + 1) << 20) ^ bytes as u64);
             let scales = [0.0625f32, 1.0, 16.0, 0.25];
-            let vals: Vec<f32> = (0..n)
-                .map(|i| from_bf16(to_bf16(next() * scales[(i / 97) % scales.len()])))
-                .collect();
+            let vals: Vec<f32> = (0..n).map(|i| from_bf16(to_bf16(next() * scales[(i / 97) % scales.len()]))).collect();
             let raw: Vec<u8> = vals.iter().flat_map(|v| to_bf16(*v).to_le_bytes()).collect();
             let b = &q.ranks.inputs[r];
             // SAFETY: a view of the group's own input buffer, used only here.
@@ -279,9 +277,7 @@ fn main() -> ExitCode {
         None => Ok(vec![8 << 20, 32 << 20, 64 << 20]),
         Some(list) => list.split(',').map(|r| parse_bytes(r).map(|b| b as usize)).collect(),
     };
-    let (Ok(world), Ok(device), Ok(sizes)) =
-        (world.unwrap_or(Ok(8)), device.unwrap_or(Ok(0)), sizes)
-    else {
+    let (Ok(world), Ok(device), Ok(sizes)) = (world.unwrap_or(Ok(8)), device.unwrap_or(Ok(0)), sizes) else {
         eprintln!("usage: anyccl-cuda-quant-bench [--world N] [--device D] [--sizes 8MiB,32MiB,64MiB]");
         return ExitCode::FAILURE;
     };
