@@ -24,7 +24,7 @@
 //! the sum (whose block magnitude is at most (1+δ)·S), and 2⁻¹⁸·S covers the f32 rounding of scales, products and
 //! sums. The output type's rounding adds half an ulp of the result (`u · |result|`).
 //!
-//! Typical errors are far below the bound: see [`measure`] and the table in the crate README.
+//! Typical errors are far below the bound: see [`measure`], the tests `measured_errors_*` and the crate README.
 
 /// Elements per quantization block (`ANYCCL_QUANT_BLOCK`).
 pub const BLOCK: usize = 32;
@@ -346,6 +346,27 @@ mod tests {
         let got = model(Format::Fp8E4m3, &[&p, &p]);
         for (g, x) in got.iter().zip(&p) {
             assert_eq!(*g, 2.0 * x);
+        }
+    }
+
+    #[test]
+    fn measured_errors_with_mixed_magnitudes() {
+        // The GPU test's and the bench's inputs: magnitudes 1/16, 1, 16, 1/4 changing every 97 elements, so some
+        // blocks mix magnitudes 256× apart (their small values lose most of their bits); 8 ranks, 1 Mi elements.
+        let scales = [0.0625, 1.0, 16.0, 0.25];
+        let ins: Vec<Vec<f32>> = (0..8)
+            .map(|r| {
+                let mut next = rng(99 + r);
+                (0..1 << 20).map(|i| (next() * scales[(i / 97) % 4]) as f32).collect()
+            })
+            .collect();
+        let refs: Vec<&[f32]> = ins.iter().map(Vec::as_slice).collect();
+        let exact: Vec<f64> = (0..1 << 20).map(|i| ins.iter().map(|x| f64::from(x[i])).sum()).collect();
+        for (format, max_rel, mean_rel) in [(Format::Fp8E4m3, 0.1, 0.05), (Format::Int8, 0.015, 0.015)] {
+            let got: Vec<f64> = model(format, &refs).into_iter().map(f64::from).collect();
+            let m = measure(&got, &exact);
+            eprintln!("{format:?} (mixed magnitudes): max_rel {:.5} mean_rel {:.5}", m.max_rel, m.mean_rel);
+            assert!(m.max_rel < max_rel && m.mean_rel < mean_rel, "{format:?}: {m:?}");
         }
     }
 

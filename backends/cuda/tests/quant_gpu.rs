@@ -184,7 +184,7 @@ fn quantized_two_shot_at_64_mib_with_8_and_2_ranks_and_its_measured_error() {
                 m.max_rel,
                 m.mean_rel
             );
-            let (max_rel, mean_rel) = if format == Format::Fp8E4m3 { (0.08, 0.05) } else { (0.012, 0.012) };
+            let (max_rel, mean_rel) = if format == Format::Fp8E4m3 { (0.1, 0.05) } else { (0.015, 0.015) };
             assert!(m.max_rel < max_rel && m.mean_rel < mean_rel, "{format:?}: {m:?} above the documented figures");
         }
     }
