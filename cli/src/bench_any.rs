@@ -66,10 +66,15 @@ pub(crate) fn eligible(c: &dyn DynComm, cfg: &BenchConfig) -> (Vec<Algorithm>, V
     let esz = cfg.dtype.size_bytes();
     // Lossy (quantized) algorithms only when asked for by name: their results are not the exact sum the check
     // compares against, and `tune` must never pick one from a default sweep.
-    let requested = cfg
+    let mut requested: Vec<Algorithm> = cfg
         .algorithms
         .clone()
         .unwrap_or_else(|| c.allreduce_algorithms().into_iter().filter(|a| !a.is_lossy()).collect());
+    for q in &cfg.quantized {
+        if !requested.contains(q) {
+            requested.push(*q);
+        }
+    }
     let mut algorithms = Vec::new();
     let mut ineligible = Vec::new();
     for a in requested {
@@ -274,7 +279,11 @@ fn measure_cell(
     if let Some(t) = run.tamper {
         t(CellId { rank: c.rank(), bytes: n as u64, algorithm: run.algo, in_place: run.in_place }, host);
     }
-    Ok(RankCell::from_samples(&mut samples, run.reference.count_wrong(host)))
+    let wrong = match run.algo.and_then(crate::check::quantization_delta) {
+        Some(delta) => run.reference.count_wrong_quantized(host, delta),
+        None => run.reference.count_wrong(host),
+    };
+    Ok(RankCell::from_samples(&mut samples, wrong))
 }
 
 /// What every rank of a sweep shares.
