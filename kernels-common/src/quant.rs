@@ -134,7 +134,9 @@ pub fn e4m3_decode(c: u8) -> f32 {
 fn quantize(format: Format, x: &[f32; BLOCK]) -> ([u8; BLOCK], f32) {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let q = format.qmax();
-    let inv = if amax > 0.0 { q / amax } else { 0.0 };
+    // As the kernel: capped at the largest float (a tiny block would otherwise get an infinite factor, and 0 · inf
+    // is NaN).
+    let inv = if amax > 0.0 { (q / amax).min(f32::MAX) } else { 0.0 };
     let scale = amax / q;
     let mut codes = [0u8; BLOCK];
     for (c, v) in codes.iter_mut().zip(x) {
@@ -334,6 +336,19 @@ mod tests {
         let b = [0.5f32; 32];
         let got = model(Format::Int8, &[&a, &b]);
         assert!(got.iter().all(|v| (*v - 1.5).abs() < 1e-6), "{got:?}");
+    }
+
+    #[test]
+    fn tiny_blocks_give_no_nan() {
+        // Largest magnitude 1e-39 (an f32 subnormal): 448 / 1e-39 overflows; the capped factor keeps zeros zero.
+        let mut x = [0.0f32; 32];
+        x[3] = 1e-39;
+        x[7] = -5e-40;
+        for format in Format::ALL {
+            let got = model(format, &[&x, &x]);
+            assert!(got.iter().all(|v| !v.is_nan()), "{format:?}: {got:?}");
+            assert!(got.iter().zip(&x).all(|(g, v)| (f64::from(*g) - 2.0 * f64::from(*v)).abs() <= 4e-39), "{got:?}");
+        }
     }
 
     #[test]

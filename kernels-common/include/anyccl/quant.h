@@ -4,7 +4,7 @@
 //
 // Per block of 32 elements x[0..32) (f32 values of the input type):
 //   amax  = max |x[k]|                      (fmaxf: a NaN element is skipped)
-//   inv   = amax > 0 ? QMAX / amax : 0      (IEEE division; QMAX = 448 for e4m3, 127 for int8)
+//   inv   = amax > 0 ? min(QMAX / amax, FLT_MAX) : 0   (IEEE division; QMAX = 448 for e4m3, 127 for int8)
 //   scale = amax / QMAX                     (stored, f32)
 //   code  = e4m3: round-to-nearest-even of x*inv, saturated to ±448 (NaN stays NaN)
 //           int8: min(max(rint(x*inv), -127), 127)
@@ -80,7 +80,9 @@ __device__ __forceinline__ void quant_store(const float* x, void* base, size_t n
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < ANYCCL_QUANT_BLOCK; k++) amax = fmaxf(amax, fabsf(x[k]));
-    const float inv = amax > 0.0f ? Q::QMAX / amax : 0.0f;
+    // Capped at the largest float: a block whose largest magnitude is below QMAX / FLT_MAX (~1e-36) would get an
+    // infinite factor, and 0 · inf is NaN.
+    const float inv = amax > 0.0f ? fminf(Q::QMAX / amax, 3.40282347e38f) : 0.0f;
     const float scale = amax / Q::QMAX;
     anyccl_vec16 c[2];
     uint32_t* w = reinterpret_cast<uint32_t*>(c);
