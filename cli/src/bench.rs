@@ -34,6 +34,9 @@ pub struct BenchConfig {
     pub sizes_flag: &'static str,
     /// Algorithms to measure (`None`: every one the backend implements).
     pub algorithms: Option<Vec<Algorithm>>,
+    /// Quantized algorithms to measure besides (`--quantize`); their results are checked against the exact sum
+    /// within the format's error bound instead of exactly.
+    pub quantized: Vec<Algorithm>,
     /// Timed calls per cell.
     pub iters: usize,
     /// Untimed calls before them.
@@ -907,6 +910,7 @@ pub fn smoke_config(selector: Arc<Selector>) -> BenchConfig {
         sizes: vec![4096, 65536],
         sizes_flag: "--sizes",
         algorithms: None,
+        quantized: Vec::new(),
         iters: 3,
         warmup: 1,
         in_place: true,

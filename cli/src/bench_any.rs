@@ -64,7 +64,17 @@ pub(crate) type Tamper<'a> = Option<&'a (dyn Fn(CellId, &mut [u8]) + Sync)>;
 /// The algorithms of `cfg` this communicator can run (in column order), and the others with the reason.
 pub(crate) fn eligible(c: &dyn DynComm, cfg: &BenchConfig) -> (Vec<Algorithm>, Vec<Ineligible>) {
     let esz = cfg.dtype.size_bytes();
-    let requested = cfg.algorithms.clone().unwrap_or_else(|| c.allreduce_algorithms());
+    // Lossy (quantized) algorithms only when asked for by name: their results are not the exact sum the check
+    // compares against, and `tune` must never pick one from a default sweep.
+    let mut requested: Vec<Algorithm> = cfg
+        .algorithms
+        .clone()
+        .unwrap_or_else(|| c.allreduce_algorithms().into_iter().filter(|a| !a.is_lossy()).collect());
+    for q in &cfg.quantized {
+        if !requested.contains(q) {
+            requested.push(*q);
+        }
+    }
     let mut algorithms = Vec::new();
     let mut ineligible = Vec::new();
     for a in requested {
@@ -269,7 +279,11 @@ fn measure_cell(
     if let Some(t) = run.tamper {
         t(CellId { rank: c.rank(), bytes: n as u64, algorithm: run.algo, in_place: run.in_place }, host);
     }
-    Ok(RankCell::from_samples(&mut samples, run.reference.count_wrong(host)))
+    let wrong = match run.algo.and_then(crate::check::quantization_delta) {
+        Some(delta) => run.reference.count_wrong_quantized(host, delta),
+        None => run.reference.count_wrong(host),
+    };
+    Ok(RankCell::from_samples(&mut samples, wrong))
 }
 
 /// What every rank of a sweep shares.

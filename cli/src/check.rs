@@ -17,7 +17,7 @@
 //! models the reduction orders of collective libraries.
 
 use anyccl::core::dtype::Value as Val;
-use anyccl::core::{DataType, Error, ReduceOp, Result};
+use anyccl::core::{Algorithm, DataType, Error, ReduceOp, Result};
 
 /// The pattern's period in elements apart from the world size (a prime).
 const PERIOD: usize = 1021;
@@ -68,6 +68,16 @@ fn exact_integers(dtype: DataType) -> Option<u64> {
         DataType::Fp8E5M2 => 1 << 3,
         _ => return None,
     })
+}
+
+/// The worst step of one quantization, relative to a block's largest magnitude, of a quantized algorithm (fp8
+/// e4m3: 1/16; int8: 1/254, as `anyccl_kernels_common::quant::Format::delta`); `None` for the others.
+pub fn quantization_delta(a: Algorithm) -> Option<f64> {
+    match a {
+        Algorithm::TwoShotFp8 => Some(1.0 / 16.0),
+        Algorithm::TwoShotInt8 => Some(1.0 / 254.0),
+        _ => None,
+    }
 }
 
 /// Unit roundoff and smallest subnormal of a float type.
@@ -291,6 +301,31 @@ impl Reference {
         wrong
     }
 
+    /// How many elements of `got` lie further from the exact result than a quantized all-reduce's error bound
+    /// allows: `(2δ + δ² + 2⁻¹⁸) · S + u · (|exact| + that)`, with S = world × the largest contribution (each rank's
+    /// largest magnitude in a 32-element block is at most it) and δ the format's step ([`quantization_delta`]).
+    /// Integer types have no quantized kernels: every element counts as wrong.
+    pub fn count_wrong_quantized(&self, got: &[u8], delta: f64) -> u64 {
+        let esz = self.dtype.size_bytes();
+        let (u, _) = roundoff(self.dtype);
+        let s = self.world as f64 * self.magnitude as f64;
+        let bound = (2.0 * delta + delta * delta + 2f64.powi(-18)) * s;
+        let mut wrong = 0u64;
+        for chunk in got.chunks(self.expected.len().max(1)) {
+            for (g, w) in chunk.chunks(esz).zip(self.expected.chunks(esz)) {
+                let ok = g.len() == esz
+                    && match (decode(self.dtype, g), decode(self.dtype, w)) {
+                        (Val::Float(g), Val::Float(w)) => !g.is_nan() && (g - w).abs() <= bound + u * (w.abs() + bound),
+                        _ => false,
+                    };
+                if !ok {
+                    wrong += 1;
+                }
+            }
+        }
+        wrong
+    }
+
     /// Whether two encodings are the same float value (`-0` and `+0`).
     fn same_float(&self, a: &[u8], b: &[u8]) -> bool {
         match (decode(self.dtype, a), decode(self.dtype, b)) {
@@ -471,5 +506,34 @@ mod tests {
         got[i * 4 + 3] = 0x80;
         assert_eq!(r.count_wrong(&got), 0, "-0 is +0");
         assert_eq!(r.count_wrong(&got[..6]), 1, "a partial element is counted wrong");
+    }
+
+    #[test]
+    fn quantized_results_are_checked_within_the_bound() {
+        let r = Reference::new(DataType::Bf16, ReduceOp::Sum, 8).expect("reference");
+        let n = r.period * 2;
+        let exact = naive_result(&r, n);
+        let delta = quantization_delta(Algorithm::TwoShotFp8).expect("fp8");
+        assert_eq!(r.count_wrong_quantized(&exact, delta), 0, "the exact sum is within any bound");
+        // An error just inside the bound passes, far outside fails; NaN (the poison) always fails.
+        let bound = (2.0 * delta + delta * delta) * 8.0 * r.magnitude as f64;
+        let shift = |by: f64| -> Vec<u8> {
+            exact
+                .chunks(2)
+                .flat_map(|c| {
+                    // bf16 by hand (round to nearest even): this crate has no half dependency.
+                    let v = f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16) + by as f32;
+                    let u = v.to_bits();
+                    (((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16).to_le_bytes()
+                })
+                .collect()
+        };
+        assert_eq!(r.count_wrong_quantized(&shift(bound * 0.5), delta), 0);
+        assert_eq!(r.count_wrong_quantized(&shift(bound * 3.0), delta), n as u64);
+        assert_eq!(r.count_wrong_quantized(&vec![0xFF; n * 2], delta), n as u64);
+        // int8's bound is far tighter than fp8's.
+        let int8 = quantization_delta(Algorithm::TwoShotInt8).expect("int8");
+        assert!(r.count_wrong_quantized(&shift(bound * 0.5), int8) > 0);
+        assert_eq!(quantization_delta(Algorithm::TwoShot), None);
     }
 }

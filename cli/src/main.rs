@@ -101,6 +101,12 @@ struct BenchArgs {
     /// cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,
+    /// Also measure the quantized two-shot: fp8 (e4m3) and/or int8, comma-separated (the algorithms
+    /// two-shot-fp8, two-shot-int8; custom GPU kernels, sum of f32/f16/bf16). Lossy: their results are checked
+    /// against the exact sum within the format's error bound (fp8 ≈ 0.13, int8 ≈ 0.008 of the sum of the ranks'
+    /// largest magnitudes), not exactly.
+    #[arg(long, value_delimiter = ',', value_parser = parse_quantize)]
+    quantize: Option<Vec<Algorithm>>,
     /// Timed calls per cell, 1 to 10000 (the median is reported).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::bench::MAX_ITERS)))]
     iters: u32,
@@ -166,6 +172,7 @@ fn config(
         sizes,
         sizes_flag,
         algorithms: args.algos.clone(),
+        quantized: args.quantize.clone().unwrap_or_default(),
         iters: args.iters as usize,
         warmup: args.warmup as usize,
         in_place,
@@ -191,6 +198,15 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn parse_algo(s: &str) -> Result<Algorithm, String> {
     s.parse().map_err(|e: Error| e.to_string())
+}
+
+/// `--quantize`: a format name, as its quantized algorithm.
+fn parse_quantize(s: &str) -> Result<Algorithm, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "fp8" | "e4m3" | "fp8-e4m3" => Ok(Algorithm::TwoShotFp8),
+        "int8" => Ok(Algorithm::TwoShotInt8),
+        _ => Err(format!("{s:?} is not a quantization format (fp8, int8)")),
+    }
 }
 
 /// An error for the user: one line, and a hint where one helps.

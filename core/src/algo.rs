@@ -32,11 +32,18 @@ pub enum Algorithm {
     /// One step in push mode: every rank writes its input into every peer's receive buffer and reduces its own,
     /// with flag-free completion (sentinel values) and no barrier round; for small messages (custom kernel).
     OneShotPush,
+    /// Two-shot exchanging fp8 (e4m3) codes with one f32 scale per 32 elements, summed in f32 (custom kernels).
+    /// Lossy: runs only when named (an explicit algorithm, `ANYCCL_ALLREDUCE_ALGO`, a table rule), never chosen by
+    /// the defaults or the fallback.
+    TwoShotFp8,
+    /// Two-shot exchanging int8 codes with one f32 scale per 32 elements, summed in f32 (custom kernels). Lossy,
+    /// like [`Algorithm::TwoShotFp8`].
+    TwoShotInt8,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 9] = [
+    pub const ALL: [Algorithm; 11] = [
         Algorithm::Ccl,
         Algorithm::CclSymmetric,
         Algorithm::OneShot,
@@ -46,6 +53,8 @@ impl Algorithm {
         Algorithm::NvlsWarpPipeline,
         Algorithm::NvlsBlockPipeline,
         Algorithm::OneShotPush,
+        Algorithm::TwoShotFp8,
+        Algorithm::TwoShotInt8,
     ];
 
     /// The stable kebab-case name used in `ANYCCL_ALLREDUCE_ALGO`, table files and the CLI.
@@ -60,6 +69,37 @@ impl Algorithm {
             Algorithm::NvlsWarpPipeline => "nvls-warp-pipeline",
             Algorithm::NvlsBlockPipeline => "nvls-block-pipeline",
             Algorithm::OneShotPush => "one-shot-push",
+            Algorithm::TwoShotFp8 => "two-shot-fp8",
+            Algorithm::TwoShotInt8 => "two-shot-int8",
+        }
+    }
+
+    /// Whether the result is not the sum of the inputs rounded once (the quantized algorithms): such an
+    /// algorithm runs only when the caller names it, never by default or as a fallback.
+    pub const fn is_lossy(self) -> bool {
+        matches!(self, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8)
+    }
+
+    /// Why `self` cannot run in deterministic mode, or `None` when it can. Deterministic algorithms sum every
+    /// element in rank order 0, 1, …, W−1 (in f32 for f16 and bf16, from rank 0's value) and round once, whatever
+    /// the message size: one-shot and two-shot (in one round or several) give bitwise the same result, run after
+    /// run. The rule for any new kernel that wants to count as deterministic (the fused all-reduce + RMSNorm
+    /// included) is the same.
+    pub const fn nondeterministic(self) -> Option<&'static str> {
+        match self {
+            // The push one-shot sums in the same order with the same adds as the one-shot (bitwise equal on
+            // the H200's emulated ranks).
+            Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush => None,
+            Algorithm::Ccl | Algorithm::CclSymmetric => {
+                Some("the vendor library's reduction order depends on its algorithm, protocol and channels")
+            }
+            Algorithm::Ring => Some("the ring sums each chunk starting at a different rank"),
+            Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
+                Some("the switch's reduction order is unspecified")
+            }
+            Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8 => {
+                Some("quantized: the result is not the exact rank-order sum of the other algorithms")
+            }
         }
     }
 
@@ -144,5 +184,16 @@ mod tests {
         assert_eq!("one_shot_push".parse::<Algorithm>().ok(), Some(Algorithm::OneShotPush));
         let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
         assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
+        assert!(err.to_string().contains("two-shot-fp8"), "{err}");
+    }
+
+    #[test]
+    fn only_one_and_two_shot_are_deterministic_and_only_quantized_ones_lossy() {
+        for a in Algorithm::ALL {
+            let det = a.nondeterministic().is_none();
+            assert_eq!(det, matches!(a, Algorithm::OneShot | Algorithm::TwoShot), "{a}");
+            assert_eq!(a.is_lossy(), matches!(a, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8), "{a}");
+            assert!(!(det && a.is_lossy()), "{a}");
+        }
     }
 }

@@ -314,6 +314,8 @@ pub struct Communicator<B: CommBackend> {
     rules_read_capture: bool,
     /// The last all-reduce's decision, for a backend that says when its eligibility changes.
     memo: Option<Memo<B::Reduction>>,
+    /// Deterministic mode ([`Communicator::set_deterministic`]).
+    deterministic: bool,
 }
 
 /// One remembered all-reduce decision ([`CommBackend::eligibility_epoch`]).
@@ -329,7 +331,26 @@ impl<B: CommBackend> Communicator<B> {
     pub fn new(backend: B, selector: Arc<Selector>) -> Self {
         let candidates = selector.candidates(backend.vendor(), backend.arch(), backend.world_size());
         let rules_read_capture = selector.reads_capture(&candidates);
-        Communicator { backend, selector, candidates, rules_read_capture, memo: None }
+        let deterministic = selector.deterministic();
+        Communicator { backend, selector, candidates, rules_read_capture, memo: None, deterministic }
+    }
+
+    /// Turns deterministic mode on or off for this communicator (the default is the selector's,
+    /// `ANYCCL_DETERMINISTIC`): every all-reduce then sums in rank order 0..W−1 with one-shot or two-shot, whose
+    /// results are bitwise identical across runs, across the two and across message sizes; algorithms that cannot
+    /// promise it (the vendor library's, NVLS, ring, quantized) are skipped and the selection names them, and a call
+    /// no deterministic algorithm can run fails with [`Error::NoEligibleAlgorithm`]. Every rank must use the same
+    /// setting (their selections must agree). See [`crate::selector`].
+    pub fn set_deterministic(&mut self, on: bool) {
+        if self.deterministic != on {
+            self.deterministic = on;
+            self.memo = None;
+        }
+    }
+
+    /// Whether deterministic mode is on ([`Communicator::set_deterministic`]).
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
     }
 
     /// This rank.
@@ -384,7 +405,7 @@ impl<B: CommBackend> Communicator<B> {
             capturing: call.capturing,
         };
         let algos = self.backend.allreduce_algorithms();
-        self.selector.select_among(&self.candidates, &q, |a| {
+        self.selector.select_among(&self.candidates, &q, self.deterministic, |a| {
             if !algos.contains(&a) {
                 return Err(format!("not implemented by the {} backend", self.backend.name()));
             }
@@ -392,8 +413,15 @@ impl<B: CommBackend> Communicator<B> {
         })
     }
 
-    /// Whether `algorithm` could run `call` here (`Err` with the reason if not).
+    /// Whether `algorithm` could run `call` here (`Err` with the reason if not; in deterministic mode an algorithm
+    /// that does not sum in rank order is refused).
     pub fn check_algorithm(&self, algorithm: Algorithm, call: &AllReduceCall) -> Result<()> {
+        if let Some(why) = algorithm.nondeterministic().filter(|_| self.deterministic) {
+            return Err(Error::AlgorithmNotEligible {
+                algorithm,
+                why: format!("not deterministic ({}): {why}", crate::selector::ENV_DETERMINISTIC),
+            });
+        }
         if !self.backend.allreduce_algorithms().contains(&algorithm) {
             return Err(Error::AlgorithmNotEligible {
                 algorithm,
@@ -503,7 +531,9 @@ impl<B: CommBackend> Communicator<B> {
         Ok(sel)
     }
 
-    /// All-reduce with an explicit algorithm (for benchmarks and tests); an ineligible one is an error.
+    /// All-reduce with an explicit algorithm (for benchmarks and tests, and the way to ask for a lossy one:
+    /// [`Algorithm::TwoShotFp8`], [`Algorithm::TwoShotInt8`]); an ineligible one is an error, and so is one that is
+    /// not deterministic in deterministic mode.
     pub fn all_reduce_with(
         &mut self,
         algorithm: Algorithm,
@@ -974,6 +1004,35 @@ mod tests {
             c.backend().ran,
             [Algorithm::OneShot, Algorithm::OneShot, Algorithm::OneShot, Algorithm::OneShot, Algorithm::Ring]
         );
+    }
+
+    #[test]
+    fn deterministic_mode_is_per_communicator_drops_the_remembered_decision_and_refuses_other_algorithms() {
+        let mut c = counting(Some(7));
+        let mut a = vec![0u8; 64];
+        assert!(!c.deterministic());
+        c.backend.refuse_one_shot = true;
+        // Without the mode, the ring runs where one-shot cannot; with it, nothing may run: a typed error.
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::Ring);
+        c.set_deterministic(true);
+        assert!(c.deterministic());
+        let err = c
+            .all_reduce(InOut::InPlace(&mut a[..]), 16, DataType::F32, ReduceOp::Sum, &())
+            .expect_err("no deterministic algorithm");
+        assert!(matches!(&err, Error::NoEligibleAlgorithm { why } if why.contains("ANYCCL_DETERMINISTIC")), "{err}");
+        // One-shot back: it runs, and an explicit ring is refused for its order.
+        c.backend.refuse_one_shot = false;
+        c.backend.epoch = Some(8);
+        assert_eq!(sum(&mut c, &mut a, DataType::F32), Algorithm::OneShot);
+        let err = c
+            .all_reduce_with(Algorithm::Ring, InOut::InPlace(&mut a[..]), 16, DataType::F32, ReduceOp::Sum, &())
+            .expect_err("ring is not deterministic");
+        assert!(matches!(err, Error::AlgorithmNotEligible { algorithm: Algorithm::Ring, .. }), "{err}");
+        // Off again: the remembered one-shot decision is not reused blindly, the ring is allowed again.
+        c.set_deterministic(false);
+        c.all_reduce_with(Algorithm::Ring, InOut::InPlace(&mut a[..]), 16, DataType::F32, ReduceOp::Sum, &())
+            .expect("ring allowed");
+        assert_eq!(c.backend().ran.last(), Some(&Algorithm::Ring));
     }
 
     #[test]

@@ -389,7 +389,10 @@ fn run_rank<B: CommBackend>(
 ) -> RankResult {
     let rank = comm.rank();
     let mut res = RankResult::default();
-    let algos = comm.backend().allreduce_algorithms().to_vec();
+    // Lossy (quantized) algorithms are not the exact sums checked here; their own tests hold them to their model
+    // and error bound.
+    let algos: Vec<Algorithm> =
+        comm.backend().allreduce_algorithms().iter().copied().filter(|a| !a.is_lossy()).collect();
     for case in cases(world, &algos, cfg) {
         match run_case(comm, stream, &case, world, cfg.seed) {
             Ok(Outcome::Checked { failure, hash }) => {

@@ -5,6 +5,18 @@
 //! the table `anyccl tune` writes) come before the defaults, so they override them. `ANYCCL_ALLREDUCE_ALGO` forces
 //! one algorithm: if it cannot run a call, that call fails with a clear error rather than silently falling back.
 //!
+//! Lossy algorithms (the quantized two-shots, [`Algorithm::is_lossy`]) run only where they are named: forced, in a
+//! table rule, or passed to `Communicator::all_reduce_with`; the defaults never name them and the fallback skips
+//! them.
+//!
+//! Deterministic mode (`ANYCCL_DETERMINISTIC=1`, [`Selector::with_deterministic`], or per communicator
+//! `Communicator::set_deterministic`): only algorithms that sum in rank order ([`Algorithm::nondeterministic`] is
+//! `None`: one-shot, two-shot) run. A rule's other algorithms are skipped, and the selection's `why` names them; when
+//! a rule yields none, two-shot then one-shot are tried; when neither can run the call (custom kernels off, the
+//! message above their staging size), the call fails with [`Error::NoEligibleAlgorithm`] listing every reason,
+//! rather than running something whose result could differ. A forced algorithm that is not deterministic is an
+//! error in deterministic mode.
+//!
 //! # Table file format (TOML)
 //!
 //! ```toml
@@ -35,6 +47,9 @@ use crate::units::{format_bytes, parse_bytes};
 pub const ENV_FORCE_ALGO: &str = "ANYCCL_ALLREDUCE_ALGO";
 /// The environment variable naming a selector table file.
 pub const ENV_TABLE_FILE: &str = "ANYCCL_TUNE_FILE";
+/// The environment variable that turns deterministic mode on (`1`, `true`, `on`, `yes`) or off (`0`, `false`,
+/// `off`, `no`, empty); see the module documentation.
+pub const ENV_DETERMINISTIC: &str = "ANYCCL_DETERMINISTIC";
 
 /// What the selector knows about one all-reduce call.
 ///
@@ -553,6 +568,8 @@ pub struct Selector {
     forced: Option<Algorithm>,
     forced_why: Arc<str>,
     fallback_why: Arc<str>,
+    deterministic: bool,
+    deterministic_fallback_why: Arc<str>,
 }
 
 impl Default for Selector {
@@ -563,6 +580,10 @@ impl Default for Selector {
             forced: None,
             forced_why: Arc::from(format!("forced by {ENV_FORCE_ALGO}")),
             fallback_why: Arc::from("no rule matched; first eligible algorithm"),
+            deterministic: false,
+            deterministic_fallback_why: Arc::from(
+                "deterministic mode: no rule yielded a deterministic algorithm; first eligible of two-shot, one-shot",
+            ),
         }
     }
 }
@@ -585,6 +606,21 @@ impl Selector {
             Err(std::env::VarError::NotUnicode(_)) => {
                 return Err(Error::Config {
                     source_name: ENV_FORCE_ALGO.to_owned(),
+                    line: None,
+                    message: "the value is not valid UTF-8".to_owned(),
+                })
+            }
+        };
+        s.deterministic = match std::env::var(ENV_DETERMINISTIC) {
+            Ok(v) => parse_switch(&v).map_err(|message| Error::Config {
+                source_name: ENV_DETERMINISTIC.to_owned(),
+                line: None,
+                message,
+            })?,
+            Err(std::env::VarError::NotPresent) => false,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(Error::Config {
+                    source_name: ENV_DETERMINISTIC.to_owned(),
                     line: None,
                     message: "the value is not valid UTF-8".to_owned(),
                 })
@@ -624,6 +660,18 @@ impl Selector {
         self.forced
     }
 
+    /// Turns deterministic mode on or off (see the module documentation). Every rank of a communicator must use
+    /// the same setting, or their selections differ and the call hangs.
+    pub fn with_deterministic(mut self, on: bool) -> Self {
+        self.deterministic = on;
+        self
+    }
+
+    /// Whether deterministic mode is on (the default of the communicators using this selector).
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
+    }
+
     /// The active table.
     pub fn table(&self) -> &SelectorTable {
         &self.table
@@ -642,7 +690,7 @@ impl Selector {
         q: &SelectionQuery<'_>,
         eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
     ) -> Result<Selection> {
-        self.select_from(self.table.rules.iter(), q, eligible)
+        self.select_from(self.table.rules.iter(), q, self.deterministic, eligible)
     }
 
     /// The indices of the rules that can match some call of a communicator of `vendor`, `arch` and `world`
@@ -665,50 +713,112 @@ impl Selector {
 
     /// [`Selector::select`] over the rules at `candidates` (from [`Selector::candidates`] with `q`'s vendor,
     /// arch and world): the same choice, without scanning the rules that cannot match.
+    /// `deterministic` overrides the selector's own setting (a communicator's [`Selector::with_deterministic`]).
     pub(crate) fn select_among(
         &self,
         candidates: &[usize],
         q: &SelectionQuery<'_>,
+        deterministic: bool,
         eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
     ) -> Result<Selection> {
-        self.select_from(candidates.iter().filter_map(|&i| self.table.rules.get(i)), q, eligible)
+        self.select_from(candidates.iter().filter_map(|&i| self.table.rules.get(i)), q, deterministic, eligible)
     }
 
     fn select_from<'r>(
         &'r self,
         rules: impl Iterator<Item = &'r Rule>,
         q: &SelectionQuery<'_>,
+        deterministic: bool,
         mut eligible: impl FnMut(Algorithm) -> std::result::Result<(), String>,
     ) -> Result<Selection> {
         if let Some(a) = self.forced {
+            if let Some(why) = a.nondeterministic().filter(|_| deterministic) {
+                return Err(Error::AlgorithmNotEligible { algorithm: a, why: deterministic_refusal(why) });
+            }
             return match eligible(a) {
                 Ok(()) => Ok(Selection { algorithm: a, why: self.forced_why.clone() }),
                 Err(why) => Err(Error::AlgorithmNotEligible { algorithm: a, why }),
             };
         }
         let mut refused: Vec<(Algorithm, String)> = Vec::new();
+        // Deterministic mode: the algorithms skipped for their reduction order, named in the selection's `why`.
+        let mut skipped: Vec<Algorithm> = Vec::new();
         for rule in rules.filter(|r| r.matches(q)) {
             for &a in &rule.algorithms {
                 if refused.iter().any(|(r, _)| *r == a) {
                     continue;
                 }
+                if let Some(why) = a.nondeterministic().filter(|_| deterministic) {
+                    refused.push((a, deterministic_refusal(why)));
+                    skipped.push(a);
+                    continue;
+                }
                 match eligible(a) {
-                    Ok(()) => return Ok(Selection { algorithm: a, why: rule.label.clone() }),
+                    Ok(()) => {
+                        let why = if skipped.is_empty() {
+                            rule.label.clone()
+                        } else {
+                            Arc::from(format!("{}; deterministic mode skipped {}", rule.label, names(&skipped)))
+                        };
+                        return Ok(Selection { algorithm: a, why });
+                    }
                     Err(why) => refused.push((a, why)),
                 }
             }
         }
-        for a in Algorithm::ALL {
+        let (order, fallback_why): (&[Algorithm], _) = if deterministic {
+            (&[Algorithm::TwoShot, Algorithm::OneShot], &self.deterministic_fallback_why)
+        } else {
+            (&Algorithm::ALL, &self.fallback_why)
+        };
+        for &a in order {
             if refused.iter().any(|(r, _)| *r == a) {
                 continue;
             }
+            if a.is_lossy() {
+                refused.push((a, "lossy (quantized): runs only where named, never as a fallback".to_owned()));
+                continue;
+            }
             match eligible(a) {
-                Ok(()) => return Ok(Selection { algorithm: a, why: self.fallback_why.clone() }),
+                Ok(()) => {
+                    let why = if skipped.is_empty() {
+                        fallback_why.clone()
+                    } else {
+                        Arc::from(format!("{fallback_why}; deterministic mode skipped {}", names(&skipped)))
+                    };
+                    return Ok(Selection { algorithm: a, why });
+                }
                 Err(why) => refused.push((a, why)),
             }
         }
-        let why = refused.iter().map(|(a, w)| format!("{a}: {w}")).collect::<Vec<_>>().join("; ");
+        let mut why = refused.iter().map(|(a, w)| format!("{a}: {w}")).collect::<Vec<_>>().join("; ");
+        if deterministic {
+            why = format!(
+                "deterministic mode ({ENV_DETERMINISTIC}) found no algorithm that sums in rank order for this call \
+                 (one-shot and two-shot need the custom kernels and a message within their staging size): {why}"
+            );
+        }
         Err(Error::NoEligibleAlgorithm { why })
+    }
+}
+
+/// The reason deterministic mode gives for refusing an algorithm.
+fn deterministic_refusal(why: &str) -> String {
+    format!("not deterministic ({ENV_DETERMINISTIC}): {why}")
+}
+
+/// `a, b, c`.
+fn names(algorithms: &[Algorithm]) -> String {
+    algorithms.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+}
+
+/// An on/off setting's value: `1`, `true`, `on`, `yes` or `0`, `false`, `off`, `no`, empty (any case, spaces
+/// around ignored).
+pub fn parse_switch(v: &str) -> std::result::Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" | "" => Ok(false),
+        _ => Err(format!("{v:?} is not an on/off value (1, true, on, yes / 0, false, off, no)")),
     }
 }
 
@@ -1025,7 +1135,106 @@ mod tests {
             .expect_err("none eligible");
         let Error::NoEligibleAlgorithm { why } = err else { panic!("wrong error {err:?}") };
         for a in Algorithm::ALL {
-            assert!(why.contains(&format!("no {a}")), "{why}");
+            if a.is_lossy() {
+                // Never asked: a lossy algorithm is no fallback, and the reason says so.
+                assert!(!why.contains(&format!("no {a}")) && why.contains(&format!("{a}: lossy")), "{why}");
+            } else {
+                assert!(why.contains(&format!("no {a}")), "{why}");
+            }
+        }
+    }
+
+    #[test]
+    fn lossy_algorithms_run_only_where_named() {
+        // No default rule names them, the fallback never picks them even when everything else is refused...
+        for r in &SelectorTable::defaults().rules {
+            assert!(r.algorithms.iter().all(|a| !a.is_lossy()), "{r}");
+        }
+        let only_lossy = |a: Algorithm| if a.is_lossy() { Ok(()) } else { Err(format!("no {a}")) };
+        for world in [2, 8] {
+            for bytes in [1024, 64 * MIB] {
+                let err = Selector::defaults().select(&q(Vendor::Nvidia, world, bytes), only_lossy);
+                assert!(matches!(err, Err(Error::NoEligibleAlgorithm { .. })), "{err:?}");
+            }
+        }
+        // ...but a table rule or the override that names one runs it, and the selection says so.
+        let t = SelectorTable::parse(
+            "[[rule]]\nvendor = \"nvidia\"\nbytes = \"32MiB-\"\nalgorithms = [\"two-shot-fp8\", \"ccl\"]\n",
+            "q.toml",
+        )
+        .expect("valid");
+        let mut sel = Selector::defaults();
+        sel.table.rules.splice(0..0, t.rules);
+        let s = sel.select(&q(Vendor::Nvidia, 8, 64 * MIB), all_ok).expect("eligible");
+        assert_eq!(s.algorithm, Algorithm::TwoShotFp8);
+        assert!(s.why.contains("two-shot-fp8"), "{}", s.why);
+        let below = sel.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible").algorithm;
+        assert_eq!(below, Selector::defaults().select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("eligible").algorithm);
+        let forced = Selector::defaults().with_forced(Some(Algorithm::TwoShotInt8));
+        assert_eq!(
+            forced.select(&q(Vendor::Nvidia, 8, MIB), all_ok).expect("forced").algorithm,
+            Algorithm::TwoShotInt8
+        );
+    }
+
+    #[test]
+    fn deterministic_mode_runs_only_rank_order_algorithms_and_says_what_it_skipped() {
+        let det = Selector::defaults().with_deterministic(true);
+        assert!(det.deterministic() && !Selector::defaults().deterministic());
+        // Everything eligible: every size and world gets one-shot or two-shot, never the library, NVLS, ring or a
+        // quantized algorithm; where the rule named others first, the selection says it skipped them.
+        for vendor in [Vendor::Nvidia, Vendor::Amd, Vendor::Host] {
+            for world in 1..=9 {
+                for bytes in [0, 16, 300 * KIB, 3 * MIB, 9 * MIB, 64 * MIB, 1 << 40] {
+                    let mut query = q(vendor, world, bytes);
+                    query.arch = "sm_90";
+                    let s = det.select(&query, all_ok).expect("eligible");
+                    assert!(s.algorithm.nondeterministic().is_none(), "{vendor} {world} {bytes}: {s:?}");
+                    let plain = Selector::defaults().select(&query, all_ok).expect("eligible");
+                    if plain.algorithm.nondeterministic().is_some() {
+                        assert!(s.why.contains("deterministic mode skipped"), "{}", s.why);
+                        assert!(s.why.contains(plain.algorithm.name()), "{} should name {}", s.why, plain.algorithm);
+                    } else {
+                        assert_eq!(s.algorithm, plain.algorithm);
+                    }
+                }
+            }
+        }
+        // Large messages at world 8 (rule: ccl-symmetric, ccl) fall back to two-shot first, then one-shot.
+        let large = q(Vendor::Nvidia, 8, 64 * MIB);
+        assert_eq!(det.select(&large, all_ok).expect("two-shot").algorithm, Algorithm::TwoShot);
+        let no_two = |a: Algorithm| if a == Algorithm::TwoShot { Err("too big".to_owned()) } else { Ok(()) };
+        assert_eq!(det.select(&large, no_two).expect("one-shot").algorithm, Algorithm::OneShot);
+        // Nothing deterministic eligible: a typed error naming the mode and every reason; the library is not used.
+        let only_ccl = |a: Algorithm| if a == Algorithm::Ccl { Ok(()) } else { Err(format!("no {a}")) };
+        let err = det.select(&large, only_ccl).expect_err("nothing deterministic");
+        let Error::NoEligibleAlgorithm { why } = &err else { panic!("wrong error {err:?}") };
+        assert!(why.contains(ENV_DETERMINISTIC) && why.contains("no two-shot") && why.contains("no one-shot"), "{why}");
+        assert!(why.contains("ccl: not deterministic"), "{why}");
+        // A forced algorithm that is not deterministic is an error; a deterministic one runs.
+        for a in Algorithm::ALL {
+            let r = det.clone().with_forced(Some(a)).select(&large, all_ok);
+            match a.nondeterministic() {
+                Some(_) => {
+                    let Err(Error::AlgorithmNotEligible { algorithm, why }) = r else { panic!("{a}: {r:?}") };
+                    assert_eq!(algorithm, a);
+                    assert!(why.contains(ENV_DETERMINISTIC), "{why}");
+                }
+                None => assert_eq!(r.expect("deterministic").algorithm, a),
+            }
+        }
+    }
+
+    #[test]
+    fn on_off_values_parse_and_bad_ones_are_refused() {
+        for v in ["1", "true", " ON ", "yes"] {
+            assert_eq!(parse_switch(v), Ok(true), "{v}");
+        }
+        for v in ["0", "false", "Off", "no", ""] {
+            assert_eq!(parse_switch(v), Ok(false), "{v}");
+        }
+        for v in ["2", "maybe", "enabled"] {
+            assert!(parse_switch(v).expect_err(v).contains(v), "{v}");
         }
     }
 
@@ -1238,7 +1447,7 @@ mod tests {
             let q = SelectionQuery { vendor, arch, world, bytes, dtype, capturing };
             let eligible = |a: Algorithm| if refused.contains(&a) { Err(format!("{a} refused")) } else { Ok(()) };
             let whole = sel.select(&q, eligible);
-            let among = sel.select_among(&sel.candidates(vendor, arch, world), &q, eligible);
+            let among = sel.select_among(&sel.candidates(vendor, arch, world), &q, false, eligible);
             proptest::prop_assert_eq!(format!("{whole:?}"), format!("{among:?}"));
         }
     }

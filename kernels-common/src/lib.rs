@@ -10,9 +10,15 @@
 //!
 //! Both vendors' kernels have the same names and parameters ([`ALLREDUCE_KERNELS`]) and the same flag array
 //! ([`FLAG_BYTES`]); the constants here are the header's, which a test checks.
+//!
+//! `include/anyccl/quant.h` adds the quantized two-shot ([`QUANT_KERNELS`], fp8 e4m3 or int8 exchanged data with
+//! one f32 scale per 32 elements, f32 accumulation); [`quant`] mirrors its arithmetic on the host and states its
+//! error bound.
 #![forbid(unsafe_code)]
 
 pub mod push;
+
+pub mod quant;
 
 /// Most ranks one launch handles (`ANYCCL_MAX_RANKS`).
 pub const MAX_RANKS: usize = 8;
@@ -196,11 +202,37 @@ pub fn fused_params(kernel: &str) -> Option<&'static [Param]> {
 /// The fused kernels' source (`include/anyccl/fused.h`, included after `allreduce.h`).
 pub const FUSED_HEADER: &str = include_str!("../include/anyccl/fused.h");
 
+/// The quantized two-shot kernels (`include/anyccl/quant.h`): `anyccl_quant_two_shot_{fp8,int8}_` followed by a
+/// name of [`DTYPES`] (the input and output type; the exchanged data is the format's). Parameters:
+/// [`QUANT_PARAMS`].
+pub const QUANT_KERNELS: [&str; 6] = [
+    "anyccl_quant_two_shot_fp8_f32",
+    "anyccl_quant_two_shot_fp8_f16",
+    "anyccl_quant_two_shot_fp8_bf16",
+    "anyccl_quant_two_shot_int8_f32",
+    "anyccl_quant_two_shot_int8_f16",
+    "anyccl_quant_two_shot_int8_bf16",
+];
+
+/// The parameters of every kernel of [`QUANT_KERNELS`], in order (`in`, `out`: this rank's buffers; `stage`,
+/// `scratch`, `flags`: 8 pointers by value; `rank`, `world`: `i32`; `n_vec`: `u64`, the message's 16-byte vectors).
+pub const QUANT_PARAMS: [Param; 8] = [
+    ("in", 0, 8),
+    ("stage", 8, 64),
+    ("scratch", 72, 64),
+    ("out", 136, 8),
+    ("flags", 144, 64),
+    ("rank", 208, 4),
+    ("world", 212, 4),
+    ("n_vec", 216, 8),
+];
+
 /// The shared kernel source and vendor headers, by path under `include/` (for tests and tools that read them).
-pub const HEADERS: [(&str, &str); 3] = [
+pub const HEADERS: [(&str, &str); 4] = [
     ("anyccl/allreduce.h", include_str!("../include/anyccl/allreduce.h")),
     ("anyccl/vendor_cuda.h", include_str!("../include/anyccl/vendor_cuda.h")),
     ("anyccl/vendor_hip.h", include_str!("../include/anyccl/vendor_hip.h")),
+    ("anyccl/quant.h", include_str!("../include/anyccl/quant.h")),
 ];
 
 #[cfg(test)]
@@ -300,7 +332,14 @@ mod tests {
             "Elem<",
         ] {
             assert!(HEADERS[0].1.contains(name), "allreduce.h does not use {name}");
-            for (path, text) in &HEADERS[1..] {
+            for (path, text) in &HEADERS[1..3] {
+                assert!(text.contains(name), "{path} does not define {name}");
+            }
+        }
+        // And what quant.h takes from it.
+        for name in ["anyccl_e4m3x2_encode(", "anyccl_e4m3x2_decode("] {
+            assert!(HEADERS[3].1.contains(name), "quant.h does not use {name}");
+            for (path, text) in &HEADERS[1..3] {
                 assert!(text.contains(name), "{path} does not define {name}");
             }
         }
@@ -376,8 +415,50 @@ mod tests {
             "anyccl_shfl_xor32(",
         ] {
             assert!(FUSED_HEADER.contains(name), "fused.h does not use {name}");
-            for (path, text) in &HEADERS[1..] {
+            for (path, text) in &HEADERS[1..3] {
                 assert!(text.contains(name), "{path} does not define {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn quant_constants_names_and_params_are_the_headers() {
+        let src = HEADERS[3].1;
+        let block = src
+            .lines()
+            .find_map(|l| l.strip_prefix("#define ANYCCL_QUANT_BLOCK "))
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(block, Some(quant::BLOCK));
+        let mut stamped = Vec::new();
+        for f in quant::Format::ALL {
+            assert!(src.contains(&format!("anyccl_quant_two_shot_{}_##NAME(", f.name())), "{f:?}");
+            for dt in DTYPES {
+                stamped.push(format!("anyccl_quant_two_shot_{}_{dt}", f.name()));
+            }
+        }
+        let mut listed: Vec<String> = QUANT_KERNELS.iter().map(|k| String::from(*k)).collect();
+        stamped.sort();
+        listed.sort();
+        assert_eq!(stamped, listed);
+        // Natural alignment, and the source's names in its order.
+        let mut end = 0usize;
+        for (name, offset, size) in QUANT_PARAMS {
+            assert_eq!(offset, end.next_multiple_of(size.min(8)), "{name} at {offset}");
+            end = offset + size;
+        }
+        let start = src.find("anyccl_quant_two_shot_fp8_##NAME(").expect("fp8 kernel");
+        let sig = &src[start..start + src[start..].find(')').unwrap_or(0)];
+        let mut at = 0;
+        for (name, _, _) in QUANT_PARAMS {
+            let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
+            let pos = pos.unwrap_or_else(|| panic!("parameter {name} not in the source's order: {sig}"));
+            at += pos + name.len();
+        }
+        // The three kernel sources instantiate it.
+        for f in ["kernels-cuda/cuda/allreduce.cu", "kernels-hip/hip/allreduce.hip"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(f);
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                assert!(text.contains("#include \"anyccl/quant.h\""), "{f} does not build the quantized kernels");
             }
         }
     }

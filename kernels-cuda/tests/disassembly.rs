@@ -74,6 +74,19 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
             }
         }
+        // The quantized two-shot: three barriers per world, each a system-scope release store and acquire load; no
+        // multimem; fp8 conversions in hardware from sm_90 on (F2FP ... E4M3 packs two f32 into e4m3).
+        for k in anyccl_kernels_common::QUANT_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            let stores = body.matches("STG.E.STRONG.SYS").count();
+            let loads = body.matches("LDG.E.STRONG.SYS").count();
+            assert!(stores >= 7 * 3, "{arch}: {k}: {stores} system-scope flag stores, expected at least 21");
+            assert!(loads >= 7 * 3, "{arch}: {k}: {loads} system-scope flag loads, expected at least 21");
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
+            if k.contains("_fp8_") && *arch != "sm_80" {
+                assert!(body.contains("E4M3"), "{arch}: {k}: no hardware e4m3 conversion");
+            }
+        }
         for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
             for dt in ["f32", "f16", "bf16"] {
                 let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
@@ -134,6 +147,10 @@ fn allreduce_kernels_take_the_shared_parameters() {
         let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
         for k in anyccl_kernels_common::push::PUSH_KERNELS {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        }
+        let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+        for k in anyccl_kernels_common::QUANT_KERNELS {
+            assert_eq!(kparams(&elf, k), quant, "{arch}: {k}: parameters (offset, size) differ from QUANT_PARAMS");
         }
     }
 }

@@ -22,3 +22,9 @@ ANYCCL_FUSED_KERNELS(bf16, anyccl_bf16)
 ANYCCL_PUSH_KERNELS(f32, anyccl_f32)
 ANYCCL_PUSH_KERNELS(f16, anyccl_f16)
 ANYCCL_PUSH_KERNELS(bf16, anyccl_bf16)
+
+// Quantized two-shot (fp8 e4m3 / int8 exchanged data with per-block scales), written once for every vendor.
+#include "anyccl/quant.h"
+ANYCCL_QUANT_KERNELS(f32, anyccl_f32)
+ANYCCL_QUANT_KERNELS(f16, anyccl_f16)
+ANYCCL_QUANT_KERNELS(bf16, anyccl_bf16)

@@ -4,7 +4,7 @@
 //! Kernels (`hip/allreduce.hip`, [`KERNELS`]): the one-shot and two-shot all-reduce of the source shared with the
 //! CUDA kernels (`anyccl-kernels-common`): `anyccl_{one_shot,two_shot}[_table]_{f32,f16,bf16}`, with the same
 //! parameters, flag layout ([`FLAG_BYTES`], with the abort word at [`ABORT_WORD_OFFSET`]), input tables, two-shot
-//! rounds and limits as the CUDA kernels. [`NOT_BUILT`] says why a build has no kernels; [`SKIPPED_TARGETS`] which
+//! rounds and limits as the CUDA kernels; and the quantized two-shot ([`QUANT_KERNELS`]). [`NOT_BUILT`] says why a build has no kernels; [`SKIPPED_TARGETS`] which
 //! targets this hipcc could not build, and why.
 #![forbid(unsafe_code)]
 
@@ -12,8 +12,8 @@ include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
 pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};
 
-/// The kernel names every code object holds: the all-reduce kernels of the shared source, with the names and
-/// parameters of the CUDA kernels.
+/// The all-reduce kernels of the shared source every code object holds, with the names and parameters of the CUDA
+/// kernels.
 pub const KERNELS: [&str; 12] = anyccl_kernels_common::ALLREDUCE_KERNELS;
 
 /// The fused all-reduce + residual add + RMSNorm kernels and the separate RMSNorm kernel every code object also
@@ -23,6 +23,10 @@ pub const FUSED_KERNELS: [&str; 10] = anyccl_kernels_common::FUSED_KERNELS;
 /// The push-mode one-shot kernels every code object also holds (`anyccl-kernels-common`'s `push.h`, the same names
 /// and parameters as on CUDA; programmatic dependent launch is a no-op here).
 pub const PUSH_KERNELS: [&str; 3] = anyccl_kernels_common::push::PUSH_KERNELS;
+
+/// The quantized two-shot kernels of the shared source (`quant.h`) every code object also holds, with the names and
+/// parameters ([`anyccl_kernels_common::QUANT_PARAMS`]) of the CUDA kernels.
+pub const QUANT_KERNELS: [&str; 6] = anyccl_kernels_common::QUANT_KERNELS;
 
 /// The code object of `source` for GPU target `arch` (`"gfx90a"`, `"gfx942"`; feature suffixes such as
 /// `":sramecc+:xnack-"` are ignored). AMDGPU code objects run only on the exact target they were built for.

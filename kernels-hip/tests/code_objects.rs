@@ -47,6 +47,7 @@ fn code_objects_hold_every_kernel() {
             .iter()
             .chain(&anyccl_kernels_hip::FUSED_KERNELS)
             .chain(&anyccl_kernels_hip::PUSH_KERNELS)
+            .chain(&anyccl_kernels_hip::QUANT_KERNELS)
         {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
@@ -58,6 +59,7 @@ fn code_objects_hold_every_kernel() {
         let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
         listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
         listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
+        listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
         listed.sort_unstable();
         assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
     }
@@ -91,7 +93,7 @@ fn flag_accesses_are_system_scope_release_acquire() {
     // after the load. A relaxed or agent-scope flag would have neither.
     // The fused kernels synchronise across GPUs the same way; the separate RMSNorm kernel does not synchronise.
     let fused = anyccl_kernels_hip::FUSED_KERNELS.into_iter().filter(|k| !k.starts_with("anyccl_rmsnorm_"));
-    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(fused) {
+    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(fused).chain(anyccl_kernels_hip::QUANT_KERNELS) {
         let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
         let range = sym.address()..sym.address() + sym.size();
         let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
@@ -140,6 +142,11 @@ fn kernels_take_the_shared_parameters() {
     for k in anyccl_kernels_hip::PUSH_KERNELS {
         let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
+    }
+    let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+    for k in anyccl_kernels_hip::QUANT_KERNELS {
+        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, quant, "{k}: parameters (offset, size) differ from QUANT_PARAMS");
     }
 }
 

@@ -11,6 +11,7 @@
 //!   with a fake driver;
 //! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks;
 //!   `emulated_fused`: the same for the fused all-reduce + residual add + RMSNorm and its unfused baseline.
+//!   `emulated_quant` adds the quantized two-shot to them.
 //!
 //! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
 //!
@@ -32,6 +33,7 @@ pub mod emulated;
 #[cfg(feature = "emulation")]
 #[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated_fused;
+pub mod emulated_quant;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;

@@ -15,8 +15,9 @@ use crate::ipc::LegacyMapping;
 use crate::runtime::{CudaRuntime, CudaStream};
 
 /// The all-reduce algorithms of the CUDA backend. The NVLS ones and the push one-shot are listed so that selection
-/// and the bench say why they cannot run (multicast off, or not wired yet); they are never eligible today.
-pub const ALGORITHMS: [Algorithm; 8] = [
+/// and the bench say why they cannot run (multicast off, or not wired yet); they are never eligible today. The
+/// quantized two-shots are lossy: they run only where named (see [`Algorithm::is_lossy`]).
+pub const ALGORITHMS: [Algorithm; 10] = [
     Algorithm::Ccl,
     Algorithm::CclSymmetric,
     Algorithm::OneShot,
@@ -25,6 +26,8 @@ pub const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::NvlsWarpPipeline,
     Algorithm::NvlsBlockPipeline,
     Algorithm::OneShotPush,
+    Algorithm::TwoShotFp8,
+    Algorithm::TwoShotInt8,
 ];
 
 /// The CUDA platform (a marker type: [`crate::CudaComm`] is `GpuComm<Cuda>`).

@@ -15,9 +15,16 @@ use crate::loader::{HipLibrary, HipLoadError};
 use crate::runtime::{check, HipDevice, HipRuntime, HipStream};
 use crate::sys;
 
-/// The all-reduce algorithms of the ROCm backend: RCCL's own and the custom one-shot / two-shot kernels.
-pub const ALGORITHMS: [Algorithm; 4] =
-    [Algorithm::Ccl, Algorithm::CclSymmetric, Algorithm::OneShot, Algorithm::TwoShot];
+/// The all-reduce algorithms of the ROCm backend: RCCL's own, the custom one-shot / two-shot kernels, and the
+/// quantized two-shots (lossy: they run only where named, see [`Algorithm::is_lossy`]).
+pub const ALGORITHMS: [Algorithm; 6] = [
+    Algorithm::Ccl,
+    Algorithm::CclSymmetric,
+    Algorithm::OneShot,
+    Algorithm::TwoShot,
+    Algorithm::TwoShotFp8,
+    Algorithm::TwoShotInt8,
+];
 
 /// The HIP platform (a marker type: [`crate::RocmComm`] is `GpuComm<Hip>`).
 #[derive(Debug, Clone, Copy)]

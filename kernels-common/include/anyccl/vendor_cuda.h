@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 // Occupancy every kernel is built for: 512 threads, two blocks per SM (so at most 64 registers per thread; the
@@ -100,3 +101,17 @@ __device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { retu
 
 // Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (every one of them calls it).
 __device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+
+// fp8 e4m3 (OCP "fn": bias 7, max 448, NaN 0x7f) for the quantized all-reduce (quant.h): two f32 to two codes
+// (round to nearest even, saturated to ±448, NaN stays NaN; `a` in the low byte), and two codes back to f32 (exact).
+// sm_89+ converts in hardware (cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2); older archs get cuda_fp8.h's
+// software conversion, which rounds the same way.
+__device__ __forceinline__ uint32_t anyccl_e4m3x2_encode(float a, float b) {
+    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+__device__ __forceinline__ void anyccl_e4m3x2_decode(uint16_t codes, float* v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)codes, __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    v[0] = f.x;
+    v[1] = f.y;
+}

@@ -114,3 +114,35 @@ __device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { retu
 
 // Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (half a 64-wide wavefront).
 __device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor(v, mask, 32); }
+
+// fp8 e4m3 (OCP "fn": bias 7, max 448, NaN 0x7f) for the quantized all-reduce (quant.h), converted by hand: AMD's
+// hardware fp8 on gfx942 is the "fnuz" variant (another bias, no negative zero), so the exchanged format stays the
+// one the CUDA kernels and the host model use. Round to nearest even, saturated to ±448, NaN stays NaN.
+__device__ __forceinline__ uint32_t anyccl_e4m3_encode1(float f) {
+    const uint32_t u = __float_as_uint(f);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+    if (a >= 0x43e00000u) return sign | 0x7eu; // >= 448, and infinity: the largest finite code
+    if (a >= 0x3c800000u) {                    // >= 2^-6: a normal e4m3 number
+        uint32_t r = a - 0x3c000000u;          // exponent bias 127 -> 7
+        r += 0x7ffffu + ((r >> 20) & 1u);      // round the 20 dropped mantissa bits to nearest even
+        return sign | (r >> 20);
+    }
+    // Subnormal: a multiple of 2^-9 (rintf rounds to nearest even; 8 is the smallest normal, 2^-6).
+    return sign | (uint32_t)(int)rintf(__uint_as_float(a) * 512.0f);
+}
+__device__ __forceinline__ float anyccl_e4m3_decode1(uint32_t c) {
+    const uint32_t sign = (c & 0x80u) << 24;
+    const uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
+    const float v = e == 0u ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return __uint_as_float(__float_as_uint(v) | sign);
+}
+__device__ __forceinline__ uint32_t anyccl_e4m3x2_encode(float a, float b) {
+    return anyccl_e4m3_encode1(a) | (anyccl_e4m3_encode1(b) << 8);
+}
+__device__ __forceinline__ void anyccl_e4m3x2_decode(uint16_t codes, float* v) {
+    v[0] = anyccl_e4m3_decode1(codes & 0xffu);
+    v[1] = anyccl_e4m3_decode1((uint32_t)codes >> 8);
+}

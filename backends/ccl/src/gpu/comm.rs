@@ -17,6 +17,7 @@ use anyccl_kernels_common as common;
 
 use super::graph_inputs::{GraphInputs, Transport};
 use super::kernels::{self, CustomKernels, Inputs, Kind};
+use super::quant::{self, QuantKernels};
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
 use crate::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
@@ -36,6 +37,8 @@ pub const DEFAULT_CUSTOM_MAX_BLOCKS: usize = 64;
 /// What the custom one-shot / two-shot kernels need on one rank: its kernels, its staging, scratch and flag
 /// buffers, and every rank's, as addressable from this device (peer access enabled, or IPC-mapped).
 struct CustomState<P: GpuPlatform> {
+    /// The quantized two-shot kernels of `kernels`' module (valid while `kernels` lives).
+    quant: QuantKernels<P>,
     kernels: CustomKernels<P>,
     _staging: BufferOf<P>,
     _scratch: BufferOf<P>,
@@ -368,6 +371,7 @@ impl<P: GpuPlatform> GpuComm<P> {
             return Err(off(format!("rank {q} could not map its peers' custom-kernel buffers")));
         }
         Ok(CustomState {
+            quant: QuantKernels::new(&kernels),
             kernels,
             _staging: staging,
             _scratch: scratch,
@@ -418,6 +422,7 @@ impl<P: GpuPlatform> GpuComm<P> {
                 let graph =
                     GraphInputs::new(&comm.runtime, all_staging.clone(), rank, transport).map_err(|e| e.to_string())?;
                 Ok(CustomState {
+                    quant: QuantKernels::new(&kernels),
                     kernels,
                     _staging: staging,
                     _scratch: scratch,
@@ -512,6 +517,28 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.runtime.bind()?;
         let (src, dst) = crate::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
+        if let Some(format) = quant::format_of(algorithm) {
+            // SAFETY: eligibility checked that the quantized message fits every rank's staging and scratch
+            // (`capacity`), reachable through peer access or IPC; `quant` came from `kernels`' module; every rank
+            // makes the same calls in the same order with the same block count; ranks run on different GPUs. The
+            // kernel reads only this rank's input and the ranks' staging and scratch: the same eager and captured.
+            return unsafe {
+                st.quant.launch(
+                    &st.kernels,
+                    format,
+                    dtype,
+                    src,
+                    &st.all_staging,
+                    &st.all_scratch,
+                    dst,
+                    &st.all_flags,
+                    rank,
+                    bytes,
+                    custom_blocks(bytes, st.max_blocks),
+                    stream,
+                )
+            };
+        }
         let table =
             if capturing && !(algorithm == Algorithm::OneShot && src == dst) { st.graph.table_for(src) } else { None };
         let inputs = match table {
@@ -611,6 +638,28 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
                 }
                 Ok(())
             }
+            Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8 => {
+                let st = self.custom.as_ref().map_err(Clone::clone)?;
+                if call.op != ReduceOp::Sum {
+                    return Err(format!("the quantized kernels implement sum, not {}", call.op));
+                }
+                if let Some(why) = kernels::ineligible::<P>(call.dtype, call.bytes, self.ccl.world()) {
+                    return Err(why);
+                }
+                let format = quant::format_of(algorithm).ok_or_else(|| format!("{algorithm} is not quantized"))?;
+                if let Some(why) = st.quant.missing(format, call.dtype) {
+                    return Err(why);
+                }
+                let need = quant::staging_bytes(call.dtype, call.bytes).unwrap_or(usize::MAX);
+                if need > st.capacity {
+                    return Err(format!(
+                        "{} bytes quantize to {need} bytes, more than the custom kernels' staging buffers ({} bytes; \
+                         ANYCCL_CUSTOM_MAX_BYTES)",
+                        call.bytes, st.capacity
+                    ));
+                }
+                Ok(())
+            }
             other => Err(P::other_algorithm(&self.caps, other)),
         }
     }
@@ -621,7 +670,8 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         let algorithm = args.algorithm();
-        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
+        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8)
+        {
             return self.custom_all_reduce(args);
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {

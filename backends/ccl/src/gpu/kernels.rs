@@ -248,6 +248,11 @@ impl<P: GpuPlatform> CustomKernels<P> {
         P::function(&self.runtime, &self._module, name)
     }
 
+    /// The runtime the kernels were loaded on.
+    pub(crate) fn runtime(&self) -> &P::Runtime {
+        &self.runtime
+    }
+
     /// `kind`'s `dtype` kernel (reading its inputs through a table or not), resolved when the module was loaded.
     fn function(&self, kind: Kind, dtype: DataType, table: bool) -> Result<P::Function> {
         let Some(slot) = function_slot(kind, dtype, table) else {

@@ -11,6 +11,7 @@
 //! - [`fused`]: the fused all-reduce + residual add + RMSNorm kernels ([`fused::FusedKernels`]), their choice and
 //!   their host reference;
 //! - [`graph_inputs`]: inputs of captured all-reduces and their registration ([`GraphInputs`]);
+//! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
 //! - [`comm`]: the communicator ([`GpuComm`]);
 //! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
@@ -19,6 +20,7 @@ pub mod comm;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+pub mod quant;
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
