@@ -188,10 +188,10 @@ mod tests {
     }
 
     #[test]
-    fn only_one_and_two_shot_are_deterministic_and_only_quantized_ones_lossy() {
+    fn only_the_rank_order_kernels_are_deterministic_and_only_quantized_ones_lossy() {
         for a in Algorithm::ALL {
             let det = a.nondeterministic().is_none();
-            assert_eq!(det, matches!(a, Algorithm::OneShot | Algorithm::TwoShot), "{a}");
+            assert_eq!(det, matches!(a, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush), "{a}");
             assert_eq!(a.is_lossy(), matches!(a, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8), "{a}");
             assert!(!(det && a.is_lossy()), "{a}");
         }

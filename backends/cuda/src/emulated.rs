@@ -224,3 +224,41 @@ impl EmulatedRanks {
             .collect()
     }
 }
+
+/// Seconds per call of `graphs` (one per rank, each holding `calls` back-to-back calls, replayed on the rank's
+/// stream in `streams`), the way the emulated-rank benches time every kernel: per round, every rank's graph starts
+/// after an event on a timing stream, which then waits for every rank; `warmup` untimed rounds, then `rounds` timed
+/// with device events; the median round divided by `calls`.
+pub fn time_graphs(
+    runtime: &CudaRuntime,
+    streams: &[CudaStream],
+    graphs: &[Graph],
+    calls: usize,
+    warmup: usize,
+    rounds: usize,
+) -> Result<f64> {
+    use crate::graph::Event;
+    let timer = runtime.stream()?;
+    let ctx = runtime.context();
+    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
+    let done: Vec<Event> = streams.iter().map(|_| Event::new(ctx)).collect::<Result<_>>()?;
+    let mut times = Vec::with_capacity(rounds);
+    for round in 0..warmup + rounds {
+        start.record(&timer)?;
+        for ((graph, stream), d) in graphs.iter().zip(streams).zip(&done) {
+            start.wait_on(stream)?;
+            graph.launch(stream)?;
+            d.record(stream)?;
+        }
+        for d in &done {
+            d.wait_on(&timer)?;
+        }
+        end.record(&timer)?;
+        timer.synchronize()?;
+        if round >= warmup {
+            times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / calls.max(1) as f64);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
+}

@@ -8,6 +8,7 @@
 //! [`common::MAX_HIDDEN`]), f32 arithmetic; optionally fp8 e4m3 output `e4m3(y / scale)` (round to nearest even,
 //! saturating to ±448, NaN kept). See fused.h for the exact order of every operation.
 
+use super::kernels::{ptrs, Ptrs};
 use std::ffi::{c_void, CString};
 
 use anyccl_core::{DataType, Error, Result};
@@ -199,18 +200,6 @@ pub struct FusedKernels<P: GpuPlatform> {
     _module: Option<P::Module>,
     runtime: P::Runtime,
     sms: usize,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ptrs([u64; common::MAX_RANKS]);
-
-fn ptrs(v: &[u64]) -> Ptrs {
-    let mut p = [0u64; common::MAX_RANKS];
-    for (d, s) in p.iter_mut().zip(v) {
-        *d = *s;
-    }
-    Ptrs(p)
 }
 
 impl<P: GpuPlatform> FusedKernels<P> {

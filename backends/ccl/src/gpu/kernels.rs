@@ -181,11 +181,14 @@ pub struct CustomKernels<P: GpuPlatform> {
     sms: usize,
 }
 
+/// A table of up to `MAX_RANKS` device pointers passed by value (the kernels' `RankPtrs` / `FlagPtrs`); the
+/// launchers of the fused and quantized kernels use it too.
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct Ptrs([u64; common::MAX_RANKS]);
+pub(crate) struct Ptrs([u64; common::MAX_RANKS]);
 
-fn ptrs(v: &[u64]) -> Ptrs {
+/// `v`'s pointers in a [`Ptrs`], the unused entries null.
+pub(crate) fn ptrs(v: &[u64]) -> Ptrs {
     let mut p = [0u64; common::MAX_RANKS];
     for (d, s) in p.iter_mut().zip(v) {
         *d = *s;

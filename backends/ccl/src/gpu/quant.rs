@@ -10,6 +10,7 @@
 //! does (≤ 36 bytes per 32 elements, plus one block). The kernel reads only this rank's own input and every rank's
 //! staging and scratch, so it is the same eager and inside a graph (no input tables).
 
+use super::kernels::{ptrs, Ptrs};
 use std::ffi::{c_void, CString};
 
 use anyccl_core::{Algorithm, DataType, Error, Result};
@@ -60,18 +61,6 @@ fn slot(format: Format, dtype: DataType) -> Option<usize> {
 #[derive(Clone, Copy)]
 pub struct QuantKernels<P: GpuPlatform> {
     functions: [Option<P::Function>; SLOTS],
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Ptrs([u64; common::MAX_RANKS]);
-
-fn ptrs(v: &[u64]) -> Ptrs {
-    let mut p = [0u64; common::MAX_RANKS];
-    for (d, s) in p.iter_mut().zip(v) {
-        *d = *s;
-    }
-    Ptrs(p)
 }
 
 impl<P: GpuPlatform> QuantKernels<P> {

@@ -69,7 +69,6 @@ fn copy_bandwidth(g: &EmulatedRanks) -> Result<f64> {
 /// Median time of one all-reduce of `kind` over the group, seconds.
 fn time_kind(g: &EmulatedRanks, kind: Kind, device: i32) -> Result<f64> {
     let timer = g.runtime.stream()?;
-    let ctx = g.runtime.context();
     let data = vec![0x3fu8; g.bytes];
     for b in &g.inputs {
         // SAFETY: a view of the group's own input buffer, used only here.
@@ -79,26 +78,8 @@ fn time_kind(g: &EmulatedRanks, kind: Kind, device: i32) -> Result<f64> {
     g.launch(kind, DataType::Bf16)?;
     g.synchronize()?;
     let graphs = g.capture(kind, DataType::Bf16, CALLS)?;
-    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
-    let done: Vec<Event> = g.streams.iter().map(|_| Event::new(ctx)).collect::<Result<_>>()?;
-    let mut times = Vec::new();
-    for round in 0..3 + ROUNDS {
-        start.record(&timer)?;
-        for ((gr, s), d) in graphs.iter().zip(&g.streams).zip(&done) {
-            start.wait_on(s)?;
-            gr.launch(s)?;
-            d.record(s)?;
-        }
-        for d in &done {
-            d.wait_on(&timer)?;
-        }
-        end.record(&timer)?;
-        timer.synchronize()?;
-        if round >= 3 {
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / CALLS as f64);
-        }
-    }
-    Ok(median(times))
+    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    Ok(per_call)
 }
 
 fn kind_of(name: &str) -> Option<Kind> {

@@ -22,15 +22,9 @@ use anyccl_ccl::gpu::fused::{reference, FusedForm, FusedOutput};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated_fused::{EmulatedFused, FusedPath};
-use anyccl_cuda::graph::Event;
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn view(b: &anyccl_cuda::DeviceBuffer, device: i32) -> anyccl_cuda::DeviceBuffer {
     // SAFETY: a second handle on a buffer the group owns, used only while the group lives.
@@ -73,29 +67,9 @@ fn check(g: &EmulatedFused, device: i32, path: FusedPath, residual: &[u8], want:
 
 /// Median time of one call of `path` over the group, seconds.
 fn time_path(g: &EmulatedFused, path: FusedPath) -> Result<f64> {
-    let timer = g.runtime.stream()?;
-    let ctx = g.runtime.context();
     let graphs = g.capture(path, CALLS)?;
-    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
-    let done: Vec<Event> = g.streams.iter().map(|_| Event::new(ctx)).collect::<Result<_>>()?;
-    let mut times = Vec::new();
-    for round in 0..3 + ROUNDS {
-        start.record(&timer)?;
-        for ((gr, s), d) in graphs.iter().zip(&g.streams).zip(&done) {
-            start.wait_on(s)?;
-            gr.launch(s)?;
-            d.record(s)?;
-        }
-        for d in &done {
-            d.wait_on(&timer)?;
-        }
-        end.record(&timer)?;
-        timer.synchronize()?;
-        if round >= 3 {
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / CALLS as f64);
-        }
-    }
-    Ok(median(times))
+    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    Ok(per_call)
 }
 
 /// One row of the table; returns whether every check passed.

@@ -20,16 +20,11 @@ use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::EmulatedRanks;
-use anyccl_cuda::graph::{Event, Graph};
+use anyccl_cuda::graph::Graph;
 use anyccl_cuda::push::{push_blocks, EmulatedPush, PUSH_MAX_BYTES};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// Which kernel a column runs.
 #[derive(Clone, Copy, PartialEq)]
@@ -128,33 +123,13 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) 
     launch(g, p, col, dtype)?;
     let mut ok = outputs_equal(g, &want, device)?;
     let graphs = capture(g, p, col, dtype)?;
-    let timer = g.runtime.stream()?;
-    let ctx = g.runtime.context();
-    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
-    let done: Vec<Event> = g.streams.iter().map(|_| Event::new(ctx)).collect::<Result<_>>()?;
-    let mut times = Vec::new();
-    for round in 0..3 + ROUNDS {
-        start.record(&timer)?;
-        for ((gr, s), d) in graphs.iter().zip(&g.streams).zip(&done) {
-            start.wait_on(s)?;
-            gr.launch(s)?;
-            d.record(s)?;
-        }
-        for d in &done {
-            d.wait_on(&timer)?;
-        }
-        end.record(&timer)?;
-        timer.synchronize()?;
-        if round >= 3 {
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / CALLS as f64);
-        }
-    }
+    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
     ok &= outputs_equal(g, &want, device)?;
     // One eager call on other inputs: a result left over from an earlier call would show here.
     let want = set_inputs(g, dtype, 1, device)?;
     launch(g, p, col, dtype)?;
     ok &= outputs_equal(g, &want, device)?;
-    Ok((median(times), ok))
+    Ok((per_call, ok))
 }
 
 /// The command line's choices.

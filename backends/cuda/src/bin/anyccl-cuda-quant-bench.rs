@@ -29,16 +29,11 @@ use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
 use anyccl_cuda::emulated_quant::{Format, QuantRanks};
-use anyccl_cuda::graph::{Event, Graph};
+use anyccl_cuda::graph::Graph;
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
 const DTYPE: DataType = DataType::Bf16;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// xorshift64*: reproducible inputs without a dependency; uniform in [-1, 1).
 fn rng(seed: u64) -> impl FnMut() -> f32 {
@@ -79,29 +74,9 @@ fn capture(q: &QuantRanks, c: Column) -> Result<Vec<Graph>> {
 /// Median time of one all-reduce, seconds.
 fn time(q: &QuantRanks, c: Column) -> Result<f64> {
     let g = &q.ranks;
-    let timer = g.runtime.stream()?;
-    let ctx = g.runtime.context();
     let graphs = capture(q, c)?;
-    let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);
-    let done: Vec<Event> = g.streams.iter().map(|_| Event::new(ctx)).collect::<Result<_>>()?;
-    let mut times = Vec::new();
-    for round in 0..3 + ROUNDS {
-        start.record(&timer)?;
-        for ((gr, s), d) in graphs.iter().zip(&g.streams).zip(&done) {
-            start.wait_on(s)?;
-            gr.launch(s)?;
-            d.record(s)?;
-        }
-        for d in &done {
-            d.wait_on(&timer)?;
-        }
-        end.record(&timer)?;
-        timer.synchronize()?;
-        if round >= 3 {
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e-3 / CALLS as f64);
-        }
-    }
-    Ok(median(times))
+    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    Ok(per_call)
 }
 
 /// Every rank's output, as f32 values (bf16 decoded).
