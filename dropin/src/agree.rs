@@ -3,8 +3,8 @@
 //! they would all reach that decision at the same call.
 //!
 //! That decision reads rank-local things: `ANYCCL_DISABLE`, `ANYCCL_CUSTOM_MAX_BYTES`, `ANYCCL_CUSTOM_MAX_BLOCKS`,
-//! `ANYCCL_TUNE_FILE` (the table it holds), `ANYCCL_ALLREDUCE_ALGO`, the device's architecture and anyccl's
-//! kernels for it. Each rank condenses them into a fixed-size [`Fingerprint`] (one 8-byte value per setting: the
+//! `ANYCCL_TUNE_FILE` (the table it holds), `ANYCCL_ALLREDUCE_ALGO`, `ANYCCL_DETERMINISTIC`, the device's
+//! architecture and anyccl's kernels for it. Each rank condenses them into a fixed-size [`Fingerprint`] (one 8-byte value per setting: the
 //! effective value where it is a number, else the first 8 bytes of a SHA-256 of what was read, so nothing of a
 //! value travels but its digest), and one `ncclAllGather` of [`FINGERPRINT_BYTES`] per rank over the new
 //! communicator itself exchanges them. Every rank takes part, also one where anyccl is off locally (its
@@ -45,15 +45,16 @@ use crate::api::{self, Comm};
 pub const FINGERPRINT_BYTES: usize = 16 + 8 * FIELDS.len();
 
 /// The first bytes of a fingerprint (its format's version in the last byte).
-const MAGIC: [u8; 8] = *b"anyccl\x00\x01";
+const MAGIC: [u8; 8] = *b"anyccl\x00\x02";
 
 /// What each 8-byte field condenses, by the name the reason uses.
-pub const FIELDS: [&str; 6] = [
+pub const FIELDS: [&str; 7] = [
     "ANYCCL_DISABLE",
     "ANYCCL_CUSTOM_MAX_BYTES",
     "ANYCCL_CUSTOM_MAX_BLOCKS",
     "ANYCCL_TUNE_FILE",
     "ANYCCL_ALLREDUCE_ALGO",
+    "ANYCCL_DETERMINISTIC",
     "the device architecture (or anyccl's kernels for it)",
 ];
 
@@ -202,6 +203,10 @@ impl Local {
             match &selector {
                 Ok(s) => text("forced", &format!("{:?}", s.forced())),
                 Err(_) => text("raw", &format!("{:?}", env(anyccl_core::selector::ENV_FORCE_ALGO))),
+            },
+            match &selector {
+                Ok(s) => number(u64::from(s.deterministic())),
+                Err(_) => text("raw", &format!("{:?}", env(anyccl_core::selector::ENV_DETERMINISTIC))),
             },
             match (&kernels, &arch) {
                 (None, Ok(a)) => text("arch", a),
