@@ -383,7 +383,7 @@ mod tests {
 
     #[test]
     fn a_fingerprint_round_trips_and_garbage_is_not_one() {
-        let f = Fingerprint { state: 2, fields: [1, 2, 3, u64::MAX, 5, 6] };
+        let f = Fingerprint { state: 2, fields: [1, 2, 3, u64::MAX, 5, 6, 7] };
         assert_eq!(Fingerprint::decode(&f.encode()), Some(f));
         assert_eq!(Fingerprint::decode(&[0u8; FINGERPRINT_BYTES]), None);
         assert_eq!(Fingerprint::decode(&[0u8; 3]), None);
@@ -392,7 +392,7 @@ mod tests {
     #[test]
     fn the_verdict_names_the_differing_settings_and_two_ranks() {
         let local = off_local();
-        let a = [0, 65536, 16, 9, 9, 9];
+        let a = [0, 65536, 16, 9, 9, 0, 9];
         let mut b = a;
         b[1] = 8 << 20;
         let why = verdict(&[fp(0, a), fp(0, a), fp(0, b)], 3, &local).expect_err("differ");
@@ -404,6 +404,10 @@ mod tests {
             "ANYCCL_CUSTOM_MAX_BYTES and ANYCCL_TUNE_FILE differ between ranks (rank 0 and rank 1; 2 of 3 ranks \
              differ from rank 0)"
         );
+        let mut c = a;
+        c[5] = 1;
+        let why = verdict(&[fp(0, a), fp(0, c)], 2, &local).expect_err("differ");
+        assert_eq!(why, "ANYCCL_DETERMINISTIC differs between ranks (rank 0 and rank 1)");
         let why = verdict(&[fp(0, a), None], 2, &local).expect_err("garbage");
         assert!(why.starts_with("rank 1 sent no anyccl fingerprint"), "{why}");
     }

@@ -33,6 +33,8 @@ pub mod emulated;
 #[cfg(feature = "emulation")]
 #[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated_fused;
+#[cfg(feature = "emulation")]
+#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated_quant;
 pub mod graph;
 pub mod graph_inputs;
