@@ -2,7 +2,9 @@
 # The single-GPU regression run after a change to the CUDA communicator: the GPU tests (2-GPU ones skipped), the
 # cudarc tests, the eager host-time check against raw NCCL, the bench, --per-rank and the IPC check under the real
 # torchrun, and the kernel tests. Binaries are built elsewhere (the GPU machine has no Rust) and passed in BINDIR:
-# gpu, cudarc_gpu, kernels_gpu (the anyccl-cuda test binaries), anyccl, anyccl-cuda-ipc-check. Prints each step's
+# gpu, cudarc_gpu, kernels_gpu (the anyccl-cuda test binaries), anyccl, anyccl-cuda-ipc-check. When BINDIR also
+# holds them, issue 18's kernel tests (fused_gpu, push_gpu, quant_gpu: release builds, since their host checks at
+# 64 MiB are slow in debug) and benches (anyccl-cuda-{fused,push,quant}-bench) run too. Prints each step's
 # summary; exits 1 if any step failed. Multicast stays off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BIN="${1:-.devbin}"
@@ -29,6 +31,13 @@ step per_rank "." torchrun --nproc-per-node 1 --master-port 29571 --no-python ./
     --per-rank --sizes 1MiB --iters 10
 step ipc_check "." torchrun --nproc-per-node 1 --master-port 29572 --no-python ./anyccl-cuda-ipc-check --kind nccl
 step kernels_gpu "$TESTS" ./kernels_gpu --ignored --test-threads=1
+for t in fused_gpu push_gpu quant_gpu; do
+    # The 2-GPU communicator test of the fused call needs two GPUs.
+    [ -x "./$t" ] && step "$t" "$TESTS" ./"$t" --ignored --test-threads=1 --skip communicator_
+done
+for b in fused push quant; do
+    [ -x "./anyccl-cuda-$b-bench" ] && step "${b}_bench" "." ./"anyccl-cuda-$b-bench"
+done
 echo "total $(( $(date +%s) - T0 )) s"
 if [ ${#failed[@]} -gt 0 ]; then echo "RESULT: FAILED: ${failed[*]}"; exit 1; fi
 echo "RESULT: all steps passed"
