@@ -163,7 +163,7 @@ mod tests {
             "anyccl_launch_dependents(",
         ] {
             assert!(PUSH_HEADER.contains(name), "push.h does not use {name}");
-            for (path, text) in &crate::HEADERS[1..] {
+            for (path, text) in &crate::HEADERS[1..3] {
                 assert!(text.contains(name), "{path} does not define {name}");
             }
         }
