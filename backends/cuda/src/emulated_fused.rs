@@ -112,7 +112,8 @@ impl EmulatedFused {
             two_shot_scratch_bytes(dtype, tokens, hidden, FusedOutput::Same).ok_or_else(too_large)?.max(bytes);
         let runtime = CudaRuntime::new(ordinal)?;
         let kernels = CustomKernels::load(&runtime)?;
-        let fused = FusedKernels::load(&runtime)?;
+        // Handles into `kernels`' module (one load), which this struct keeps alive.
+        let fused = FusedKernels::from_custom(&runtime, &kernels);
         let s0 = runtime.stream()?;
         let alloc = |n: usize| -> Result<Vec<DeviceBuffer>> { (0..world).map(|_| runtime.alloc(n)).collect() };
         let mut flags = alloc(FLAG_BYTES)?;

@@ -191,44 +191,16 @@ fn fused_suffix(dtype: DataType) -> Option<&'static str> {
     }
 }
 
-/// The fused kernels and the separate RMSNorm kernel, loaded for one device.
+/// The fused kernels and the separate RMSNorm kernel: handles into the module of a [`CustomKernels`] (one module
+/// holds every kernel of the shared source), which must outlive every launch.
 pub struct FusedKernels<P: GpuPlatform> {
-    /// In [`common::FUSED_KERNELS`] order; declared before the module, so nothing outlives it.
+    /// In [`common::FUSED_KERNELS`] order.
     functions: [Option<P::Function>; common::FUSED_KERNELS.len()],
-    /// The module, when loaded by [`Self::load`]; `None` when the functions are those of a [`CustomKernels`]'
-    /// module ([`Self::from_custom`]), which then must outlive every launch.
-    _module: Option<P::Module>,
     runtime: P::Runtime,
     sms: usize,
 }
 
 impl<P: GpuPlatform> FusedKernels<P> {
-    /// Loads the kernels' image for the runtime's device and looks every fused kernel up once. Not during capture.
-    pub fn load(runtime: &P::Runtime) -> Result<Self> {
-        if let Some(why) = P::kernels_not_built() {
-            return Err(Error::Unsupported {
-                capability: "fused-allreduce-rmsnorm".into(),
-                reason: anyccl_core::Reason::NotCompiledIn {
-                    what: format!("custom {} kernels", P::LABEL),
-                    detail: why,
-                },
-            });
-        }
-        let image = P::kernel_image(runtime)?;
-        let module = P::load_module(runtime, image)?;
-        let sms = P::sm_count(runtime)?;
-        let mut functions = [None; common::FUSED_KERNELS.len()];
-        for (slot, name) in functions.iter_mut().zip(common::FUSED_KERNELS) {
-            // Kernel names are fixed ASCII without NUL bytes.
-            let Ok(c) = CString::new(name) else { continue };
-            match P::function(runtime, &module, &c) {
-                Ok(f) => *slot = Some(f),
-                Err(e) => tracing::debug!(kernel = %name, error = %e, "no such kernel"),
-            }
-        }
-        Ok(FusedKernels { functions, _module: Some(module), runtime: runtime.clone(), sms })
-    }
-
     /// The fused kernels of the module `custom` already loaded (no second load). They are handles into that
     /// module: launch them only while `custom` (or whatever keeps its module loaded) lives.
     pub fn from_custom(runtime: &P::Runtime, custom: &CustomKernels<P>) -> Self {
@@ -241,7 +213,7 @@ impl<P: GpuPlatform> FusedKernels<P> {
                 Err(e) => tracing::debug!(kernel = %name, error = %e, "no such kernel"),
             }
         }
-        FusedKernels { functions, _module: None, runtime: runtime.clone(), sms: custom.multiprocessors() }
+        FusedKernels { functions, runtime: runtime.clone(), sms: custom.multiprocessors() }
     }
 
     fn function(&self, name: Option<String>, dtype: DataType) -> Result<P::Function> {
