@@ -102,6 +102,15 @@ __device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { retu
 // Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (every one of them calls it).
 __device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
+// Lane `lane ^ mask` within this thread's aligned group of `width` consecutive lanes (a power of two, 2..=32, of
+// a one-dimensional block): only the group's lanes need to call it together (the quantized kernels' groups of a
+// block may take different branches).
+__device__ __forceinline__ float anyccl_shfl_xor_group(float v, int mask, int width) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned group = width >= 32 ? 0xffffffffu : ((1u << width) - 1u) << (lane & ~(unsigned)(width - 1));
+    return __shfl_xor_sync(group, v, mask, width);
+}
+
 // fp8 e4m3 (OCP "fn": bias 7, max 448, NaN 0x7f) for the quantized all-reduce (quant.h): two f32 to two codes
 // (round to nearest even, saturated to ±448, NaN stays NaN; `a` in the low byte), and two codes back to f32 (exact).
 // sm_89+ converts in hardware (cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2); older archs get cuda_fp8.h's

@@ -115,6 +115,10 @@ __device__ __forceinline__ float anyccl_fma_rn(float a, float b, float c) { retu
 // Lane `lane ^ mask` of the 32 consecutive threads this one belongs to (half a 64-wide wavefront).
 __device__ __forceinline__ float anyccl_shfl_xor32(float v, int mask) { return __shfl_xor(v, mask, 32); }
 
+// Lane `lane ^ mask` within this thread's aligned group of `width` consecutive lanes (a power of two, 2..=32): only
+// the group's lanes need to be active (they read only each other).
+__device__ __forceinline__ float anyccl_shfl_xor_group(float v, int mask, int width) { return __shfl_xor(v, mask, width); }
+
 // fp8 e4m3 (OCP "fn": bias 7, max 448, NaN 0x7f) for the quantized all-reduce (quant.h), converted by hand: AMD's
 // hardware fp8 on gfx942 is the "fnuz" variant (another bias, no negative zero), so the exchanged format stays the
 // one the CUDA kernels and the host model use. Round to nearest even, saturated to ±448, NaN stays NaN.
