@@ -16,6 +16,7 @@
 //! error bound.
 #![forbid(unsafe_code)]
 
+pub mod fused_push;
 pub mod push;
 
 pub mod quant;

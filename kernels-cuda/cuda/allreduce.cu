@@ -271,3 +271,8 @@ ANYCCL_PUSH_KERNELS(bf16, anyccl_bf16)
 ANYCCL_QUANT_KERNELS(f32, anyccl_f32)
 ANYCCL_QUANT_KERNELS(f16, anyccl_f16)
 ANYCCL_QUANT_KERNELS(bf16, anyccl_bf16)
+
+// Fused push one-shot (the push exchange, then add + RMSNorm in the same kernel), written once for every vendor.
+#include "anyccl/fused_push.h"
+ANYCCL_FUSED_PUSH_KERNELS(f16, anyccl_f16)
+ANYCCL_FUSED_PUSH_KERNELS(bf16, anyccl_bf16)

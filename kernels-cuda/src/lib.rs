@@ -14,6 +14,8 @@
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 
+/// The fused push one-shot's kernels and parameters (`fused_push.h`, built into the same cubins).
+pub use anyccl_kernels_common::fused_push;
 /// The push-mode one-shot's kernels, parameters and receive-buffer layout (`push.h`, built into the same cubins).
 pub use anyccl_kernels_common::push;
 pub use anyccl_kernels_common::{ABORT_WORD_OFFSET, FLAG_BYTES, MAX_BLOCKS, MAX_RANKS, VECTOR_BYTES};

@@ -74,6 +74,20 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
             }
         }
+        // The fused push one-shot: the push exchange (volatile 16-byte polls and stores, no flags, no multimem) and
+        // programmatic dependent launch on sm_90 and newer, like the push one-shot.
+        for k in anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS {
+            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+            let polls = body.lines().filter(|l| l.contains("LDG.E.128.STRONG.SYS")).count();
+            let pushes = body.lines().filter(|l| l.contains("STG.E.128.STRONG.SYS")).count();
+            assert!(polls >= 7, "{arch}: {k}: {polls} volatile 16-byte loads, expected at least 7");
+            assert!(pushes >= 7, "{arch}: {k}: {pushes} volatile 16-byte stores, expected at least 7");
+            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in the fused push one-shot");
+            if *arch != "sm_80" {
+                assert!(body.contains("ACQBULK"), "{arch}: {k}: no griddepcontrol.wait (ACQBULK)");
+                assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
+            }
+        }
         // The quantized two-shot: three barriers per world, each a system-scope release store and acquire load; no
         // multimem; fp8 conversions in hardware from sm_90 on (F2FP ... E4M3 packs two f32 into e4m3).
         for k in anyccl_kernels_common::QUANT_KERNELS {
@@ -146,6 +160,11 @@ fn allreduce_kernels_take_the_shared_parameters() {
         }
         let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
         for k in anyccl_kernels_common::push::PUSH_KERNELS {
+            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        }
+        let want: Vec<(usize, usize)> =
+            anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+        for k in anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
         let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();

@@ -24,6 +24,10 @@ pub const FUSED_KERNELS: [&str; 10] = anyccl_kernels_common::FUSED_KERNELS;
 /// and parameters as on CUDA; programmatic dependent launch is a no-op here).
 pub const PUSH_KERNELS: [&str; 3] = anyccl_kernels_common::push::PUSH_KERNELS;
 
+/// The fused push one-shot kernels every code object also holds (`anyccl-kernels-common`'s `fused_push.h`, the same
+/// names and parameters as on CUDA).
+pub const FUSED_PUSH_KERNELS: [&str; 2] = anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS;
+
 /// The quantized two-shot kernels of the shared source (`quant.h`) every code object also holds, with the names and
 /// parameters ([`anyccl_kernels_common::QUANT_PARAMS`]) of the CUDA kernels.
 pub const QUANT_KERNELS: [&str; 6] = anyccl_kernels_common::QUANT_KERNELS;

@@ -47,6 +47,7 @@ fn code_objects_hold_every_kernel() {
             .iter()
             .chain(&anyccl_kernels_hip::FUSED_KERNELS)
             .chain(&anyccl_kernels_hip::PUSH_KERNELS)
+            .chain(&anyccl_kernels_hip::FUSED_PUSH_KERNELS)
             .chain(&anyccl_kernels_hip::QUANT_KERNELS)
         {
             assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
@@ -59,6 +60,7 @@ fn code_objects_hold_every_kernel() {
         let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
         listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
         listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
+        listed.extend(anyccl_kernels_hip::FUSED_PUSH_KERNELS);
         listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
         listed.sort_unstable();
         assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
@@ -106,7 +108,7 @@ fn flag_accesses_are_system_scope_release_acquire() {
     }
     // The push one-shot has no flags: its receive slots are polled with loads that bypass L1 (`glc`, relaxed at
     // system scope), four 32-bit words per vector, for every world 2..=8.
-    for k in anyccl_kernels_hip::PUSH_KERNELS {
+    for k in anyccl_kernels_hip::PUSH_KERNELS.into_iter().chain(anyccl_kernels_hip::FUSED_PUSH_KERNELS) {
         let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
         let range = sym.address()..sym.address() + sym.size();
         let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
@@ -140,6 +142,12 @@ fn kernels_take_the_shared_parameters() {
     }
     let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
     for k in anyccl_kernels_hip::PUSH_KERNELS {
+        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
+    }
+    let want: Vec<(usize, usize)> =
+        anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
+    for k in anyccl_kernels_hip::FUSED_PUSH_KERNELS {
         let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
     }

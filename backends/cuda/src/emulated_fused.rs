@@ -10,8 +10,10 @@ use anyccl_kernels_cuda::FLAG_BYTES;
 
 use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES, TWO_SHOT_ROUND_BYTES};
 use crate::emulated::InputMode;
+use crate::fused_push::{self, fused_push_blocks, FusedPushKernels};
 use crate::graph::Graph;
 use crate::platform::Cuda;
+use crate::push::{init_receive_buffer, push_blocks, PushKernels, PUSH_RECV_BYTES};
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 
 /// The fused kernels loaded for one CUDA device.
@@ -26,6 +28,11 @@ pub enum FusedPath {
     /// The custom all-reduce kernel of this kind (one-shot or two-shot) into `allreduced`, then the separate
     /// RMSNorm kernel.
     Unfused(Kind),
+    /// The fused push one-shot ([`crate::fused_push`]; needs [`EmulatedFused::enable_push`]).
+    FusedPush,
+    /// The push one-shot all-reduce into `allreduced`, then the separate RMSNorm kernel (needs
+    /// [`EmulatedFused::enable_push`]).
+    UnfusedPush,
 }
 
 impl FusedPath {
@@ -37,13 +44,37 @@ impl FusedPath {
         FusedPath::Unfused(Kind::TwoShot),
     ];
 
+    /// The two push paths (messages up to the push receive slots' size; [`EmulatedFused::enable_push`]).
+    pub const PUSH: [FusedPath; 2] = [FusedPath::FusedPush, FusedPath::UnfusedPush];
+
     /// Short name for tables and messages.
     pub fn name(self) -> String {
         match self {
             FusedPath::Fused(f) => f.name().to_string(),
             FusedPath::Unfused(k) => format!("{} + rmsnorm", k.name()),
+            FusedPath::FusedPush => "fused push".to_string(),
+            FusedPath::UnfusedPush => "push + rmsnorm".to_string(),
         }
     }
+}
+
+/// What the push paths need: the push one-shot kernels (their own module), the fused push kernels (in `kernels`'
+/// module), a receive buffer per rank shared by both (one protocol), the grids, and whether launches use
+/// programmatic dependent launch.
+#[non_exhaustive]
+pub struct PushPaths {
+    /// The push one-shot kernels.
+    pub kernels: PushKernels,
+    /// The fused push kernels.
+    pub fused: FusedPushKernels,
+    /// Receive buffers, by rank ([`crate::push::PUSH_RECV_BYTES`] each).
+    pub recv: Vec<DeviceBuffer>,
+    /// Whether launches carry the programmatic-stream-serialization attribute (default: where the device has it).
+    pub pdl: bool,
+    /// Blocks per rank of the fused push kernel ([`fused_push_blocks`]).
+    pub fused_blocks: u32,
+    /// Blocks per rank of the push one-shot ([`push_blocks`]).
+    pub push_blocks: u32,
 }
 
 /// N emulated ranks of a fused all-reduce + residual add + RMSNorm of `tokens` × `hidden` elements.
@@ -93,6 +124,8 @@ pub struct EmulatedFused {
     pub output: FusedOutput,
     /// Where the kernels read the inputs.
     pub input_mode: InputMode,
+    /// The push paths, once [`Self::enable_push`] set them up.
+    pub push: Option<PushPaths>,
 }
 
 impl EmulatedFused {
@@ -144,9 +177,41 @@ impl EmulatedFused {
             eps: 1e-6,
             output: FusedOutput::Same,
             input_mode: InputMode::Direct,
+            push: None,
         };
         g.set_tables(false)?;
         Ok(g)
+    }
+
+    /// Sets up the push paths: loads the push kernels, allocates a receive buffer per rank and initialises it (waits
+    /// for that). Refuses a message larger than the receive slots. Not during capture.
+    pub fn enable_push(&mut self) -> Result<()> {
+        let world = self.streams.len();
+        if let Some(why) = fused_push::ineligible(self.dtype, self.tokens, self.hidden, world) {
+            return Err(Error::backend("cuda", "emulated fused ranks", None, why));
+        }
+        let kernels = PushKernels::load(&self.runtime)?;
+        let fused = FusedPushKernels::from_custom(&self.kernels);
+        let recv = (0..world).map(|_| self.runtime.alloc(PUSH_RECV_BYTES)).collect::<Result<Vec<_>>>()?;
+        let s = &self.streams[0];
+        recv.iter().try_for_each(|b| init_receive_buffer(b, s))?;
+        s.synchronize()?;
+        let pdl = kernels.pdl_supported();
+        self.push = Some(PushPaths {
+            kernels,
+            fused,
+            recv,
+            pdl,
+            fused_blocks: fused_push_blocks(self.tokens, self.bytes, world),
+            push_blocks: push_blocks(self.bytes, world),
+        });
+        Ok(())
+    }
+
+    fn push_paths(&self, path: FusedPath) -> Result<&PushPaths> {
+        self.push.as_ref().ok_or_else(|| {
+            Error::backend("cuda", "emulated fused ranks", None, format!("{}: call enable_push first", path.name()))
+        })
     }
 
     fn ptrs(v: &[DeviceBuffer]) -> Vec<u64> {
@@ -180,11 +245,21 @@ impl EmulatedFused {
 
     /// Refuses a launch whose ranks' blocks could not all be resident at once.
     fn check_resident(&self, path: FusedPath) -> Result<()> {
-        let fit = match path {
-            FusedPath::Fused(form) => self.fused.resident_blocks(form, self.dtype)?,
-            FusedPath::Unfused(kind) => self.kernels.resident_blocks(kind, self.dtype)?,
+        let (fit, blocks) = match path {
+            FusedPath::Fused(form) => (self.fused.resident_blocks(form, self.dtype)?, self.blocks),
+            FusedPath::Unfused(kind) => (self.kernels.resident_blocks(kind, self.dtype)?, self.blocks),
+            FusedPath::FusedPush | FusedPath::UnfusedPush => {
+                let p = self.push_paths(path)?;
+                // With programmatic dependent launch a rank's next call may hold its blocks early: twice over.
+                let twice = if p.pdl { 2 } else { 1 };
+                if path == FusedPath::FusedPush {
+                    (p.fused.resident_blocks(&self.runtime, self.dtype)? / twice, p.fused_blocks)
+                } else {
+                    (p.kernels.resident_blocks(self.dtype)? / twice, p.push_blocks)
+                }
+            }
         };
-        let need = self.streams.len() * self.blocks as usize;
+        let need = self.streams.len() * blocks as usize;
         if need > fit {
             return Err(Error::backend(
                 "cuda",
@@ -193,7 +268,7 @@ impl EmulatedFused {
                 format!(
                     "{} ranks × {} blocks of {} need {need} resident blocks, the device holds {fit}",
                     self.streams.len(),
-                    self.blocks,
+                    blocks,
                     path.name()
                 ),
             ));
@@ -240,6 +315,40 @@ impl EmulatedFused {
                         self.bytes,
                         self.blocks,
                         TWO_SHOT_ROUND_BYTES,
+                        s,
+                    )?;
+                    self.fused.launch_rmsnorm(self.dtype, ar, &args, self.norm_blocks, s)
+                }
+                FusedPath::FusedPush => {
+                    let p = self.push_paths(path)?;
+                    let recv = Self::ptrs(&p.recv);
+                    p.fused.launch(
+                        &self.runtime,
+                        self.dtype,
+                        own,
+                        &args,
+                        &recv,
+                        fl[rank],
+                        rank,
+                        p.fused_blocks,
+                        p.pdl,
+                        s,
+                    )
+                }
+                FusedPath::UnfusedPush => {
+                    let p = self.push_paths(path)?;
+                    let recv = Self::ptrs(&p.recv);
+                    let ar = self.allreduced[rank].device_ptr();
+                    p.kernels.launch(
+                        self.dtype,
+                        own,
+                        ar,
+                        &recv,
+                        fl[rank],
+                        rank,
+                        self.bytes,
+                        p.push_blocks,
+                        p.pdl,
                         s,
                     )?;
                     self.fused.launch_rmsnorm(self.dtype, ar, &args, self.norm_blocks, s)

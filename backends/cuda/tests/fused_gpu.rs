@@ -253,9 +253,10 @@ fn fp8_output_is_the_e4m3_of_the_normalised_value_over_the_scale() {
 fn repeated_calls_keep_the_barriers_in_step_and_update_the_residual_each_time() {
     // Three back-to-back calls in one graph per rank: the residual is updated three times in place, and the
     // epochs of every block stay in step across the kernels (fused and all-reduce kernels share the flag arrays).
-    for path in FusedPath::ALL {
+    for path in FusedPath::ALL.into_iter().chain(FusedPath::PUSH) {
         let (world, dtype, tokens, hidden) = (4, DataType::Bf16, 13, 1024);
-        let g = EmulatedFused::new(0, world, dtype, tokens, hidden, 8).expect("emulated ranks");
+        let mut g = EmulatedFused::new(0, world, dtype, tokens, hidden, 8).expect("emulated ranks");
+        g.enable_push().expect("push paths");
         let mut d = Data::new(dtype, world, tokens, hidden, 77);
         upload(&g, &d);
         let graphs = g.capture(path, 3).expect("capture");
@@ -271,6 +272,82 @@ fn repeated_calls_keep_the_barriers_in_step_and_update_the_residual_each_time() 
             d.residual = rows.iter().flat_map(|r| r.residual.iter().copied()).collect();
         }
         assert_exact(&format!("{} × 3 in one graph", path.name()), &got, &rows, g.output);
+    }
+}
+
+/// The fused push one-shot and its baseline (push one-shot, then the separate RMSNorm): bit for bit the reference
+/// for 2–8 ranks, f16/bf16, up to the receive slots' 256 KiB; two eager calls in a row (the second uses the other
+/// buffer set), graph replay, fp8 output; and the two paths interleaved on the same receive buffers.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn fused_push_matches_the_reference_for_2_to_8_ranks_on_alternating_buffer_sets() {
+    const PUSH_SHAPES: [(usize, usize); 4] = [(1, 8192), (1, 16384), (5, 1032), (16, 8192)];
+    let mut seed = 500;
+    for world in 2..=8 {
+        for dtype in [DataType::Bf16, DataType::F16] {
+            for (i, (tokens, hidden)) in PUSH_SHAPES.into_iter().enumerate() {
+                seed += 1;
+                let mut g = EmulatedFused::new(0, world, dtype, tokens, hidden, 8).expect("emulated ranks");
+                g.enable_push().expect("push paths");
+                if i == 2 {
+                    g.output = FusedOutput::Fp8E4M3 { scale: 0.01 };
+                }
+                let d = Data::new(dtype, world, tokens, hidden, seed);
+                upload(&g, &d);
+                let rows = d.reference(dtype, g.eps);
+                for path in FusedPath::PUSH.into_iter().chain(FusedPath::PUSH) {
+                    let what = format!("world {world} {dtype} {tokens}x{hidden} {}", path.name());
+                    for call in 0..2 {
+                        assert_exact(&format!("{what} eager call {call}"), &run(&g, &d, path), &rows, g.output);
+                    }
+                    if i == 0 || i == 3 {
+                        assert_exact(&format!("{what} replayed"), &replay(&g, &d, path), &rows, g.output);
+                    }
+                }
+                // Every slot of both sets holds the sentinel again after the calls.
+                let p = g.push.as_ref().expect("enabled");
+                let mut recv = vec![0u8; anyccl_cuda::push::PUSH_RECV_BYTES];
+                for (r, b) in p.recv.iter().enumerate() {
+                    g.runtime.download(b, &mut recv, &g.streams[0]).expect("download receive buffer");
+                    let sets = anyccl_kernels_cuda::push::PUSH_CTRL_OFFSET;
+                    assert!(recv[..sets].iter().all(|b| *b == 0xFF), "{world} {dtype} rank {r}: a slot kept data");
+                }
+            }
+        }
+        eprintln!("world {world}: fused push and push + rmsnorm, bf16/f16, {PUSH_SHAPES:?}: bit-exact");
+    }
+}
+
+/// The fused push kernel stops through the abort word when its peer never pushes (with and without programmatic
+/// dependent launch).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
+fn a_fused_push_kernel_whose_peer_never_writes_stops_when_its_abort_word_is_set() {
+    for pdl in [false, true] {
+        let mut g = EmulatedFused::new(0, 2, DataType::Bf16, 2, 4096, 8).expect("emulated ranks");
+        g.enable_push().expect("push paths");
+        let p = g.push.as_mut().expect("enabled");
+        if pdl && !p.pdl {
+            continue;
+        }
+        p.pdl = pdl;
+        let d = Data::new(DataType::Bf16, 2, 2, 4096, 3);
+        upload(&g, &d);
+        reset(&g, &d);
+        g.launch_rank(FusedPath::FusedPush, 0, &g.streams[0]).expect("launch rank 0");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!g.streams[0].query().expect("query"), "pdl {pdl}: rank 0 finished without its peer's rows");
+        let t = std::time::Instant::now();
+        anyccl_cuda::custom::stop_waiting(&g.flags[0], &g.streams[1], std::time::Duration::from_secs(1))
+            .expect("set the abort word");
+        while !g.streams[0].query().expect("query") {
+            if t.elapsed() > std::time::Duration::from_secs(10) {
+                eprintln!("pdl {pdl}: the fused push kernel still waits 10 s after its abort word was set");
+                std::process::exit(1);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        eprintln!("pdl {pdl}: stopped {:?} after its abort word was set", t.elapsed());
     }
 }
 

@@ -9,6 +9,11 @@
 //! runs once eagerly from a fresh residual and every rank's output and new residual are compared bit for bit with
 //! the host reference (anyccl_ccl::gpu::fused::reference); any difference makes the exit status non-zero.
 //!
+//! The push paths (fused push one-shot; push one-shot then RMSNorm) run where the message fits the push receive
+//! slots (256 KiB; `-` elsewhere), with programmatic dependent launch on sm_90+, on the push grids
+//! (`anyccl_cuda::fused_push::fused_push_blocks`, `anyccl_cuda::push::push_blocks`). The ratio takes the best of
+//! every fused path over the best of every unfused one.
+//!
 //! Blocks per rank: fused one-shot and the all-reduce kernels min(rows, cap); fused two-shot min(rows per rank,
 //! cap); the separate RMSNorm kernel min(rows, cap); cap = the blocks the device holds at once / ranks (at most
 //! 128), which keeps every rank's blocks co-resident (the cross-rank barriers need it).
@@ -105,9 +110,15 @@ fn cell(device: i32, world: usize, dtype: DataType, hidden: usize, tokens: usize
         fit.min(g.kernels.resident_blocks(Kind::OneShot, dtype)?).min(g.kernels.resident_blocks(Kind::TwoShot, dtype)?);
     let cap = (fit / world).clamp(1, 128);
     let per_rank_rows = tokens.div_ceil(world);
+    // The push paths where the message fits the push receive slots (256 KiB).
+    let push = g.enable_push().is_ok();
     let mut times = Vec::new();
     let mut all_ok = true;
-    for path in FusedPath::ALL {
+    for path in FusedPath::ALL.into_iter().chain(FusedPath::PUSH) {
+        if !push && FusedPath::PUSH.contains(&path) {
+            times.push(None);
+            continue;
+        }
         let rows_here = match path {
             FusedPath::Fused(FusedForm::TwoShot) => per_rank_rows,
             FusedPath::Unfused(_) => (g.bytes / (8 << 10)).max(1),
@@ -118,13 +129,23 @@ fn cell(device: i32, world: usize, dtype: DataType, hidden: usize, tokens: usize
         let ok = check(&g, device, path, &res_bytes, &want)?;
         all_ok &= ok;
         let t = time_path(&g, path)?;
-        times.push((t, ok, g.blocks));
+        let blocks = match (&g.push, path) {
+            (Some(p), FusedPath::FusedPush) => p.fused_blocks,
+            (Some(p), FusedPath::UnfusedPush) => p.push_blocks,
+            _ => g.blocks,
+        };
+        times.push(Some((t, ok, blocks)));
     }
-    let best_fused = times[0].0.min(times[1].0);
-    let best_unfused = times[2].0.min(times[3].0);
+    // Fused: fused one-shot, fused two-shot, fused push; unfused: one-shot, two-shot or push, then RMSNorm.
+    let best = |idx: &[usize]| idx.iter().filter_map(|i| times[*i].map(|t| t.0)).fold(f64::INFINITY, f64::min);
+    let best_fused = best(&[0, 1, 4]);
+    let best_unfused = best(&[2, 3, 5]);
     print!("{world:>5} {tokens:>6}");
-    for (t, ok, blocks) in &times {
-        let cell = format!("{:.1} us ({blocks}b){}", t * 1e6, if *ok { "" } else { " WRONG" });
+    for t in &times {
+        let cell = match t {
+            Some((t, ok, blocks)) => format!("{:.1} us ({blocks}b){}", t * 1e6, if *ok { "" } else { " WRONG" }),
+            None => "-".to_string(),
+        };
         print!(" {cell:>20}");
     }
     let ratio = best_fused / best_unfused;
@@ -168,7 +189,7 @@ fn main() -> ExitCode {
          per call (all ranks), (blocks per rank)"
     );
     print!("{:>5} {:>6}", "world", "tokens");
-    for p in FusedPath::ALL {
+    for p in FusedPath::ALL.into_iter().chain(FusedPath::PUSH) {
         print!(" {:>20}", p.name());
     }
     println!(" {:>9} {:>7} check", "fused/unf", "target");
