@@ -100,6 +100,18 @@ impl FakeHip {
         }
     }
 
+    /// Bytes of every live allocation of the fake's "device" memory (all devices), from `hipMemGetInfo`.
+    pub fn used_bytes(&self) -> usize {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: hipMemGetInfo writes two sizes.
+        let rc = unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(*mut usize, *mut usize) -> i32>(b"hipMemGetInfo\0");
+            f.expect("sym")(&mut free, &mut total)
+        };
+        assert_eq!(rc, 0, "hipMemGetInfo");
+        total - free
+    }
+
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.
     pub fn raw_malloc(&self, bytes: usize) -> i32 {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
