@@ -242,7 +242,7 @@ fn ipc_setup_during_a_capture_is_refused_before_the_driver_and_works_after_it() 
 }
 
 /// Sub-communicators of a one-process-per-GPU job (threads): `split(rank % 2)` gives two of two ranks, each with
-/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 one-shot over its two
+/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 push one-shot over its two
 /// ranks only; a grouped ring of sends and receives on the parent completes. On a single-process parent the sub's
 /// kernels are off with the reason.
 #[test]

@@ -139,7 +139,11 @@ fn own_push_part<P: GpuPlatform>(
     limit: usize,
 ) -> std::result::Result<(BufferOf<P>, PushKernels<P>), String> {
     if !P::ALGORITHMS.contains(&Algorithm::OneShotPush) {
-        return Err(format!("the {} backend does not offer the push one-shot", P::LABEL));
+        return Err(format!(
+            "off: the {} backend does not offer it yet (its kernels are built into the module, but have not run on \
+             this vendor's GPUs)",
+            P::LABEL
+        ));
     }
     if limit == 0 {
         return Err(format!("off: {} is 0", push::ENV_PUSH_MAX_BYTES));
