@@ -426,6 +426,8 @@ fn available(s: &Setup) {
     assert_eq!(s.lib.version().code, 22809, "{}", s.lib.describe());
     let caps = anyccl_cuda::capabilities(Some(&s.lib), &|_| None);
     assert!(caps.has(Capabilities::CUDA_RUNTIME), "{caps:?}");
+    // sm_90 devices and a driver exporting cuLaunchKernelEx: programmatic dependent launch is on.
+    assert!(caps.has(Capabilities::DEPENDENT_LAUNCH), "{caps:?}");
     match anyccl_kernels_cuda::NOT_BUILT {
         None => assert!(caps.has(Capabilities::CUSTOM_KERNELS), "{caps:?}"),
         Some(why) => {
@@ -1320,6 +1322,10 @@ fn push_ipc(s: &Setup) {
 fn push_sm80(s: &Setup) {
     let info = anyccl_cuda::available().expect("available");
     assert_eq!(info.devices[0].compute_capability, (8, 0));
+    // The capability report says why there is no programmatic dependent launch.
+    let caps = anyccl_cuda::capabilities(Some(&s.lib), &|_| None);
+    let off = caps.require(Capabilities::DEPENDENT_LAUNCH).expect_err("off below sm_90").to_string();
+    assert!(off.contains("compute capability 8.0"), "{off}");
     let mut cs = comms(s, 2);
     let (_, pdl) = cs[0].backend().push_status().expect("push on");
     let why = pdl.expect_err("no PDL below sm_90");
