@@ -108,7 +108,9 @@ pub fn dependent_launch_unavailable(ordinal: i32) -> Option<String> {
     if info.version < LAUNCH_EX_DRIVER {
         return Some(format!("driver {} lacks cuLaunchKernelEx (CUDA 11.8 or newer)", info.version_string()));
     }
-    if !crate::driver::has_symbol("cuLaunchKernelEx") {
+    // Asked once (this runs before every push launch too).
+    static LAUNCH_EX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*LAUNCH_EX.get_or_init(|| crate::driver::has_symbol("cuLaunchKernelEx")) {
         return Some("the CUDA driver library does not export cuLaunchKernelEx".into());
     }
     None

@@ -859,7 +859,7 @@ fn teardown_times_of_drop_and_background_close() {
 /// Pseudo-random bits of a rank's input (f32 words, or pairs of f16/bf16 values): finite values of mixed signs and
 /// magnitudes, so that a different summation order would change the rounded result.
 fn push_input(rank: usize, round: usize, bytes: usize, dtype: DataType) -> Vec<u8> {
-    let mut x = (rank as u64 + 1) * 0x9E37_79B9_7F4A_7C15 ^ (round as u64) << 32;
+    let mut x = ((rank as u64 + 1) * 0x9E37_79B9_7F4A_7C15) ^ ((round as u64) << 32);
     let mut next = || {
         x ^= x << 13;
         x ^= x >> 7;
@@ -894,7 +894,11 @@ fn push_one_shot_equals_one_shot_bitwise_on_a_communicator_of_two_gpus() {
                 sc.spawn(move || -> std::result::Result<String, String> {
                     use anyccl_core::MemoryRuntime;
                     let e = |x: anyccl_core::Error| x.to_string();
-                    let (limit, pdl) = comm.backend().push_status().map_err(|w| format!("push off: {w}"))?;
+                    let (limit, pdl) = comm
+                        .backend()
+                        .push_status()
+                        .map(|(limit, pdl)| (limit, pdl.map_err(str::to_owned)))
+                        .map_err(|w| format!("push off: {w}"))?;
                     if sm90 && pdl.is_err() {
                         return Err(format!("rank {rank}: no PDL on sm_90+: {pdl:?}"));
                     }
