@@ -376,8 +376,14 @@ fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
             }
         } else if c == Capabilities::CCL {
             no_loader.clone()
-        } else if [Capabilities::P2P_ALL_PAIRS, Capabilities::IPC, Capabilities::MULTICAST, Capabilities::GRAPH_CAPTURE]
-            .contains(&c)
+        } else if [
+            Capabilities::P2P_ALL_PAIRS,
+            Capabilities::IPC,
+            Capabilities::MULTICAST,
+            Capabilities::GRAPH_CAPTURE,
+            Capabilities::DEPENDENT_LAUNCH,
+        ]
+        .contains(&c)
         {
             Reason::Requires { capability: "cuda-runtime or hip-runtime".into(), because: Box::new(cuda.clone()) }
         } else {
@@ -398,7 +404,8 @@ fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
             | Capabilities::IPC
             | Capabilities::MULTICAST
             | Capabilities::GRAPH_CAPTURE
-            | Capabilities::CUSTOM_KERNELS,
+            | Capabilities::CUSTOM_KERNELS
+            | Capabilities::DEPENDENT_LAUNCH,
     );
     #[cfg(feature = "rocm")]
     {
@@ -412,7 +419,8 @@ fn capabilities_with(ccl: Option<&CclLibrary>) -> CapabilityReport {
                     | Capabilities::IPC
                     | Capabilities::MULTICAST
                     | Capabilities::GRAPH_CAPTURE
-                    | Capabilities::CUSTOM_KERNELS,
+                    | Capabilities::CUSTOM_KERNELS
+                    | Capabilities::DEPENDENT_LAUNCH,
             );
         }
     }

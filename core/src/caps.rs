@@ -57,6 +57,10 @@ bitflags::bitflags! {
         const CUSTOM_KERNELS = 1 << 18;
         /// Collectives may be captured into CUDA/HIP graphs (the runtime reports capture status).
         const GRAPH_CAPTURE = 1 << 19;
+        /// Programmatic dependent launch: a kernel may start while the stream's previous kernel finishes
+        /// (`cuLaunchKernelEx` with the programmatic-stream-serialization attribute: compute capability 9.0 or
+        /// newer, a CUDA ≥ 11.8 driver). The push one-shot uses it where on, and launches plainly where off.
+        const DEPENDENT_LAUNCH = 1 << 20;
     }
 }
 
@@ -82,6 +86,7 @@ const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
     (Capabilities::MULTICAST, "multicast", "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED + driver >= 12.1"),
     (Capabilities::CUSTOM_KERNELS, "custom-kernels", "kernels compiled at build time (nvcc/hipcc)"),
     (Capabilities::GRAPH_CAPTURE, "graph-capture", "stream capture status from the runtime"),
+    (Capabilities::DEPENDENT_LAUNCH, "dependent-launch", "cuLaunchKernelEx on sm_90+ (CUDA >= 11.8)"),
 ];
 
 impl Capabilities {

@@ -228,8 +228,9 @@ const MIB: u64 = 1 << 20;
 impl SelectorTable {
     /// The built-in defaults.
     ///
-    /// GPU rows follow the thresholds public engines use on H100-class nodes (see `vendor-facts.md`): custom
-    /// one-shot always at world 2 (up to 64 MiB, where its staging buffers allow), below 512 KiB at world ≤ 4 and below 256 KiB at world ≤ 8;
+    /// GPU rows follow the thresholds public engines use on H100-class nodes (see `vendor-facts.md`): on NVIDIA the
+    /// push one-shot first up to 256 KiB at world ≤ 4 and up to 64 KiB at world 5–8 (where it measured faster than
+    /// the one-shot), falling back to the rows below where it cannot run; custom one-shot always at world 2 (up to 64 MiB, where its staging buffers allow), below 512 KiB at world ≤ 4 and below 256 KiB at world ≤ 8;
     /// two-shot above that up to 8 MiB; NVLS multicast at world 4–8 on sm_90 between those; symmetric windows at
     /// world ≥ 4 for large messages; the vendor library otherwise. Host rows come from `anyccl bench` on the
     /// 2-core build machine (docs/benchmarks.md).
@@ -267,6 +268,14 @@ impl SelectorTable {
         add(vec![Vendor::Host], None, (2, usize::MAX), (0, Some(8 * KIB)), vec![OneShot, TwoShot, Ring]);
         add(vec![Vendor::Host], None, (2, usize::MAX), (8 * KIB, None), vec![TwoShot, Ring, OneShot]);
         // GPUs.
+        // NVIDIA, small messages: the push one-shot first (one write across the links, no barrier round), then the
+        // rows below. On one H200 with emulated ranks, push + programmatic dependent launch took 0.39-0.46x the
+        // one-shot's time at 2 ranks from 4 to 256 KiB and 0.59-0.67x at 8 ranks up to 64 KiB, but 1.04-1.06x at
+        // 256 KiB with 8 ranks (docs/benchmarks.md); 3-4 ranks follow 2. Where the push one-shot is not set up
+        // (ANYCCL_PUSH_MAX_BYTES, its receive buffers) or the message exceeds its limit, one-shot runs.
+        add(vec![Vendor::Nvidia], None, (2, 2), (0, Some(256 * KIB + 1)), vec![OneShotPush, OneShot, Ccl]);
+        add(vec![Vendor::Nvidia], None, (3, 4), (0, Some(256 * KIB + 1)), vec![OneShotPush, OneShot, TwoShot, Ccl]);
+        add(vec![Vendor::Nvidia], None, (5, 8), (0, Some(64 * KIB + 1)), vec![OneShotPush, OneShot, TwoShot, Ccl]);
         // World 2: one-shot whenever the custom kernels can take the message (their staging size,
         // ANYCCL_CUSTOM_MAX_BYTES, default 8 MiB), up to 64 MiB. On two H200s the custom one-shot beat NCCL by
         // 1.28-1.96x from 1 to 8 MiB and, with 64 MiB staging, by 1.15-1.27x from 16 to 64 MiB (docs/benchmarks.md).
@@ -1088,11 +1097,41 @@ mod tests {
         assert_eq!(pick(Vendor::Nvidia, 2, 8 * MIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 2, 16 * MIB), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 2, 128 * MIB), Algorithm::Ccl);
-        assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShot);
+        assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB), Algorithm::OneShotPush);
+        assert_eq!(pick(Vendor::Nvidia, 4, 256 * KIB + 16), Algorithm::OneShot);
         assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
         assert_eq!(pick(Vendor::Amd, 8, 256 * KIB), Algorithm::TwoShot);
         assert_eq!(pick(Vendor::Nvidia, 8, 64 * MIB), Algorithm::CclSymmetric);
         assert_eq!(pick(Vendor::Amd, 2, 64 * MIB), Algorithm::Ccl);
+    }
+
+    #[test]
+    fn nvidia_prefers_the_push_one_shot_where_it_measured_faster_and_falls_back_to_one_shot() {
+        let s = Selector::defaults();
+        let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
+        for (world, limit) in [(2, 256 * KIB), (3, 256 * KIB), (4, 256 * KIB), (5, 64 * KIB), (8, 64 * KIB)] {
+            for bytes in [16, 4 * KIB, limit] {
+                assert_eq!(pick(Vendor::Nvidia, world, bytes), Algorithm::OneShotPush, "world {world} {bytes}");
+            }
+            assert_ne!(pick(Vendor::Nvidia, world, limit + 16), Algorithm::OneShotPush, "world {world}");
+            // Never on AMD (not offered there), nor at world 1 or above 8.
+            assert_ne!(pick(Vendor::Amd, world, 4 * KIB), Algorithm::OneShotPush, "world {world}");
+        }
+        assert_eq!(pick(Vendor::Nvidia, 8, 256 * KIB), Algorithm::NvlsBlockPipeline);
+        for world in [1, 9] {
+            assert_ne!(pick(Vendor::Nvidia, world, 4 * KIB), Algorithm::OneShotPush, "world {world}");
+        }
+        // Push not set up (or the message above its limit): one-shot, and the selection says why push was skipped.
+        let sel = s
+            .select(&q(Vendor::Nvidia, 8, 4 * KIB), |a| match a {
+                Algorithm::OneShotPush => Err("no receive buffers".into()),
+                _ => Ok(()),
+            })
+            .expect("selects");
+        assert_eq!(sel.algorithm, Algorithm::OneShot);
+        // Deterministic mode keeps it: it sums in rank order like the one-shot.
+        let det = Selector::defaults().with_deterministic(true);
+        assert_eq!(det.select(&q(Vendor::Nvidia, 2, 4 * KIB), all_ok).expect("det").algorithm, Algorithm::OneShotPush);
     }
 
     #[test]

@@ -561,6 +561,11 @@ where
         self.selector.select(&q, |a| match a {
             Algorithm::Ccl => Ok(()),
             Algorithm::OneShot | Algorithm::TwoShot => custom_fits::<P>(dtype, op, bytes, self.world, self.capacity),
+            // The push one-shot, where the platform offers it (its own limit is checked once it is set up; where
+            // it is not, the same rule's one-shot runs).
+            Algorithm::OneShotPush if P::ALGORITHMS.contains(&Algorithm::OneShotPush) => {
+                custom_fits::<P>(dtype, op, bytes, self.world, self.capacity)
+            }
             _ => Err("not offered by the drop-in".into()),
         })
     }
@@ -613,7 +618,7 @@ where
         }
         if self.ready.is_none() {
             match self.would_choose(dtype, op, bytes) {
-                Ok(s) if matches!(s.algorithm, Algorithm::OneShot | Algorithm::TwoShot) => {}
+                Ok(s) if matches!(s.algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush) => {}
                 Ok(s) => {
                     return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", s.algorithm, s.why)))
                 }
@@ -669,7 +674,7 @@ where
             Ok(s) => s,
             Err(e) => return Outcome::Forward(Why::Owned(e.to_string())),
         };
-        if !matches!(sel.algorithm, Algorithm::OneShot | Algorithm::TwoShot) {
+        if !matches!(sel.algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush) {
             return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", sel.algorithm, sel.why)));
         }
         match comm.all_reduce_with(sel.algorithm, bufs, call.count, dtype, op, &stream) {

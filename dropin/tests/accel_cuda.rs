@@ -72,9 +72,14 @@ fn eager_launch(name: &str, rank: usize, world: usize, bytes: usize) -> String {
     )
 }
 
+/// The cases that check the one-shot's machinery at sizes NVIDIA's default table gives to the push one-shot run
+/// with the push one-shot off, as before it existed ([`world_two_runs_the_push_one_shot_through_the_drop_in`]
+/// runs it).
+const PUSH_OFF: (&str, &str) = ("ANYCCL_PUSH_MAX_BYTES", "0");
+
 #[test]
 fn world_two_runs_the_cuda_one_shot_and_the_rest_forwards() {
-    let c = checked("world2", &[]);
+    let c = checked("world2", &[PUSH_OFF]);
     // Per rank: bf16 4 KiB out of place and f32 4 KiB in place on the one-shot, int32 forwarded to NCCL. Every
     // result was checked against the host reference in the child.
     let mut want = Vec::new();
@@ -95,12 +100,12 @@ fn world_two_runs_the_cuda_one_shot_and_the_rest_forwards() {
     // ANYCCL_LOG=debug: the choice and the selector's rule that made it, per call.
     let bf16 = log_lines(
         &c,
-        &["choice=\"one-shot\"", "count=2048", "dtype=bfloat16", "why=defaults #4: vendor nvidia|amd world 2 bytes"],
+        &["choice=\"one-shot\"", "count=2048", "dtype=bfloat16", "why=defaults #4: vendor nvidia world 2 bytes"],
     );
     assert_eq!(bf16.len(), 2, "{}", c.stderr);
     let f32 = log_lines(
         &c,
-        &["choice=\"one-shot\"", "count=1024", "dtype=float32", "why=defaults #4: vendor nvidia|amd world 2 bytes"],
+        &["choice=\"one-shot\"", "count=1024", "dtype=float32", "why=defaults #4: vendor nvidia world 2 bytes"],
     );
     assert_eq!(f32.len(), 2, "{}", c.stderr);
     let int = log_lines(&c, &["choice=\"ccl\"", "dtype=int32", "float32, float16 and bfloat16 only"]);
@@ -109,6 +114,37 @@ fn world_two_runs_the_cuda_one_shot_and_the_rest_forwards() {
     let pending: Vec<&str> =
         c.stderr.lines().filter(|l| l.contains("anyccl state: pending") && l.contains("backend=\"cuda\"")).collect();
     assert_eq!(pending.len(), 2, "{}", c.stderr);
+}
+
+/// The same calls with the push one-shot on (the default): the setup over NCCL also maps each peer's push receive
+/// buffer (8 mappings, not 6), the 4 KiB bf16 and f32 sums run `anyccl_push_one_shot_*` once per rank with
+/// programmatic dependent launch (the fake is sm_90), chosen by NVIDIA's first world-2 rule, and every result was
+/// right (checked in the child); int32 still forwards to NCCL.
+#[test]
+fn world_two_runs_the_push_one_shot_through_the_drop_in() {
+    let c = checked("world2", &[]);
+    let mut want = Vec::new();
+    for name in ["anyccl_push_one_shot_bf16", "anyccl_push_one_shot_f32"] {
+        for rank in 0..2 {
+            want.push(format!(
+                "{name} grid=4,1,1 block=512,1,1 status=0 rank={rank} world=2 n_vec=256 capturing=false runs=1 \
+                 completed=1 pdl=true"
+            ));
+        }
+    }
+    let mut got: Vec<String> = launches(&c).into_iter().map(str::to_owned).collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "{}", c.stdout);
+    assert_eq!(field(&c, "custom_calls"), "4");
+    assert_eq!(field(&c, "violations"), "0");
+    assert_eq!(field(&c, "setup"), "modules_loaded=2 ipc_opened=8");
+    for (count, dtype) in [("count=2048", "dtype=bfloat16"), ("count=1024", "dtype=float32")] {
+        let lines =
+            log_lines(&c, &["choice=\"one-shot-push\"", count, dtype, "why=defaults #4: vendor nvidia world 2 bytes"]);
+        assert_eq!(lines.len(), 2, "{}", c.stderr);
+    }
+    assert_eq!(log_lines(&c, &["choice=\"ccl\"", "dtype=int32"]).len(), 2, "{}", c.stderr);
 }
 
 #[test]
@@ -134,7 +170,7 @@ fn world_four_runs_the_cuda_two_shot_on_a_mebibyte() {
 
 #[test]
 fn captured_calls_forward_before_setup_and_replay_the_kernels_after_it() {
-    let c = checked("capture", &[]);
+    let c = checked("capture", &[PUSH_OFF]);
     // Before setup: the captured call went to NCCL (no launch, nothing allocated, mapped or loaded during the
     // capture: zero violations) and its graph replayed right.
     assert_eq!(field(&c, "before_setup"), "launches=0 custom=0 violations=0");
@@ -157,7 +193,7 @@ fn captured_calls_forward_before_setup_and_replay_the_kernels_after_it() {
 
 #[test]
 fn destroy_releases_anyccls_state_before_forwarding() {
-    let c = checked("destroy", &[]);
+    let c = checked("destroy", &[PUSH_OFF]);
     // Set up: each rank mapped its peer's three buffers and loaded the kernels' module, and holds buffers the setup
     // allocated through the driver (5 per rank today: staging, scratch, flags, the graph-input tables and the
     // communicator's own 4-byte scratch; at least the first three).
@@ -210,10 +246,16 @@ fn print_launches(fake: &FakeHip) {
 }
 
 fn describe(l: &Launch) -> String {
-    let (rank, world, n_vec) = l.params.as_ref().map_or((-1, -1, 0), |p| (p.rank, p.world, p.n_vec));
+    let (rank, world, n_vec) = match (&l.params, &l.push) {
+        (Some(p), _) => (p.rank, p.world, p.n_vec),
+        (None, Some(p)) => (p.rank, p.world, p.n_vec),
+        (None, None) => (-1, -1, 0),
+    };
+    // Push launches say whether they used programmatic dependent launch.
+    let pdl = if l.push.is_some() { format!(" pdl={}", l.pdl) } else { String::new() };
     format!(
         "{} grid={},{},{} block={},{},{} status={} rank={rank} world={world} n_vec={n_vec} capturing={} runs={} \
-         completed={}",
+         completed={}{pdl}",
         l.name,
         l.grid[0],
         l.grid[1],
@@ -224,7 +266,7 @@ fn describe(l: &Launch) -> String {
         l.status,
         l.capturing,
         l.runs,
-        l.completed
+        l.completed,
     )
 }
 

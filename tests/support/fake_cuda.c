@@ -7,7 +7,8 @@
  * Every cu* call is counted by its exported name (the HIP call it maps onto is counted too).
  *
  * Contexts are the primary contexts of the devices (one per device; current per thread, as hipSetDevice is).
- * Devices: FAKECUDA_DEVICES (default 4), compute capability 9.0, FAKECUDA_SMS multiprocessors (default 132),
+ * Devices: FAKECUDA_DEVICES (default 4), compute capability 9.0 (FAKECUDA_CC_MAJOR changes the major),
+ * FAKECUDA_SMS multiprocessors (default 132),
  * no multicast. The VMM calls (cuMem*) and multicast are not emulated: cuMemCreate and friends answer
  * CUDA_ERROR_NOT_SUPPORTED, and cuMulticast* is not exported at all (anyccl must never call it on the machines it
  * is tested on). CUDA's result codes equal HIP's for every code the fake HIP returns except 98
@@ -31,6 +32,11 @@ static int cu_device_count(void) {
     return n < 0 ? 0 : n > hip ? hip : n;
 }
 static int cu_device_ok(CUdevice d) { return d >= 0 && d < cu_device_count(); }
+/* Every device's compute capability major: FAKECUDA_CC_MAJOR, default 9 (minor 0). */
+static int cu_cc_major(void) {
+    const char* e = getenv("FAKECUDA_CC_MAJOR");
+    return e ? atoi(e) : 9;
+}
 
 /* ---- Initialisation, devices, contexts ---- */
 CUresult cuInit(unsigned flags) {
@@ -78,7 +84,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
     if (!cu_device_ok(d)) return 101;
     const char* sms = getenv("FAKECUDA_SMS");
     switch (attr) {
-        case 75: *v = 9; break;                       /* COMPUTE_CAPABILITY_MAJOR */
+        case 75: *v = cu_cc_major(); break;          /* COMPUTE_CAPABILITY_MAJOR (FAKECUDA_CC_MAJOR, 9) */
         case 76: *v = 0; break;                       /* COMPUTE_CAPABILITY_MINOR */
         case 16: *v = sms ? atoi(sms) : 132; break;   /* MULTIPROCESSOR_COUNT */
         case 41: case 92: *v = 1; break;              /* UNIFIED_ADDRESSING, CAN_USE_STREAM_MEM_OPS */
@@ -488,6 +494,40 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
         ex = hip_extra;
     }
     return cu(hipModuleLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, hs(s), params, ex));
+}
+
+/* cuLaunchKernelEx: CUlaunchConfig's grid, block, shared bytes, stream and attributes. The only attribute the fake
+ * takes is CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6), and only on compute capability 9.0 or newer
+ * (CUDA_ERROR_NOT_SUPPORTED otherwise); IGNORE (0) is skipped, any other is CUDA_ERROR_INVALID_VALUE. The launch
+ * is then cuLaunchKernel's, recorded with `pdl` set when the attribute allowed it. */
+typedef struct {
+    unsigned grid[3], block[3], shared;
+    void* stream;
+    struct cu_launch_attribute {
+        int id;
+        int pad;
+        union {
+            int allowed;
+            char bytes[64];
+        } value;
+    }* attrs;
+    unsigned n_attrs;
+} CUlaunchConfig;
+CUresult cuLaunchKernelEx(const CUlaunchConfig* c, void* f, void** params, void** extra) {
+    count_call("cuLaunchKernelEx");
+    if (!c || (c->n_attrs && !c->attrs)) return 1;
+    int pdl = 0;
+    for (unsigned i = 0; i < c->n_attrs; i++) {
+        if (c->attrs[i].id == 0) continue;
+        if (c->attrs[i].id != 6) return 1;
+        if (cu_cc_major() < 9) return 801;
+        pdl = c->attrs[i].value.allowed != 0;
+    }
+    launch_pdl = pdl;
+    CUresult e = cuLaunchKernel(f, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2],
+                                c->shared, c->stream, params, extra);
+    launch_pdl = 0;
+    return e;
 }
 
 /* ---- IPC (legacy handles) ---- */

@@ -866,6 +866,10 @@ struct fakehip_launch {
     uint32_t timed_out;     /* runs that gave up waiting for a peer */
     uint32_t failed;        /* runs refused when they started (a buffer freed since the launch, a bad table) */
     int32_t last_registered; /* the input table's `registered` word at the last run; -1: no table read */
+    uint64_t recv[8];       /* push one-shot (kernel 3): every rank's receive buffer */
+    uint64_t my_flags;      /* push one-shot: this rank's flag array (its abort word) */
+    int32_t pdl;            /* launched with programmatic dependent launch (cuLaunchKernelEx's attribute) */
+    int32_t reserved;
 };
 static struct fakehip_launch launches[MAX_LAUNCHES];
 static uint64_t n_launches;
@@ -924,6 +928,7 @@ struct kwork {
     unsigned blocks;
     uint64_t table, self_src, out, round_vecs, n_vec;
     uint64_t in[8], scratch[8], flags[8];
+    uint64_t recv[8];
 };
 
 static void launch_note(const struct kwork* w, const char* why) {
@@ -1093,9 +1098,14 @@ static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, in
     return 1;
 }
 
+static void push_run(const struct kwork* w);
 static void kernel_run(void* arg) {
     const struct kwork* w = arg;
     launch_count(w->seq, f_runs);
+    if (w->kind == 3) {
+        push_run(w);
+        return;
+    }
     uint64_t in[8] = {0}, src = 0;
     int registered = -1;
     if (!run_buffers_ok(w, in, &src, &registered)) {
@@ -1151,12 +1161,108 @@ static void kernel_run(void* arg) {
     launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
 }
 
+/* The push one-shot (kernels-common/include/anyccl/push.h): every rank stores its input (each 32-bit word equal to
+ * the sentinel 0xFFFFFFFF replaced by 0x7FFF7FFF) into slot [set][rank] of every peer's receive buffer, waits until
+ * no word of its own slots [set][peer] is the sentinel (or its abort word is set), sums in rank order (its own
+ * slot is its input) as reduce_vecs does, writes the sentinel back into the slots it read, and moves its call
+ * counter (control word 0, after the sets; set = counter % 2) on. Buffers: K_PUSH_RECV bytes per rank. */
+#define K_PUSH_SLOT (256 * 1024)
+#define K_PUSH_CTRL (2 * K_MAX_RANKS * K_PUSH_SLOT)
+#define K_PUSH_RECV (K_PUSH_CTRL + 16)
+#define K_PUSH_SENTINEL 0xFFFFFFFFu
+#define K_PUSH_CANONICAL 0x7FFF7FFFu
+/* Waits until no word of `slot` (n words) is the sentinel. 0: arrived; 1: aborted; 2: timed out. */
+static int push_wait(const struct kwork* w, const uint32_t* slot, size_t n) {
+    pthread_mutex_lock(&kmu);
+    int timeout = kernel_timeout_ms;
+    if (timeout < 0) {
+        const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
+        timeout = env ? atoi(env) : 20000;
+    }
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout / 1000;
+    deadline.tv_nsec += (long)(timeout % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    int result = 0;
+    kernels_waiting++;
+    size_t from = 0;
+    for (;;) {
+        while (from < n && __atomic_load_n(&slot[from], __ATOMIC_ACQUIRE) != K_PUSH_SENTINEL) from++;
+        if (from == n) break;
+        if (abort_set(w)) {
+            result = 1;
+            break;
+        }
+        struct timespec now, until;
+        clock_gettime(CLOCK_REALTIME, &now);
+        if (now.tv_sec > deadline.tv_sec || (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)) {
+            result = 2;
+            break;
+        }
+        until = now;
+        until.tv_nsec += 2000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&kcv, &kmu, &until);
+    }
+    kernels_waiting--;
+    pthread_mutex_unlock(&kmu);
+    return result;
+}
+static void push_run(const struct kwork* w) {
+    uint64_t bytes = w->n_vec * 16;
+    char why[160] = "";
+    pthread_mutex_lock(&mu);
+    for (int r = 0; r < w->world && !why[0]; r++)
+        if (!alloc_holding(w->recv[r], K_PUSH_RECV))
+            snprintf(why, sizeof why, "recv[%d] %#llx: no live allocation of %d bytes (freed?)", r,
+                     (unsigned long long)w->recv[r], K_PUSH_RECV);
+    if (!why[0] && !alloc_holding(w->flags[w->rank], K_FLAG_BYTES)) snprintf(why, sizeof why, "my_flags: freed?");
+    if (!why[0] && (!alloc_holding(w->self_src, bytes) || !alloc_holding(w->out, bytes)))
+        snprintf(why, sizeof why, "in or out: no live allocation of %llu bytes (freed?)", (unsigned long long)bytes);
+    pthread_mutex_unlock(&mu);
+    if (why[0]) {
+        launch_note(w, why);
+        launch_count(w->seq, f_failed);
+        return;
+    }
+    char* mine = (char*)(uintptr_t)w->recv[w->rank];
+    uint32_t* ctrl = (uint32_t*)(mine + K_PUSH_CTRL);
+    uint32_t epoch = __atomic_load_n(ctrl, __ATOMIC_ACQUIRE);
+    size_t set = (size_t)(epoch % 2) * K_MAX_RANKS * K_PUSH_SLOT;
+    size_t words = bytes / 4;
+    const uint32_t* src = (const uint32_t*)(uintptr_t)w->self_src;
+    for (int r = 0; r < w->world; r++) {
+        if (r == w->rank) continue;
+        uint32_t* dst = (uint32_t*)((char*)(uintptr_t)w->recv[r] + set + (size_t)w->rank * K_PUSH_SLOT);
+        for (size_t i = 0; i < words; i++)
+            __atomic_store_n(&dst[i], src[i] == K_PUSH_SENTINEL ? K_PUSH_CANONICAL : src[i], __ATOMIC_RELEASE);
+    }
+    wake_kernels();
+    int stopped = 0;
+    uint64_t in[8] = {0};
+    for (int r = 0; r < w->world; r++) {
+        in[r] = r == w->rank ? w->self_src : (uint64_t)(uintptr_t)(mine + set + (size_t)r * K_PUSH_SLOT);
+        if (r != w->rank && !stopped) stopped = push_wait(w, (const uint32_t*)(uintptr_t)in[r], words);
+    }
+    if (!stopped) {
+        reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, w->n_vec);
+        for (int r = 0; r < w->world; r++)
+            if (r != w->rank) memset((void*)(uintptr_t)in[r], 0xFF, bytes);
+    }
+    __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
+    if (stopped == 2) launch_note(w, "timed out waiting for a peer's push");
+    launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
+}
+
 /* Parameters of the all-reduce kernels in order (allreduce_params in kernels-common): which field, bytes. */
-enum { P_IN, P_TABLE, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC };
+enum { P_IN, P_TABLE, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, P_RECV, P_MY_FLAGS };
+/* The push one-shot's (push.h; PUSH_PARAMS in kernels-common): in, out, recv, my_flags, rank, world, n_vec. */
+static const int push_params[] = {P_SELF, P_OUT, P_RECV, P_MY_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
 static const int one_shot_params[] = {P_IN, P_SELF, P_OUT, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
 static const int two_shot_params[] = {P_IN, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
 static size_t param_bytes(int p) {
-    return p == P_IN || p == P_SCRATCH || p == P_FLAGS ? 64 : p == P_RANK || p == P_WORLD ? 4 : 8;
+    return p == P_IN || p == P_SCRATCH || p == P_FLAGS || p == P_RECV ? 64 : p == P_RANK || p == P_WORLD ? 4 : 8;
 }
 static void store_param(struct kwork* w, int p, const void* v) {
     switch (p) {
@@ -1170,6 +1276,9 @@ static void store_param(struct kwork* w, int p, const void* v) {
         case P_RANK: memcpy(&w->rank, v, 4); break;
         case P_WORLD: memcpy(&w->world, v, 4); break;
         case P_NVEC: memcpy(&w->n_vec, v, 8); break;
+        case P_RECV: memcpy(w->recv, v, 64); break;
+        /* Kept as flags[0] until the rank is known (decode_params moves it to flags[rank]). */
+        case P_MY_FLAGS: memcpy(&w->flags[0], v, 8); break;
     }
 }
 /* kind 1 one-shot / 2 two-shot, table, dtype from an all-reduce kernel name; 0 when it is none. */
@@ -1177,9 +1286,10 @@ static int parse_kernel(const char* name, int* kind, int* table, int* dtype) {
     const char* rest;
     if (strncmp(name, "anyccl_one_shot_", 16) == 0) *kind = 1;
     else if (strncmp(name, "anyccl_two_shot_", 16) == 0) *kind = 2;
+    else if (strncmp(name, "anyccl_push_one_shot_", 21) == 0) *kind = 3;
     else return 0;
-    rest = name + 16;
-    *table = strncmp(rest, "table_", 6) == 0;
+    rest = name + (*kind == 3 ? 21 : 16);
+    *table = *kind != 3 && strncmp(rest, "table_", 6) == 0;
     if (*table) rest += 6;
     if (strcmp(rest, "f32") == 0) *dtype = 0;
     else if (strcmp(rest, "f16") == 0) *dtype = 1;
@@ -1203,6 +1313,26 @@ static hipError_t check_launch(const struct kwork* w, const unsigned* grid, cons
     if (w->n_vec == 0 || w->n_vec > ((uint64_t)1 << 40))
         return snprintf(why, n, "n_vec %llu (1..=2^40)", (unsigned long long)w->n_vec), 1;
     uint64_t bytes = w->n_vec * 16;
+    if (w->kind == 3) {
+        if (bytes > K_PUSH_SLOT) return snprintf(why, n, "%llu bytes exceed a push slot", (unsigned long long)bytes), 1;
+        uint64_t need[K_MAX_RANKS + 3];
+        uint64_t size[K_MAX_RANKS + 3];
+        int np = 0;
+        for (int r = 0; r < w->world; r++) need[np] = w->recv[r], size[np++] = K_PUSH_RECV;
+        need[np] = w->self_src, size[np++] = bytes;
+        need[np] = w->out, size[np++] = bytes;
+        need[np] = w->flags[w->rank], size[np++] = K_FLAG_BYTES;
+        for (int i = 0; i < np; i++) {
+            pthread_mutex_lock(&mu);
+            int live = need[i] % 16 == 0 && alloc_holding(need[i], size[i]) != NULL;
+            pthread_mutex_unlock(&mu);
+            if (!live)
+                return snprintf(why, n, "push parameter %d %#llx: not 16-byte aligned in a live allocation of %llu bytes",
+                                i, (unsigned long long)need[i], (unsigned long long)size[i]),
+                       1;
+        }
+        return 0;
+    }
     struct {
         const char* what;
         int index;
@@ -1245,7 +1375,7 @@ static hipError_t check_launch(const struct kwork* w, const unsigned* grid, cons
 /* Decodes the parameters from kernelParams (one pointer per parameter) or from `extra` (a parameter buffer laid
  * out as allreduce_params says). Returns 0 or 1 with `why` filled. */
 static hipError_t decode_params(struct kwork* w, void** params, void** extra, char* why, size_t n) {
-    const int* order = w->kind == 1 ? one_shot_params : two_shot_params;
+    const int* order = w->kind == 1 ? one_shot_params : w->kind == 2 ? two_shot_params : push_params;
     if ((params == NULL) == (extra == NULL))
         return snprintf(why, n, "exactly one of kernelParams and extra must be given"), 1;
     const unsigned char* buf = NULL;
@@ -1282,8 +1412,15 @@ static hipError_t decode_params(struct kwork* w, void** params, void** extra, ch
     }
     if (extra && off != buf_size)
         return snprintf(why, n, "the parameter buffer has %zu bytes, the kernel's parameters %zu", buf_size, off), 1;
+    if (w->kind == 3 && w->rank >= 0 && w->rank < K_MAX_RANKS && w->rank != 0) {
+        w->flags[w->rank] = w->flags[0];
+        w->flags[0] = 0;
+    }
     return 0;
 }
+
+/* Set by cuLaunchKernelEx (fake_cuda.c) for the launch it makes on this thread: programmatic dependent launch. */
+static __thread int launch_pdl;
 
 hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned shared, void* s, void** params, void** extra) {
@@ -1327,6 +1464,10 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
     l->table = w.table, l->self_src = w.self_src, l->out = w.out, l->round_vecs = w.round_vecs, l->n_vec = w.n_vec;
     memcpy(l->in, w.in, 64), memcpy(l->scratch, w.scratch, 64), memcpy(l->flags, w.flags, 64);
     l->last_registered = -1;
+    memcpy(l->recv, w.recv, 64);
+    l->my_flags = w.kind == 3 && w.rank >= 0 && w.rank < K_MAX_RANKS ? w.flags[w.rank] : 0;
+    l->pdl = launch_pdl;
+    launch_pdl = 0;
     l->status = e;
     pthread_mutex_unlock(&mu);
     if (e) {

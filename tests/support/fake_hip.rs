@@ -100,6 +100,18 @@ impl FakeHip {
         }
     }
 
+    /// Bytes of every live allocation of the fake's "device" memory (all devices), from `hipMemGetInfo`.
+    pub fn used_bytes(&self) -> usize {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: hipMemGetInfo writes two sizes.
+        let rc = unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(*mut usize, *mut usize) -> i32>(b"hipMemGetInfo\0");
+            f.expect("sym")(&mut free, &mut total)
+        };
+        assert_eq!(rc, 0, "hipMemGetInfo");
+        total - free
+    }
+
     /// Calls `hipMalloc` directly (to prove the fake enforces the rules); returns HIP's status.
     pub fn raw_malloc(&self, bytes: usize) -> i32 {
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -142,6 +154,10 @@ struct RawLaunch {
     timed_out: u32,
     failed: u32,
     last_registered: i32,
+    recv: [u64; 8],
+    my_flags: u64,
+    pdl: i32,
+    reserved: i32,
 }
 
 /// Which all-reduce kernel a launch ran.
@@ -186,6 +202,27 @@ pub struct AllReduceParams {
     pub last_registered: Option<bool>,
 }
 
+/// The decoded parameters of a push one-shot launch (`anyccl_kernels_common::push::PUSH_PARAMS`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushParams {
+    /// Element type: "f32", "f16" or "bf16".
+    pub dtype: &'static str,
+    /// `in`: this rank's input.
+    pub input: u64,
+    /// `out`.
+    pub out: u64,
+    /// `recv`: every rank's receive buffer.
+    pub recv: [u64; 8],
+    /// `my_flags`: this rank's flag array.
+    pub my_flags: u64,
+    /// `rank`.
+    pub rank: i32,
+    /// `world`.
+    pub world: i32,
+    /// `n_vec`: 16-byte vectors.
+    pub n_vec: u64,
+}
+
 /// One `hipModuleLaunchKernel` as the fake recorded it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Launch {
@@ -207,6 +244,11 @@ pub struct Launch {
     pub status: i32,
     /// The decoded parameters of an all-reduce kernel (also for launches refused after decoding).
     pub params: Option<AllReduceParams>,
+    /// The decoded parameters of a push one-shot kernel.
+    pub push: Option<PushParams>,
+    /// Launched with programmatic dependent launch (`cuLaunchKernelEx` with the programmatic-stream-serialization
+    /// attribute, fake CUDA driver only).
+    pub pdl: bool,
     /// Times the work started (eager: 1; captured: one per replay).
     pub runs: u32,
     /// Runs that met every barrier and wrote `out`.
@@ -296,7 +338,24 @@ impl From<RawLaunch> for Launch {
             n_vec: r.n_vec,
             last_registered: (r.last_registered >= 0).then_some(r.last_registered == 1),
         });
+        let dtype = match r.dtype {
+            0 => "f32",
+            1 => "f16",
+            _ => "bf16",
+        };
+        let push = (r.kernel == 3).then_some(PushParams {
+            dtype,
+            input: r.self_src,
+            out: r.out,
+            recv: r.recv,
+            my_flags: r.my_flags,
+            rank: r.rank,
+            world: r.world,
+            n_vec: r.n_vec,
+        });
         Launch {
+            push,
+            pdl: r.pdl != 0,
             seq: r.seq,
             name: String::from_utf8_lossy(&name_bytes).into_owned(),
             grid: r.grid,

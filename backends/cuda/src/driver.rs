@@ -74,6 +74,29 @@ fn libcuda_loadable() -> bool {
     })
 }
 
+/// Whether the driver library exports `symbol` (asked of the dynamic loader, once per symbol name; cudarc would
+/// panic on calling a symbol the driver lacks).
+pub fn has_symbol(symbol: &str) -> bool {
+    static FOUND: std::sync::Mutex<Vec<(String, bool)>> = std::sync::Mutex::new(Vec::new());
+    let mut found = FOUND.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, yes)) = found.iter().find(|(s, _)| s == symbol) {
+        return *yes;
+    }
+    let mut name = symbol.as_bytes().to_vec();
+    name.push(0);
+    let yes = LIBCUDA_NAMES.iter().any(|lib| {
+        // SAFETY: as in `libcuda_loadable`: the driver library by its system name; no symbol is called, only
+        // looked up, and the handle is closed on drop (the library stays loaded while cudarc holds it).
+        match unsafe { libloading::Library::new(*lib) } {
+            // SAFETY: a lookup only; the pointer is not used.
+            Ok(l) => unsafe { l.get::<*const std::ffi::c_void>(name.as_slice()) }.is_ok(),
+            Err(_) => false,
+        }
+    });
+    found.push((symbol.to_owned(), yes));
+    yes
+}
+
 fn probe_uncached() -> Result<DriverInfo, Reason> {
     let unavailable = |detail: String| Reason::Unavailable { component: "libcuda.so.1".into(), detail };
     if !libcuda_loadable() {

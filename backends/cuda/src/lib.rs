@@ -90,12 +90,25 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
         dependents: Capabilities::P2P_ALL_PAIRS
             | Capabilities::IPC
             | Capabilities::MULTICAST
-            | Capabilities::GRAPH_CAPTURE,
+            | Capabilities::GRAPH_CAPTURE
+            | Capabilities::DEPENDENT_LAUNCH,
         multicast_off,
         nvls_env: true,
         kernels: ("custom CUDA kernels", anyccl_kernels_cuda::NOT_BUILT),
     };
-    anyccl_ccl::caps::gpu_report(parts, lib, env)
+    let mut report = anyccl_ccl::caps::gpu_report(parts, lib, env);
+    // Programmatic dependent launch: on where every device has it (the push one-shot asks per device too).
+    if let Ok(info) = &probed {
+        let why = info.devices.iter().find_map(|d| platform::dependent_launch_unavailable(d.ordinal));
+        match why {
+            None => report.enable(Capabilities::DEPENDENT_LAUNCH),
+            Some(detail) => report.disable(
+                Capabilities::DEPENDENT_LAUNCH,
+                Reason::Unavailable { component: "programmatic dependent launch".into(), detail },
+            ),
+        }
+    }
+    report
 }
 
 /// Whether the backend can run here; `Err` says why not.

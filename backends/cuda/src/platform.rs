@@ -14,8 +14,9 @@ use crate::driver::cu_err;
 use crate::ipc::LegacyMapping;
 use crate::runtime::{CudaRuntime, CudaStream};
 
-/// The all-reduce algorithms of the CUDA backend. The NVLS ones and the push one-shot are listed so that selection
-/// and the bench say why they cannot run (multicast off, or not wired yet); they are never eligible today. The
+/// The all-reduce algorithms of the CUDA backend. The NVLS ones are listed so that selection and the bench say why
+/// they cannot run (multicast off, or not wired yet); they are never eligible today. The push one-shot runs where
+/// the custom kernels' setup allocated and exchanged its receive buffers (`ANYCCL_PUSH_MAX_BYTES`). The
 /// quantized two-shots are lossy: they run only where named (see [`Algorithm::is_lossy`]).
 pub const ALGORITHMS: [Algorithm; 10] = [
     Algorithm::Ccl,
@@ -90,6 +91,37 @@ fn nvls_unavailable(caps: &CapabilityReport) -> String {
                    emulation runs only in tests and anyccl-cuda-emulated-bench"
             .into(),
     }
+}
+
+/// Oldest driver with `cuLaunchKernelEx` and its launch attributes (CUDA 11.8).
+const LAUNCH_EX_DRIVER: i32 = 11080;
+
+/// Why launches on device `ordinal` cannot use programmatic dependent launch, or `None` when they can: the device
+/// must be compute capability 9.0 or newer, and the driver must have `cuLaunchKernelEx` (CUDA 11.8; looked up in
+/// the loaded driver library, since cudarc panics on a missing symbol).
+pub fn dependent_launch_unavailable(ordinal: i32) -> Option<String> {
+    let info = match crate::driver::probe() {
+        Ok(info) => info,
+        Err(reason) => return Some(reason.to_string()),
+    };
+    let Some(dev) = info.devices.iter().find(|d| d.ordinal == ordinal) else {
+        return Some(format!("device {ordinal} is not among the driver's devices"));
+    };
+    let (major, minor) = dev.compute_capability;
+    if major < 9 {
+        return Some(format!(
+            "device {ordinal} is compute capability {major}.{minor}: programmatic dependent launch needs sm_90 or newer"
+        ));
+    }
+    if info.version < LAUNCH_EX_DRIVER {
+        return Some(format!("driver {} lacks cuLaunchKernelEx (CUDA 11.8 or newer)", info.version_string()));
+    }
+    // Asked once (this runs before every push launch too).
+    static LAUNCH_EX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*LAUNCH_EX.get_or_init(|| crate::driver::has_symbol("cuLaunchKernelEx")) {
+        return Some("the CUDA driver library does not export cuLaunchKernelEx".into());
+    }
+    None
 }
 
 /// Loads NCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
@@ -204,6 +236,46 @@ impl GpuPlatform for Cuda {
             .map_err(|e| cu_err("cuLaunchKernel", e))
     }
 
+    fn dependent_launch_unavailable(rt: &CudaRuntime) -> Option<String> {
+        dependent_launch_unavailable(rt.context().ordinal())
+    }
+
+    unsafe fn launch_dependent(
+        rt: &CudaRuntime,
+        f: CudaFunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        stream: &CudaStream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // Checked again here: cudarc panics on a symbol the driver lacks.
+        if let Some(why) = dependent_launch_unavailable(rt.context().ordinal()) {
+            return Err(Error::backend("cuda", "cuLaunchKernelEx", None, why));
+        }
+        // SAFETY: an all-zero launch attribute is valid plain data (id 0 is CU_LAUNCH_ATTRIBUTE_IGNORE).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: stream.raw(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        rt.context().bind()?;
+        // SAFETY: the caller guarantees that `params` matches the kernel's signature and its memory accesses;
+        // `config` and `attr` outlive the call; the driver has the symbol (checked above).
+        unsafe { sys::cuLaunchKernelEx(&config, f.0, params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| cu_err("cuLaunchKernelEx", e))
+    }
+
     fn ipc_export(rt: &CudaRuntime, base: u64) -> Result<[u8; LEGACY_HANDLE_BYTES]> {
         rt.refuse_during_capture("cuIpcGetMemHandle")?;
         crate::ipc::export_legacy_ptr(rt.context(), base)
@@ -267,10 +339,6 @@ impl GpuPlatform for Cuda {
             Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => {
                 nvls_unavailable(caps)
             }
-            Algorithm::OneShotPush => "the push one-shot's kernels are built and run on emulated ranks \
-                                       (anyccl_cuda::push, anyccl-cuda-push-bench), but the communicator does not \
-                                       allocate and exchange its receive buffers yet"
-                .into(),
             other => format!("{other} is not implemented by the CUDA backend yet"),
         }
     }

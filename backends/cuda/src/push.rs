@@ -41,8 +41,8 @@ pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String>
 /// 10.6), and 4 blocks are best at 4 KiB. The bound keeps every rank's blocks co-resident twice over (programmatic
 /// dependent launch) on one GPU: world × blocks × 2 ≤ 128 blocks of 512 threads, 2 per SM.
 pub fn push_blocks(bytes: usize, world: usize) -> u32 {
-    let max = (64 / world.max(1)).max(8);
-    (bytes / (8 << 10)).clamp(4, max) as u32
+    // The communicator's choice too: one formula.
+    anyccl_ccl::gpu::push::push_blocks(bytes, world)
 }
 
 fn slot(dtype: DataType) -> Option<usize> {

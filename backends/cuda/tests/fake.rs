@@ -54,7 +54,16 @@ const NEED_KERNELS: &[&str] = &[
     "engine_streams",
     "ipc_during_capture",
     "split",
+    "push_init_all",
+    "push_ipc",
+    "push_sm80",
+    "push_off",
+    "push_fail",
 ];
+
+/// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
+/// push one-shot): they run with the push one-shot off (`ANYCCL_PUSH_MAX_BYTES=0`), as they did before it existed.
+const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "push_off"];
 
 /// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
 fn run_case(case: &str) -> String {
@@ -79,6 +88,8 @@ fn run_case(case: &str) -> String {
         .env("FAKEHIP_KERNEL_TIMEOUT_MS", "20000")
         .env("LD_LIBRARY_PATH", dir)
         .env("ANYCCL_NCCL_PATH", &nccl)
+        .env("ANYCCL_PUSH_MAX_BYTES", if PUSH_OFF.contains(&case) { "0" } else { "256KiB" })
+        .env("FAKECUDA_CC_MAJOR", if case == "push_sm80" { "8" } else { "9" })
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -112,6 +123,50 @@ fn run_case(case: &str) -> String {
         "case {case}: the child did not run the case\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
     );
     stdout
+}
+
+/// The push one-shot on communicators of one process (worlds 2 and 4): the setup allocates one receive buffer of
+/// `PUSH_RECV_BYTES` per rank, initialised to the sentinel with zeroed control words; small all-reduces (f32 and
+/// bf16, in place and out of place, up to 256 KiB) select `one-shot-push` and launch `anyccl_push_one_shot_*` once
+/// per rank with the grid `push_blocks`, 512 threads, every rank's receive buffer and its own flag array, through
+/// `cuLaunchKernelEx` with programmatic dependent launch (the fake is sm_90); the sums equal the host reference;
+/// the call counter counts the calls and every slot holds the sentinel again; a captured push replays right
+/// twice; 256 KiB + 16 bytes fall back to one-shot with the reason; dropping the communicators frees every byte
+/// they allocated.
+#[test]
+fn push_one_shot_is_set_up_selected_and_launched_with_pdl_on_communicators_of_one_process() {
+    run_case("push_init_all");
+}
+
+/// The push one-shot over IPC (one process per GPU, ranks as threads, world 3): the setup exports and opens each
+/// rank's receive buffer with the staging, scratch and flag buffers (4 handles per rank, 4 mappings per peer);
+/// a small all-reduce selects and launches the push kernel with every rank's mapped receive buffer; dropping the
+/// communicators closes every mapping.
+#[test]
+fn push_one_shot_receive_buffers_are_exchanged_over_ipc_and_released() {
+    run_case("push_ipc");
+}
+
+/// On a device below sm_90 (the fake at compute capability 8.0) the push one-shot still runs, with a plain
+/// `cuLaunchKernel` (no `cuLaunchKernelEx`), and says why it has no programmatic dependent launch.
+#[test]
+fn push_one_shot_without_pdl_below_sm_90_says_why() {
+    run_case("push_sm80");
+}
+
+/// `ANYCCL_PUSH_MAX_BYTES=0` allocates no receive buffer and leaves the push one-shot ineligible with the reason
+/// (one-shot runs instead).
+#[test]
+fn push_one_shot_off_by_its_setting_says_why() {
+    run_case("push_off");
+}
+
+/// A push setup that fails half-way (rank 1's receive buffer's initialisation fails) turns only the push one-shot
+/// off, on every rank, with the reason, frees every receive buffer already made (rank 0's too), and keeps one-shot
+/// running; dropping the communicators frees the rest.
+#[test]
+fn push_one_shot_setup_failing_half_way_leaks_nothing_and_says_why() {
+    run_case("push_fail");
 }
 
 /// The fake driver reports its devices to `anyccl_cuda::available()` (4, compute capability 9.0, no multicast,
@@ -187,7 +242,7 @@ fn ipc_setup_during_a_capture_is_refused_before_the_driver_and_works_after_it() 
 }
 
 /// Sub-communicators of a one-process-per-GPU job (threads): `split(rank % 2)` gives two of two ranks, each with
-/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 one-shot over its two
+/// its own kernels over IPC through the sub-communicator, whose all-reduce runs the world-2 push one-shot over its two
 /// ranks only; a grouped ring of sends and receives on the parent completes. On a single-process parent the sub's
 /// kernels are off with the reason.
 #[test]
@@ -197,7 +252,7 @@ fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
 
 /// The typed all-reduce over cudarc's own context, streams and slices (feature `cudarc`) at world 2: bf16 data
 /// written on one cudarc stream and reduced on another (cudarc's event tracking orders them), in place and into
-/// a sub-range, runs the one-shot kernel on cudarc's memory and sums right.
+/// a sub-range, runs the push one-shot kernel on cudarc's memory and sums right.
 #[cfg(feature = "cudarc")]
 #[test]
 fn cudarc_slices_and_streams_all_reduce_at_world_two() {
@@ -237,6 +292,11 @@ fn child() {
         #[cfg(feature = "cudarc")]
         "cudarc" => cudarc_world_two(&s),
         "conformance" => conformance_suite(&s),
+        "push_init_all" => push_init_all(&s),
+        "push_ipc" => push_ipc(&s),
+        "push_sm80" => push_sm80(&s),
+        "push_off" => push_off(&s),
+        "push_fail" => push_fail(&s),
         other => panic!("unknown case {other}"),
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new(), "capture violations");
@@ -366,6 +426,8 @@ fn available(s: &Setup) {
     assert_eq!(s.lib.version().code, 22809, "{}", s.lib.describe());
     let caps = anyccl_cuda::capabilities(Some(&s.lib), &|_| None);
     assert!(caps.has(Capabilities::CUDA_RUNTIME), "{caps:?}");
+    // sm_90 devices and a driver exporting cuLaunchKernelEx: programmatic dependent launch is on.
+    assert!(caps.has(Capabilities::DEPENDENT_LAUNCH), "{caps:?}");
     match anyccl_kernels_cuda::NOT_BUILT {
         None => assert!(caps.has(Capabilities::CUSTOM_KERNELS), "{caps:?}"),
         Some(why) => {
@@ -790,7 +852,7 @@ fn engine_streams(s: &Setup) {
             let st = unsafe { CudaStream::from_raw(raw.cast(), rt.context()) };
             rt.upload(&mut b, &input(DataType::F32, c.rank(), 0, 1024), &st)?;
             let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
-            assert_eq!(sel.algorithm, Algorithm::OneShot);
+            assert_eq!(sel.algorithm, Algorithm::OneShotPush);
             let mut host = vec![0u8; 4096];
             rt.download(&b, &mut host, &st)?;
             decode(DataType::F32, &host)
@@ -872,11 +934,12 @@ fn ipc_during_capture(s: &Setup) {
             matches!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })),
             "rank {rank}: {refused}"
         );
-        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: set up after the capture");
+        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}: set up after the capture");
         assert!(got == reference(world, 0, 1024), "rank {rank}");
     }
-    // Only the setup after the capture reached the driver: three handles per rank, one module load per rank.
-    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 3 * world as i32);
+    // Only the setup after the capture reached the driver: four handles per rank (staging, scratch, flags, the
+    // push receive buffer), one module load per rank.
+    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 4 * world as i32);
     assert_eq!(s.fake.calls("cuModuleLoadData") - loads, world as i32);
 }
 
@@ -939,7 +1002,7 @@ fn split(s: &Setup) {
     for (rank, o) in outcomes.into_iter().enumerate() {
         let (sub_rank, sub_world, algorithm, sums, ring) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
         assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
-        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}: the sub-communicator's own kernels");
+        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}: the sub-communicator's own kernels");
         let peers = [rank % 2, rank % 2 + 2];
         let want: Vec<f32> = (0..1024).map(|i| peers.iter().map(|r| value(*r, 0, i)).sum()).collect();
         assert!(sums == want, "rank {rank}: the sum over its sub-communicator only");
@@ -949,9 +1012,9 @@ fn split(s: &Setup) {
         .fake
         .launches()
         .into_iter()
-        .filter(|l| l.seq > from && l.params.as_ref().is_some_and(|p| p.world == 2))
+        .filter(|l| l.seq > from && l.push.as_ref().is_some_and(|p| p.world == 2))
         .collect();
-    assert_eq!(subs.len(), world, "one world-2 one-shot per rank: {subs:?}");
+    assert_eq!(subs.len(), world, "one world-2 push one-shot per rank: {subs:?}");
 
     // One process: the sub-communicators' kernels are off, with the reason, and NCCL serves them.
     let mut cs = comms(s, 2);
@@ -991,13 +1054,13 @@ fn cudarc_world_two(s: &Setup) {
     let want: Vec<bf16> = reference(2, 3, n).into_iter().map(bf16::from_f32).collect();
     for (rank, r) in out.into_iter().enumerate() {
         let (algorithm, summed, ranged) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!(algorithm, Algorithm::OneShot, "rank {rank}");
+        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}");
         assert_eq!(summed, want, "rank {rank}: in place");
         assert_eq!(&ranged[16..528], &want[..512], "rank {rank}: into the sub-range");
         assert!(ranged[..16].iter().chain(&ranged[528..]).all(|v| *v == bf16::ZERO), "rank {rank}: outside");
     }
     let launched: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
-    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_one_shot_bf16" && l.completed == 1).count(), 4);
+    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_push_one_shot_bf16" && l.completed == 1).count(), 4);
 }
 
 struct FakeCuda<'a> {
@@ -1039,4 +1102,292 @@ fn conformance_suite(s: &Setup) {
     if anyccl_kernels_cuda::NOT_BUILT.is_none() {
         assert!(s.fake.launch_total() > from, "the custom kernels ran in the suite");
     }
+}
+
+// ---- The push one-shot ----
+
+fn dtype_name(dtype: DataType) -> &'static str {
+    if dtype == DataType::F32 {
+        "f32"
+    } else {
+        "bf16"
+    }
+}
+
+/// The launches since `from` must be one push launch per rank of `world` for `bytes` of `dtype`, with the grid of
+/// `push_blocks`, 512 threads, the same `world` receive buffers on every rank, and (per `pdl`) programmatic
+/// dependent launch; each completed once (eager) unless `capturing`.
+fn check_push_launches(
+    fake: &FakeHip,
+    from: u64,
+    world: usize,
+    dtype: DataType,
+    bytes: usize,
+    pdl: bool,
+) -> Vec<Launch> {
+    let new: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
+    assert_eq!(new.len(), world, "one launch per rank: {new:?}");
+    let blocks = anyccl_ccl::gpu::push::push_blocks(bytes, world);
+    let mut ranks = Vec::new();
+    for l in &new {
+        assert_eq!(l.name, format!("anyccl_push_one_shot_{}", dtype_name(dtype)), "{l:?}");
+        assert_eq!((l.grid, l.block, l.status, l.pdl), ([blocks, 1, 1], [512, 1, 1], 0, pdl), "{l:?}");
+        let p = l.push.as_ref().expect("push parameters");
+        assert_eq!((p.world as usize, p.n_vec as usize, p.dtype), (world, bytes / 16, dtype_name(dtype)), "{l:?}");
+        assert!(p.recv[..world].iter().all(|r| *r != 0) && p.recv[world..].iter().all(|r| *r == 0), "{l:?}");
+        assert!(p.my_flags != 0 && p.input != 0 && p.out != 0, "{l:?}");
+        ranks.push(p.rank);
+        {
+            // Every rank's receive buffer, none twice (in-process ranks see the same addresses; over IPC each rank
+            // its own mappings).
+            let mut r = p.recv[..world].to_vec();
+            r.sort();
+            r.dedup();
+            assert_eq!(r.len(), world, "distinct receive buffers: {l:?}");
+        }
+    }
+    ranks.sort();
+    assert_eq!(ranks, (0..world as i32).collect::<Vec<_>>());
+    new
+}
+
+/// Rank `rank`'s all-reduce of `count` `dtype` values (round `round`'s inputs), in place or not; returns the
+/// selection and the sums.
+fn reduce_once(
+    c: &mut Communicator<CudaComm>,
+    dtype: DataType,
+    count: usize,
+    round: usize,
+    in_place: bool,
+) -> Result<(Algorithm, Vec<f32>)> {
+    let bytes = count * dtype.size_bytes();
+    let rt = c.runtime().clone();
+    let st = rt.stream()?;
+    let mut a = rt.alloc(bytes)?;
+    rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
+    let mut b = rt.alloc(bytes)?;
+    let sel = if in_place {
+        c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
+    } else {
+        c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
+    };
+    st.synchronize()?;
+    let mut host = vec![0u8; bytes];
+    rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
+    Ok((sel.algorithm, decode(dtype, &host)))
+}
+
+/// The call counter of the receive buffer at `recv` and whether every slot holds the sentinel (the fake's device
+/// memory is host memory).
+fn receive_state(recv: u64) -> (u32, bool) {
+    use anyccl_kernels_cuda::push::{PUSH_CTRL_OFFSET, PUSH_SENTINEL};
+    // SAFETY: a live receive buffer of PUSH_RECV_BYTES in the fake's host-backed device memory; nothing runs on it
+    // now (every stream was synchronised).
+    let words = unsafe { std::slice::from_raw_parts(recv as *const u32, PUSH_CTRL_OFFSET / 4 + 1) };
+    (words[PUSH_CTRL_OFFSET / 4], words[..PUSH_CTRL_OFFSET / 4].iter().all(|w| *w == PUSH_SENTINEL))
+}
+
+fn push_init_all(s: &Setup) {
+    let used = s.fake.used_bytes();
+    for world in [2usize, 4] {
+        let mut cs = comms(s, world);
+        for c in &cs {
+            let (limit, pdl) = c.backend().push_status().unwrap_or_else(|e| panic!("push off: {e}"));
+            assert_eq!(limit, anyccl_kernels_cuda::push::PUSH_MAX_BYTES);
+            assert_eq!(pdl, Ok(()), "the fake is sm_90 and exports cuLaunchKernelEx");
+        }
+        let ex = s.fake.calls("cuLaunchKernelEx");
+        let cases = [
+            (DataType::F32, 4096usize, false),
+            (DataType::Bf16, 64 << 10, true),
+            (DataType::F32, 256 << 10, false),
+            (DataType::Bf16, 16, true),
+        ];
+        let mut recv = Vec::new();
+        for (round, (dtype, bytes, in_place)) in cases.into_iter().enumerate() {
+            let count = bytes / dtype.size_bytes();
+            let from = s.fake.launch_total();
+            let out = per_rank(&mut cs, |c| reduce_once(c, dtype, count, round, in_place));
+            let launches = check_push_launches(&s.fake, from, world, dtype, bytes, true);
+            assert!(launches.iter().all(|l| !l.capturing && l.completed == 1), "{launches:?}");
+            recv = launches[0].push.as_ref().map(|p| p.recv[..world].to_vec()).unwrap_or_default();
+            for (rank, r) in out.into_iter().enumerate() {
+                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype} {bytes}: {e}"));
+                assert_eq!(algorithm, Algorithm::OneShotPush, "world {world} {dtype} {bytes} rank {rank}");
+                assert!(got == reference(world, round, count), "world {world} {dtype} {bytes} rank {rank}: wrong sums");
+            }
+        }
+        assert_eq!(s.fake.calls("cuLaunchKernelEx") - ex, (cases.len() * world) as i32, "every push launch");
+        // Every rank's call counter counts the calls; every slot is empty again.
+        for r in &recv {
+            assert_eq!(receive_state(*r), (cases.len() as u32, true), "receive buffer {r:#x}");
+        }
+        // A captured push replays right (the set alternates on the device).
+        let (count, dtype) = (2048usize, DataType::F32);
+        let from = s.fake.launch_total();
+        let replays = per_rank(&mut cs, |c| -> Result<Vec<Vec<f32>>> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let mut a = rt.alloc(count * 4)?;
+            let mut b = rt.alloc(count * 4)?;
+            let graph = Graph::capture(rt.context(), &st, |st| {
+                let io = InOut::Separate { send: &a, recv: &mut b };
+                c.all_reduce(io, count, dtype, ReduceOp::Sum, st).map(|_| ())
+            })?;
+            let mut sums = Vec::new();
+            for round in 10..12 {
+                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
+                graph.launch(&st)?;
+                st.synchronize()?;
+                let mut host = vec![0u8; count * 4];
+                rt.download(&b, &mut host, &st)?;
+                sums.push(decode(dtype, &host));
+            }
+            Ok(sums)
+        });
+        let launched = check_push_launches(&s.fake, from, world, dtype, count * 4, true);
+        assert!(launched.iter().all(|l| l.capturing && l.runs == 2 && l.completed == 2), "{launched:?}");
+        for (rank, r) in replays.into_iter().enumerate() {
+            let sums = r.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
+            for (k, got) in sums.iter().enumerate() {
+                assert!(*got == reference(world, 10 + k, count), "world {world} rank {rank} replay {k}");
+            }
+        }
+        // Above the limit: one-shot, and push says why.
+        let big = call((256 << 10) / 4 + 4, DataType::F32);
+        let why = cs[0].check_algorithm(Algorithm::OneShotPush, &big).expect_err("too big").to_string();
+        assert!(why.contains("ANYCCL_PUSH_MAX_BYTES"), "{why}");
+        assert_eq!(cs[0].select_all_reduce(&big).expect("selection").algorithm, Algorithm::OneShot);
+        // Not a sum, or a type without a kernel: not eligible, with the reason.
+        let mut max = call(1024, DataType::F32);
+        max.op = ReduceOp::Max;
+        let why = cs[0].check_algorithm(Algorithm::OneShotPush, &max).expect_err("max").to_string();
+        assert!(why.contains("sum"), "{why}");
+        let why = cs[0].check_algorithm(Algorithm::OneShotPush, &call(1024, DataType::I32)).expect_err("i32");
+        assert!(why.to_string().contains("f32, f16 and bf16"), "{why}");
+        drop(cs);
+        assert_eq!(s.fake.used_bytes(), used, "world {world}: every byte freed with the communicators");
+    }
+}
+
+fn push_ipc(s: &Setup) {
+    let world = 3;
+    let used = s.fake.used_bytes();
+    let (gets, opens) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuIpcOpenMemHandle_v2"));
+    let group = LocalGroup::new(world, Duration::from_secs(30));
+    let count = 1024;
+    let from = s.fake.launch_total();
+    let outcomes = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|rank| {
+                let mut boot = group.member(rank);
+                sc.spawn(move || -> Result<(Algorithm, Vec<f32>, Communicator<CudaComm>)> {
+                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
+                    let selector = Arc::new(Selector::defaults());
+                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
+                        &id,
+                        rank,
+                        world,
+                        rank as i32,
+                        &mut boot,
+                        selector,
+                    )?;
+                    let (algorithm, sums) = reduce_once(&mut c, DataType::F32, count, 3, false)?;
+                    Ok((algorithm, sums, c))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
+    });
+    let mut comms = Vec::new();
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        let (algorithm, sums, c) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(c.backend().push_status().map(|p| p.0), Ok(256 << 10), "rank {rank}");
+        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}");
+        assert!(sums == reference(world, 3, count), "rank {rank}: wrong sums");
+        comms.push(c);
+    }
+    let launched = check_push_launches(&s.fake, from, world, DataType::F32, count * 4, true);
+    assert!(launched.iter().all(|l| l.completed == 1), "{launched:?}");
+    // Each rank's own receive buffer is the one its peers mapped: the same allocation under another address.
+    let n = world as i32;
+    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 4 * n, "staging, scratch, flags and push per rank");
+    assert_eq!(s.fake.calls("cuIpcOpenMemHandle_v2") - opens, 4 * n * (n - 1));
+    assert_eq!(s.fake.ipc_open_count(), 4 * n * (n - 1), "every mapping open while the communicators live");
+    drop(comms);
+    assert_eq!(s.fake.ipc_open_count(), 0, "every mapping closed with its communicator");
+    assert_eq!(s.fake.used_bytes(), used, "every byte freed with the communicators");
+}
+
+fn push_sm80(s: &Setup) {
+    let info = anyccl_cuda::available().expect("available");
+    assert_eq!(info.devices[0].compute_capability, (8, 0));
+    // The capability report says why there is no programmatic dependent launch.
+    let caps = anyccl_cuda::capabilities(Some(&s.lib), &|_| None);
+    let off = caps.require(Capabilities::DEPENDENT_LAUNCH).expect_err("off below sm_90").to_string();
+    assert!(off.contains("compute capability 8.0"), "{off}");
+    let mut cs = comms(s, 2);
+    let (_, pdl) = cs[0].backend().push_status().expect("push on");
+    let why = pdl.expect_err("no PDL below sm_90");
+    assert!(why.contains("compute capability 8.0") && why.contains("sm_90"), "{why}");
+    let ex = s.fake.calls("cuLaunchKernelEx");
+    let from = s.fake.launch_total();
+    let out = per_rank(&mut cs, |c| reduce_once(c, DataType::Bf16, 4096, 1, true));
+    check_push_launches(&s.fake, from, 2, DataType::Bf16, 4096 * 2, false);
+    assert_eq!(s.fake.calls("cuLaunchKernelEx"), ex, "plain cuLaunchKernel below sm_90");
+    for (rank, r) in out.into_iter().enumerate() {
+        let (algorithm, got) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(algorithm, Algorithm::OneShotPush);
+        assert!(got == reference(2, 1, 4096), "rank {rank}: wrong sums");
+    }
+}
+
+fn push_off(s: &Setup) {
+    let used = s.fake.used_bytes();
+    // ANYCCL_PUSH_MAX_BYTES=0 (set by the parent): no receive buffer, push ineligible with the reason.
+    let mut cs = comms(s, 2);
+    let off = cs[0].backend().push_status().expect_err("off").to_owned();
+    assert!(off.contains("ANYCCL_PUSH_MAX_BYTES is 0"), "{off}");
+    let why = cs[0].check_algorithm(Algorithm::OneShotPush, &call(1024, DataType::F32)).expect_err("off");
+    assert!(why.to_string().contains("ANYCCL_PUSH_MAX_BYTES is 0"), "{why}");
+    let out = per_rank(&mut cs, |c| reduce_once(c, DataType::F32, 1024, 2, false));
+    for r in out {
+        let (algorithm, got) = r.expect("one-shot");
+        assert_eq!(algorithm, Algorithm::OneShot);
+        assert!(got == reference(2, 2, 1024));
+    }
+    drop(cs);
+    assert_eq!(s.fake.used_bytes(), used);
+}
+
+fn push_fail(s: &Setup) {
+    let used = s.fake.used_bytes();
+    let cs = comms(s, 2);
+    assert!(cs[0].backend().push_status().is_ok());
+    let with_push = s.fake.used_bytes() - used;
+    drop(cs);
+    assert_eq!(s.fake.used_bytes(), used);
+    // A setup that fails half-way: rank 1's receive buffer cannot be initialised (its 4 MiB upload fails).
+    s.fake.fail_copies(1, anyccl_kernels_cuda::push::PUSH_RECV_BYTES, 1);
+    let mut cs = comms(s, 2);
+    s.fake.fail_copies(1, 0, 0);
+    for c in &cs {
+        assert!(c.backend().custom_kernels_off().is_none(), "the custom kernels stay on");
+        let off = c.backend().push_status().expect_err("push off").to_owned();
+        assert!(off.contains("receive buffer"), "{off}");
+    }
+    // Rank 0's buffer, made before rank 1's failed, was freed with rank 1's: the communicators hold two receive
+    // buffers less than with the push one-shot on.
+    let without_push = s.fake.used_bytes() - used;
+    // (The fake allocates whole 4 KiB pages.)
+    let page_rounded = anyccl_kernels_cuda::push::PUSH_RECV_BYTES.next_multiple_of(4096);
+    assert_eq!(with_push - without_push, 2 * page_rounded, "no receive buffer left behind");
+    let out = per_rank(&mut cs, |c| reduce_once(c, DataType::F32, 1024, 4, true));
+    for r in out {
+        let (algorithm, got) = r.expect("one-shot");
+        assert_eq!(algorithm, Algorithm::OneShot);
+        assert!(got == reference(2, 4, 1024));
+    }
+    drop(cs);
+    assert_eq!(s.fake.used_bytes(), used, "every byte freed with the communicators");
 }

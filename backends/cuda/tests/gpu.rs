@@ -855,3 +855,137 @@ fn teardown_times_of_drop_and_background_close() {
     assert!(r < Duration::from_millis(50), "the background close took {r:?} to return");
     assert!(r <= k, "returned before it completed");
 }
+
+/// Pseudo-random bits of a rank's input (f32 words, or pairs of f16/bf16 values): finite values of mixed signs and
+/// magnitudes, so that a different summation order would change the rounded result.
+fn push_input(rank: usize, round: usize, bytes: usize, dtype: DataType) -> Vec<u8> {
+    let mut x = ((rank as u64 + 1) * 0x9E37_79B9_7F4A_7C15) ^ ((round as u64) << 32);
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % 20_000) as f32 / 997.0 - 10.0
+    };
+    match dtype {
+        DataType::F32 => (0..bytes / 4).flat_map(|_| next().to_le_bytes()).collect(),
+        DataType::Bf16 => (0..bytes / 2).flat_map(|_| bf16_bits(next()).to_le_bytes()).collect(),
+        _ => (0..bytes / 2).flat_map(|_| half::f16::from_f32(next()).to_bits().to_le_bytes()).collect(),
+    }
+}
+
+/// The push one-shot on a real communicator of two GPUs or more (one process, peer access): set up by
+/// `init_all` with programmatic dependent launch on sm_90+, selected by the defaults for small messages, and
+/// bitwise equal to the one-shot for f32, f16 and bf16 from 16 bytes to 256 KiB, eager (out of place and in place)
+/// and captured (three replays). World 1 has no push one-shot (the custom kernels need two ranks or more), so there
+/// is no world-1 form of this test.
+#[test]
+#[ignore = "needs 2 or more NVIDIA GPUs: run on a multi-GPU machine with --ignored"]
+fn push_one_shot_equals_one_shot_bitwise_on_a_communicator_of_two_gpus() {
+    let gpus = anyccl_cuda::available().map(|i| i.devices.len()).expect("a GPU");
+    assert!(gpus >= 2, "this test needs two GPUs or more, found {gpus}");
+    let world = gpus.min(8);
+    let comms = Cuda.create(world).expect("communicators");
+    let sm90 = anyccl_cuda::available().map(|i| i.devices[0].compute_capability.0 >= 9).unwrap_or(false);
+    let results: Vec<std::result::Result<String, String>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                sc.spawn(move || -> std::result::Result<String, String> {
+                    use anyccl_core::MemoryRuntime;
+                    let e = |x: anyccl_core::Error| x.to_string();
+                    let (limit, pdl) = comm
+                        .backend()
+                        .push_status()
+                        .map(|(limit, pdl)| (limit, pdl.map_err(str::to_owned)))
+                        .map_err(|w| format!("push off: {w}"))?;
+                    if sm90 && pdl.is_err() {
+                        return Err(format!("rank {rank}: no PDL on sm_90+: {pdl:?}"));
+                    }
+                    let rt = comm.runtime().clone();
+                    let stream = rt.stream().map_err(e)?;
+                    let mut runs = 0;
+                    for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
+                        for bytes in [16usize, 4 << 10, 64 << 10, limit] {
+                            let count = bytes / dtype.size_bytes();
+                            let probe = anyccl_core::comm::AllReduceCall {
+                                count,
+                                dtype,
+                                op: ReduceOp::Sum,
+                                bytes,
+                                in_place: false,
+                                capturing: false,
+                                bufs: None,
+                            };
+                            let chosen = comm.select_all_reduce(&probe).map_err(e)?.algorithm;
+                            if bytes <= 64 << 10 && chosen != Algorithm::OneShotPush {
+                                return Err(format!("rank {rank}: {dtype} {bytes}: the defaults chose {chosen}"));
+                            }
+                            let input = rt.alloc(bytes).map_err(e)?;
+                            let mut a = input;
+                            let mut push_out = rt.alloc(bytes).map_err(e)?;
+                            let mut one_out = rt.alloc(bytes).map_err(e)?;
+                            let mut inplace = rt.alloc(bytes).map_err(e)?;
+                            for round in 0..2 {
+                                let data = push_input(rank, round, bytes, dtype);
+                                rt.upload(&mut a, &data, &stream).map_err(e)?;
+                                rt.upload(&mut inplace, &data, &stream).map_err(e)?;
+                                for (alg, out) in
+                                    [(Algorithm::OneShotPush, &mut push_out), (Algorithm::OneShot, &mut one_out)]
+                                {
+                                    let io = InOut::Separate { send: &a, recv: out };
+                                    comm.all_reduce_with(alg, io, count, dtype, ReduceOp::Sum, &stream).map_err(e)?;
+                                }
+                                let io = InOut::InPlace(&mut inplace);
+                                comm.all_reduce_with(Algorithm::OneShotPush, io, count, dtype, ReduceOp::Sum, &stream)
+                                    .map_err(e)?;
+                                stream.synchronize().map_err(e)?;
+                                let (mut p, mut o, mut i) = (vec![0u8; bytes], vec![0u8; bytes], vec![0u8; bytes]);
+                                rt.download(&push_out, &mut p, &stream).map_err(e)?;
+                                rt.download(&one_out, &mut o, &stream).map_err(e)?;
+                                rt.download(&inplace, &mut i, &stream).map_err(e)?;
+                                if p != o || i != o {
+                                    return Err(format!(
+                                        "rank {rank}: {dtype} {bytes} round {round}: push != one-shot"
+                                    ));
+                                }
+                                runs += 1;
+                            }
+                            // Captured: three replays, each equal to an eager one-shot of the same input.
+                            let ctx = rt.context().clone();
+                            let graph = anyccl_cuda::graph::Graph::capture(&ctx, &stream, |s| {
+                                let io = InOut::Separate { send: &a, recv: &mut push_out };
+                                comm.all_reduce_with(Algorithm::OneShotPush, io, count, dtype, ReduceOp::Sum, s)
+                                    .map(|_| ())
+                            })
+                            .map_err(e)?;
+                            for round in 2..5 {
+                                rt.upload(&mut a, &push_input(rank, round, bytes, dtype), &stream).map_err(e)?;
+                                graph.launch(&stream).map_err(e)?;
+                                let io = InOut::Separate { send: &a, recv: &mut one_out };
+                                comm.all_reduce_with(Algorithm::OneShot, io, count, dtype, ReduceOp::Sum, &stream)
+                                    .map_err(e)?;
+                                stream.synchronize().map_err(e)?;
+                                let (mut p, mut o) = (vec![0u8; bytes], vec![0u8; bytes]);
+                                rt.download(&push_out, &mut p, &stream).map_err(e)?;
+                                rt.download(&one_out, &mut o, &stream).map_err(e)?;
+                                if p != o {
+                                    return Err(format!(
+                                        "rank {rank}: {dtype} {bytes} replay {round}: push != one-shot"
+                                    ));
+                                }
+                                runs += 1;
+                            }
+                        }
+                    }
+                    Ok(format!("rank {rank}: {runs} push calls bitwise equal to one-shot (limit {limit}, pdl {pdl:?})"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect()
+    });
+    for r in results {
+        let line = r.unwrap_or_else(|e| panic!("{e}"));
+        eprintln!("{line}");
+    }
+}

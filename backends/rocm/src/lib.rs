@@ -59,7 +59,15 @@ pub fn capabilities(
         // Built in: on (each communicator checks that its devices' targets have code objects, and says why not).
         kernels: ("HIP kernels", anyccl_kernels_hip::NOT_BUILT),
     };
-    anyccl_ccl::caps::gpu_report(parts, ccl, env)
+    let mut report = anyccl_ccl::caps::gpu_report(parts, ccl, env);
+    report.disable(
+        Capabilities::DEPENDENT_LAUNCH,
+        Reason::Unavailable {
+            component: "programmatic dependent launch".into(),
+            detail: "HIP has no programmatic dependent launch (and ROCm does not offer the push one-shot yet)".into(),
+        },
+    );
+    report
 }
 
 /// One communicator per listed HIP device of this process (`ncclCommInitAll`), wrapped in the validating

@@ -153,6 +153,10 @@ fn init_all_launches_the_selected_hip_kernel_with_its_grid_and_sums_right() {
     for world in [2usize, 4] {
         let mut cs = comms(&s, world);
         assert!(cs[0].backend().custom_kernels_off().is_none(), "{:?}", cs[0].backend().custom_kernels_off());
+        // The push one-shot is not offered on ROCm (no receive buffer is allocated), and says why.
+        let push = cs[0].backend().push_status().expect_err("no push one-shot on ROCm");
+        assert!(push.contains("ROCm backend does not offer it"), "{push}");
+        assert!(!anyccl_rocm::platform::ALGORITHMS.contains(&Algorithm::OneShotPush));
         // (dtype, bytes, in place, the algorithm the default table picks on AMD).
         let cases = [
             (DataType::F32, 4096usize, false, Algorithm::OneShot),

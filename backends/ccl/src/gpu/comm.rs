@@ -17,6 +17,7 @@ use anyccl_kernels_common as common;
 
 use super::graph_inputs::{GraphInputs, Transport};
 use super::kernels::{self, CustomKernels, Inputs, Kind};
+use super::push::{self, PushKernels, PushState};
 use super::quant::{self, QuantKernels};
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
@@ -37,6 +38,9 @@ pub const DEFAULT_CUSTOM_MAX_BLOCKS: usize = 64;
 /// What the custom one-shot / two-shot kernels need on one rank: its kernels, its staging, scratch and flag
 /// buffers, and every rank's, as addressable from this device (peer access enabled, or IPC-mapped).
 struct CustomState<P: GpuPlatform> {
+    /// The push one-shot's kernels and receive buffers, or why it is off on this communicator (the same answer on
+    /// every rank: decided from what the ranks exchanged).
+    push: std::result::Result<PushState<P>, String>,
     /// The quantized two-shot kernels of `kernels`' module (valid while `kernels` lives).
     quant: QuantKernels<P>,
     kernels: CustomKernels<P>,
@@ -121,6 +125,32 @@ fn own_custom_buffers<P: GpuPlatform>(rt: &P::Runtime, capacity: usize) -> Resul
     rt.upload(&mut flags, &[0u8; common::FLAG_BYTES], &stream)?;
     let kernels = CustomKernels::load(rt)?;
     Ok((kernels, staging, scratch, flags))
+}
+
+/// Bytes of what each rank sends in the custom kernels' IPC setup: the staging, scratch and flag handles, the
+/// staging size and block limit, then the push receive buffer's handle and the push limit (0: no push buffer).
+const IPC_BLOB_BYTES: usize = 4 * LEGACY_HANDLE_BYTES + 24;
+
+/// This rank's push one-shot part: its kernels (from `kernels`' module) and its initialised receive buffer, or why
+/// not (a limit of 0, a platform that does not offer it, or a failure, whose partial buffer is freed).
+fn own_push_part<P: GpuPlatform>(
+    rt: &P::Runtime,
+    kernels: &CustomKernels<P>,
+    limit: usize,
+) -> std::result::Result<(BufferOf<P>, PushKernels<P>), String> {
+    if !P::ALGORITHMS.contains(&Algorithm::OneShotPush) {
+        return Err(format!(
+            "off: the {} backend does not offer it yet (its kernels are built into the module, but have not run on \
+             this vendor's GPUs)",
+            P::LABEL
+        ));
+    }
+    if limit == 0 {
+        return Err(format!("off: {} is 0", push::ENV_PUSH_MAX_BYTES));
+    }
+    let k = PushKernels::from_custom(kernels).map_err(|e| format!("off: its kernels: {e}"))?;
+    let buf = push::own_receive_buffer::<P>(rt).map_err(|e| format!("off: its receive buffer: {e}"))?;
+    Ok((buf, k))
 }
 
 /// How long a rank of a single-process communicator waits for the others while registering graph buffers.
@@ -273,6 +303,15 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.custom.as_ref().ok().map(|st| st.capacity)
     }
 
+    /// Whether the push one-shot ([`Algorithm::OneShotPush`]) is set up on this communicator: `Ok(limit)` with
+    /// the largest message it takes, and whether its launches use programmatic dependent launch (`Ok`) or why not;
+    /// `Err` says why it is off.
+    pub fn push_status(&self) -> std::result::Result<(usize, std::result::Result<(), &str>), &str> {
+        let st = self.custom.as_ref().map_err(String::as_str)?;
+        let p = st.push.as_ref().map_err(String::as_str)?;
+        Ok((p.capacity, p.kernels.dependent_launch()))
+    }
+
     /// Turns the custom kernels on with the state an IPC setup made, or off with its error (also returned).
     fn finish_custom_ipc(&mut self, r: Result<CustomState<P>>) -> Result<()> {
         match r {
@@ -312,31 +351,64 @@ impl<P: GpuPlatform> GpuComm<P> {
             }
             let capacity = custom_capacity(env)?;
             let max_blocks = custom_max_blocks(env)?;
+            let push_capacity = push::push_capacity(env)?;
             let (kernels, staging, scratch, flags) = own_custom_buffers::<P>(&self.runtime, capacity)?;
-            let mut handles = Vec::with_capacity(3 * LEGACY_HANDLE_BYTES + 16);
+            let mut handles = Vec::with_capacity(IPC_BLOB_BYTES);
             for b in [&staging, &scratch, &flags] {
                 handles.extend_from_slice(&P::ipc_export(&self.runtime, b.device_ptr())?);
             }
             handles.extend_from_slice(&(capacity as u64).to_le_bytes());
             handles.extend_from_slice(&(max_blocks as u64).to_le_bytes());
-            Ok((kernels, staging, scratch, flags, capacity, max_blocks, handles))
+            // The push one-shot's receive buffer: a failure here turns only the push one-shot off (on every rank,
+            // which learn it from the exchange: this rank sends a limit of 0).
+            let own_push = own_push_part::<P>(&self.runtime, &kernels, push_capacity).and_then(|(buf, k)| {
+                let handle = P::ipc_export(&self.runtime, buf.device_ptr()).map_err(|e| e.to_string())?;
+                Ok((buf, k, handle))
+            });
+            match &own_push {
+                Ok((_, _, handle)) => {
+                    handles.extend_from_slice(handle);
+                    handles.extend_from_slice(&(push_capacity as u64).to_le_bytes());
+                }
+                Err(_) => handles.extend_from_slice(&[0u8; LEGACY_HANDLE_BYTES + 8]),
+            }
+            Ok((kernels, staging, scratch, flags, capacity, max_blocks, handles, own_push))
         })();
         let mine: &[u8] = match &local {
             Ok(l) => &l.6,
             Err(_) => &[],
         };
         let all = anyccl_core::bootstrap::checked_all_gather(bootstrap, mine)?;
-        let (kernels, staging, scratch, flags, capacity, max_blocks, _) = local?;
+        let (kernels, staging, scratch, flags, capacity, max_blocks, _, own_push) = local?;
         let h = LEGACY_HANDLE_BYTES;
-        if let Some(q) = all.iter().position(|a| a.len() != 3 * h + 16) {
+        if let Some(q) = all.iter().position(|a| a.len() != IPC_BLOB_BYTES) {
             return Err(off(format!("rank {q} could not set up its custom-kernel buffers")));
         }
         if all.iter().any(|a| a[3 * h..3 * h + 8] != (capacity as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BYTES".into()));
         }
-        if all.iter().any(|a| a[3 * h + 8..] != (max_blocks as u64).to_le_bytes()) {
+        if all.iter().any(|a| a[3 * h + 8..3 * h + 16] != (max_blocks as u64).to_le_bytes()) {
             return Err(off("ranks disagree on ANYCCL_CUSTOM_MAX_BLOCKS".into()));
         }
+        // The push one-shot runs where every rank has its receive buffer and the same limit.
+        let push_limit = |a: &[u8]| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&a[4 * h + 16..4 * h + 24]);
+            u64::from_le_bytes(b)
+        };
+        let push_agreed: std::result::Result<_, String> = match own_push {
+            Err(why) => Err(why),
+            Ok(own) => match all.iter().position(|a| push_limit(a) == 0) {
+                Some(q) => Err(format!(
+                    "off: rank {q} has no push receive buffer ({} is 0 there, or its setup failed)",
+                    push::ENV_PUSH_MAX_BYTES
+                )),
+                None if all.iter().any(|a| push_limit(a) != push_limit(&all[0])) => {
+                    Err(format!("off: ranks disagree on {}", push::ENV_PUSH_MAX_BYTES))
+                }
+                None => Ok(own),
+            },
+        };
         // Up to here every rank has decided alike (from the same exchange). What follows can fail on one rank
         // alone (opening a peer's handle, a table, a stream): the ranks agree on the outcome before any of them
         // turns the kernels on, or one rank would choose them while another chose the library for the same call.
@@ -364,13 +436,55 @@ impl<P: GpuPlatform> GpuComm<P> {
             let control = P::stream(&self.runtime)?;
             Ok((mappings, all_staging, all_scratch, all_flags, graph, control))
         })();
+        // The peers' push receive buffers; a failure turns only the push one-shot off (agreed below).
+        let push_mapped = match (&mapped, push_agreed) {
+            (Ok(_), Ok((buf, kernels, _))) => {
+                let peers = (|| -> Result<_> {
+                    let (mut maps, mut all_recv) = (Vec::new(), Vec::new());
+                    for (q, a) in all.iter().enumerate() {
+                        if q == self.ccl.rank() {
+                            all_recv.push(buf.device_ptr());
+                            continue;
+                        }
+                        let mut handle = [0u8; LEGACY_HANDLE_BYTES];
+                        handle.copy_from_slice(&a[3 * h + 16..4 * h + 16]);
+                        let m = P::ipc_open(&self.runtime, &handle, push::PUSH_RECV_BYTES)?;
+                        all_recv.push(P::mapping_ptr(&m));
+                        maps.push(m);
+                    }
+                    Ok((maps, all_recv))
+                })();
+                // `buf` is dropped (freed) with the error when the peers' buffers could not be opened.
+                peers
+                    .map(|(maps, all_recv)| PushState {
+                        kernels,
+                        _recv: buf,
+                        _mappings: maps,
+                        all_recv,
+                        capacity: usize::try_from(push_limit(&all[0])).unwrap_or(0),
+                    })
+                    .map_err(|e| format!("off: this rank could not map its peers' push receive buffers ({e})"))
+            }
+            (_, Err(why)) => Err(why),
+            (Err(_), Ok(_)) => Err("off: the custom kernels' setup failed".to_owned()),
+        };
         // Also the barrier: nobody launches before every rank has mapped everything.
-        let agreed = anyccl_core::bootstrap::checked_all_gather(bootstrap, &[u8::from(mapped.is_ok())])?;
+        let agreed = anyccl_core::bootstrap::checked_all_gather(
+            bootstrap,
+            &[u8::from(mapped.is_ok()), u8::from(push_mapped.is_ok())],
+        )?;
         let (mappings, all_staging, all_scratch, all_flags, graph, control) = mapped?;
-        if let Some(q) = agreed.iter().position(|a| a.as_slice() != [1]) {
+        if let Some(q) = agreed.iter().position(|a| a.len() != 2 || a[0] != 1) {
             return Err(off(format!("rank {q} could not map its peers' custom-kernel buffers")));
         }
+        // Every rank keeps the push one-shot only where every rank mapped its peers' receive buffers.
+        let push = match (push_mapped, agreed.iter().position(|a| a[1] != 1)) {
+            (Ok(p), None) => Ok(p),
+            (Ok(_), Some(q)) => Err(format!("off: rank {q} could not map its peers' push receive buffers")),
+            (Err(why), _) => Err(why),
+        };
         Ok(CustomState {
+            push,
             quant: QuantKernels::new(&kernels),
             kernels,
             _staging: staging,
@@ -405,10 +519,24 @@ impl<P: GpuPlatform> GpuComm<P> {
                 }
             }
         }
+        let push_capacity = push::push_capacity(&crate::caps::process_env).map_err(|e| e.to_string())?;
         let mut parts = Vec::new();
         for c in comms {
             parts.push(own_custom_buffers::<P>(&c.runtime, capacity).map_err(|e| e.to_string())?);
         }
+        // The push one-shot's receive buffers: a failure on any rank turns only the push one-shot off (on every
+        // rank), and frees what the others made.
+        let push_parts = parts
+            .iter()
+            .zip(comms)
+            .map(|(p, c)| own_push_part::<P>(&c.runtime, &p.0, push_capacity))
+            .collect::<std::result::Result<Vec<_>, String>>();
+        let all_recv: Vec<u64> =
+            push_parts.as_ref().map_or_else(|_| Vec::new(), |v| v.iter().map(|(b, _)| b.device_ptr()).collect());
+        let mut push_parts: Vec<std::result::Result<_, String>> = match push_parts {
+            Ok(v) => v.into_iter().map(Ok).collect(),
+            Err(why) => (0..world).map(|_| Err(why.clone())).collect(),
+        };
         let all_staging: Vec<u64> = parts.iter().map(|p| p.1.device_ptr()).collect();
         let all_scratch: Vec<u64> = parts.iter().map(|p| p.2.device_ptr()).collect();
         let all_flags: Vec<u64> = parts.iter().map(|p| p.3.device_ptr()).collect();
@@ -421,7 +549,16 @@ impl<P: GpuPlatform> GpuComm<P> {
                 let transport = Transport::InProcess(group.member(rank));
                 let graph =
                     GraphInputs::new(&comm.runtime, all_staging.clone(), rank, transport).map_err(|e| e.to_string())?;
+                let push =
+                    std::mem::replace(&mut push_parts[rank], Err(String::new())).map(|(buf, kernels)| PushState {
+                        kernels,
+                        _recv: buf,
+                        _mappings: Vec::new(),
+                        all_recv: all_recv.clone(),
+                        capacity: push_capacity,
+                    });
                 Ok(CustomState {
+                    push,
                     quant: QuantKernels::new(&kernels),
                     kernels,
                     _staging: staging,
@@ -517,6 +654,29 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.runtime.bind()?;
         let (src, dst) = crate::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
+        if algorithm == Algorithm::OneShotPush {
+            let push = st.push.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+            // SAFETY: every rank's receive buffer was allocated with PUSH_RECV_BYTES and initialised by the setup,
+            // and is reachable through peer access or IPC; `flags` is this rank's live flag array; eligibility
+            // checked `bytes` against the agreed limit (≤ the slots' size); every rank of this communicator makes
+            // the same calls in the same order (a collective); ranks run on different GPUs. The kernel reads only
+            // this rank's input (in place is fine) and keeps its call counter on the device: the same eager and
+            // captured.
+            return unsafe {
+                push.kernels.launch(
+                    &self.runtime,
+                    dtype,
+                    src,
+                    dst,
+                    &push.all_recv,
+                    st.flags.device_ptr(),
+                    rank,
+                    bytes,
+                    push.capacity,
+                    stream,
+                )
+            };
+        }
         if let Some(format) = quant::format_of(algorithm) {
             // SAFETY: eligibility checked that the quantized message fits every rank's staging and scratch
             // (`capacity`), reachable through peer access or IPC; `quant` came from `kernels`' module; every rank
@@ -638,6 +798,16 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
                 }
                 Ok(())
             }
+            Algorithm::OneShotPush => {
+                let st = self.custom.as_ref().map_err(Clone::clone)?;
+                let push = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
+                if call.op != ReduceOp::Sum {
+                    return Err(format!("the push one-shot implements sum, not {}", call.op));
+                }
+                // Graph capture needs nothing more: the kernel reads this rank's input directly and keeps its
+                // buffer-set counter on the device, so a replay runs exactly what an eager call does.
+                push::ineligible::<P>(call.dtype, call.bytes, self.ccl.world(), push.capacity).map_or(Ok(()), Err)
+            }
             Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8 => {
                 let st = self.custom.as_ref().map_err(Clone::clone)?;
                 if call.op != ReduceOp::Sum {
@@ -670,8 +840,14 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
         let algorithm = args.algorithm();
-        if matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8)
-        {
+        if matches!(
+            algorithm,
+            Algorithm::OneShot
+                | Algorithm::TwoShot
+                | Algorithm::OneShotPush
+                | Algorithm::TwoShotFp8
+                | Algorithm::TwoShotInt8
+        ) {
             return self.custom_all_reduce(args);
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {

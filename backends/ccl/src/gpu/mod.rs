@@ -11,6 +11,8 @@
 //! - [`fused`]: the fused all-reduce + residual add + RMSNorm kernels ([`fused::FusedKernels`]), their choice and
 //!   their host reference;
 //! - [`graph_inputs`]: inputs of captured all-reduces and their registration ([`GraphInputs`]);
+//! - [`push`]: the push one-shot ([`Algorithm::OneShotPush`]): its receive buffers' setting and its launch, with
+//!   programmatic dependent launch where the platform has it ([`GpuPlatform::launch_dependent`]);
 //! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
 //! - [`comm`]: the communicator ([`GpuComm`]);
 //! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
@@ -20,6 +22,7 @@ pub mod comm;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+pub mod push;
 pub mod quant;
 
 use std::ffi::{c_void, CStr};
@@ -113,6 +116,31 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
         stream: &StreamOf<Self>,
         params: &mut [*mut c_void],
     ) -> Result<()>;
+
+    /// Why launches on the runtime's device cannot use programmatic dependent launch
+    /// ([`Self::launch_dependent`]), or `None` when they can. Default: the platform has none.
+    fn dependent_launch_unavailable(runtime: &Self::Runtime) -> Option<String> {
+        let _ = runtime;
+        Some(format!("{} has no programmatic dependent launch", Self::LABEL))
+    }
+    /// [`Self::launch`] with programmatic dependent launch: the kernel may start while the stream's previous
+    /// kernel still finishes, and waits for it where it says so (CUDA sm_90+: the programmatic-stream-serialization
+    /// attribute through `cuLaunchKernelEx`). Only called when [`Self::dependent_launch_unavailable`] is `None`;
+    /// the default is the plain launch.
+    ///
+    /// # Safety
+    /// As for [`Self::launch`].
+    unsafe fn launch_dependent(
+        runtime: &Self::Runtime,
+        f: Self::Function,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        stream: &StreamOf<Self>,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the plain launch's.
+        unsafe { Self::launch(runtime, f, grid, block, stream, params) }
+    }
 
     /// The legacy IPC handle of the allocation starting at `base` (memory of `cuMemAlloc`/`hipMalloc`). Refused
     /// during capture.

@@ -1,0 +1,278 @@
+//! The push one-shot all-reduce ([`Algorithm::OneShotPush`], kernel source
+//! `anyccl-kernels-common/include/anyccl/push.h`) on a communicator, written once for every vendor: its receive
+//! buffers' size setting, the kernels of the custom kernels' module, and their launch (with programmatic dependent
+//! launch where the platform has it, [`GpuPlatform::launch_dependent`]).
+//!
+//! Every rank writes its input into its slot of every peer's receive buffer and reduces the slots of its own in
+//! rank order 0..W−1 with the one-shot's adds (bitwise the one-shot's result, so it counts as deterministic).
+//! Completion is flag-free (a sentinel in every word of an empty slot); calls alternate between two buffer sets by
+//! a call counter kept in each receive buffer, on the device: a captured push replays correctly with nothing
+//! recorded on the host. The kernel reads this rank's input directly (no staging, no input table), so eager and
+//! captured calls launch the same thing. In place is fine: peers never read this rank's input, only their own
+//! receive buffers.
+//!
+//! Each rank's receive buffer holds [`PUSH_RECV_BYTES`] (two sets of eight 256 KiB slots, about 4 MiB), whatever
+//! `ANYCCL_PUSH_MAX_BYTES` says: the slots' size is compiled into the kernel. The setting only lowers the largest
+//! message the push one-shot takes, or turns it off (`0`: no receive buffer is allocated at all).
+
+use std::ffi::{c_void, CString};
+
+use anyccl_core::{Algorithm, DataType, Error, MemoryRuntime, Result};
+use anyccl_kernels_common as common;
+use common::push::{PUSH_CTRL_OFFSET, PUSH_KERNELS};
+pub use common::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
+
+use super::kernels::{ptrs, CustomKernels, Ptrs, THREADS};
+use super::{BufferOf, GpuPlatform, StreamOf};
+
+/// The environment variable that bounds (or turns off) the push one-shot.
+pub const ENV_PUSH_MAX_BYTES: &str = "ANYCCL_PUSH_MAX_BYTES";
+
+/// Largest message the push one-shot takes by default: the kernel's slot size, 256 KiB. On one H200 with emulated
+/// ranks the push one-shot (with programmatic dependent launch) took 0.39–0.46× the one-shot's time at 2 ranks
+/// from 4 to 256 KiB, and 0.59–0.67× at 8 ranks up to 64 KiB, but 1.04–1.06× at 256 KiB with 8 ranks: the default
+/// selector table uses it only where it won (docs/benchmarks.md).
+pub const DEFAULT_PUSH_MAX_BYTES: usize = PUSH_MAX_BYTES;
+
+/// The push one-shot's largest message: `ANYCCL_PUSH_MAX_BYTES` (a size up to 256 KiB, rounded up to 16 bytes;
+/// `0` turns the push one-shot off) or [`DEFAULT_PUSH_MAX_BYTES`].
+pub fn push_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let Some(v) = env(ENV_PUSH_MAX_BYTES) else {
+        return Ok(DEFAULT_PUSH_MAX_BYTES);
+    };
+    let bad = || Error::Parse {
+        what: ENV_PUSH_MAX_BYTES,
+        input: v.clone(),
+        expected: format!("0 (off) or a size up to {PUSH_MAX_BYTES} bytes (256KiB), such as 64KiB"),
+    };
+    let bytes = anyccl_core::units::parse_bytes(&v).map_err(|_| bad())?;
+    let bytes = usize::try_from(bytes).map_err(|_| bad())?;
+    if bytes > PUSH_MAX_BYTES {
+        return Err(bad());
+    }
+    bytes.checked_next_multiple_of(common::VECTOR_BYTES).ok_or_else(bad)
+}
+
+/// Blocks per rank of a push one-shot of `bytes` on `world` ranks: one per 8 KiB, from 4 to `max(8, 64 / world)`
+/// (measured with anyccl-cuda-push-bench on an H200: 8 blocks beat 4 and 16 from 16 to 256 KiB, 4 were best at
+/// 4 KiB). Ranks may use different grids (each block of a call reads the call counter itself); every rank uses
+/// this one.
+pub fn push_blocks(bytes: usize, world: usize) -> u32 {
+    let max = (64 / world.max(1)).max(8);
+    // At most max(8, 64) = 64 blocks: fits a u32.
+    (bytes / (8 << 10)).clamp(4, max) as u32
+}
+
+/// Why the push one-shot kernel cannot run `dtype` × `bytes` on `world` ranks with receive slots for `capacity`
+/// bytes, if it cannot (the custom kernels' own limits first).
+pub fn ineligible<P: GpuPlatform>(dtype: DataType, bytes: usize, world: usize, capacity: usize) -> Option<String> {
+    if let Some(why) = super::kernels::ineligible::<P>(dtype, bytes, world) {
+        return Some(why);
+    }
+    if bytes > capacity {
+        return Some(format!(
+            "{bytes} bytes exceed the push one-shot's limit ({capacity} bytes; {ENV_PUSH_MAX_BYTES}, at most \
+             {PUSH_MAX_BYTES})"
+        ));
+    }
+    None
+}
+
+/// The push kernels of the custom kernels' module (valid while those kernels are), and whether launches use
+/// programmatic dependent launch.
+pub struct PushKernels<P: GpuPlatform> {
+    /// f32, f16, bf16.
+    functions: [P::Function; 3],
+    /// `Ok`: launches carry programmatic dependent launch; `Err`: why they do not (plain launches, still correct).
+    dependent: std::result::Result<(), String>,
+}
+
+impl<P: GpuPlatform> PushKernels<P> {
+    /// Looks the three push kernels up in `kernels`' module and asks the platform whether launches on its device
+    /// can overlap the stream's previous kernel.
+    pub fn from_custom(kernels: &CustomKernels<P>) -> Result<Self> {
+        let mut functions = Vec::with_capacity(PUSH_KERNELS.len());
+        for name in PUSH_KERNELS {
+            // Kernel names are fixed ASCII without NUL bytes.
+            let c = CString::new(name).map_err(|e| Error::backend(P::NAME, "push kernels", None, e.to_string()))?;
+            functions.push(kernels.function_named(&c)?);
+        }
+        let functions: [P::Function; 3] = functions
+            .try_into()
+            .map_err(|_| Error::backend(P::NAME, "push kernels", None, "three kernels expected".to_owned()))?;
+        let dependent = match P::dependent_launch_unavailable(kernels.runtime()) {
+            None => Ok(()),
+            Some(why) => Err(why),
+        };
+        Ok(PushKernels { functions, dependent })
+    }
+
+    /// `Ok` when launches use programmatic dependent launch, else why not.
+    pub fn dependent_launch(&self) -> std::result::Result<(), &str> {
+        self.dependent.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// Launches one rank's push all-reduce of `bytes` from `input` into `output` (may equal `input`), with
+    /// `recv[r]` rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its abort word
+    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]).
+    ///
+    /// # Safety
+    /// `input`/`output` hold `bytes` of this device; every `recv[r]` is a live receive buffer of
+    /// [`PUSH_RECV_BYTES`] initialised by [`init_receive_buffer`] and used by this group only; `my_flags` a live
+    /// flag array; every rank launches the same sequence of push calls; ranks run on different devices.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch(
+        &self,
+        runtime: &P::Runtime,
+        dtype: DataType,
+        input: u64,
+        output: u64,
+        recv: &[u64],
+        my_flags: u64,
+        rank: usize,
+        bytes: usize,
+        capacity: usize,
+        stream: &StreamOf<P>,
+    ) -> Result<()> {
+        let world = recv.len();
+        if let Some(why) = ineligible::<P>(dtype, bytes, world, capacity.min(PUSH_MAX_BYTES)) {
+            return Err(Error::AlgorithmNotEligible { algorithm: Algorithm::OneShotPush, why });
+        }
+        let bad = |m: String| Error::backend(P::NAME, "push one-shot", None, m);
+        if rank >= world {
+            return Err(bad(format!("rank {rank} of {world}")));
+        }
+        if recv.iter().chain([&input, &output, &my_flags]).any(|p| *p == 0 || p % 16 != 0) {
+            return Err(bad("every buffer must be non-null and 16-byte aligned".into()));
+        }
+        let slot = match dtype {
+            DataType::F32 => 0,
+            DataType::F16 => 1,
+            DataType::Bf16 => 2,
+            other => return Err(bad(format!("no push kernel for {other}"))),
+        };
+        let f = self.functions[slot];
+        let (mut in_p, mut out_p, mut recv_p, mut flags_p) = (input, output, ptrs(recv), my_flags);
+        // rank < world <= MAX_RANKS (checked above and by `ineligible`).
+        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
+        let mut n_vec = (bytes / common::VECTOR_BYTES) as u64;
+        // The order and sizes of common::push::PUSH_PARAMS.
+        let mut params: [*mut c_void; 7] = [
+            (&mut in_p as *mut u64).cast(),
+            (&mut out_p as *mut u64).cast(),
+            (&mut recv_p as *mut Ptrs).cast(),
+            (&mut flags_p as *mut u64).cast(),
+            (&mut rank_i as *mut i32).cast(),
+            (&mut world_i as *mut i32).cast(),
+            (&mut n_vec as *mut u64).cast(),
+        ];
+        let grid = (push_blocks(bytes, world), 1, 1);
+        // SAFETY: `params` matches the kernel's signature (PUSH_PARAMS) and points to locals that outlive the call;
+        // the caller guarantees the buffers and that every rank makes the same calls.
+        unsafe {
+            if self.dependent.is_ok() {
+                P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+            } else {
+                P::launch(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+            }
+        }
+    }
+}
+
+/// A receive buffer's initial bytes: the sentinel in every slot, the control words (call counter, arrivals) zero.
+/// Fallible: 4 MiB of host memory.
+fn initial_receive_bytes() -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(PUSH_RECV_BYTES)
+        .map_err(|e| Error::backend("anyccl", "push receive buffer", None, e.to_string()))?;
+    bytes.resize(PUSH_CTRL_OFFSET, 0xFF);
+    bytes.resize(PUSH_RECV_BYTES, 0);
+    Ok(bytes)
+}
+
+/// Writes the initial state into `buf` (at least [`PUSH_RECV_BYTES`]) on `stream` and waits for it. Not during
+/// capture (an upload is not capture-safe).
+pub fn init_receive_buffer<P: GpuPlatform>(rt: &P::Runtime, buf: &mut BufferOf<P>, stream: &StreamOf<P>) -> Result<()> {
+    if buf.len() < PUSH_RECV_BYTES {
+        return Err(Error::backend(
+            P::NAME,
+            "push receive buffer",
+            None,
+            format!("a receive buffer holds {PUSH_RECV_BYTES} bytes, this one {}", buf.len()),
+        ));
+    }
+    rt.upload(buf, &initial_receive_bytes()?, stream)
+}
+
+/// Allocates and initialises this rank's receive buffer on `rt`.
+pub fn own_receive_buffer<P: GpuPlatform>(rt: &P::Runtime) -> Result<BufferOf<P>> {
+    let stream = P::stream(rt)?;
+    let mut buf = rt.alloc(PUSH_RECV_BYTES)?;
+    init_receive_buffer::<P>(rt, &mut buf, &stream)?;
+    Ok(buf)
+}
+
+/// The push one-shot's part of a rank's custom-kernel state: the kernels, this rank's receive buffer, the peers'
+/// (mapped through IPC, closed on drop, or reached through peer access), and the largest message it takes.
+pub(crate) struct PushState<P: GpuPlatform> {
+    pub(crate) kernels: PushKernels<P>,
+    /// This rank's receive buffer (freed on drop, after the mappings of the state it belongs to are closed).
+    pub(crate) _recv: BufferOf<P>,
+    /// Peers' receive buffers opened through IPC (one process per GPU).
+    pub(crate) _mappings: Vec<P::Mapping>,
+    /// Every rank's receive buffer as addressable from this device (index = rank).
+    pub(crate) all_recv: Vec<u64>,
+    /// Largest message ([`push_capacity`], agreed by every rank).
+    pub(crate) capacity: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let owned: Vec<(String, String)> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| owned.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn the_push_limit_defaults_to_the_slot_size_and_refuses_more() {
+        assert_eq!(push_capacity(&env(&[])).expect("default"), 256 << 10);
+        assert_eq!(DEFAULT_PUSH_MAX_BYTES, PUSH_MAX_BYTES);
+        for (v, want) in [("64KiB", 64 << 10), ("0", 0), ("1000", 1008), ("256KiB", 256 << 10)] {
+            assert_eq!(push_capacity(&env(&[(ENV_PUSH_MAX_BYTES, v)])).expect(v), want, "{v}");
+        }
+        for bad in ["257KiB", "1MiB", "lots", "-1", "18446744073709551615"] {
+            let e = push_capacity(&env(&[(ENV_PUSH_MAX_BYTES, bad)])).expect_err(bad);
+            assert!(e.to_string().contains(ENV_PUSH_MAX_BYTES) && e.to_string().contains("262144"), "{e}");
+        }
+    }
+
+    #[test]
+    fn push_blocks_stay_within_the_measured_bounds() {
+        assert_eq!(push_blocks(4 << 10, 8), 4);
+        assert_eq!(push_blocks(64 << 10, 8), 8);
+        assert_eq!(push_blocks(256 << 10, 8), 8);
+        assert_eq!(push_blocks(256 << 10, 2), 32);
+        assert_eq!(push_blocks(16, 2), 4);
+        assert!((1..=8).all(|w| push_blocks(PUSH_MAX_BYTES, w) as usize <= common::MAX_BLOCKS));
+    }
+
+    #[test]
+    fn a_fresh_receive_buffer_is_sentinels_then_zeroed_control_words() {
+        let b = initial_receive_bytes().expect("4 MiB");
+        assert_eq!(b.len(), PUSH_RECV_BYTES);
+        assert!(b[..PUSH_CTRL_OFFSET]
+            .chunks_exact(4)
+            .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == PUSH_SENTINEL));
+        assert!(b[PUSH_CTRL_OFFSET..].iter().all(|x| *x == 0));
+    }
+
+    #[test]
+    fn the_packed_parameters_are_the_push_kernels() {
+        let sizes = [8usize, 8, std::mem::size_of::<Ptrs>(), 8, 4, 4, 8];
+        let want: Vec<usize> = common::push::PUSH_PARAMS.iter().map(|p| p.2).collect();
+        assert_eq!(sizes.to_vec(), want);
+    }
+}
