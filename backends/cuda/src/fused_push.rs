@@ -11,10 +11,8 @@ use anyccl_ccl::gpu::fused::{fused_ineligible, NormArgs};
 use anyccl_ccl::gpu::GpuPlatform;
 use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_cuda::fused_push::FUSED_PUSH_KERNELS;
-use cudarc::driver::sys;
 
 use crate::custom::{CustomKernels, THREADS};
-use crate::driver::cu_err;
 use crate::platform::{Cuda, CudaFunction};
 use crate::push::PUSH_MAX_BYTES;
 use crate::runtime::{CudaRuntime, CudaStream};
@@ -141,44 +139,14 @@ impl FusedPushKernels {
         // SAFETY: `params` matches the kernel's signature (FUSED_PUSH_PARAMS: in, NormArgs by value, RankPtrs by
         // value, my_flags, rank, world) and points to locals that outlive the call; the caller guarantees the
         // buffers and the co-residency.
-        unsafe { launch_ex(runtime, f, blocks, &mut params, pdl, stream) }
+        unsafe {
+            if pdl {
+                Cuda::launch_dependent(runtime, f, (blocks, 1, 1), (THREADS, 1, 1), stream, &mut params)
+            } else {
+                Cuda::launch(runtime, f, (blocks, 1, 1), (THREADS, 1, 1), stream, &mut params)
+            }
+        }
     }
-}
-
-/// Launches `f` on `blocks` blocks of [`THREADS`] threads through `cuLaunchKernelEx`, with the
-/// programmatic-stream-serialization attribute when `pdl`.
-///
-/// # Safety
-/// `params` matches `f`'s parameters and points to live values; `f`'s module is loaded in `runtime`'s context.
-pub(crate) unsafe fn launch_ex(
-    runtime: &CudaRuntime,
-    f: CudaFunction,
-    blocks: u32,
-    params: &mut [*mut c_void],
-    pdl: bool,
-    stream: &CudaStream,
-) -> Result<()> {
-    // SAFETY: an all-zero launch attribute is valid plain data (id 0 is CU_LAUNCH_ATTRIBUTE_IGNORE).
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
-    let config = sys::CUlaunchConfig {
-        gridDimX: blocks,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: THREADS,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream.raw(),
-        attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-        numAttrs: u32::from(pdl),
-    };
-    runtime.context().bind()?;
-    // SAFETY: the caller guarantees `params` and the module; `config` and `attr` outlive the call.
-    unsafe { sys::cuLaunchKernelEx(&config, f.raw(), params.as_mut_ptr(), std::ptr::null_mut()) }
-        .result()
-        .map_err(|e| cu_err("cuLaunchKernelEx", e))
 }
 
 #[cfg(test)]

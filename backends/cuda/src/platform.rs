@@ -60,14 +60,6 @@ impl Drop for CudaModule {
 #[derive(Debug, Clone, Copy)]
 pub struct CudaFunction(sys::CUfunction);
 
-impl CudaFunction {
-    /// The driver's handle (valid while its module is loaded), for launches the platform trait does not cover
-    /// (`cuLaunchKernelEx` with launch attributes).
-    pub(crate) fn raw(self) -> sys::CUfunction {
-        self.0
-    }
-}
-
 // SAFETY: a function handle may be launched from any thread while its module is loaded.
 unsafe impl Send for CudaFunction {}
 // SAFETY: as above.
