@@ -574,18 +574,24 @@ impl<B: CommBackend> Communicator<B> {
         self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, algorithm))
     }
 
-    /// The form a fused all-reduce + RMSNorm `call` would use now, without running it: the call's `forced` form,
-    /// else `ANYCCL_FUSED_RMSNORM`, else the selector's table rules, else the default rule
-    /// ([`Selector::select_rmsnorm`]), each asked of the backend ([`CommBackend::rmsnorm_eligible`]).
-    pub fn select_rmsnorm(&self, call: &RmsNormCall, forced: Option<RmsNormForm>) -> Result<RmsNormSelection> {
-        let forms = self.backend.rmsnorm_forms();
-        if forms.is_empty() {
+    /// [`Error::Unsupported`] naming the backend if it has no form of the fused all-reduce + RMSNorm.
+    fn rmsnorm_implemented(&self) -> Result<()> {
+        if self.backend.rmsnorm_forms().is_empty() {
             return Err(not_implemented(
                 self.backend.name(),
                 "fused-rmsnorm",
                 "the fused all-reduce + RMSNorm (CommBackend::all_reduce_rmsnorm)",
             ));
         }
+        Ok(())
+    }
+
+    /// The form a fused all-reduce + RMSNorm `call` would use now, without running it: the call's `forced` form,
+    /// else `ANYCCL_FUSED_RMSNORM`, else the selector's table rules, else the default rule
+    /// ([`Selector::select_rmsnorm`]), each asked of the backend ([`CommBackend::rmsnorm_eligible`]).
+    pub fn select_rmsnorm(&self, call: &RmsNormCall, forced: Option<RmsNormForm>) -> Result<RmsNormSelection> {
+        self.rmsnorm_implemented()?;
+        let forms = self.backend.rmsnorm_forms();
         let call = call.with_deterministic(self.deterministic);
         let q = SelectionQuery {
             vendor: self.backend.vendor(),
@@ -630,6 +636,7 @@ impl<B: CommBackend> Communicator<B> {
         spec: &RmsNormSpec,
         stream: &StreamOf<B>,
     ) -> Result<RmsNormSelection> {
+        self.rmsnorm_implemented()?;
         let location = self.runtime().location();
         let bufs = [input.desc(), residual.desc(), weight.desc(), out.desc()];
         let call = crate::fused::validate(spec, location, bufs)?;
@@ -1081,6 +1088,27 @@ mod tests {
     fn sum(c: &mut Communicator<Counting>, buf: &mut [u8], dtype: DataType) -> Algorithm {
         let count = buf.len() / dtype.size_bytes();
         c.all_reduce(InOut::InPlace(buf), count, dtype, ReduceOp::Sum, &()).expect("valid call").algorithm
+    }
+
+    /// A backend without the fused call: refused with `Unsupported` naming it and the capability, before the
+    /// capture state is asked or anything reaches the backend.
+    #[test]
+    fn a_backend_without_the_fused_call_is_refused_naming_it() {
+        let mut c = counting(None);
+        let (input, weight) = (vec![0u8; 64], vec![0u8; 16]);
+        let (mut residual, mut out) = (vec![0u8; 64], vec![0u8; 64]);
+        let spec = RmsNormSpec::new(DataType::Bf16, 4, 8, 1e-6);
+        let e = c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &spec, &()).expect_err("refused");
+        match &e {
+            Error::Unsupported { capability, reason } => {
+                assert_eq!(capability, "fused-rmsnorm");
+                assert!(reason.to_string().contains(c.backend().name()), "{e}");
+            }
+            other => panic!("not Unsupported: {other}"),
+        }
+        assert_eq!(c.backend().rt.asked.load(Ordering::Relaxed), 0);
+        let call = spec.call().expect("valid");
+        assert!(matches!(c.select_rmsnorm(&call, None), Err(Error::Unsupported { .. })));
     }
 
     #[test]

@@ -482,7 +482,7 @@ fn sum_of_squares(row: &[f32]) -> f32 {
 /// The residual add and RMSNorm of one row of `call` (its type, `eps` and output), with the GPU kernels'
 /// arithmetic (bit for bit): `reduced` is the all-reduce's row (element bits, rounded once), `residual` is
 /// overwritten with `reduced + residual` (rounded), and `out` receives `rmsnorm(residual) × weight` as
-/// little-endian element bits (`hidden × 2` bytes) or e4m3 bytes (`hidden` bytes). `scratch` holds `hidden` f32
+/// native-endian element bits (`hidden × 2` bytes, as the buffers hold elements) or e4m3 bytes (`hidden` bytes). `scratch` holds `hidden` f32
 /// values. Every slice has the row's length (`hidden`, a multiple of 8); the caller checks that.
 pub fn norm_row(
     call: &RmsNormCall,
@@ -504,7 +504,7 @@ pub fn norm_row(
     match output {
         RmsNormOutput::Same => {
             for (o, y) in out.chunks_exact_mut(2).zip(ys) {
-                o.copy_from_slice(&from_f32(dtype, y).to_le_bytes());
+                o.copy_from_slice(&from_f32(dtype, y).to_ne_bytes());
             }
         }
         RmsNormOutput::Fp8E4M3 { scale } => {
@@ -636,7 +636,7 @@ mod tests {
                 for i in 0..hidden {
                     assert_eq!(res[i], from_f32(dtype, (f(reduced[i]) + f(res0[i])) as f32), "{dtype} res {i}");
                     let want = f(res[i]) * inv * f(weight[i]);
-                    let got = f(u16::from_le_bytes([out[2 * i], out[2 * i + 1]]));
+                    let got = f(u16::from_ne_bytes([out[2 * i], out[2 * i + 1]]));
                     assert!((got - want).abs() <= 1e-2 * (want.abs() + 1e-3), "{dtype} {hidden} out {i}: {got} {want}");
                 }
                 let mut res8 = res0.clone();
@@ -645,7 +645,7 @@ mod tests {
                 norm_row(&fp8, &reduced, &mut res8, &weight, &mut out8, &mut scratch);
                 assert_eq!(res8, res);
                 for i in 0..hidden {
-                    let y = f(u16::from_le_bytes([out[2 * i], out[2 * i + 1]])) / 0.25;
+                    let y = f(u16::from_ne_bytes([out[2 * i], out[2 * i + 1]])) / 0.25;
                     let got = f64::from(float8::F8E4M3::from_bits(out8[i]).to_f32());
                     assert!(
                         (got - y.clamp(-448.0, 448.0)).abs() <= 0.07 * y.abs() + 1e-2,
