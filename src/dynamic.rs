@@ -1355,7 +1355,9 @@ mod tests {
             );
         }
         let chosen = communicators(BackendChoice::Host, world, Arc::new(Selector::defaults())).expect("host ranks");
-        let got: Vec<Vec<(RmsNormSelection, Vec<u8>, Vec<u8>)>> = std::thread::scope(|s| {
+        // Per rank, per run: the selection, the output and the new residual.
+        type Run = (RmsNormSelection, Vec<u8>, Vec<u8>);
+        let got: Vec<Vec<Run>> = std::thread::scope(|s| {
             let hs: Vec<_> = chosen
                 .comms
                 .into_iter()
