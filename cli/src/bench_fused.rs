@@ -113,6 +113,8 @@ pub struct FusedReport {
     pub op: &'static str,
     /// Backend.
     pub backend: &'static str,
+    /// Rank 0's architecture (`sm_90`, `host`), what tuned rules name.
+    pub arch: String,
     /// Ranks.
     pub world: usize,
     /// Element type.
@@ -254,6 +256,7 @@ pub fn run(kind: BackendKind, cfg: &FusedConfig, selector: std::sync::Arc<Select
     let want: Vec<(Vec<u8>, Vec<u16>)> = calls.iter().map(|c| expected(c, cfg.world)).collect();
     let chosen = anyccl::dynamic::communicators(kind.into(), cfg.world, selector)?;
     let first = chosen.comms.first().ok_or_else(|| Error::PeerFailure("no communicator was made".into()))?;
+    let arch = first.arch().to_owned();
     let autos = calls.iter().map(|c| first.select_rmsnorm(c, None)).collect::<Result<Vec<_>>>()?;
     let results: Vec<Result<Vec<Vec<RankCell>>>> = std::thread::scope(|s| {
         let hs: Vec<_> = chosen
@@ -297,6 +300,7 @@ pub fn run(kind: BackendKind, cfg: &FusedConfig, selector: std::sync::Arc<Select
     Ok(FusedReport {
         op: "all-reduce + residual add + RMSNorm",
         backend: kind.name(),
+        arch,
         world: cfg.world,
         dtype: cfg.dtype,
         hidden: cfg.hidden,
@@ -307,6 +311,76 @@ pub fn run(kind: BackendKind, cfg: &FusedConfig, selector: std::sync::Arc<Select
                  until its stream finished, the residual reset before each (untimed); rank 0's median; then one \
                  call per cell checked on every rank, bit for bit, against the rank-order sum and core's RMSNorm",
     })
+}
+
+#[derive(Serialize)]
+struct TableOut {
+    version: i64,
+    rule: Vec<RuleOut>,
+}
+
+#[derive(Serialize)]
+struct RuleOut {
+    vendor: String,
+    arch: String,
+    world: String,
+    dtype: Vec<String>,
+    bytes: String,
+    fused_rmsnorm: Vec<String>,
+}
+
+/// The selector table `anyccl tune --fused rmsnorm` writes from `r` (vendor `vendor`): one `fused_rmsnorm` rule per
+/// token count, over the input sizes from halfway (geometrically) below it to halfway above it, naming the forms
+/// that ran, fastest first. Errors when no form ran at any token count.
+pub fn table_text(r: &FusedReport, vendor: &str) -> Result<String> {
+    let mut rows: Vec<(usize, Vec<RmsNormForm>)> = r
+        .rows
+        .iter()
+        .filter_map(|row| {
+            let mut ran: Vec<(f64, RmsNormForm)> =
+                row.cells.iter().filter_map(|c| c.us.map(|us| (us, c.form))).collect();
+            ran.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (!ran.is_empty()).then(|| (row.bytes, ran.into_iter().map(|(_, f)| f).collect()))
+        })
+        .collect();
+    rows.sort_by_key(|(b, _)| *b);
+    rows.dedup_by_key(|(b, _)| *b);
+    if rows.is_empty() {
+        return Err(Error::NoEligibleAlgorithm {
+            why: "no form of the fused all-reduce + RMSNorm ran at any --tokens (see `anyccl bench --fused rmsnorm`)"
+                .into(),
+        });
+    }
+    let mut rules = Vec::with_capacity(rows.len());
+    let mut start = 0u64;
+    for (i, (bytes, forms)) in rows.iter().enumerate() {
+        let end = rows.get(i + 1).map(|(next, _)| {
+            let b = ((*bytes as f64) * (*next as f64)).sqrt() as u64;
+            (b / 16).max(1) * 16
+        });
+        rules.push(RuleOut {
+            vendor: vendor.to_owned(),
+            arch: r.arch.clone(),
+            world: r.world.to_string(),
+            dtype: vec![r.dtype.name().to_owned()],
+            bytes: match end {
+                Some(e) => format!("{start}-{e}"),
+                None => format!("{start}-"),
+            },
+            fused_rmsnorm: forms.iter().map(|f| f.name().to_owned()).collect(),
+        });
+        start = end.unwrap_or(start);
+    }
+    let body = toml::to_string(&TableOut { version: 1, rule: rules }).map_err(|e| Error::Config {
+        source_name: "tuned table".into(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    Ok(format!(
+        "# Written by `anyccl tune --fused rmsnorm`: backend {}, world {}, {} hidden {}; fastest form first.\n\
+         # Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).\n\n{body}",
+        r.backend, r.world, r.dtype, r.hidden
+    ))
 }
 
 /// The report as a table: one row per token count, a column per form (µs), `auto`'s form, fused/unfused and
@@ -387,6 +461,31 @@ mod tests {
         }
         let t = render_table(&r);
         assert!(t.contains("fused-one-shot") && t.contains("#wrong") && t.contains("unfused"), "{t}");
+    }
+
+    /// The tuned table names the fastest form first per token count, over ranges that partition the sizes, and
+    /// parses back; the selector then picks those forms.
+    #[test]
+    fn tuned_rules_name_the_fastest_form_and_parse_back() {
+        let mut r =
+            run(BackendKind::Host, &cfg(vec![1, 4], 64), std::sync::Arc::new(Selector::defaults())).expect("ran");
+        // Make the measurements decisive: two-shot fastest at 1 token, unfused at 4.
+        let set = |row: &mut FusedRow, us: [f64; 3]| {
+            for (c, t) in row.cells.iter_mut().zip(us) {
+                c.us = Some(t);
+            }
+        };
+        set(&mut r.rows[0], [2.0, 1.0, 3.0]);
+        set(&mut r.rows[1], [2.0, 3.0, 1.0]);
+        let text = table_text(&r, "host").expect("table");
+        let t = anyccl::core::SelectorTable::parse(&text, "tuned.toml").expect("parses back");
+        assert_eq!(t.rules.len(), 2);
+        assert_eq!(t.rules[0].fused, [RmsNormForm::FusedTwoShot, RmsNormForm::FusedOneShot, RmsNormForm::Unfused]);
+        assert_eq!(t.rules[1].fused[0], RmsNormForm::Unfused);
+        assert!(t.rules.iter().all(|r| r.algorithms.is_empty()));
+        assert_eq!((t.rules[0].bytes_min, t.rules[1].bytes_max), (0, None));
+        let empty = FusedReport { rows: vec![], ..r };
+        assert!(table_text(&empty, "host").is_err());
     }
 
     /// The check finds a wrong result: the reference of another world differs from this world's results.

@@ -640,6 +640,56 @@ fn bench_fused(args: &BenchArgs, backend: Backend, selector: Selector) -> Result
     }
 }
 
+/// `anyccl tune --fused rmsnorm`: measures each form per token count ([`bench_fused`]) and writes one
+/// `fused_rmsnorm` rule per token count, fastest form first; the table is read back before it is written.
+fn tune_fused(out: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
+    #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+    {
+        let disabled = disabled_by_env()?;
+        let backend = choose_backend(args, disabled)?;
+        check_output(out, "--out", "the tuned table")?;
+        let kind = backend.kind();
+        let world = match (args.world, backend) {
+            (Some(w), _) => usize::from(w),
+            (None, Backend::Host) => usize::from(default_world()),
+            (None, _) => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
+        };
+        let cfg = crate::bench_fused::FusedConfig {
+            world,
+            dtype: args.dtype,
+            hidden: args.hidden,
+            tokens: args.tokens.clone(),
+            iters: args.iters as usize,
+            warmup: args.warmup as usize,
+        };
+        cfg.calls()?;
+        let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector(args.table.as_ref())?))?;
+        print_out(&crate::bench_fused::render_table(&report))?;
+        if report.wrong > 0 {
+            return Err(CliError {
+                message: format!("{} elements of the fused results were wrong; no table written", report.wrong),
+                hint: None,
+            });
+        }
+        let vendor = match backend {
+            Backend::Host => "host",
+            Backend::Cuda => "nvidia",
+            Backend::Rocm => "amd",
+        };
+        let text = crate::bench_fused::table_text(&report, vendor)?;
+        crate::tune::write_table(out, &text)
+            .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
+        println!("wrote {} ({} token counts, world {})", out.display(), report.rows.len(), report.world);
+        print!("{text}");
+        Ok(())
+    }
+    #[cfg(not(any(feature = "host", feature = "cuda", feature = "rocm")))]
+    {
+        let _ = (out, args);
+        Err(CliError { message: "no backend is compiled into this build".into(), hint: None })
+    }
+}
+
 /// Each algorithm once, in the order first given (`--algos ring,ring` measures ring once).
 fn dedup_algos(args: &mut BenchArgs) {
     if let Some(a) = &mut args.algos {
@@ -672,14 +722,7 @@ fn render(report: &crate::bench::BenchReport, json: bool, csv: bool) -> Result<S
 fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     dedup_algos(&mut args);
     if args.fused.is_some() {
-        return Err(CliError {
-            message: "tune does not measure --fused yet: it writes all-reduce rules only".into(),
-            hint: Some(
-                "measure with `anyccl bench --fused rmsnorm`, then add `fused_rmsnorm = [...]` rules to the table \
-                 by hand (README, selector table format)"
-                    .into(),
-            ),
-        });
+        return tune_fused(out, &args);
     }
     if args.per_rank {
         return Err(CliError {

@@ -795,5 +795,54 @@ fn bench_fused_rmsnorm_on_the_host() {
     fails(&["bench", "--fused", "rmsnorm", "--algos", "ring"], &[], "--algos");
     fails(&["bench", "--hidden", "64"], &[], "--fused");
     fails(&["bench", "--fused", "layernorm"], &[], "layernorm");
-    fails(&["tune", "--fused", "rmsnorm", "--backend", "host"], &[], "tune does not measure --fused");
+
+    // tune --fused rmsnorm writes fused_rmsnorm rules that load back.
+    let out_path = tmp_file("fused-tune.toml", "");
+    let out_s = out_path.display().to_string();
+    let tune_args = [
+        "tune",
+        "--out",
+        &out_s,
+        "--fused",
+        "rmsnorm",
+        "--backend",
+        "host",
+        "--world",
+        "2",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1,64",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ];
+    let out = anyccl(&tune_args, &[]);
+    assert!(out.status.success(), "{}{}", text(&out.stdout), text(&out.stderr));
+    let written = std::fs::read_to_string(&out_path).expect("the tuned table");
+    assert_eq!(written.matches("fused_rmsnorm = [").count(), 2, "{written}");
+    assert!(!written.contains("algorithms"), "{written}");
+    let bench_with = [
+        "bench",
+        "--fused",
+        "rmsnorm",
+        "--backend",
+        "host",
+        "--world",
+        "2",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1",
+        "--iters",
+        "1",
+        "--json",
+        "--table",
+        &out_s,
+    ];
+    let out = anyccl(&bench_with, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(v["rows"][0]["why"].as_str().is_some_and(|w| w.contains("fused-tune.toml")), "{v}");
 }
