@@ -147,7 +147,7 @@ pub struct GpuComm<P: GpuPlatform> {
     /// left the ranks' input tables disagreeing): their buffers and tables live as long as the communicator, so
     /// such a replay never reads freed memory.
     retired: Vec<CustomState<P>>,
-    /// The fused all-reduce + RMSNorm kernels ([`GpuComm::all_reduce_rmsnorm`]) of the custom kernels' module,
+    /// The fused all-reduce + RMSNorm kernels ([`CommBackend::all_reduce_rmsnorm`]) of the custom kernels' module,
     /// set with the custom kernels' state by [`GpuComm::set_custom`]; `None` while those are off.
     fused: Option<super::fused::FusedKernels<P>>,
 }
