@@ -18,6 +18,8 @@ mod bench;
 mod bench_any;
 #[cfg(feature = "cuda")]
 mod bench_cuda;
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+mod bench_fused;
 mod check;
 mod dropin;
 mod output;
@@ -62,6 +64,13 @@ enum BackendArg {
     Host,
     Cuda,
     Rocm,
+}
+
+/// A fused call `anyccl bench --fused` measures.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum FusedArg {
+    /// The all-reduce + residual add + RMSNorm (`Communicator::all_reduce_rmsnorm`).
+    Rmsnorm,
 }
 
 #[derive(clap::Args, Debug)]
@@ -139,6 +148,17 @@ struct BenchArgs {
     /// (one process drives every GPU).
     #[arg(long)]
     per_rank: bool,
+    /// Measure a fused call instead of the all-reduce: `rmsnorm` (all-reduce + residual add + RMSNorm, f16 or bf16)
+    /// in each form (fused one-shot, fused two-shot, and unfused: the all-reduce then a separate RMSNorm), for
+    /// each of --tokens rows of --hidden elements, with the fused/unfused ratio and the #wrong check (bit for bit).
+    #[arg(long, value_enum, conflicts_with_all = ["per_rank", "algos", "quantize", "sizes", "minbytes", "plot", "csv", "graph"])]
+    fused: Option<FusedArg>,
+    /// --fused: elements per row, a multiple of 8 from 8 to 16384.
+    #[arg(long, default_value_t = 8192, requires = "fused")]
+    hidden: usize,
+    /// --fused: rows per call, comma-separated, at most 64 counts (each call at most 1 GiB per rank).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,64,512", requires = "fused")]
+    tokens: Vec<usize>,
 }
 
 /// The sizes the flags give (`--sizes` or `-b/-e/-f`) and the flag to name in errors, or `None` for the
@@ -559,6 +579,9 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
     sizes_of(&args)?;
     let backend = choose_backend(&args, disabled)?;
     let sel = selector(args.table.as_ref())?;
+    if args.fused.is_some() {
+        return bench_fused(&args, backend, sel);
+    }
     let done = sweep(&args, backend, sel, true, None)?;
     if done.prints {
         if backend == Backend::Host && args.backend.is_none() && !(args.json || args.csv) {
@@ -570,6 +593,101 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
         print_report(&done.report, args.json, args.csv)?;
     }
     verdict(&done.report)
+}
+
+/// `anyccl bench --fused rmsnorm`: each form per token count, the table (or JSON), non-zero when a result is wrong.
+fn bench_fused(args: &BenchArgs, backend: Backend, selector: Selector) -> Result<(), CliError> {
+    #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+    {
+        let kind = backend.kind();
+        let world = match (args.world, backend) {
+            (Some(w), _) => usize::from(w),
+            (None, Backend::Host) => usize::from(default_world()),
+            (None, _) => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
+        };
+        let cfg = crate::bench_fused::FusedConfig {
+            world,
+            dtype: args.dtype,
+            hidden: args.hidden,
+            tokens: args.tokens.clone(),
+            iters: args.iters as usize,
+            warmup: args.warmup as usize,
+        };
+        // Bad sizes fail before anything is set up.
+        cfg.calls()?;
+        let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector))?;
+        let out = if args.json {
+            serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
+        } else {
+            crate::bench_fused::render_table(&report)
+        };
+        print_out(&out)?;
+        if report.wrong > 0 {
+            return Err(CliError {
+                message: format!("{} elements of the fused all-reduce + RMSNorm results were wrong", report.wrong),
+                hint: Some("the #wrong column shows the cells; rerun with --json for every cell".into()),
+            });
+        }
+        Ok(())
+    }
+    #[cfg(not(any(feature = "host", feature = "cuda", feature = "rocm")))]
+    {
+        let _ = (args, selector);
+        Err(CliError {
+            message: format!("the {} backend is not compiled into this build", backend.name()),
+            hint: Some("rebuild with `--features host`".into()),
+        })
+    }
+}
+
+/// `anyccl tune --fused rmsnorm`: measures each form per token count ([`bench_fused`]) and writes one
+/// `fused_rmsnorm` rule per token count, fastest form first; the table is read back before it is written.
+fn tune_fused(out: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
+    #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+    {
+        let disabled = disabled_by_env()?;
+        let backend = choose_backend(args, disabled)?;
+        check_output(out, "--out", "the tuned table")?;
+        let kind = backend.kind();
+        let world = match (args.world, backend) {
+            (Some(w), _) => usize::from(w),
+            (None, Backend::Host) => usize::from(default_world()),
+            (None, _) => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
+        };
+        let cfg = crate::bench_fused::FusedConfig {
+            world,
+            dtype: args.dtype,
+            hidden: args.hidden,
+            tokens: args.tokens.clone(),
+            iters: args.iters as usize,
+            warmup: args.warmup as usize,
+        };
+        cfg.calls()?;
+        let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector(args.table.as_ref())?))?;
+        print_out(&crate::bench_fused::render_table(&report))?;
+        if report.wrong > 0 {
+            return Err(CliError {
+                message: format!("{} elements of the fused results were wrong; no table written", report.wrong),
+                hint: None,
+            });
+        }
+        let vendor = match backend {
+            Backend::Host => "host",
+            Backend::Cuda => "nvidia",
+            Backend::Rocm => "amd",
+        };
+        let text = crate::bench_fused::table_text(&report, vendor)?;
+        crate::tune::write_table(out, &text)
+            .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
+        println!("wrote {} ({} token counts, world {})", out.display(), report.rows.len(), report.world);
+        print!("{text}");
+        Ok(())
+    }
+    #[cfg(not(any(feature = "host", feature = "cuda", feature = "rocm")))]
+    {
+        let _ = (out, args);
+        Err(CliError { message: "no backend is compiled into this build".into(), hint: None })
+    }
 }
 
 /// Each algorithm once, in the order first given (`--algos ring,ring` measures ring once).
@@ -603,6 +721,9 @@ fn render(report: &crate::bench::BenchReport, json: bool, csv: bool) -> Result<S
 /// when a result is wrong or the check fails (the table stays written).
 fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     dedup_algos(&mut args);
+    if args.fused.is_some() {
+        return tune_fused(out, &args);
+    }
     if args.per_rank {
         return Err(CliError {
             message: "tune does not take --per-rank (it measures one process's ranks)".into(),

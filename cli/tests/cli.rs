@@ -20,6 +20,7 @@ fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
     for var in [
         "ANYCCL_TUNE_FILE",
         "ANYCCL_ALLREDUCE_ALGO",
+        "ANYCCL_FUSED_RMSNORM",
         "ANYCCL_DISABLE",
         "ANYCCL_LOG",
         "ANYCCL_NCCL_PATH",
@@ -741,4 +742,107 @@ fn bench_and_tune_run_on_the_cuda_backend_over_the_fake_driver() {
     let t = anyccl::core::SelectorTable::load(&table_path).expect("the written table parses");
     assert!(!t.rules.is_empty());
     let _ = std::fs::remove_file(&table_path);
+}
+
+/// `anyccl bench --fused rmsnorm` on host ranks: every form measured per token count, `auto`'s form, the
+/// fused/unfused ratio and `#wrong` 0, as a table and as JSON; bad flags and values refused, naming the culprit.
+#[test]
+fn bench_fused_rmsnorm_on_the_host() {
+    let quick =
+        ["bench", "--fused", "rmsnorm", "--backend", "host", "--world", "2", "--hidden", "64", "--tokens", "1,3"];
+    let args: Vec<&str> = quick.iter().copied().chain(["--iters", "2", "--warmup", "0"]).collect();
+    let out = anyccl(&args, &[]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    for col in ["tokens", "fused-one-shot", "fused-two-shot", "unfused", "auto", "fused/unfused", "#wrong"] {
+        assert!(stdout.contains(col), "{col}: {stdout}");
+    }
+    let rows: Vec<&str> =
+        stdout.lines().filter(|l| !l.starts_with('#') && !l.trim_start().starts_with("tokens")).collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    assert!(rows.iter().all(|r| r.split_whitespace().last() == Some("0")), "#wrong 0: {stdout}");
+
+    let json_args: Vec<&str> = args.iter().copied().chain(["--json"]).collect();
+    let out = anyccl(&json_args, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["wrong"], 0);
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(2));
+    assert_eq!(v["rows"][0]["cells"].as_array().map(Vec::len), Some(3));
+    assert_eq!(v["rows"][0]["auto"], "fused-one-shot");
+
+    // The environment's form is what `auto` runs.
+    let out = anyccl(&json_args, &[("ANYCCL_FUSED_RMSNORM", "unfused")]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        (v["rows"][1]["auto"].as_str(), v["rows"][1]["why"].as_str()),
+        (Some("unfused"), Some("forced by ANYCCL_FUSED_RMSNORM"))
+    );
+
+    let fails = |extra: &[&str], env: &[(&str, &str)], want: &str| {
+        let a: Vec<&str> = extra.to_vec();
+        let out = anyccl(&a, env);
+        let err = text(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
+    };
+    fails(&["bench", "--fused", "rmsnorm", "--backend", "host", "--hidden", "12"], &[], "RmsNormSpec::hidden");
+    fails(&["bench", "--fused", "rmsnorm", "--backend", "host", "--dtype", "f32", "--hidden", "64"], &[], "f32");
+    fails(
+        &["bench", "--fused", "rmsnorm", "--backend", "host", "--hidden", "64"],
+        &[("ANYCCL_FUSED_RMSNORM", "fast")],
+        "ANYCCL_FUSED_RMSNORM",
+    );
+    fails(&["bench", "--fused", "rmsnorm", "--algos", "ring"], &[], "--algos");
+    fails(&["bench", "--hidden", "64"], &[], "--fused");
+    fails(&["bench", "--fused", "layernorm"], &[], "layernorm");
+
+    // tune --fused rmsnorm writes fused_rmsnorm rules that load back.
+    let out_path = tmp_file("fused-tune.toml", "");
+    let out_s = out_path.display().to_string();
+    let tune_args = [
+        "tune",
+        "--out",
+        &out_s,
+        "--fused",
+        "rmsnorm",
+        "--backend",
+        "host",
+        "--world",
+        "2",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1,64",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+    ];
+    let out = anyccl(&tune_args, &[]);
+    assert!(out.status.success(), "{}{}", text(&out.stdout), text(&out.stderr));
+    let written = std::fs::read_to_string(&out_path).expect("the tuned table");
+    assert_eq!(written.matches("fused_rmsnorm = [").count(), 2, "{written}");
+    assert!(!written.contains("algorithms"), "{written}");
+    let bench_with = [
+        "bench",
+        "--fused",
+        "rmsnorm",
+        "--backend",
+        "host",
+        "--world",
+        "2",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1",
+        "--iters",
+        "1",
+        "--json",
+        "--table",
+        &out_s,
+    ];
+    let out = anyccl(&bench_with, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(v["rows"][0]["why"].as_str().is_some_and(|w| w.contains("fused-tune.toml")), "{v}");
 }

@@ -59,6 +59,7 @@ const NEED_KERNELS: &[&str] = &[
     "push_sm80",
     "push_off",
     "push_fail",
+    "fused",
 ];
 
 /// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
@@ -167,6 +168,13 @@ fn push_one_shot_off_by_its_setting_says_why() {
 #[test]
 fn push_one_shot_setup_failing_half_way_leaks_nothing_and_says_why() {
     run_case("push_fail");
+}
+
+/// The fused all-reduce + RMSNorm through the front door: the chosen kernel launched with its shape on every
+/// rank, bad calls launching nothing (the `fused` case).
+#[test]
+fn the_fused_all_reduce_rmsnorm_launches_the_chosen_kernel_and_bad_calls_launch_nothing() {
+    run_case("fused");
 }
 
 /// The fake driver reports its devices to `anyccl_cuda::available()` (4, compute capability 9.0, no multicast,
@@ -289,6 +297,7 @@ fn child() {
         "engine_streams" => engine_streams(&s),
         "ipc_during_capture" => ipc_during_capture(&s),
         "split" => split(&s),
+        "fused" => fused(&s),
         #[cfg(feature = "cudarc")]
         "cudarc" => cudarc_world_two(&s),
         "conformance" => conformance_suite(&s),
@@ -321,6 +330,82 @@ fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
     let ordinals: Vec<i32> = (0..world as i32).collect();
     anyccl_cuda::communicators_single_process(s.lib.clone(), &ordinals, Arc::new(Selector::defaults()))
         .expect("communicators")
+}
+
+/// The fused all-reduce + RMSNorm through the front door on the fakes (which run the all-reduce kernels but not the
+/// fused ones: a fused launch is recorded with its name and shape, then refused). Bad calls (a short weight, a
+/// row that is not a multiple of 8) launch nothing; fused one-shot launches `anyccl_fused_one_shot_bf16` with one
+/// block per row and `NORM_THREADS` threads on every rank; fused two-shot `anyccl_fused_two_shot_bf16` with a
+/// block per row of the rank's share; unfused the custom one-shot all-reduce into `out` then
+/// `anyccl_rmsnorm_bf16`; fp8 output is never unfused.
+fn fused(s: &Setup) {
+    use anyccl_core::{RmsNormForm, RmsNormSpec};
+    let mut cs = comms(s, 2);
+    assert!(cs[0].backend().custom_kernels_off().is_none(), "{:?}", cs[0].backend().custom_kernels_off());
+    let (tokens, hidden) = (3usize, 1024usize);
+    let bytes = tokens * hidden * 2;
+    let spec = RmsNormSpec::new(DataType::Bf16, tokens, hidden, 1e-6);
+    let call_all = |cs: &mut [Communicator<CudaComm>], spec: RmsNormSpec, weight_bytes: usize| {
+        per_rank(cs, |c| -> Result<anyccl_core::RmsNormSelection> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let input = rt.alloc(bytes)?;
+            let weight = rt.alloc(weight_bytes)?;
+            let (mut residual, mut out) = (rt.alloc(bytes)?, rt.alloc(bytes)?);
+            let r = c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &spec, &st);
+            st.synchronize()?;
+            r
+        })
+    };
+    let from = s.fake.launch_total();
+    for e in call_all(&mut cs, spec, hidden * 2 - 2) {
+        let e = e.expect_err("a short weight");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BufferTooSmall { which: "weight", .. })), "{e}");
+    }
+    let mut odd = spec;
+    odd.hidden = 1020;
+    for e in call_all(&mut cs, odd, hidden * 2) {
+        let e = e.expect_err("hidden 1020");
+        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::InvalidValue { .. })), "{e}");
+    }
+    assert_eq!(s.fake.launch_total(), from, "a refused call launched something");
+    let threads = anyccl_core::fused::NORM_THREADS as u32;
+    let forms = [
+        (RmsNormForm::FusedOneShot, vec![("anyccl_fused_one_shot_bf16", tokens as u32)]),
+        (RmsNormForm::FusedTwoShot, vec![("anyccl_fused_two_shot_bf16", tokens.div_ceil(2) as u32)]),
+        (RmsNormForm::Unfused, vec![("anyccl_one_shot_bf16", 0), ("anyccl_rmsnorm_bf16", tokens as u32)]),
+    ];
+    for (form, want) in forms {
+        s.fake.reset();
+        let got = call_all(&mut cs, spec.with_form(form), hidden * 2);
+        let launches = s.fake.launches();
+        let names: Vec<&str> = launches.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(launches.len(), 2 * want.len(), "{form}: {names:?}");
+        for (name, grid) in &want {
+            let of: Vec<&Launch> = launches.iter().filter(|l| l.name == *name).collect();
+            assert_eq!(of.len(), 2, "{form}: {name} once per rank: {names:?}");
+            for l in of {
+                if name.contains("norm") || name.contains("fused") {
+                    assert_eq!((l.grid, l.block), ([*grid, 1, 1], [threads, 1, 1]), "{form}: {name}");
+                    // The fake cannot run them: refused after recording (98), never run.
+                    assert_eq!((l.status, l.runs), (98, 0), "{form}: {name}");
+                } else {
+                    assert_eq!(l.params.as_ref().map(|p| (p.shot, p.out != 0)), Some((Shot::One, true)), "{form}");
+                }
+            }
+        }
+        // The refused launch is an error of the call on every rank.
+        assert!(got.iter().all(|r| r.is_err()), "{form}: {got:?}");
+    }
+    // fp8 output: unfused is refused with the reason before anything is launched.
+    s.fake.reset();
+    for e in call_all(&mut cs, spec.fp8_output(0.5).with_form(RmsNormForm::Unfused), hidden * 2) {
+        let e = e.expect_err("fp8 unfused");
+        assert!(e.to_string().contains("fp8"), "{e}");
+    }
+    assert_eq!(s.fake.launch_total(), 0);
+    // The refused fused launches were violations by design; clear them for the child's final check.
+    s.fake.reset();
 }
 
 /// Runs `f` on one thread per rank.

@@ -177,7 +177,7 @@ pub struct GpuComm<P: GpuPlatform> {
     /// left the ranks' input tables disagreeing): their buffers and tables live as long as the communicator, so
     /// such a replay never reads freed memory.
     retired: Vec<CustomState<P>>,
-    /// The fused all-reduce + RMSNorm kernels ([`GpuComm::all_reduce_rmsnorm`]) of the custom kernels' module,
+    /// The fused all-reduce + RMSNorm kernels ([`CommBackend::all_reduce_rmsnorm`]) of the custom kernels' module,
     /// set with the custom kernels' state by [`GpuComm::set_custom`]; `None` while those are off.
     fused: Option<super::fused::FusedKernels<P>>,
 }
@@ -1009,6 +1009,22 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
             fused,
         } = self;
         ccl.close_in_background_with((scratch, custom, fused, retired, runtime))
+    }
+
+    fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {
+        &anyccl_core::RmsNormForm::ALL
+    }
+
+    fn rmsnorm_eligible(
+        &self,
+        form: anyccl_core::RmsNormForm,
+        call: &anyccl_core::fused::RmsNormCall,
+    ) -> std::result::Result<(), String> {
+        self.fused_eligible(form, call)
+    }
+
+    fn all_reduce_rmsnorm(&mut self, args: anyccl_core::fused::RmsNormArgs<'_, Self>) -> Result<()> {
+        self.run_rmsnorm(args)
     }
 
     fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
