@@ -2,8 +2,13 @@
 
 Importing this module imports torch and registers (once per process):
 
-* ``torch.ops.anyccl.all_reduce(x, handle, op) -> Tensor`` — out of place (a new tensor); compile-friendly;
-* ``torch.ops.anyccl.all_reduce_(x, handle, op) -> None`` — in place on ``x`` (declared as mutating ``x``).
+* ``torch.ops.anyccl.all_reduce(x, handle, op, algorithm) -> Tensor`` — out of place (a new tensor);
+  compile-friendly;
+* ``torch.ops.anyccl.all_reduce_(x, handle, op, algorithm) -> None`` — in place on ``x`` (declared as mutating
+  ``x``).
+
+``op`` defaults to ``"sum"``; ``algorithm`` (default ``None``: the selector's choice) names the algorithm, e.g.
+``"two-shot-fp8"`` for the quantized all-reduce (see ``Communicator.all_reduce``).
 
 ``handle`` is the integer ``register(comm)`` returns (a custom op takes tensors and plain values, not Python
 objects). Both ops have fake (meta) implementations, so tracing needs no communication. Inside ``torch.cuda.graph``
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -61,28 +66,28 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "register_fake"):
 # torch's dispatcher, which measured about 13 µs per call on an H200 host (python/bench/host_time.py); a plain
 # kernel registration leaves only the dispatcher. Neither op has an autograd formula (a collective has none).
 _LIB = torch.library.Library("anyccl", "FRAGMENT")
-_LIB.define("all_reduce(Tensor x, int handle, str op='sum') -> Tensor")
-_LIB.define("all_reduce_(Tensor(a!) x, int handle, str op='sum') -> ()")
+_LIB.define("all_reduce(Tensor x, int handle, str op='sum', str? algorithm=None) -> Tensor")
+_LIB.define("all_reduce_(Tensor(a!) x, int handle, str op='sum', str? algorithm=None) -> ()")
 
 
-def all_reduce(x: torch.Tensor, handle: int, op: str = "sum") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, handle: int, op: str = "sum", algorithm: Optional[str] = None) -> torch.Tensor:
     """``x`` reduced over every rank, in a new tensor (the kernel of ``torch.ops.anyccl.all_reduce``)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    communicator(handle).all_reduce(x.contiguous(), out=out, op=op)
+    communicator(handle).all_reduce(x.contiguous(), out=out, op=op, algorithm=algorithm)
     return out
 
 
-def all_reduce_(x: torch.Tensor, handle: int, op: str = "sum") -> None:
+def all_reduce_(x: torch.Tensor, handle: int, op: str = "sum", algorithm: Optional[str] = None) -> None:
     """Reduces ``x`` over every rank, in place (the kernel of ``torch.ops.anyccl.all_reduce_``; ``x`` must be
     contiguous)."""
-    communicator(handle).all_reduce(x, op=op)
+    communicator(handle).all_reduce(x, op=op, algorithm=algorithm)
 
 
-def _all_reduce_fake(x: torch.Tensor, handle: int, op: str = "sum") -> torch.Tensor:
+def _all_reduce_fake(x: torch.Tensor, handle: int, op: str = "sum", algorithm: Optional[str] = None) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, op: str = "sum") -> None:
+def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, op: str = "sum", algorithm: Optional[str] = None) -> None:
     return None
 
 

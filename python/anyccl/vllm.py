@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from . import Communicator
+from . import Communicator, _canon_algorithm
 from . import torch_ops
 
 __all__ = ["AnycclDeviceCommunicator"]
@@ -38,7 +38,12 @@ class AnycclDeviceCommunicator:
         unique_name: str = "",
         *,
         comm: Optional[Communicator] = None,
+        algorithm: Optional[str] = None,
+        deterministic: Optional[bool] = None,
     ) -> None:
+        """``algorithm``: the all-reduce algorithm every ``all_reduce`` names (None: the selector's choice; e.g.
+        ``"two-shot-fp8"`` for the quantized one, lossy); ``deterministic``: deterministic mode (see
+        ``anyccl.Communicator.deterministic``; None: ``ANYCCL_DETERMINISTIC``). Both the same on every rank."""
         self.cpu_group = cpu_group
         self.device_group = device_group
         self.unique_name = unique_name
@@ -50,7 +55,10 @@ class AnycclDeviceCommunicator:
                 comm = Communicator.from_process_group(cpu_group, backend="cuda", device=device.index)
             else:
                 comm = Communicator.from_process_group(cpu_group, backend="host")
+        if deterministic is not None:
+            comm.deterministic = deterministic
         self.comm = comm
+        self.algorithm = _canon_algorithm(algorithm)
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.ranks = dist.get_process_group_ranks(cpu_group) if cpu_group is not None else list(range(self.world_size))
@@ -62,13 +70,13 @@ class AnycclDeviceCommunicator:
 
     def should_custom_ar(self, input_: torch.Tensor) -> bool:
         """Whether ``all_reduce`` handles ``input_`` (vLLM's custom all-reduce predicate)."""
-        return not self.disabled and self.comm.should_all_reduce(input_)
+        return not self.disabled and self.comm.should_all_reduce(input_, algorithm=self.algorithm)
 
     should_all_reduce = should_custom_ar
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in a new tensor (the custom op: safe under torch.compile and CUDA graphs)."""
-        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum")
+        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum", self.algorithm)
 
     def custom_all_reduce(self, input_: torch.Tensor) -> Optional[torch.Tensor]:
         """vLLM's custom all-reduce shape: the result, or None to make the caller fall back."""

@@ -250,3 +250,101 @@ def test_vllm_communicator_at_tp2_over_gloo_on_cpu_tensors(torch: Any) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         tmp.spawn(_tp2_rank, args=(2, d), nprocs=2, join=True)
+
+
+# ---- all-reduce options and DLPack input (issue 19) ---------------------------------------------------------------
+
+
+def test_a_named_algorithm_on_cuda(torch: Any, comm: anyccl.Communicator, ops: int) -> None:
+    x = (torch.arange(8192, device="cuda") % 31).to(torch.bfloat16)
+    ref = x.clone()
+    comm.all_reduce(x, algorithm="ccl")
+    torch.cuda.synchronize()
+    assert torch.equal(x, ref)
+    assert comm.last_selection == {"algorithm": "ccl", "why": 'named by the caller (algorithm="ccl")'}
+    with pytest.raises(ValueError, match="two-shot-fp8"):  # the list of names
+        comm.all_reduce(x, algorithm="fp8")
+    # The quantized all-reduce: eligible here or refused with the reason, never silently something else.
+    try:
+        comm.select_all_reduce(x.numel(), "bf16", algorithm="two-shot-fp8")
+        eligible = True
+    except anyccl.UnsupportedError as e:
+        eligible, why = False, e.message
+    out = torch.empty_like(x)
+    if eligible:
+        comm.all_reduce(x, out=out, algorithm="two-shot-fp8")
+        torch.cuda.synchronize()
+        assert comm.last_selection is not None and comm.last_selection["algorithm"] == "two-shot-fp8"
+        assert torch.allclose(out.float(), ref.float(), rtol=0.07, atol=0.07)
+    else:
+        assert "two-shot-fp8" in why
+        with pytest.raises(anyccl.UnsupportedError, match="two-shot-fp8"):
+            comm.all_reduce(x, out=out, algorithm="two-shot-fp8")
+        assert not comm.should_all_reduce(x, algorithm="two-shot-fp8")
+    # The custom op carries the name too (eager and compiled).
+    y = torch.ops.anyccl.all_reduce(x, ops, "sum", "ccl")
+    compiled = torch.compile(lambda t: torch.ops.anyccl.all_reduce(t, ops, "sum", "ccl") + 1, fullgraph=True)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref) and torch.equal(compiled(x), ref + 1)
+
+
+def test_deterministic_mode_on_cuda(torch: Any, comm: anyccl.Communicator) -> None:
+    x = torch.ones(4096, device="cuda")
+    comm.deterministic = True
+    try:
+        assert comm.capabilities()["deterministic"] is True
+        with pytest.raises(anyccl.UnsupportedError, match="not deterministic"):
+            comm.all_reduce(x, algorithm="ccl")
+        try:
+            comm.all_reduce(x)
+            torch.cuda.synchronize()
+            sel = comm.last_selection
+            assert sel is not None and sel["algorithm"] in ("one-shot", "two-shot", "one-shot-push"), sel
+            assert torch.all(x == 1)
+        except anyccl.UnsupportedError as e:  # no deterministic algorithm at world 1 here: the reasons say so
+            assert "not deterministic" in e.message, e.message
+    finally:
+        comm.deterministic = False
+    assert comm.deterministic is False
+
+
+class _DLOnly:
+    """A CUDA array reachable through DLPack only (as CuPy's or JAX's are)."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.calls: list = []
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self.t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.t.__dlpack_device__()
+
+
+def test_dlpack_cuda_arrays(torch: Any, comm: anyccl.Communicator) -> None:
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    ref = x.clone()
+    d = _DLOnly(x)
+    assert comm.all_reduce(d) is d  # no stream: the legacy default stream (sentinel 1), waited for
+    assert d.calls and d.calls[0].get("stream") == 1, d.calls
+    assert torch.equal(x, ref)
+    out = torch.zeros_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    e = _DLOnly(x)
+    comm.all_reduce(e, out=out, stream=s)  # a stream given: made ready on it and run on it
+    assert e.calls[0].get("stream") == s.cuda_stream, e.calls
+    s.synchronize()
+    assert torch.equal(out, ref)
+    out2 = _DLOnly(torch.zeros_like(x))
+    comm.all_reduce(_DLOnly(x), out=out2, op="max")
+    assert torch.equal(out2.t, ref)
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.all_reduce(_DLOnly(torch.ones(64, 64, device="cuda").t()))
+    with pytest.raises(TypeError, match="no anyccl data type"):
+        comm.all_reduce(_DLOnly(torch.ones(4, device="cuda", dtype=torch.int16)))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="cuda:1"):
+            comm.all_reduce(_DLOnly(torch.ones(4, device="cuda:1")))
