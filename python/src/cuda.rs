@@ -308,7 +308,6 @@ pub(crate) fn collective(
             return Err(invalid(py, format!("recv: holds {} bytes, the call needs {need}", rv.bytes)));
         }
     }
-    let raw = raw_stream(py, stream, ordinal)?;
     let call = Call { coll, count, dtype: sv.dtype, op, peer, algo };
     let done = comm.with_state(py, move |st| {
         let typed = typed(&mut st.comm)?;
