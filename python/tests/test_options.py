@@ -126,3 +126,11 @@ def test_named_algorithms_and_deterministic_mode_across_processes() -> None:
         assert got["named_selection"]["algorithm"] == "one-shot" and "named" in got["named_selection"]["why"]
         assert "two-shot-int8" in got["int8"] and "not deterministic" in got["int8"], got["int8"]
         assert got["after"] == [3.0] * 5
+
+
+def test_rocm_from_python_says_why_it_is_not_there() -> None:
+    reason = anyccl.backends()["rocm"]
+    assert reason is not None and "not in the Python package" in reason and "kDLROCM" in reason
+    with pytest.raises(anyccl.UnsupportedError) as e:
+        anyccl.Communicator.from_unique_id(anyccl.unique_id(), 0, 1, backend="rocm")
+    assert reason in e.value.message
