@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyccl_core::comm::{AllReduceCall, BufOf, StreamOf};
+use anyccl_core::fused::{RmsNormCall, RmsNormForm, RmsNormSelection, RmsNormSpec};
 use anyccl_core::runtime::{BufferLike, Location};
 use anyccl_core::{
     Algorithm, Bootstrap, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Error,
@@ -477,6 +478,20 @@ pub trait DynComm: Send {
         op: ReduceOp,
         stream: &AnyStream,
     ) -> Result<()>;
+    /// The form a fused all-reduce + RMSNorm `call` would use now ([`Communicator::select_rmsnorm`]).
+    fn select_rmsnorm(&self, call: &RmsNormCall, forced: Option<RmsNormForm>) -> Result<RmsNormSelection>;
+    /// The fused all-reduce + residual add + RMSNorm ([`Communicator::all_reduce_rmsnorm`]): `residual ←
+    /// allreduce(input) + residual`, `out ← rmsnorm(residual) × weight` (or fp8), validated and with its form
+    /// chosen as there; every buffer must be of this backend. Returns the form and the rule that chose it.
+    fn all_reduce_rmsnorm(
+        &mut self,
+        input: &AnyBuffer,
+        residual: &mut AnyBuffer,
+        weight: &AnyBuffer,
+        out: &mut AnyBuffer,
+        spec: &RmsNormSpec,
+        stream: &AnyStream,
+    ) -> Result<RmsNormSelection>;
     /// All-gather of `count` elements per rank.
     fn all_gather(
         &mut self,
@@ -715,6 +730,23 @@ impl<B: Erased> DynComm for Communicator<B> {
         let s = any_stream::<B>(stream)?;
         let io = any_io::<B>(bufs)?;
         Communicator::all_reduce_with(self, algorithm, io, count, dtype, op, s)
+    }
+    fn select_rmsnorm(&self, call: &RmsNormCall, forced: Option<RmsNormForm>) -> Result<RmsNormSelection> {
+        Communicator::select_rmsnorm(self, call, forced)
+    }
+    fn all_reduce_rmsnorm(
+        &mut self,
+        input: &AnyBuffer,
+        residual: &mut AnyBuffer,
+        weight: &AnyBuffer,
+        out: &mut AnyBuffer,
+        spec: &RmsNormSpec,
+        stream: &AnyStream,
+    ) -> Result<RmsNormSelection> {
+        let s = any_stream::<B>(stream)?;
+        let (i, w) = (any_buf::<B>("input", input)?, any_buf::<B>("weight", weight)?);
+        let (r, o) = (any_buf_mut::<B>("residual", residual)?, any_buf_mut::<B>("out", out)?);
+        Communicator::all_reduce_rmsnorm(self, i, r, w, o, spec, s)
     }
     fn all_gather(
         &mut self,
@@ -1298,6 +1330,96 @@ mod tests {
             assert_eq!(&sum[..32], &f32s(&[6.0; 8])[..], "1 + 2 + 3 in the first 8 elements");
             assert_eq!(&sum[32..], &[0u8; 32][..], "the rest untouched");
             assert!(matches!(algo, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::Ring));
+        }
+    }
+
+    /// The fused all-reduce + RMSNorm through the erased face on host ranks: each form bit-exact against a
+    /// reference made here (rank-order sum, then core's row arithmetic), the new residual written back, a bad call
+    /// refused with the culprit named.
+    #[test]
+    fn host_ranks_through_the_erased_face_run_the_fused_all_reduce_rmsnorm() {
+        use anyccl_core::fused::{from_f32, norm_row, to_f32};
+        let (world, tokens, hidden, dtype) = (2usize, 3usize, 1024usize, DataType::Bf16);
+        let n = tokens * hidden;
+        let val = |seed: usize, i: usize| from_f32(dtype, ((i * 7919 + seed * 104_729) % 2001) as f32 / 1000.0 - 1.0);
+        let inputs: Vec<Vec<u16>> = (0..world).map(|r| (0..n).map(|i| val(r + 1, i)).collect()).collect();
+        let residual: Vec<u16> = (0..n).map(|i| val(9, i)).collect();
+        let weight: Vec<u16> = (0..hidden).map(|i| val(11, i)).collect();
+        let bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|b| b.to_ne_bytes()).collect() };
+        let spec = RmsNormSpec::new(dtype, tokens, hidden, 1e-6);
+        let call = spec.call().expect("valid");
+        let (mut want_res, mut want_out, mut scratch) = (residual.clone(), vec![0u8; n * 2], vec![0f32; hidden]);
+        for t in 0..tokens {
+            let row = t * hidden..(t + 1) * hidden;
+            let red: Vec<u16> = row
+                .clone()
+                .map(|i| from_f32(dtype, to_f32(dtype, inputs[0][i]) + to_f32(dtype, inputs[1][i])))
+                .collect();
+            norm_row(
+                &call,
+                &red,
+                &mut want_res[row.clone()],
+                &weight,
+                &mut want_out[row.start * 2..row.end * 2],
+                &mut scratch,
+            );
+        }
+        let chosen = communicators(BackendChoice::Host, world, Arc::new(Selector::defaults())).expect("host ranks");
+        let got: Vec<Vec<(RmsNormSelection, Vec<u8>, Vec<u8>)>> = std::thread::scope(|s| {
+            let hs: Vec<_> = chosen
+                .comms
+                .into_iter()
+                .map(|mut c| {
+                    let (inputs, residual, weight) = (&inputs, &residual, &weight);
+                    s.spawn(move || {
+                        let st = c.stream().expect("stream");
+                        let mut input = c.alloc(n * 2).expect("alloc");
+                        c.upload(&mut input, &bytes(&inputs[c.rank()]), &st).expect("upload");
+                        let mut w = c.alloc(hidden * 2).expect("alloc");
+                        c.upload(&mut w, &bytes(weight), &st).expect("upload");
+                        let mut runs = Vec::new();
+                        for form in [
+                            None,
+                            Some(RmsNormForm::FusedOneShot),
+                            Some(RmsNormForm::FusedTwoShot),
+                            Some(RmsNormForm::Unfused),
+                        ] {
+                            let mut res = c.alloc(n * 2).expect("alloc");
+                            c.upload(&mut res, &bytes(residual), &st).expect("upload");
+                            let mut out = c.alloc(n * 2).expect("alloc");
+                            let spec = match form {
+                                Some(f) => spec.with_form(f),
+                                None => spec,
+                            };
+                            let sel = c.all_reduce_rmsnorm(&input, &mut res, &w, &mut out, &spec, &st).expect("fused");
+                            let (mut o, mut r) = (vec![0u8; n * 2], vec![0u8; n * 2]);
+                            c.download(&out, &mut o, &st).expect("download");
+                            c.download(&res, &mut r, &st).expect("download");
+                            runs.push((sel, o, r));
+                        }
+                        // A short output: refused before any exchange, naming `out`.
+                        let mut short = c.alloc(n * 2 - 2).expect("alloc");
+                        let mut res = c.alloc(n * 2).expect("alloc");
+                        let e = c.all_reduce_rmsnorm(&input, &mut res, &w, &mut short, &spec, &st).expect_err("short");
+                        assert!(
+                            matches!(&e, Error::InvalidArgument(InvalidArgument::BufferTooSmall { which: "out", .. })),
+                            "{e}"
+                        );
+                        let sel = c.select_rmsnorm(&call, None).expect("selection");
+                        assert_eq!(sel, runs[0].0, "the dry-run selection is the call's");
+                        runs
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        });
+        for (rank, runs) in got.iter().enumerate() {
+            assert_eq!(runs[0].0.form, RmsNormForm::FusedOneShot, "6 KiB: the default rule's one-shot");
+            for (i, (sel, out, res)) in runs.iter().enumerate() {
+                assert!(out == &want_out, "rank {rank} run {i} ({}): output differs from the reference", sel.form);
+                assert!(res == &bytes(&want_res), "rank {rank} run {i}: new residual differs");
+            }
+            assert_eq!(runs[3].0.form, RmsNormForm::Unfused);
         }
     }
 

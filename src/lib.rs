@@ -33,7 +33,8 @@
 pub use anyccl_ccl as ccl;
 pub use anyccl_core as core;
 pub use anyccl_core::{
-    Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, Selector,
+    Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, RmsNormForm,
+    RmsNormOutput, RmsNormSelection, RmsNormSpec, Selector,
 };
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]

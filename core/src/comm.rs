@@ -12,6 +12,7 @@ pub use crate::bootstrap::Bootstrap;
 use crate::caps::{Capabilities, CapabilityReport, Reason};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{Error, InvalidArgument, Result};
+use crate::fused::{RmsNormArgs, RmsNormCall, RmsNormForm, RmsNormSelection, RmsNormSpec};
 use crate::runtime::{BufferLike, MemoryRuntime};
 use crate::selector::{Selection, SelectionQuery, Selector};
 use crate::teardown::Teardown;
@@ -230,6 +231,30 @@ pub trait CommBackend: Send {
     fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
         let _ = args;
         Err(not_implemented(self.name(), "grouped point-to-point", "grouped send/receive (CommBackend::p2p)"))
+    }
+    /// The forms of the fused all-reduce + residual add + RMSNorm this backend implements, eligible or not
+    /// ([`Communicator::all_reduce_rmsnorm`]). The default: none (the call is refused with
+    /// [`Error::Unsupported`] naming the backend).
+    fn rmsnorm_forms(&self) -> &[RmsNormForm] {
+        &[]
+    }
+    /// Whether `form` can run `call` here (`Err` says why not: the fused kernels are off, the two-shot scratch is
+    /// too small, fp8 output on a path that cannot make it). Asked only for forms of [`CommBackend::rmsnorm_forms`].
+    /// The default: every implemented form is eligible.
+    fn rmsnorm_eligible(&self, form: RmsNormForm, call: &RmsNormCall) -> std::result::Result<(), String> {
+        let _ = (form, call);
+        Ok(())
+    }
+    /// Runs a validated fused all-reduce + residual add + RMSNorm with the form the description carries (chosen
+    /// and found eligible by the front-end; see [`crate::fused`] for the arithmetic every backend matches). The
+    /// default refuses with [`Error::Unsupported`] naming the backend.
+    fn all_reduce_rmsnorm(&mut self, args: RmsNormArgs<'_, Self>) -> Result<()> {
+        let _ = args;
+        Err(not_implemented(
+            self.name(),
+            "fused-rmsnorm",
+            "the fused all-reduce + RMSNorm (CommBackend::all_reduce_rmsnorm)",
+        ))
     }
     /// A sub-communicator of the ranks that pass the same `color` ([`Communicator::split`]), ordered by `(key,
     /// this rank)`; `None` for a rank that passes no color. Collective over this communicator. The default refuses
@@ -547,6 +572,91 @@ impl<B: CommBackend> Communicator<B> {
         let reduction = self.backend.check_reduction(dtype, op)?;
         self.check_algorithm(algorithm, &call)?;
         self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, algorithm))
+    }
+
+    /// [`Error::Unsupported`] naming the backend if it has no form of the fused all-reduce + RMSNorm.
+    fn rmsnorm_implemented(&self) -> Result<()> {
+        if self.backend.rmsnorm_forms().is_empty() {
+            return Err(not_implemented(
+                self.backend.name(),
+                "fused-rmsnorm",
+                "the fused all-reduce + RMSNorm (CommBackend::all_reduce_rmsnorm)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The form a fused all-reduce + RMSNorm `call` would use now, without running it: the call's `forced` form,
+    /// else `ANYCCL_FUSED_RMSNORM`, else the selector's table rules, else the default rule
+    /// ([`Selector::select_rmsnorm`]), each asked of the backend ([`CommBackend::rmsnorm_eligible`]).
+    pub fn select_rmsnorm(&self, call: &RmsNormCall, forced: Option<RmsNormForm>) -> Result<RmsNormSelection> {
+        self.rmsnorm_implemented()?;
+        let forms = self.backend.rmsnorm_forms();
+        let call = call.with_deterministic(self.deterministic);
+        let q = SelectionQuery {
+            vendor: self.backend.vendor(),
+            arch: self.backend.arch(),
+            world: self.backend.world_size(),
+            bytes: call.bytes as u64,
+            dtype: call.dtype,
+            capturing: call.capturing,
+        };
+        self.selector.select_rmsnorm_among(&self.candidates, &q, &call, forced, |f| {
+            if !forms.contains(&f) {
+                return Err(format!("not implemented by the {} backend", self.backend.name()));
+            }
+            self.backend.rmsnorm_eligible(f, &call)
+        })
+    }
+
+    /// The fused all-reduce + residual add + RMSNorm of `spec.tokens` rows of `spec.hidden` elements:
+    ///
+    /// ```text
+    /// residual ← allreduce(input) + residual
+    /// out      ← rmsnorm(residual) × weight     (or e4m3(… / scale) with RmsNormSpec::fp8_output)
+    /// ```
+    ///
+    /// A collective: every rank calls it with the same `spec`, and its `residual` must hold the same values on
+    /// every rank (as tensor parallelism keeps it; it does so again afterwards). `input`, `residual` and `out` hold
+    /// `tokens × hidden` elements (`out` one byte each with fp8 output), `weight` `hidden`; each is 16-byte
+    /// aligned memory of this communicator, and `residual` and `out` overlap no other buffer. Stream-ordered on
+    /// `stream`; on GPUs capture-safe (nothing allocated).
+    ///
+    /// Validated first ([`crate::fused::validate`]): a bad call returns a typed [`Error::InvalidArgument`] naming
+    /// the culprit and nothing runs or changes. A backend without the call returns [`Error::Unsupported`]. The
+    /// form is then chosen ([`Communicator::select_rmsnorm`]), logged at `debug` level and returned with the
+    /// rule behind it. Results are bitwise the same for every form and every run (rank-order sums, see
+    /// [`crate::fused`]).
+    pub fn all_reduce_rmsnorm(
+        &mut self,
+        input: &BufOf<B>,
+        residual: &mut BufOf<B>,
+        weight: &BufOf<B>,
+        out: &mut BufOf<B>,
+        spec: &RmsNormSpec,
+        stream: &StreamOf<B>,
+    ) -> Result<RmsNormSelection> {
+        self.rmsnorm_implemented()?;
+        let location = self.runtime().location();
+        let bufs = [input.desc(), residual.desc(), weight.desc(), out.desc()];
+        let call = crate::fused::validate(spec, location, bufs)?;
+        let call = call.with_capturing(self.runtime().is_capturing(stream)?).with_deterministic(self.deterministic);
+        let sel = self.select_rmsnorm(&call, spec.form)?;
+        tracing::debug!(
+            rank = self.rank(),
+            world = self.world_size(),
+            bytes = call.bytes,
+            dtype = %call.dtype,
+            tokens = call.tokens,
+            hidden = call.hidden,
+            fp8 = !matches!(call.output, crate::fused::RmsNormOutput::Same),
+            capturing = call.capturing,
+            form = %sel.form,
+            rule = %sel.why,
+            "all-reduce + rmsnorm"
+        );
+        self.backend.all_reduce_rmsnorm(RmsNormArgs::new(input, residual, weight, out, stream, call, sel.form))?;
+        Ok(sel)
     }
 
     /// All-gather: every rank contributes `count` elements; the output holds `world × count`.
@@ -978,6 +1088,27 @@ mod tests {
     fn sum(c: &mut Communicator<Counting>, buf: &mut [u8], dtype: DataType) -> Algorithm {
         let count = buf.len() / dtype.size_bytes();
         c.all_reduce(InOut::InPlace(buf), count, dtype, ReduceOp::Sum, &()).expect("valid call").algorithm
+    }
+
+    /// A backend without the fused call: refused with `Unsupported` naming it and the capability, before the
+    /// capture state is asked or anything reaches the backend.
+    #[test]
+    fn a_backend_without_the_fused_call_is_refused_naming_it() {
+        let mut c = counting(None);
+        let (input, weight) = (vec![0u8; 64], vec![0u8; 16]);
+        let (mut residual, mut out) = (vec![0u8; 64], vec![0u8; 64]);
+        let spec = RmsNormSpec::new(DataType::Bf16, 4, 8, 1e-6);
+        let e = c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &spec, &()).expect_err("refused");
+        match &e {
+            Error::Unsupported { capability, reason } => {
+                assert_eq!(capability, "fused-rmsnorm");
+                assert!(reason.to_string().contains(c.backend().name()), "{e}");
+            }
+            other => panic!("not Unsupported: {other}"),
+        }
+        assert_eq!(c.backend().rt.asked.load(Ordering::Relaxed), 0);
+        let call = spec.call().expect("valid");
+        assert!(matches!(c.select_rmsnorm(&call, None), Err(Error::Unsupported { .. })));
     }
 
     #[test]

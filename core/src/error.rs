@@ -375,6 +375,18 @@ pub enum InvalidArgument {
         second_len: usize,
     },
 
+    /// A parameter of a call has a value the call does not accept (a non-finite `eps`, a row length that is not a
+    /// multiple of 8, a zero fp8 scale).
+    #[error("{what} is {value}, but it must be {expected}")]
+    InvalidValue {
+        /// The parameter, as the caller names it (`RmsNormSpec::eps`).
+        what: &'static str,
+        /// The value given, as text.
+        value: String,
+        /// What it must be.
+        expected: &'static str,
+    },
+
     /// A point-to-point message did not match what the receiver posted.
     #[error("message from rank {peer} holds {got} bytes, but the receive expected {expected}")]
     MessageMismatch {

@@ -10,6 +10,7 @@
 //! - the validated call descriptions only the front-end makes ([`args`]) and the [`Bootstrap`] trait through
 //!   which ranks exchange setup bytes ([`bootstrap`]);
 //! - the all-reduce algorithm family and its selector ([`algo`], [`selector`]);
+//! - the fused all-reduce + residual add + RMSNorm: its description, checks and host arithmetic ([`fused`]);
 //! - the graph-capture rules every GPU runtime follows ([`capture`]) and background teardown ([`teardown`]);
 //! - with the `conformance` feature, the conformance suite every backend runs ([`conformance`]).
 #![forbid(unsafe_code)]
@@ -24,6 +25,7 @@ pub mod comm;
 pub mod conformance;
 pub mod dtype;
 pub mod error;
+pub mod fused;
 pub mod runtime;
 pub mod selector;
 pub mod teardown;
@@ -38,6 +40,7 @@ pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
 pub use comm::{CommBackend, Communicator, GraphRegistration, InOut, P2pOp};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
+pub use fused::{RmsNormForm, RmsNormOutput, RmsNormSelection, RmsNormSpec};
 pub use runtime::{
     check_allocation, check_non_null, round_allocation, BufferDesc, CaptureMode, Location, MemoryRuntime,
 };

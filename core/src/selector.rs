@@ -29,8 +29,23 @@
 //! bytes = "0-512KiB"               # optional: "[min]-[max]", min inclusive, max exclusive
 //! dtype = ["bf16", "f16"]          # optional
 //! capturing = true                 # optional: only inside (true) or outside (false) graph capture
-//! algorithms = ["one-shot", "two-shot"]   # required, tried in order
+//! algorithms = ["one-shot", "two-shot"]   # tried in order (all-reduce)
+//! fused_rmsnorm = ["fused-two-shot", "fused-one-shot"]  # tried in order (fused all-reduce + RMSNorm)
 //! ```
+//!
+//! A rule names `algorithms`, `fused_rmsnorm`, or both (at least one). `algorithms` apply to all-reduce calls;
+//! `fused_rmsnorm` (added after version 1 shipped; files without it parse as before) applies to
+//! [`crate::Communicator::all_reduce_rmsnorm`], whose `bytes` is the input's size (`tokens × hidden` elements),
+//! and lists forms by the names of [`RmsNormForm`]: `fused-one-shot`, `fused-two-shot`, `unfused`. The overlap
+//! check applies among the all-reduce rules and among the fused rules separately.
+//!
+//! # The fused all-reduce + RMSNorm
+//!
+//! Its form is chosen by, in order: the call's own ([`crate::fused::RmsNormSpec::form`]);
+//! `ANYCCL_FUSED_RMSNORM` ([`Selector::with_fused_forced`]); the first matching table rule with `fused_rmsnorm`
+//! whose form the backend finds eligible; the default rule ([`default_rmsnorm_forms`]). A forced form the backend
+//! cannot run is an error, never a silent change. Every form sums in rank order (see [`crate::fused`]), so
+//! deterministic mode skips none; the backend still sees the mode ([`crate::fused::RmsNormCall::deterministic`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -41,6 +56,7 @@ use serde::{Deserialize, Serialize};
 use crate::algo::{Algorithm, Vendor};
 use crate::dtype::DataType;
 use crate::error::{Error, Result};
+use crate::fused::{RmsNormCall, RmsNormForm, RmsNormSelection, ENV_FUSED_RMSNORM};
 use crate::units::{format_bytes, parse_bytes};
 
 /// The environment variable that forces one all-reduce algorithm.
@@ -99,8 +115,10 @@ pub struct Rule {
     pub dtypes: Vec<DataType>,
     /// Capture state (`None`: either).
     pub capturing: Option<bool>,
-    /// Algorithms to try, in order.
+    /// Algorithms to try, in order (empty: the rule is for the fused call only).
     pub algorithms: Vec<Algorithm>,
+    /// Forms of the fused all-reduce + RMSNorm to try, in order (empty: the rule is for all-reduce only).
+    pub fused: Vec<RmsNormForm>,
     /// Where the rule came from (`"defaults #3"`, `"tune.toml:12"`).
     pub origin: String,
     /// The rule as text, made once (what [`Selection::why`] shares).
@@ -182,7 +200,15 @@ impl fmt::Display for Rule {
             write!(f, "{}", if c { "capturing " } else { "eager " })?;
         }
         let a: Vec<_> = self.algorithms.iter().map(|a| a.name()).collect();
-        write!(f, "-> {}", a.join(", "))
+        if !a.is_empty() {
+            write!(f, "-> {}", a.join(", "))?;
+        }
+        if !self.fused.is_empty() {
+            let sep = if a.is_empty() { "" } else { "; " };
+            let forms: Vec<_> = self.fused.iter().map(|a| a.name()).collect();
+            write!(f, "{sep}fused_rmsnorm -> {}", forms.join(", "))?;
+        }
+        Ok(())
     }
 }
 
@@ -254,6 +280,7 @@ impl SelectorTable {
                     dtypes: Vec::new(),
                     capturing: None,
                     algorithms,
+                    fused: Vec::new(),
                     origin: format!("defaults #{n}"),
                     label: Arc::from(""),
                 }
@@ -305,7 +332,15 @@ impl SelectorTable {
         let mut rules: Vec<Rule> = Vec::with_capacity(file.rule.len());
         let mut lines: Vec<usize> = Vec::with_capacity(file.rule.len());
         for raw in file.rule {
-            let rule_line = line_of(raw.algorithms.span().start);
+            let rule_span = raw.span();
+            let raw = raw.into_inner();
+            let Some(first) =
+                raw.algorithms.as_ref().map(|a| a.span()).or(raw.fused_rmsnorm.as_ref().map(|a| a.span()))
+            else {
+                let line = Some(line_of(rule_span.start));
+                return Err(err(line, "a rule needs `algorithms`, `fused_rmsnorm` or both".to_owned()));
+            };
+            let rule_line = line_of(first.start);
             let at = |span: std::ops::Range<usize>| Some(line_of(span.start));
 
             let vendors = match raw.vendor {
@@ -344,15 +379,29 @@ impl SelectorTable {
                         .collect::<Result<_>>()?
                 }
             };
-            let algo_line = at(raw.algorithms.span());
-            let algorithms: Vec<Algorithm> = raw
-                .algorithms
-                .into_inner()
-                .iter()
-                .map(|s| s.parse::<Algorithm>().map_err(|e| err(algo_line, e.to_string())))
-                .collect::<Result<_>>()?;
-            if algorithms.is_empty() {
-                return Err(err(algo_line, "`algorithms` must name at least one algorithm".to_owned()));
+            let mut algorithms: Vec<Algorithm> = Vec::new();
+            if let Some(raw_algorithms) = raw.algorithms {
+                let algo_line = at(raw_algorithms.span());
+                algorithms = raw_algorithms
+                    .into_inner()
+                    .iter()
+                    .map(|s| s.parse::<Algorithm>().map_err(|e| err(algo_line, e.to_string())))
+                    .collect::<Result<_>>()?;
+                if algorithms.is_empty() {
+                    return Err(err(algo_line, "`algorithms` must name at least one algorithm".to_owned()));
+                }
+            }
+            let mut fused: Vec<RmsNormForm> = Vec::new();
+            if let Some(raw_fused) = raw.fused_rmsnorm {
+                let line = at(raw_fused.span());
+                fused = raw_fused
+                    .into_inner()
+                    .iter()
+                    .map(|s| s.parse::<RmsNormForm>().map_err(|e| err(line, e.to_string())))
+                    .collect::<Result<_>>()?;
+                if fused.is_empty() {
+                    return Err(err(line, "`fused_rmsnorm` must name at least one form".to_owned()));
+                }
             }
             rules.push(
                 Rule {
@@ -365,6 +414,7 @@ impl SelectorTable {
                     dtypes,
                     capturing: raw.capturing,
                     algorithms,
+                    fused,
                     origin: format!("{source_name}:{rule_line}"),
                     label: Arc::from(""),
                 }
@@ -374,7 +424,15 @@ impl SelectorTable {
         }
         // A table file is a partition: two rules that could both match one call are a mistake (the second would
         // never apply where they overlap).
-        if let Some((i, j)) = overlap::find(&rules) {
+        // Separately among the all-reduce rules and among the fused rules (a rule with both lists is in both).
+        let subset = |keep: fn(&Rule) -> bool| -> (Vec<Rule>, Vec<usize>) {
+            let idx: Vec<usize> = (0..rules.len()).filter(|&i| keep(&rules[i])).collect();
+            (idx.iter().map(|&i| rules[i].clone()).collect(), idx)
+        };
+        let found = [subset(|r| !r.algorithms.is_empty()), subset(|r| !r.fused.is_empty())]
+            .into_iter()
+            .find_map(|(sub, idx)| overlap::find(&sub).map(|(i, j)| (idx[i], idx[j])));
+        if let Some((i, j)) = found {
             return Err(err(
                 Some(lines[j]),
                 format!(
@@ -522,7 +580,7 @@ fn parse_byte_range(s: &str) -> std::result::Result<(u64, Option<u64>), String> 
 struct RawFile {
     version: Option<toml::Spanned<i64>>,
     #[serde(default)]
-    rule: Vec<RawRule>,
+    rule: Vec<toml::Spanned<RawRule>>,
 }
 
 #[derive(Deserialize)]
@@ -534,7 +592,8 @@ struct RawRule {
     bytes: Option<toml::Spanned<String>>,
     dtype: Option<toml::Spanned<OneOrMany>>,
     capturing: Option<bool>,
-    algorithms: toml::Spanned<Vec<String>>,
+    algorithms: Option<toml::Spanned<Vec<String>>>,
+    fused_rmsnorm: Option<toml::Spanned<Vec<String>>>,
 }
 
 #[derive(Deserialize)]
@@ -570,6 +629,8 @@ pub struct Selector {
     fallback_why: Arc<str>,
     deterministic: bool,
     deterministic_fallback_why: Arc<str>,
+    /// `ANYCCL_FUSED_RMSNORM`'s form.
+    fused_forced: Option<RmsNormForm>,
 }
 
 impl Default for Selector {
@@ -584,6 +645,7 @@ impl Default for Selector {
             deterministic_fallback_why: Arc::from(
                 "deterministic mode: no rule yielded a deterministic algorithm; first eligible of two-shot, one-shot",
             ),
+            fused_forced: None,
         }
     }
 }
@@ -626,6 +688,7 @@ impl Selector {
                 })
             }
         };
+        s.fused_forced = crate::fused::form_from_env(&|k| std::env::var(k).ok())?;
         if let Some(v) = forced {
             if !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("auto") {
                 let a = v.parse::<Algorithm>().map_err(|e| Error::Config {
@@ -672,6 +735,89 @@ impl Selector {
         self.deterministic
     }
 
+    /// Forces (or with `None`, stops forcing) one form of the fused all-reduce + RMSNorm for calls that do not
+    /// force their own (what `ANYCCL_FUSED_RMSNORM` sets in [`Selector::from_env`]).
+    pub fn with_fused_forced(mut self, form: Option<RmsNormForm>) -> Self {
+        self.fused_forced = form;
+        self
+    }
+
+    /// The form `ANYCCL_FUSED_RMSNORM` (or [`Selector::with_fused_forced`]) forces, if any.
+    pub fn fused_forced(&self) -> Option<RmsNormForm> {
+        self.fused_forced
+    }
+
+    /// Chooses the form of a fused all-reduce + RMSNorm (see the module documentation): `forced` (the call's own),
+    /// else this selector's forced form, else the first eligible form of the first matching table rule with
+    /// `fused_rmsnorm`, else the first eligible form of the default rule ([`default_rmsnorm_forms`]). `q.bytes` is
+    /// the input's size. `eligible` is the backend's verdict on one form (`Err` carries why not).
+    pub fn select_rmsnorm(
+        &self,
+        q: &SelectionQuery<'_>,
+        call: &RmsNormCall,
+        forced: Option<RmsNormForm>,
+        eligible: impl FnMut(RmsNormForm) -> std::result::Result<(), String>,
+    ) -> Result<RmsNormSelection> {
+        self.select_rmsnorm_from(self.table.rules.iter(), q, call, forced, eligible)
+    }
+
+    /// [`Selector::select_rmsnorm`] over the rules at `candidates` ([`Selector::candidates`]).
+    pub(crate) fn select_rmsnorm_among(
+        &self,
+        candidates: &[usize],
+        q: &SelectionQuery<'_>,
+        call: &RmsNormCall,
+        forced: Option<RmsNormForm>,
+        eligible: impl FnMut(RmsNormForm) -> std::result::Result<(), String>,
+    ) -> Result<RmsNormSelection> {
+        let rules = candidates.iter().filter_map(|&i| self.table.rules.get(i));
+        self.select_rmsnorm_from(rules, q, call, forced, eligible)
+    }
+
+    fn select_rmsnorm_from<'r>(
+        &'r self,
+        rules: impl Iterator<Item = &'r Rule>,
+        q: &SelectionQuery<'_>,
+        call: &RmsNormCall,
+        forced: Option<RmsNormForm>,
+        mut eligible: impl FnMut(RmsNormForm) -> std::result::Result<(), String>,
+    ) -> Result<RmsNormSelection> {
+        let overrides = [(forced, "forced by the call (RmsNormSpec::form)"), (self.fused_forced, ENV_FUSED_RMSNORM)];
+        if let Some((form, by)) = overrides.iter().find_map(|(f, by)| f.map(|f| (f, *by))) {
+            let by = if by == ENV_FUSED_RMSNORM { format!("forced by {ENV_FUSED_RMSNORM}") } else { by.to_owned() };
+            return match eligible(form) {
+                Ok(()) => Ok(RmsNormSelection::new(form, by)),
+                Err(why) => Err(Error::NoEligibleAlgorithm {
+                    why: format!("all_reduce_rmsnorm form {form} ({by}) cannot run this call: {why}"),
+                }),
+            };
+        }
+        let mut refused: Vec<(RmsNormForm, String)> = Vec::new();
+        let mut try_forms = |forms: &[RmsNormForm], refused: &mut Vec<(RmsNormForm, String)>| {
+            for &f in forms {
+                if refused.iter().any(|(r, _)| *r == f) {
+                    continue;
+                }
+                match eligible(f) {
+                    Ok(()) => return Some(f),
+                    Err(why) => refused.push((f, why)),
+                }
+            }
+            None
+        };
+        for rule in rules.filter(|r| !r.fused.is_empty() && r.matches(q)) {
+            if let Some(f) = try_forms(&rule.fused, &mut refused) {
+                return Ok(RmsNormSelection::new(f, rule.label.clone()));
+            }
+        }
+        let (forms, why) = default_rmsnorm_forms(call, q.world);
+        if let Some(f) = try_forms(&forms, &mut refused) {
+            return Ok(RmsNormSelection::new(f, why));
+        }
+        let why = refused.iter().map(|(f, w)| format!("{f}: {w}")).collect::<Vec<_>>().join("; ");
+        Err(Error::NoEligibleAlgorithm { why: format!("no form of all_reduce_rmsnorm can run this call: {why}") })
+    }
+
     /// The active table.
     pub fn table(&self) -> &SelectorTable {
         &self.table
@@ -708,7 +854,10 @@ impl Selector {
     /// Whether one of the rules at `candidates` looks at the capture state (a forced algorithm looks at none).
     pub(crate) fn reads_capture(&self, candidates: &[usize]) -> bool {
         self.forced.is_none()
-            && candidates.iter().filter_map(|&i| self.table.rules.get(i)).any(|r| r.capturing.is_some())
+            && candidates
+                .iter()
+                .filter_map(|&i| self.table.rules.get(i))
+                .any(|r| r.capturing.is_some() && !r.algorithms.is_empty())
     }
 
     /// [`Selector::select`] over the rules at `candidates` (from [`Selector::candidates`] with `q`'s vendor,
@@ -799,6 +948,25 @@ impl Selector {
             );
         }
         Err(Error::NoEligibleAlgorithm { why })
+    }
+}
+
+/// Input size (bytes of one rank's `tokens × hidden` elements) up to which the default rule prefers fused
+/// one-shot: one-shot reads every peer's whole input, which stops paying off once the message is large (the plain
+/// all-reduce's crossover on an H200 is of the same order). Above it fused two-shot, when every rank owns at
+/// least one row.
+pub const FUSED_ONE_SHOT_MAX_BYTES: usize = 512 << 10;
+
+/// The default rule of the fused all-reduce + RMSNorm: fused one-shot up to [`FUSED_ONE_SHOT_MAX_BYTES`] (or when
+/// there are fewer rows than ranks, where two-shot would leave ranks idle), else fused two-shot; each followed by
+/// the other fused form, then unfused, so a backend's refusal (two-shot scratch too small, fused kernels off)
+/// falls back in that order. Returns the forms in order and the rule's text.
+pub fn default_rmsnorm_forms(call: &RmsNormCall, world: usize) -> ([RmsNormForm; 3], &'static str) {
+    use RmsNormForm::*;
+    if call.bytes <= FUSED_ONE_SHOT_MAX_BYTES || call.tokens < world {
+        ([FusedOneShot, FusedTwoShot, Unfused], "default rule: fused one-shot up to 512 KiB or below one row per rank")
+    } else {
+        ([FusedTwoShot, FusedOneShot, Unfused], "default rule: fused two-shot above 512 KiB with a row per rank")
     }
 }
 
@@ -1401,6 +1569,7 @@ mod tests {
             dtypes,
             capturing,
             algorithms: vec![Algorithm::Ccl],
+            fused: Vec::new(),
             origin: String::new(),
             label: Arc::from(""),
         }
@@ -1552,5 +1721,124 @@ mod tests {
                 assert!(load_err(p).contains("cannot read the table file"));
             }
         }
+    }
+}
+
+/// The fused all-reduce + RMSNorm's rules and selection.
+#[cfg(test)]
+mod fused_tests {
+    use super::*;
+    use crate::fused::{RmsNormForm::*, RmsNormSpec};
+
+    fn q(world: usize, bytes: u64) -> SelectionQuery<'static> {
+        SelectionQuery { vendor: Vendor::Nvidia, arch: "sm_90", world, bytes, dtype: DataType::Bf16, capturing: false }
+    }
+
+    fn call(tokens: usize) -> RmsNormCall {
+        RmsNormSpec::new(DataType::Bf16, tokens, 8192, 1e-6).call().expect("valid")
+    }
+
+    const TABLE: &str = r#"
+[[rule]]
+world = "2-8"
+bytes = "0-64KiB"
+algorithms = ["one-shot"]
+
+[[rule]]
+world = "2-8"
+bytes = "0-64KiB"
+fused_rmsnorm = ["unfused", "fused-one-shot"]
+
+[[rule]]
+world = "2-8"
+bytes = "64KiB-"
+algorithms = ["two-shot"]
+fused_rmsnorm = ["fused-two-shot"]
+"#;
+
+    #[test]
+    fn tables_with_and_without_fused_rules_parse() {
+        // A version-1 file of all-reduce rules only parses as before: no fused forms.
+        let old = SelectorTable::parse("[[rule]]\nalgorithms = [\"ring\"]\n", "old.toml").expect("old file");
+        assert!(old.rules[0].fused.is_empty());
+        assert_eq!(old.rules[0].algorithms, vec![Algorithm::Ring]);
+        let t = SelectorTable::parse(TABLE, "t.toml").expect("parses");
+        assert_eq!(t.rules[1].algorithms, vec![]);
+        assert_eq!(t.rules[1].fused, vec![Unfused, FusedOneShot]);
+        assert_eq!(t.rules[2].fused, vec![FusedTwoShot]);
+        assert!(t.rules[1].to_string().ends_with("fused_rmsnorm -> unfused, fused-one-shot"), "{}", t.rules[1]);
+        assert!(t.rules[2].to_string().ends_with("-> two-shot; fused_rmsnorm -> fused-two-shot"), "{}", t.rules[2]);
+        // Neither list, an empty list, an unknown form: errors naming the line.
+        let e = SelectorTable::parse("version = 1\n\n[[rule]]\nworld = 2\n", "t.toml").expect_err("no lists");
+        assert!(matches!(&e, Error::Config { line: Some(3), .. }) && e.to_string().contains("fused_rmsnorm"), "{e}");
+        let e = SelectorTable::parse("[[rule]]\nfused_rmsnorm = []\n", "t.toml").expect_err("empty");
+        assert!(matches!(&e, Error::Config { line: Some(2), .. }), "{e}");
+        let e = SelectorTable::parse("[[rule]]\nfused_rmsnorm = [\"fast\"]\n", "t.toml").expect_err("unknown");
+        assert!(e.to_string().contains("fast") && e.to_string().contains("fused-two-shot"), "{e}");
+        // Two fused rules that overlap are refused; a fused rule over an all-reduce rule is not an overlap.
+        let both = "[[rule]]\nbytes = \"0-1MiB\"\nfused_rmsnorm = [\"unfused\"]\n\n[[rule]]\nbytes = \"512KiB-\"\n\
+                    fused_rmsnorm = [\"fused-one-shot\"]\n";
+        let e = SelectorTable::parse(both, "t.toml").expect_err("overlap");
+        assert!(matches!(&e, Error::Config { line: Some(7), .. }) && e.to_string().contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn forced_env_table_and_default_in_that_order() {
+        let ok = |_: RmsNormForm| Ok(());
+        let s = Selector::defaults();
+        // Default rule: one-shot up to 512 KiB (32 rows of 8192 bf16), two-shot above, one-shot below a row a rank.
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(32), None, ok).expect("ok").form, FusedOneShot);
+        let big = s.select_rmsnorm(&q(8, 0), &call(33), None, ok).expect("ok");
+        assert_eq!(big.form, FusedTwoShot);
+        assert!(big.why.contains("default rule"), "{}", big.why);
+        assert_eq!(s.select_rmsnorm(&q(64, 0), &call(33), None, ok).expect("ok").form, FusedOneShot);
+        // The backend's refusal of two-shot (scratch too small) falls back to one-shot, then unfused.
+        let no2 = |f: RmsNormForm| if f == FusedTwoShot { Err("scratch".to_owned()) } else { Ok(()) };
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), None, no2).expect("ok").form, FusedOneShot);
+        let only_unfused = |f: RmsNormForm| if f == Unfused { Ok(()) } else { Err("kernels off".to_owned()) };
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), None, only_unfused).expect("ok").form, Unfused);
+        let none = |_: RmsNormForm| Err("no".to_owned());
+        let e = s.select_rmsnorm(&q(8, 0), &call(1), None, none).expect_err("none");
+        assert!(matches!(&e, Error::NoEligibleAlgorithm { why } if why.contains("fused-two-shot: no")), "{e}");
+
+        // Table rules (bytes of the input): 16 KiB → the fused-only rule, whose first eligible form wins.
+        let table = SelectorTable::parse(TABLE, "t.toml").expect("parses");
+        let mut rules = table.rules;
+        rules.extend(SelectorTable::defaults().rules);
+        let t = Selector { table: SelectorTable { rules }, ..Selector::defaults() };
+        let small = t.select_rmsnorm(&q(4, 16 << 10), &call(1), None, ok).expect("ok");
+        assert_eq!(small.form, Unfused);
+        assert!(small.why.starts_with("t.toml:"), "{}", small.why);
+        let no_unfused = |f: RmsNormForm| if f == Unfused { Err("x".to_owned()) } else { Ok(()) };
+        assert_eq!(t.select_rmsnorm(&q(4, 16 << 10), &call(1), None, no_unfused).expect("ok").form, FusedOneShot);
+        assert_eq!(t.select_rmsnorm(&q(4, 1 << 20), &call(64), None, ok).expect("ok").form, FusedTwoShot);
+        // A world the table does not cover: the default rule.
+        let d = t.select_rmsnorm(&q(16, 16 << 10), &call(1), None, ok).expect("ok");
+        assert!(d.why.contains("default rule"), "{}", d.why);
+        // The fused-only rule leaves all-reduce alone: 16 KiB at world 4 is the first rule's one-shot.
+        let ar = t.select(&q(4, 16 << 10), |_| Ok(())).expect("ok");
+        assert_eq!(ar.algorithm, Algorithm::OneShot);
+
+        // The environment's form beats the table; the call's beats the environment's.
+        let env = t.clone().with_fused_forced(Some(FusedTwoShot));
+        assert_eq!(env.fused_forced(), Some(FusedTwoShot));
+        let e = env.select_rmsnorm(&q(4, 16 << 10), &call(1), None, ok).expect("ok");
+        assert_eq!((e.form, &*e.why), (FusedTwoShot, "forced by ANYCCL_FUSED_RMSNORM"));
+        let c = env.select_rmsnorm(&q(4, 16 << 10), &call(1), Some(Unfused), ok).expect("ok");
+        assert_eq!(c.form, Unfused);
+        assert!(c.why.contains("RmsNormSpec::form"), "{}", c.why);
+        // A forced form the backend refuses is an error naming it, never a silent change.
+        let e = env.select_rmsnorm(&q(4, 16 << 10), &call(1), None, no2).expect_err("refused");
+        assert!(e.to_string().contains("fused-two-shot") && e.to_string().contains("scratch"), "{e}");
+    }
+
+    /// Deterministic mode skips no form (each sums in rank order): the same choices with it on.
+    #[test]
+    fn deterministic_mode_keeps_every_form() {
+        let s = Selector::defaults().with_deterministic(true);
+        let ok = |_: RmsNormForm| Ok(());
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(1), None, ok).expect("ok").form, FusedOneShot);
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), None, ok).expect("ok").form, FusedTwoShot);
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), Some(Unfused), ok).expect("ok").form, Unfused);
     }
 }

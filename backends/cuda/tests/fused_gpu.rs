@@ -287,15 +287,14 @@ fn paths_cover_both_fused_forms_and_both_unfused_all_reduces() {
     );
 }
 
-/// The communicator method on real GPUs (one rank per GPU, NCCL for the communicator): every form against the
-/// reference, bit for bit on every rank, and a bad call refused with a typed error.
+/// The front door (`Communicator::all_reduce_rmsnorm`) on real GPUs (one rank per GPU, NCCL for the
+/// communicator): every form against the reference, bit for bit on every rank, and a bad call refused with a
+/// typed error.
 #[test]
 #[ignore = "needs 2 or more NVIDIA GPUs and NCCL: run on a multi-GPU machine with --ignored"]
 fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
-    use anyccl_ccl::gpu::comm::fused_call::RmsNormSpec;
-    use anyccl_ccl::gpu::fused::FusedChoice;
     use anyccl_ccl::gpu::GpuPlatform;
-    use anyccl_core::CommBackend;
+    use anyccl_core::{Communicator, RmsNormForm, RmsNormSpec, Selector};
     use std::sync::Arc;
     let gpus = anyccl_cuda::Cuda::device_count().expect("device count");
     assert!(gpus >= 2, "this test needs at least 2 GPUs, found {gpus}");
@@ -303,8 +302,14 @@ fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
     for world in [2, gpus.min(8)] {
         let caps = Arc::new(anyccl_cuda::capabilities(Some(&lib), &|k| std::env::var(k).ok()));
         let ordinals: Vec<i32> = (0..world as i32).collect();
-        let mut comms = anyccl_cuda::CudaComm::init_all(lib.clone(), &ordinals, caps).expect("communicators");
-        assert!(comms[0].custom_kernels_off().is_none(), "custom kernels off: {:?}", comms[0].custom_kernels_off());
+        let backends = anyccl_cuda::CudaComm::init_all(lib.clone(), &ordinals, caps).expect("communicators");
+        assert!(
+            backends[0].custom_kernels_off().is_none(),
+            "custom kernels off: {:?}",
+            backends[0].custom_kernels_off()
+        );
+        let selector = Arc::new(Selector::defaults());
+        let mut comms: Vec<_> = backends.into_iter().map(|b| Communicator::new(b, selector.clone())).collect();
         for (tokens, hidden) in [(1usize, 8192usize), (64, 4096), (300, 2048)] {
             let dtype = DataType::Bf16;
             let d = Data::new(dtype, world, tokens, hidden, 31 + tokens as u64);
@@ -324,12 +329,11 @@ fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
                     (rt, st, input, weight, residual, out)
                 })
                 .collect();
-            let forms =
-                [FusedChoice::Fused(FusedForm::OneShot), FusedChoice::Fused(FusedForm::TwoShot), FusedChoice::Unfused];
+            let forms = RmsNormForm::ALL;
             for (choice, fp8) in
                 forms.iter().map(|c| (*c, None)).chain([(forms[0], Some(0.01f32)), (forms[1], Some(0.01))])
             {
-                let mut spec = RmsNormSpec::new(dtype, tokens, hidden, 1e-6).with_choice(choice);
+                let mut spec = RmsNormSpec::new(dtype, tokens, hidden, 1e-6).with_form(choice);
                 if let Some(scale) = fp8 {
                     spec = spec.fp8_output(scale);
                 }
@@ -340,7 +344,7 @@ fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
                 for (c, (_, st, input, weight, residual, out)) in comms.iter_mut().zip(&mut bufs) {
                     let how =
                         c.all_reduce_rmsnorm(input, residual, weight, out, &spec, st).expect("all_reduce_rmsnorm");
-                    assert_eq!(how, choice, "{choice:?} carried out as asked");
+                    assert_eq!(how.form, choice, "{choice:?} carried out as asked");
                 }
                 let output = spec.output;
                 let got: Vec<(Vec<u8>, Vec<u16>)> = bufs

@@ -34,6 +34,7 @@
 // Only the shared-memory transport needs `unsafe` (a view of mapped memory as atomic words); it opts in below.
 #![deny(unsafe_code)]
 
+mod fused;
 mod process;
 mod reduce;
 #[allow(unsafe_code)]
@@ -99,10 +100,11 @@ impl Default for HostOptions {
     }
 }
 
-/// Host memory, 8-byte aligned (enough for every [`DataType`]).
+/// Host memory, 16-byte aligned (enough for every [`DataType`] and for the 16-byte vectors the fused
+/// all-reduce + RMSNorm requires of its buffers).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostBuffer {
-    words: Vec<u64>,
+    words: Vec<u128>,
     len: usize,
 }
 
@@ -110,12 +112,12 @@ impl HostBuffer {
     /// `len` zero bytes. Aborts the process if the memory cannot be had, like `vec!`; for a length that comes
     /// from outside, use [`HostBuffer::try_zeroed`].
     pub fn zeroed(len: usize) -> Self {
-        HostBuffer { words: vec![0; len.div_ceil(8)], len }
+        HostBuffer { words: vec![0; len.div_ceil(16)], len }
     }
 
     /// `len` zero bytes, or [`Error::OutOfMemory`] if they cannot be reserved.
     pub fn try_zeroed(len: usize) -> Result<Self> {
-        Ok(HostBuffer { words: try_filled(len.div_ceil(8), 0u64, "a host buffer")?, len })
+        Ok(HostBuffer { words: try_filled(len.div_ceil(16), 0u128, "a host buffer")?, len })
     }
 
     /// A copy of `elems`.
@@ -769,6 +771,29 @@ impl CommBackend for HostComm {
             got?
         };
         Ok(Some(HostComm { rank, shared, runtime: HostRuntime, timeout: self.timeout }))
+    }
+
+    fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {
+        &fused::FORMS
+    }
+
+    fn all_reduce_rmsnorm(&mut self, args: anyccl_core::fused::RmsNormArgs<'_, Self>) -> Result<()> {
+        let (call, form) = (*args.call(), args.form());
+        let dtype = fused::element(&call)?;
+        if call.bytes == 0 {
+            return Ok(());
+        }
+        let b = args.into_bufs();
+        let mut reduced = fused::reduced_buffer(&call)?;
+        let (input, two) = (Some(&b.input[..call.bytes]), fused::two_shot(form, &call));
+        let sum = reduced.as_bytes_mut();
+        match (dtype, two) {
+            (DataType::F16, false) => self.one_shot::<half::f16>(input, sum, Op::Sum),
+            (DataType::F16, true) => self.two_shot::<half::f16>(input, sum, Op::Sum),
+            (_, false) => self.one_shot::<half::bf16>(input, sum, Op::Sum),
+            (_, true) => self.two_shot::<half::bf16>(input, sum, Op::Sum),
+        }?;
+        fused::norm_rows(&call, reduced.as_bytes(), b.residual, b.weight, b.out)
     }
 
     fn barrier(&mut self, _stream: &()) -> Result<()> {

@@ -667,6 +667,31 @@ impl CommBackend for ProcessComm {
         made.map(Some)
     }
 
+    fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {
+        &crate::fused::FORMS
+    }
+
+    fn all_reduce_rmsnorm(&mut self, args: anyccl_core::fused::RmsNormArgs<'_, Self>) -> Result<()> {
+        let call = *args.call();
+        let dtype = crate::fused::element(&call)?;
+        if call.bytes == 0 {
+            return Ok(());
+        }
+        let b = args.into_bufs();
+        let mut reduced = crate::fused::reduced_buffer(&call)?;
+        let input = Some(&b.input[..call.bytes]);
+        let desc = Desc::new(Kind::AllReduce, call.bytes, 0).reduction(dtype, Op::Sum);
+        let (rank, scratch) = (self.rank, &mut self.scratch);
+        let sum = reduced.as_bytes_mut();
+        self.shm
+            .run(|shm| match dtype {
+                DataType::F16 => reduce_steps::<half::f16>(shm, scratch, desc, input, sum, Op::Sum, true),
+                _ => reduce_steps::<half::bf16>(shm, scratch, desc, input, sum, Op::Sum, true),
+            })
+            .map_err(|e| at(rank, "all-reduce + RMSNorm", e))?;
+        crate::fused::norm_rows(&call, reduced.as_bytes(), b.residual, b.weight, b.out)
+    }
+
     fn barrier(&mut self, _stream: &()) -> Result<()> {
         let rank = self.rank;
         self.shm.run(ShmGroup::barrier).map_err(|e| at(rank, "barrier", e))

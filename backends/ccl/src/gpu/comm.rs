@@ -835,6 +835,22 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         ccl.close_in_background_with((scratch, custom, fused, retired, runtime))
     }
 
+    fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {
+        &anyccl_core::RmsNormForm::ALL
+    }
+
+    fn rmsnorm_eligible(
+        &self,
+        form: anyccl_core::RmsNormForm,
+        call: &anyccl_core::fused::RmsNormCall,
+    ) -> std::result::Result<(), String> {
+        self.fused_eligible(form, call)
+    }
+
+    fn all_reduce_rmsnorm(&mut self, args: anyccl_core::fused::RmsNormArgs<'_, Self>) -> Result<()> {
+        self.run_rmsnorm(args)
+    }
+
     fn p2p(&mut self, args: P2pArgs<'_, '_, Self>) -> Result<()> {
         self.bind_for_ccl()?;
         // SAFETY: `args` was made by this backend's `Communicator` after validating every operation against this

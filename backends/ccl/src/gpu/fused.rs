@@ -1,7 +1,9 @@
 //! Fused all-reduce + residual add + RMSNorm (`anyccl-kernels-common`'s `fused.h`), written once for every vendor:
 //! the kernels of a device ([`FusedKernels`]), their arguments ([`NormArgs`]), what the fused kernels accept
-//! ([`fused_ineligible`]), the choice between fused one-shot, fused two-shot and unfused ([`choose`]), and the host
-//! reference of the math ([`reference`]), which the kernels match bit for bit.
+//! ([`fused_ineligible`]), and the host reference of the math ([`reference`]), which the kernels match bit for bit.
+//! The call's description, checks and choice of form are vendor-neutral and live in `anyccl-core`
+//! ([`anyccl_core::fused`], [`anyccl_core::selector::default_rmsnorm_forms`]); the communicator's part is
+//! `comm_fused.rs`.
 //!
 //! `out = rmsnorm(allreduce(x) + residual) * weight`, the new residual `allreduce(x) + residual` written back into
 //! `residual`, for f16 and bf16 rows of `hidden` elements (a multiple of 8, at most
@@ -64,29 +66,12 @@ pub struct NormArgs {
 }
 
 const _: () = assert!(std::mem::size_of::<NormArgs>() == common::NORM_ARGS_BYTES);
+// The bound core's validation checks and the order core's host arithmetic follows are the kernels'.
+const _: () = assert!(common::MAX_HIDDEN == anyccl_core::fused::MAX_HIDDEN);
+const _: () = assert!(common::NORM_THREADS as usize == anyccl_core::fused::NORM_THREADS);
 
-/// The output type of a fused call.
-#[derive(Debug, Clone, Copy, PartialEq)]
-#[non_exhaustive]
-pub enum FusedOutput {
-    /// The input's element type (f16 or bf16).
-    Same,
-    /// fp8 e4m3 bytes, `e4m3(y / scale)`; `scale` is finite and positive.
-    Fp8E4M3 {
-        /// Divides the normalised value before the conversion.
-        scale: f32,
-    },
-}
-
-impl FusedOutput {
-    /// Bytes of one output element for inputs of `dtype`.
-    pub fn element_bytes(self, dtype: DataType) -> usize {
-        match self {
-            FusedOutput::Same => dtype.size_bytes(),
-            FusedOutput::Fp8E4M3 { .. } => 1,
-        }
-    }
-}
+/// The output type of a fused call (core's [`anyccl_core::fused::RmsNormOutput`]).
+pub use anyccl_core::fused::RmsNormOutput as FusedOutput;
 
 impl NormArgs {
     /// The arguments of a call over `tokens` rows of `hidden` elements; sizes bounded by [`fused_ineligible`]
@@ -101,8 +86,9 @@ impl NormArgs {
         output: FusedOutput,
     ) -> Self {
         let (out_fp8, scale) = match output {
-            FusedOutput::Same => (0, 1.0),
             FusedOutput::Fp8E4M3 { scale } => (1, scale),
+            // The element type, and any output type newer than this crate (refused first by `rmsnorm_ineligible`).
+            _ => (0, 1.0),
         };
         NormArgs {
             residual,
@@ -130,36 +116,6 @@ pub fn fused_ineligible(dtype: DataType, hidden: usize, world: usize) -> Option<
         return Some(format!("world {world} is outside 2..={}", common::MAX_RANKS));
     }
     None
-}
-
-/// What carries out an all-reduce + residual add + RMSNorm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FusedChoice {
-    /// A fused kernel.
-    Fused(FusedForm),
-    /// The all-reduce, then the separate RMSNorm kernel.
-    Unfused,
-}
-
-/// Message size (bytes of one rank's input) up to which the default rule picks fused one-shot: one-shot reads
-/// every peer's whole input, which stops paying off once the message is large (the plain all-reduce's crossover on
-/// an H200 is of the same order). Above it fused two-shot, when every rank owns at least one row.
-pub const FUSED_ONE_SHOT_MAX_BYTES: usize = 512 << 10;
-
-/// The default rule: fused one-shot up to [`FUSED_ONE_SHOT_MAX_BYTES`] (or when there are fewer rows than ranks,
-/// where two-shot would leave ranks idle), else fused two-shot; unfused where the fused kernels do not apply
-/// ([`fused_ineligible`]).
-pub fn choose(dtype: DataType, tokens: usize, hidden: usize, world: usize) -> FusedChoice {
-    if fused_ineligible(dtype, hidden, world).is_some() {
-        return FusedChoice::Unfused;
-    }
-    let bytes = tokens.saturating_mul(hidden).saturating_mul(dtype.size_bytes());
-    if bytes <= FUSED_ONE_SHOT_MAX_BYTES || tokens < world {
-        FusedChoice::Fused(FusedForm::OneShot)
-    } else {
-        FusedChoice::Fused(FusedForm::TwoShot)
-    }
 }
 
 /// Bytes of two-shot scratch one rank needs: the new residual rows, then the output rows.
@@ -554,18 +510,46 @@ mod tests {
         }
     }
 
+    /// Core's host arithmetic (what the host backend runs, `anyccl_core::fused::norm_row`) equals this reference
+    /// bit for bit: random rows of every length class (one vector, fewer vectors than threads, several per
+    /// thread, the largest), random magnitudes, both types, both outputs, several `eps`.
     #[test]
-    fn the_default_rule_picks_one_shot_small_two_shot_large_unfused_when_ineligible() {
-        let bf = DataType::Bf16;
-        assert_eq!(choose(bf, 1, 8192, 8), FusedChoice::Fused(FusedForm::OneShot));
-        assert_eq!(choose(bf, 32, 8192, 8), FusedChoice::Fused(FusedForm::OneShot));
-        assert_eq!(choose(bf, 33, 8192, 8), FusedChoice::Fused(FusedForm::TwoShot));
-        assert_eq!(choose(bf, 512, 8192, 2), FusedChoice::Fused(FusedForm::TwoShot));
-        // Fewer rows than ranks: two-shot would idle ranks.
-        assert_eq!(choose(bf, 4, 1 << 14, 8), FusedChoice::Fused(FusedForm::OneShot));
-        assert_eq!(choose(DataType::F32, 1, 8192, 8), FusedChoice::Unfused);
-        assert_eq!(choose(bf, 1, 8193, 8), FusedChoice::Unfused);
-        assert_eq!(choose(bf, usize::MAX, 8192, 8), FusedChoice::Fused(FusedForm::TwoShot));
+    fn core_host_arithmetic_equals_the_kernels_reference() {
+        let mut s = 0x5eed_1234_u64;
+        let mut rnd = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for case in 0..48u64 {
+            let dtype = if case % 2 == 0 { DataType::F16 } else { DataType::Bf16 };
+            let hidden = [8usize, 8 * 37, 8 * 512, 8 * 1537, common::MAX_HIDDEN][(case % 5) as usize];
+            let scale = [1e-3f64, 1.0, 100.0][(case % 3) as usize];
+            let mut val = || from_f32(dtype, (((rnd() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale) as f32);
+            let reduced: Vec<u16> = (0..hidden).map(|_| val()).collect();
+            let residual: Vec<u16> = (0..hidden).map(|_| val()).collect();
+            let weight: Vec<u16> = (0..hidden).map(|_| val()).collect();
+            let eps = [0.0f32, 1e-6, 1e-2][(case % 3) as usize];
+            let want = norm_row(dtype, &reduced, &residual, &weight, eps);
+            for fp8 in [None, Some(0.03f32)] {
+                let mut spec = anyccl_core::fused::RmsNormSpec::new(dtype, 1, hidden, eps);
+                if let Some(sc) = fp8 {
+                    spec = spec.fp8_output(sc);
+                }
+                let call = spec.call().expect("valid");
+                let mut res = residual.clone();
+                let mut out = vec![0u8; call.out_bytes];
+                let mut scratch = vec![0f32; hidden];
+                anyccl_core::fused::norm_row(&call, &reduced, &mut res, &weight, &mut out, &mut scratch);
+                assert_eq!(res, want.residual, "case {case}: residual");
+                let want_out: Vec<u8> = match fp8 {
+                    Some(sc) => want.fp8(sc),
+                    None => want.out.iter().flat_map(|b| b.to_ne_bytes()).collect(),
+                };
+                assert!(out == want_out, "case {case} {dtype} hidden {hidden} fp8 {fp8:?}: output differs");
+            }
+        }
     }
 
     #[test]
