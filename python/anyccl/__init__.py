@@ -32,7 +32,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _anyccl
 from ._anyccl import (
@@ -62,6 +62,7 @@ __all__ = [
     "DTYPES",
     "REDUCE_OPS",
     "ALGORITHMS",
+    "RMSNORM_FORMS",
     "AlgorithmNameError",
 ]
 
@@ -78,7 +79,31 @@ ALGORITHMS: Dict[str, bool] = dict(_anyccl.algorithms())
 
 
 class AlgorithmNameError(InvalidArgumentError, ValueError):
-    """``algorithm=`` named no algorithm anyccl has (a ``ValueError`` and an ``anyccl.InvalidArgumentError``)."""
+    """``algorithm=`` (or a fused call's ``form=``) named nothing anyccl has (a ``ValueError`` and an
+    ``anyccl.InvalidArgumentError``); the message lists the names."""
+
+
+#: The forms of the fused all-reduce + residual add + RMSNorm (``Communicator.all_reduce_rmsnorm``).
+RMSNORM_FORMS: Tuple[str, ...] = tuple(_anyccl.RMSNORM_FORMS)
+
+
+def _bad_name(what: str, value: Any, names: Any) -> AlgorithmNameError:
+    message = f"{what}={value!r}: expected one of {', '.join(names)}"
+    err = AlgorithmNameError(message)
+    err.message, err.hint, err.kind = message, None, "invalid-argument"
+    return err
+
+
+def _canon_form(form: Optional[str]) -> Optional[str]:
+    """The canonical name of a fused form (``one-shot`` / ``two-shot`` name the fused ones), or
+    ``AlgorithmNameError`` listing the names."""
+    if form is None:
+        return None
+    name = str(form).strip().lower().replace("_", "-")
+    name = {"one-shot": "fused-one-shot", "two-shot": "fused-two-shot"}.get(name, name)
+    if name not in RMSNORM_FORMS:
+        raise _bad_name("form", form, RMSNORM_FORMS)
+    return name
 
 
 def _canon_algorithm(algorithm: Optional[str]) -> Optional[str]:
@@ -88,10 +113,7 @@ def _canon_algorithm(algorithm: Optional[str]) -> Optional[str]:
         return None
     name = str(algorithm).strip().lower().replace("_", "-")
     if name not in ALGORITHMS:
-        message = f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}"
-        err = AlgorithmNameError(message)
-        err.message, err.hint, err.kind = message, None, "invalid-argument"
-        raise err
+        raise _bad_name("algorithm", algorithm, ALGORITHMS)
     return name
 
 # Buffer-protocol formats (struct codes, native order) → anyccl data types.
@@ -583,6 +605,91 @@ class Communicator:
     def recv(self, x: Any, peer: int, *, dtype: Optional[str] = None, stream: Any = None) -> Any:
         """Receives into ``x`` from rank ``peer``; returns ``x``."""
         return self._run("recv", x, None, "sum", peer, dtype, stream)
+
+    # ---- fused all-reduce + residual add + RMSNorm ---------------------------------------------------------------
+
+    def all_reduce_rmsnorm(
+        self,
+        input: Any,
+        residual: Any,
+        weight: Any,
+        out: Any = None,
+        *,
+        eps: float = 1e-6,
+        form: Optional[str] = None,
+        fp8_scale: Optional[float] = None,
+        dtype: Optional[str] = None,
+        stream: Any = None,
+    ) -> Any:
+        """The tensor-parallel all-reduce, the residual add and the RMSNorm in one call (collective):
+        ``residual <- all_reduce(input) + residual`` (in place; the same on every rank before and after) and
+        ``out <- rmsnorm(residual) * weight``, i.e. ``r / sqrt(mean(r**2) + eps) * weight`` per row, in f32.
+
+        ``input`` and ``residual`` hold tokens x hidden elements of f16 or bf16, ``weight`` hidden (a multiple of 8,
+        at most 16384); ``out`` (allocated like ``input`` when None, returned) the same shape in the input's type,
+        or fp8 e4m3 codes of ``y / fp8_scale`` with ``fp8_scale`` (a ``torch.float8_e4m3fn`` tensor or a uint8
+        array). ``form`` forces ``"fused-one-shot"``, ``"fused-two-shot"`` or ``"unfused"`` (an unknown name raises
+        ``AlgorithmNameError``; one that cannot run the call, ``UnsupportedError``); all forms give the same bits.
+        ``last_rmsnorm_selection`` says which form ran and why. CUDA tensors run on ``stream`` (default: torch's
+        current stream); host arrays anywhere else. Nothing is written on an error."""
+        form = _canon_form(form)
+        fp8 = fp8_scale is not None
+        if out is None:
+            out = self._new_rmsnorm_out(input, fp8)
+        scale = None if fp8_scale is None else float(fp8_scale)
+        if self._cuda and self._comm.cuda_rmsnorm(input, residual, weight, out, float(eps), form, scale, stream):
+            return out
+        if _is_torch_tensor(input) and input.is_cuda:
+            raise InvalidArgumentError(
+                f"a CUDA tensor on {input.device} needs a CUDA communicator; this one runs on {self.backend}"
+            )
+        dtype = _canon_dtype(dtype)
+        inp = _HostBuf(input, "input", dtype, False)
+        res = _HostBuf(residual, "residual", inp.dtype, True)
+        w = _HostBuf(weight, "weight", inp.dtype, False)
+        o = _HostBuf(out, "out", "fp8e4m3" if fp8 else inp.dtype, True)
+        hidden = w.elems
+        if hidden == 0 or inp.elems % hidden:
+            raise InvalidArgumentError(f"input: {inp.elems} elements are not rows of weight's {hidden}")
+        tokens = inp.elems // hidden
+        need = tokens * hidden * (1 if fp8 else DTYPES[inp.dtype])
+        if o.nbytes < need:
+            raise InvalidArgumentError(f"out: holds {o.nbytes} bytes, the call needs {need}")
+        new_residual, result = self._comm.host_rmsnorm(
+            inp.tobytes(), res.tobytes(), w.tobytes(), inp.dtype, tokens, hidden, float(eps), form, scale
+        )
+        res.write(new_residual)
+        o.write(result)
+        return out
+
+    @property
+    def last_rmsnorm_selection(self) -> Optional[Dict[str, Any]]:
+        """The last ``all_reduce_rmsnorm``'s form and the rule that chose it (``{"form": ..., "why": ...}``)."""
+        s = self._comm.last_rmsnorm_json()
+        return None if s is None else json.loads(s)
+
+    @staticmethod
+    def _new_rmsnorm_out(x: Any, fp8: bool) -> Any:
+        """An output like ``x`` (its shape; its type, or fp8 e4m3 codes)."""
+        if _is_torch_tensor(x):
+            import torch  # type: ignore[import-not-found, unused-ignore]
+
+            if fp8:
+                return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        try:
+            import numpy as np
+        except ImportError as e:
+            raise InvalidArgumentError(
+                "out= is needed: anyccl allocates outputs as NumPy arrays, and NumPy is not installed"
+            ) from e
+        try:
+            memoryview(x)
+        except TypeError:
+            if hasattr(x, "__dlpack__"):
+                x = np.from_dlpack(x)
+        a = np.asarray(x)
+        return np.empty(a.shape, dtype=np.uint8 if fp8 else a.dtype)
 
     # ---- CUDA graphs --------------------------------------------------------------------------------------------
 

@@ -25,10 +25,12 @@ __all__: List[str] = [
     "ClosedError",
     "CUDA_COMPILED_IN",
     "MAX_BOOTSTRAP_BYTES",
+    "RMSNORM_FORMS",
 ]
 
 CUDA_COMPILED_IN: bool
 MAX_BOOTSTRAP_BYTES: int
+RMSNORM_FORMS: List[str]
 
 class Error(Exception):
     """Base of every anyccl error."""
@@ -71,6 +73,19 @@ class _Comm:
     def deterministic(self) -> bool: ...
     def capabilities_json(self) -> str: ...
     def last_selection_json(self) -> Optional[str]: ...
+    def host_rmsnorm(
+        self,
+        input: bytes,
+        residual: bytes,
+        weight: bytes,
+        dtype: str,
+        tokens: int,
+        hidden: int,
+        eps: float,
+        form: Optional[str] = None,
+        fp8_scale: Optional[float] = None,
+    ) -> Tuple[bytes, bytes]: ...
+    def last_rmsnorm_json(self) -> Optional[str]: ...
     def barrier(self) -> None: ...
     def register_graph_buffers(self) -> Tuple[int, int]: ...
     def pending_graph_buffers(self) -> int: ...
@@ -85,6 +100,17 @@ class _Comm:
         peer: int = 0,
         stream: Any = None,
         algorithm: Optional[str] = None,
+    ) -> bool: ...
+    def cuda_rmsnorm(
+        self,
+        input: Any,
+        residual: Any,
+        weight: Any,
+        out: Any,
+        eps: float,
+        form: Optional[str] = None,
+        fp8_scale: Optional[float] = None,
+        stream: Any = None,
     ) -> bool: ...
     def cuda_should_all_reduce(self, tensor: Any, algorithm: Optional[str] = None) -> bool: ...
 

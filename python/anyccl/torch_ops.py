@@ -7,6 +7,11 @@ Importing this module imports torch and registers (once per process):
 * ``torch.ops.anyccl.all_reduce_(x, handle, op, algorithm) -> None`` — in place on ``x`` (declared as mutating
   ``x``).
 
+* ``torch.ops.anyccl.all_reduce_rmsnorm(x, residual, weight, handle, eps, form, fp8_scale) -> Tensor`` — the fused
+  all-reduce + residual add + RMSNorm (``Communicator.all_reduce_rmsnorm``): ``residual`` is updated in place
+  (declared as mutated), the normalised output is a new tensor (``x``'s type, or ``float8_e4m3fn`` with
+  ``fp8_scale``).
+
 ``op`` defaults to ``"sum"``; ``algorithm`` (default ``None``: the selector's choice) names the algorithm, e.g.
 ``"two-shot-fp8"`` for the quantized all-reduce (see ``Communicator.all_reduce``).
 
@@ -91,8 +96,52 @@ def _all_reduce_inplace_fake(x: torch.Tensor, handle: int, op: str = "sum", algo
     return None
 
 
+_LIB.define(
+    "all_reduce_rmsnorm(Tensor x, Tensor(a!) residual, Tensor weight, int handle, float eps=1e-06, str? form=None, "
+    "float? fp8_scale=None) -> Tensor"
+)
+
+
+def _rmsnorm_out(x: torch.Tensor, fp8_scale: Optional[float]) -> torch.Tensor:
+    if fp8_scale is None:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+
+
+def all_reduce_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    handle: int,
+    eps: float = 1e-6,
+    form: Optional[str] = None,
+    fp8_scale: Optional[float] = None,
+) -> torch.Tensor:
+    """The kernel of ``torch.ops.anyccl.all_reduce_rmsnorm``: ``residual`` (contiguous) updated in place, the output
+    in a new tensor."""
+    out = _rmsnorm_out(x, fp8_scale)
+    communicator(handle).all_reduce_rmsnorm(
+        x.contiguous(), residual, weight.contiguous(), out=out, eps=eps, form=form, fp8_scale=fp8_scale
+    )
+    return out
+
+
+def _all_reduce_rmsnorm_fake(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    handle: int,
+    eps: float = 1e-6,
+    form: Optional[str] = None,
+    fp8_scale: Optional[float] = None,
+) -> torch.Tensor:
+    return _rmsnorm_out(x, fp8_scale)
+
+
 for _device in ("CPU", "CUDA"):
     _LIB.impl("all_reduce", all_reduce, _device)
     _LIB.impl("all_reduce_", all_reduce_, _device)
+    _LIB.impl("all_reduce_rmsnorm", all_reduce_rmsnorm, _device)
 torch.library.register_fake("anyccl::all_reduce", _all_reduce_fake, lib=_LIB)
 torch.library.register_fake("anyccl::all_reduce_", _all_reduce_inplace_fake, lib=_LIB)
+torch.library.register_fake("anyccl::all_reduce_rmsnorm", _all_reduce_rmsnorm_fake, lib=_LIB)

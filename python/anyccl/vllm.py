@@ -84,6 +84,18 @@ class AnycclDeviceCommunicator:
             return None
         return self.all_reduce(input_)
 
+    def all_reduce_rmsnorm(
+        self,
+        input_: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float = 1e-6,
+        fp8_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """The all-reduce, the residual add (``residual`` updated in place) and the RMSNorm in one call: the
+        normalised output (the custom op ``anyccl::all_reduce_rmsnorm``: safe under torch.compile and CUDA graphs)."""
+        return torch.ops.anyccl.all_reduce_rmsnorm(input_, residual, weight, self._handle, eps, None, fp8_scale)
+
     # ---- the other collectives, with vLLM's layouts -------------------------------------------------------------
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -385,3 +385,54 @@ pub(crate) fn should_all_reduce(
         })
     })
 }
+
+/// The fused all-reduce + residual add + RMSNorm on CUDA tensors (`input`, `residual`: tokens × hidden; `weight`:
+/// hidden; `out`: tokens × hidden of the input's type, or `float8_e4m3fn` with `fp8_scale`) on `stream`; returns
+/// `false` without doing anything when `input` is not a CUDA tensor (the caller takes the host path).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm(
+    comm: &Comm,
+    py: Python<'_>,
+    input: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    eps: f32,
+    form: Option<&str>,
+    fp8_scale: Option<f32>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<bool> {
+    let ordinal = comm.device_index;
+    if ordinal < 0 || !is_cuda_tensor(py, input)? {
+        return Ok(false);
+    }
+    let iv = tensor(py, input, "input", ordinal, true)?;
+    let rv = tensor(py, residual, "residual", ordinal, false)?;
+    let wv = tensor(py, weight, "weight", ordinal, false)?;
+    let ov = tensor(py, out, "out", ordinal, false)?;
+    let hidden = wv.elems;
+    if hidden == 0 || iv.elems % hidden != 0 {
+        return Err(invalid(py, format!("input: {} elements are not rows of weight's {hidden}", iv.elems)));
+    }
+    let spec = crate::fused::spec(py, iv.dtype, iv.elems / hidden, hidden, eps, form, fp8_scale)?;
+    let raw = raw_stream(py, stream, ordinal)?;
+    comm.with_state(py, move |st| {
+        let typed = typed(&mut st.comm)?;
+        let ctx = typed.runtime().context().clone();
+        let dev = ctx.ordinal().unsigned_abs();
+        // SAFETY: torch's stream of this communicator's device (checked by `raw_stream`), alive for the call; the
+        // wrapper destroys nothing.
+        let s = unsafe { CudaStream::from_raw(raw as *mut c_void, &ctx) };
+        // SAFETY (the four views): the memory of plain contiguous torch CUDA tensors of this device (pointer,
+        // element count and size read from torch and checked by `check_tensor`), which the caller keeps alive and
+        // unresized for the call; core checks the sizes, alignment and overlaps against the spec; the views free
+        // nothing.
+        let a = unsafe { DeviceBuffer::from_raw(iv.ptr, iv.bytes, dev) };
+        let mut r = unsafe { DeviceBuffer::from_raw(rv.ptr, rv.bytes, dev) };
+        let w = unsafe { DeviceBuffer::from_raw(wv.ptr, wv.bytes, dev) };
+        let mut o = unsafe { DeviceBuffer::from_raw(ov.ptr, ov.bytes, dev) };
+        let sel = typed.all_reduce_rmsnorm(&a, &mut r, &w, &mut o, &spec, &s)?;
+        st.last_rmsnorm = Some(sel);
+        Ok(true)
+    })
+}

@@ -191,6 +191,8 @@ struct State {
     boot: Option<Box<dyn Bootstrap + Send>>,
     stream: AnyStream,
     last: Option<Last>,
+    /// The last fused all-reduce + RMSNorm's form and rule.
+    last_rmsnorm: Option<anyccl::core::fused::RmsNormSelection>,
 }
 
 /// The last all-reduce's algorithm: the selector's choice (with its rule), or the one the caller named.
@@ -366,7 +368,7 @@ impl Comm {
             device: comm.device(),
             device_index,
             passed_over,
-            state: Mutex::new(Some(State { comm, boot, stream, last: None })),
+            state: Mutex::new(Some(State { comm, boot, stream, last: None, last_rmsnorm: None })),
         })
     }
 
@@ -522,6 +524,32 @@ impl Comm {
         self.peek(py, |st| st.last.as_ref().map(Last::json))
     }
 
+    /// The fused all-reduce + residual add + RMSNorm on host bytes: `input`, `residual` (tokens × hidden of
+    /// `dtype`) and `weight` (hidden); returns the new residual's bytes and the output's (tokens × hidden of `dtype`,
+    /// or fp8 e4m3 bytes with `fp8_scale`). `form` forces "fused-one-shot", "fused-two-shot" or "unfused".
+    #[pyo3(signature = (input, residual, weight, dtype, tokens, hidden, eps, form=None, fp8_scale=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn host_rmsnorm<'py>(
+        &self,
+        py: Python<'py>,
+        input: &[u8],
+        residual: &[u8],
+        weight: &[u8],
+        dtype: &str,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
+        form: Option<&str>,
+        fp8_scale: Option<f32>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        fused::host(self, py, input, residual, weight, dtype, tokens, hidden, eps, form, fp8_scale)
+    }
+
+    /// The last fused call's form and the rule that chose it, as JSON, or `None` before the first.
+    fn last_rmsnorm_json(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.peek(py, |st| st.last_rmsnorm.as_ref().map(fused::json))
+    }
+
     /// Waits until every rank reaches the barrier.
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.with_state(py, |st| Ok(st.comm.barrier(&st.stream)?))
@@ -607,6 +635,26 @@ impl Comm {
         cuda::collective(self, py, coll, send, recv, op, peer, stream, algo)
     }
 
+    /// The fused all-reduce + residual add + RMSNorm on CUDA tensors (see `host_rmsnorm`); `False` when `input`
+    /// is not a CUDA tensor.
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (input, residual, weight, out, eps, form=None, fp8_scale=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_rmsnorm(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        residual: &Bound<'_, PyAny>,
+        weight: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        eps: f32,
+        form: Option<&str>,
+        fp8_scale: Option<f32>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        cuda::rmsnorm(self, py, input, residual, weight, out, eps, form, fp8_scale, stream)
+    }
+
     /// Whether `tensor` is one this communicator's `all_reduce` takes: a plain contiguous CUDA tensor on its
     /// device, of a supported dtype, with an all-reduce algorithm eligible for it now.
     /// With `algorithm`, whether that algorithm could run it.
@@ -626,6 +674,7 @@ impl Comm {
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dlpack;
+mod fused;
 
 /// Joins the job this process was started into by torchrun or srun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `MASTER_ADDR`, `MASTER_PORT`; anyccl's rendezvous on `MASTER_PORT + 1` or `ANYCCL_MASTER_PORT`) on `backend`
@@ -876,6 +925,7 @@ fn _anyccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add("RMSNORM_FORMS", fused::form_names())?;
     m.add_class::<dlpack::DlpackHost>()?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_host, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
