@@ -44,6 +44,7 @@ class AnycclDeviceCommunicator:
         """``algorithm``: the all-reduce algorithm every ``all_reduce`` names (None: the selector's choice; e.g.
         ``"two-shot-fp8"`` for the quantized one, lossy); ``deterministic``: deterministic mode (see
         ``anyccl.Communicator.deterministic``; None: ``ANYCCL_DETERMINISTIC``). Both the same on every rank."""
+        self.algorithm = _canon_algorithm(algorithm)  # checked before any communicator is made
         self.cpu_group = cpu_group
         self.device_group = device_group
         self.unique_name = unique_name
@@ -58,7 +59,6 @@ class AnycclDeviceCommunicator:
         if deterministic is not None:
             comm.deterministic = deterministic
         self.comm = comm
-        self.algorithm = _canon_algorithm(algorithm)
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.ranks = dist.get_process_group_ranks(cpu_group) if cpu_group is not None else list(range(self.world_size))

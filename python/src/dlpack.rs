@@ -90,7 +90,11 @@ fn wrong_device(d: DLDevice, want: Want) -> Option<String> {
         Want::Cuda { ordinal, .. } => d.device_type == DLDeviceType::CUDA && d.device_id == ordinal,
     };
     let expected = match want {
-        Want::Cpu => "a host communicator takes host (cpu) memory".to_owned(),
+        Want::Cpu => {
+            "host (cpu) memory is expected here (on a CUDA communicator: a plain torch.Tensor or a DLPack array of its \
+             device)"
+                .to_owned()
+        }
         Want::Cuda { ordinal, .. } => format!("the communicator is on cuda:{ordinal}"),
     };
     (!ok).then(|| format!("the array is on {}, but {expected}", device_text(d)))

@@ -86,7 +86,7 @@ def test_non_contiguous_wrong_type_and_wrong_device_are_refused_untouched(comm: 
             return (2, 0)
 
     gpu = OnGpu(np.zeros(4, dtype=np.float32))
-    with pytest.raises(ValueError, match="the array is on cuda:0, but a host communicator takes host"):
+    with pytest.raises(ValueError, match="the array is on cuda:0, but host \\(cpu\\) memory is expected here"):
         comm.all_reduce(gpu)
     assert gpu.calls == [], "refused from __dlpack_device__ alone, before any capsule was made"
     assert not comm.should_all_reduce(gpu)
