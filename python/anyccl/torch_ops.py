@@ -69,7 +69,7 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "register_fake"):
 # The ops are defined with a schema and a kernel per device type (CPU, CUDA) instead of `torch.library.custom_op`:
 # an eager call of a `custom_op` goes through its Python wrapper (autograd and dispatch handling) as well as
 # torch's dispatcher, which measured about 13 µs per call on an H200 host (python/bench/host_time.py); a plain
-# kernel registration leaves only the dispatcher. Neither op has an autograd formula (a collective has none).
+# kernel registration leaves only the dispatcher. No op has an autograd formula (a collective has none).
 _LIB = torch.library.Library("anyccl", "FRAGMENT")
 _LIB.define("all_reduce(Tensor x, int handle, str op='sum', str? algorithm=None) -> Tensor")
 _LIB.define("all_reduce_(Tensor(a!) x, int handle, str op='sum', str? algorithm=None) -> ()")
