@@ -4,7 +4,9 @@
 #   - `import anyccl` (without NumPy or torch imported),
 #   - pytest python/tests: the host backend across 2 and 3 processes (NumPy; a unique id, the torchrun environment
 #     under ci/torchrun_stand_in.py, a Python bootstrap object) and as threads of one process (the GIL released),
-#     the error paths; the GPU tests (-m gpu) stay deselected here,
+#     the error paths, the all-reduce options (named algorithms, deterministic mode) and DLPack input (arrays
+#     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy;
+#     the GPU tests (-m gpu) stay deselected here,
 #   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package and two examples.
 # Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 2-4 minutes on 2 cores.
 #

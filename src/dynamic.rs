@@ -431,6 +431,10 @@ pub trait DynComm: Send {
     fn device(&self) -> String;
     /// Where this rank's buffers live.
     fn location(&self) -> Location;
+    /// Turns deterministic mode on or off ([`Communicator::set_deterministic`]; every rank the same).
+    fn set_deterministic(&mut self, on: bool);
+    /// Whether deterministic mode is on.
+    fn deterministic(&self) -> bool;
 
     /// Allocates `bytes` of this rank's memory (refused during a capture on the GPU backends).
     fn alloc(&self, bytes: usize) -> Result<AnyBuffer>;
@@ -663,6 +667,12 @@ impl<B: Erased> DynComm for Communicator<B> {
     }
     fn location(&self) -> Location {
         self.runtime().location()
+    }
+    fn set_deterministic(&mut self, on: bool) {
+        Communicator::set_deterministic(self, on)
+    }
+    fn deterministic(&self) -> bool {
+        Communicator::deterministic(self)
     }
     fn alloc(&self, bytes: usize) -> Result<AnyBuffer> {
         self.runtime().alloc(bytes).map(B::wrap)

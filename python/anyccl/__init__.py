@@ -9,8 +9,13 @@
 * over any object with ``rank``, ``world`` and ``all_gather(bytes) -> list[bytes]``: ``Communicator.from_bootstrap``.
 
 Host memory is any C-contiguous object with the buffer protocol (NumPy arrays; NumPy is needed only when anyccl
-allocates an output for you); CUDA memory is a plain contiguous ``torch.Tensor`` on the communicator's device.
+allocates an output for you), or with ``__dlpack__`` (torch CPU tensors, any DLPack producer); CUDA memory is a plain
+contiguous ``torch.Tensor`` on the communicator's device, or any CUDA DLPack object of that device (CuPy, JAX, ...).
 Importing anyccl imports neither NumPy nor torch.
+
+All-reduce options: ``algorithm=`` names the algorithm (``ALGORITHMS``; the quantized ``"two-shot-fp8"`` and
+``"two-shot-int8"`` run only when named), and deterministic mode (``deterministic=True`` when making the
+communicator, or ``comm.deterministic = True``) sums in rank order, bitwise the same run after run.
 
 The GIL is released while a collective runs. Errors are ``anyccl.Error`` subclasses carrying anyccl's ``message``
 and ``hint``.
@@ -27,7 +32,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _anyccl
 from ._anyccl import (
@@ -56,6 +61,9 @@ __all__ = [
     "CUDA_COMPILED_IN",
     "DTYPES",
     "REDUCE_OPS",
+    "ALGORITHMS",
+    "RMSNORM_FORMS",
+    "AlgorithmNameError",
 ]
 
 __version__ = "0.1.0"
@@ -65,6 +73,48 @@ DTYPES: Dict[str, int] = dict(_anyccl.dtypes())
 
 #: The reduction operators.
 REDUCE_OPS = ("sum", "prod", "min", "max", "avg")
+
+#: anyccl's all-reduce algorithms by name, each with whether it is lossy (quantized: it runs only when named).
+ALGORITHMS: Dict[str, bool] = dict(_anyccl.algorithms())
+
+
+class AlgorithmNameError(InvalidArgumentError, ValueError):
+    """``algorithm=`` (or a fused call's ``form=``) named nothing anyccl has (a ``ValueError`` and an
+    ``anyccl.InvalidArgumentError``); the message lists the names."""
+
+
+#: The forms of the fused all-reduce + residual add + RMSNorm (``Communicator.all_reduce_rmsnorm``).
+RMSNORM_FORMS: Tuple[str, ...] = tuple(_anyccl.RMSNORM_FORMS)
+
+
+def _bad_name(what: str, value: Any, names: Any) -> AlgorithmNameError:
+    message = f"{what}={value!r}: expected one of {', '.join(names)}"
+    err = AlgorithmNameError(message)
+    err.message, err.hint, err.kind = message, None, "invalid-argument"
+    return err
+
+
+def _canon_form(form: Optional[str]) -> Optional[str]:
+    """The canonical name of a fused form (``one-shot`` / ``two-shot`` name the fused ones), or
+    ``AlgorithmNameError`` listing the names."""
+    if form is None:
+        return None
+    name = str(form).strip().lower().replace("_", "-")
+    name = {"one-shot": "fused-one-shot", "two-shot": "fused-two-shot"}.get(name, name)
+    if name not in RMSNORM_FORMS:
+        raise _bad_name("form", form, RMSNORM_FORMS)
+    return name
+
+
+def _canon_algorithm(algorithm: Optional[str]) -> Optional[str]:
+    """The canonical name of ``algorithm`` (case and ``_``/``-`` as anyccl reads them), or ``AlgorithmNameError``
+    listing the names."""
+    if algorithm is None:
+        return None
+    name = str(algorithm).strip().lower().replace("_", "-")
+    if name not in ALGORITHMS:
+        raise _bad_name("algorithm", algorithm, ALGORITHMS)
+    return name
 
 # Buffer-protocol formats (struct codes, native order) → anyccl data types.
 _FORMATS = {
@@ -133,17 +183,28 @@ def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
 
 
 class _HostBuf:
-    """One host buffer, checked: its bytes view, anyccl data type and element count."""
+    """One host buffer, checked: its bytes (a buffer-protocol view, or a DLPack array held by anyccl), anyccl data
+    type and element count."""
 
-    __slots__ = ("obj", "view", "dtype", "elems")
+    __slots__ = ("obj", "view", "dl", "dtype", "elems", "nbytes")
+    view: Optional[memoryview]
+    dl: Any
+    dtype: str
+    elems: int
+    nbytes: int
 
     def __init__(self, obj: Any, which: str, dtype: Optional[str], writable: bool) -> None:
+        self.dl = None
         if _is_torch_tensor(obj):
             if obj.is_cuda:
                 raise InvalidArgumentError(
                     f"{which}: a CUDA tensor ({obj.device}) cannot join host buffers in one call, and needs a CUDA "
                     "communicator"
                 )
+            obj = obj.detach()
+            if hasattr(obj, "__dlpack__"):
+                self._init_dlpack(obj, which, dtype, writable)
+                return
             name = _NUMPY_NAMES.get(str(obj.dtype).replace("torch.", ""))
             if name in ("bf16", "fp8e4m3", "fp8e5m2"):
                 # NumPy has no such type: the same bytes as integers of that size, read as `name` by anyccl.
@@ -156,8 +217,11 @@ class _HostBuf:
         try:
             view = memoryview(obj)
         except TypeError as e:
+            if hasattr(obj, "__dlpack__"):
+                self._init_dlpack(obj, which, dtype, writable)
+                return
             raise InvalidArgumentError(
-                f"{which}: expected a NumPy array or another object with the buffer protocol, got "
+                f"{which}: expected a NumPy array or another object with the buffer protocol or __dlpack__, got "
                 f"{type(obj).__name__}"
             ) from e
         if not view.c_contiguous:
@@ -189,8 +253,35 @@ class _HostBuf:
         self.view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
         self.dtype = dtype
         self.elems = view.nbytes // size
+        self.nbytes = view.nbytes
+
+    def _init_dlpack(self, obj: Any, which: str, dtype: Optional[str], writable: bool) -> None:
+        """Through DLPack: anyccl takes and checks the array (TypeError / ValueError when it cannot) and holds it."""
+        dl = _anyccl.dlpack_host(obj, which)
+        native: str = dl.dtype
+        if writable and dl.readonly:
+            raise InvalidArgumentError(f"{which}: the array is read-only, and this call writes into it")
+        if dtype is None:
+            dtype = native
+        elif dtype != native and DTYPES[native] != 1:
+            raise InvalidArgumentError(f"{which}: dtype {dtype} was asked for, but the array holds {native}")
+        size = DTYPES[dtype]
+        if dl.nbytes % size:
+            raise InvalidArgumentError(f"{which}: {dl.nbytes} bytes is not a whole number of {dtype} elements")
+        self.obj, self.view, self.dl = obj, None, dl
+        self.dtype = dtype
+        self.elems = dl.nbytes // size
+        self.nbytes = dl.nbytes
+
+    def tobytes(self) -> bytes:
+        if self.view is not None:
+            return self.view.tobytes()
+        return bytes(self.dl.tobytes())
 
     def write(self, data: bytes) -> None:
+        if self.view is None:
+            self.dl.write(data)
+            return
         n = min(len(data), self.view.nbytes)
         self.view[:n] = memoryview(data)[:n]
 
@@ -207,6 +298,11 @@ def _new_like(x: Any, elems: int) -> Any:
         raise InvalidArgumentError(
             "out= is needed: anyccl allocates outputs as NumPy arrays, and NumPy is not installed"
         ) from e
+    try:
+        memoryview(x)
+    except TypeError:
+        if hasattr(x, "__dlpack__"):
+            return np.empty(elems, dtype=np.from_dlpack(x).dtype)
     return np.empty(elems, dtype=np.asarray(x).dtype)
 
 
@@ -220,7 +316,7 @@ class Communicator:
     Use it as a context manager to close it on exit.
     """
 
-    def __init__(self, _comm: Any) -> None:
+    def __init__(self, _comm: Any, deterministic: Optional[bool] = None) -> None:
         """Internal: use ``from_env``, ``from_unique_id``, ``from_process_group`` or ``from_bootstrap``."""
         if not isinstance(_comm, _anyccl._Comm):
             raise InvalidArgumentError(
@@ -237,17 +333,20 @@ class Communicator:
         #: The backends passed over, each with the reason.
         self.passed_over: List[Dict[str, str]] = json.loads(_comm.passed_over)
         self._cuda = CUDA_COMPILED_IN and self.device_index >= 0
+        if deterministic is not None:
+            _comm.set_deterministic(bool(deterministic))
 
     # ---- construction -------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, backend: str = "best") -> "Communicator":
+    def from_env(cls, backend: str = "best", *, deterministic: Optional[bool] = None) -> "Communicator":
         """Joins the job started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), on
         ``backend``: "best" (CUDA when a GPU and NCCL are present, else host), "cuda" or "host". anyccl's own
         authenticated rendezvous listens on MASTER_PORT + 1 (or ANYCCL_MASTER_PORT); set ANYCCL_RENDEZVOUS_KEY
-        unless MASTER_ADDR is a loopback address."""
+        unless MASTER_ADDR is a loopback address. ``deterministic``: see ``Communicator.deterministic`` (None: the
+        ``ANYCCL_DETERMINISTIC`` setting)."""
         _ensure_nccl_path(backend)
-        return cls(_anyccl.from_env(backend))
+        return cls(_anyccl.from_env(backend), deterministic)
 
     @classmethod
     def from_unique_id(
@@ -258,23 +357,37 @@ class Communicator:
         backend: str = "best",
         device: Optional[int] = None,
         timeout: Optional[float] = None,
+        *,
+        deterministic: Optional[bool] = None,
     ) -> "Communicator":
         """Joins the group named by ``uid`` (from ``anyccl.unique_id()`` on one process, moved to every rank by
         you) as ``rank`` of ``world_size``. Collective. ``timeout`` (seconds) bounds the wait for the group."""
         _ensure_nccl_path(backend)
-        return cls(_anyccl.from_unique_id(bytes(uid), rank, world_size, backend, device, timeout))
+        return cls(_anyccl.from_unique_id(bytes(uid), rank, world_size, backend, device, timeout), deterministic)
 
     @classmethod
-    def from_bootstrap(cls, bootstrap: Any, backend: str = "best", device: Optional[int] = None) -> "Communicator":
+    def from_bootstrap(
+        cls,
+        bootstrap: Any,
+        backend: str = "best",
+        device: Optional[int] = None,
+        *,
+        deterministic: Optional[bool] = None,
+    ) -> "Communicator":
         """A communicator over ``bootstrap``: any object with ``rank``, ``world`` and ``all_gather(bytes) ->
         list[bytes]`` (one entry per rank, each at most ``anyccl.MAX_BOOTSTRAP_BYTES``). Collective. The bootstrap
         is kept for graph-buffer registration (``capture()``)."""
         _ensure_nccl_path(backend)
-        return cls(_anyccl.from_bootstrap(bootstrap, backend, device))
+        return cls(_anyccl.from_bootstrap(bootstrap, backend, device), deterministic)
 
     @classmethod
     def from_process_group(
-        cls, group: Any = None, backend: str = "best", device: Optional[int] = None
+        cls,
+        group: Any = None,
+        backend: str = "best",
+        device: Optional[int] = None,
+        *,
+        deterministic: Optional[bool] = None,
     ) -> "Communicator":
         """A communicator over a torch ``ProcessGroup`` (a gloo CPU group is best: the bootstrap moves small byte
         strings; ``None`` is the default group). Collective over the group. On CUDA the device defaults to
@@ -283,7 +396,7 @@ class Communicator:
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_available():
                 device = torch.cuda.current_device()
-        return cls.from_bootstrap(ProcessGroupBootstrap(group), backend, device)
+        return cls.from_bootstrap(ProcessGroupBootstrap(group), backend, device, deterministic=deterministic)
 
     # ---- lifetime -----------------------------------------------------------------------------------------------
 
@@ -319,23 +432,50 @@ class Communicator:
         s = self._comm.last_selection_json()
         return None if s is None else json.loads(s)
 
-    def select_all_reduce(self, count: int, dtype: str, op: str = "sum", in_place: bool = True) -> Dict[str, Any]:
-        """The algorithm an all-reduce of this shape would use now, without running it."""
+    def select_all_reduce(
+        self, count: int, dtype: str, op: str = "sum", in_place: bool = True, *, algorithm: Optional[str] = None
+    ) -> Dict[str, Any]:
+        """The algorithm an all-reduce of this shape would use now, without running it. With ``algorithm``,
+        whether that one could run it: the same dict, or ``UnsupportedError`` saying why not."""
         name = _canon_dtype(dtype) or "u8"  # not None: dtype is required
-        sel: Dict[str, Any] = json.loads(self._comm.select_all_reduce(count, name, op, in_place))
+        algo = _canon_algorithm(algorithm)
+        sel: Dict[str, Any] = json.loads(self._comm.select_all_reduce(count, name, op, in_place, algo))
         return sel
 
-    def should_all_reduce(self, tensor: Any) -> bool:
+    @property
+    def deterministic(self) -> bool:
+        """Deterministic mode: every all-reduce sums in rank order 0..W-1 with one-shot or two-shot, bitwise the
+        same run after run and across message sizes; algorithms that cannot promise it (NCCL's, NVLS, ring, the
+        quantized ones) are skipped, and a call none can run raises ``UnsupportedError`` with the reasons. Every rank
+        must use the same setting. The default is ``ANYCCL_DETERMINISTIC``."""
+        return bool(self._comm.deterministic())
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        self._comm.set_deterministic(bool(on))
+
+    def set_deterministic(self, on: bool = True) -> None:
+        """Turns deterministic mode on or off (``Communicator.deterministic``); every rank the same."""
+        self._comm.set_deterministic(bool(on))
+
+    def should_all_reduce(self, tensor: Any, *, algorithm: Optional[str] = None) -> bool:
         """Whether ``all_reduce`` takes ``tensor`` here (vLLM's predicate): on CUDA, a plain contiguous tensor on
-        this device of a supported dtype with an eligible algorithm; on the host, a host buffer anyccl can read."""
+        this device of a supported dtype with an eligible algorithm (``algorithm``: that one); on the host, a host
+        buffer anyccl can read."""
+        algo = _canon_algorithm(algorithm)
         if self.device_index >= 0 and CUDA_COMPILED_IN:
-            return bool(self._comm.cuda_should_all_reduce(tensor))
+            return bool(self._comm.cuda_should_all_reduce(tensor, algo))
         if self.closed:
             return False
         try:
             buf = _HostBuf(tensor, "tensor", None, True)
-        except Error:
+        except (Error, TypeError, ValueError):
             return False
+        if algo is not None:
+            try:
+                self._comm.select_all_reduce(buf.elems, buf.dtype, "sum", True, algo)
+            except Error:
+                return False
         return buf.elems > 0
 
     def barrier(self) -> None:
@@ -353,9 +493,10 @@ class Communicator:
         peer: int = 0,
         dtype: Optional[str] = None,
         stream: Any = None,
+        algorithm: Optional[str] = None,
     ) -> Any:
         # The CUDA path first (one call into Rust, which checks the tensors); False: not a CUDA tensor.
-        if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream):
+        if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream, algorithm):
             return x if out is None else out
         if _is_torch_tensor(x) and x.is_cuda:
             raise InvalidArgumentError(
@@ -382,23 +523,38 @@ class Communicator:
             count = send.elems // world
         else:
             count = send.elems
-        data = send.view.tobytes()
+        data = send.tobytes()
         result = self._comm.host_collective(
-            coll, data, None if recv is None else recv.view.nbytes, send.dtype, count, op, peer
+            coll, data, None if recv is None else recv.nbytes, send.dtype, count, op, peer, algorithm
         )
         if result is not None:
             (send if recv is None else recv).write(result)
         return x if out is None else out
 
     def all_reduce(
-        self, x: Any, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None
+        self,
+        x: Any,
+        out: Any = None,
+        op: str = "sum",
+        *,
+        dtype: Optional[str] = None,
+        stream: Any = None,
+        algorithm: Optional[str] = None,
     ) -> Any:
         """Reduces ``x`` over every rank with ``op`` ("sum", "prod", "min", "max", "avg"): into ``x`` (returned)
         when ``out`` is None, else into ``out`` (returned). ``stream``: a ``torch.cuda.Stream`` (default: the
-        current stream). ``dtype`` reads a host buffer of bytes as that type (e.g. "bf16")."""
-        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream):
+        current stream; a DLPack array that is not a torch tensor is made ready on, and run on, the legacy default
+        stream and waited for). ``dtype`` reads a host buffer of bytes as that type (e.g. "bf16").
+
+        ``algorithm`` names the algorithm (a key of ``anyccl.ALGORITHMS``: "one-shot", "two-shot", "ccl",
+        "two-shot-fp8", "two-shot-int8", ...) instead of the selector's choice: an unknown name raises
+        ``AlgorithmNameError`` (a ``ValueError``) listing the names; one that cannot run this call here (or is not
+        deterministic in deterministic mode) raises ``UnsupportedError`` with the reason. The quantized algorithms
+        are lossy (fp8 / int8 codes with one scale per 32 elements, summed in f32) and run only when named."""
+        algo = None if algorithm is None else _canon_algorithm(algorithm)
+        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
             return x if out is None else out
-        return self._run("all_reduce", x, out, op, 0, dtype, stream)
+        return self._run("all_reduce", x, out, op, 0, dtype, stream, algo)
 
     def all_gather(
         self, x: Any, out: Any = None, *, in_place: bool = False, dtype: Optional[str] = None, stream: Any = None
@@ -450,6 +606,91 @@ class Communicator:
         """Receives into ``x`` from rank ``peer``; returns ``x``."""
         return self._run("recv", x, None, "sum", peer, dtype, stream)
 
+    # ---- fused all-reduce + residual add + RMSNorm ---------------------------------------------------------------
+
+    def all_reduce_rmsnorm(
+        self,
+        input: Any,
+        residual: Any,
+        weight: Any,
+        out: Any = None,
+        *,
+        eps: float = 1e-6,
+        form: Optional[str] = None,
+        fp8_scale: Optional[float] = None,
+        dtype: Optional[str] = None,
+        stream: Any = None,
+    ) -> Any:
+        """The tensor-parallel all-reduce, the residual add and the RMSNorm in one call (collective):
+        ``residual <- all_reduce(input) + residual`` (in place; the same on every rank before and after) and
+        ``out <- rmsnorm(residual) * weight``, i.e. ``r / sqrt(mean(r**2) + eps) * weight`` per row, in f32.
+
+        ``input`` and ``residual`` hold tokens x hidden elements of f16 or bf16, ``weight`` hidden (a multiple of 8,
+        at most 16384); ``out`` (allocated like ``input`` when None, returned) the same shape in the input's type,
+        or fp8 e4m3 codes of ``y / fp8_scale`` with ``fp8_scale`` (a ``torch.float8_e4m3fn`` tensor or a uint8
+        array). ``form`` forces ``"fused-one-shot"``, ``"fused-two-shot"`` or ``"unfused"`` (an unknown name raises
+        ``AlgorithmNameError``; one that cannot run the call, ``UnsupportedError``); all forms give the same bits.
+        ``last_rmsnorm_selection`` says which form ran and why. CUDA tensors run on ``stream`` (default: torch's
+        current stream); host arrays anywhere else. Nothing is written on an error."""
+        form = _canon_form(form)
+        fp8 = fp8_scale is not None
+        if out is None:
+            out = self._new_rmsnorm_out(input, fp8)
+        scale = None if fp8_scale is None else float(fp8_scale)
+        if self._cuda and self._comm.cuda_rmsnorm(input, residual, weight, out, float(eps), form, scale, stream):
+            return out
+        if _is_torch_tensor(input) and input.is_cuda:
+            raise InvalidArgumentError(
+                f"a CUDA tensor on {input.device} needs a CUDA communicator; this one runs on {self.backend}"
+            )
+        dtype = _canon_dtype(dtype)
+        inp = _HostBuf(input, "input", dtype, False)
+        res = _HostBuf(residual, "residual", inp.dtype, True)
+        w = _HostBuf(weight, "weight", inp.dtype, False)
+        o = _HostBuf(out, "out", "fp8e4m3" if fp8 else inp.dtype, True)
+        hidden = w.elems
+        if hidden == 0 or inp.elems % hidden:
+            raise InvalidArgumentError(f"input: {inp.elems} elements are not rows of weight's {hidden}")
+        tokens = inp.elems // hidden
+        need = tokens * hidden * (1 if fp8 else DTYPES[inp.dtype])
+        if o.nbytes < need:
+            raise InvalidArgumentError(f"out: holds {o.nbytes} bytes, the call needs {need}")
+        new_residual, result = self._comm.host_rmsnorm(
+            inp.tobytes(), res.tobytes(), w.tobytes(), inp.dtype, tokens, hidden, float(eps), form, scale
+        )
+        res.write(new_residual)
+        o.write(result)
+        return out
+
+    @property
+    def last_rmsnorm_selection(self) -> Optional[Dict[str, Any]]:
+        """The last ``all_reduce_rmsnorm``'s form and the rule that chose it (``{"form": ..., "why": ...}``)."""
+        s = self._comm.last_rmsnorm_json()
+        return None if s is None else json.loads(s)
+
+    @staticmethod
+    def _new_rmsnorm_out(x: Any, fp8: bool) -> Any:
+        """An output like ``x`` (its shape; its type, or fp8 e4m3 codes)."""
+        if _is_torch_tensor(x):
+            import torch  # type: ignore[import-not-found, unused-ignore]
+
+            if fp8:
+                return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            return torch.empty_like(x, memory_format=torch.contiguous_format)
+        try:
+            import numpy as np
+        except ImportError as e:
+            raise InvalidArgumentError(
+                "out= is needed: anyccl allocates outputs as NumPy arrays, and NumPy is not installed"
+            ) from e
+        try:
+            memoryview(x)
+        except TypeError:
+            if hasattr(x, "__dlpack__"):
+                x = np.from_dlpack(x)
+        a = np.asarray(x)
+        return np.empty(a.shape, dtype=np.uint8 if fp8 else a.dtype)
+
     # ---- CUDA graphs --------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -477,7 +718,12 @@ class Communicator:
         size = getattr(x, "size", None)
         if isinstance(size, int):
             return size
-        view = memoryview(x)
+        try:
+            view = memoryview(x)
+        except TypeError:
+            if hasattr(x, "__dlpack__"):
+                return int(_anyccl.dlpack_host(x, "x").elems)
+            raise
         return view.nbytes // max(view.itemsize, 1)
 
 

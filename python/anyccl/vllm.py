@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from . import Communicator
+from . import Communicator, _canon_algorithm
 from . import torch_ops
 
 __all__ = ["AnycclDeviceCommunicator"]
@@ -38,7 +38,13 @@ class AnycclDeviceCommunicator:
         unique_name: str = "",
         *,
         comm: Optional[Communicator] = None,
+        algorithm: Optional[str] = None,
+        deterministic: Optional[bool] = None,
     ) -> None:
+        """``algorithm``: the all-reduce algorithm every ``all_reduce`` names (None: the selector's choice; e.g.
+        ``"two-shot-fp8"`` for the quantized one, lossy); ``deterministic``: deterministic mode (see
+        ``anyccl.Communicator.deterministic``; None: ``ANYCCL_DETERMINISTIC``). Both the same on every rank."""
+        self.algorithm = _canon_algorithm(algorithm)  # checked before any communicator is made
         self.cpu_group = cpu_group
         self.device_group = device_group
         self.unique_name = unique_name
@@ -50,6 +56,8 @@ class AnycclDeviceCommunicator:
                 comm = Communicator.from_process_group(cpu_group, backend="cuda", device=device.index)
             else:
                 comm = Communicator.from_process_group(cpu_group, backend="host")
+        if deterministic is not None:
+            comm.deterministic = deterministic
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -62,19 +70,31 @@ class AnycclDeviceCommunicator:
 
     def should_custom_ar(self, input_: torch.Tensor) -> bool:
         """Whether ``all_reduce`` handles ``input_`` (vLLM's custom all-reduce predicate)."""
-        return not self.disabled and self.comm.should_all_reduce(input_)
+        return not self.disabled and self.comm.should_all_reduce(input_, algorithm=self.algorithm)
 
     should_all_reduce = should_custom_ar
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in a new tensor (the custom op: safe under torch.compile and CUDA graphs)."""
-        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum")
+        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum", self.algorithm)
 
     def custom_all_reduce(self, input_: torch.Tensor) -> Optional[torch.Tensor]:
         """vLLM's custom all-reduce shape: the result, or None to make the caller fall back."""
         if not self.should_custom_ar(input_):
             return None
         return self.all_reduce(input_)
+
+    def all_reduce_rmsnorm(
+        self,
+        input_: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float = 1e-6,
+        fp8_scale: Optional[float] = None,
+    ) -> torch.Tensor:
+        """The all-reduce, the residual add (``residual`` updated in place) and the RMSNorm in one call: the
+        normalised output (the custom op ``anyccl::all_reduce_rmsnorm``: safe under torch.compile and CUDA graphs)."""
+        return torch.ops.anyccl.all_reduce_rmsnorm(input_, residual, weight, self._handle, eps, None, fp8_scale)
 
     # ---- the other collectives, with vLLM's layouts -------------------------------------------------------------
 

@@ -7,14 +7,15 @@
 
 use std::ffi::c_void;
 
-use anyccl::core::{InvalidArgument, Selection};
+use anyccl::core::InvalidArgument;
 use anyccl::cuda::{CudaComm, CudaStream, DeviceBuffer};
-use anyccl::{Communicator, DataType, InOut, ReduceOp};
+use anyccl::{Algorithm, Communicator, DataType, InOut, ReduceOp};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
 
-use crate::{invalid, needs, Call, Coll, Comm, Fail};
+use crate::dlpack::{self, Want};
+use crate::{invalid, needs, Call, Coll, Comm, Fail, Last};
 
 /// torch's objects, looked up once.
 struct Torch {
@@ -161,26 +162,47 @@ fn typed(comm: &mut anyccl::AnyCommunicator) -> Result<&mut Communicator<CudaCom
         .ok_or(Fail::Anyccl(InvalidArgument::WrongBackend { which: "tensor", found: "cuda", expected: backend }.into()))
 }
 
-/// Runs `call` on the tensors' memory on `stream` (GIL released by the caller).
+/// Runs `call` on the tensors' memory on `stream` (GIL released by the caller), and waits for it when `sync`;
+/// returns the all-reduce's algorithm.
 fn run(
     comm: &mut Communicator<CudaComm>,
     call: Call,
     send: DevTensor,
     recv: Option<DevTensor>,
     stream: usize,
-) -> Result<Option<Selection>, Fail> {
+    sync: bool,
+) -> Result<Option<Last>, Fail> {
+    let last = run_on(comm, call, send, recv, stream)?;
+    if sync {
+        let ctx = comm.runtime().context().clone();
+        // SAFETY: as in `run_on`: the stream the call was enqueued on, alive for the call.
+        let s = unsafe { CudaStream::from_raw(stream as *mut c_void, &ctx) };
+        s.synchronize()?;
+    }
+    Ok(last)
+}
+
+fn run_on(
+    comm: &mut Communicator<CudaComm>,
+    call: Call,
+    send: DevTensor,
+    recv: Option<DevTensor>,
+    stream: usize,
+) -> Result<Option<Last>, Fail> {
     let ctx = comm.runtime().context().clone();
     let ordinal = ctx.ordinal().unsigned_abs();
     // SAFETY: `stream` is torch's stream of this communicator's device (its current stream, or a torch.cuda.Stream
-    // whose device was checked), alive for the call; the wrapper is dropped before returning and destroys nothing.
+    // whose device was checked), or 0 (the legacy default stream, for DLPack input without a stream), alive for the
+    // call; the wrapper is dropped before returning and destroys nothing.
     let s = unsafe { CudaStream::from_raw(stream as *mut c_void, &ctx) };
     // SAFETY: `[send.ptr, send.ptr + send.bytes)` is the memory of a plain contiguous torch CUDA tensor of this
     // device (pointer, element count and size read from torch and checked by `check_tensor`), which the caller keeps
-    // alive and unresized for the call (the documented contract); the view frees nothing.
+    // alive and unresized for the call (the documented contract), or of a checked contiguous DLPack tensor of this
+    // device whose managed tensor the caller of `run` holds until the call returned; the view frees nothing.
     let mut a = unsafe { DeviceBuffer::from_raw(send.ptr, send.bytes, ordinal) };
     // SAFETY: as above, for the receive tensor.
     let mut b = recv.map(|r| unsafe { DeviceBuffer::from_raw(r.ptr, r.bytes, ordinal) });
-    let Call { coll, count, dtype, op, peer } = call;
+    let Call { coll, count, dtype, op, peer, algo } = call;
     match coll {
         Coll::Send => comm.send(&a, count, dtype, peer, &s)?,
         Coll::Recv => comm.recv(&mut a, count, dtype, peer, &s)?,
@@ -189,11 +211,17 @@ fn run(
                 Some(b) => InOut::Separate { send: &a, recv: b },
                 None => InOut::InPlace(&mut a),
             };
-            match coll {
-                Coll::AllReduce => return Ok(Some(comm.all_reduce(io, count, dtype, op, &s)?)),
-                Coll::AllGather => comm.all_gather(io, count, dtype, &s)?,
-                Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, &s)?,
-                Coll::Broadcast => comm.broadcast(io, count, dtype, peer, &s)?,
+            match (coll, algo) {
+                (Coll::AllReduce, Some(algo)) => {
+                    comm.all_reduce_with(algo, io, count, dtype, op, &s)?;
+                    return Ok(Some(Last::Named(algo)));
+                }
+                (Coll::AllReduce, None) => {
+                    return Ok(Some(Last::Selected(comm.all_reduce(io, count, dtype, op, &s)?)));
+                }
+                (Coll::AllGather, _) => comm.all_gather(io, count, dtype, &s)?,
+                (Coll::ReduceScatter, _) => comm.reduce_scatter(io, count, dtype, op, &s)?,
+                (Coll::Broadcast, _) => comm.broadcast(io, count, dtype, peer, &s)?,
                 _ => comm.reduce(io, count, dtype, op, peer, &s)?,
             }
         }
@@ -223,13 +251,41 @@ pub(crate) fn collective(
     op: ReduceOp,
     peer: usize,
     stream: Option<&Bound<'_, PyAny>>,
+    algo: Option<Algorithm>,
 ) -> PyResult<bool> {
     let ordinal = comm.device_index;
-    if ordinal < 0 || !is_cuda_tensor(py, send)? {
+    if ordinal < 0 {
         return Ok(false);
     }
-    let sv = tensor(py, send, if recv.is_some() { "send" } else { "tensor" }, ordinal, true)?;
-    let rv = recv.map(|r| tensor(py, r, "recv", ordinal, false)).transpose()?;
+    let torch_send = is_cuda_tensor(py, send)?;
+    if !torch_send && !is_dlpack_cuda(py, send)? {
+        return Ok(false);
+    }
+    // DLPack input (CuPy, JAX, ...): the producer makes its data ready on the stream given (a torch.cuda.Stream;
+    // the call is then asynchronous on it, like torch's), or on the legacy default stream, and then the call waits
+    // for its work before returning (the producer cannot order its later work after a stream it was not given).
+    let torch_recv = match recv {
+        Some(r) => is_torch_tensor(py, r)?,
+        None => true,
+    };
+    let dl = !torch_send || !torch_recv;
+    let (raw, sync) = match (dl, stream) {
+        (true, None) => (0, true),
+        _ => (raw_stream(py, stream, ordinal)?, false),
+    };
+    let mut held = Vec::new();
+    let writes_send = recv.is_none() && coll != Coll::Send;
+    let send_name = if recv.is_some() { "send" } else { "tensor" };
+    let sv = if torch_send {
+        tensor(py, send, send_name, ordinal, true)?
+    } else {
+        from_dlpack(py, send, send_name, ordinal, raw, writes_send, &mut held)?
+    };
+    let rv = match recv {
+        Some(r) if torch_recv => Some(tensor(py, r, "recv", ordinal, false)?),
+        Some(r) => Some(from_dlpack(py, r, "recv", ordinal, raw, true, &mut held)?),
+        None => None,
+    };
     if let Some(rv) = &rv {
         if rv.dtype != sv.dtype {
             return Err(invalid(py, format!("send is {} but recv is {}", sv.dtype, rv.dtype)));
@@ -252,18 +308,59 @@ pub(crate) fn collective(
             return Err(invalid(py, format!("recv: holds {} bytes, the call needs {need}", rv.bytes)));
         }
     }
-    let raw = raw_stream(py, stream, ordinal)?;
-    let call = Call { coll, count, dtype: sv.dtype, op, peer };
-    comm.with_state(py, move |st| {
+    let call = Call { coll, count, dtype: sv.dtype, op, peer, algo };
+    let done = comm.with_state(py, move |st| {
         let typed = typed(&mut st.comm)?;
-        if let Some(sel) = run(typed, call, sv, rv, raw)? {
+        if let Some(sel) = run(typed, call, sv, rv, raw, sync)? {
             st.last = Some(sel);
         }
         Ok(true)
-    })
+    });
+    // The DLPack tensors are released (their deleters called) after the call, with the GIL held.
+    drop(held);
+    done
 }
 
-pub(crate) fn should_all_reduce(comm: &Comm, py: Python<'_>, t: &Bound<'_, PyAny>) -> PyResult<bool> {
+/// Whether `x` is a torch tensor (of any class and device); `false` when torch cannot be imported.
+fn is_torch_tensor(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(torch) = torch(py) else { return Ok(false) };
+    x.is_instance(torch.tensor.bind(py))
+}
+
+/// Whether `x` is a DLPack object (not a torch tensor) whose `__dlpack_device__` says CUDA.
+fn is_dlpack_cuda(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if is_torch_tensor(py, x)? {
+        return Ok(false);
+    }
+    Ok(dlpack::device_of(x).is_some_and(|d| d.device_type == dlpark::ffi::DLDeviceType::CUDA))
+}
+
+/// A CUDA DLPack object's memory on this communicator's device, ready on `stream`; the managed tensor goes into
+/// `held`, which the caller keeps until the call returned.
+fn from_dlpack(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    which: &str,
+    ordinal: i32,
+    stream: usize,
+    writes: bool,
+    held: &mut Vec<dlpack::Imported>,
+) -> PyResult<DevTensor> {
+    let im = dlpack::import(x, which, Want::Cuda { ordinal, stream })?;
+    if writes && im.read_only {
+        return Err(invalid(py, format!("{which}: the DLPack array is read-only, and this call writes into it")));
+    }
+    let t = DevTensor { ptr: im.ptr as u64, bytes: im.bytes, elems: im.elems, dtype: im.dtype };
+    held.push(im);
+    Ok(t)
+}
+
+pub(crate) fn should_all_reduce(
+    comm: &Comm,
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    algo: Option<Algorithm>,
+) -> PyResult<bool> {
     let ordinal = comm.device_index;
     if ordinal < 0 {
         return Ok(false);
@@ -281,5 +378,61 @@ pub(crate) fn should_all_reduce(comm: &Comm, py: Python<'_>, t: &Bound<'_, PyAny
         capturing: false,
         bufs: None,
     };
-    comm.with_state(py, move |st| Ok(st.comm.select_all_reduce(&call).is_ok()))
+    comm.with_state(py, move |st| {
+        Ok(match algo {
+            Some(a) => st.comm.check_algorithm(a, &call).is_ok(),
+            None => st.comm.select_all_reduce(&call).is_ok(),
+        })
+    })
+}
+
+/// The fused all-reduce + residual add + RMSNorm on CUDA tensors (`input`, `residual`: tokens × hidden; `weight`:
+/// hidden; `out`: tokens × hidden of the input's type, or `float8_e4m3fn` with `fp8_scale`) on `stream`; returns
+/// `false` without doing anything when `input` is not a CUDA tensor (the caller takes the host path).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rmsnorm(
+    comm: &Comm,
+    py: Python<'_>,
+    input: &Bound<'_, PyAny>,
+    residual: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    eps: f32,
+    form: Option<&str>,
+    fp8_scale: Option<f32>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<bool> {
+    let ordinal = comm.device_index;
+    if ordinal < 0 || !is_cuda_tensor(py, input)? {
+        return Ok(false);
+    }
+    let iv = tensor(py, input, "input", ordinal, true)?;
+    let rv = tensor(py, residual, "residual", ordinal, false)?;
+    let wv = tensor(py, weight, "weight", ordinal, false)?;
+    let ov = tensor(py, out, "out", ordinal, false)?;
+    let hidden = wv.elems;
+    if hidden == 0 || iv.elems % hidden != 0 {
+        return Err(invalid(py, format!("input: {} elements are not rows of weight's {hidden}", iv.elems)));
+    }
+    let spec = crate::fused::spec(py, iv.dtype, iv.elems / hidden, hidden, eps, form, fp8_scale)?;
+    let raw = raw_stream(py, stream, ordinal)?;
+    comm.with_state(py, move |st| {
+        let typed = typed(&mut st.comm)?;
+        let ctx = typed.runtime().context().clone();
+        let dev = ctx.ordinal().unsigned_abs();
+        // SAFETY: torch's stream of this communicator's device (checked by `raw_stream`), alive for the call; the
+        // wrapper destroys nothing.
+        let s = unsafe { CudaStream::from_raw(raw as *mut c_void, &ctx) };
+        // SAFETY (the four views): the memory of plain contiguous torch CUDA tensors of this device (pointer,
+        // element count and size read from torch and checked by `check_tensor`), which the caller keeps alive and
+        // unresized for the call; core checks the sizes, alignment and overlaps against the spec; the views free
+        // nothing.
+        let a = unsafe { DeviceBuffer::from_raw(iv.ptr, iv.bytes, dev) };
+        let mut r = unsafe { DeviceBuffer::from_raw(rv.ptr, rv.bytes, dev) };
+        let w = unsafe { DeviceBuffer::from_raw(wv.ptr, wv.bytes, dev) };
+        let mut o = unsafe { DeviceBuffer::from_raw(ov.ptr, ov.bytes, dev) };
+        let sel = typed.all_reduce_rmsnorm(&a, &mut r, &w, &mut o, &spec, &s)?;
+        st.last_rmsnorm = Some(sel);
+        Ok(true)
+    })
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use anyccl::core::{Bootstrap, InvalidArgument};
 use anyccl::dynamic::{AnyCommunicator, AnyStream, BackendChoice, BackendKind};
-use anyccl::{DataType, InOut, ReduceOp, Selector};
+use anyccl::{Algorithm, DataType, InOut, ReduceOp, Selector};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -190,7 +190,28 @@ struct State {
     comm: AnyCommunicator,
     boot: Option<Box<dyn Bootstrap + Send>>,
     stream: AnyStream,
-    last: Option<anyccl::core::Selection>,
+    last: Option<Last>,
+    /// The last fused all-reduce + RMSNorm's form and rule.
+    last_rmsnorm: Option<anyccl::core::fused::RmsNormSelection>,
+}
+
+/// The last all-reduce's algorithm: the selector's choice (with its rule), or the one the caller named.
+enum Last {
+    Selected(anyccl::core::Selection),
+    Named(Algorithm),
+}
+
+impl Last {
+    fn json(&self) -> String {
+        match self {
+            Last::Selected(s) => serde_json::to_string(s).unwrap_or_default(),
+            Last::Named(a) => serde_json::json!({
+                "algorithm": a.name(),
+                "why": format!("named by the caller (algorithm={:?})", a.name()),
+            })
+            .to_string(),
+        }
+    }
 }
 
 /// One rank's communicator (the extension side of `anyccl.Communicator`).
@@ -249,10 +270,18 @@ struct Call {
     op: ReduceOp,
     /// Root of broadcast/reduce, peer of send/recv.
     peer: usize,
+    /// The all-reduce algorithm the caller named (`None`: the selector picks).
+    algo: Option<Algorithm>,
 }
 
 fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DataType> {
     s.parse::<DataType>().map_err(|e| to_py(py, &e))
+}
+
+/// The algorithm named `s` (`None`: the selector picks). The Python side checks the name first and raises
+/// `ValueError` listing the names; this is the same check for direct callers of the extension module.
+fn parse_algorithm(py: Python<'_>, s: Option<&str>) -> PyResult<Option<Algorithm>> {
+    s.map(|s| s.parse::<Algorithm>().map_err(|e| to_py(py, &e))).transpose()
 }
 
 fn parse_op(py: Python<'_>, s: &str) -> PyResult<ReduceOp> {
@@ -276,7 +305,7 @@ fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> R
         Some(n) => Some(comm.alloc(n)?),
         None => None,
     };
-    let Call { coll, count, dtype, op, peer } = call;
+    let Call { coll, count, dtype, op, peer, algo } = call;
     match coll {
         Coll::Send => comm.send(&a, count, dtype, peer, stream)?,
         Coll::Recv => comm.recv(&mut a, count, dtype, peer, stream)?,
@@ -285,11 +314,15 @@ fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> R
                 Some(b) => InOut::Separate { send: &a, recv: b },
                 None => InOut::InPlace(&mut a),
             };
-            match coll {
-                Coll::AllReduce => *last = Some(comm.all_reduce(io, count, dtype, op, stream)?),
-                Coll::AllGather => comm.all_gather(io, count, dtype, stream)?,
-                Coll::ReduceScatter => comm.reduce_scatter(io, count, dtype, op, stream)?,
-                Coll::Broadcast => comm.broadcast(io, count, dtype, peer, stream)?,
+            match (coll, algo) {
+                (Coll::AllReduce, Some(algo)) => {
+                    comm.all_reduce_with(algo, io, count, dtype, op, stream)?;
+                    *last = Some(Last::Named(algo));
+                }
+                (Coll::AllReduce, None) => *last = Some(Last::Selected(comm.all_reduce(io, count, dtype, op, stream)?)),
+                (Coll::AllGather, _) => comm.all_gather(io, count, dtype, stream)?,
+                (Coll::ReduceScatter, _) => comm.reduce_scatter(io, count, dtype, op, stream)?,
+                (Coll::Broadcast, _) => comm.broadcast(io, count, dtype, peer, stream)?,
                 _ => comm.reduce(io, count, dtype, op, peer, stream)?,
             }
         }
@@ -335,7 +368,7 @@ impl Comm {
             device: comm.device(),
             device_index,
             passed_over,
-            state: Mutex::new(Some(State { comm, boot, stream, last: None })),
+            state: Mutex::new(Some(State { comm, boot, stream, last: None, last_rmsnorm: None })),
         })
     }
 
@@ -388,7 +421,8 @@ impl Comm {
     /// buffer's length in bytes (`None`: in place). `count` is anyccl's element count (per rank for all_gather and
     /// reduce_scatter). Returns the bytes of the buffer written (recv, or the in-place buffer); `None` for send.
     /// The Python side (`anyccl.Communicator`) checks the arrays and copies the result back into them.
-    #[pyo3(signature = (coll, data, recv_len, dtype, count, op="sum", peer=0))]
+    /// `algorithm` names the all-reduce algorithm (`None`: the selector picks).
+    #[pyo3(signature = (coll, data, recv_len, dtype, count, op="sum", peer=0, algorithm=None))]
     #[allow(clippy::too_many_arguments)]
     fn host_collective<'py>(
         &self,
@@ -400,11 +434,13 @@ impl Comm {
         count: usize,
         op: &str,
         peer: usize,
+        algorithm: Option<&str>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
         let op = parse_op(py, op)?;
         let dtype = parse_dtype(py, dtype)?;
-        let call = Call { coll, count, dtype, op, peer };
+        let algo = parse_algorithm(py, algorithm)?;
+        let call = Call { coll, count, dtype, op, peer, algo };
         // `data` is the content of an immutable `bytes` object the caller holds: it stays valid and unchanged while
         // the GIL is released.
         let out = self.with_state(py, move |st| staged(st, call, data, recv_len))?;
@@ -420,8 +456,9 @@ impl Comm {
     }
 
     /// The algorithm an all-reduce of `count` elements of `dtype` would use now, as JSON, without running it (an
-    /// error when none can).
-    #[pyo3(signature = (count, dtype, op="sum", in_place=true))]
+    /// error when none can). With `algorithm`, whether that one could run it (the same JSON, or the error saying
+    /// why not).
+    #[pyo3(signature = (count, dtype, op="sum", in_place=true, algorithm=None))]
     fn select_all_reduce(
         &self,
         py: Python<'_>,
@@ -429,18 +466,37 @@ impl Comm {
         dtype: &str,
         op: &str,
         in_place: bool,
+        algorithm: Option<&str>,
     ) -> PyResult<String> {
         let dtype = parse_dtype(py, dtype)?;
         let op = parse_op(py, op)?;
+        let algo = parse_algorithm(py, algorithm)?;
         let bytes = count
             .checked_mul(dtype.size_bytes())
             .ok_or_else(|| invalid(py, format!("{count} elements of {dtype} overflow")))?;
         let call =
             anyccl::core::comm::AllReduceCall { count, dtype, op, bytes, in_place, capturing: false, bufs: None };
-        self.with_state(py, move |st| {
-            let s = st.comm.select_all_reduce(&call)?;
-            Ok(serde_json::to_string(&s).unwrap_or_default())
+        self.with_state(py, move |st| match algo {
+            Some(a) => {
+                st.comm.check_algorithm(a, &call)?;
+                Ok(Last::Named(a).json())
+            }
+            None => Ok(Last::Selected(st.comm.select_all_reduce(&call)?).json()),
         })
+    }
+
+    /// Turns deterministic mode on or off for this rank (every rank must use the same setting): all-reduce then
+    /// sums in rank order with one-shot or two-shot, bitwise the same run after run, or fails saying why.
+    fn set_deterministic(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with_state(py, move |st| {
+            st.comm.set_deterministic(on);
+            Ok(())
+        })
+    }
+
+    /// Whether deterministic mode is on.
+    fn deterministic(&self, py: Python<'_>) -> PyResult<bool> {
+        self.peek(py, |st| st.comm.deterministic())
     }
 
     /// The capability report as JSON.
@@ -456,6 +512,7 @@ impl Comm {
                 "rank": st.comm.rank(),
                 "world_size": st.comm.world_size(),
                 "allreduce_algorithms": st.comm.allreduce_algorithms(),
+                "deterministic": st.comm.deterministic(),
                 "capabilities": report,
             });
             info.to_string()
@@ -464,7 +521,33 @@ impl Comm {
 
     /// The last all-reduce's selection as JSON, or `None` before the first.
     fn last_selection_json(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.peek(py, |st| st.last.as_ref().map(|s| serde_json::to_string(s).unwrap_or_default()))
+        self.peek(py, |st| st.last.as_ref().map(Last::json))
+    }
+
+    /// The fused all-reduce + residual add + RMSNorm on host bytes: `input`, `residual` (tokens × hidden of
+    /// `dtype`) and `weight` (hidden); returns the new residual's bytes and the output's (tokens × hidden of `dtype`,
+    /// or fp8 e4m3 bytes with `fp8_scale`). `form` forces "fused-one-shot", "fused-two-shot" or "unfused".
+    #[pyo3(signature = (input, residual, weight, dtype, tokens, hidden, eps, form=None, fp8_scale=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn host_rmsnorm<'py>(
+        &self,
+        py: Python<'py>,
+        input: &[u8],
+        residual: &[u8],
+        weight: &[u8],
+        dtype: &str,
+        tokens: usize,
+        hidden: usize,
+        eps: f32,
+        form: Option<&str>,
+        fp8_scale: Option<f32>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        fused::host(self, py, input, residual, weight, dtype, tokens, hidden, eps, form, fp8_scale)
+    }
+
+    /// The last fused call's form and the rule that chose it, as JSON, or `None` before the first.
+    fn last_rmsnorm_json(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.peek(py, |st| st.last_rmsnorm.as_ref().map(fused::json))
     }
 
     /// Waits until every rank reaches the barrier.
@@ -531,8 +614,9 @@ impl Comm {
     /// A collective on CUDA tensors (plain `torch.Tensor`s on this communicator's device), on `stream` (a
     /// `torch.cuda.Stream`, or the current stream). `recv=None` runs in place. Returns `False` without doing
     /// anything when `send` is not a CUDA tensor or this communicator is not on CUDA (take the host path then).
+    /// `algorithm` names the all-reduce algorithm (`None`: the selector picks).
     #[cfg(feature = "cuda")]
-    #[pyo3(signature = (coll, send, recv=None, op="sum", peer=0, stream=None))]
+    #[pyo3(signature = (coll, send, recv=None, op="sum", peer=0, stream=None, algorithm=None))]
     #[allow(clippy::too_many_arguments)]
     fn cuda_collective(
         &self,
@@ -543,22 +627,54 @@ impl Comm {
         op: &str,
         peer: usize,
         stream: Option<&Bound<'_, PyAny>>,
+        algorithm: Option<&str>,
     ) -> PyResult<bool> {
         let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
         let op = parse_op(py, op)?;
-        cuda::collective(self, py, coll, send, recv, op, peer, stream)
+        let algo = parse_algorithm(py, algorithm)?;
+        cuda::collective(self, py, coll, send, recv, op, peer, stream, algo)
+    }
+
+    /// The fused all-reduce + residual add + RMSNorm on CUDA tensors (see `host_rmsnorm`); `False` when `input`
+    /// is not a CUDA tensor.
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (input, residual, weight, out, eps, form=None, fp8_scale=None, stream=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda_rmsnorm(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        residual: &Bound<'_, PyAny>,
+        weight: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        eps: f32,
+        form: Option<&str>,
+        fp8_scale: Option<f32>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        cuda::rmsnorm(self, py, input, residual, weight, out, eps, form, fp8_scale, stream)
     }
 
     /// Whether `tensor` is one this communicator's `all_reduce` takes: a plain contiguous CUDA tensor on its
     /// device, of a supported dtype, with an all-reduce algorithm eligible for it now.
+    /// With `algorithm`, whether that algorithm could run it.
     #[cfg(feature = "cuda")]
-    fn cuda_should_all_reduce(&self, py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<bool> {
-        cuda::should_all_reduce(self, py, tensor)
+    #[pyo3(signature = (tensor, algorithm=None))]
+    fn cuda_should_all_reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        algorithm: Option<&str>,
+    ) -> PyResult<bool> {
+        let algo = parse_algorithm(py, algorithm)?;
+        cuda::should_all_reduce(self, py, tensor, algo)
     }
 }
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dlpack;
+mod fused;
 
 /// Joins the job this process was started into by torchrun or srun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `MASTER_ADDR`, `MASTER_PORT`; anyccl's rendezvous on `MASTER_PORT + 1` or `ANYCCL_MASTER_PORT`) on `backend`
@@ -598,7 +714,7 @@ fn pick(choice: BackendChoice) -> anyccl::Result<(BackendKind, Vec<anyccl::dynam
     let mut passed = Vec::new();
     for &kind in order {
         let why = match kind {
-            BackendKind::Rocm => Some("the Python package runs ROCm in no release yet".to_owned()),
+            BackendKind::Rocm => Some(ROCM_WHY.to_owned()),
             _ => anyccl::dynamic::unavailable(kind, 1, disabled),
         };
         match why {
@@ -759,7 +875,13 @@ fn from_unique_id(
     r.map_err(|e| to_py(py, &e))
 }
 
-/// The backends compiled into this build, and for each why it cannot run here (None when it can).
+/// Why the Python package cannot run the ROCm backend (in `backends()` and in the error of `backend="rocm"`).
+const ROCM_WHY: &str = "not in the Python package yet: its wheel is built without anyccl's `rocm` feature, and its \
+    device-tensor path takes CUDA memory only (torch CUDA tensors by pointer, DLPack kDLCUDA arrays; a ROCm tensor \
+    is kDLROCM and needs the HIP runtime's stream and buffer types); on AMD GPUs use anyccl's Rust API or the \
+    `anyccl` command (both run ROCm), or backend=\"host\" here";
+
+/// The backends this package knows, and for each why it cannot run here (None when it can).
 #[pyfunction]
 fn backends(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
@@ -767,6 +889,7 @@ fn backends(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     for kind in [BackendKind::Host, BackendKind::Cuda] {
         d.set_item(kind.name(), anyccl::dynamic::unavailable(kind, 1, disabled))?;
     }
+    d.set_item(BackendKind::Rocm.name(), ROCM_WHY)?;
     Ok(d)
 }
 
@@ -776,6 +899,17 @@ fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for t in DataType::ALL {
         d.set_item(t.to_string(), t.size_bytes())?;
+    }
+    Ok(d)
+}
+
+/// Every all-reduce algorithm's name (anyccl's `Algorithm` names), and whether it is lossy (quantized: runs
+/// only when named).
+#[pyfunction]
+fn algorithms(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for a in Algorithm::ALL {
+        d.set_item(a.name(), a.is_lossy())?;
     }
     Ok(d)
 }
@@ -790,6 +924,10 @@ fn _anyccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add("RMSNORM_FORMS", fused::form_names())?;
+    m.add_class::<dlpack::DlpackHost>()?;
+    m.add_function(wrap_pyfunction!(dlpack::dlpack_host, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;

@@ -250,3 +250,194 @@ def test_vllm_communicator_at_tp2_over_gloo_on_cpu_tensors(torch: Any) -> None:
 
     with tempfile.TemporaryDirectory() as d:
         tmp.spawn(_tp2_rank, args=(2, d), nprocs=2, join=True)
+
+
+# ---- all-reduce options and DLPack input (issue 19) ---------------------------------------------------------------
+
+
+def test_a_named_algorithm_on_cuda(torch: Any, comm: anyccl.Communicator, ops: int) -> None:
+    x = (torch.arange(8192, device="cuda") % 31).to(torch.bfloat16)
+    ref = x.clone()
+    comm.all_reduce(x, algorithm="ccl")
+    torch.cuda.synchronize()
+    assert torch.equal(x, ref)
+    assert comm.last_selection == {"algorithm": "ccl", "why": 'named by the caller (algorithm="ccl")'}
+    with pytest.raises(ValueError, match="two-shot-fp8"):  # the list of names
+        comm.all_reduce(x, algorithm="fp8")
+    # The quantized all-reduce: eligible here or refused with the reason, never silently something else.
+    try:
+        comm.select_all_reduce(x.numel(), "bf16", algorithm="two-shot-fp8")
+        eligible = True
+    except anyccl.UnsupportedError as e:
+        eligible, why = False, e.message
+    out = torch.empty_like(x)
+    if eligible:
+        comm.all_reduce(x, out=out, algorithm="two-shot-fp8")
+        torch.cuda.synchronize()
+        assert comm.last_selection is not None and comm.last_selection["algorithm"] == "two-shot-fp8"
+        assert torch.allclose(out.float(), ref.float(), rtol=0.07, atol=0.07)
+    else:
+        assert "two-shot-fp8" in why
+        with pytest.raises(anyccl.UnsupportedError, match="two-shot-fp8"):
+            comm.all_reduce(x, out=out, algorithm="two-shot-fp8")
+        assert not comm.should_all_reduce(x, algorithm="two-shot-fp8")
+    # The custom op carries the name too (eager and compiled).
+    y = torch.ops.anyccl.all_reduce(x, ops, "sum", "ccl")
+    compiled = torch.compile(lambda t: torch.ops.anyccl.all_reduce(t, ops, "sum", "ccl") + 1, fullgraph=True)
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref) and torch.equal(compiled(x), ref + 1)
+
+
+def test_deterministic_mode_on_cuda(torch: Any, comm: anyccl.Communicator) -> None:
+    x = torch.ones(4096, device="cuda")
+    comm.deterministic = True
+    try:
+        assert comm.capabilities()["deterministic"] is True
+        with pytest.raises(anyccl.UnsupportedError, match="not deterministic"):
+            comm.all_reduce(x, algorithm="ccl")
+        try:
+            comm.all_reduce(x)
+            torch.cuda.synchronize()
+            sel = comm.last_selection
+            assert sel is not None and sel["algorithm"] in ("one-shot", "two-shot", "one-shot-push"), sel
+            assert torch.all(x == 1)
+        except anyccl.UnsupportedError as e:  # no deterministic algorithm at world 1 here: the reasons say so
+            assert "not deterministic" in e.message, e.message
+    finally:
+        comm.deterministic = False
+    assert comm.deterministic is False
+
+
+class _DLOnly:
+    """A CUDA array reachable through DLPack only (as CuPy's or JAX's are)."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.calls: list = []
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self.t.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self.t.__dlpack_device__()
+
+
+def test_dlpack_cuda_arrays(torch: Any, comm: anyccl.Communicator) -> None:
+    x = torch.arange(1 << 16, device="cuda", dtype=torch.float32)
+    ref = x.clone()
+    d = _DLOnly(x)
+    assert comm.all_reduce(d) is d  # no stream: the legacy default stream (sentinel 1), waited for
+    assert d.calls and d.calls[0].get("stream") == 1, d.calls
+    assert torch.equal(x, ref)
+    out = torch.zeros_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    e = _DLOnly(x)
+    comm.all_reduce(e, out=out, stream=s)  # a stream given: made ready on it and run on it
+    assert e.calls[0].get("stream") == s.cuda_stream, e.calls
+    s.synchronize()
+    assert torch.equal(out, ref)
+    out2 = _DLOnly(torch.zeros_like(x))
+    comm.all_reduce(_DLOnly(x), out=out2, op="max")
+    assert torch.equal(out2.t, ref)
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.all_reduce(_DLOnly(torch.ones(64, 64, device="cuda").t()))
+    with pytest.raises(TypeError, match="no anyccl data type"):
+        comm.all_reduce(_DLOnly(torch.ones(4, device="cuda", dtype=torch.int16)))
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="cuda:1"):
+            comm.all_reduce(_DLOnly(torch.ones(4, device="cuda:1")))
+
+
+# ---- the fused all-reduce + residual add + RMSNorm -----------------------------------------------------------------
+
+
+def _rmsnorm_reference(torch: Any, x: Any, res: Any, w: Any, eps: float) -> Any:
+    r = (x.float() + res.float()).to(x.dtype).float()
+    return r.to(x.dtype), (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * w.float())
+
+
+def test_fused_rmsnorm_on_cuda(torch: Any, comm: anyccl.Communicator, ops: int) -> None:
+    tokens, hidden, eps = 16, 4096, 1e-6
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    res0 = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(hidden, device="cuda", generator=g).to(torch.bfloat16)
+    want_res, want_out = _rmsnorm_reference(torch, x, res0, w, eps)
+    res = res0.clone()
+    out = comm.all_reduce_rmsnorm(x, res, w, eps=eps)
+    torch.cuda.synchronize()
+    sel = comm.last_rmsnorm_selection
+    assert sel is not None and sel["form"] in anyccl.RMSNORM_FORMS and sel["why"], sel
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert torch.equal(res, want_res)
+    assert torch.allclose(out.float(), want_out, rtol=2e-2, atol=2e-2)
+    ran = {}
+    for form in anyccl.RMSNORM_FORMS:  # each form runs with the same bits, or is refused with the reason
+        r = res0.clone()
+        try:
+            o = comm.all_reduce_rmsnorm(x, r, w, eps=eps, form=form)
+        except anyccl.UnsupportedError as e:
+            assert form in e.message or "fused" in e.message, e.message
+            continue
+        torch.cuda.synchronize()
+        assert comm.last_rmsnorm_selection["form"] == form
+        ran[form] = o
+        assert torch.equal(o, out) and torch.equal(r, want_res), form
+    assert ran, "no form ran"
+    # fp8 output
+    r = res0.clone()
+    o8 = comm.all_reduce_rmsnorm(x, r, w, eps=eps, fp8_scale=0.25)
+    torch.cuda.synchronize()
+    assert o8.dtype == torch.float8_e4m3fn
+    assert torch.allclose(o8.float(), (want_out / 0.25).clamp(-448, 448), rtol=0.07, atol=0.05)
+    # The custom op: eager, compiled, and captured into a CUDA graph.
+    r = res0.clone()
+    y = torch.ops.anyccl.all_reduce_rmsnorm(x, r, w, ops, eps)
+    torch.cuda.synchronize()
+    assert torch.equal(y, out) and torch.equal(r, want_res)
+
+    def f(a: Any, b: Any) -> Any:
+        return torch.ops.anyccl.all_reduce_rmsnorm(a, b, w, ops, eps) * 1
+
+    r = res0.clone()
+    assert torch.equal(torch.compile(f, fullgraph=True)(x, r), out) and torch.equal(r, want_res)
+    r = res0.clone()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.anyccl.all_reduce_rmsnorm(x, r.clone(), w, ops, eps)  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    with comm.capture():
+        with torch.cuda.graph(graph):
+            yg = torch.ops.anyccl.all_reduce_rmsnorm(x, r, w, ops, eps)
+    r.copy_(res0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, out) and torch.equal(r, want_res)
+    with pytest.raises(ValueError, match="fused-one-shot"):
+        comm.all_reduce_rmsnorm(x, res0.clone(), w, form="three-shot")
+
+
+def test_the_vllm_communicator_fused_call(torch: Any) -> None:
+    import torch.distributed as dist
+
+    from anyccl.vllm import AnycclDeviceCommunicator
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            vc = AnycclDeviceCommunicator(dist.group.WORLD, device=torch.device("cuda", 0), deterministic=True)
+            assert vc.comm.deterministic
+            x = torch.randn(4, 1024, device="cuda", dtype=torch.float16)
+            res = torch.randn(4, 1024, device="cuda", dtype=torch.float16)
+            w = torch.ones(1024, device="cuda", dtype=torch.float16)
+            want_res, want_out = _rmsnorm_reference(torch, x, res, w, 1e-6)
+            out = vc.all_reduce_rmsnorm(x, res, w, 1e-6)
+            torch.cuda.synchronize()
+            assert torch.equal(res, want_res) and torch.allclose(out.float(), want_out, rtol=2e-2, atol=2e-2)
+            vc.destroy()
+        finally:
+            dist.destroy_process_group()
