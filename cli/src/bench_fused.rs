@@ -391,8 +391,16 @@ pub fn render_table(r: &FusedReport) -> String {
         r.op, r.backend, r.world, r.dtype, r.hidden, r.iters
     );
     s += &format!(
-        "{:>8} {:>10} {:>16} {:>16} {:>16} {:>16} {:>13} {:>7}\n",
-        "tokens", "bytes", "fused-one-shot", "fused-two-shot", "unfused", "auto", "fused/unfused", "#wrong"
+        "{:>8} {:>10} {:>16} {:>16} {:>16} {:>16} {:>16} {:>13} {:>7}\n",
+        "tokens",
+        "bytes",
+        "fused-one-shot",
+        "fused-two-shot",
+        "fused-push",
+        "unfused",
+        "auto",
+        "fused/unfused",
+        "#wrong"
     );
     for row in &r.rows {
         let t = |f: RmsNormForm| {
@@ -404,11 +412,12 @@ pub fn render_table(r: &FusedReport) -> String {
         let ratio = row.fused_over_unfused.map_or("-".to_owned(), |x| format!("{x:.2}x"));
         let wrong: usize = row.cells.iter().map(|c| c.wrong).sum();
         s += &format!(
-            "{:>8} {:>10} {:>16} {:>16} {:>16} {:>16} {:>13} {:>7}\n",
+            "{:>8} {:>10} {:>16} {:>16} {:>16} {:>16} {:>16} {:>13} {:>7}\n",
             row.tokens,
             format_bytes(row.bytes as u64),
             t(RmsNormForm::FusedOneShot),
             t(RmsNormForm::FusedTwoShot),
+            t(RmsNormForm::FusedPush),
             t(RmsNormForm::Unfused),
             row.auto.name(),
             ratio,
@@ -454,8 +463,18 @@ mod tests {
         let r = run(BackendKind::Host, &cfg(vec![1, 3], 256), std::sync::Arc::new(Selector::defaults())).expect("ran");
         assert_eq!((r.rows.len(), r.wrong), (2, 0));
         for row in &r.rows {
-            assert_eq!(row.cells.len(), 3);
-            assert!(row.cells.iter().all(|c| c.us.is_some_and(|us| us > 0.0) && c.wrong == 0), "{row:?}");
+            assert_eq!(row.cells.len(), 4);
+            // The host runs every form but the fused push one-shot, which it refuses with the reason.
+            for c in &row.cells {
+                if c.form == RmsNormForm::FusedPush {
+                    assert!(
+                        c.us.is_none() && c.ineligible.as_deref().is_some_and(|w| w.contains("fused-push")),
+                        "{c:?}"
+                    );
+                } else {
+                    assert!(c.us.is_some_and(|us| us > 0.0) && c.wrong == 0, "{row:?}");
+                }
+            }
             assert_eq!(row.auto, RmsNormForm::FusedOneShot);
             assert!(row.fused_over_unfused.is_some());
         }

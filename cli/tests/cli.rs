@@ -768,7 +768,12 @@ fn bench_fused_rmsnorm_on_the_host() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(v["wrong"], 0);
     assert_eq!(v["rows"].as_array().map(Vec::len), Some(2));
-    assert_eq!(v["rows"][0]["cells"].as_array().map(Vec::len), Some(3));
+    assert_eq!(v["rows"][0]["cells"].as_array().map(Vec::len), Some(4));
+    // The host refuses the fused push one-shot (a GPU form) with the reason; the table says n/a and why.
+    let push = &v["rows"][0]["cells"][3];
+    assert_eq!((push["form"].as_str(), push["us"].is_null()), (Some("fused-push"), true), "{push}");
+    assert!(push["ineligible"].as_str().is_some_and(|w| w.contains("host")), "{push}");
+    assert!(stdout.contains("fused-push: n/a"), "{stdout}");
     assert_eq!(v["rows"][0]["auto"], "fused-one-shot");
 
     // The environment's form is what `auto` runs.

@@ -67,11 +67,17 @@ pub enum RmsNormForm {
     FusedTwoShot,
     /// The all-reduce, then a separate RMSNorm pass (the baseline the fused forms are measured against).
     Unfused,
+    /// Push-mode one step (GPU communicators with the push one-shot set up): every rank writes its rows into
+    /// every peer's receive buffer (completion by sentinel values, no barrier round), then reduces, adds and
+    /// normalises every row, in one kernel. The fused one-shot's bits; small messages only (the push receive
+    /// slots, 256 KiB).
+    FusedPush,
 }
 
 impl RmsNormForm {
     /// Every form.
-    pub const ALL: [RmsNormForm; 3] = [RmsNormForm::FusedOneShot, RmsNormForm::FusedTwoShot, RmsNormForm::Unfused];
+    pub const ALL: [RmsNormForm; 4] =
+        [RmsNormForm::FusedOneShot, RmsNormForm::FusedTwoShot, RmsNormForm::Unfused, RmsNormForm::FusedPush];
 
     /// The stable name used in `ANYCCL_FUSED_RMSNORM`, table files (`fused_rmsnorm = [...]`) and the CLI.
     pub const fn name(self) -> &'static str {
@@ -79,6 +85,7 @@ impl RmsNormForm {
             RmsNormForm::FusedOneShot => "fused-one-shot",
             RmsNormForm::FusedTwoShot => "fused-two-shot",
             RmsNormForm::Unfused => "unfused",
+            RmsNormForm::FusedPush => "fused-push",
         }
     }
 
@@ -102,13 +109,14 @@ impl fmt::Display for RmsNormForm {
 impl FromStr for RmsNormForm {
     type Err = Error;
 
-    /// A form's name, any case; `one-shot` and `two-shot` name the fused forms.
+    /// A form's name, any case; `one-shot`, `two-shot` and `push` name the fused forms.
     fn from_str(s: &str) -> Result<Self, Error> {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "fused-one-shot" | "one-shot" => Ok(RmsNormForm::FusedOneShot),
             "fused-two-shot" | "two-shot" => Ok(RmsNormForm::FusedTwoShot),
             "unfused" => Ok(RmsNormForm::Unfused),
+            "fused-push" | "push" => Ok(RmsNormForm::FusedPush),
             _ => Err(Error::Config {
                 source_name: "fused all-reduce + RMSNorm form".to_owned(),
                 line: None,

@@ -10,11 +10,12 @@ use anyccl_kernels_cuda::FLAG_BYTES;
 
 use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES, TWO_SHOT_ROUND_BYTES};
 use crate::emulated::InputMode;
-use crate::fused_push::{self, fused_push_blocks, FusedPushKernels};
 use crate::graph::Graph;
 use crate::platform::Cuda;
-use crate::push::{init_receive_buffer, push_blocks, PushKernels, PUSH_RECV_BYTES};
+use crate::push::{init_receive_buffer, push_blocks, PushKernels, PUSH_MAX_BYTES, PUSH_RECV_BYTES};
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
+use anyccl_ccl::gpu::push::{fused_push_blocks, fused_push_ineligible};
+use anyccl_ccl::gpu::GpuPlatform;
 
 /// The fused kernels loaded for one CUDA device.
 pub type FusedKernels = anyccl_ccl::gpu::fused::FusedKernels<Cuda>;
@@ -28,7 +29,7 @@ pub enum FusedPath {
     /// The custom all-reduce kernel of this kind (one-shot or two-shot) into `allreduced`, then the separate
     /// RMSNorm kernel.
     Unfused(Kind),
-    /// The fused push one-shot ([`crate::fused_push`]; needs [`EmulatedFused::enable_push`]).
+    /// The fused push one-shot (`fused_push.h`; needs [`EmulatedFused::enable_push`]).
     FusedPush,
     /// The push one-shot all-reduce into `allreduced`, then the separate RMSNorm kernel (needs
     /// [`EmulatedFused::enable_push`]).
@@ -65,8 +66,9 @@ impl FusedPath {
 pub struct PushPaths {
     /// The push one-shot kernels.
     pub kernels: PushKernels,
-    /// The fused push kernels.
-    pub fused: FusedPushKernels,
+    /// The fused push kernels (handles into `kernels`' module of the [`EmulatedFused`], launched the way the
+    /// communicator launches them).
+    pub fused: anyccl_ccl::gpu::push::PushKernels<Cuda>,
     /// Receive buffers, by rank ([`crate::push::PUSH_RECV_BYTES`] each).
     pub recv: Vec<DeviceBuffer>,
     /// Whether launches carry the programmatic-stream-serialization attribute (default: where the device has it).
@@ -187,11 +189,14 @@ impl EmulatedFused {
     /// for that). Refuses a message larger than the receive slots. Not during capture.
     pub fn enable_push(&mut self) -> Result<()> {
         let world = self.streams.len();
-        if let Some(why) = fused_push::ineligible(self.dtype, self.tokens, self.hidden, world) {
+        if let Some(why) = fused_push_ineligible(self.dtype, self.tokens, self.hidden, world, PUSH_MAX_BYTES) {
             return Err(Error::backend("cuda", "emulated fused ranks", None, why));
         }
         let kernels = PushKernels::load(&self.runtime)?;
-        let fused = FusedPushKernels::from_custom(&self.kernels);
+        let fused = anyccl_ccl::gpu::push::PushKernels::from_custom(&self.kernels)?;
+        if let Some(why) = fused.fused_missing(self.dtype) {
+            return Err(Error::backend("cuda", "emulated fused ranks", None, why));
+        }
         let recv = (0..world).map(|_| self.runtime.alloc(PUSH_RECV_BYTES)).collect::<Result<Vec<_>>>()?;
         let s = &self.streams[0];
         recv.iter().try_for_each(|b| init_receive_buffer(b, s))?;
@@ -253,7 +258,8 @@ impl EmulatedFused {
                 // With programmatic dependent launch a rank's next call may hold its blocks early: twice over.
                 let twice = if p.pdl { 2 } else { 1 };
                 if path == FusedPath::FusedPush {
-                    (p.fused.resident_blocks(&self.runtime, self.dtype)? / twice, p.fused_blocks)
+                    let fit = p.fused.fused_blocks_per_sm(&self.runtime, self.dtype)? * Cuda::sm_count(&self.runtime)?;
+                    (fit / twice, p.fused_blocks)
                 } else {
                     (p.kernels.resident_blocks(self.dtype)? / twice, p.push_blocks)
                 }
@@ -322,18 +328,8 @@ impl EmulatedFused {
                 FusedPath::FusedPush => {
                     let p = self.push_paths(path)?;
                     let recv = Self::ptrs(&p.recv);
-                    p.fused.launch(
-                        &self.runtime,
-                        self.dtype,
-                        own,
-                        &args,
-                        &recv,
-                        fl[rank],
-                        rank,
-                        p.fused_blocks,
-                        p.pdl,
-                        s,
-                    )
+                    let (dtype, rt) = (self.dtype, &self.runtime);
+                    p.fused.launch_fused(rt, dtype, own, &args, &recv, fl[rank], rank, PUSH_MAX_BYTES, p.pdl, s)
                 }
                 FusedPath::UnfusedPush => {
                     let p = self.push_paths(path)?;

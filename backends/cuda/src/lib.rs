@@ -36,9 +36,6 @@ pub mod emulated_fused;
 #[cfg(feature = "emulation")]
 #[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
 pub mod emulated_quant;
-#[cfg(feature = "emulation")]
-#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
-pub mod fused_push;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;

@@ -337,7 +337,8 @@ fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
 /// row that is not a multiple of 8) launch nothing; fused one-shot launches `anyccl_fused_one_shot_bf16` with one
 /// block per row and `NORM_THREADS` threads on every rank; fused two-shot `anyccl_fused_two_shot_bf16` with a
 /// block per row of the rank's share; unfused the custom one-shot all-reduce into `out` then
-/// `anyccl_rmsnorm_bf16`; fp8 output is never unfused.
+/// `anyccl_rmsnorm_bf16`; the fused push one-shot `anyccl_fused_push_one_shot_bf16` on the push grid, and it is
+/// the default rule's first form at this size; fp8 output is never unfused.
 fn fused(s: &Setup) {
     use anyccl_core::{RmsNormForm, RmsNormSpec};
     let mut cs = comms(s, 2);
@@ -374,6 +375,10 @@ fn fused(s: &Setup) {
         (RmsNormForm::FusedOneShot, vec![("anyccl_fused_one_shot_bf16", tokens as u32)]),
         (RmsNormForm::FusedTwoShot, vec![("anyccl_fused_two_shot_bf16", tokens.div_ceil(2) as u32)]),
         (RmsNormForm::Unfused, vec![("anyccl_one_shot_bf16", 0), ("anyccl_rmsnorm_bf16", tokens as u32)]),
+        (
+            RmsNormForm::FusedPush,
+            vec![("anyccl_fused_push_one_shot_bf16", anyccl_ccl::gpu::push::fused_push_blocks(tokens, bytes, 2))],
+        ),
     ];
     for (form, want) in forms {
         s.fake.reset();
@@ -397,6 +402,11 @@ fn fused(s: &Setup) {
         // The refused launch is an error of the call on every rank.
         assert!(got.iter().all(|r| r.is_err()), "{form}: {got:?}");
     }
+    // The default rule tries the fused push one-shot first at this size (6 KiB), where the push one-shot is set up.
+    s.fake.reset();
+    let _ = call_all(&mut cs, spec, hidden * 2);
+    let names: Vec<String> = s.fake.launches().iter().map(|l| l.name.clone()).collect();
+    assert_eq!(names, ["anyccl_fused_push_one_shot_bf16"; 2], "default form at 6 KiB");
     // fp8 output: unfused is refused with the reason before anything is launched.
     s.fake.reset();
     for e in call_all(&mut cs, spec.fp8_output(0.5).with_form(RmsNormForm::Unfused), hidden * 2) {

@@ -11,8 +11,9 @@ use anyccl_core::{DataType, Error, InvalidArgument, Result};
 use crate::reduce::{cast, cast_mut};
 use crate::{try_filled, HostBuffer};
 
-/// Every form: all three run on the host.
-pub(crate) const FORMS: [RmsNormForm; 3] = RmsNormForm::ALL;
+/// The forms the host runs: every one but the fused push one-shot (a GPU kernel's exchange; the host has no
+/// receive buffers to push into, and nothing to gain from them).
+pub(crate) const FORMS: [RmsNormForm; 3] = [RmsNormForm::FusedOneShot, RmsNormForm::FusedTwoShot, RmsNormForm::Unfused];
 
 /// Whether the threads' backend reduces `call` for `form` with two-shot (else one-shot).
 pub(crate) fn two_shot(form: RmsNormForm, call: &RmsNormCall) -> bool {

@@ -133,6 +133,9 @@ fn assert_exact(what: &str, got: &[Got], want: &(Vec<u8>, Vec<u16>)) {
     }
 }
 
+/// The forms the host offers (the fused push one-shot is a GPU kernel's exchange; refused here, tested below).
+const HOST_FORMS: [RmsNormForm; 3] = [RmsNormForm::FusedOneShot, RmsNormForm::FusedTwoShot, RmsNormForm::Unfused];
+
 #[test]
 fn every_form_on_threads_is_bit_exact_against_the_reference() {
     for world in [2usize, 3] {
@@ -147,7 +150,7 @@ fn every_form_on_threads_is_bit_exact_against_the_reference() {
             let auto = run(&mut comms, &base, &d);
             assert_exact(&format!("world {world} {dtype} {tokens}x{hidden} auto"), &auto, &want);
             assert!(auto[0].0.why.contains("default rule"), "{:?}", auto[0].0);
-            for form in RmsNormForm::ALL {
+            for form in HOST_FORMS {
                 let got = run(&mut comms, &base.with_form(form), &d);
                 assert_eq!(got[0].0.form, form, "the forced form runs");
                 assert!(got[0].0.why.contains("RmsNormSpec::form"), "{:?}", got[0].0);
@@ -157,7 +160,7 @@ fn every_form_on_threads_is_bit_exact_against_the_reference() {
             let want8 = d.expected(&fp8);
             assert_eq!(want8.0.len(), tokens * hidden);
             assert_eq!(want8.1, want.1, "fp8 output leaves the residual as it is");
-            for form in RmsNormForm::ALL {
+            for form in HOST_FORMS {
                 let got = run(&mut comms, &fp8.with_form(form), &d);
                 assert_exact(&format!("world {world} {dtype} {tokens}x{hidden} {form} fp8"), &got, &want8);
             }
@@ -182,7 +185,7 @@ fn process_communicators_are_bit_exact_too() {
     let d = Data::new(dtype, world, tokens, hidden, 5);
     let spec = RmsNormSpec::new(dtype, tokens, hidden, 1e-5);
     let want = d.expected(&spec);
-    for form in RmsNormForm::ALL {
+    for form in HOST_FORMS {
         assert_exact(&format!("processes {form}"), &run(&mut comms, &spec.with_form(form), &d), &want);
     }
     let fp8 = spec.fp8_output(0.02);
@@ -277,6 +280,20 @@ fn bad_calls_are_refused_with_typed_errors_and_change_nothing() {
     let i = check(ok.fp8_output(0.0), input.as_bytes(), weight.as_bytes(), 0, n);
     assert!(matches!(i, InvalidArgument::InvalidValue { .. }) && i.to_string().contains("scale"), "{i}");
     assert_eq!(out, out0, "the output changed on a refused call");
-    // A forced form is checked like the others; every host form is eligible, so a valid call on one rank alone
-    // would wait for its peer: not run here.
+    // The fused push one-shot is not a host form: forced, it is refused before anything moves, naming it.
+    let push = ok.with_form(RmsNormForm::FusedPush);
+    let e = c
+        .all_reduce_rmsnorm(
+            input.as_bytes(),
+            residual.as_bytes_mut(),
+            weight.as_bytes(),
+            &mut out.as_bytes_mut()[..n],
+            &push,
+            &(),
+        )
+        .expect_err("fused-push on the host");
+    assert!(e.to_string().contains("fused-push"), "{e}");
+    assert_eq!((&residual, &out), (&res0, &out0), "a refused fused-push call changed a buffer");
+    // Other forced forms are checked like the rest; every host form is eligible, so a valid call on one rank
+    // alone would wait for its peer: not run here.
 }

@@ -10,6 +10,7 @@ use anyccl_core::Result;
 
 use super::super::fused::{self as fused, FusedForm, NormArgs};
 use super::super::kernels::{self, Inputs, Kind};
+use super::super::push::{fused_push_ineligible, PUSH_MAX_BYTES};
 use super::super::GpuPlatform;
 use super::{custom_blocks, GpuComm};
 use crate::device::GpuRuntime;
@@ -44,6 +45,9 @@ pub fn rmsnorm_ineligible(form: RmsNormForm, call: &RmsNormCall, world: usize, c
                 )),
             }
         }
+        RmsNormForm::FusedPush => {
+            super::super::push::fused_push_ineligible(call.dtype, call.tokens, call.hidden, world, PUSH_MAX_BYTES)
+        }
         RmsNormForm::Unfused if call.output != fused::FusedOutput::Same => Some(
             "the unfused path all-reduces into `out`, which holds e4m3 bytes with fp8 output; fp8 output is made by \
              the fused kernels only"
@@ -60,10 +64,21 @@ impl<P: GpuPlatform> GpuComm<P> {
         if self.fused.is_none() {
             return Err("the fused kernels are not set up".into());
         }
-        match rmsnorm_ineligible(form, call, self.ccl.world(), st.capacity) {
-            Some(why) => Err(why),
-            None => Ok(()),
+        if let Some(why) = rmsnorm_ineligible(form, call, self.ccl.world(), st.capacity) {
+            return Err(why);
         }
+        if form == RmsNormForm::FusedPush {
+            // The push one-shot's receive buffers, its agreed limit and the kernel itself.
+            let p = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
+            if let Some(why) = fused_push_ineligible(call.dtype, call.tokens, call.hidden, self.ccl.world(), p.capacity)
+            {
+                return Err(why);
+            }
+            if let Some(why) = p.kernels.fused_missing(call.dtype) {
+                return Err(why);
+            }
+        }
+        Ok(())
     }
 
     /// Runs a validated call with the form the front-end chose (eligible: [`GpuComm::fused_eligible`]).
@@ -106,6 +121,31 @@ impl<P: GpuPlatform> GpuComm<P> {
             spec.eps,
             spec.output,
         );
+        if choice == RmsNormForm::FusedPush {
+            let no_push = |why: &String| anyccl_core::Error::NoEligibleAlgorithm { why: why.clone() };
+            let p = st.push.as_ref().map_err(no_push)?;
+            let dependent = p.kernels.dependent_launch().is_ok();
+            let my_flags = st.all_flags.get(rank).copied().unwrap_or(0);
+            // SAFETY: validated by the front-end (every buffer this device's, 16-byte aligned, long enough, out and
+            // residual overlapping nothing) and eligible (`fused_eligible` above: the message within the agreed
+            // push limit and the receive slots); every rank's receive buffer is live and initialised (set up with
+            // the custom kernels, shared by this communicator's push calls only, one protocol); every rank makes the
+            // same call; ranks run on different GPUs. A null flag array is refused by the launch.
+            return unsafe {
+                p.kernels.launch_fused(
+                    &self.runtime,
+                    spec.dtype,
+                    src,
+                    &args,
+                    &p.all_recv,
+                    my_flags,
+                    rank,
+                    p.capacity,
+                    dependent,
+                    stream,
+                )
+            };
+        }
         let max = st.max_blocks;
         let fused_form = match choice {
             RmsNormForm::FusedOneShot => Some(FusedForm::OneShot),

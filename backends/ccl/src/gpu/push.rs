@@ -19,9 +19,11 @@ use std::ffi::{c_void, CString};
 
 use anyccl_core::{Algorithm, DataType, Error, MemoryRuntime, Result};
 use anyccl_kernels_common as common;
+use common::fused_push::FUSED_PUSH_KERNELS;
 use common::push::{PUSH_CTRL_OFFSET, PUSH_KERNELS};
 pub use common::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
 
+use super::fused::NormArgs;
 use super::kernels::{ptrs, CustomKernels, Ptrs, THREADS};
 use super::{BufferOf, GpuPlatform, StreamOf};
 
@@ -78,11 +80,46 @@ pub fn ineligible<P: GpuPlatform>(dtype: DataType, bytes: usize, world: usize, c
     None
 }
 
+/// Why the fused push one-shot (`fused_push.h`: the push exchange, then the residual add + RMSNorm in the same
+/// kernel) cannot run `tokens` rows of `hidden` elements of `dtype` on `world` ranks with receive slots for
+/// `capacity` bytes, if it cannot: the fused kernels' bounds (f16/bf16, hidden a multiple of 8 up to 16384, 2–8
+/// ranks) and the slots.
+pub fn fused_push_ineligible(
+    dtype: DataType,
+    tokens: usize,
+    hidden: usize,
+    world: usize,
+    capacity: usize,
+) -> Option<String> {
+    if let Some(why) = super::fused::fused_ineligible(dtype, hidden, world) {
+        return Some(why);
+    }
+    let limit = capacity.min(PUSH_MAX_BYTES);
+    match tokens.checked_mul(hidden).and_then(|n| n.checked_mul(dtype.size_bytes())) {
+        Some(b) if b <= limit => None,
+        _ => Some(format!(
+            "{tokens} × {hidden} elements of {dtype} exceed the push receive slots' limit ({limit} bytes; \
+             {ENV_PUSH_MAX_BYTES}, at most {PUSH_MAX_BYTES})"
+        )),
+    }
+}
+
+/// Blocks per rank of a fused push call of `tokens` rows, `bytes` in all, on `world` ranks: one per row, at least
+/// [`push_blocks`] (blocks beyond the rows only push), at most `max(8, 64 / world)` (every rank's blocks resident
+/// twice over on one GPU with emulated ranks, as for the push one-shot). Every rank uses the same.
+pub fn fused_push_blocks(tokens: usize, bytes: usize, world: usize) -> u32 {
+    let max = (64 / world.max(1)).max(8);
+    // At most 64: fits a u32.
+    tokens.max(push_blocks(bytes, world) as usize).clamp(1, max) as u32
+}
+
 /// The push kernels of the custom kernels' module (valid while those kernels are), and whether launches use
 /// programmatic dependent launch.
 pub struct PushKernels<P: GpuPlatform> {
     /// f32, f16, bf16.
     functions: [P::Function; 3],
+    /// The fused push one-shot for f16 and bf16, where the module has it.
+    fused: [Option<P::Function>; 2],
     /// `Ok`: launches carry programmatic dependent launch; `Err`: why they do not (plain launches, still correct).
     dependent: std::result::Result<(), String>,
 }
@@ -100,11 +137,110 @@ impl<P: GpuPlatform> PushKernels<P> {
         let functions: [P::Function; 3] = functions
             .try_into()
             .map_err(|_| Error::backend(P::NAME, "push kernels", None, "three kernels expected".to_owned()))?;
+        let mut fused = [None; 2];
+        for (f, name) in fused.iter_mut().zip(FUSED_PUSH_KERNELS) {
+            // Kernel names are fixed ASCII without NUL bytes.
+            let Ok(c) = CString::new(name) else { continue };
+            match kernels.function_named(&c) {
+                Ok(h) => *f = Some(h),
+                Err(e) => tracing::debug!(kernel = name, error = %e, "no fused push kernel in the module"),
+            }
+        }
         let dependent = match P::dependent_launch_unavailable(kernels.runtime()) {
             None => Ok(()),
             Some(why) => Err(why),
         };
-        Ok(PushKernels { functions, dependent })
+        Ok(PushKernels { functions, fused, dependent })
+    }
+
+    fn fused_function(&self, dtype: DataType) -> std::result::Result<P::Function, String> {
+        let i = match dtype {
+            DataType::F16 => 0,
+            DataType::Bf16 => 1,
+            other => return Err(format!("the fused push one-shot takes f16 and bf16, not {other}")),
+        };
+        self.fused[i].ok_or_else(|| {
+            format!("the loaded kernel module has no {} (built from an older source?)", FUSED_PUSH_KERNELS[i])
+        })
+    }
+
+    /// Why the module cannot run the fused push one-shot for `dtype`, if it cannot.
+    pub fn fused_missing(&self, dtype: DataType) -> Option<String> {
+        self.fused_function(dtype).err()
+    }
+
+    /// How many blocks of the fused push kernel of `dtype` fit on one multiprocessor at once.
+    pub fn fused_blocks_per_sm(&self, runtime: &P::Runtime, dtype: DataType) -> Result<usize> {
+        let f = self.fused_function(dtype).map_err(|m| Error::backend(P::NAME, "fused push one-shot", None, m))?;
+        P::max_active_blocks_per_sm(runtime, f, THREADS)
+    }
+
+    /// Launches one rank's fused push call on [`fused_push_blocks`] blocks: its `args.tokens` rows of `input`
+    /// pushed into every peer's receive buffer, then reduced in rank order, added to the residual and normalised
+    /// as `args` says (the bits of the fused one-shot). With `dependent` (and the platform's programmatic
+    /// dependent launch available: else an error) the launch overlaps the stream's previous kernel.
+    ///
+    /// # Safety
+    /// `input` holds the rows on this device and `args` points at live buffers of this device of the sizes the
+    /// fused kernels need (residual and out: `tokens × hidden`, weight: `hidden`); every `recv[r]` is a live
+    /// receive buffer of [`PUSH_RECV_BYTES`] initialised by [`init_receive_buffer`] and used by this group only
+    /// (push one-shot calls may share it: one protocol); `my_flags` a live flag array; every rank launches the same
+    /// sequence of push calls, and their blocks are co-resident.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_fused(
+        &self,
+        runtime: &P::Runtime,
+        dtype: DataType,
+        input: u64,
+        args: &NormArgs,
+        recv: &[u64],
+        my_flags: u64,
+        rank: usize,
+        capacity: usize,
+        dependent: bool,
+        stream: &StreamOf<P>,
+    ) -> Result<()> {
+        let world = recv.len();
+        let bad = |m: String| Error::backend(P::NAME, "fused push one-shot", None, m);
+        let tokens = usize::try_from(args.tokens).map_err(|e| bad(e.to_string()))?;
+        let hidden = args.hidden_vec as usize * 8;
+        if let Some(why) = fused_push_ineligible(dtype, tokens, hidden, world, capacity) {
+            return Err(bad(why));
+        }
+        if rank >= world {
+            return Err(bad(format!("rank {rank} of {world}")));
+        }
+        let ptrs_in = [input, args.residual, args.weight, args.out, my_flags];
+        if recv.iter().chain(&ptrs_in).any(|p| *p == 0 || p % 16 != 0) {
+            return Err(bad("every buffer must be non-null and 16-byte aligned".into()));
+        }
+        if dependent {
+            self.dependent_launch().map_err(|why| bad(why.to_owned()))?;
+        }
+        let f = self.fused_function(dtype).map_err(bad)?;
+        let bytes = tokens * hidden * dtype.size_bytes();
+        let (mut in_p, mut a, mut recv_p, mut flags_p) = (input, *args, ptrs(recv), my_flags);
+        // rank < world <= MAX_RANKS (checked above and by `fused_push_ineligible`).
+        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
+        // The order and sizes of common::fused_push::FUSED_PUSH_PARAMS.
+        let mut params: [*mut c_void; 6] = [
+            (&mut in_p as *mut u64).cast(),
+            (&mut a as *mut NormArgs).cast(),
+            (&mut recv_p as *mut Ptrs).cast(),
+            (&mut flags_p as *mut u64).cast(),
+            (&mut rank_i as *mut i32).cast(),
+            (&mut world_i as *mut i32).cast(),
+        ];
+        let grid = (fused_push_blocks(tokens, bytes, world), 1, 1);
+        // SAFETY: `params` matches the kernel's signature (FUSED_PUSH_PARAMS) and points to locals that outlive the
+        // call; the caller guarantees the buffers and that every rank makes the same calls.
+        unsafe {
+            if dependent {
+                P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+            } else {
+                P::launch(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+            }
+        }
     }
 
     /// `Ok` when launches use programmatic dependent launch, else why not.
@@ -267,6 +403,29 @@ mod tests {
             .chunks_exact(4)
             .all(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]) == PUSH_SENTINEL));
         assert!(b[PUSH_CTRL_OFFSET..].iter().all(|x| *x == 0));
+    }
+
+    #[test]
+    fn fused_push_eligibility_and_grid() {
+        let cap = PUSH_MAX_BYTES;
+        assert_eq!(fused_push_ineligible(DataType::Bf16, 16, 8192, 8, cap), None);
+        let big = fused_push_ineligible(DataType::Bf16, 17, 8192, 8, cap).expect("over 256 KiB");
+        assert!(big.contains("receive slots") && big.contains(ENV_PUSH_MAX_BYTES), "{big}");
+        assert!(fused_push_ineligible(DataType::Bf16, 8, 8192, 8, 64 << 10).is_some(), "over the setting");
+        assert!(fused_push_ineligible(DataType::F32, 1, 8192, 2, cap).is_some());
+        assert!(fused_push_ineligible(DataType::F16, 1, 8192, 1, cap).is_some());
+        assert!(fused_push_ineligible(DataType::F16, 1, 1020, 2, cap).is_some());
+        assert!(fused_push_ineligible(DataType::F16, usize::MAX, 8192, 2, cap).is_some());
+        // A block per row, at least the push grid, at most max(8, 64 / world).
+        assert_eq!(fused_push_blocks(1, 16 << 10, 8), 4);
+        assert_eq!(fused_push_blocks(6, 96 << 10, 8), 8);
+        assert_eq!(fused_push_blocks(16, 256 << 10, 8), 8);
+        assert_eq!(fused_push_blocks(16, 256 << 10, 2), 32);
+        assert_eq!(fused_push_blocks(1, 16 << 10, 2), 4);
+        // Packed parameters: in, NormArgs, RankPtrs, my_flags, rank, world.
+        let sizes = [8usize, std::mem::size_of::<NormArgs>(), std::mem::size_of::<Ptrs>(), 8, 4, 4];
+        let want: Vec<usize> = common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| p.2).collect();
+        assert_eq!(sizes.to_vec(), want);
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //!
 //! The push paths (fused push one-shot; push one-shot then RMSNorm) run where the message fits the push receive
 //! slots (256 KiB; `-` elsewhere), with programmatic dependent launch on sm_90+, on the push grids
-//! (`anyccl_cuda::fused_push::fused_push_blocks`, `anyccl_cuda::push::push_blocks`). The ratio takes the best of
+//! (`anyccl_ccl::gpu::push::fused_push_blocks`, `anyccl_cuda::push::push_blocks`). The ratio takes the best of
 //! every fused path over the best of every unfused one.
 //!
 //! Blocks per rank: fused one-shot and the all-reduce kernels min(rows, cap); fused two-shot min(rows per rank,
