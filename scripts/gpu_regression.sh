@@ -22,7 +22,7 @@ step() { # NAME FILTER COMMAND...
 TESTS="^test |test result|panicked|assert"
 step gpu "$TESTS" env ANYCCL_IPC_CHECK="$PWD/anyccl-cuda-ipc-check" ANYCCL_TEST_COMM_ITERS=20 ./gpu --ignored \
     --test-threads=1 --skip graph_buffers_single_process --skip a_rank_that_dies \
-    --skip a_refused_wait_during_capture_leaves
+    --skip a_refused_wait_during_capture_leaves --skip on_a_communicator_of_two_gpus
 step cudarc_gpu "$TESTS" ./cudarc_gpu --ignored --test-threads=1 --skip a_cudarc_slice_or_stream_of_another_device
 step eager "." ./anyccl bench --backend cuda --eager --world 1 --iters 1000 --sizes 512KiB,16MiB
 step bench "." ./anyccl bench --backend cuda --world 1 --sizes 4KiB,1MiB,64MiB --iters 20
