@@ -7,10 +7,11 @@
 // therefore bit for bit the fused one-shot's (NaN payloads aside, as for the push one-shot).
 //
 // Protocol: the receive buffers, their two sets, the epoch in the control words, the sentinel resets and the abort
-// word are push.h's, unchanged, so push one-shot calls and fused push calls may share one set of receive buffers
-// and follow each other in any order (each call is one "push call" of that protocol). Every block pushes its share
-// of the input (a grid-stride loop over every vector), then block b normalises rows b, b + gridDim.x, ...; blocks
-// beyond the row count only push. Messages (tokens × hidden × sizeof(T)) up to ANYCCL_PUSH_MAX_BYTES.
+// word are push.h's, through the same functions (push_epoch, push_out, push_reduce_vec, push_end), so push one-shot
+// calls and fused push calls may share one set of receive buffers and follow each other in any order (each call is
+// one "push call" of that protocol). Every block pushes its share of the input (a grid-stride loop over every
+// vector), then block b normalises rows b, b + gridDim.x, ...; blocks beyond the row count only push. Messages
+// (tokens × hidden × sizeof(T)) up to ANYCCL_PUSH_MAX_BYTES.
 //
 // Programmatic dependent launch (sm_90+): nothing before anyccl_grid_dependency_wait reads the input, the residual
 // or the epoch, or writes anything; dependents may launch once this kernel's pushes are out (they wait for its
@@ -28,54 +29,22 @@ __device__ __forceinline__ void fused_push_one_shot(const void* in, const NormAr
     const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     anyccl_grid_dependency_wait();
-    __shared__ uint32_t push_epoch;
-    if (threadIdx.x == 0) push_epoch = anyccl_ld_volatile(ctrl);
-    __syncthreads();
-    const size_t set_vecs = (size_t)(push_epoch % ANYCCL_PUSH_SETS) * ANYCCL_MAX_RANKS * ANYCCL_PUSH_SLOT_VECS;
+    const uint32_t epoch = push_epoch(ctrl);
+    const size_t set_vecs = push_set_vecs(epoch);
     const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
-    const size_t my_slot = set_vecs + (size_t)rank * ANYCCL_PUSH_SLOT_VECS;
-    for (size_t i = first; i < n_vec; i += stride) {
-        const anyccl_vec16 v = push_canonical(src[i]);
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r != rank)
-                anyccl_st_vec_volatile(
-                    reinterpret_cast<anyccl_vec16*>(const_cast<void*>(recv.p[r])) + my_slot + i, v);
-    }
+    push_out<W>(src, recv, rank, set_vecs, first, stride, n_vec);
     anyccl_launch_dependents();
     anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
-    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
-                                ANYCCL_PUSH_SENTINEL};
     bool stop = false;
     for (size_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
         // norm_row asks for each vector j of the row once, from the thread that owns it.
         const auto reduced = [&](uint32_t j) {
-            const size_t i = row * hv + j;
-            anyccl_vec16 v[W];
-#pragma unroll
-            for (int r = 0; r < W; r++)
-                v[r] = r == rank ? src[i] : anyccl_ld_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i);
-#pragma unroll
-            for (int r = 0; r < W; r++)
-                if (r != rank) v[r] = push_wait(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, v[r], my_flags, stop);
-            float acc[Vec<T>::N];
-            Vec<T>::load(v[0], acc);
-#pragma unroll
-            for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
-#pragma unroll
-            for (int r = 0; r < W; r++)
-                if (r != rank) anyccl_st_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, empty);
-            return Vec<T>::store(acc);
+            return push_reduce_vec<T, W>(src, slots, rank, row * hv + j, my_flags, stop);
         };
         anyccl_vec16* res = vec_at(a.residual, row * hv);
         norm_row<T>(reduced, res, res, nullptr, byte_at(a.out, row * out_row_bytes(a)), nullptr, a);
     }
-    // The last block of the call moves the epoch on (every block has read it by then).
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(ctrl + 1, 1u) == gridDim.x - 1) {
-        ctrl[1] = 0;
-        ctrl[0] = push_epoch + 1;
-    }
+    push_end(ctrl, epoch);
 }
 
 // The fused push one-shot kernel of element type T (f16 or bf16), named by NAME; launch with ANYCCL_NORM_THREADS

@@ -86,6 +86,73 @@ __device__ __forceinline__ anyccl_vec16 push_wait(const anyccl_vec16* slot, anyc
     return v;
 }
 
+// The steps of a push call, shared by the push one-shot below and the fused push one-shot (fused_push.h), so that
+// both follow one protocol on the same receive buffers.
+
+// This call's epoch (the call counter in the control words `ctrl`), read by every block after
+// anyccl_grid_dependency_wait and returned to every thread of the block.
+__device__ __forceinline__ uint32_t push_epoch(const uint32_t* ctrl) {
+    __shared__ uint32_t epoch;
+    if (threadIdx.x == 0) epoch = anyccl_ld_volatile(ctrl);
+    __syncthreads();
+    return epoch;
+}
+
+// Vector offset of the set call `epoch` uses in a receive buffer.
+__device__ __forceinline__ size_t push_set_vecs(uint32_t epoch) {
+    return (size_t)(epoch % ANYCCL_PUSH_SETS) * ANYCCL_MAX_RANKS * ANYCCL_PUSH_SLOT_VECS;
+}
+
+// Pushes this thread's vectors (first, first + stride, ... below n_vec) of the input `src` into slot [set][rank]
+// of every peer's receive buffer.
+template <int W>
+__device__ __forceinline__ void push_out(const anyccl_vec16* src, const RankPtrs& recv, int rank, size_t set_vecs,
+                                         size_t first, size_t stride, size_t n_vec) {
+    const size_t my_slot = set_vecs + (size_t)rank * ANYCCL_PUSH_SLOT_VECS;
+    for (size_t i = first; i < n_vec; i += stride) {
+        const anyccl_vec16 v = push_canonical(src[i]);
+#pragma unroll
+        for (int r = 0; r < W; r++)
+            if (r != rank)
+                anyccl_st_vec_volatile(
+                    reinterpret_cast<anyccl_vec16*>(const_cast<void*>(recv.p[r])) + my_slot + i, v);
+    }
+}
+
+// Vector i of the sum in rank order 0..W-1 (reduce_vec's loads and adds): this rank's from its input `src`, every
+// peer's from its slot of this rank's set `slots` once it arrived, each slot reset to the sentinel after use.
+template <typename T, int W>
+__device__ __forceinline__ anyccl_vec16 push_reduce_vec(const anyccl_vec16* src, anyccl_vec16* slots, int rank,
+                                                        size_t i, const uint32_t* my_flags, bool& stop) {
+    anyccl_vec16 v[W];
+    // All W loads in flight before the first wait.
+#pragma unroll
+    for (int r = 0; r < W; r++)
+        v[r] = r == rank ? src[i] : anyccl_ld_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i);
+#pragma unroll
+    for (int r = 0; r < W; r++)
+        if (r != rank) v[r] = push_wait(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, v[r], my_flags, stop);
+    float acc[Vec<T>::N];
+    Vec<T>::load(v[0], acc);
+#pragma unroll
+    for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
+    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
+                                ANYCCL_PUSH_SENTINEL};
+#pragma unroll
+    for (int r = 0; r < W; r++)
+        if (r != rank) anyccl_st_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, empty);
+    return Vec<T>::store(acc);
+}
+
+// The end of a call: the last block of the call moves the epoch on (every block has read it by then).
+__device__ __forceinline__ void push_end(uint32_t* ctrl, uint32_t epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(ctrl + 1, 1u) == gridDim.x - 1) {
+        ctrl[1] = 0;
+        ctrl[0] = epoch + 1;
+    }
+}
+
 // `recv.p[r]`: rank r's receive buffer as mapped here (ANYCCL_PUSH_CTRL + 4 × ANYCCL_PUSH_CTRL_WORDS bytes, the
 // sets filled with the sentinel and the control words zeroed before first use); `my_flags`: this rank's flag array
 // (only its abort word is used).
@@ -97,52 +164,18 @@ __device__ __forceinline__ void push_one_shot(const void* in, void* out, const R
     const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     anyccl_grid_dependency_wait();
-    __shared__ uint32_t epoch;
-    if (threadIdx.x == 0) epoch = anyccl_ld_volatile(ctrl);
-    __syncthreads();
-    const size_t set_vecs = (size_t)(epoch % ANYCCL_PUSH_SETS) * ANYCCL_MAX_RANKS * ANYCCL_PUSH_SLOT_VECS;
+    const uint32_t epoch = push_epoch(ctrl);
+    const size_t set_vecs = push_set_vecs(epoch);
     const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
     // Push: this rank's slot of the set in every peer's receive buffer.
-    const size_t my_slot = set_vecs + (size_t)rank * ANYCCL_PUSH_SLOT_VECS;
-    for (size_t i = first; i < n_vec; i += stride) {
-        const anyccl_vec16 v = push_canonical(src[i]);
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r != rank)
-                anyccl_st_vec_volatile(
-                    reinterpret_cast<anyccl_vec16*>(const_cast<void*>(recv.p[r])) + my_slot + i, v);
-    }
+    push_out<W>(src, recv, rank, set_vecs, first, stride, n_vec);
     anyccl_launch_dependents();
     // Reduce this rank's slots in rank order, resetting each to the sentinel once read.
     anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
     anyccl_vec16* o = reinterpret_cast<anyccl_vec16*>(out);
-    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
-                                ANYCCL_PUSH_SENTINEL};
     bool stop = false;
-    for (size_t i = first; i < n_vec; i += stride) {
-        anyccl_vec16 v[W];
-        // All W loads in flight before the first wait.
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            v[r] = r == rank ? src[i] : anyccl_ld_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i);
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r != rank) v[r] = push_wait(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, v[r], my_flags, stop);
-        float acc[Vec<T>::N];
-        Vec<T>::load(v[0], acc);
-#pragma unroll
-        for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
-        o[i] = Vec<T>::store(acc);
-#pragma unroll
-        for (int r = 0; r < W; r++)
-            if (r != rank) anyccl_st_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, empty);
-    }
-    // The last block of the call moves the epoch on (every block has read it by then).
-    __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(ctrl + 1, 1u) == gridDim.x - 1) {
-        ctrl[1] = 0;
-        ctrl[0] = epoch + 1;
-    }
+    for (size_t i = first; i < n_vec; i += stride) o[i] = push_reduce_vec<T, W>(src, slots, rank, i, my_flags, stop);
+    push_end(ctrl, epoch);
 }
 
 // The push one-shot kernel of element type T, named by NAME; the same name and parameters on every vendor.
