@@ -1889,12 +1889,30 @@ fused_rmsnorm = ["fused-two-shot"]
         assert!(e.to_string().contains("fused-two-shot") && e.to_string().contains("scratch"), "{e}");
     }
 
+    /// The default rule: fused push first up to 128 KiB (8 rows of 8192 bf16), fused one-shot from there; a
+    /// backend without the push form falls back to fused one-shot with the rule's text.
+    #[test]
+    fn the_default_rule_tries_fused_push_up_to_128_kib() {
+        let s = Selector::defaults();
+        let ok = |_: RmsNormForm| Ok(());
+        let got = s.select_rmsnorm(&q(8, 0), &call(8), None, ok).expect("ok");
+        assert_eq!(got.form, FusedPush);
+        assert!(got.why.contains("fused push up to 128 KiB"), "{}", got.why);
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(9), None, ok).expect("ok").form, FusedOneShot);
+        let host = |f: RmsNormForm| if f == FusedPush { Err("not offered".to_owned()) } else { Ok(()) };
+        assert_eq!(s.select_rmsnorm(&q(2, 0), &call(8), None, host).expect("ok").form, FusedOneShot);
+        assert_eq!("push".parse::<RmsNormForm>().expect("alias"), FusedPush);
+        assert_eq!(FusedPush.name(), "fused-push");
+    }
+
     /// Deterministic mode skips no form (each sums in rank order): the same choices with it on.
     #[test]
     fn deterministic_mode_keeps_every_form() {
         let s = Selector::defaults().with_deterministic(true);
         let ok = |_: RmsNormForm| Ok(());
-        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(1), None, ok).expect("ok").form, FusedOneShot);
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(1), None, ok).expect("ok").form, FusedPush);
+        let no_push = |f: RmsNormForm| if f == FusedPush { Err("no push buffers".to_owned()) } else { Ok(()) };
+        assert_eq!(s.select_rmsnorm(&q(8, 0), &call(1), None, no_push).expect("ok").form, FusedOneShot);
         assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), None, ok).expect("ok").form, FusedTwoShot);
         assert_eq!(s.select_rmsnorm(&q(8, 0), &call(512), Some(Unfused), ok).expect("ok").form, Unfused);
     }

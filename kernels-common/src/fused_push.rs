@@ -56,7 +56,8 @@ mod tests {
             at += pos.unwrap_or_else(|| panic!("{name} missing or out of order in {sig}")) + 1;
         }
         // It is the push protocol's and the fused kernels' code, not a copy: it uses their functions.
-        for used in ["push_epoch(", "push_out<W>(", "push_reduce_vec<T, W>(", "push_end(", "norm_row<T>(", "ANYCCL_PUSH_CTRL"]
+        for used in
+            ["push_epoch(", "push_out<W>(", "push_reduce_vec<T, W>(", "push_end(", "norm_row<T>(", "ANYCCL_PUSH_CTRL"]
         {
             assert!(h.contains(used), "fused_push.h does not use {used}");
         }

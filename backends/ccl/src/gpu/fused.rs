@@ -318,21 +318,8 @@ pub mod reference {
 
     use super::common;
 
-    /// f32 of an f16 or bf16 element's bits (exact).
-    pub fn to_f32(dtype: DataType, bits: u16) -> f32 {
-        match dtype {
-            DataType::F16 => half::f16::from_bits(bits).to_f32(),
-            _ => half::bf16::from_bits(bits).to_f32(),
-        }
-    }
-
-    /// An f16 or bf16 element's bits of `v`, rounded to nearest even.
-    pub fn from_f32(dtype: DataType, v: f32) -> u16 {
-        match dtype {
-            DataType::F16 => half::f16::from_f32(v).to_bits(),
-            _ => half::bf16::from_f32(v).to_bits(),
-        }
-    }
+    /// The element conversions (exact to f32; rounded to nearest even from it): core's.
+    pub use anyccl_core::fused::{from_f32, to_f32};
 
     /// f32 to fp8 e4m3 bits as the kernels convert: round to nearest even, saturating to ±448, NaN to 0x7f | sign,
     /// |v| ≤ 2^-10 to ±0 (CUDA's `__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)`).
