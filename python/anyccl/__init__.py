@@ -628,7 +628,8 @@ class Communicator:
         ``input`` and ``residual`` hold tokens x hidden elements of f16 or bf16, ``weight`` hidden (a multiple of 8,
         at most 16384); ``out`` (allocated like ``input`` when None, returned) the same shape in the input's type,
         or fp8 e4m3 codes of ``y / fp8_scale`` with ``fp8_scale`` (a ``torch.float8_e4m3fn`` tensor or a uint8
-        array). ``form`` forces ``"fused-one-shot"``, ``"fused-two-shot"`` or ``"unfused"`` (an unknown name raises
+        array). ``form`` forces ``"fused-one-shot"``, ``"fused-two-shot"``, ``"fused-push"`` (CUDA communicators with
+        the push one-shot set up; the host refuses it) or ``"unfused"`` (an unknown name raises
         ``AlgorithmNameError``; one that cannot run the call, ``UnsupportedError``); all forms give the same bits.
         ``last_rmsnorm_selection`` says which form ran and why. CUDA tensors run on ``stream`` (default: torch's
         current stream); host arrays anywhere else. Nothing is written on an error."""

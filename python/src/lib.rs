@@ -526,7 +526,8 @@ impl Comm {
 
     /// The fused all-reduce + residual add + RMSNorm on host bytes: `input`, `residual` (tokens × hidden of
     /// `dtype`) and `weight` (hidden); returns the new residual's bytes and the output's (tokens × hidden of `dtype`,
-    /// or fp8 e4m3 bytes with `fp8_scale`). `form` forces "fused-one-shot", "fused-two-shot" or "unfused".
+    /// or fp8 e4m3 bytes with `fp8_scale`). `form` forces "fused-one-shot", "fused-two-shot" or "unfused"
+    /// ("fused-push" is a GPU form: the host refuses it).
     #[pyo3(signature = (input, residual, weight, dtype, tokens, hidden, eps, form=None, fp8_scale=None))]
     #[allow(clippy::too_many_arguments)]
     fn host_rmsnorm<'py>(

@@ -338,7 +338,8 @@ fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
 /// block per row and `NORM_THREADS` threads on every rank; fused two-shot `anyccl_fused_two_shot_bf16` with a
 /// block per row of the rank's share; unfused the custom one-shot all-reduce into `out` then
 /// `anyccl_rmsnorm_bf16`; the fused push one-shot `anyccl_fused_push_one_shot_bf16` on the push grid, and it is
-/// the default rule's first form at this size; fp8 output is never unfused.
+/// the default rule's first form at this size, and a captured one takes no graph-input table slot; fp8 output is
+/// never unfused.
 fn fused(s: &Setup) {
     use anyccl_core::{RmsNormForm, RmsNormSpec};
     let mut cs = comms(s, 2);
@@ -407,6 +408,29 @@ fn fused(s: &Setup) {
     let _ = call_all(&mut cs, spec, hidden * 2);
     let names: Vec<String> = s.fake.launches().iter().map(|l| l.name.clone()).collect();
     assert_eq!(names, ["anyccl_fused_push_one_shot_bf16"; 2], "default form at 6 KiB");
+    // A captured fused push call reads its own input directly: it takes no graph-input table slot (nothing left
+    // pending for register_graph_buffers); a captured fused one-shot takes one (so the check can fail).
+    for (form, want_pending) in [(RmsNormForm::FusedPush, 0usize), (RmsNormForm::FusedOneShot, 1)] {
+        s.fake.reset();
+        let pending = per_rank(&mut cs, |c| -> Result<usize> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let input = rt.alloc(bytes)?;
+            let weight = rt.alloc(hidden * 2)?;
+            let (mut residual, mut out) = (rt.alloc(bytes)?, rt.alloc(bytes)?);
+            let f = spec.with_form(form);
+            // The fake records the fused launch and refuses it, so the capture itself fails; the slot (or its
+            // absence) is what this checks.
+            let _ = Graph::capture(rt.context(), &st, |st| {
+                c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &f, st).map(|_| ())
+            });
+            Ok(c.pending_graph_buffers())
+        });
+        let pending: Vec<usize> = pending.into_iter().map(|p| p.expect("rank")).collect();
+        assert_eq!(pending, [want_pending; 2], "{form}: graph inputs left pending");
+        let names: Vec<String> = s.fake.launches().iter().map(|l| l.name.clone()).collect();
+        assert!(names.iter().all(|n| n.contains("fused")) && names.len() == 2, "{form}: {names:?}");
+    }
     // fp8 output: unfused is refused with the reason before anything is launched.
     s.fake.reset();
     for e in call_all(&mut cs, spec.fp8_output(0.5).with_form(RmsNormForm::Unfused), hidden * 2) {

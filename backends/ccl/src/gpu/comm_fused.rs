@@ -107,11 +107,6 @@ impl<P: GpuPlatform> GpuComm<P> {
 
         self.runtime.bind()?;
         let (src, dst) = (input.device_ptr(), out.device_ptr());
-        let table = if capturing { st.graph.table_for(src) } else { None };
-        let inputs = match table {
-            Some(table) => Inputs::Table { table, own: src },
-            None => Inputs::Staged { staging: &st.all_staging, own: src },
-        };
         let args = NormArgs::new(
             residual.device_ptr(),
             weight.device_ptr(),
@@ -146,6 +141,13 @@ impl<P: GpuPlatform> GpuComm<P> {
                 )
             };
         }
+        // The push form reads its own input directly (eager and captured alike); the others read every rank's input
+        // through staging or, during capture, a graph-input table (a slot is made for the input here).
+        let table = if capturing { st.graph.table_for(src) } else { None };
+        let inputs = match table {
+            Some(table) => Inputs::Table { table, own: src },
+            None => Inputs::Staged { staging: &st.all_staging, own: src },
+        };
         let max = st.max_blocks;
         let fused_form = match choice {
             RmsNormForm::FusedOneShot => Some(FusedForm::OneShot),
