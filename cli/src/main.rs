@@ -595,24 +595,31 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
     verdict(&done.report)
 }
 
+/// What `bench`/`tune --fused rmsnorm` measure: `--world` (default: the host's default world, or every device of
+/// `backend`), the type, row size, token counts and call counts of `args`.
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+fn fused_config(args: &BenchArgs, backend: Backend) -> crate::bench_fused::FusedConfig {
+    let world = match (args.world, backend) {
+        (Some(w), _) => usize::from(w),
+        (None, Backend::Host) => usize::from(default_world()),
+        (None, _) => anyccl::dynamic::device_count(backend.kind()).unwrap_or(1).max(1),
+    };
+    crate::bench_fused::FusedConfig {
+        world,
+        dtype: args.dtype,
+        hidden: args.hidden,
+        tokens: args.tokens.clone(),
+        iters: args.iters as usize,
+        warmup: args.warmup as usize,
+    }
+}
+
 /// `anyccl bench --fused rmsnorm`: each form per token count, the table (or JSON), non-zero when a result is wrong.
 fn bench_fused(args: &BenchArgs, backend: Backend, selector: Selector) -> Result<(), CliError> {
     #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
     {
         let kind = backend.kind();
-        let world = match (args.world, backend) {
-            (Some(w), _) => usize::from(w),
-            (None, Backend::Host) => usize::from(default_world()),
-            (None, _) => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
-        };
-        let cfg = crate::bench_fused::FusedConfig {
-            world,
-            dtype: args.dtype,
-            hidden: args.hidden,
-            tokens: args.tokens.clone(),
-            iters: args.iters as usize,
-            warmup: args.warmup as usize,
-        };
+        let cfg = fused_config(args, backend);
         // Bad sizes fail before anything is set up.
         cfg.calls()?;
         let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector))?;
@@ -649,19 +656,7 @@ fn tune_fused(out: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
         let backend = choose_backend(args, disabled)?;
         check_output(out, "--out", "the tuned table")?;
         let kind = backend.kind();
-        let world = match (args.world, backend) {
-            (Some(w), _) => usize::from(w),
-            (None, Backend::Host) => usize::from(default_world()),
-            (None, _) => anyccl::dynamic::device_count(kind).unwrap_or(1).max(1),
-        };
-        let cfg = crate::bench_fused::FusedConfig {
-            world,
-            dtype: args.dtype,
-            hidden: args.hidden,
-            tokens: args.tokens.clone(),
-            iters: args.iters as usize,
-            warmup: args.warmup as usize,
-        };
+        let cfg = fused_config(args, backend);
         cfg.calls()?;
         let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector(args.table.as_ref())?))?;
         print_out(&crate::bench_fused::render_table(&report))?;
