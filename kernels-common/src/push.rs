@@ -34,6 +34,15 @@ const _: () = assert!(PUSH_RECV_BYTES.is_multiple_of(VECTOR_BYTES) && PUSH_MAX_B
 pub const PUSH_KERNELS: [&str; 3] =
     ["anyccl_push_one_shot_f32", "anyccl_push_one_shot_f16", "anyccl_push_one_shot_bf16"];
 
+/// The push two-shot kernels (scatter, reduce, gather over the same receive buffers: `push.h`), one per name of
+/// [`DTYPES`], with the push one-shot's parameters ([`PUSH_PARAMS`]).
+pub const PUSH_TWO_SHOT_KERNELS: [&str; 3] =
+    ["anyccl_push_two_shot_f32", "anyccl_push_two_shot_f16", "anyccl_push_two_shot_bf16"];
+
+/// Vector offset, within a slot, of the push two-shot's second half (the reduced chunks; `ANYCCL_PUSH_HALF_VECS`).
+/// A chunk, `ceil(n_vec / world)` vectors, fits half a slot for every world of 2 or more.
+pub const PUSH_HALF_VECS: usize = PUSH_MAX_BYTES / VECTOR_BYTES / 2;
+
 /// The parameters of every push kernel, in order: this rank's input and output, every rank's receive buffer (8
 /// pointers by value), this rank's flag array (its abort word), rank, world, vector count.
 pub const PUSH_PARAMS: [Param; 7] = [
@@ -101,6 +110,7 @@ mod tests {
         assert_eq!(define("ANYCCL_PUSH_CTRL_WORDS") * 4, PUSH_CTRL_BYTES as u64);
         assert_eq!(define("ANYCCL_PUSH_SENTINEL"), u64::from(PUSH_SENTINEL));
         assert_eq!(define("ANYCCL_PUSH_CANONICAL"), u64::from(PUSH_CANONICAL));
+        assert_eq!(define("ANYCCL_PUSH_HALF_VECS"), PUSH_HALF_VECS as u64);
         // 4 MiB per rank: two sets of eight 256 KiB slots, and the control words.
         assert_eq!(PUSH_RECV_BYTES, (4 << 20) + 16);
     }
@@ -141,16 +151,25 @@ mod tests {
             assert_eq!(push_kernel(d), Some(k));
         }
         assert_eq!(push_kernel("f64"), None);
-        let start = PUSH_HEADER.find("anyccl_push_one_shot_##NAME(").expect("kernel");
-        let sig = &PUSH_HEADER[start..start + PUSH_HEADER[start..].find(')').expect("signature end")];
-        let mut at = 0;
-        let mut end = 0usize;
-        for (name, offset, size) in PUSH_PARAMS {
-            assert_eq!(offset, end.next_multiple_of(size.min(8)), "{name} at {offset}");
-            end = offset + size;
-            let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
-            at += pos.unwrap_or_else(|| panic!("parameter {name} not in the source's order: {sig}")) + name.len();
+        assert!(PUSH_HEADER.contains("anyccl_push_two_shot_##NAME("));
+        for (d, k) in DTYPES.iter().zip(PUSH_TWO_SHOT_KERNELS) {
+            assert_eq!(k, format!("anyccl_push_two_shot_{d}"));
         }
+        // Both kernels take PUSH_PARAMS, in that order.
+        for kernel in ["anyccl_push_one_shot_##NAME(", "anyccl_push_two_shot_##NAME("] {
+            let start = PUSH_HEADER.find(kernel).expect("kernel");
+            let sig = &PUSH_HEADER[start..start + PUSH_HEADER[start..].find(')').expect("signature end")];
+            let mut at = 0;
+            let mut end = 0usize;
+            for (name, offset, size) in PUSH_PARAMS {
+                assert_eq!(offset, end.next_multiple_of(size.min(8)), "{name} at {offset}");
+                end = offset + size;
+                let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
+                at += pos.unwrap_or_else(|| panic!("{kernel} parameter {name} not in order: {sig}")) + name.len();
+            }
+        }
+        // A chunk of the largest message fits half a slot at every world of 2 or more.
+        assert!((PUSH_MAX_BYTES / VECTOR_BYTES).div_ceil(2) <= PUSH_HALF_VECS);
         assert_eq!(PUSH_PARAMS[2].2, MAX_RANKS * 8, "recv is RankPtrs by value");
     }
 

@@ -58,11 +58,14 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(stores >= 7 * 2 && loads >= 7 * 2, "{arch}: {k}: {stores} flag stores, {loads} flag loads");
             }
         }
-        // The push one-shot: no flags and no multimem; its receive slots are polled with volatile 16-byte loads
+        // The push one-shot and two-shot: no flags and no multimem; its receive slots are polled with volatile 16-byte loads
         // (LDG.E.128.STRONG.SYS) and written with volatile 16-byte stores, one copy per world 2..=8; on sm_90 and
         // newer it waits for its stream predecessor through programmatic dependent launch (griddepcontrol.wait is
         // ACQBULK in SASS) and lets its dependents launch (PREEXIT).
-        for k in anyccl_kernels_common::push::PUSH_KERNELS {
+        for k in anyccl_kernels_common::push::PUSH_KERNELS
+            .into_iter()
+            .chain(anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS)
+        {
             let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
             let polls = body.lines().filter(|l| l.contains("LDG.E.128.STRONG.SYS")).count();
             let pushes = body.lines().filter(|l| l.contains("STG.E.128.STRONG.SYS")).count();
@@ -159,7 +162,10 @@ fn allreduce_kernels_take_the_shared_parameters() {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
         let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::push::PUSH_KERNELS {
+        for k in anyccl_kernels_common::push::PUSH_KERNELS
+            .into_iter()
+            .chain(anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS)
+        {
             assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
         }
         let want: Vec<(usize, usize)> =

@@ -24,6 +24,9 @@ pub const FUSED_KERNELS: [&str; 10] = anyccl_kernels_common::FUSED_KERNELS;
 /// and parameters as on CUDA; programmatic dependent launch is a no-op here).
 pub const PUSH_KERNELS: [&str; 3] = anyccl_kernels_common::push::PUSH_KERNELS;
 
+/// The push two-shot kernels every code object also holds (`push.h`, the push one-shot's parameters).
+pub const PUSH_TWO_SHOT_KERNELS: [&str; 3] = anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS;
+
 /// The fused push one-shot kernels every code object also holds (`anyccl-kernels-common`'s `fused_push.h`, the same
 /// names and parameters as on CUDA).
 pub const FUSED_PUSH_KERNELS: [&str; 2] = anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS;

@@ -47,6 +47,7 @@ fn code_objects_hold_every_kernel() {
             .iter()
             .chain(&anyccl_kernels_hip::FUSED_KERNELS)
             .chain(&anyccl_kernels_hip::PUSH_KERNELS)
+            .chain(&anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS)
             .chain(&anyccl_kernels_hip::FUSED_PUSH_KERNELS)
             .chain(&anyccl_kernels_hip::QUANT_KERNELS)
         {
@@ -60,6 +61,7 @@ fn code_objects_hold_every_kernel() {
         let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
         listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
         listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
+        listed.extend(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS);
         listed.extend(anyccl_kernels_hip::FUSED_PUSH_KERNELS);
         listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
         listed.sort_unstable();
@@ -106,9 +108,13 @@ fn flag_accesses_are_system_scope_release_acquire() {
         assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
         assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
     }
-    // The push one-shot has no flags: its receive slots are polled with loads that bypass L1 (`glc`, relaxed at
+    // The push one-shot and two-shot have no flags: their receive slots are polled with loads that bypass L1 (`glc`, relaxed at
     // system scope), four 32-bit words per vector, for every world 2..=8.
-    for k in anyccl_kernels_hip::PUSH_KERNELS.into_iter().chain(anyccl_kernels_hip::FUSED_PUSH_KERNELS) {
+    for k in anyccl_kernels_hip::PUSH_KERNELS
+        .into_iter()
+        .chain(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS)
+        .chain(anyccl_kernels_hip::FUSED_PUSH_KERNELS)
+    {
         let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
         let range = sym.address()..sym.address() + sym.size();
         let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
@@ -141,7 +147,7 @@ fn kernels_take_the_shared_parameters() {
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
     }
     let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::PUSH_KERNELS {
+    for k in anyccl_kernels_hip::PUSH_KERNELS.into_iter().chain(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS) {
         let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
         assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
     }

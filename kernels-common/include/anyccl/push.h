@@ -178,9 +178,98 @@ __device__ __forceinline__ void push_one_shot(const void* in, void* out, const R
     push_end(ctrl, epoch);
 }
 
-// The push one-shot kernel of element type T, named by NAME; the same name and parameters on every vendor.
+// The push two-shot: the push protocol on the same receive buffers (same sets, epoch, sentinels, abort word), in
+// two hops instead of one, for messages where the one-shot's W - 1 full copies per rank cost more than a second
+// hop. The message's n_vec vectors are split into W chunks of ceil(n_vec / W) (the last ones shorter or empty);
+// rank q owns chunk q.
+//   1. scatter: every rank writes chunk q of its input into the first half of slot [set][its rank] of rank q's
+//      receive buffer (for every q != rank);
+//   2. reduce: rank q sums its chunk in rank order 0..W-1 (its own part read from its input: reduce_vec's loads
+//      and adds, so the bits of the one-shot's result), writes it to its output and into the second half of slot
+//      [set][q] of every peer's receive buffer;
+//   3. gather: every rank copies the other chunks from the second halves of its slots into its output.
+// Each rank moves 2 (W - 1) / W of the message across the links instead of W - 1 times it. Every slot read is
+// reset to the sentinel, as in the one-shot. Thread i of the grid handles vector i of every chunk in every step,
+// so a rank's blocks never wait for each other, only for peers. Why two sets still suffice: a rank finishes call
+// k + 1 only after every chunk of call k + 1 was reduced, which needs every rank's call-(k + 1) scatter, which a
+// rank makes only after its call k is complete: so no peer writes a set this rank has yet to read. A reduced word
+// equal to the sentinel (a NaN payload no add produces on NVIDIA) would be sent as the canonical NaN, as inputs are.
+// Messages up to ANYCCL_PUSH_MAX_BYTES (a chunk fits half a slot for W >= 2).
+#define ANYCCL_PUSH_HALF_VECS 8192
+static_assert(2 * ANYCCL_PUSH_HALF_VECS == ANYCCL_PUSH_SLOT_VECS, "the two-shot's halves split a slot");
+
+template <typename T, int W>
+__device__ __forceinline__ void push_two_shot(const void* in, void* out, const RankPtrs& recv,
+                                              const uint32_t* my_flags, int rank, size_t n_vec) {
+    char* mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
+    uint32_t* ctrl = reinterpret_cast<uint32_t*>(mine + ANYCCL_PUSH_CTRL);
+    const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t chunk = (n_vec + W - 1) / W;
+    anyccl_grid_dependency_wait();
+    const uint32_t epoch = push_epoch(ctrl);
+    const size_t set_vecs = push_set_vecs(epoch);
+    const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
+    anyccl_vec16* o = reinterpret_cast<anyccl_vec16*>(out);
+    anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
+    // Vector i of rank r's slot of this call's set in `buf`, first or second half.
+    const auto slot_of = [&](const void* buf, int r, size_t half, size_t i) {
+        return reinterpret_cast<anyccl_vec16*>(const_cast<void*>(buf)) + set_vecs + (size_t)r * ANYCCL_PUSH_SLOT_VECS +
+               half + i;
+    };
+    // 1. Scatter: chunk q of the input to its owner q.
+    for (size_t i = first; i < chunk; i += stride) {
+#pragma unroll
+        for (int q = 0; q < W; q++) {
+            const size_t v = (size_t)q * chunk + i;
+            if (q != rank && v < n_vec) anyccl_st_vec_volatile(slot_of(recv.p[q], rank, 0, i), push_canonical(src[v]));
+        }
+    }
+    anyccl_launch_dependents();
+    bool stop = false;
+    const size_t mine_start = (size_t)rank * chunk;
+    const size_t mine_len = mine_start < n_vec ? anyccl_min_size(chunk, n_vec - mine_start) : 0;
+    // 2. Reduce this rank's chunk (the peers' parts from the first halves of its slots), keep it, send it.
+    for (size_t i = first; i < mine_len; i += stride) {
+        // push_reduce_vec's slots are the first halves of this set's slots, indexed by the chunk's vector i; its
+        // own part is its input at the chunk's offset.
+        const anyccl_vec16 sum = push_reduce_vec<T, W>(src + mine_start, slots, rank, i, my_flags, stop);
+        o[mine_start + i] = sum;
+        const anyccl_vec16 sent = push_canonical(sum);
+#pragma unroll
+        for (int q = 0; q < W; q++)
+            if (q != rank) anyccl_st_vec_volatile(slot_of(recv.p[q], rank, ANYCCL_PUSH_HALF_VECS, i), sent);
+    }
+    // 3. Gather the other chunks from the second halves of this rank's slots.
+    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
+                                ANYCCL_PUSH_SENTINEL};
+    for (size_t i = first; i < chunk; i += stride) {
+        anyccl_vec16 v[W];
+        // All loads in flight before the first wait.
+#pragma unroll
+        for (int q = 0; q < W; q++)
+            if (q != rank && (size_t)q * chunk + i < n_vec)
+                v[q] = anyccl_ld_vec_volatile(slot_of(mine, q, ANYCCL_PUSH_HALF_VECS, i));
+#pragma unroll
+        for (int q = 0; q < W; q++) {
+            const size_t at = (size_t)q * chunk + i;
+            if (q == rank || at >= n_vec) continue;
+            anyccl_vec16* s = slot_of(mine, q, ANYCCL_PUSH_HALF_VECS, i);
+            o[at] = push_wait(s, v[q], my_flags, stop);
+            anyccl_st_vec_volatile(s, empty);
+        }
+    }
+    push_end(ctrl, epoch);
+}
+
+// The push one-shot and push two-shot kernels of element type T, named by NAME; the same names and parameters on
+// every vendor.
 #define ANYCCL_PUSH_KERNELS(NAME, T)                                                                                 \
     extern "C" __global__ void ANYCCL_LAUNCH_BOUNDS anyccl_push_one_shot_##NAME(                                     \
         const void* in, void* out, RankPtrs recv, const uint32_t* my_flags, int rank, int world, size_t n_vec) {     \
         ANYCCL_DISPATCH(push_one_shot, T, in, out, recv, my_flags, rank, n_vec)                                      \
+    }                                                                                                                \
+    extern "C" __global__ void ANYCCL_LAUNCH_BOUNDS anyccl_push_two_shot_##NAME(                                     \
+        const void* in, void* out, RankPtrs recv, const uint32_t* my_flags, int rank, int world, size_t n_vec) {     \
+        ANYCCL_DISPATCH(push_two_shot, T, in, out, recv, my_flags, rank, n_vec)                                      \
     }

@@ -20,7 +20,7 @@ use std::ffi::{c_void, CString};
 use anyccl_core::{Algorithm, DataType, Error, MemoryRuntime, Result};
 use anyccl_kernels_common as common;
 use common::fused_push::FUSED_PUSH_KERNELS;
-use common::push::{PUSH_CTRL_OFFSET, PUSH_KERNELS};
+use common::push::{PUSH_CTRL_OFFSET, PUSH_KERNELS, PUSH_TWO_SHOT_KERNELS};
 pub use common::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
 
 use super::fused::NormArgs;
@@ -113,11 +113,43 @@ pub fn fused_push_blocks(tokens: usize, bytes: usize, world: usize) -> u32 {
     tokens.max(push_blocks(bytes, world) as usize).clamp(1, max) as u32
 }
 
+/// The two shapes of the push protocol (`push.h`), over the same receive buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushShape {
+    /// One hop: every rank writes its whole input into every peer's receive buffer ([`Algorithm::OneShotPush`]).
+    OneShot,
+    /// Two hops: chunk q of every input to rank q, which reduces it and writes the sum to every peer; each rank
+    /// moves 2 (W − 1) / W of the message instead of W − 1 times it. The same bits as the one-shot. Measured on
+    /// emulated ranks only (`anyccl-cuda-push-bench --two-shot`); not offered by communicators yet.
+    TwoShot,
+}
+
+impl PushShape {
+    fn what(self) -> &'static str {
+        match self {
+            PushShape::OneShot => "push one-shot",
+            PushShape::TwoShot => "push two-shot",
+        }
+    }
+}
+
+/// Blocks per rank of a push two-shot of `bytes` on `world` ranks: one thread per vector of a chunk
+/// (`ceil(bytes / 16 / world)` vectors), in blocks of 512 threads, from 2 to `max(8, 64 / world)` (measured on an
+/// H200 with emulated ranks: within 3% of the best of 2, 4, 8 and 16 blocks from 4 to 256 KiB on 2, 4 and 8 ranks).
+pub fn push_two_shot_blocks(bytes: usize, world: usize) -> u32 {
+    let max = (64 / world.max(1)).max(8);
+    let chunk_vecs = (bytes / common::VECTOR_BYTES).div_ceil(world.max(1));
+    // At most max(8, 64) = 64 blocks: fits a u32.
+    chunk_vecs.div_ceil(THREADS as usize).clamp(2, max) as u32
+}
+
 /// The push kernels of the custom kernels' module (valid while those kernels are), and whether launches use
 /// programmatic dependent launch.
 pub struct PushKernels<P: GpuPlatform> {
     /// f32, f16, bf16.
     functions: [P::Function; 3],
+    /// The push two-shot for f32, f16, bf16, where the module has it.
+    two_shot: [Option<P::Function>; 3],
     /// The fused push one-shot for f16 and bf16, where the module has it.
     fused: [Option<P::Function>; 2],
     /// `Ok`: launches carry programmatic dependent launch; `Err`: why they do not (plain launches, still correct).
@@ -137,20 +169,25 @@ impl<P: GpuPlatform> PushKernels<P> {
         let functions: [P::Function; 3] = functions
             .try_into()
             .map_err(|_| Error::backend(P::NAME, "push kernels", None, "three kernels expected".to_owned()))?;
-        let mut fused = [None; 2];
-        for (f, name) in fused.iter_mut().zip(FUSED_PUSH_KERNELS) {
-            // Kernel names are fixed ASCII without NUL bytes.
-            let Ok(c) = CString::new(name) else { continue };
-            match kernels.function_named(&c) {
-                Ok(h) => *f = Some(h),
-                Err(e) => tracing::debug!(kernel = name, error = %e, "no fused push kernel in the module"),
+        let optional = |names: &[&'static str], found: &mut [Option<P::Function>]| {
+            for (f, name) in found.iter_mut().zip(names) {
+                // Kernel names are fixed ASCII without NUL bytes.
+                let Ok(c) = CString::new(*name) else { continue };
+                match kernels.function_named(&c) {
+                    Ok(h) => *f = Some(h),
+                    Err(e) => tracing::debug!(kernel = name, error = %e, "kernel not in the module"),
+                }
             }
-        }
+        };
+        let mut fused = [None; 2];
+        optional(&FUSED_PUSH_KERNELS, &mut fused);
+        let mut two_shot = [None; 3];
+        optional(&PUSH_TWO_SHOT_KERNELS, &mut two_shot);
         let dependent = match P::dependent_launch_unavailable(kernels.runtime()) {
             None => Ok(()),
             Some(why) => Err(why),
         };
-        Ok(PushKernels { functions, fused, dependent })
+        Ok(PushKernels { functions, two_shot, fused, dependent })
     }
 
     fn fused_function(&self, dtype: DataType) -> std::result::Result<P::Function, String> {
@@ -250,7 +287,8 @@ impl<P: GpuPlatform> PushKernels<P> {
 
     /// Launches one rank's push all-reduce of `bytes` from `input` into `output` (may equal `input`), with
     /// `recv[r]` rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its abort word
-    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]).
+    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]). The push one-shot on
+    /// [`push_blocks`] blocks, with programmatic dependent launch where the platform has it.
     ///
     /// # Safety
     /// `input`/`output` hold `bytes` of this device; every `recv[r]` is a live receive buffer of
@@ -270,16 +308,67 @@ impl<P: GpuPlatform> PushKernels<P> {
         capacity: usize,
         stream: &StreamOf<P>,
     ) -> Result<()> {
+        let grid = PushGrid { blocks: push_blocks(bytes, recv.len()), dependent: self.dependent.is_ok() };
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            self.launch_shaped(
+                PushShape::OneShot,
+                runtime,
+                dtype,
+                input,
+                output,
+                recv,
+                my_flags,
+                rank,
+                bytes,
+                capacity,
+                grid,
+                stream,
+            )
+        }
+    }
+
+    /// [`Self::launch`] in either shape, on `grid` (blocks 1 to 128; `dependent` needs the platform's
+    /// programmatic dependent launch, else an error). Every rank of a call must use the same shape; push calls of
+    /// both shapes may follow each other on the same receive buffers.
+    ///
+    /// # Safety
+    /// As for [`Self::launch`]; with ranks emulated on one device, every rank's blocks must be resident at once.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_shaped(
+        &self,
+        shape: PushShape,
+        runtime: &P::Runtime,
+        dtype: DataType,
+        input: u64,
+        output: u64,
+        recv: &[u64],
+        my_flags: u64,
+        rank: usize,
+        bytes: usize,
+        capacity: usize,
+        grid: PushGrid,
+        stream: &StreamOf<P>,
+    ) -> Result<()> {
         let world = recv.len();
         if let Some(why) = ineligible::<P>(dtype, bytes, world, capacity.min(PUSH_MAX_BYTES)) {
-            return Err(Error::AlgorithmNotEligible { algorithm: Algorithm::OneShotPush, why });
+            return Err(match shape {
+                PushShape::OneShot => Error::AlgorithmNotEligible { algorithm: Algorithm::OneShotPush, why },
+                PushShape::TwoShot => Error::backend(P::NAME, shape.what(), None, why),
+            });
         }
-        let bad = |m: String| Error::backend(P::NAME, "push one-shot", None, m);
+        let bad = |m: String| Error::backend(P::NAME, shape.what(), None, m);
         if rank >= world {
             return Err(bad(format!("rank {rank} of {world}")));
         }
         if recv.iter().chain([&input, &output, &my_flags]).any(|p| *p == 0 || p % 16 != 0) {
             return Err(bad("every buffer must be non-null and 16-byte aligned".into()));
+        }
+        if grid.blocks == 0 || grid.blocks as usize > common::MAX_BLOCKS {
+            return Err(bad(format!("{} blocks: 1 to {} are possible", grid.blocks, common::MAX_BLOCKS)));
+        }
+        if grid.dependent {
+            self.dependent_launch().map_err(|why| bad(why.to_owned()))?;
         }
         let slot = match dtype {
             DataType::F32 => 0,
@@ -287,12 +376,20 @@ impl<P: GpuPlatform> PushKernels<P> {
             DataType::Bf16 => 2,
             other => return Err(bad(format!("no push kernel for {other}"))),
         };
-        let f = self.functions[slot];
+        let f = match shape {
+            PushShape::OneShot => self.functions[slot],
+            PushShape::TwoShot => self.two_shot[slot].ok_or_else(|| {
+                bad(format!(
+                    "the loaded kernel module has no {} (built from an older source?)",
+                    PUSH_TWO_SHOT_KERNELS[slot]
+                ))
+            })?,
+        };
         let (mut in_p, mut out_p, mut recv_p, mut flags_p) = (input, output, ptrs(recv), my_flags);
         // rank < world <= MAX_RANKS (checked above and by `ineligible`).
         let (mut rank_i, mut world_i) = (rank as i32, world as i32);
         let mut n_vec = (bytes / common::VECTOR_BYTES) as u64;
-        // The order and sizes of common::push::PUSH_PARAMS.
+        // The order and sizes of common::push::PUSH_PARAMS (both shapes).
         let mut params: [*mut c_void; 7] = [
             (&mut in_p as *mut u64).cast(),
             (&mut out_p as *mut u64).cast(),
@@ -302,17 +399,27 @@ impl<P: GpuPlatform> PushKernels<P> {
             (&mut world_i as *mut i32).cast(),
             (&mut n_vec as *mut u64).cast(),
         ];
-        let grid = (push_blocks(bytes, world), 1, 1);
+        let dims = (grid.blocks, 1, 1);
         // SAFETY: `params` matches the kernel's signature (PUSH_PARAMS) and points to locals that outlive the call;
         // the caller guarantees the buffers and that every rank makes the same calls.
         unsafe {
-            if self.dependent.is_ok() {
-                P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+            if grid.dependent {
+                P::launch_dependent(runtime, f, dims, (THREADS, 1, 1), stream, &mut params)
             } else {
-                P::launch(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+                P::launch(runtime, f, dims, (THREADS, 1, 1), stream, &mut params)
             }
         }
     }
+}
+
+/// A push launch's grid: blocks per rank, and whether it overlaps the stream's previous kernel (programmatic
+/// dependent launch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushGrid {
+    /// Blocks per rank (1 to 128).
+    pub blocks: u32,
+    /// Launch with programmatic dependent launch.
+    pub dependent: bool,
 }
 
 /// A receive buffer's initial bytes: the sentinel in every slot, the control words (call counter, arrivals) zero.
@@ -393,6 +500,16 @@ mod tests {
         assert_eq!(push_blocks(256 << 10, 2), 32);
         assert_eq!(push_blocks(16, 2), 4);
         assert!((1..=8).all(|w| push_blocks(PUSH_MAX_BYTES, w) as usize <= common::MAX_BLOCKS));
+    }
+
+    #[test]
+    fn push_two_shot_blocks_cover_a_chunk_within_the_bounds() {
+        // 256 KiB on 8 ranks: chunks of 2048 vectors, 4 blocks of 512 threads.
+        assert_eq!(push_two_shot_blocks(256 << 10, 8), 4);
+        assert_eq!(push_two_shot_blocks(256 << 10, 2), 16);
+        assert_eq!(push_two_shot_blocks(4 << 10, 8), 2);
+        assert_eq!(push_two_shot_blocks(16, 2), 2);
+        assert!((1..=8).all(|w| push_two_shot_blocks(PUSH_MAX_BYTES, w) as usize <= common::MAX_BLOCKS));
     }
 
     #[test]
