@@ -250,7 +250,8 @@ impl<P: GpuPlatform> PushKernels<P> {
 
     /// Launches one rank's push all-reduce of `bytes` from `input` into `output` (may equal `input`), with
     /// `recv[r]` rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its abort word
-    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]).
+    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]). On [`push_blocks`]
+    /// blocks, with programmatic dependent launch where the platform has it.
     ///
     /// # Safety
     /// `input`/`output` hold `bytes` of this device; every `recv[r]` is a live receive buffer of
@@ -270,24 +271,69 @@ impl<P: GpuPlatform> PushKernels<P> {
         capacity: usize,
         stream: &StreamOf<P>,
     ) -> Result<()> {
+        let (blocks, dependent) = (push_blocks(bytes, recv.len()), self.dependent.is_ok());
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe {
+            self.launch_grid(
+                runtime, dtype, input, output, recv, my_flags, rank, bytes, capacity, blocks, dependent, stream,
+            )
+        }
+    }
+
+    /// How many blocks of the push kernel of `dtype` fit on one multiprocessor at once.
+    pub fn blocks_per_sm(&self, runtime: &P::Runtime, dtype: DataType) -> Result<usize> {
+        let f = self.function(dtype).map_err(|m| Error::backend(P::NAME, "push one-shot", None, m))?;
+        P::max_active_blocks_per_sm(runtime, f, THREADS)
+    }
+
+    fn function(&self, dtype: DataType) -> std::result::Result<P::Function, String> {
+        match dtype {
+            DataType::F32 => Ok(self.functions[0]),
+            DataType::F16 => Ok(self.functions[1]),
+            DataType::Bf16 => Ok(self.functions[2]),
+            other => Err(format!("no push kernel for {other}")),
+        }
+    }
+
+    /// [`Self::launch`] on `blocks` blocks (1 to `MAX_BLOCKS`: any grid is correct, each block reads the call
+    /// counter itself; ranks may differ), with programmatic dependent launch if `dependent` (an error where
+    /// [`Self::dependent_launch`] says the platform has none): for ranks emulated on one GPU, whose tests and
+    /// benchmark vary both.
+    ///
+    /// # Safety
+    /// As for [`Self::launch`], except that ranks may share one device: then every rank's blocks must be
+    /// co-resident (twice over with `dependent`, where a rank's next call may hold its blocks early).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_grid(
+        &self,
+        runtime: &P::Runtime,
+        dtype: DataType,
+        input: u64,
+        output: u64,
+        recv: &[u64],
+        my_flags: u64,
+        rank: usize,
+        bytes: usize,
+        capacity: usize,
+        blocks: u32,
+        dependent: bool,
+        stream: &StreamOf<P>,
+    ) -> Result<()> {
         let world = recv.len();
         if let Some(why) = ineligible::<P>(dtype, bytes, world, capacity.min(PUSH_MAX_BYTES)) {
             return Err(Error::AlgorithmNotEligible { algorithm: Algorithm::OneShotPush, why });
         }
         let bad = |m: String| Error::backend(P::NAME, "push one-shot", None, m);
-        if rank >= world {
-            return Err(bad(format!("rank {rank} of {world}")));
+        if rank >= world || blocks == 0 || blocks as usize > common::MAX_BLOCKS {
+            return Err(bad(format!("rank {rank} of {world}, {blocks} blocks")));
         }
         if recv.iter().chain([&input, &output, &my_flags]).any(|p| *p == 0 || p % 16 != 0) {
             return Err(bad("every buffer must be non-null and 16-byte aligned".into()));
         }
-        let slot = match dtype {
-            DataType::F32 => 0,
-            DataType::F16 => 1,
-            DataType::Bf16 => 2,
-            other => return Err(bad(format!("no push kernel for {other}"))),
-        };
-        let f = self.functions[slot];
+        if dependent {
+            self.dependent_launch().map_err(|why| bad(why.to_owned()))?;
+        }
+        let f = self.function(dtype).map_err(bad)?;
         let (mut in_p, mut out_p, mut recv_p, mut flags_p) = (input, output, ptrs(recv), my_flags);
         // rank < world <= MAX_RANKS (checked above and by `ineligible`).
         let (mut rank_i, mut world_i) = (rank as i32, world as i32);
@@ -302,11 +348,11 @@ impl<P: GpuPlatform> PushKernels<P> {
             (&mut world_i as *mut i32).cast(),
             (&mut n_vec as *mut u64).cast(),
         ];
-        let grid = (push_blocks(bytes, world), 1, 1);
+        let grid = (blocks, 1, 1);
         // SAFETY: `params` matches the kernel's signature (PUSH_PARAMS) and points to locals that outlive the call;
         // the caller guarantees the buffers and that every rank makes the same calls.
         unsafe {
-            if self.dependent.is_ok() {
+            if dependent {
                 P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
             } else {
                 P::launch(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
