@@ -12,10 +12,11 @@ use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES,
 use crate::emulated::InputMode;
 use crate::graph::Graph;
 use crate::platform::Cuda;
-use crate::push::{init_receive_buffer, push_blocks, PushKernels, PUSH_MAX_BYTES, PUSH_RECV_BYTES};
+use crate::push::{
+    init_receive_buffer, push_blocks, PushGrid, PushKernels, PushShape, PUSH_MAX_BYTES, PUSH_RECV_BYTES,
+};
 use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 use anyccl_ccl::gpu::push::{fused_push_blocks, fused_push_ineligible};
-use anyccl_ccl::gpu::GpuPlatform;
 
 /// The fused kernels loaded for one CUDA device.
 pub type FusedKernels = anyccl_ccl::gpu::fused::FusedKernels<Cuda>;
@@ -59,16 +60,13 @@ impl FusedPath {
     }
 }
 
-/// What the push paths need: the push one-shot kernels (their own module), the fused push kernels (in `kernels`'
-/// module), a receive buffer per rank shared by both (one protocol), the grids, and whether launches use
-/// programmatic dependent launch.
+/// What the push paths need: the push one-shot and fused push kernels (handles into `kernels`' module of the
+/// [`EmulatedFused`], launched the way the communicator launches them), a receive buffer per rank shared by both
+/// (one protocol), the grids, and whether launches use programmatic dependent launch.
 #[non_exhaustive]
 pub struct PushPaths {
-    /// The push one-shot kernels.
+    /// The push one-shot and fused push kernels.
     pub kernels: PushKernels,
-    /// The fused push kernels (handles into `kernels`' module of the [`EmulatedFused`], launched the way the
-    /// communicator launches them).
-    pub fused: anyccl_ccl::gpu::push::PushKernels<Cuda>,
     /// Receive buffers, by rank ([`crate::push::PUSH_RECV_BYTES`] each).
     pub recv: Vec<DeviceBuffer>,
     /// Whether launches carry the programmatic-stream-serialization attribute (default: where the device has it).
@@ -192,19 +190,18 @@ impl EmulatedFused {
         if let Some(why) = fused_push_ineligible(self.dtype, self.tokens, self.hidden, world, PUSH_MAX_BYTES) {
             return Err(Error::backend("cuda", "emulated fused ranks", None, why));
         }
-        let kernels = PushKernels::load(&self.runtime)?;
-        let fused = anyccl_ccl::gpu::push::PushKernels::from_custom(&self.kernels)?;
-        if let Some(why) = fused.fused_missing(self.dtype) {
+        // Handles into `self.kernels`' module (loaded once), which this struct keeps alive.
+        let kernels = PushKernels::from_custom(&self.kernels)?;
+        if let Some(why) = kernels.fused_missing(self.dtype) {
             return Err(Error::backend("cuda", "emulated fused ranks", None, why));
         }
         let recv = (0..world).map(|_| self.runtime.alloc(PUSH_RECV_BYTES)).collect::<Result<Vec<_>>>()?;
         let s = &self.streams[0];
         recv.iter().try_for_each(|b| init_receive_buffer(b, s))?;
         s.synchronize()?;
-        let pdl = kernels.pdl_supported();
+        let pdl = kernels.dependent_launch().is_ok();
         self.push = Some(PushPaths {
             kernels,
-            fused,
             recv,
             pdl,
             fused_blocks: fused_push_blocks(self.tokens, self.bytes, world),
@@ -258,10 +255,12 @@ impl EmulatedFused {
                 // With programmatic dependent launch a rank's next call may hold its blocks early: twice over.
                 let twice = if p.pdl { 2 } else { 1 };
                 if path == FusedPath::FusedPush {
-                    let fit = p.fused.fused_blocks_per_sm(&self.runtime, self.dtype)? * Cuda::sm_count(&self.runtime)?;
+                    let fit =
+                        p.kernels.fused_blocks_per_sm(&self.runtime, self.dtype)? * self.kernels.multiprocessors();
                     (fit / twice, p.fused_blocks)
                 } else {
-                    (p.kernels.resident_blocks(self.dtype)? / twice, p.push_blocks)
+                    let fit = p.kernels.blocks_per_sm(&self.runtime, self.dtype)? * self.kernels.multiprocessors();
+                    (fit / twice, p.push_blocks)
                 }
             }
         };
@@ -329,13 +328,15 @@ impl EmulatedFused {
                     let p = self.push_paths(path)?;
                     let recv = Self::ptrs(&p.recv);
                     let (dtype, rt) = (self.dtype, &self.runtime);
-                    p.fused.launch_fused(rt, dtype, own, &args, &recv, fl[rank], rank, PUSH_MAX_BYTES, p.pdl, s)
+                    p.kernels.launch_fused(rt, dtype, own, &args, &recv, fl[rank], rank, PUSH_MAX_BYTES, p.pdl, s)
                 }
                 FusedPath::UnfusedPush => {
                     let p = self.push_paths(path)?;
                     let recv = Self::ptrs(&p.recv);
                     let ar = self.allreduced[rank].device_ptr();
-                    p.kernels.launch(
+                    p.kernels.launch_shaped(
+                        PushShape::OneShot,
+                        &self.runtime,
                         self.dtype,
                         own,
                         ar,
@@ -343,8 +344,8 @@ impl EmulatedFused {
                         fl[rank],
                         rank,
                         self.bytes,
-                        p.push_blocks,
-                        p.pdl,
+                        PUSH_MAX_BYTES,
+                        PushGrid { blocks: p.push_blocks, dependent: p.pdl },
                         s,
                     )?;
                     self.fused.launch_rmsnorm(self.dtype, ar, &args, self.norm_blocks, s)

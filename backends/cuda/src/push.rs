@@ -1,6 +1,7 @@
 //! The push-mode one-shot all-reduce (`anyccl_push_one_shot_{f32,f16,bf16}`, kernel source
-//! `anyccl-kernels-common/include/anyccl/push.h`) on N ranks emulated on one GPU: its kernels, their launch (with
-//! programmatic dependent launch on sm_90+, through `cuLaunchKernelEx`), and the ranks' receive buffers.
+//! `anyccl-kernels-common/include/anyccl/push.h`) on N ranks emulated on one GPU: the communicator's launcher
+//! ([`anyccl_ccl::gpu::push::PushKernels`], with programmatic dependent launch on sm_90+) on the group's grid, and
+//! the ranks' receive buffers.
 //!
 //! Every rank writes its input into its slot of every peer's receive buffer, then reduces the slots of its own in
 //! rank order (the bits of [`Kind::OneShot`](crate::custom::Kind::OneShot)'s result). Completion is flag-free: a
@@ -10,19 +11,19 @@
 //! [`PUSH_MAX_BYTES`] (256 KiB; each rank's receive buffer holds [`PUSH_RECV_BYTES`], about 4 MiB). The abort word
 //! of each rank's flag array stops a kernel whose peer never writes ([`crate::custom::stop_waiting`]).
 
-use std::ffi::{c_void, CString};
 use std::sync::Arc;
 
 use anyccl_core::{DataType, Error, MemoryRuntime, Result};
-use anyccl_kernels_cuda::push::{PUSH_CTRL_BYTES, PUSH_CTRL_OFFSET, PUSH_KERNELS};
+use anyccl_kernels_cuda::push::{PUSH_CTRL_BYTES, PUSH_CTRL_OFFSET};
 pub use anyccl_kernels_cuda::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 
-use crate::custom::THREADS;
+use crate::custom::CustomKernels;
 use crate::driver::cu_err;
 use crate::emulated::EmulatedRanks;
 use crate::graph::Graph;
-use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext};
+use crate::platform::Cuda;
+use crate::runtime::{CudaStream, DeviceBuffer};
 
 /// Why the push one-shot cannot run `dtype` × `bytes` for `world` ranks, if it cannot.
 pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
@@ -45,169 +46,16 @@ pub fn push_blocks(bytes: usize, world: usize) -> u32 {
     anyccl_ccl::gpu::push::push_blocks(bytes, world)
 }
 
-fn slot(dtype: DataType) -> Option<usize> {
-    [DataType::F32, DataType::F16, DataType::Bf16].iter().position(|d| *d == dtype)
-}
-
 fn bad(m: String) -> Error {
     Error::backend("cuda", "push one-shot", None, m)
 }
 
-/// The push one-shot kernels loaded for one device (their own module of the all-reduce cubin).
-pub struct PushKernels {
-    functions: [sys::CUfunction; 3],
-    module: sys::CUmodule,
-    ctx: Arc<DeviceContext>,
-    /// Whether the device runs programmatic dependent launch (compute capability 9.0 or newer).
-    pdl: bool,
-    sms: usize,
-}
+/// The push kernels (and the fused push kernels) of a loaded kernel module, launched the way the communicator
+/// launches them ([`anyccl_ccl::gpu::push::PushKernels`]); valid while the [`CustomKernels`] they were looked up in
+/// are.
+pub type PushKernels = anyccl_ccl::gpu::push::PushKernels<Cuda>;
 
-// SAFETY: a module and its functions may be used from any thread of the process; launching is thread-safe.
-unsafe impl Send for PushKernels {}
-// SAFETY: as above; every method takes `&self` and only passes the handles to thread-safe driver calls.
-unsafe impl Sync for PushKernels {}
-
-impl Drop for PushKernels {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind();
-        // SAFETY: loaded in `load`, unloaded once; the functions die with it.
-        if let Err(e) = unsafe { result::module::unload(self.module) } {
-            tracing::warn!(error = %cu_err("cuModuleUnload", e), "unloading the push kernels failed");
-        }
-    }
-}
-
-impl PushKernels {
-    /// Loads the all-reduce cubin of the runtime's device and looks the three push kernels up. Not during capture.
-    pub fn load(runtime: &CudaRuntime) -> Result<Self> {
-        use anyccl_ccl::gpu::GpuPlatform;
-        if let Some(why) = crate::platform::Cuda::kernels_not_built() {
-            return Err(bad(why));
-        }
-        runtime.refuse_during_capture("cuModuleLoadData")?;
-        let image = crate::platform::Cuda::kernel_image(runtime)?;
-        let sms = crate::platform::Cuda::sm_count(runtime)?;
-        let ctx = runtime.context().clone();
-        let info = crate::driver::probe()
-            .map_err(|reason| Error::Unsupported { capability: "cuda-runtime".into(), reason })?;
-        let major = info.devices.iter().find(|d| d.ordinal == ctx.ordinal()).map_or(0, |d| d.compute_capability.0);
-        ctx.bind()?;
-        let owned = image.to_vec();
-        // SAFETY: `owned` holds a complete cubin; the driver copies what it needs before returning.
-        let module =
-            unsafe { result::module::load_data(owned.as_ptr().cast()) }.map_err(|e| cu_err("cuModuleLoadData", e))?;
-        let mut functions = [std::ptr::null_mut(); 3];
-        for (f, name) in functions.iter_mut().zip(PUSH_KERNELS) {
-            // Kernel names are fixed ASCII without NUL bytes.
-            let c = CString::new(name).map_err(|e| bad(e.to_string()))?;
-            // SAFETY: live module; looking a function up by name only reads the module.
-            match unsafe { result::module::get_function(module, c) } {
-                Ok(h) => *f = h,
-                Err(e) => {
-                    // SAFETY: loaded above, unloaded once.
-                    let _ = unsafe { result::module::unload(module) };
-                    return Err(cu_err("cuModuleGetFunction", e));
-                }
-            }
-        }
-        Ok(PushKernels { functions, module, ctx, pdl: major >= 9, sms })
-    }
-
-    /// Whether launches can use programmatic dependent launch (sm_90 and newer).
-    pub fn pdl_supported(&self) -> bool {
-        self.pdl
-    }
-
-    /// How many blocks of the `dtype` kernel fit on the device at once.
-    pub fn resident_blocks(&self, dtype: DataType) -> Result<usize> {
-        let f = self.functions[slot(dtype).ok_or_else(|| bad(format!("no push kernel for {dtype}")))?];
-        self.ctx.bind()?;
-        // SAFETY: a function of the loaded module; the query has no side effects.
-        let per_sm = unsafe { result::occupancy::max_active_block_per_multiprocessor(f, THREADS as i32, 0) }
-            .map_err(|e| cu_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
-        Ok(per_sm.max(0) as usize * self.sms)
-    }
-
-    /// Launches one rank's push all-reduce of `bytes` bytes from `input` into `output` (may be `input`: in place is
-    /// fine), with `recv[r]` rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its
-    /// abort word stops the kernel's waits). With `pdl` (sm_90+ only) the launch carries the
-    /// programmatic-stream-serialization attribute, so it overlaps the end of the stream's previous kernel.
-    ///
-    /// # Safety
-    /// `input`/`output` hold `bytes` of this device, 16-byte aligned; every `recv[r]` is a live receive buffer of
-    /// [`PUSH_RECV_BYTES`] initialised by [`init_receive_buffer`] and used by no other group; `my_flags` a live flag
-    /// array; every rank launches the same sequence of push calls, concurrently (all ranks' blocks co-resident).
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch(
-        &self,
-        dtype: DataType,
-        input: u64,
-        output: u64,
-        recv: &[u64],
-        my_flags: u64,
-        rank: usize,
-        bytes: usize,
-        blocks: u32,
-        pdl: bool,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        let world = recv.len();
-        if let Some(why) = ineligible(dtype, bytes, world) {
-            return Err(Error::AlgorithmNotEligible { algorithm: anyccl_core::Algorithm::OneShotPush, why });
-        }
-        if rank >= world || blocks == 0 || blocks as usize > anyccl_kernels_cuda::MAX_BLOCKS {
-            return Err(bad(format!("rank {rank} of {world}, {blocks} blocks")));
-        }
-        if pdl && !self.pdl {
-            return Err(bad("programmatic dependent launch needs compute capability 9.0 or newer".into()));
-        }
-        if recv.iter().chain([&input, &output, &my_flags]).any(|p| p % 16 != 0) {
-            return Err(bad("every buffer must be 16-byte aligned".into()));
-        }
-        let f = self.functions[slot(dtype).ok_or_else(|| bad(format!("no push kernel for {dtype}")))?];
-        let mut recv_p = [0u64; anyccl_kernels_cuda::MAX_RANKS];
-        for (d, s) in recv_p.iter_mut().zip(recv) {
-            *d = *s;
-        }
-        let (mut in_p, mut out_p, mut flags_p) = (input, output, my_flags);
-        // rank < world <= 8 (checked above and by `ineligible`).
-        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
-        let mut n_vec = (bytes / anyccl_kernels_cuda::VECTOR_BYTES) as u64;
-        let mut params: [*mut c_void; 7] = [
-            (&mut in_p as *mut u64).cast(),
-            (&mut out_p as *mut u64).cast(),
-            (&mut recv_p as *mut [u64; 8]).cast(),
-            (&mut flags_p as *mut u64).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-            (&mut n_vec as *mut u64).cast(),
-        ];
-        // SAFETY: an all-zero launch attribute is valid plain data (id 0 is CU_LAUNCH_ATTRIBUTE_IGNORE).
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: blocks,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: THREADS,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            hStream: stream.raw(),
-            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(pdl),
-        };
-        self.ctx.bind()?;
-        // SAFETY: `params` matches the kernel's signature (in, out, RankPtrs by value, my_flags, rank, world, n_vec:
-        // PUSH_PARAMS) and points to locals that outlive the call; the caller guarantees the buffers and the
-        // co-residency.
-        unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
-            .map_err(|e| cu_err("cuLaunchKernelEx", e))
-    }
-}
+pub use anyccl_ccl::gpu::push::{push_two_shot_blocks, PushGrid, PushShape};
 
 /// Fills a receive buffer of [`PUSH_RECV_BYTES`] with the sentinel and zeroes its control words, in stream order
 /// on `stream` (before first use, or to reuse the buffer after an abort left it unusable). Not during capture.
@@ -235,12 +83,17 @@ pub fn init_receive_buffer(buf: &DeviceBuffer, stream: &CudaStream) -> Result<()
 /// abort words.
 #[non_exhaustive]
 pub struct EmulatedPush {
-    /// The kernels.
-    pub kernels: PushKernels,
+    /// The kernels: handles into `module` (private: a safe launch relies on them).
+    kernels: PushKernels,
+    /// The kernel module the push kernels were looked up in: this struct's own load of the all-reduce cubin, so
+    /// the handles stay valid whatever becomes of the group.
+    module: CustomKernels,
     /// Receive buffers, by rank ([`PUSH_RECV_BYTES`] each).
     pub recv: Vec<DeviceBuffer>,
     /// Whether launches carry the programmatic-stream-serialization attribute (default: where the device has it).
     pub pdl: bool,
+    /// Which push kernel the launches run (default: the one-shot); calls of both shapes may follow each other.
+    pub shape: PushShape,
 }
 
 impl EmulatedPush {
@@ -249,12 +102,19 @@ impl EmulatedPush {
         if g.bytes > PUSH_MAX_BYTES {
             return Err(bad(format!("the group's {} bytes exceed {PUSH_MAX_BYTES}", g.bytes)));
         }
-        let kernels = PushKernels::load(&g.runtime)?;
+        let module = CustomKernels::load(&g.runtime)?;
+        let kernels = PushKernels::from_custom(&module)?;
         let recv = (0..g.streams.len()).map(|_| g.runtime.alloc(PUSH_RECV_BYTES)).collect::<Result<Vec<_>>>()?;
-        let pdl = kernels.pdl_supported();
-        let p = EmulatedPush { kernels, recv, pdl };
+        let pdl = kernels.dependent_launch().is_ok();
+        let p = EmulatedPush { kernels, module, recv, pdl, shape: PushShape::OneShot };
         p.reset(g)?;
         Ok(p)
+    }
+
+    /// Whether launches can use programmatic dependent launch (sm_90 and newer, with a driver that has
+    /// `cuLaunchKernelEx`).
+    pub fn pdl_supported(&self) -> bool {
+        self.kernels.dependent_launch().is_ok()
     }
 
     /// Puts every receive buffer back to its initial state (sentinel, call counter 0) and waits for it.
@@ -274,7 +134,7 @@ impl EmulatedPush {
     /// Refuses a group whose ranks' blocks could not all be resident at once (twice over with programmatic
     /// dependent launch, where a rank's next call may occupy its blocks early): the waits would never end.
     fn check_resident(&self, g: &EmulatedRanks, dtype: DataType) -> Result<()> {
-        let fit = self.kernels.resident_blocks(dtype)?;
+        let fit = self.kernels.blocks_per_sm(&g.runtime, dtype)? * self.module.multiprocessors();
         let need = g.streams.len() * g.blocks as usize * if self.pdl { 2 } else { 1 };
         if need > fit {
             return Err(bad(format!(
@@ -295,9 +155,12 @@ impl EmulatedPush {
             return Err(bad(format!("rank {rank} of {}", g.streams.len())));
         };
         // SAFETY: the group's buffers hold `g.bytes` (≤ PUSH_MAX_BYTES, checked in `new`), its flag arrays
-        // FLAG_BYTES; the receive buffers were initialised in `new`; every rank launches the same calls.
+        // FLAG_BYTES; the receive buffers were initialised in `new`; every rank launches the same calls; `launch`
+        // and `capture` check that every rank's blocks are co-resident.
         unsafe {
-            self.kernels.launch(
+            self.kernels.launch_shaped(
+                self.shape,
+                &g.runtime,
                 dtype,
                 input.device_ptr(),
                 output.device_ptr(),
@@ -305,8 +168,8 @@ impl EmulatedPush {
                 flags.device_ptr(),
                 rank,
                 g.bytes,
-                g.blocks,
-                self.pdl,
+                PUSH_MAX_BYTES,
+                PushGrid { blocks: g.blocks, dependent: self.pdl },
                 s,
             )
         }

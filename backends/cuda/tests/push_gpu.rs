@@ -138,7 +138,7 @@ fn eager_calls(world: usize, dtype: DataType, bytes: usize, calls: usize, seed: 
     let base = push_blocks(bytes, world);
     let mut g = EmulatedRanks::new(0, world, bytes, base).expect("emulated ranks");
     let mut p = EmulatedPush::new(&g).expect("push buffers");
-    let pdl = p.kernels.pdl_supported();
+    let pdl = p.pdl_supported();
     for call in 0..calls {
         let inputs: Vec<Vec<u8>> =
             (0..world).map(|r| random_input(dtype, bytes, seed * 1000 + call as u64 * 10 + r as u64)).collect();
@@ -196,7 +196,7 @@ fn back_to_back_calls_without_host_sync_and_graph_replays_equal_eager() {
                 // Graphs of 3 calls, replayed 3 times (9 more calls, crossing the sets at every call), with and
                 // without programmatic dependent launch edges.
                 let mut calls = 12;
-                for pdl in [false, p.kernels.pdl_supported()] {
+                for pdl in [false, p.pdl_supported()] {
                     p.pdl = pdl;
                     let graphs = p.capture(&g, dtype, 3).expect("capture");
                     for replay in 0..3 {
@@ -281,7 +281,7 @@ fn a_push_kernel_whose_peer_never_writes_stops_when_its_abort_word_is_set() {
     for pdl in [false, true] {
         let g = EmulatedRanks::new(0, 2, 64 << 10, 4).expect("emulated ranks");
         let mut p = EmulatedPush::new(&g).expect("push buffers");
-        if pdl && !p.kernels.pdl_supported() {
+        if pdl && !p.pdl_supported() {
             continue;
         }
         p.pdl = pdl;

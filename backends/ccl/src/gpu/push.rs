@@ -328,6 +328,29 @@ impl<P: GpuPlatform> PushKernels<P> {
         }
     }
 
+    /// How many blocks of the push kernel of `dtype` fit on one multiprocessor at once.
+    pub fn blocks_per_sm(&self, runtime: &P::Runtime, dtype: DataType) -> Result<usize> {
+        let f =
+            self.function(PushShape::OneShot, dtype).map_err(|m| Error::backend(P::NAME, "push one-shot", None, m))?;
+        P::max_active_blocks_per_sm(runtime, f, THREADS)
+    }
+
+    /// The kernel of `shape` for `dtype`, or why the module has none.
+    fn function(&self, shape: PushShape, dtype: DataType) -> std::result::Result<P::Function, String> {
+        let slot = match dtype {
+            DataType::F32 => 0,
+            DataType::F16 => 1,
+            DataType::Bf16 => 2,
+            other => return Err(format!("no {} kernel for {other}", shape.what())),
+        };
+        match shape {
+            PushShape::OneShot => Ok(self.functions[slot]),
+            PushShape::TwoShot => self.two_shot[slot].ok_or_else(|| {
+                format!("the loaded kernel module has no {} (built from an older source?)", PUSH_TWO_SHOT_KERNELS[slot])
+            }),
+        }
+    }
+
     /// [`Self::launch`] in either shape, on `grid` (blocks 1 to 128; `dependent` needs the platform's
     /// programmatic dependent launch, else an error). Every rank of a call must use the same shape; push calls of
     /// both shapes may follow each other on the same receive buffers.
@@ -370,21 +393,7 @@ impl<P: GpuPlatform> PushKernels<P> {
         if grid.dependent {
             self.dependent_launch().map_err(|why| bad(why.to_owned()))?;
         }
-        let slot = match dtype {
-            DataType::F32 => 0,
-            DataType::F16 => 1,
-            DataType::Bf16 => 2,
-            other => return Err(bad(format!("no push kernel for {other}"))),
-        };
-        let f = match shape {
-            PushShape::OneShot => self.functions[slot],
-            PushShape::TwoShot => self.two_shot[slot].ok_or_else(|| {
-                bad(format!(
-                    "the loaded kernel module has no {} (built from an older source?)",
-                    PUSH_TWO_SHOT_KERNELS[slot]
-                ))
-            })?,
-        };
+        let f = self.function(shape, dtype).map_err(bad)?;
         let (mut in_p, mut out_p, mut recv_p, mut flags_p) = (input, output, ptrs(recv), my_flags);
         // rank < world <= MAX_RANKS (checked above and by `ineligible`).
         let (mut rank_i, mut world_i) = (rank as i32, world as i32);

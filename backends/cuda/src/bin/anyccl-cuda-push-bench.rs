@@ -152,7 +152,7 @@ fn run(world: usize, opts: &Opts) -> Result<bool> {
     for &bytes in &opts.sizes {
         let mut g = EmulatedRanks::new(device, world, bytes, 4)?;
         let mut p = EmulatedPush::new(&g)?;
-        let pdl = p.kernels.pdl_supported();
+        let pdl = p.pdl_supported();
         if !header {
             println!(
                 "{:>9} {:>7} {:>12} {:>7} {:>12} {:>8} {:>12} {:>8}  check",
