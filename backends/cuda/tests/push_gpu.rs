@@ -1,12 +1,13 @@
 //! The push-mode one-shot (`anyccl_cuda::push`) on one GPU with N ranks emulated as N buffer sets on N streams:
 //! bitwise equal to today's one-shot over many consecutive calls (both buffer sets, grids that change between
 //! calls, with and without programmatic dependent launch), in graph replays, for inputs that hold the sentinel's
-//! bits, and stopped by the abort word when a peer never writes.
+//! bits, and stopped by the abort word when a peer never writes. The push two-shot (`PushShape::TwoShot`, the same
+//! receive buffers and protocol) runs interleaved with the one-shot in each of these and must give the same bits.
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::EmulatedRanks;
-use anyccl_cuda::push::{push_blocks, EmulatedPush, PUSH_MAX_BYTES, PUSH_SENTINEL};
+use anyccl_cuda::push::{push_blocks, EmulatedPush, PushShape, PUSH_MAX_BYTES, PUSH_SENTINEL};
 
 const DTYPES: [DataType; 3] = [DataType::F32, DataType::F16, DataType::Bf16];
 
@@ -147,10 +148,13 @@ fn eager_calls(world: usize, dtype: DataType, bytes: usize, calls: usize, seed: 
         let want = one_shot(&g, dtype);
         g.blocks = [base, 1, 3, base, 2, 7][call % 6];
         p.pdl = pdl && call >= calls / 2;
+        // Odd calls run the push two-shot: both shapes share the receive buffers and the call counter.
+        p.shape = if call % 2 == 1 { PushShape::TwoShot } else { PushShape::OneShot };
         poison_outputs(&g);
         p.launch(&g, dtype).expect("push launch");
         let got = outputs(&g);
-        let what = format!("push {dtype} world {world} {bytes} B call {call} blocks {} pdl {}", g.blocks, p.pdl);
+        let what =
+            format!("push {:?} {dtype} world {world} {bytes} B call {call} blocks {} pdl {}", p.shape, g.blocks, p.pdl);
         check(&what, dtype, &inputs, &got, &want);
     }
     g.blocks = base;
@@ -169,7 +173,7 @@ fn push_equals_today_s_one_shot_bitwise_for_2_to_8_ranks_over_consecutive_calls(
                 eager_calls(world, dtype, bytes, 6, seed);
             }
         }
-        eprintln!("world {world}: push one-shot f32/f16/bf16, 16 B to 256 KiB, 6 calls each: equal to one-shot");
+        eprintln!("world {world}: push one- and two-shot f32/f16/bf16, 16 B to 256 KiB, 6 calls: equal to one-shot");
     }
 }
 
@@ -189,15 +193,16 @@ fn back_to_back_calls_without_host_sync_and_graph_replays_equal_eager() {
                 let want = one_shot(&g, dtype);
                 // Seven calls queued back to back on every rank's stream, no host synchronisation in between.
                 poison_outputs(&g);
-                for _ in 0..7 {
+                for k in 0..7 {
+                    p.shape = if k % 3 == 1 { PushShape::TwoShot } else { PushShape::OneShot };
                     p.launch(&g, dtype).expect("push launch");
                 }
                 check(&format!("back-to-back {dtype} world {world} {bytes} B"), dtype, &inputs, &outputs(&g), &want);
                 // Graphs of 3 calls, replayed 3 times (9 more calls, crossing the sets at every call), with and
                 // without programmatic dependent launch edges.
                 let mut calls = 12;
-                for pdl in [false, p.pdl_supported()] {
-                    p.pdl = pdl;
+                for (pdl, shape) in [(false, PushShape::OneShot), (p.pdl_supported(), PushShape::TwoShot)] {
+                    (p.pdl, p.shape) = (pdl, shape);
                     let graphs = p.capture(&g, dtype, 3).expect("capture");
                     for replay in 0..3 {
                         poison_outputs(&g);
@@ -205,7 +210,7 @@ fn back_to_back_calls_without_host_sync_and_graph_replays_equal_eager() {
                             gr.launch(s).expect("replay");
                         }
                         calls += 3;
-                        let what = format!("graph {dtype} world {world} {bytes} B pdl {pdl} replay {replay}");
+                        let what = format!("graph {shape:?} {dtype} world {world} {bytes} B pdl {pdl} replay {replay}");
                         check(&what, dtype, &inputs, &outputs(&g), &want);
                     }
                 }
@@ -222,7 +227,7 @@ fn inputs_holding_the_sentinel_s_bits_are_reduced_like_today_s_one_shot() {
         for dtype in DTYPES {
             let bytes = 16 * 1037;
             let g = EmulatedRanks::new(0, world, bytes, push_blocks(bytes, world)).expect("emulated ranks");
-            let p = EmulatedPush::new(&g).expect("push buffers");
+            let mut p = EmulatedPush::new(&g).expect("push buffers");
             // Random values with, on every rank, words of exactly the sentinel's bits (0xFFFFFFFF: NaNs) at
             // scattered places, words that merely start or end like it, and -0.0 (the sign bit alone).
             let inputs: Vec<Vec<u8>> = (0..world)
@@ -246,9 +251,10 @@ fn inputs_holding_the_sentinel_s_bits_are_reduced_like_today_s_one_shot() {
             upload_inputs(&g, &inputs);
             let want = one_shot(&g, dtype);
             for call in 0..4 {
+                p.shape = if call % 2 == 1 { PushShape::TwoShot } else { PushShape::OneShot };
                 poison_outputs(&g);
                 p.launch(&g, dtype).expect("push launch");
-                let what = format!("sentinel input {dtype} world {world} call {call}");
+                let what = format!("sentinel input {:?} {dtype} world {world} call {call}", p.shape);
                 check(&what, dtype, &inputs, &outputs(&g), &want);
             }
             check_state(&g, &p, 4, &format!("sentinel input {dtype} world {world}"));
@@ -269,38 +275,42 @@ fn in_place_push_equals_out_of_place() {
         // Every rank's output is its input (a view of the same buffer): the kernel reads its own input only where
         // its own thread then writes the output.
         g.outputs = g.inputs.iter().map(view).collect();
-        let p = EmulatedPush::new(&g).expect("push buffers");
-        p.launch(&g, dtype).expect("push launch");
-        check(&format!("in place world {world}"), dtype, &inputs, &outputs(&g), &want);
+        let mut p = EmulatedPush::new(&g).expect("push buffers");
+        for shape in [PushShape::OneShot, PushShape::TwoShot] {
+            upload_inputs(&g, &inputs);
+            p.shape = shape;
+            p.launch(&g, dtype).expect("push launch");
+            check(&format!("in place {shape:?} world {world}"), dtype, &inputs, &outputs(&g), &want);
+        }
     }
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn a_push_kernel_whose_peer_never_writes_stops_when_its_abort_word_is_set() {
-    for pdl in [false, true] {
+    for (pdl, shape) in [(false, PushShape::OneShot), (true, PushShape::OneShot), (true, PushShape::TwoShot)] {
         let g = EmulatedRanks::new(0, 2, 64 << 10, 4).expect("emulated ranks");
         let mut p = EmulatedPush::new(&g).expect("push buffers");
         if pdl && !p.pdl_supported() {
             continue;
         }
-        p.pdl = pdl;
+        (p.pdl, p.shape) = (pdl, shape);
         // Only rank 0 runs: it pushes into rank 1's buffer, then waits for rank 1's data, which never comes.
         p.launch_rank(&g, DataType::Bf16, 0, &g.streams[0]).expect("launch rank 0");
         std::thread::sleep(std::time::Duration::from_millis(200));
-        assert!(!g.streams[0].query().expect("query"), "pdl {pdl}: rank 0 finished without its peer's data");
+        assert!(!g.streams[0].query().expect("query"), "{shape:?} pdl {pdl}: rank 0 finished without its peer's data");
         let t = std::time::Instant::now();
         anyccl_cuda::custom::stop_waiting(&g.flags[0], &g.streams[1], std::time::Duration::from_secs(1))
             .expect("set the abort word");
         while !g.streams[0].query().expect("query") {
             if t.elapsed() > std::time::Duration::from_secs(10) {
                 // Dropping the buffers would wait for the kernel forever: end the process, failing.
-                eprintln!("pdl {pdl}: the push kernel still waits 10 s after its abort word was set");
+                eprintln!("{shape:?} pdl {pdl}: the push kernel still waits 10 s after its abort word was set");
                 std::process::exit(1);
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        eprintln!("pdl {pdl}: stopped {:?} after its abort word was set", t.elapsed());
+        eprintln!("{shape:?} pdl {pdl}: stopped {:?} after its abort word was set", t.elapsed());
     }
 }
 

@@ -5,14 +5,16 @@
 //! back-to-back calls; all ranks' graphs start together after an event on a timing stream, which then waits for
 //! every rank; 3 warm-up rounds, 20 timed rounds, median; time per all-reduce = round / 10. Columns: today's
 //! one-shot (the communicator's grid, `custom_blocks`), the push one-shot without programmatic dependent launch, and
-//! with it (sm_90+; "-" elsewhere), each push column with its ratio to the one-shot (target ≤ 0.75×).
+//! with it (sm_90+; "-" elsewhere), each push column with its ratio to the one-shot (target ≤ 0.75×), then the push
+//! two-shot (`push2`: scatter, reduce, gather over the same receive buffers; with programmatic dependent launch where
+//! the device has it; grid `push_two_shot_blocks`) and its ratio.
 //!
 //! Correctness, per cell: the inputs are small integers, whose sums every element type holds exactly, so every
 //! rank's output must equal the exact sum bit for bit, after the timed graphs and again after one eager call on
 //! fresh inputs (which catches data left over from an earlier call). Any wrong cell makes the exit status non-zero.
 //!
 //! Usage: anyccl-cuda-push-bench [--world N] [--device D] [--dtype bf16|f16|f32] [--sizes 4KiB,16KiB,...]
-//!        [--push-blocks B]   (the push columns' grid; default `push_blocks(size, world)`)
+//!        [--push-blocks B]   (every push column's grid; default `push_blocks` / `push_two_shot_blocks`)
 
 use std::process::ExitCode;
 
@@ -21,7 +23,7 @@ use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::EmulatedRanks;
 use anyccl_cuda::graph::Graph;
-use anyccl_cuda::push::{push_blocks, EmulatedPush, PUSH_MAX_BYTES};
+use anyccl_cuda::push::{push_blocks, push_two_shot_blocks, EmulatedPush, PushShape, PUSH_MAX_BYTES};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -30,7 +32,7 @@ const ROUNDS: usize = 20;
 #[derive(Clone, Copy, PartialEq)]
 enum Col {
     OneShot,
-    Push { pdl: bool },
+    Push { pdl: bool, shape: PushShape },
 }
 
 /// Element `i` of rank `r`'s input for pattern `k`: an integer in -8..=8.
@@ -95,8 +97,8 @@ fn outputs_equal(g: &EmulatedRanks, want: &[u8], device: i32) -> Result<bool> {
 fn launch(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) -> Result<()> {
     match col {
         Col::OneShot => g.launch(Kind::OneShot, dtype),
-        Col::Push { pdl } => {
-            p.pdl = pdl;
+        Col::Push { pdl, shape } => {
+            (p.pdl, p.shape) = (pdl, shape);
             p.launch(g, dtype)
         }
     }
@@ -105,8 +107,8 @@ fn launch(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) ->
 fn capture(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) -> Result<Vec<Graph>> {
     match col {
         Col::OneShot => g.capture(Kind::OneShot, dtype, CALLS),
-        Col::Push { pdl } => {
-            p.pdl = pdl;
+        Col::Push { pdl, shape } => {
+            (p.pdl, p.shape) = (pdl, shape);
             p.capture(g, dtype, CALLS)
         }
     }
@@ -117,7 +119,12 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) 
     let (dtype, device) = (opts.dtype, opts.device);
     g.blocks = match col {
         Col::OneShot => anyccl_ccl::gpu::comm::custom_blocks(g.bytes, anyccl_ccl::gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
-        Col::Push { .. } => opts.push_blocks.unwrap_or_else(|| push_blocks(g.bytes, g.streams.len())),
+        Col::Push { shape: PushShape::OneShot, .. } => {
+            opts.push_blocks.unwrap_or_else(|| push_blocks(g.bytes, g.streams.len()))
+        }
+        Col::Push { shape: PushShape::TwoShot, .. } => {
+            opts.push_blocks.unwrap_or_else(|| push_two_shot_blocks(g.bytes, g.streams.len()))
+        }
     };
     let want = set_inputs(g, dtype, 0, device)?;
     launch(g, p, col, dtype)?;
@@ -144,8 +151,9 @@ struct Opts {
 fn run(world: usize, opts: &Opts) -> Result<bool> {
     let (device, dtype) = (opts.device, opts.dtype);
     println!(
-        "push one-shot vs one-shot, {world} ranks emulated on one GPU, {dtype} sum; time per all-reduce (graphs of \
-         {CALLS} calls, median of {ROUNDS}); ratio = push / one-shot (target <= 0.75x)"
+        "push one-shot and two-shot vs one-shot, {world} ranks emulated on one GPU, {dtype} sum; time per \
+         all-reduce (graphs of {CALLS} calls, median of {ROUNDS}); ratio = push / one-shot (target <= 0.75x); push2: \
+         the push two-shot (with programmatic dependent launch where the device has it)"
     );
     let mut all_ok = true;
     let mut header = false;
@@ -155,33 +163,54 @@ fn run(world: usize, opts: &Opts) -> Result<bool> {
         let pdl = p.pdl_supported();
         if !header {
             println!(
-                "{:>9} {:>7} {:>12} {:>7} {:>12} {:>8} {:>12} {:>8}  check",
-                "size", "blocks", "one-shot", "blocks", "push", "ratio", "push+pdl", "ratio"
+                "{:>9} {:>7} {:>12} {:>7} {:>12} {:>8} {:>12} {:>8} {:>7} {:>12} {:>8}  check",
+                "size",
+                "blocks",
+                "one-shot",
+                "blocks",
+                "push",
+                "ratio",
+                "push+pdl",
+                "ratio",
+                "blocks",
+                "push2",
+                "ratio"
             );
             header = true;
         }
         let (one, ok1) = time_col(&mut g, &mut p, Col::OneShot, opts)?;
         let one_blocks = g.blocks;
-        let (push, ok2) = time_col(&mut g, &mut p, Col::Push { pdl: false }, opts)?;
+        let one_shot = PushShape::OneShot;
+        let (push, ok2) = time_col(&mut g, &mut p, Col::Push { pdl: false, shape: one_shot }, opts)?;
+        let push_blocks = g.blocks;
         let (pdl_cell, pdl_ratio, ok3) = if pdl {
-            let (t, ok) = time_col(&mut g, &mut p, Col::Push { pdl: true }, opts)?;
+            let (t, ok) = time_col(&mut g, &mut p, Col::Push { pdl: true, shape: one_shot }, opts)?;
             (format!("{:.2} us", t * 1e6), format!("{:.2}x", t / one), ok)
         } else {
             ("-".to_string(), "-".to_string(), true)
         };
-        let ok = ok1 && ok2 && ok3;
+        // The push two-shot, with programmatic dependent launch where the device has it.
+        let (two, ok4) = time_col(&mut g, &mut p, Col::Push { pdl, shape: PushShape::TwoShot }, opts)?;
+        let ok = ok1 && ok2 && ok3 && ok4;
         all_ok &= ok;
         println!(
-            "{:>9} {:>7} {:>12} {:>7} {:>12} {:>8} {:>12} {:>8}  {}",
+            "{:>9} {:>7} {:>12} {:>7} {:>12} {:>8} {:>12} {:>8} {:>7} {:>12} {:>8}  {}",
             format_bytes(bytes as u64),
             one_blocks,
             format!("{:.2} us", one * 1e6),
-            g.blocks,
+            push_blocks,
             format!("{:.2} us", push * 1e6),
             format!("{:.2}x", push / one),
             pdl_cell,
             pdl_ratio,
-            if ok { "ok".to_string() } else { format!("WRONG (one-shot {ok1}, push {ok2}, push+pdl {ok3})") }
+            g.blocks,
+            format!("{:.2} us", two * 1e6),
+            format!("{:.2}x", two / one),
+            if ok {
+                "ok".to_string()
+            } else {
+                format!("WRONG (one-shot {ok1}, push {ok2}, push+pdl {ok3}, push two-shot {ok4})")
+            }
         );
     }
     println!();
