@@ -297,12 +297,13 @@ impl SelectorTable {
         // GPUs.
         // NVIDIA, small messages: the push one-shot first (one write across the links, no barrier round), then the
         // rows below. On one H200 with emulated ranks, push + programmatic dependent launch took 0.39-0.46x the
-        // one-shot's time at 2 ranks from 4 to 256 KiB and 0.59-0.67x at 8 ranks up to 64 KiB, but 1.04-1.06x at
-        // 256 KiB with 8 ranks (docs/benchmarks.md); 3-4 ranks follow 2. Where the push one-shot is not set up
-        // (ANYCCL_PUSH_MAX_BYTES, its receive buffers) or the message exceeds its limit, one-shot runs.
+        // one-shot's time at 2 ranks from 4 to 256 KiB, 0.48-0.61x at 4 ranks from 4 to 256 KiB, and 0.59-0.76x at
+        // 8 ranks up to 128 KiB, but 1.04-1.08x at 256 KiB with 8 ranks (docs/benchmarks.md); 3 ranks follow 4,
+        // 5-7 follow 8. Where the push one-shot is not set up (ANYCCL_PUSH_MAX_BYTES, its receive buffers) or the
+        // message exceeds its limit, one-shot runs.
         add(vec![Vendor::Nvidia], None, (2, 2), (0, Some(256 * KIB + 1)), vec![OneShotPush, OneShot, Ccl]);
         add(vec![Vendor::Nvidia], None, (3, 4), (0, Some(256 * KIB + 1)), vec![OneShotPush, OneShot, TwoShot, Ccl]);
-        add(vec![Vendor::Nvidia], None, (5, 8), (0, Some(64 * KIB + 1)), vec![OneShotPush, OneShot, TwoShot, Ccl]);
+        add(vec![Vendor::Nvidia], None, (5, 8), (0, Some(128 * KIB + 1)), vec![OneShotPush, OneShot, TwoShot, Ccl]);
         // World 2: one-shot whenever the custom kernels can take the message (their staging size,
         // ANYCCL_CUSTOM_MAX_BYTES, default 8 MiB), up to 64 MiB. On two H200s the custom one-shot beat NCCL by
         // 1.28-1.96x from 1 to 8 MiB and, with 64 MiB staging, by 1.15-1.27x from 16 to 64 MiB (docs/benchmarks.md).
@@ -1295,7 +1296,7 @@ mod tests {
     fn nvidia_prefers_the_push_one_shot_where_it_measured_faster_and_falls_back_to_one_shot() {
         let s = Selector::defaults();
         let pick = |v, w, b| s.select(&q(v, w, b), all_ok).expect("selects").algorithm;
-        for (world, limit) in [(2, 256 * KIB), (3, 256 * KIB), (4, 256 * KIB), (5, 64 * KIB), (8, 64 * KIB)] {
+        for (world, limit) in [(2, 256 * KIB), (3, 256 * KIB), (4, 256 * KIB), (5, 128 * KIB), (8, 128 * KIB)] {
             for bytes in [16, 4 * KIB, limit] {
                 assert_eq!(pick(Vendor::Nvidia, world, bytes), Algorithm::OneShotPush, "world {world} {bytes}");
             }
