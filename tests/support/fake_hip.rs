@@ -464,7 +464,7 @@ impl From<RawLaunch> for Launch {
             rank: r.rank,
             world: r.world,
         });
-        let quant = (r.kernel == 8).then(|| QuantParams {
+        let quant = (r.kernel == 8).then_some(QuantParams {
             format: if r.quant == 1 { "fp8" } else { "int8" },
             dtype,
             input: r.self_src,
