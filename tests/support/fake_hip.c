@@ -4,10 +4,11 @@
  * unsafe" calls (allocation, free, synchronous copies, IPC get/open/close, peer enabling, module load/unload) fail
  * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
  * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
- * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's all-reduce kernels
- * (anyccl_{one,two}_shot[_table]_{f32,f16,bf16}) by emulating them on host memory, ranks being threads of this
- * process (see "The all-reduce kernels" below), records every launch, and refuses (with a violation) launches
- * the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
+ * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's kernels (the one-shot and
+ * two-shot all-reduce, the push one-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm kernel, the
+ * fused push one-shot, the quantized two-shots: kernel_kinds below) by emulating them on host memory with their
+ * arithmetic, ranks being threads of this process (see "The all-reduce kernels" below), records every launch, and
+ * refuses (with a violation) launches the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
  * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <math.h>
 #include <pthread.h>
@@ -833,7 +834,10 @@ hipError_t hipModuleGetFunction(void** f, void* m, const char* name) {
  * of the same step exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a
  * GPU would, and time out after FAKEHIP_KERNEL_TIMEOUT_MS, 20 s by default, with a violation instead of
  * hanging). The sums are the kernel's: in f32, in rank order 0..world-1, rounded to the element type
- * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). A rank whose abort word is set
+ * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). The other kernels (kernel_kinds)
+ * are checked the same way and run with their own protocols and arithmetic, operation for operation as their
+ * headers document it (fused.h, fused_push.h, push.h, quant.h), so tests compare their results bit for bit with the
+ * host references. A rank whose abort word is set
  * before or while it waits stops waiting (its barrier stores still reach its peers, as on a GPU), writes nothing
  * to `out` and counts as aborted. A one-shot writing `out` over an input its peers read, or a two-shot writing it
  * over a scratch buffer, is a race on a GPU and recorded as a violation. */
@@ -1081,7 +1085,8 @@ static void reduce_vecs(const struct kwork* w, const uint64_t* in, void* dst, si
         k_put(w->dtype, dst, i - s * per, acc);
     }
 }
-static int overlaps(uint64_t a, uint64_t b, uint64_t n) { return a < b + n && b < a + n; }
+/* Whether [a, a + an) and [b, b + bn) overlap. */
+static int overlaps(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) { return a < b + bn && b < a + an; }
 static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
 /* ---- The arithmetic of fused.h and quant.h, operation for operation (the same bits as the kernels) ---- */
@@ -1507,11 +1512,11 @@ static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, in
         const int two = w->kind == K_TWO_SHOT || w->kind == K_FUSED_TWO;
         const uint64_t read = two ? w->scratch[r] : in[r], read_bytes = two ? w->scratch_bytes : w->bytes;
         const char* name = two ? "scratch" : "in";
-        if (overlaps(w->out, read, w->out_bytes > read_bytes ? w->out_bytes : read_bytes) ||
-            (norm_res && overlaps(norm_res, read, w->bytes > read_bytes ? w->bytes : read_bytes))) {
+        const int out_over = overlaps(w->out, w->out_bytes, read, read_bytes);
+        if (out_over || (norm_res && overlaps(norm_res, w->bytes, read, read_bytes))) {
             char msg[160];
             snprintf(msg, sizeof msg, "%s writes %s over %s[%d], which every rank reads%s",
-                     two ? "two-shot" : "one-shot", overlaps(w->out, read, read_bytes) ? "out" : "residual", name, r,
+                     two ? "two-shot" : "one-shot", out_over ? "out" : "residual", name, r,
                      two ? "" : " (a race on a GPU)");
             launch_note(w, msg);
         }
