@@ -29,7 +29,14 @@ fn build_cuda_uncached() -> PathBuf {
         &format!("cuda/{CUDA_SONAME}"),
         &source,
         // nodelete: the streams' worker threads run code of the library (see fake_hip.rs).
-        &[format!("-Wl,-soname,{CUDA_SONAME}"), "-Wl,-z,nodelete".into(), "-lpthread".into()],
+        &[
+            format!("-Wl,-soname,{CUDA_SONAME}"),
+            "-Wl,-z,nodelete".into(),
+            "-lpthread".into(),
+            // The emulated kernels' f32 arithmetic (see fake_hip.rs).
+            "-lm".into(),
+            "-ffp-contract=off".into(),
+        ],
     );
     let dir = lib.parent().expect("the fake driver's folder");
     let link = dir.join("libcuda.so");

@@ -4,11 +4,13 @@
  * unsafe" calls (allocation, free, synchronous copies, IPC get/open/close, peer enabling, module load/unload) fail
  * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
  * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
- * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's all-reduce kernels
- * (anyccl_{one,two}_shot[_table]_{f32,f16,bf16}) by emulating them on host memory, ranks being threads of this
- * process (see "The all-reduce kernels" below), records every launch, and refuses (with a violation) launches
- * the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
+ * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's kernels (the one-shot and
+ * two-shot all-reduce, the push one-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm kernel, the
+ * fused push one-shot, the quantized two-shots: kernel_kinds below) by emulating them on host memory with their
+ * arithmetic, ranks being threads of this process (see "The all-reduce kernels" below), records every launch, and
+ * refuses (with a violation) launches the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
  * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -832,7 +834,10 @@ hipError_t hipModuleGetFunction(void** f, void* m, const char* name) {
  * of the same step exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a
  * GPU would, and time out after FAKEHIP_KERNEL_TIMEOUT_MS, 20 s by default, with a violation instead of
  * hanging). The sums are the kernel's: in f32, in rank order 0..world-1, rounded to the element type
- * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). A rank whose abort word is set
+ * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). The other kernels (kernel_kinds)
+ * are checked the same way and run with their own protocols and arithmetic, operation for operation as their
+ * headers document it (fused.h, fused_push.h, push.h, quant.h), so tests compare their results bit for bit with the
+ * host references. A rank whose abort word is set
  * before or while it waits stops waiting (its barrier stores still reach its peers, as on a GPU), writes nothing
  * to `out` and counts as aborted. A one-shot writing `out` over an input its peers read, or a two-shot writing it
  * over a scratch buffer, is a race on a GPU and recorded as a violation. */
@@ -854,7 +859,7 @@ struct fakehip_launch {
     int32_t capturing;      /* the stream was capturing: the work runs at each replay */
     uint64_t stream;
     int32_t status;         /* what hipModuleLaunchKernel returned */
-    int32_t kernel;         /* 0: not an all-reduce kernel (or not decoded), 1: one-shot, 2: two-shot */
+    int32_t kernel;         /* 0: not a kernel the fake runs (or not decoded), else its kind (K_ONE_SHOT...) */
     int32_t table_kernel;   /* 1: a _table kernel (inputs through `table`) */
     int32_t dtype;          /* 0 f32, 1 f16, 2 bf16; -1 when not an all-reduce kernel */
     int32_t rank, world;
@@ -869,6 +874,11 @@ struct fakehip_launch {
     uint64_t recv[8];       /* push one-shot (kernel 3): every rank's receive buffer */
     uint64_t my_flags;      /* push one-shot: this rank's flag array (its abort word) */
     int32_t pdl;            /* launched with programmatic dependent launch (cuLaunchKernelEx's attribute) */
+    int32_t out_fp8;        /* the fused kinds and the RMSNorm kernel (4-7): NormArgs, as decoded */
+    uint32_t hidden_vec;
+    float eps, scale;
+    uint64_t residual, weight, tokens;
+    int32_t quant;          /* quantized two-shot (kernel 8): 1 fp8 e4m3, 2 int8 */
     int32_t reserved;
 };
 static struct fakehip_launch launches[MAX_LAUNCHES];
@@ -921,14 +931,49 @@ static void wake_kernels(void) {
     pthread_mutex_unlock(&kmu);
 }
 
+/* The kernels the fake runs, by kind (fakehip_launch.kernel). */
+enum {
+    K_ONE_SHOT = 1,   /* anyccl_one_shot[_table]_{f32,f16,bf16} (allreduce.h) */
+    K_TWO_SHOT = 2,   /* anyccl_two_shot[_table]_{f32,f16,bf16} */
+    K_PUSH = 3,       /* anyccl_push_one_shot_{f32,f16,bf16} (push.h) */
+    K_FUSED_ONE = 4,  /* anyccl_fused_one_shot[_table]_{f16,bf16} (fused.h) */
+    K_FUSED_TWO = 5,  /* anyccl_fused_two_shot[_table]_{f16,bf16} */
+    K_RMSNORM = 6,    /* anyccl_rmsnorm_{f16,bf16}: the unfused form's second kernel */
+    K_FUSED_PUSH = 7, /* anyccl_fused_push_one_shot_{f16,bf16} (fused_push.h) */
+    K_QUANT = 8,      /* anyccl_quant_two_shot_{fp8,int8}_{f32,f16,bf16} (quant.h) */
+};
+/* The fused kernels' NormArgs (fused.h; by value in their parameters). */
+struct norm_args {
+    uint64_t residual, weight, out;
+    float eps, scale;
+    int32_t out_fp8;
+    uint32_t hidden_vec;
+    uint64_t tokens;
+};
+_Static_assert(sizeof(struct norm_args) == 48, "fused.h's NormArgs is 48 bytes");
+/* push.h's receive buffers: two sets of K_MAX_RANKS slots, then the control words. */
+#define K_PUSH_SLOT (256 * 1024)
+#define K_PUSH_CTRL (2 * K_MAX_RANKS * K_PUSH_SLOT)
+#define K_PUSH_RECV (K_PUSH_CTRL + 16)
+#define K_PUSH_SENTINEL 0xFFFFFFFFu
+#define K_PUSH_CANONICAL 0x7FFF7FFFu
+#define K_NORM_THREADS 512
+#define K_MAX_HIDDEN 16384
+#define K_QUANT_BLOCK 32
+
 struct kwork {
     uint64_t seq;
     char name[64];
     int kind, table_kernel, dtype, rank, world;
+    int quant; /* K_QUANT: 1 fp8 e4m3, 2 int8 */
     unsigned blocks;
     uint64_t table, self_src, out, round_vecs, n_vec;
     uint64_t in[8], scratch[8], flags[8];
     uint64_t recv[8];
+    struct norm_args norm; /* the fused kinds and K_RMSNORM */
+    /* Bytes a run touches (size_launch): the message (each input, staging and push slot), `out`, and each
+     * rank's scratch (the two-shot kinds) or staging and scratch (K_QUANT). */
+    uint64_t bytes, out_bytes, scratch_bytes;
 };
 
 static void launch_note(const struct kwork* w, const char* why) {
@@ -1030,23 +1075,418 @@ static void k_put(int dtype, void* p, size_t i, float f) {
         ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
     }
 }
-/* Vectors [s, e) of every rank's input reduced into `dst` (reduce_vec: f32, rank order). */
+/* Vectors [s, e) of every rank's input reduced into `dst` (its vector 0 is vector s; reduce_vec: f32, rank
+ * order, rounded to the element type). */
 static void reduce_vecs(const struct kwork* w, const uint64_t* in, void* dst, size_t s, size_t e) {
     size_t per = w->dtype == 0 ? 4 : 8;
     for (size_t i = s * per; i < e * per; i++) {
         float acc = k_get(w->dtype, (const void*)(uintptr_t)in[0], i);
         for (int r = 1; r < w->world; r++) acc += k_get(w->dtype, (const void*)(uintptr_t)in[r], i);
-        k_put(w->dtype, dst, i, acc);
+        k_put(w->dtype, dst, i - s * per, acc);
     }
 }
-static int overlaps(uint64_t a, uint64_t b, uint64_t n) { return a < b + n && b < a + n; }
+/* Whether [a, a + an) and [b, b + bn) overlap. */
+static int overlaps(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) { return a < b + bn && b < a + an; }
+static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
-/* Whether every buffer the run touches is live and large enough; reads the input table. Records why not. */
+/* ---- The arithmetic of fused.h and quant.h, operation for operation (the same bits as the kernels) ---- */
+
+/* f32 to fp8 e4m3 (OCP "fn"): round to nearest even, saturating to ±448, NaN to 0x7f | sign, |v| <= 2^-10 to ±0:
+ * fused.h's anyccl_f32_to_e4m3, in the same integer operations. quant.h's vendor conversion (anyccl_e4m3x2_encode)
+ * is the same function written differently (both are the correctly rounded saturating conversion; the host
+ * tests of anyccl-ccl and anyccl-kernels-common pin each against an independent reference), so it serves both. */
+static uint8_t e4m3_encode(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+    uint32_t res;
+    if (a <= 0x3a800000u) {
+        res = 0;
+    } else if (a > 0x7f800000u) {
+        res = 0x7f;
+    } else if (a > 0x43e80000u) {
+        res = 0x7e;
+    } else if (a >= 0x3c800000u) {
+        const uint32_t man = (a >> 20) & 7u, rest = a & 0xfffffu;
+        res = (((a >> 23) - 127 + 7) << 3) | man;
+        if (rest > 0x80000u || (rest == 0x80000u && (man & 1u))) res += 1;
+    } else {
+        const uint32_t shift = (uint32_t)(1 - ((int)(a >> 23) - 127 + 7));
+        const uint32_t half = 0x80000u << shift, rest = (a | 0x800000u) & ((0x80000u << (shift + 1)) - 1);
+        res = (((a >> 20) & 7u) | 8u) >> shift;
+        if (rest > half || (rest == half && (res & 1u))) res += 1;
+    }
+    return (uint8_t)(res | sign);
+}
+/* e4m3 code to f32 (exact; vendor_hip.h's anyccl_e4m3_decode1). */
+static float e4m3_decode(uint8_t c) {
+    const uint32_t sign = (uint32_t)(c & 0x80u) << 24, e = (c >> 3) & 0xfu, m = c & 7u;
+    uint32_t bits = sign | 0x7fc00000u;
+    if (!(e == 15u && m == 7u)) {
+        float v;
+        if (e == 0) {
+            v = (float)m * 0.001953125f;
+        } else {
+            const uint32_t b = ((e + 120u) << 23) | (m << 20);
+            memcpy(&v, &b, 4);
+        }
+        memcpy(&bits, &v, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* v[0] after adding v[i + o] into v[i] for o = n/2, n/4, ..., 1: the pairwise order of the kernels' xor shuffles
+ * (lane i and lane i ^ o hold the same sum, f32 addition being commutative). */
+static float pairwise_sum(float* v, int n) {
+    for (int o = n / 2; o > 0; o /= 2)
+        for (int i = 0; i < o; i++) v[i] = v[i] + v[i + o];
+    return v[0];
+}
+/* fused.h's norm_row for one row: `sum` holds the row's all-reduced elements (T, already rounded); the new
+ * residual T(sum + residual) goes to `res` (read first, element by element) and `res2`; the output to `out` and
+ * `out2` (T, or e4m3 bytes). `res2`/`out2` may be NULL; `sum` may be `out` (the separate RMSNorm kernel runs in
+ * place: every element of `sum` is read before any output is written). */
+static void norm_row(int dtype, const struct norm_args* a, const void* sum, uint16_t* res, void* out, uint16_t* res2,
+                     void* out2) {
+    const size_t hv = a->hidden_vec, n = hv * 8;
+    float x[K_MAX_HIDDEN];
+    for (size_t i = 0; i < n; i++) {
+        k_put(dtype, res, i, k_get(dtype, sum, i) + k_get(dtype, res, i));
+        if (res2) res2[i] = res[i];
+        x[i] = k_get(dtype, res, i);
+    }
+    /* Thread t: vectors t, t + 512, ... in order, elements 0..7 each, fma from +0; then each warp of 32 and the
+     * 16 warp sums pairwise. */
+    float part[K_NORM_THREADS], warps[K_NORM_THREADS / 32];
+    for (size_t t = 0; t < K_NORM_THREADS; t++) {
+        float acc = 0.0f;
+        for (size_t j = t; j < hv; j += K_NORM_THREADS)
+            for (size_t e = 0; e < 8; e++) acc = fmaf(x[j * 8 + e], x[j * 8 + e], acc);
+        part[t] = acc;
+    }
+    for (int wp = 0; wp < K_NORM_THREADS / 32; wp++) warps[wp] = pairwise_sum(part + 32 * wp, 32);
+    const float total = pairwise_sum(warps, K_NORM_THREADS / 32);
+    const float inv = 1.0f / sqrtf(total / (float)n + a->eps);
+    const void* weight = (const void*)(uintptr_t)a->weight;
+    for (size_t i = 0; i < n; i++) {
+        const float y = (x[i] * inv) * k_get(dtype, weight, i);
+        if (a->out_fp8) {
+            const uint8_t q = e4m3_encode(y / a->scale);
+            ((uint8_t*)out)[i] = q;
+            if (out2) ((uint8_t*)out2)[i] = q;
+        } else {
+            k_put(dtype, out, i, y);
+            if (out2) k_put(dtype, out2, i, y);
+        }
+    }
+}
+/* Rows [r0, r1) of a fused call: each all-reduced from every rank's `in` as reduce_vec does (`in` NULL: read from
+ * the separate RMSNorm kernel's input, self_src), then norm_row into the residual and the output, and, with
+ * `copy` (two-shot's scratch: residual rows, then output rows), into the copy's rows as well. */
+static void norm_rows(const struct kwork* w, const uint64_t* in, size_t r0, size_t r1, char* copy) {
+    const struct norm_args* a = &w->norm;
+    const size_t hv = a->hidden_vec, orb = hv * (a->out_fp8 ? 8 : 16);
+    uint16_t sum[K_MAX_HIDDEN];
+    for (size_t row = r0; row < r1; row++) {
+        const void* s = sum;
+        if (in) reduce_vecs(w, in, sum, row * hv, row * hv + hv);
+        else s = (const char*)(uintptr_t)w->self_src + row * hv * 16;
+        norm_row(w->dtype, a, s, (uint16_t*)(uintptr_t)a->residual + row * hv * 8,
+                 (char*)(uintptr_t)a->out + row * orb, copy ? (uint16_t*)(copy + row * hv * 16) : NULL,
+                 copy ? copy + a->tokens * hv * 16 + row * orb : NULL);
+    }
+}
+
+/* quant.h's quant_store: block b of 32 values `x` quantized into `base` (nb blocks: codes, then f32 scales). */
+static void quant_store(int format, const float* x, unsigned char* base, size_t nb, size_t b) {
+    float amax = 0.0f;
+    for (int k = 0; k < K_QUANT_BLOCK; k++) amax = fmaxf(amax, fabsf(x[k]));
+    const float qmax = format == 1 ? 448.0f : 127.0f;
+    const float inv = amax > 0.0f ? fminf(qmax / amax, 3.40282347e38f) : 0.0f;
+    const float scale = amax / qmax;
+    for (int k = 0; k < K_QUANT_BLOCK; k++) {
+        const float v = x[k] * inv;
+        base[b * K_QUANT_BLOCK + (size_t)k] =
+            format == 1 ? e4m3_encode(v) : (uint8_t)(int8_t)(int)fminf(fmaxf(rintf(v), -127.0f), 127.0f);
+    }
+    memcpy(base + nb * K_QUANT_BLOCK + b * 4, &scale, 4);
+}
+/* Block b of `base` dequantized into codes' values `v` (before the scale) and its scale. */
+static float quant_load(int format, const unsigned char* base, size_t nb, size_t b, float* v) {
+    for (int k = 0; k < K_QUANT_BLOCK; k++) {
+        const uint8_t c = base[b * K_QUANT_BLOCK + (size_t)k];
+        v[k] = format == 1 ? e4m3_decode(c) : (float)(int8_t)c;
+    }
+    float s;
+    memcpy(&s, base + nb * K_QUANT_BLOCK + b * 4, 4);
+    return s;
+}
+
+/* ---- Decoding and checking a launch ---- */
+
+/* Parameters in order: which field. P_SELF is the kernel's own-input pointer (self_src, or `in` where it is one
+ * pointer); P_IN every rank's input or staging (RankPtrs; K_QUANT's `stage`). */
+enum { P_IN, P_TABLE, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, P_RECV, P_MY_FLAGS, P_ARGS };
+/* allreduce_params, push.h's PUSH_PARAMS, fused_params, FUSED_PUSH_PARAMS and QUANT_PARAMS of kernels-common. */
+static const int one_shot_params[] = {P_IN, P_SELF, P_OUT, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+static const int two_shot_params[] = {P_IN, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+static const int push_params[] = {P_SELF, P_OUT, P_RECV, P_MY_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+static const int fused_one_params[] = {P_IN, P_SELF, P_ARGS, P_FLAGS, P_RANK, P_WORLD, -1};
+static const int fused_two_params[] = {P_IN, P_SELF, P_SCRATCH, P_ARGS, P_FLAGS, P_RANK, P_WORLD, -1};
+static const int rmsnorm_params[] = {P_SELF, P_ARGS, -1};
+static const int fused_push_params[] = {P_SELF, P_ARGS, P_RECV, P_MY_FLAGS, P_RANK, P_WORLD, -1};
+static const int quant_params[] = {P_SELF, P_IN, P_SCRATCH, P_OUT, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
+
+/* Every kernel name the fake runs: prefix, then `table_` where `tables`, then f32 (where `f32`), f16 or bf16. */
+static const struct kernel_kind {
+    const char* prefix;
+    int kind, quant, tables, f32;
+    const int* params;
+} kernel_kinds[] = {
+    {"anyccl_one_shot_", K_ONE_SHOT, 0, 1, 1, one_shot_params},
+    {"anyccl_two_shot_", K_TWO_SHOT, 0, 1, 1, two_shot_params},
+    {"anyccl_push_one_shot_", K_PUSH, 0, 0, 1, push_params},
+    {"anyccl_fused_one_shot_", K_FUSED_ONE, 0, 1, 0, fused_one_params},
+    {"anyccl_fused_two_shot_", K_FUSED_TWO, 0, 1, 0, fused_two_params},
+    {"anyccl_rmsnorm_", K_RMSNORM, 0, 0, 0, rmsnorm_params},
+    {"anyccl_fused_push_one_shot_", K_FUSED_PUSH, 0, 0, 0, fused_push_params},
+    {"anyccl_quant_two_shot_fp8_", K_QUANT, 1, 0, 1, quant_params},
+    {"anyccl_quant_two_shot_int8_", K_QUANT, 2, 0, 1, quant_params},
+};
+static const struct kernel_kind* kind_of(int kind, int quant) {
+    for (size_t i = 0; i < sizeof kernel_kinds / sizeof kernel_kinds[0]; i++)
+        if (kernel_kinds[i].kind == kind && kernel_kinds[i].quant == quant) return &kernel_kinds[i];
+    return NULL;
+}
+static int is_fused(int kind) {
+    return kind == K_FUSED_ONE || kind == K_FUSED_TWO || kind == K_RMSNORM || kind == K_FUSED_PUSH;
+}
+static int is_push(int kind) { return kind == K_PUSH || kind == K_FUSED_PUSH; }
+/* Kinds whose every rank's input is read through `in` (direct, staged, or a table). */
+static int reads_peers(int kind) {
+    return kind == K_ONE_SHOT || kind == K_TWO_SHOT || kind == K_FUSED_ONE || kind == K_FUSED_TWO;
+}
+/* Fills kind, quant, table_kernel and dtype from a kernel name; 0 when the fake cannot run it. */
+static int parse_kernel(const char* name, struct kwork* w) {
+    for (size_t i = 0; i < sizeof kernel_kinds / sizeof kernel_kinds[0]; i++) {
+        const struct kernel_kind* k = &kernel_kinds[i];
+        size_t n = strlen(k->prefix);
+        if (strncmp(name, k->prefix, n) != 0) continue;
+        const char* rest = name + n;
+        w->table_kernel = k->tables && strncmp(rest, "table_", 6) == 0;
+        if (w->table_kernel) rest += 6;
+        if (strcmp(rest, "f32") == 0 && k->f32) w->dtype = 0;
+        else if (strcmp(rest, "f16") == 0) w->dtype = 1;
+        else if (strcmp(rest, "bf16") == 0) w->dtype = 2;
+        else return 0;
+        w->kind = k->kind;
+        w->quant = k->quant;
+        return 1;
+    }
+    return 0;
+}
+
+static size_t param_bytes(int p) {
+    switch (p) {
+        case P_IN: case P_SCRATCH: case P_FLAGS: case P_RECV: return 64;
+        case P_RANK: case P_WORLD: return 4;
+        case P_ARGS: return sizeof(struct norm_args);
+        default: return 8;
+    }
+}
+static void store_param(struct kwork* w, int p, const void* v) {
+    switch (p) {
+        case P_IN: memcpy(w->in, v, 64); break;
+        case P_TABLE: memcpy(&w->table, v, 8); break;
+        case P_SELF: memcpy(&w->self_src, v, 8); break;
+        case P_SCRATCH: memcpy(w->scratch, v, 64); break;
+        case P_OUT: memcpy(&w->out, v, 8); break;
+        case P_ROUND: memcpy(&w->round_vecs, v, 8); break;
+        case P_FLAGS: memcpy(w->flags, v, 64); break;
+        case P_RANK: memcpy(&w->rank, v, 4); break;
+        case P_WORLD: memcpy(&w->world, v, 4); break;
+        case P_NVEC: memcpy(&w->n_vec, v, 8); break;
+        case P_RECV: memcpy(w->recv, v, 64); break;
+        /* Kept as flags[0] until the rank is known (decode_params moves it to flags[rank]). */
+        case P_MY_FLAGS: memcpy(&w->flags[0], v, 8); break;
+        case P_ARGS: memcpy(&w->norm, v, sizeof w->norm); break;
+    }
+}
+
+/* Decodes the parameters from kernelParams (one pointer per parameter) or from `extra` (a parameter buffer laid
+ * out as kernels-common's parameter tables say). Returns 0 or 1 with `why` filled. */
+static hipError_t decode_params(struct kwork* w, void** params, void** extra, char* why, size_t n) {
+    const int* order = kind_of(w->kind, w->quant)->params;
+    if ((params == NULL) == (extra == NULL))
+        return snprintf(why, n, "exactly one of kernelParams and extra must be given"), 1;
+    const unsigned char* buf = NULL;
+    size_t buf_size = 0;
+    if (extra) {
+        const void* size_p = NULL;
+        int i = 0;
+        for (; i < 16 && extra[i] != (void*)3; i += 2) {
+            if (extra[i] == (void*)1) buf = extra[i + 1];
+            else if (extra[i] == (void*)2) size_p = extra[i + 1];
+            else return snprintf(why, n, "extra[%d] is not a HIP_LAUNCH_PARAM_* key", i), 1;
+        }
+        if (i >= 16 || !buf || !size_p) return snprintf(why, n, "extra lacks a buffer, its size or the end"), 1;
+        memcpy(&buf_size, size_p, sizeof buf_size);
+    }
+    size_t off = 0;
+    for (int i = 0; order[i] >= 0; i++) {
+        int p = order[i] == P_IN && w->table_kernel ? P_TABLE : order[i];
+        size_t bytes = param_bytes(p);
+        size_t align = bytes < 8 ? bytes : 8;
+        off = (off + align - 1) / align * align;
+        const void* v;
+        if (params) {
+            v = params[i];
+            if (!v) return snprintf(why, n, "kernelParams[%d] is null", i), 1;
+        } else {
+            if (off + bytes > buf_size)
+                return snprintf(why, n, "the parameter buffer of %zu bytes ends before parameter %d", buf_size, i),
+                       1;
+            v = buf + off;
+        }
+        store_param(w, p, v);
+        off += bytes;
+    }
+    if (extra && off != buf_size)
+        return snprintf(why, n, "the parameter buffer has %zu bytes, the kernel's parameters %zu", buf_size, off), 1;
+    if (is_push(w->kind) && w->rank >= 0 && w->rank < K_MAX_RANKS && w->rank != 0) {
+        w->flags[w->rank] = w->flags[0];
+        w->flags[0] = 0;
+    }
+    return 0;
+}
+
+/* The message's vectors and the bytes a run touches, from the decoded parameters; 0, or 1 with `why` filled. */
+static hipError_t size_launch(struct kwork* w, char* why, size_t n) {
+    if (is_fused(w->kind)) {
+        const struct norm_args* a = &w->norm;
+        if (a->hidden_vec == 0 || a->hidden_vec > K_MAX_HIDDEN / 8)
+            return snprintf(why, n, "hidden_vec %u (1..=%d: hidden a multiple of 8 up to %d)", a->hidden_vec,
+                            K_MAX_HIDDEN / 8, K_MAX_HIDDEN),
+                   1;
+        if (a->tokens == 0 || a->tokens > ((uint64_t)1 << 40) / a->hidden_vec)
+            return snprintf(why, n, "tokens %llu (1..=2^40 vectors in all)", (unsigned long long)a->tokens), 1;
+        w->n_vec = a->tokens * a->hidden_vec;
+        w->out = a->out;
+        w->out_bytes = w->n_vec * (a->out_fp8 ? 8 : 16);
+    } else {
+        w->out_bytes = w->n_vec * 16;
+    }
+    if (w->n_vec == 0 || w->n_vec > ((uint64_t)1 << 40))
+        return snprintf(why, n, "n_vec %llu (1..=2^40)", (unsigned long long)w->n_vec), 1;
+    w->bytes = w->n_vec * 16;
+    if (w->kind == K_TWO_SHOT) w->scratch_bytes = w->bytes;
+    if (w->kind == K_FUSED_TWO) w->scratch_bytes = w->bytes + w->out_bytes;
+    if (w->kind == K_QUANT) {
+        /* quant::staging_bytes: ceil(elements / 32) blocks of 32 code bytes and a 4-byte scale. */
+        uint64_t per_block = K_QUANT_BLOCK / (w->dtype == 0 ? 4 : 8);
+        w->scratch_bytes = (w->n_vec + per_block - 1) / per_block * (K_QUANT_BLOCK + 4);
+    }
+    if (is_push(w->kind) && w->bytes > K_PUSH_SLOT)
+        return snprintf(why, n, "%llu bytes exceed a push slot", (unsigned long long)w->bytes), 1;
+    return 0;
+}
+
+/* A buffer a run touches: what (and which rank's, or -1), where, how many bytes; null allowed or not. */
+struct need {
+    const char* what;
+    int index;
+    uint64_t p, bytes;
+    int may_be_null;
+};
+/* Every buffer a run of `w` touches: `in` is every rank's input (NULL for a _table kernel whose table is not read
+ * yet: the table is listed instead), `src` the own input to stage (self_src). Returns the count. */
+static int needed_buffers(const struct kwork* w, const uint64_t* in, uint64_t src, struct need* need) {
+    int k = 0;
+    const int barriers = reads_peers(w->kind) || w->kind == K_QUANT;
+    for (int r = 0; r < w->world && w->kind != K_RMSNORM; r++) {
+        if (barriers) need[k++] = (struct need){"flags", r, w->flags[r], K_FLAG_BYTES, 0};
+        if (reads_peers(w->kind) && in) need[k++] = (struct need){"in", r, in[r], w->bytes, 0};
+        if (w->kind == K_QUANT) need[k++] = (struct need){"stage", r, w->in[r], w->scratch_bytes, 0};
+        if (w->scratch_bytes) need[k++] = (struct need){"scratch", r, w->scratch[r], w->scratch_bytes, 0};
+        if (is_push(w->kind)) need[k++] = (struct need){"recv", r, w->recv[r], K_PUSH_RECV, 0};
+    }
+    if (is_push(w->kind)) need[k++] = (struct need){"my_flags", -1, w->flags[w->rank], K_FLAG_BYTES, 0};
+    if (w->table_kernel && !in) need[k++] = (struct need){"table", -1, w->table, K_TABLE_BYTES, 0};
+    need[k++] = (struct need){"out", -1, w->out, w->out_bytes, 0};
+    need[k++] = (struct need){reads_peers(w->kind) ? "self_src" : "in", -1, src, w->bytes, reads_peers(w->kind)};
+    if (is_fused(w->kind)) {
+        need[k++] = (struct need){"residual", -1, w->norm.residual, w->bytes, 0};
+        need[k++] = (struct need){"weight", -1, w->norm.weight, (uint64_t)w->norm.hidden_vec * 16, 0};
+    }
+    return k;
+}
+#define K_MAX_NEEDS (5 * K_MAX_RANKS + 6)
+/* Whether every buffer of `need` is non-null (unless it may be), 16-byte aligned and inside a live allocation
+ * holding its bytes; 1 with `why` filled when not (`freed`: worded for a run, after the launch was accepted). */
+static int bad_buffer(const struct need* need, int k, int freed, char* why, size_t n) {
+    char at[24] = "";
+    for (int i = 0; i < k; i++) {
+        const struct need* b = &need[i];
+        if (b->index >= 0) snprintf(at, sizeof at, "[%d]", b->index);
+        else at[0] = 0;
+        if (!b->p) {
+            if (b->may_be_null) continue;
+            return snprintf(why, n, "%s%s is null", b->what, at), 1;
+        }
+        if (b->p % 16 != 0)
+            return snprintf(why, n, "%s%s %#llx is not 16-byte aligned", b->what, at, (unsigned long long)b->p), 1;
+        pthread_mutex_lock(&mu);
+        int live = alloc_holding(b->p, b->bytes) != NULL;
+        pthread_mutex_unlock(&mu);
+        if (!live)
+            return snprintf(why, n,
+                            freed ? "%s%s %#llx: no live allocation of %llu bytes (freed?)"
+                                  : "%s%s %#llx: no live hipMalloc allocation holds %llu bytes there",
+                            b->what, at, (unsigned long long)b->p, (unsigned long long)b->bytes),
+                   1;
+    }
+    return 0;
+}
+
+/* Checks a decoded launch; returns 0 or the error code, with `why` filled. */
+static hipError_t check_launch(struct kwork* w, const unsigned* grid, const unsigned* block, char* why, size_t n) {
+    /* The separate RMSNorm kernel has no flags: any grid; the others' flag arrays hold K_MAX_BLOCKS blocks. */
+    const unsigned max_grid = w->kind == K_RMSNORM ? 0x7fffffffu : K_MAX_BLOCKS;
+    if (grid[0] < 1 || grid[0] > max_grid || grid[1] != 1 || grid[2] != 1)
+        return snprintf(why, n, "grid %ux%ux%u (1..=%u blocks in x only)", grid[0], grid[1], grid[2], max_grid), 1;
+    if (block[0] < 1 || block[0] > K_MAX_THREADS || block[1] != 1 || block[2] != 1)
+        return snprintf(why, n, "block %ux%ux%u (1..=%d threads in x only)", block[0], block[1], block[2],
+                        K_MAX_THREADS),
+               1;
+    /* The order of the fused kernels' sum of squares is that of 512 threads; quant.h's groups of 32 / N threads
+     * must not straddle blocks. */
+    if (is_fused(w->kind) && block[0] != K_NORM_THREADS)
+        return snprintf(why, n, "block of %u threads (the fused kernels need exactly %d)", block[0], K_NORM_THREADS),
+               1;
+    if (w->kind == K_QUANT && block[0] % (K_QUANT_BLOCK / (w->dtype == 0 ? 4 : 8)) != 0)
+        return snprintf(why, n, "block of %u threads (not whole groups of a quantization block)", block[0]), 1;
+    if (w->kind != K_RMSNORM) {
+        if (w->world < 2 || w->world > K_MAX_RANKS) return snprintf(why, n, "world %d (2..=8)", w->world), 1;
+        if (w->rank < 0 || w->rank >= w->world) return snprintf(why, n, "rank %d of world %d", w->rank, w->world), 1;
+    }
+    hipError_t e = size_launch(w, why, n);
+    if (e) return e;
+    struct need need[K_MAX_NEEDS];
+    int k = needed_buffers(w, w->table_kernel ? NULL : w->in, w->self_src, need);
+    return bad_buffer(need, k, 0, why, n);
+}
+
+/* Whether every buffer the run touches is live and large enough; reads the input table into `in`/`src` first.
+ * Records why not. */
 static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, int* registered) {
-    uint64_t bytes = w->n_vec * 16;
     char why[160] = "";
-    pthread_mutex_lock(&mu);
+    memcpy(in, w->in, 64);
+    *src = w->self_src;
     if (w->table_kernel) {
+        pthread_mutex_lock(&mu);
         if (!alloc_holding(w->table, K_TABLE_BYTES)) {
             snprintf(why, sizeof why, "the input table %#llx is in no live allocation (freed?)",
                      (unsigned long long)w->table);
@@ -1055,57 +1495,153 @@ static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, in
             uint64_t reg;
             memcpy(&reg, (const char*)(uintptr_t)w->table + 64, 8);
             *registered = reg != 0;
-            *src = reg ? 0 : w->self_src;
+            if (reg) *src = 0;
         }
-    } else {
-        memcpy(in, w->in, 64);
-        *src = w->self_src;
+        pthread_mutex_unlock(&mu);
     }
-    for (int r = 0; r < w->world && !why[0]; r++) {
-        if (!alloc_holding(w->flags[r], K_FLAG_BYTES))
-            snprintf(why, sizeof why, "flags[%d] %#llx: no live allocation of %d bytes (freed?)", r,
-                     (unsigned long long)w->flags[r], K_FLAG_BYTES);
-        else if (in[r] % 16 != 0 || !alloc_holding(in[r], bytes))
-            snprintf(why, sizeof why, "in[%d] %#llx: not 16-byte aligned in a live allocation of %llu bytes", r,
-                     (unsigned long long)in[r], (unsigned long long)bytes);
-        else if (w->kind == 2 && !alloc_holding(w->scratch[r], bytes))
-            snprintf(why, sizeof why, "scratch[%d] %#llx: no live allocation of %llu bytes (freed?)", r,
-                     (unsigned long long)w->scratch[r], (unsigned long long)bytes);
-    }
-    if (!why[0] && !alloc_holding(w->out, bytes))
-        snprintf(why, sizeof why, "out %#llx: no live allocation of %llu bytes (freed?)", (unsigned long long)w->out,
-                 (unsigned long long)bytes);
-    if (!why[0] && *src && !alloc_holding(*src, bytes))
-        snprintf(why, sizeof why, "self_src %#llx: no live allocation of %llu bytes (freed?)",
-                 (unsigned long long)*src, (unsigned long long)bytes);
-    pthread_mutex_unlock(&mu);
+    struct need need[K_MAX_NEEDS];
+    if (!why[0]) bad_buffer(need, needed_buffers(w, in, *src, need), 1, why, sizeof why);
     if (why[0]) {
         launch_note(w, why);
         return 0;
     }
-    for (int r = 0; r < w->world; r++) {
-        if (w->kind == 1 && overlaps(w->out, in[r], bytes)) {
+    /* Writes over what a peer reads (a race on a GPU): one-shot outputs over an input, two-shot outputs over a
+     * scratch buffer. */
+    const uint64_t norm_res = is_fused(w->kind) ? w->norm.residual : 0;
+    for (int r = 0; r < w->world && reads_peers(w->kind); r++) {
+        const int two = w->kind == K_TWO_SHOT || w->kind == K_FUSED_TWO;
+        const uint64_t read = two ? w->scratch[r] : in[r], read_bytes = two ? w->scratch_bytes : w->bytes;
+        const char* name = two ? "scratch" : "in";
+        const int out_over = overlaps(w->out, w->out_bytes, read, read_bytes);
+        if (out_over || (norm_res && overlaps(norm_res, w->bytes, read, read_bytes))) {
             char msg[160];
-            snprintf(msg, sizeof msg, "one-shot writes out over in[%d], which every rank reads (a race on a GPU)", r);
-            launch_note(w, msg);
-        }
-        if (w->kind == 2 && overlaps(w->out, w->scratch[r], bytes)) {
-            char msg[160];
-            snprintf(msg, sizeof msg, "two-shot writes out over scratch[%d], which every rank reads", r);
+            snprintf(msg, sizeof msg, "%s writes %s over %s[%d], which every rank reads%s",
+                     two ? "two-shot" : "one-shot", out_over ? "out" : "residual", name, r,
+                     two ? "" : " (a race on a GPU)");
             launch_note(w, msg);
         }
     }
     return 1;
 }
 
-static void push_run(const struct kwork* w);
+/* Reserves `steps` barrier epochs for every block of the grid from this rank's counters. */
+static void reserve_epochs(const struct kwork* w, uint32_t steps, uint32_t* epoch) {
+    for (unsigned b = 0; b < w->blocks; b++) {
+        uint32_t* counter = flag_word(w->flags[w->rank], K_EPOCHS + b);
+        epoch[b] = *counter;
+        *counter = epoch[b] + steps;
+    }
+}
+/* Barrier `step`; `*stopped` (0 running, 1 aborted, 2 timed out) records the first stop, after which the
+ * remaining barriers are only signalled. */
+static void step(const struct kwork* w, const uint32_t* epoch, uint32_t s, int* stopped) {
+    int r = barrier(w, epoch, s, *stopped);
+    if (!*stopped) *stopped = r;
+}
+
+/* allreduce.h's one-shot and two-shot (with its rounds). */
+static int all_reduce_run(const struct kwork* w, const uint64_t* in, uint64_t src) {
+    size_t n_vec = w->n_vec, round_vecs = w->round_vecs, rounds = 1;
+    if (w->kind == K_TWO_SHOT) {
+        if (round_vecs == 0 || round_vecs > n_vec) round_vecs = n_vec;
+        rounds = (n_vec + round_vecs - 1) / round_vecs;
+    }
+    uint32_t epoch[K_MAX_BLOCKS];
+    reserve_epochs(w, w->kind == K_ONE_SHOT ? 2 : 2 + (uint32_t)rounds, epoch);
+    int stopped = abort_set(w) ? 1 : 0;
+    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, n_vec * 16);
+    step(w, epoch, 1, &stopped);
+    if (w->kind == K_ONE_SHOT) {
+        if (!stopped) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, n_vec);
+        step(w, epoch, 2, &stopped);
+        return stopped;
+    }
+    char* mine = (char*)(uintptr_t)w->scratch[w->rank];
+    for (size_t k = 0; k < rounds; k++) {
+        size_t r0 = k * round_vecs, r1 = min_size(r0 + round_vecs, n_vec);
+        size_t chunk = (r1 - r0 + (size_t)w->world - 1) / (size_t)w->world;
+        size_t start = r0 + chunk * (size_t)w->rank, end = min_size(start + chunk, r1);
+        if (!stopped && start < end) reduce_vecs(w, in, mine + start * 16, start, end);
+        step(w, epoch, 2 + (uint32_t)k, &stopped);
+        for (int q = 0; q < w->world && !stopped; q++) {
+            size_t qs = r0 + chunk * (size_t)q, qe = min_size(qs + chunk, r1);
+            if (qs < qe)
+                memcpy((char*)(uintptr_t)w->out + qs * 16, (const char*)(uintptr_t)w->scratch[q] + qs * 16,
+                       (qe - qs) * 16);
+        }
+    }
+    step(w, epoch, 2 + (uint32_t)rounds, &stopped);
+    return stopped;
+}
+
+/* fused.h's fused one-shot (every rank normalises every row; 2 barriers) and fused two-shot (rank r normalises
+ * its chunk of ceil(tokens / W) rows into its scratch and its own buffers, then gathers the other chunks' new
+ * residual and output rows from their owners' scratch; 3 barriers). */
+static int fused_run(const struct kwork* w, const uint64_t* in, uint64_t src) {
+    const int two = w->kind == K_FUSED_TWO;
+    const struct norm_args* a = &w->norm;
+    uint32_t epoch[K_MAX_BLOCKS];
+    reserve_epochs(w, two ? 3 : 2, epoch);
+    int stopped = abort_set(w) ? 1 : 0;
+    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, w->bytes);
+    step(w, epoch, 1, &stopped);
+    const size_t tokens = a->tokens, chunk = two ? (tokens + (size_t)w->world - 1) / (size_t)w->world : tokens;
+    const size_t r0 = two ? min_size(tokens, chunk * (size_t)w->rank) : 0, r1 = min_size(tokens, r0 + chunk);
+    if (!stopped) norm_rows(w, in, r0, r1, two ? (char*)(uintptr_t)w->scratch[w->rank] : NULL);
+    step(w, epoch, 2, &stopped);
+    if (!two) return stopped;
+    const size_t row_bytes = (size_t)a->hidden_vec * 16, orb = (size_t)a->hidden_vec * (a->out_fp8 ? 8 : 16);
+    for (int q = 0; q < w->world && !stopped; q++) {
+        const size_t qs = min_size(tokens, chunk * (size_t)q), qe = min_size(tokens, qs + chunk);
+        const char* theirs = (const char*)(uintptr_t)w->scratch[q];
+        if (q == w->rank || qs == qe) continue;
+        memcpy((char*)(uintptr_t)a->residual + qs * row_bytes, theirs + qs * row_bytes, (qe - qs) * row_bytes);
+        memcpy((char*)(uintptr_t)a->out + qs * orb, theirs + tokens * row_bytes + qs * orb, (qe - qs) * orb);
+    }
+    step(w, epoch, 3, &stopped);
+    return stopped;
+}
+
+/* quant.h's quantized two-shot: every rank quantizes its input into its staging; rank r sums its chunk of
+ * ceil(nb / W) blocks from every rank's staging (fmaf of value and scale, rank order) and re-quantizes it into its
+ * scratch; every rank dequantizes every chunk from its owner's scratch into its output (3 barriers). */
+static int quant_run(const struct kwork* w) {
+    const size_t per = w->dtype == 0 ? 4 : 8, n = w->n_vec * per;
+    const size_t nb = (n + K_QUANT_BLOCK - 1) / K_QUANT_BLOCK, cb = (nb + (size_t)w->world - 1) / (size_t)w->world;
+    const void* src = (const void*)(uintptr_t)w->self_src;
+    uint32_t epoch[K_MAX_BLOCKS];
+    reserve_epochs(w, 3, epoch);
+    int stopped = abort_set(w) ? 1 : 0;
+    float x[K_QUANT_BLOCK], v[K_QUANT_BLOCK];
+    for (size_t b = 0; b < nb && !stopped; b++) {
+        for (size_t k = 0; k < K_QUANT_BLOCK; k++)
+            x[k] = b * K_QUANT_BLOCK + k < n ? k_get(w->dtype, src, b * K_QUANT_BLOCK + k) : 0.0f;
+        quant_store(w->quant, x, (unsigned char*)(uintptr_t)w->in[w->rank], nb, b);
+    }
+    step(w, epoch, 1, &stopped);
+    for (size_t b = min_size(nb, cb * (size_t)w->rank); b < min_size(nb, cb * (size_t)w->rank + cb) && !stopped;
+         b++) {
+        memset(x, 0, sizeof x);
+        for (int r = 0; r < w->world; r++) {
+            const float s = quant_load(w->quant, (const unsigned char*)(uintptr_t)w->in[r], nb, b, v);
+            for (int k = 0; k < K_QUANT_BLOCK; k++) x[k] = fmaf(v[k], s, x[k]);
+        }
+        quant_store(w->quant, x, (unsigned char*)(uintptr_t)w->scratch[w->rank], nb, b);
+    }
+    step(w, epoch, 2, &stopped);
+    for (size_t b = 0; b < nb && !stopped; b++) {
+        const float s = quant_load(w->quant, (const unsigned char*)(uintptr_t)w->scratch[b / cb], nb, b, v);
+        for (size_t k = 0; k < K_QUANT_BLOCK && b * K_QUANT_BLOCK + k < n; k++)
+            k_put(w->dtype, (void*)(uintptr_t)w->out, b * K_QUANT_BLOCK + k, v[k] * s);
+    }
+    step(w, epoch, 3, &stopped);
+    return stopped;
+}
+
+static int push_run(const struct kwork* w);
 static void kernel_run(void* arg) {
     const struct kwork* w = arg;
     launch_count(w->seq, f_runs);
-    if (w->kind == 3) {
-        push_run(w);
-        return;
-    }
     uint64_t in[8] = {0}, src = 0;
     int registered = -1;
     if (!run_buffers_ok(w, in, &src, &registered)) {
@@ -1116,61 +1652,30 @@ static void kernel_run(void* arg) {
     struct fakehip_launch* l = launch_rec(w->seq);
     if (l) l->last_registered = registered;
     pthread_mutex_unlock(&mu);
-
-    size_t n_vec = w->n_vec, round_vecs = w->round_vecs, rounds = 1;
-    if (w->kind == 2) {
-        if (round_vecs == 0 || round_vecs > n_vec) round_vecs = n_vec;
-        rounds = (n_vec + round_vecs - 1) / round_vecs;
+    int stopped = 0;
+    switch (w->kind) {
+        case K_ONE_SHOT:
+        case K_TWO_SHOT: stopped = all_reduce_run(w, in, src); break;
+        case K_FUSED_ONE:
+        case K_FUSED_TWO: stopped = fused_run(w, in, src); break;
+        case K_RMSNORM: norm_rows(w, NULL, 0, w->norm.tokens, NULL); break;
+        case K_PUSH:
+        case K_FUSED_PUSH: stopped = push_run(w); break;
+        case K_QUANT: stopped = quant_run(w); break;
     }
-    uint32_t steps = w->kind == 1 ? 2 : 2 + (uint32_t)rounds;
-    uint32_t epoch[K_MAX_BLOCKS];
-    for (unsigned b = 0; b < w->blocks; b++) {
-        uint32_t* counter = flag_word(w->flags[w->rank], K_EPOCHS + b);
-        epoch[b] = *counter;
-        *counter = epoch[b] + steps;
-    }
-    /* 0: running; 1: aborted; 2: timed out. Once stopped, the remaining barriers are only signalled. */
-    int stopped = abort_set(w) ? 1 : 0;
-    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, n_vec * 16);
-    int r = barrier(w, epoch, 1, stopped);
-    if (!stopped) stopped = r;
-    if (w->kind == 1) {
-        if (!stopped) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, n_vec);
-        r = barrier(w, epoch, 2, stopped);
-        if (!stopped) stopped = r;
-    } else {
-        void* mine = (void*)(uintptr_t)w->scratch[w->rank];
-        for (size_t k = 0; k < rounds; k++) {
-            size_t r0 = k * round_vecs, r1 = r0 + round_vecs < n_vec ? r0 + round_vecs : n_vec;
-            size_t chunk = (r1 - r0 + (size_t)w->world - 1) / (size_t)w->world;
-            size_t start = r0 + chunk * (size_t)w->rank, end = start + chunk < r1 ? start + chunk : r1;
-            if (!stopped && start < end) reduce_vecs(w, in, mine, start, end);
-            r = barrier(w, epoch, 2 + (uint32_t)k, stopped);
-            if (!stopped) stopped = r;
-            for (int q = 0; q < w->world && !stopped; q++) {
-                size_t qs = r0 + chunk * (size_t)q, qe = qs + chunk < r1 ? qs + chunk : r1;
-                if (qs < qe)
-                    memcpy((char*)(uintptr_t)w->out + qs * 16, (const char*)(uintptr_t)w->scratch[q] + qs * 16,
-                           (qe - qs) * 16);
-            }
-        }
-        r = barrier(w, epoch, 2 + (uint32_t)rounds, stopped);
-        if (!stopped) stopped = r;
-    }
-    if (stopped == 2) launch_note(w, "timed out waiting for the other ranks at a barrier");
+    if (stopped == 2)
+        launch_note(w, is_push(w->kind) ? "timed out waiting for a peer's push"
+                                        : "timed out waiting for the other ranks at a barrier");
     launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
 }
 
-/* The push one-shot (kernels-common/include/anyccl/push.h): every rank stores its input (each 32-bit word equal to
- * the sentinel 0xFFFFFFFF replaced by 0x7FFF7FFF) into slot [set][rank] of every peer's receive buffer, waits until
- * no word of its own slots [set][peer] is the sentinel (or its abort word is set), sums in rank order (its own
- * slot is its input) as reduce_vecs does, writes the sentinel back into the slots it read, and moves its call
- * counter (control word 0, after the sets; set = counter % 2) on. Buffers: K_PUSH_RECV bytes per rank. */
-#define K_PUSH_SLOT (256 * 1024)
-#define K_PUSH_CTRL (2 * K_MAX_RANKS * K_PUSH_SLOT)
-#define K_PUSH_RECV (K_PUSH_CTRL + 16)
-#define K_PUSH_SENTINEL 0xFFFFFFFFu
-#define K_PUSH_CANONICAL 0x7FFF7FFFu
+/* The push one-shot (kernels-common/include/anyccl/push.h) and the fused push one-shot (fused_push.h, the same
+ * protocol): every rank stores its input (each 32-bit word equal to the sentinel 0xFFFFFFFF replaced by
+ * 0x7FFF7FFF) into slot [set][rank] of every peer's receive buffer, waits until no word of its own slots
+ * [set][peer] is the sentinel (or its abort word is set), sums in rank order (its own slot is its input) as
+ * reduce_vecs does (the fused form: then norm_row for every row), writes the sentinel back into the slots it
+ * read, and moves its call counter (control word 0, after the sets; set = counter % 2) on. Buffers: K_PUSH_RECV
+ * bytes per rank. */
 /* Waits until no word of `slot` (n words) is the sentinel. 0: arrived; 1: aborted; 2: timed out. */
 static int push_wait(const struct kwork* w, const uint32_t* slot, size_t n) {
     pthread_mutex_lock(&kmu);
@@ -1209,28 +1714,12 @@ static int push_wait(const struct kwork* w, const uint32_t* slot, size_t n) {
     pthread_mutex_unlock(&kmu);
     return result;
 }
-static void push_run(const struct kwork* w) {
-    uint64_t bytes = w->n_vec * 16;
-    char why[160] = "";
-    pthread_mutex_lock(&mu);
-    for (int r = 0; r < w->world && !why[0]; r++)
-        if (!alloc_holding(w->recv[r], K_PUSH_RECV))
-            snprintf(why, sizeof why, "recv[%d] %#llx: no live allocation of %d bytes (freed?)", r,
-                     (unsigned long long)w->recv[r], K_PUSH_RECV);
-    if (!why[0] && !alloc_holding(w->flags[w->rank], K_FLAG_BYTES)) snprintf(why, sizeof why, "my_flags: freed?");
-    if (!why[0] && (!alloc_holding(w->self_src, bytes) || !alloc_holding(w->out, bytes)))
-        snprintf(why, sizeof why, "in or out: no live allocation of %llu bytes (freed?)", (unsigned long long)bytes);
-    pthread_mutex_unlock(&mu);
-    if (why[0]) {
-        launch_note(w, why);
-        launch_count(w->seq, f_failed);
-        return;
-    }
+static int push_run(const struct kwork* w) {
     char* mine = (char*)(uintptr_t)w->recv[w->rank];
     uint32_t* ctrl = (uint32_t*)(mine + K_PUSH_CTRL);
     uint32_t epoch = __atomic_load_n(ctrl, __ATOMIC_ACQUIRE);
     size_t set = (size_t)(epoch % 2) * K_MAX_RANKS * K_PUSH_SLOT;
-    size_t words = bytes / 4;
+    size_t words = w->bytes / 4;
     const uint32_t* src = (const uint32_t*)(uintptr_t)w->self_src;
     for (int r = 0; r < w->world; r++) {
         if (r == w->rank) continue;
@@ -1246,177 +1735,13 @@ static void push_run(const struct kwork* w) {
         if (r != w->rank && !stopped) stopped = push_wait(w, (const uint32_t*)(uintptr_t)in[r], words);
     }
     if (!stopped) {
-        reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, w->n_vec);
+        if (w->kind == K_PUSH) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, w->n_vec);
+        else norm_rows(w, in, 0, w->norm.tokens, NULL);
         for (int r = 0; r < w->world; r++)
-            if (r != w->rank) memset((void*)(uintptr_t)in[r], 0xFF, bytes);
+            if (r != w->rank) memset((void*)(uintptr_t)in[r], 0xFF, w->bytes);
     }
     __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
-    if (stopped == 2) launch_note(w, "timed out waiting for a peer's push");
-    launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
-}
-
-/* Parameters of the all-reduce kernels in order (allreduce_params in kernels-common): which field, bytes. */
-enum { P_IN, P_TABLE, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, P_RECV, P_MY_FLAGS };
-/* The push one-shot's (push.h; PUSH_PARAMS in kernels-common): in, out, recv, my_flags, rank, world, n_vec. */
-static const int push_params[] = {P_SELF, P_OUT, P_RECV, P_MY_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
-static const int one_shot_params[] = {P_IN, P_SELF, P_OUT, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
-static const int two_shot_params[] = {P_IN, P_SELF, P_SCRATCH, P_OUT, P_ROUND, P_FLAGS, P_RANK, P_WORLD, P_NVEC, -1};
-static size_t param_bytes(int p) {
-    return p == P_IN || p == P_SCRATCH || p == P_FLAGS || p == P_RECV ? 64 : p == P_RANK || p == P_WORLD ? 4 : 8;
-}
-static void store_param(struct kwork* w, int p, const void* v) {
-    switch (p) {
-        case P_IN: memcpy(w->in, v, 64); break;
-        case P_TABLE: memcpy(&w->table, v, 8); break;
-        case P_SELF: memcpy(&w->self_src, v, 8); break;
-        case P_SCRATCH: memcpy(w->scratch, v, 64); break;
-        case P_OUT: memcpy(&w->out, v, 8); break;
-        case P_ROUND: memcpy(&w->round_vecs, v, 8); break;
-        case P_FLAGS: memcpy(w->flags, v, 64); break;
-        case P_RANK: memcpy(&w->rank, v, 4); break;
-        case P_WORLD: memcpy(&w->world, v, 4); break;
-        case P_NVEC: memcpy(&w->n_vec, v, 8); break;
-        case P_RECV: memcpy(w->recv, v, 64); break;
-        /* Kept as flags[0] until the rank is known (decode_params moves it to flags[rank]). */
-        case P_MY_FLAGS: memcpy(&w->flags[0], v, 8); break;
-    }
-}
-/* kind 1 one-shot / 2 two-shot, table, dtype from an all-reduce kernel name; 0 when it is none. */
-static int parse_kernel(const char* name, int* kind, int* table, int* dtype) {
-    const char* rest;
-    if (strncmp(name, "anyccl_one_shot_", 16) == 0) *kind = 1;
-    else if (strncmp(name, "anyccl_two_shot_", 16) == 0) *kind = 2;
-    else if (strncmp(name, "anyccl_push_one_shot_", 21) == 0) *kind = 3;
-    else return 0;
-    rest = name + (*kind == 3 ? 21 : 16);
-    *table = *kind != 3 && strncmp(rest, "table_", 6) == 0;
-    if (*table) rest += 6;
-    if (strcmp(rest, "f32") == 0) *dtype = 0;
-    else if (strcmp(rest, "f16") == 0) *dtype = 1;
-    else if (strcmp(rest, "bf16") == 0) *dtype = 2;
-    else return 0;
-    return 1;
-}
-
-/* Checks a decoded launch; returns 0 or the error code, with `why` filled. */
-static hipError_t check_launch(const struct kwork* w, const unsigned* grid, const unsigned* block, char* why,
-                               size_t n) {
-    if (grid[0] < 1 || grid[0] > K_MAX_BLOCKS || grid[1] != 1 || grid[2] != 1)
-        return snprintf(why, n, "grid %ux%ux%u (1..=%d blocks in x only)", grid[0], grid[1], grid[2], K_MAX_BLOCKS),
-               1;
-    if (block[0] < 1 || block[0] > K_MAX_THREADS || block[1] != 1 || block[2] != 1)
-        return snprintf(why, n, "block %ux%ux%u (1..=%d threads in x only)", block[0], block[1], block[2],
-                        K_MAX_THREADS),
-               1;
-    if (w->world < 2 || w->world > K_MAX_RANKS) return snprintf(why, n, "world %d (2..=8)", w->world), 1;
-    if (w->rank < 0 || w->rank >= w->world) return snprintf(why, n, "rank %d of world %d", w->rank, w->world), 1;
-    if (w->n_vec == 0 || w->n_vec > ((uint64_t)1 << 40))
-        return snprintf(why, n, "n_vec %llu (1..=2^40)", (unsigned long long)w->n_vec), 1;
-    uint64_t bytes = w->n_vec * 16;
-    if (w->kind == 3) {
-        if (bytes > K_PUSH_SLOT) return snprintf(why, n, "%llu bytes exceed a push slot", (unsigned long long)bytes), 1;
-        uint64_t need[K_MAX_RANKS + 3];
-        uint64_t size[K_MAX_RANKS + 3];
-        int np = 0;
-        for (int r = 0; r < w->world; r++) need[np] = w->recv[r], size[np++] = K_PUSH_RECV;
-        need[np] = w->self_src, size[np++] = bytes;
-        need[np] = w->out, size[np++] = bytes;
-        need[np] = w->flags[w->rank], size[np++] = K_FLAG_BYTES;
-        for (int i = 0; i < np; i++) {
-            pthread_mutex_lock(&mu);
-            int live = need[i] % 16 == 0 && alloc_holding(need[i], size[i]) != NULL;
-            pthread_mutex_unlock(&mu);
-            if (!live)
-                return snprintf(why, n, "push parameter %d %#llx: not 16-byte aligned in a live allocation of %llu bytes",
-                                i, (unsigned long long)need[i], (unsigned long long)size[i]),
-                       1;
-        }
-        return 0;
-    }
-    struct {
-        const char* what;
-        int index;
-        uint64_t p;
-        uint64_t bytes;
-        int may_be_null;
-    } ptrs[1 + 3 * K_MAX_RANKS + 3];
-    int np = 0;
-    for (int r = 0; r < w->world; r++) {
-        ptrs[np++] = (typeof(ptrs[0])){"flags", r, w->flags[r], K_FLAG_BYTES, 0};
-        if (!w->table_kernel) ptrs[np++] = (typeof(ptrs[0])){"in", r, w->in[r], bytes, 0};
-        if (w->kind == 2) ptrs[np++] = (typeof(ptrs[0])){"scratch", r, w->scratch[r], bytes, 0};
-    }
-    if (w->table_kernel) ptrs[np++] = (typeof(ptrs[0])){"table", -1, w->table, K_TABLE_BYTES, 0};
-    ptrs[np++] = (typeof(ptrs[0])){"out", -1, w->out, bytes, 0};
-    ptrs[np++] = (typeof(ptrs[0])){"self_src", -1, w->self_src, bytes, 1};
-    char at[24] = "";
-    for (int i = 0; i < np; i++) {
-        if (ptrs[i].index >= 0) snprintf(at, sizeof at, "[%d]", ptrs[i].index);
-        else at[0] = 0;
-        if (!ptrs[i].p) {
-            if (ptrs[i].may_be_null) continue;
-            return snprintf(why, n, "%s%s is null", ptrs[i].what, at), 1;
-        }
-        if (ptrs[i].p % 16 != 0)
-            return snprintf(why, n, "%s%s %#llx is not 16-byte aligned", ptrs[i].what, at,
-                            (unsigned long long)ptrs[i].p),
-                   1;
-        pthread_mutex_lock(&mu);
-        int live = alloc_holding(ptrs[i].p, ptrs[i].bytes) != NULL;
-        pthread_mutex_unlock(&mu);
-        if (!live)
-            return snprintf(why, n, "%s%s %#llx: no live hipMalloc allocation holds %llu bytes there", ptrs[i].what,
-                            at, (unsigned long long)ptrs[i].p, (unsigned long long)ptrs[i].bytes),
-                   1;
-    }
-    return 0;
-}
-
-/* Decodes the parameters from kernelParams (one pointer per parameter) or from `extra` (a parameter buffer laid
- * out as allreduce_params says). Returns 0 or 1 with `why` filled. */
-static hipError_t decode_params(struct kwork* w, void** params, void** extra, char* why, size_t n) {
-    const int* order = w->kind == 1 ? one_shot_params : w->kind == 2 ? two_shot_params : push_params;
-    if ((params == NULL) == (extra == NULL))
-        return snprintf(why, n, "exactly one of kernelParams and extra must be given"), 1;
-    const unsigned char* buf = NULL;
-    size_t buf_size = 0;
-    if (extra) {
-        const void* size_p = NULL;
-        int i = 0;
-        for (; i < 16 && extra[i] != (void*)3; i += 2) {
-            if (extra[i] == (void*)1) buf = extra[i + 1];
-            else if (extra[i] == (void*)2) size_p = extra[i + 1];
-            else return snprintf(why, n, "extra[%d] is not a HIP_LAUNCH_PARAM_* key", i), 1;
-        }
-        if (i >= 16 || !buf || !size_p) return snprintf(why, n, "extra lacks a buffer, its size or the end"), 1;
-        memcpy(&buf_size, size_p, sizeof buf_size);
-    }
-    size_t off = 0;
-    for (int i = 0; order[i] >= 0; i++) {
-        int p = order[i] == P_IN && w->table_kernel ? P_TABLE : order[i];
-        size_t bytes = p == P_TABLE ? 8 : param_bytes(p);
-        size_t align = bytes < 8 ? bytes : 8;
-        off = (off + align - 1) / align * align;
-        const void* v;
-        if (params) {
-            v = params[i];
-            if (!v) return snprintf(why, n, "kernelParams[%d] is null", i), 1;
-        } else {
-            if (off + bytes > buf_size)
-                return snprintf(why, n, "the parameter buffer of %zu bytes ends before parameter %d", buf_size, i),
-                       1;
-            v = buf + off;
-        }
-        store_param(w, p, v);
-        off += bytes;
-    }
-    if (extra && off != buf_size)
-        return snprintf(why, n, "the parameter buffer has %zu bytes, the kernel's parameters %zu", buf_size, off), 1;
-    if (w->kind == 3 && w->rank >= 0 && w->rank < K_MAX_RANKS && w->rank != 0) {
-        w->flags[w->rank] = w->flags[0];
-        w->flags[0] = 0;
-    }
-    return 0;
+    return stopped;
 }
 
 /* Set by cuLaunchKernelEx (fake_cuda.c) for the launch it makes on this thread: programmatic dependent launch. */
@@ -1438,7 +1763,7 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
         snprintf(w.name, sizeof w.name, "%s", fn->name);
         if (!fn->module->loaded) {
             e = 400, snprintf(why, sizeof why, "its module was unloaded");
-        } else if (!parse_kernel(fn->name, &w.kind, &w.table_kernel, &w.dtype)) {
+        } else if (!parse_kernel(fn->name, &w)) {
             e = 98, snprintf(why, sizeof why, "not an all-reduce kernel the fake can run");
         } else {
             known = 1;
@@ -1465,9 +1790,12 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
     memcpy(l->in, w.in, 64), memcpy(l->scratch, w.scratch, 64), memcpy(l->flags, w.flags, 64);
     l->last_registered = -1;
     memcpy(l->recv, w.recv, 64);
-    l->my_flags = w.kind == 3 && w.rank >= 0 && w.rank < K_MAX_RANKS ? w.flags[w.rank] : 0;
+    l->my_flags = is_push(w.kind) && w.rank >= 0 && w.rank < K_MAX_RANKS ? w.flags[w.rank] : 0;
     l->pdl = launch_pdl;
     launch_pdl = 0;
+    l->out_fp8 = w.norm.out_fp8, l->hidden_vec = w.norm.hidden_vec, l->eps = w.norm.eps, l->scale = w.norm.scale;
+    l->residual = w.norm.residual, l->weight = w.norm.weight, l->tokens = w.norm.tokens;
+    l->quant = w.quant;
     l->status = e;
     pthread_mutex_unlock(&mu);
     if (e) {

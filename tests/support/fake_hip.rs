@@ -19,7 +19,14 @@ pub fn build_hip() -> PathBuf {
         HIP_C,
         // nodelete: the streams' worker threads run code of the library, so a dlclose by the last handle of a
         // test must not unmap it (another test would load a fresh copy under the old threads).
-        &[format!("-Wl,-soname,{HIP_SONAME}"), "-Wl,-z,nodelete".into(), "-lpthread".into()],
+        &[
+            format!("-Wl,-soname,{HIP_SONAME}"),
+            "-Wl,-z,nodelete".into(),
+            "-lpthread".into(),
+            // The emulated kernels' f32 arithmetic (fmaf, sqrtf, rintf), one rounding per operation, as on a GPU.
+            "-lm".into(),
+            "-ffp-contract=off".into(),
+        ],
     )
 }
 
@@ -157,6 +164,14 @@ struct RawLaunch {
     recv: [u64; 8],
     my_flags: u64,
     pdl: i32,
+    out_fp8: i32,
+    hidden_vec: u32,
+    eps: f32,
+    scale: f32,
+    residual: u64,
+    weight: u64,
+    tokens: u64,
+    quant: i32,
     reserved: i32,
 }
 
@@ -223,8 +238,77 @@ pub struct PushParams {
     pub n_vec: u64,
 }
 
-/// One `hipModuleLaunchKernel` as the fake recorded it.
+/// Which fused kernel a launch ran (`anyccl_kernels_common::fused_params`, `FUSED_PUSH_PARAMS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fused {
+    /// `anyccl_fused_one_shot[_table]_*`.
+    OneShot,
+    /// `anyccl_fused_two_shot[_table]_*`.
+    TwoShot,
+    /// `anyccl_rmsnorm_*`: the unfused form's second kernel.
+    RmsNorm,
+    /// `anyccl_fused_push_one_shot_*`.
+    Push,
+}
+
+/// The decoded parameters of a fused (or separate RMSNorm) kernel launch: its `NormArgs` and the rest.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NormParams {
+    /// Which kernel.
+    pub form: Fused,
+    /// A `_table` kernel.
+    pub table_kernel: bool,
+    /// Element type: "f16" or "bf16".
+    pub dtype: &'static str,
+    /// `NormArgs::residual`, `weight`, `out`.
+    pub residual: u64,
+    /// `NormArgs::weight`.
+    pub weight: u64,
+    /// `NormArgs::out`.
+    pub out: u64,
+    /// `NormArgs::tokens`.
+    pub tokens: u64,
+    /// `NormArgs::hidden_vec`.
+    pub hidden_vec: u32,
+    /// `NormArgs::eps`.
+    pub eps: f32,
+    /// `NormArgs::scale`.
+    pub scale: f32,
+    /// `NormArgs::out_fp8 != 0`.
+    pub out_fp8: bool,
+    /// `self_src` (fused one-/two-shot), or the kernel's own input `in` (RMSNorm, fused push).
+    pub own_input: u64,
+    /// `rank`, `world` (0 for the RMSNorm kernel, which has neither).
+    pub rank: i32,
+    /// As above.
+    pub world: i32,
+}
+
+/// The decoded parameters of a quantized two-shot launch (`anyccl_kernels_common::QUANT_PARAMS`).
 #[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantParams {
+    /// "fp8" or "int8".
+    pub format: &'static str,
+    /// Element type: "f32", "f16" or "bf16".
+    pub dtype: &'static str,
+    /// `in`: this rank's input.
+    pub input: u64,
+    /// `stage`: every rank's staging.
+    pub stage: [u64; 8],
+    /// `scratch`: every rank's scratch.
+    pub scratch: [u64; 8],
+    /// `out`.
+    pub out: u64,
+    /// `rank`, `world`, `n_vec`.
+    pub rank: i32,
+    /// As above.
+    pub world: i32,
+    /// As above.
+    pub n_vec: u64,
+}
+
+/// One `hipModuleLaunchKernel` as the fake recorded it.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Launch {
     /// 1, 2, … since the last reset.
     pub seq: u64,
@@ -246,6 +330,10 @@ pub struct Launch {
     pub params: Option<AllReduceParams>,
     /// The decoded parameters of a push one-shot kernel.
     pub push: Option<PushParams>,
+    /// The decoded parameters of a fused kernel or the separate RMSNorm kernel.
+    pub norm: Option<NormParams>,
+    /// The decoded parameters of a quantized two-shot kernel.
+    pub quant: Option<QuantParams>,
     /// Launched with programmatic dependent launch (`cuLaunchKernelEx` with the programmatic-stream-serialization
     /// attribute, fake CUDA driver only).
     pub pdl: bool,
@@ -353,7 +441,43 @@ impl From<RawLaunch> for Launch {
             world: r.world,
             n_vec: r.n_vec,
         });
+        let form = match r.kernel {
+            4 => Some(Fused::OneShot),
+            5 => Some(Fused::TwoShot),
+            6 => Some(Fused::RmsNorm),
+            7 => Some(Fused::Push),
+            _ => None,
+        };
+        let norm = form.map(|form| NormParams {
+            form,
+            table_kernel: r.table_kernel != 0,
+            dtype,
+            residual: r.residual,
+            weight: r.weight,
+            out: r.out,
+            tokens: r.tokens,
+            hidden_vec: r.hidden_vec,
+            eps: r.eps,
+            scale: r.scale,
+            out_fp8: r.out_fp8 != 0,
+            own_input: r.self_src,
+            rank: r.rank,
+            world: r.world,
+        });
+        let quant = (r.kernel == 8).then_some(QuantParams {
+            format: if r.quant == 1 { "fp8" } else { "int8" },
+            dtype,
+            input: r.self_src,
+            stage: r.inputs,
+            scratch: r.scratch,
+            out: r.out,
+            rank: r.rank,
+            world: r.world,
+            n_vec: r.n_vec,
+        });
         Launch {
+            norm,
+            quant,
             push,
             pdl: r.pdl != 0,
             seq: r.seq,

@@ -15,6 +15,8 @@ mod fake_ccl;
 mod fake_cuda;
 #[path = "../../../tests/support/fake_hip.rs"]
 mod fake_hip;
+#[path = "../../../tests/support/fused_case.rs"]
+mod fused_case;
 
 use std::ffi::c_void;
 use std::io::Read;
@@ -171,7 +173,8 @@ fn push_one_shot_setup_failing_half_way_leaks_nothing_and_says_why() {
 }
 
 /// The fused all-reduce + RMSNorm through the front door: the chosen kernel launched with its shape on every
-/// rank, bad calls launching nothing (the `fused` case).
+/// rank and its results equal to core's reference bit for bit (every form, the fused push one-shot included),
+/// bad calls launching nothing (the `fused` case).
 #[test]
 fn the_fused_all_reduce_rmsnorm_launches_the_chosen_kernel_and_bad_calls_launch_nothing() {
     run_case("fused");
@@ -332,31 +335,39 @@ fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
         .expect("communicators")
 }
 
-/// The fused all-reduce + RMSNorm through the front door on the fakes (which run the all-reduce kernels but not the
-/// fused ones: a fused launch is recorded with its name and shape, then refused). Bad calls (a short weight, a
-/// row that is not a multiple of 8) launch nothing; fused one-shot launches `anyccl_fused_one_shot_bf16` with one
-/// block per row and `NORM_THREADS` threads on every rank; fused two-shot `anyccl_fused_two_shot_bf16` with a
-/// block per row of the rank's share; unfused the custom one-shot all-reduce into `out` then
-/// `anyccl_rmsnorm_bf16`; the fused push one-shot `anyccl_fused_push_one_shot_bf16` on the push grid, and it is
-/// the default rule's first form at this size, and a captured one takes no graph-input table slot; fp8 output is
-/// never unfused.
+/// The fused all-reduce + RMSNorm through the front door on the fakes (which run every kernel of the shared source,
+/// the fused ones with their arithmetic). Bad calls (a short weight, a row that is not a multiple of 8) launch
+/// nothing; fused one-shot launches `anyccl_fused_one_shot_bf16` with one block per row and `NORM_THREADS` threads
+/// on every rank; fused two-shot `anyccl_fused_two_shot_bf16` with a block per row of the rank's share; unfused the
+/// custom one-shot all-reduce into `out` then `anyccl_rmsnorm_bf16`; the fused push one-shot
+/// `anyccl_fused_push_one_shot_bf16` on the push grid; each runs to completion and every rank's output and new
+/// residual equal core's host reference bit for bit. The fused push one-shot is the default rule's first form at
+/// this size, and a captured one takes no graph-input table slot; fp8 output is never unfused.
 fn fused(s: &Setup) {
     use anyccl_core::{RmsNormForm, RmsNormSpec};
+    use fused_case::{bytes_of, u16s, Case};
     let mut cs = comms(s, 2);
     assert!(cs[0].backend().custom_kernels_off().is_none(), "{:?}", cs[0].backend().custom_kernels_off());
     let (tokens, hidden) = (3usize, 1024usize);
     let bytes = tokens * hidden * 2;
     let spec = RmsNormSpec::new(DataType::Bf16, tokens, hidden, 1e-6);
+    let case = Case::new(spec, 2, 11);
     let call_all = |cs: &mut [Communicator<CudaComm>], spec: RmsNormSpec, weight_bytes: usize| {
-        per_rank(cs, |c| -> Result<anyccl_core::RmsNormSelection> {
+        per_rank(cs, |c| -> Result<(anyccl_core::RmsNormSelection, Vec<u8>, Vec<u16>)> {
             let rt = c.runtime().clone();
             let st = rt.stream()?;
-            let input = rt.alloc(bytes)?;
-            let weight = rt.alloc(weight_bytes)?;
+            let mut input = rt.alloc(bytes)?;
+            rt.upload(&mut input, &bytes_of(&case.inputs[c.rank()]), &st)?;
+            let mut weight = rt.alloc(weight_bytes)?;
+            rt.upload(&mut weight, &bytes_of(&case.weight)[..weight_bytes], &st)?;
             let (mut residual, mut out) = (rt.alloc(bytes)?, rt.alloc(bytes)?);
-            let r = c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &spec, &st);
+            rt.upload(&mut residual, &bytes_of(&case.residual), &st)?;
+            let sel = c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &spec, &st)?;
             st.synchronize()?;
-            r
+            let (mut o, mut r) = (vec![0u8; bytes], vec![0u8; bytes]);
+            rt.download(&out, &mut o, &st)?;
+            rt.download(&residual, &mut r, &st)?;
+            Ok((sel, o, u16s(&r)))
         })
     };
     let from = s.fake.launch_total();
@@ -371,6 +382,7 @@ fn fused(s: &Setup) {
         assert!(matches!(e, Error::InvalidArgument(InvalidArgument::InvalidValue { .. })), "{e}");
     }
     assert_eq!(s.fake.launch_total(), from, "a refused call launched something");
+    let (want_out, want_res) = case.expected();
     let threads = anyccl_core::fused::NORM_THREADS as u32;
     let forms = [
         (RmsNormForm::FusedOneShot, vec![("anyccl_fused_one_shot_bf16", tokens as u32)]),
@@ -391,17 +403,20 @@ fn fused(s: &Setup) {
             let of: Vec<&Launch> = launches.iter().filter(|l| l.name == *name).collect();
             assert_eq!(of.len(), 2, "{form}: {name} once per rank: {names:?}");
             for l in of {
+                assert_eq!((l.status, l.runs, l.completed), (0, 1, 1), "{form}: {name}");
                 if name.contains("norm") || name.contains("fused") {
                     assert_eq!((l.grid, l.block), ([*grid, 1, 1], [threads, 1, 1]), "{form}: {name}");
-                    // The fake cannot run them: refused after recording (98), never run.
-                    assert_eq!((l.status, l.runs), (98, 0), "{form}: {name}");
+                    assert_eq!(l.norm.as_ref().map(|p| (p.tokens, p.hidden_vec)), Some((tokens as u64, 128)));
                 } else {
                     assert_eq!(l.params.as_ref().map(|p| (p.shot, p.out != 0)), Some((Shot::One, true)), "{form}");
                 }
             }
         }
-        // The refused launch is an error of the call on every rank.
-        assert!(got.iter().all(|r| r.is_err()), "{form}: {got:?}");
+        for (rank, r) in got.into_iter().enumerate() {
+            let (sel, out, res) = r.unwrap_or_else(|e| panic!("{form} rank {rank}: {e}"));
+            assert_eq!(sel.form, form);
+            assert!(res == want_res && out == want_out, "{form} rank {rank}: differs from core's reference");
+        }
     }
     // The default rule tries the fused push one-shot first at this size (6 KiB), where the push one-shot is set up.
     s.fake.reset();
@@ -419,11 +434,10 @@ fn fused(s: &Setup) {
             let weight = rt.alloc(hidden * 2)?;
             let (mut residual, mut out) = (rt.alloc(bytes)?, rt.alloc(bytes)?);
             let f = spec.with_form(form);
-            // The fake records the fused launch and refuses it, so the capture itself fails; the slot (or its
-            // absence) is what this checks.
-            let _ = Graph::capture(rt.context(), &st, |st| {
+            // Captured, never replayed: the slot (or its absence) is what this checks.
+            Graph::capture(rt.context(), &st, |st| {
                 c.all_reduce_rmsnorm(&input, &mut residual, &weight, &mut out, &f, st).map(|_| ())
-            });
+            })?;
             Ok(c.pending_graph_buffers())
         });
         let pending: Vec<usize> = pending.into_iter().map(|p| p.expect("rank")).collect();
@@ -438,8 +452,6 @@ fn fused(s: &Setup) {
         assert!(e.to_string().contains("fp8"), "{e}");
     }
     assert_eq!(s.fake.launch_total(), 0);
-    // The refused fused launches were violations by design; clear them for the child's final check.
-    s.fake.reset();
 }
 
 /// Runs `f` on one thread per rank.

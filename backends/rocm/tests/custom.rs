@@ -757,3 +757,6 @@ fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
         assert!(why.contains("peer access within one process"), "{why}");
     }
 }
+
+#[path = "custom/fused_quant.rs"]
+mod fused_quant;

@@ -205,6 +205,8 @@ enum Param {
     Ptrs([u64; 8]),
     U64(u64),
     I32(i32),
+    /// The fused kernels' `NormArgs` (48 bytes).
+    Norm([u64; 6]),
 }
 
 impl Param {
@@ -213,6 +215,7 @@ impl Param {
             Param::Ptrs(p) => (p as *mut [u64; 8]).cast(),
             Param::U64(v) => (v as *mut u64).cast(),
             Param::I32(v) => (v as *mut i32).cast(),
+            Param::Norm(v) => (v as *mut [u64; 6]).cast(),
         }
     }
 }
@@ -613,6 +616,90 @@ fn malformed_launches_are_refused_with_a_violation_that_names_the_fault() {
     assert_eq!(hip.module(&x86).err(), Some(200));
 }
 
+/// `NormArgs` of fused.h: residual, weight, out, eps 1e-6, scale 1, bf16 output, `hidden_vec`, `tokens`.
+fn norm_args(residual: Dev, weight: Dev, out: Dev, hidden_vec: u32, tokens: u64) -> Param {
+    let floats = u64::from(1e-6f32.to_bits()) | (u64::from(1.0f32.to_bits()) << 32);
+    Param::Norm([residual.0, weight.0, out.0, floats, u64::from(hidden_vec) << 32, tokens])
+}
+
+/// The fused, RMSNorm and quantized kernels are checked before they run, as the all-reduce kernels are, and a bad
+/// launch is refused (1) with a violation naming the fault: a block other than 512 threads for the fused kernels
+/// (their sum of squares is that of 512 threads), a row of 0 or more than 2048 vectors, a buffer too short for the
+/// rows (`out`, 256 bytes for 2 rows of 8 vectors), a misaligned weight, world 9 and a grid of 129 blocks for the
+/// fused one-shot, a staging buffer shorter than the quantized message's 4 blocks (144 bytes) and a block that
+/// splits a quantization group. A good RMSNorm launch runs, with a grid beyond the 128 blocks of the flag arrays
+/// (it has none), and writes its output.
+#[test]
+fn malformed_fused_and_quantized_launches_are_refused_with_the_fault_named() {
+    let (hip, _g) = Hip::open();
+    let names = ["anyccl_rmsnorm_bf16", "anyccl_fused_one_shot_bf16", "anyccl_quant_two_shot_int8_bf16"];
+    let m = module(&hip, &names);
+    // 8 vectors (128 bytes, one row of hidden 64) per buffer.
+    let w = World::new(&hip, 2, 8);
+    let [norm, fused, quant] = names.map(|n| hip.function(m, n).expect("function"));
+    let s = w.streams[0];
+    let rms = |edit: &dyn Fn(&mut Vec<Param>)| {
+        let mut p = vec![Param::U64(w.inputs[0].0), norm_args(w.inputs[1], w.scratch[0], w.outs[0], 8, 1)];
+        edit(&mut p);
+        p
+    };
+    let one = |edit: &dyn Fn(&mut Vec<Param>)| {
+        let mut p = vec![
+            Param::Ptrs(ptrs8(&w.staging)),
+            Param::U64(w.inputs[0].0),
+            norm_args(w.inputs[1], w.scratch[0], w.outs[0], 8, 1),
+            Param::Ptrs(ptrs8(&w.flags)),
+            Param::I32(0),
+            Param::I32(2),
+        ];
+        edit(&mut p);
+        p
+    };
+    let q = |edit: &dyn Fn(&mut Vec<Param>)| {
+        let mut p = vec![
+            Param::U64(w.inputs[0].0),
+            Param::Ptrs(ptrs8(&w.staging)),
+            Param::Ptrs(ptrs8(&w.scratch)),
+            Param::U64(w.outs[0].0),
+            Param::Ptrs(ptrs8(&w.flags)),
+            Param::I32(0),
+            Param::I32(2),
+            Param::U64(8),
+        ];
+        edit(&mut p);
+        p
+    };
+    type Case<'a> = (&'a str, Dev, u32, u32, Vec<Param>);
+    let cases: Vec<Case<'_>> = vec![
+        ("block of 256 threads (the fused kernels need exactly 512)", norm, 1, 256, rms(&|_| {})),
+        ("hidden_vec 0", norm, 1, 512, rms(&|p| p[1] = norm_args(w.inputs[1], w.scratch[0], w.outs[0], 0, 1))),
+        ("hidden_vec 2049", norm, 1, 512, rms(&|p| p[1] = norm_args(w.inputs[1], w.scratch[0], w.outs[0], 2049, 1))),
+        ("out", norm, 1, 512, rms(&|p| p[1] = norm_args(w.inputs[1], w.scratch[0], w.outs[0], 8, 2))),
+        ("weight", norm, 1, 512, rms(&|p| p[1] = norm_args(w.inputs[1], Dev(w.scratch[0].0 + 8), w.outs[0], 8, 1))),
+        ("world 9 (2..=8)", fused, 1, 512, one(&|p| p[5] = Param::I32(9))),
+        ("grid 129x1x1", fused, 129, 512, one(&|_| {})),
+        ("stage[0]", quant, 1, 512, q(&|p| p[7] = Param::U64(16))),
+        ("not whole groups of a quantization block", quant, 1, 510, q(&|_| {})),
+    ];
+    for (want, f, grid, block, mut p) in cases {
+        hip.fake.reset();
+        assert_eq!(hip.launch(f, [grid, 1, 1], [block, 1, 1], s, &mut p), 1, "{want}");
+        let v = hip.fake.violations();
+        assert!(v.len() == 1 && v[0].contains(want), "{want}: {v:?}");
+        let l = &hip.fake.launches()[0];
+        assert_eq!((l.status, l.runs), (1, 0), "{want}");
+    }
+    // The good RMSNorm launch: 200 blocks, runs once, writes its row.
+    hip.fake.reset();
+    let before = w.read(w.outs[0]);
+    assert_eq!(hip.launch(norm, [200, 1, 1], [512, 1, 1], s, &mut rms(&|_| {})), 0);
+    assert_eq!(hip.synchronize(s), 0);
+    assert_eq!(hip.fake.violations(), Vec::<String>::new());
+    let l = &hip.fake.launches()[0];
+    assert_eq!((l.status, l.runs, l.completed), (0, 1, 1));
+    assert_ne!(w.read(w.outs[0]), before, "the RMSNorm wrote nothing");
+}
+
 /// Rank `rank`'s abort word.
 fn abort_word(w: &World, rank: usize) -> Dev {
     Dev(w.flags[rank].0 + ABORT_WORD_OFFSET as u64)
@@ -871,12 +958,14 @@ fn ipc_handles_name_live_allocations() {
 
 #[test]
 fn the_real_code_object_defines_every_kernel_the_fake_runs() {
-    // hipcc's code object (when this build has one) loads and yields every all-reduce kernel by name.
+    // hipcc's code object (when this build has one) loads and yields every kernel the fake runs by name: the
+    // all-reduce, push, fused, fused push and quantized kernels.
     let (hip, _g) = Hip::open();
     match anyccl_kernels_hip::code_object_for("allreduce", "gfx90a") {
         Some(image) => {
             let m = hip.module(image).expect("hipcc's code object loads");
-            for k in KERNELS {
+            let all = KERNELS.iter().chain(&anyccl_kernels_hip::PUSH_KERNELS).chain(&anyccl_kernels_hip::FUSED_KERNELS);
+            for k in all.chain(&anyccl_kernels_hip::FUSED_PUSH_KERNELS).chain(&anyccl_kernels_hip::QUANT_KERNELS) {
                 assert!(hip.function(m, k).is_ok(), "{k}");
             }
             assert_eq!(hip.function(m, "anyccl_one_shot_f32.kd").err(), Some(500), "a descriptor is no function");
