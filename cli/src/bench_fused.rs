@@ -21,6 +21,8 @@ use anyccl::core::{DataType, Error, InvalidArgument, Result};
 use anyccl::dynamic::{AnyBuffer, AnyStream, BackendKind, DynComm};
 use anyccl::Selector;
 
+use crate::tune::{boundary, bytes_range, rules_toml, RuleOut};
+
 /// The most token counts one run takes (`--tokens`).
 pub const MAX_TOKEN_COUNTS: usize = 64;
 /// The largest input of one call (`--tokens` × `--hidden` elements): 1 GiB.
@@ -313,22 +315,6 @@ pub fn run(kind: BackendKind, cfg: &FusedConfig, selector: std::sync::Arc<Select
     })
 }
 
-#[derive(Serialize)]
-struct TableOut {
-    version: i64,
-    rule: Vec<RuleOut>,
-}
-
-#[derive(Serialize)]
-struct RuleOut {
-    vendor: String,
-    arch: String,
-    world: String,
-    dtype: Vec<String>,
-    bytes: String,
-    fused_rmsnorm: Vec<String>,
-}
-
 /// The selector table `anyccl tune --fused rmsnorm` writes from `r` (vendor `vendor`): one `fused_rmsnorm` rule per
 /// token count, over the input sizes from halfway (geometrically) below it to halfway above it, naming the forms
 /// that ran, fastest first. Errors when no form ran at any token count.
@@ -354,28 +340,19 @@ pub fn table_text(r: &FusedReport, vendor: &str) -> Result<String> {
     let mut rules = Vec::with_capacity(rows.len());
     let mut start = 0u64;
     for (i, (bytes, forms)) in rows.iter().enumerate() {
-        let end = rows.get(i + 1).map(|(next, _)| {
-            let b = ((*bytes as f64) * (*next as f64)).sqrt() as u64;
-            (b / 16).max(1) * 16
-        });
+        let end = rows.get(i + 1).map(|(next, _)| boundary(*bytes as u64, *next as u64));
         rules.push(RuleOut {
             vendor: vendor.to_owned(),
             arch: r.arch.clone(),
             world: r.world.to_string(),
             dtype: vec![r.dtype.name().to_owned()],
-            bytes: match end {
-                Some(e) => format!("{start}-{e}"),
-                None => format!("{start}-"),
-            },
+            bytes: bytes_range(start, end),
+            algorithms: Vec::new(),
             fused_rmsnorm: forms.iter().map(|f| f.name().to_owned()).collect(),
         });
         start = end.unwrap_or(start);
     }
-    let body = toml::to_string(&TableOut { version: 1, rule: rules }).map_err(|e| Error::Config {
-        source_name: "tuned table".into(),
-        line: None,
-        message: e.to_string(),
-    })?;
+    let body = rules_toml(&rules)?;
     Ok(format!(
         "# Written by `anyccl tune --fused rmsnorm`: backend {}, world {}, {} hidden {}; fastest form first.\n\
          # Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).\n\n{body}",
@@ -506,6 +483,43 @@ mod tests {
         let empty = FusedReport { rows: vec![], ..r };
         assert!(table_text(&empty, "host").is_err());
     }
+
+    /// The written text, byte for byte (the format `anyccl tune --fused rmsnorm` has always written).
+    #[test]
+    fn the_table_text_is_unchanged_byte_for_byte() {
+        let mut r =
+            run(BackendKind::Host, &cfg(vec![1, 4], 64), std::sync::Arc::new(Selector::defaults())).expect("ran");
+        r.arch = "host".into();
+        for (row, us) in r.rows.iter_mut().zip([[2.0, 1.0, 3.0], [2.0, 3.0, 1.0]]) {
+            for (c, t) in row.cells.iter_mut().zip(us) {
+                c.us = Some(t);
+            }
+        }
+        let text = table_text(&r, "host").expect("table");
+        assert_eq!(text, GOLDEN_FUSED, "{text}");
+    }
+
+    const GOLDEN_FUSED: &str = r#"# Written by `anyccl tune --fused rmsnorm`: backend host, world 2, bf16 hidden 64; fastest form first.
+# Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).
+
+version = 1
+
+[[rule]]
+vendor = "host"
+arch = "host"
+world = "2"
+dtype = ["bf16"]
+bytes = "0-256"
+fused_rmsnorm = ["fused-two-shot", "fused-one-shot", "unfused"]
+
+[[rule]]
+vendor = "host"
+arch = "host"
+world = "2"
+dtype = ["bf16"]
+bytes = "256-"
+fused_rmsnorm = ["unfused", "fused-one-shot", "fused-two-shot"]
+"#;
 
     /// The check finds a wrong result: the reference of another world differs from this world's results.
     #[test]

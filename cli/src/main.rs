@@ -384,6 +384,15 @@ impl Backend {
         }
     }
 
+    /// The vendor a tuned table's rules name for this backend.
+    fn vendor(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Cuda => "nvidia",
+            Backend::Rocm => "amd",
+        }
+    }
+
     #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
     fn kind(self) -> anyccl::dynamic::BackendKind {
         use anyccl::dynamic::BackendKind;
@@ -595,34 +604,38 @@ fn bench(mut args: BenchArgs) -> Result<(), CliError> {
     verdict(&done.report)
 }
 
-/// What `bench`/`tune --fused rmsnorm` measure: `--world` (default: the host's default world, or every device of
-/// `backend`), the type, row size, token counts and call counts of `args`.
+/// The measurement `bench` and `tune --fused rmsnorm` make: each form per token count on `backend`, with the
+/// selector `selector` builds. Measures `--world` ranks (default: the host's default world, or every device of
+/// `backend`) of the type, row size, token counts and call counts of `args`; bad sizes fail before anything is set
+/// up, the selector included.
 #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
-fn fused_config(args: &BenchArgs, backend: Backend) -> crate::bench_fused::FusedConfig {
+fn measure_fused(
+    args: &BenchArgs,
+    backend: Backend,
+    selector: impl FnOnce() -> Result<Selector, CliError>,
+) -> Result<crate::bench_fused::FusedReport, CliError> {
     let world = match (args.world, backend) {
         (Some(w), _) => usize::from(w),
         (None, Backend::Host) => usize::from(default_world()),
         (None, _) => anyccl::dynamic::device_count(backend.kind()).unwrap_or(1).max(1),
     };
-    crate::bench_fused::FusedConfig {
+    let cfg = crate::bench_fused::FusedConfig {
         world,
         dtype: args.dtype,
         hidden: args.hidden,
         tokens: args.tokens.clone(),
         iters: args.iters as usize,
         warmup: args.warmup as usize,
-    }
+    };
+    cfg.calls()?;
+    Ok(crate::bench_fused::run(backend.kind(), &cfg, Arc::new(selector()?))?)
 }
 
 /// `anyccl bench --fused rmsnorm`: each form per token count, the table (or JSON), non-zero when a result is wrong.
 fn bench_fused(args: &BenchArgs, backend: Backend, selector: Selector) -> Result<(), CliError> {
     #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
     {
-        let kind = backend.kind();
-        let cfg = fused_config(args, backend);
-        // Bad sizes fail before anything is set up.
-        cfg.calls()?;
-        let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector))?;
+        let report = measure_fused(args, backend, || Ok(selector))?;
         let out = if args.json {
             serde_json::to_string_pretty(&report).map_err(|e| CliError { message: e.to_string(), hint: None })? + "\n"
         } else {
@@ -655,10 +668,7 @@ fn tune_fused(out: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
         let disabled = disabled_by_env()?;
         let backend = choose_backend(args, disabled)?;
         check_output(out, "--out", "the tuned table")?;
-        let kind = backend.kind();
-        let cfg = fused_config(args, backend);
-        cfg.calls()?;
-        let report = crate::bench_fused::run(kind, &cfg, Arc::new(selector(args.table.as_ref())?))?;
+        let report = measure_fused(args, backend, || selector(args.table.as_ref()))?;
         print_out(&crate::bench_fused::render_table(&report))?;
         if report.wrong > 0 {
             return Err(CliError {
@@ -666,12 +676,7 @@ fn tune_fused(out: &std::path::Path, args: &BenchArgs) -> Result<(), CliError> {
                 hint: None,
             });
         }
-        let vendor = match backend {
-            Backend::Host => "host",
-            Backend::Cuda => "nvidia",
-            Backend::Rocm => "amd",
-        };
-        let text = crate::bench_fused::table_text(&report, vendor)?;
+        let text = crate::bench_fused::table_text(&report, backend.vendor())?;
         crate::tune::write_table(out, &text)
             .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
         println!("wrote {} ({} token counts, world {})", out.display(), report.rows.len(), report.world);
@@ -738,12 +743,9 @@ fn tune(out: &std::path::Path, mut args: BenchArgs) -> Result<(), CliError> {
     let arch = first.arch;
     let first = first.report;
     verdict(&first)?;
-    let (vendor, fallback) = match backend {
-        Backend::Host => ("host", anyccl::Algorithm::Ring),
-        Backend::Cuda => ("nvidia", anyccl::Algorithm::Ccl),
-        Backend::Rocm => ("amd", anyccl::Algorithm::Ccl),
-    };
-    let text = crate::tune::table_text(&first, vendor, &arch, fallback)?;
+    // Each rule falls back to the vendor library's all-reduce (ring on the host, which has none).
+    let fallback = if backend == Backend::Host { anyccl::Algorithm::Ring } else { anyccl::Algorithm::Ccl };
+    let text = crate::tune::table_text(&first, backend.vendor(), &arch, fallback)?;
     crate::tune::write_table(out, &text)
         .map_err(|e| CliError::from(e).with_hint("give --out a writable path to a regular file"))?;
     println!(

@@ -11,20 +11,51 @@ use anyccl::core::{Algorithm, Error, Result, SelectorTable};
 /// How far `auto` may be from the best measured algorithm, at any size of the sweep.
 pub const TOLERANCE: f64 = 0.05;
 
+/// A selector table file as `anyccl tune` writes it (version 1), for the plain and the fused (`--fused rmsnorm`)
+/// tables alike.
 #[derive(Serialize)]
-struct TableOut {
+struct TableOut<'a> {
     version: i64,
-    rule: Vec<RuleOut>,
+    rule: &'a [RuleOut],
 }
 
+/// One rule of a written table: the fields in the order the files have always had them; a rule names
+/// `algorithms` (all-reduce), `fused_rmsnorm` (the fused forms), and the empty one is left out.
 #[derive(Serialize)]
-struct RuleOut {
-    vendor: String,
-    arch: String,
-    world: String,
-    dtype: Vec<String>,
-    bytes: String,
-    algorithms: Vec<String>,
+pub(crate) struct RuleOut {
+    pub(crate) vendor: String,
+    pub(crate) arch: String,
+    pub(crate) world: String,
+    pub(crate) dtype: Vec<String>,
+    pub(crate) bytes: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) algorithms: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(crate) fused_rmsnorm: Vec<String>,
+}
+
+/// The TOML of a table of `rules` (version 1).
+pub(crate) fn rules_toml(rules: &[RuleOut]) -> Result<String> {
+    toml::to_string(&TableOut { version: 1, rule: rules }).map_err(|e| Error::Config {
+        source_name: "tuned table".into(),
+        line: None,
+        message: e.to_string(),
+    })
+}
+
+/// A rule's `bytes` range from `start` to `end` (`None`: open).
+pub(crate) fn bytes_range(start: u64, end: Option<u64>) -> String {
+    match end {
+        Some(e) => format!("{start}-{e}"),
+        None => format!("{start}-"),
+    }
+}
+
+/// The boundary between the measured sizes `below` and `above`: their geometric mean, rounded down to a multiple of
+/// 16 bytes (at least 16).
+pub(crate) fn boundary(below: u64, above: u64) -> u64 {
+    let b = ((below as f64) * (above as f64)).sqrt() as u64;
+    (b / 16).max(1) * 16
 }
 
 /// The fastest measured algorithm per size of `report` (sizes ascending).
@@ -62,14 +93,7 @@ pub fn table_text(report: &BenchReport, vendor: &str, arch: &str, fallback: Algo
         while j + 1 < w.len() && w[j + 1].1 == algo {
             j += 1;
         }
-        let end = w.get(j + 1).map(|(next, _)| {
-            let b = ((w[j].0 as f64) * (*next as f64)).sqrt() as u64;
-            (b / 16).max(1) * 16
-        });
-        let bytes = match end {
-            Some(e) => format!("{start}-{e}"),
-            None => format!("{start}-"),
-        };
+        let end = w.get(j + 1).map(|(next, _)| boundary(w[j].0, *next));
         let mut algorithms = vec![algo.name().to_owned()];
         if fallback != algo {
             algorithms.push(fallback.name().to_owned());
@@ -79,17 +103,14 @@ pub fn table_text(report: &BenchReport, vendor: &str, arch: &str, fallback: Algo
             arch: arch.to_owned(),
             world: report.world.to_string(),
             dtype: vec![report.dtype.name().to_owned()],
-            bytes,
+            bytes: bytes_range(start, end),
             algorithms,
+            fused_rmsnorm: Vec::new(),
         });
         start = end.unwrap_or(start);
         i = j + 1;
     }
-    let body = toml::to_string(&TableOut { version: 1, rule: rules }).map_err(|e| Error::Config {
-        source_name: "tuned table".into(),
-        line: None,
-        message: e.to_string(),
-    })?;
+    let body = rules_toml(&rules)?;
     Ok(format!(
         "# Written by `anyccl tune`: backend {}, world {}, {} {}; {}\n# Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).\n\n{body}",
         report.backend, report.world, report.dtype, report.op, report.method
@@ -296,6 +317,41 @@ mod tests {
         assert!(rows.iter().all(|r| !r.followed_table && !r.ok));
         assert!(failure(&rows).expect("fails").contains("not the tuned table's"));
     }
+
+    /// The written text, byte for byte (the format `anyccl tune` has always written; bench_fused's
+    /// `table_text` shares the serialisation).
+    #[test]
+    fn the_table_text_is_unchanged_byte_for_byte() {
+        use Algorithm::*;
+        let r = report(&[
+            (4096, &[(OneShot, 10.0), (Ring, 20.0)], (OneShot, 10.0)),
+            (65536, &[(OneShot, 40.0), (Ring, 35.0)], (Ring, 35.0)),
+        ]);
+        let text = table_text(&r, "host", "host", Ring).expect("table");
+        assert_eq!(text, GOLDEN_TUNE, "{text}");
+    }
+
+    const GOLDEN_TUNE: &str = r#"# Written by `anyccl tune`: backend host, world 4, bf16 sum; test
+# Rules are tried before the built-in defaults (ANYCCL_TUNE_FILE or --table).
+
+version = 1
+
+[[rule]]
+vendor = "host"
+arch = "host"
+world = "4"
+dtype = ["bf16"]
+bytes = "0-16384"
+algorithms = ["one-shot", "ring"]
+
+[[rule]]
+vendor = "host"
+arch = "host"
+world = "4"
+dtype = ["bf16"]
+bytes = "16384-"
+algorithms = ["ring"]
+"#;
 
     /// Timing noise: auto on the best algorithm passes whatever the numbers; a different algorithm passes when its
     /// median or its fastest call is within the tolerance, and fails only when both are beyond it.

@@ -828,6 +828,17 @@ fn bench_fused_rmsnorm_on_the_host() {
     let written = std::fs::read_to_string(&out_path).expect("the tuned table");
     assert_eq!(written.matches("fused_rmsnorm = [").count(), 2, "{written}");
     assert!(!written.contains("algorithms"), "{written}");
+    // It parses back through the selector: two rules naming forms (all four, or all but the host's refused push)
+    // and no all-reduce algorithms, over host ranks of world 2.
+    let table = anyccl::core::SelectorTable::load(&out_path).expect("the written fused table parses");
+    assert_eq!(table.rules.len(), 2, "{written}");
+    assert!(
+        table.rules.iter().all(|r| r.algorithms.is_empty()
+            && r.fused.len() >= 3
+            && r.vendors == vec![anyccl::core::Vendor::Host]
+            && (r.world_min, r.world_max) == (2, 2)),
+        "{written}"
+    );
     let bench_with = [
         "bench",
         "--fused",

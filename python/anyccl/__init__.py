@@ -95,24 +95,23 @@ def _bad_name(what: str, value: Any, names: Any) -> AlgorithmNameError:
 
 
 def _canon_form(form: Optional[str]) -> Optional[str]:
-    """The canonical name of a fused form (``one-shot`` / ``two-shot`` name the fused ones), or
-    ``AlgorithmNameError`` listing the names."""
+    """The canonical name of a fused form as anyccl's own parser reads it (any case, ``_`` or ``-``; ``one-shot``,
+    ``two-shot`` and ``push`` name the fused ones), or ``AlgorithmNameError`` listing the names."""
     if form is None:
         return None
-    name = str(form).strip().lower().replace("_", "-")
-    name = {"one-shot": "fused-one-shot", "two-shot": "fused-two-shot"}.get(name, name)
-    if name not in RMSNORM_FORMS:
+    name = _anyccl.canonical_form(str(form))
+    if name is None:
         raise _bad_name("form", form, RMSNORM_FORMS)
     return name
 
 
 def _canon_algorithm(algorithm: Optional[str]) -> Optional[str]:
-    """The canonical name of ``algorithm`` (case and ``_``/``-`` as anyccl reads them), or ``AlgorithmNameError``
-    listing the names."""
+    """The canonical name of ``algorithm`` as anyccl's own parser reads it (any case, ``_`` or ``-``), or
+    ``AlgorithmNameError`` listing the names."""
     if algorithm is None:
         return None
-    name = str(algorithm).strip().lower().replace("_", "-")
-    if name not in ALGORITHMS:
+    name = _anyccl.canonical_algorithm(str(algorithm))
+    if name is None:
         raise _bad_name("algorithm", algorithm, ALGORITHMS)
     return name
 
@@ -629,7 +628,8 @@ class Communicator:
         at most 16384); ``out`` (allocated like ``input`` when None, returned) the same shape in the input's type,
         or fp8 e4m3 codes of ``y / fp8_scale`` with ``fp8_scale`` (a ``torch.float8_e4m3fn`` tensor or a uint8
         array). ``form`` forces ``"fused-one-shot"``, ``"fused-two-shot"``, ``"fused-push"`` (CUDA communicators with
-        the push one-shot set up; the host refuses it) or ``"unfused"`` (an unknown name raises
+        the push one-shot set up; the host refuses it) or ``"unfused"`` (read as anyccl reads them: any case,
+        ``_`` or ``-``, and ``"one-shot"``, ``"two-shot"``, ``"push"`` name the fused forms; an unknown name raises
         ``AlgorithmNameError``; one that cannot run the call, ``UnsupportedError``); all forms give the same bits.
         ``last_rmsnorm_selection`` says which form ran and why. CUDA tensors run on ``stream`` (default: torch's
         current stream); host arrays anywhere else. Nothing is written on an error."""

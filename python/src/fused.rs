@@ -7,7 +7,7 @@ use anyccl::DataType;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::{invalid, parse_dtype, to_py, Comm, Fail, State};
+use crate::{invalid, parse_dtype, to_py, uploaded, zeroed, Comm, Fail, State};
 
 /// The spec of one call, from the Python values (every value checked by core's validation when the call runs).
 pub(crate) fn spec(
@@ -24,9 +24,22 @@ pub(crate) fn spec(
         spec = spec.fp8_output(scale);
     }
     if let Some(name) = form {
-        spec = spec.with_form(name.parse::<RmsNormForm>().map_err(|e| to_py(py, &e))?);
+        spec = spec.with_form(parse_form(name).map_err(|e| to_py(py, &e))?);
     }
     Ok(spec)
+}
+
+/// The form `name` names: core's parser (any case; `one-shot`, `two-shot` and `push` name the fused forms), with
+/// `_` read as `-` as for the algorithm names.
+fn parse_form(name: &str) -> anyccl::Result<RmsNormForm> {
+    name.replace('_', "-").parse::<RmsNormForm>()
+}
+
+/// The name of the form `name` names ([`parse_form`]), or `None` when it names none (the Python side then raises
+/// `AlgorithmNameError` listing the forms).
+#[pyfunction]
+pub(crate) fn canonical_form(name: &str) -> Option<&'static str> {
+    parse_form(name).ok().map(RmsNormForm::name)
 }
 
 /// The selection as JSON (`{"form": ..., "why": ...}`).
@@ -54,12 +67,9 @@ fn staged(
     out_len: usize,
 ) -> Result<(Vec<u8>, Vec<u8>, RmsNormSelection), Fail> {
     let State { comm, stream, .. } = st;
-    let mut a = comm.alloc(input.len())?;
-    comm.upload(&mut a, input, stream)?;
-    let mut r = comm.alloc(residual.len())?;
-    comm.upload(&mut r, residual, stream)?;
-    let mut w = comm.alloc(weight.len())?;
-    comm.upload(&mut w, weight, stream)?;
+    let a = uploaded(&**comm, input, stream)?;
+    let mut r = uploaded(&**comm, residual, stream)?;
+    let w = uploaded(&**comm, weight, stream)?;
     let mut o = comm.alloc(out_len)?;
     let sel = comm.all_reduce_rmsnorm(&a, &mut r, &w, &mut o, spec, stream)?;
     let mut new_residual = zeroed(residual.len(), "the residual after the fused call")?;
@@ -68,13 +78,6 @@ fn staged(
     comm.download(&o, &mut out, stream)?;
     comm.synchronize(stream)?;
     Ok((new_residual, out, sel))
-}
-
-fn zeroed(n: usize, what: &str) -> Result<Vec<u8>, Fail> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| anyccl::Error::OutOfMemory { what: what.into(), bytes: n as u64 })?;
-    v.resize(n, 0);
-    Ok(v)
 }
 
 /// The fused call on host bytes (`Comm.host_rmsnorm`): the new residual's bytes and the output's.

@@ -14,7 +14,7 @@
 use std::sync::{Arc, Mutex};
 
 use anyccl::core::{Bootstrap, InvalidArgument};
-use anyccl::dynamic::{AnyCommunicator, AnyStream, BackendChoice, BackendKind};
+use anyccl::dynamic::{AnyBuffer, AnyCommunicator, AnyStream, BackendChoice, BackendKind};
 use anyccl::{Algorithm, DataType, InOut, ReduceOp, Selector};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -296,11 +296,25 @@ fn parse_op(py: Python<'_>, s: &str) -> PyResult<ReduceOp> {
     }
 }
 
+/// `n` zero bytes of host memory, allocated fallibly (`what` names them in the out-of-memory error).
+fn zeroed(n: usize, what: &str) -> Result<Vec<u8>, Fail> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| anyccl::Error::OutOfMemory { what: what.into(), bytes: n as u64 })?;
+    v.resize(n, 0);
+    Ok(v)
+}
+
+/// A buffer of the communicator's holding `bytes`, uploaded on `stream`.
+fn uploaded(comm: &dyn anyccl::DynComm, bytes: &[u8], stream: &AnyStream) -> Result<AnyBuffer, Fail> {
+    let mut b = comm.alloc(bytes.len())?;
+    comm.upload(&mut b, bytes, stream)?;
+    Ok(b)
+}
+
 /// Runs one collective on host bytes through the communicator's own buffers: upload, call, download.
 fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> Result<Vec<u8>, Fail> {
     let State { comm, stream, last, .. } = st;
-    let mut a = comm.alloc(send.len())?;
-    comm.upload(&mut a, send, stream)?;
+    let mut a = uploaded(&**comm, send, stream)?;
     let mut b = match recv_len {
         Some(n) => Some(comm.alloc(n)?),
         None => None,
@@ -328,12 +342,7 @@ fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> R
         }
     }
     let out_buf = b.as_ref().unwrap_or(&a);
-    let mut out = Vec::new();
-    out.try_reserve_exact(out_buf.len()).map_err(|_| anyccl::Error::OutOfMemory {
-        what: "the result of a collective".into(),
-        bytes: out_buf.len() as u64,
-    })?;
-    out.resize(out_buf.len(), 0);
+    let mut out = zeroed(out_buf.len(), "the result of a collective")?;
     if coll != Coll::Send {
         comm.download(out_buf, &mut out, stream)?;
     }
@@ -904,6 +913,13 @@ fn dtypes(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// The name of the all-reduce algorithm `name` names, read by core's parser (any case, `_` or `-`), or `None` when
+/// it names none (the Python side then raises `AlgorithmNameError` listing the names).
+#[pyfunction]
+fn canonical_algorithm(name: &str) -> Option<&'static str> {
+    name.parse::<Algorithm>().ok().map(Algorithm::name)
+}
+
 /// Every all-reduce algorithm's name (anyccl's `Algorithm` names), and whether it is lossy (quantized: runs
 /// only when named).
 #[pyfunction]
@@ -926,6 +942,8 @@ fn _anyccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(algorithms, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_algorithm, m)?)?;
+    m.add_function(wrap_pyfunction!(fused::canonical_form, m)?)?;
     m.add("RMSNORM_FORMS", fused::form_names())?;
     m.add_class::<dlpack::DlpackHost>()?;
     m.add_function(wrap_pyfunction!(dlpack::dlpack_host, m)?)?;

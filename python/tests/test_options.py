@@ -42,6 +42,28 @@ def test_an_unknown_algorithm_is_a_value_error_listing_the_names(comm: anyccl.Co
     np.testing.assert_array_equal(x, np.full(4, 2.0, dtype=np.float32))
 
 
+def test_algorithm_names_are_read_by_anyccl_s_own_parser(comm: anyccl.Communicator) -> None:
+    """``algorithm=`` reads names as anyccl's parser does (any case, ``_`` or ``-``): every spelling of a name is the
+    same algorithm, so it gives the same answer; ``push`` is not an algorithm's name there (only the fused form's
+    parser takes it: see test_rmsnorm), so it is refused as unknown, listing the names."""
+    for name in anyccl.ALGORITHMS:
+        want = _answer(comm, name)
+        for spelling in (name.upper(), name.replace("-", "_"), f" {name} "):
+            assert _answer(comm, spelling) == want, (name, spelling)
+    with pytest.raises(ValueError) as e:
+        comm.select_all_reduce(16, "f32", algorithm="push")
+    assert isinstance(e.value, anyccl.AlgorithmNameError)
+    assert "algorithm='push': expected one of" in e.value.message and "one-shot-push" in e.value.message
+
+
+def _answer(comm: anyccl.Communicator, algorithm: str) -> Any:
+    """What ``select_all_reduce`` says for ``algorithm`` on 16 f32: the selection, or the error's type and text."""
+    try:
+        return comm.select_all_reduce(16, "f32", algorithm=algorithm)
+    except anyccl.Error as e:
+        return (type(e), str(e))
+
+
 def test_a_named_algorithm_runs_and_is_reported_as_named(comm: anyccl.Communicator) -> None:
     x = np.arange(6, dtype=np.float64)
     out = np.zeros(6, dtype=np.float64)

@@ -116,6 +116,33 @@ def test_bad_calls_are_refused_and_write_nothing(comm: anyccl.Communicator) -> N
     assert comm.last_rmsnorm_selection is None
 
 
+def test_form_names_are_read_by_anyccl_s_own_parser(comm: anyccl.Communicator) -> None:
+    """``form=`` reads names as anyccl does (ANYCCL_FUSED_RMSNORM, selector tables): ``push`` names the fused push
+    form like ``fused-push`` (the host refuses both with the same error, not as an unknown name), the other aliases
+    run their forms, and an unknown name still raises ``AlgorithmNameError`` listing the forms."""
+    x, res0, w = _data(2, 16, 11), _data(2, 16, 12), _data(1, 16, 13)[0]
+    errors = set()
+    for name in ("fused-push", "push", "PUSH", "Fused_Push"):
+        res = res0.copy()
+        with pytest.raises(anyccl.Error) as e:
+            comm.all_reduce_rmsnorm(x, res, w, eps=EPS, form=name)
+        assert not isinstance(e.value, anyccl.AlgorithmNameError), (name, e.value)
+        assert "fused-push" in str(e.value), (name, e.value)
+        errors.add((type(e.value), str(e.value)))
+        np.testing.assert_array_equal(res, res0)
+    assert len(errors) == 1, errors
+    for alias, form in (("one-shot", "fused-one-shot"), ("Two_Shot", "fused-two-shot"), (" UNFUSED ", "unfused")):
+        comm.all_reduce_rmsnorm(x, res0.copy(), w, eps=EPS, form=alias)
+        sel = comm.last_rmsnorm_selection
+        assert sel is not None and sel["form"] == form, (alias, sel)
+    with pytest.raises(ValueError) as bad:
+        comm.all_reduce_rmsnorm(x, res0.copy(), w, eps=EPS, form="pushy")
+    assert isinstance(bad.value, anyccl.AlgorithmNameError)
+    assert "form='pushy': expected one of" in bad.value.message, bad.value.message
+    for name in anyccl.RMSNORM_FORMS:
+        assert name in bad.value.message, name
+
+
 def _rmsnorm_rank(uid: bytes, rank: int, world: int, results: Any) -> None:
     try:
         with anyccl.Communicator.from_unique_id(uid, rank, world, backend="host", timeout=30) as c:
