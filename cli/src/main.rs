@@ -106,7 +106,7 @@ struct BenchArgs {
     stepfactor: Option<u64>,
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
     /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
-    /// nvls-warp-pipeline, nvls-block-pipeline, one-shot-push; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
+    /// nvls-warp-pipeline, nvls-block-pipeline, one-shot-push, two-shot-push; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
     /// cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
     algos: Option<Vec<Algorithm>>,

@@ -32,6 +32,11 @@ pub enum Algorithm {
     /// One step in push mode: every rank writes its input into every peer's receive buffer and reduces its own,
     /// with flag-free completion (sentinel values) and no barrier round; for small messages (custom kernel).
     OneShotPush,
+    /// Two hops in push mode over the push one-shot's receive buffers: chunk q of every rank's input goes to rank
+    /// q, which sums it in rank order and writes the sum into every peer's receive buffer; for mid-size messages on
+    /// many ranks, where the push one-shot's W − 1 copies cost more than the second hop (custom kernel). Offered
+    /// when named or by a table rule; the default rules do not pick it yet.
+    TwoShotPush,
     /// Two-shot exchanging fp8 (e4m3) codes with one f32 scale per 32 elements, summed in f32 (custom kernels).
     /// Lossy: runs only when named (an explicit algorithm, `ANYCCL_ALLREDUCE_ALGO`, a table rule), never chosen by
     /// the defaults or the fallback.
@@ -43,7 +48,7 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 11] = [
+    pub const ALL: [Algorithm; 12] = [
         Algorithm::Ccl,
         Algorithm::CclSymmetric,
         Algorithm::OneShot,
@@ -53,6 +58,7 @@ impl Algorithm {
         Algorithm::NvlsWarpPipeline,
         Algorithm::NvlsBlockPipeline,
         Algorithm::OneShotPush,
+        Algorithm::TwoShotPush,
         Algorithm::TwoShotFp8,
         Algorithm::TwoShotInt8,
     ];
@@ -69,6 +75,7 @@ impl Algorithm {
             Algorithm::NvlsWarpPipeline => "nvls-warp-pipeline",
             Algorithm::NvlsBlockPipeline => "nvls-block-pipeline",
             Algorithm::OneShotPush => "one-shot-push",
+            Algorithm::TwoShotPush => "two-shot-push",
             Algorithm::TwoShotFp8 => "two-shot-fp8",
             Algorithm::TwoShotInt8 => "two-shot-int8",
         }
@@ -87,9 +94,9 @@ impl Algorithm {
     /// included) is the same.
     pub const fn nondeterministic(self) -> Option<&'static str> {
         match self {
-            // The push one-shot sums in the same order with the same adds as the one-shot (bitwise equal on
-            // the H200's emulated ranks).
-            Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush => None,
+            // The push one-shot and two-shot sum in the same order with the same adds as the one-shot (bitwise
+            // equal on the H200's emulated ranks).
+            Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush | Algorithm::TwoShotPush => None,
             Algorithm::Ccl | Algorithm::CclSymmetric => {
                 Some("the vendor library's reduction order depends on its algorithm, protocol and channels")
             }
@@ -182,6 +189,7 @@ mod tests {
         }
         assert_eq!("ONE_SHOT".parse::<Algorithm>().ok(), Some(Algorithm::OneShot));
         assert_eq!("one_shot_push".parse::<Algorithm>().ok(), Some(Algorithm::OneShotPush));
+        assert_eq!("Two-Shot-Push".parse::<Algorithm>().ok(), Some(Algorithm::TwoShotPush));
         let err = "three-shot".parse::<Algorithm>().expect_err("unknown");
         assert!(err.to_string().contains("nvls-block-pipeline"), "{err}");
         assert!(err.to_string().contains("two-shot-fp8"), "{err}");
@@ -191,7 +199,9 @@ mod tests {
     fn only_the_rank_order_kernels_are_deterministic_and_only_quantized_ones_lossy() {
         for a in Algorithm::ALL {
             let det = a.nondeterministic().is_none();
-            assert_eq!(det, matches!(a, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush), "{a}");
+            let rank_order =
+                matches!(a, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush | Algorithm::TwoShotPush);
+            assert_eq!(det, rank_order, "{a}");
             assert_eq!(a.is_lossy(), matches!(a, Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8), "{a}");
             assert!(!(det && a.is_lossy()), "{a}");
         }

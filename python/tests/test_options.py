@@ -21,7 +21,7 @@ def comm() -> Iterator[anyccl.Communicator]:
 
 
 def test_the_algorithm_names_are_cores_with_the_lossy_ones_marked() -> None:
-    for name in ("ccl", "one-shot", "two-shot", "ring", "one-shot-push", "two-shot-fp8", "two-shot-int8"):
+    for name in ("ccl", "one-shot", "two-shot", "ring", "one-shot-push", "two-shot-push", "two-shot-fp8", "two-shot-int8"):
         assert name in anyccl.ALGORITHMS, name
     assert anyccl.ALGORITHMS["two-shot-fp8"] and anyccl.ALGORITHMS["two-shot-int8"]
     assert not anyccl.ALGORITHMS["one-shot"] and not anyccl.ALGORITHMS["ccl"]

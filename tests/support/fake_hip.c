@@ -941,6 +941,7 @@ enum {
     K_RMSNORM = 6,    /* anyccl_rmsnorm_{f16,bf16}: the unfused form's second kernel */
     K_FUSED_PUSH = 7, /* anyccl_fused_push_one_shot_{f16,bf16} (fused_push.h) */
     K_QUANT = 8,      /* anyccl_quant_two_shot_{fp8,int8}_{f32,f16,bf16} (quant.h) */
+    K_PUSH_TWO = 9,   /* anyccl_push_two_shot_{f32,f16,bf16} (push.h) */
 };
 /* The fused kernels' NormArgs (fused.h; by value in their parameters). */
 struct norm_args {
@@ -1249,6 +1250,7 @@ static const struct kernel_kind {
     {"anyccl_one_shot_", K_ONE_SHOT, 0, 1, 1, one_shot_params},
     {"anyccl_two_shot_", K_TWO_SHOT, 0, 1, 1, two_shot_params},
     {"anyccl_push_one_shot_", K_PUSH, 0, 0, 1, push_params},
+    {"anyccl_push_two_shot_", K_PUSH_TWO, 0, 0, 1, push_params},
     {"anyccl_fused_one_shot_", K_FUSED_ONE, 0, 1, 0, fused_one_params},
     {"anyccl_fused_two_shot_", K_FUSED_TWO, 0, 1, 0, fused_two_params},
     {"anyccl_rmsnorm_", K_RMSNORM, 0, 0, 0, rmsnorm_params},
@@ -1264,7 +1266,7 @@ static const struct kernel_kind* kind_of(int kind, int quant) {
 static int is_fused(int kind) {
     return kind == K_FUSED_ONE || kind == K_FUSED_TWO || kind == K_RMSNORM || kind == K_FUSED_PUSH;
 }
-static int is_push(int kind) { return kind == K_PUSH || kind == K_FUSED_PUSH; }
+static int is_push(int kind) { return kind == K_PUSH || kind == K_FUSED_PUSH || kind == K_PUSH_TWO; }
 /* Kinds whose every rank's input is read through `in` (direct, staged, or a table). */
 static int reads_peers(int kind) {
     return kind == K_ONE_SHOT || kind == K_TWO_SHOT || kind == K_FUSED_ONE || kind == K_FUSED_TWO;
@@ -1639,6 +1641,7 @@ static int quant_run(const struct kwork* w) {
 }
 
 static int push_run(const struct kwork* w);
+static int push_two_run(const struct kwork* w);
 static void kernel_run(void* arg) {
     const struct kwork* w = arg;
     launch_count(w->seq, f_runs);
@@ -1661,6 +1664,7 @@ static void kernel_run(void* arg) {
         case K_RMSNORM: norm_rows(w, NULL, 0, w->norm.tokens, NULL); break;
         case K_PUSH:
         case K_FUSED_PUSH: stopped = push_run(w); break;
+        case K_PUSH_TWO: stopped = push_two_run(w); break;
         case K_QUANT: stopped = quant_run(w); break;
     }
     if (stopped == 2)
@@ -1739,6 +1743,61 @@ static int push_run(const struct kwork* w) {
         else norm_rows(w, in, 0, w->norm.tokens, NULL);
         for (int r = 0; r < w->world; r++)
             if (r != w->rank) memset((void*)(uintptr_t)in[r], 0xFF, w->bytes);
+    }
+    __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
+    return stopped;
+}
+
+/* The push two-shot (push.h): the same receive buffers, sets and counter, in two hops. Chunks of ceil(n_vec /
+ * world) vectors, rank q owning chunk q: every rank stores chunk q of its input (sentinel words replaced) into the
+ * first half of slot [set][rank] of rank q's buffer; waits for its own chunk's parts in the first halves of its
+ * slots and sums them in rank order (its own part read from its input) into its output; stores that sum into the
+ * second half (K_PUSH_SLOT / 2 bytes in) of slot [set][rank] of every peer; waits for the other chunks' sums in the
+ * second halves of its slots and copies them into its output; resets every slot part it read to the sentinel. */
+static void push_store(uint64_t buf, size_t at, const uint32_t* src, size_t words) {
+    uint32_t* dst = (uint32_t*)((char*)(uintptr_t)buf + at);
+    for (size_t i = 0; i < words; i++)
+        __atomic_store_n(&dst[i], src[i] == K_PUSH_SENTINEL ? K_PUSH_CANONICAL : src[i], __ATOMIC_RELEASE);
+}
+static int push_two_run(const struct kwork* w) {
+    char* mine = (char*)(uintptr_t)w->recv[w->rank];
+    uint32_t* ctrl = (uint32_t*)(mine + K_PUSH_CTRL);
+    uint32_t epoch = __atomic_load_n(ctrl, __ATOMIC_ACQUIRE);
+    const size_t set = (size_t)(epoch % 2) * K_MAX_RANKS * K_PUSH_SLOT, half = K_PUSH_SLOT / 2;
+    const size_t chunk = (w->n_vec + (size_t)w->world - 1) / (size_t)w->world;
+    size_t start[8], len[8];
+    for (int q = 0; q < w->world; q++) {
+        start[q] = (size_t)q * chunk;
+        len[q] = start[q] < w->n_vec ? min_size(chunk, w->n_vec - start[q]) : 0;
+    }
+    const uint32_t* src = (const uint32_t*)(uintptr_t)w->self_src;
+    char* out = (char*)(uintptr_t)w->out;
+    const size_t mine_at = set + (size_t)w->rank * K_PUSH_SLOT;
+    for (int q = 0; q < w->world; q++)
+        if (q != w->rank) push_store(w->recv[q], mine_at, src + start[q] * 4, len[q] * 4);
+    wake_kernels();
+    const int me = w->rank;
+    uint64_t in[8] = {0};
+    int stopped = 0;
+    for (int r = 0; r < w->world; r++) {
+        in[r] = r == me ? w->self_src + start[me] * 16 : (uint64_t)(uintptr_t)(mine + set + (size_t)r * K_PUSH_SLOT);
+        if (r != me && !stopped) stopped = push_wait(w, (const uint32_t*)(uintptr_t)in[r], len[me] * 4);
+    }
+    if (!stopped) {
+        reduce_vecs(w, in, out + start[me] * 16, 0, len[me]);
+        for (int q = 0; q < w->world; q++)
+            if (q != me) push_store(w->recv[q], mine_at + half, (const uint32_t*)(out + start[me] * 16), len[me] * 4);
+        wake_kernels();
+        for (int r = 0; r < w->world; r++)
+            if (r != me) memset((void*)(uintptr_t)in[r], 0xFF, len[me] * 16);
+    }
+    for (int q = 0; q < w->world && !stopped; q++) {
+        if (q == me) continue;
+        char* slot = mine + set + (size_t)q * K_PUSH_SLOT + half;
+        stopped = push_wait(w, (const uint32_t*)slot, len[q] * 4);
+        if (stopped) break;
+        memcpy(out + start[q] * 16, slot, len[q] * 16);
+        memset(slot, 0xFF, len[q] * 16);
     }
     __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
     return stopped;

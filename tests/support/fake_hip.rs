@@ -431,7 +431,8 @@ impl From<RawLaunch> for Launch {
             1 => "f16",
             _ => "bf16",
         };
-        let push = (r.kernel == 3).then_some(PushParams {
+        // The push one-shot (3) and two-shot (9) take the same parameters.
+        let push = (r.kernel == 3 || r.kernel == 9).then_some(PushParams {
             dtype,
             input: r.self_src,
             out: r.out,

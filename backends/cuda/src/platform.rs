@@ -18,7 +18,7 @@ use crate::runtime::{CudaRuntime, CudaStream};
 /// they cannot run (multicast off, or not wired yet); they are never eligible today. The push one-shot runs where
 /// the custom kernels' setup allocated and exchanged its receive buffers (`ANYCCL_PUSH_MAX_BYTES`). The
 /// quantized two-shots are lossy: they run only where named (see [`Algorithm::is_lossy`]).
-pub const ALGORITHMS: [Algorithm; 10] = [
+pub const ALGORITHMS: [Algorithm; 11] = [
     Algorithm::Ccl,
     Algorithm::CclSymmetric,
     Algorithm::OneShot,
@@ -27,6 +27,7 @@ pub const ALGORITHMS: [Algorithm; 10] = [
     Algorithm::NvlsWarpPipeline,
     Algorithm::NvlsBlockPipeline,
     Algorithm::OneShotPush,
+    Algorithm::TwoShotPush,
     Algorithm::TwoShotFp8,
     Algorithm::TwoShotInt8,
 ];

@@ -57,6 +57,7 @@ const NEED_KERNELS: &[&str] = &[
     "ipc_during_capture",
     "split",
     "push_init_all",
+    "push_two_shot",
     "push_ipc",
     "push_sm80",
     "push_off",
@@ -139,6 +140,15 @@ fn run_case(case: &str) -> String {
 #[test]
 fn push_one_shot_is_set_up_selected_and_launched_with_pdl_on_communicators_of_one_process() {
     run_case("push_init_all");
+}
+
+/// The push two-shot, named (the defaults never pick it), on communicators of 2, 3 and 4 ranks: its kernel with its
+/// own grid and PDL, exact rank-order sums for messages of unequal or empty chunks, in place and not, interleaved
+/// with push one-shot calls on the same receive buffers; every slot empty again; refused above the limit and for
+/// other reductions.
+#[test]
+fn push_two_shot_runs_when_named_interleaved_with_the_push_one_shot() {
+    run_case("push_two_shot");
 }
 
 /// The push one-shot over IPC (one process per GPU, ranks as threads, world 3): the setup exports and opens each
@@ -305,6 +315,7 @@ fn child() {
         "cudarc" => cudarc_world_two(&s),
         "conformance" => conformance_suite(&s),
         "push_init_all" => push_init_all(&s),
+        "push_two_shot" => push_two_shot(&s),
         "push_ipc" => push_ipc(&s),
         "push_sm80" => push_sm80(&s),
         "push_off" => push_off(&s),
@@ -1291,21 +1302,33 @@ fn reduce_once(
     round: usize,
     in_place: bool,
 ) -> Result<(Algorithm, Vec<f32>)> {
+    reduce_once_with(c, None, dtype, count, round, in_place)
+}
+
+/// [`reduce_once`] with `algorithm` named (`all_reduce_with`), or selected where `None`.
+fn reduce_once_with(
+    c: &mut Communicator<CudaComm>,
+    algorithm: Option<Algorithm>,
+    dtype: DataType,
+    count: usize,
+    round: usize,
+    in_place: bool,
+) -> Result<(Algorithm, Vec<f32>)> {
     let bytes = count * dtype.size_bytes();
     let rt = c.runtime().clone();
     let st = rt.stream()?;
     let mut a = rt.alloc(bytes)?;
     rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
     let mut b = rt.alloc(bytes)?;
-    let sel = if in_place {
-        c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
-    } else {
-        c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
+    let io = if in_place { InOut::InPlace(&mut a) } else { InOut::Separate { send: &a, recv: &mut b } };
+    let ran = match algorithm {
+        Some(named) => c.all_reduce_with(named, io, count, dtype, ReduceOp::Sum, &st).map(|()| named)?,
+        None => c.all_reduce(io, count, dtype, ReduceOp::Sum, &st)?.algorithm,
     };
     st.synchronize()?;
     let mut host = vec![0u8; bytes];
     rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-    Ok((sel.algorithm, decode(dtype, &host)))
+    Ok((ran, decode(dtype, &host)))
 }
 
 /// The call counter of the receive buffer at `recv` and whether every slot holds the sentinel (the fake's device
@@ -1396,6 +1419,70 @@ fn push_init_all(s: &Setup) {
         assert!(why.contains("sum"), "{why}");
         let why = cs[0].check_algorithm(Algorithm::OneShotPush, &call(1024, DataType::I32)).expect_err("i32");
         assert!(why.to_string().contains("f32, f16 and bf16"), "{why}");
+        drop(cs);
+        assert_eq!(s.fake.used_bytes(), used, "world {world}: every byte freed with the communicators");
+    }
+}
+
+/// The push two-shot (named: the default rules never pick it) on communicators of 2, 3 and 4 ranks: its kernel on
+/// every rank with its own grid and PDL, the rank-order sums for messages whose chunks are unequal or empty (1
+/// vector, 1037 vectors, 2048 vectors on 3 ranks, the 256 KiB limit), in place and not, interleaved with push
+/// one-shot calls on the same receive buffers; every slot empty again afterwards; refused above the limit and for
+/// other reductions, with the reason.
+fn push_two_shot(s: &Setup) {
+    let used = s.fake.used_bytes();
+    for world in [2usize, 3, 4] {
+        let mut cs = comms(s, world);
+        let cases = [
+            (DataType::F32, 4usize, false),
+            (DataType::Bf16, 1037 * 8, true),
+            (DataType::Bf16, 2048 * 8, false),
+            (DataType::F32, (256 << 10) / 4, true),
+        ];
+        let mut recv = Vec::new();
+        let mut calls = 0u32;
+        for (round, (dtype, count, in_place)) in cases.into_iter().enumerate() {
+            let bytes = count * dtype.size_bytes();
+            for algorithm in [Algorithm::TwoShotPush, Algorithm::OneShotPush] {
+                let from = s.fake.launch_total();
+                let out = per_rank(&mut cs, |c| reduce_once_with(c, Some(algorithm), dtype, count, round, in_place));
+                calls += 1;
+                let new: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
+                assert_eq!(new.len(), world, "one launch per rank: {new:?}");
+                let (kernel, blocks) = match algorithm {
+                    Algorithm::TwoShotPush => ("two", anyccl_ccl::gpu::push::push_two_shot_blocks(bytes, world)),
+                    _ => ("one", anyccl_ccl::gpu::push::push_blocks(bytes, world)),
+                };
+                for l in &new {
+                    assert_eq!(l.name, format!("anyccl_push_{kernel}_shot_{}", dtype_name(dtype)), "{l:?}");
+                    assert_eq!((l.grid, l.status, l.pdl, l.completed), ([blocks, 1, 1], 0, true, 1), "{l:?}");
+                    let p = l.push.as_ref().expect("push parameters");
+                    assert_eq!((p.world as usize, p.n_vec as usize), (world, bytes / 16), "{l:?}");
+                }
+                recv = new[0].push.as_ref().map(|p| p.recv[..world].to_vec()).unwrap_or_default();
+                for (rank, r) in out.into_iter().enumerate() {
+                    let (ran, got) = r.unwrap_or_else(|e| panic!("{algorithm} world {world} {dtype} {bytes}: {e}"));
+                    assert_eq!(ran, algorithm);
+                    let want = reference(world, round, count);
+                    assert!(got == want, "{algorithm} world {world} {dtype} {bytes} B rank {rank}: wrong sums");
+                }
+            }
+        }
+        for r in &recv {
+            assert_eq!(receive_state(*r), (calls, true), "world {world}: receive buffer {r:#x}");
+        }
+        let big = call((256 << 10) / 4 + 4, DataType::F32);
+        let why = cs[0].check_algorithm(Algorithm::TwoShotPush, &big).expect_err("too big").to_string();
+        assert!(why.contains("ANYCCL_PUSH_MAX_BYTES"), "{why}");
+        let mut max = call(1024, DataType::F32);
+        max.op = ReduceOp::Max;
+        let why = cs[0].check_algorithm(Algorithm::TwoShotPush, &max).expect_err("max").to_string();
+        assert!(why.contains("sum"), "{why}");
+        // The defaults never pick it.
+        for count in [4usize, 1037 * 8, (256 << 10) / 4] {
+            let sel = cs[0].select_all_reduce(&call(count, DataType::F32)).expect("selection");
+            assert_ne!(sel.algorithm, Algorithm::TwoShotPush, "world {world} {count}");
+        }
         drop(cs);
         assert_eq!(s.fake.used_bytes(), used, "world {world}: every byte freed with the communicators");
     }

@@ -157,6 +157,7 @@ fn init_all_launches_the_selected_hip_kernel_with_its_grid_and_sums_right() {
         let push = cs[0].backend().push_status().expect_err("no push one-shot on ROCm");
         assert!(push.contains("ROCm backend does not offer it"), "{push}");
         assert!(!anyccl_rocm::platform::ALGORITHMS.contains(&Algorithm::OneShotPush));
+        assert!(!anyccl_rocm::platform::ALGORITHMS.contains(&Algorithm::TwoShotPush));
         // (dtype, bytes, in place, the algorithm the default table picks on AMD).
         let cases = [
             (DataType::F32, 4096usize, false, Algorithm::OneShot),

@@ -17,7 +17,7 @@ use anyccl_kernels_common as common;
 
 use super::graph_inputs::{GraphInputs, Transport};
 use super::kernels::{self, CustomKernels, Inputs, Kind};
-use super::push::{self, PushKernels, PushState};
+use super::push::{self, PushGrid, PushKernels, PushShape, PushState};
 use super::quant::{self, QuantKernels};
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
@@ -130,6 +130,15 @@ fn own_custom_buffers<P: GpuPlatform>(rt: &P::Runtime, capacity: usize) -> Resul
 /// Bytes of what each rank sends in the custom kernels' IPC setup: the staging, scratch and flag handles, the
 /// staging size and block limit, then the push receive buffer's handle and the push limit (0: no push buffer).
 const IPC_BLOB_BYTES: usize = 4 * LEGACY_HANDLE_BYTES + 24;
+
+/// The push kernel shape of `algorithm`, if it is a push algorithm.
+fn push_shape(algorithm: Algorithm) -> Option<PushShape> {
+    match algorithm {
+        Algorithm::OneShotPush => Some(PushShape::OneShot),
+        Algorithm::TwoShotPush => Some(PushShape::TwoShot),
+        _ => None,
+    }
+}
 
 /// This rank's push one-shot part: its kernels (from `kernels`' module) and its initialised receive buffer, or why
 /// not (a limit of 0, a platform that does not offer it, or a failure, whose partial buffer is freed).
@@ -654,8 +663,15 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.runtime.bind()?;
         let (src, dst) = crate::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
-        if algorithm == Algorithm::OneShotPush {
+        if let Some(shape) = push_shape(algorithm) {
             let push = st.push.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+            let grid = PushGrid {
+                blocks: match shape {
+                    PushShape::OneShot => push::push_blocks(bytes, push.all_recv.len()),
+                    PushShape::TwoShot => push::push_two_shot_blocks(bytes, push.all_recv.len()),
+                },
+                dependent: push.kernels.dependent_launch().is_ok(),
+            };
             // SAFETY: every rank's receive buffer was allocated with PUSH_RECV_BYTES and initialised by the setup,
             // and is reachable through peer access or IPC; `flags` is this rank's live flag array; eligibility
             // checked `bytes` against the agreed limit (≤ the slots' size); every rank of this communicator makes
@@ -663,7 +679,8 @@ impl<P: GpuPlatform> GpuComm<P> {
             // this rank's input (in place is fine) and keeps its call counter on the device: the same eager and
             // captured.
             return unsafe {
-                push.kernels.launch(
+                push.kernels.launch_shaped(
+                    shape,
                     &self.runtime,
                     dtype,
                     src,
@@ -673,6 +690,7 @@ impl<P: GpuPlatform> GpuComm<P> {
                     rank,
                     bytes,
                     push.capacity,
+                    grid,
                     stream,
                 )
             };
@@ -798,13 +816,19 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
                 }
                 Ok(())
             }
-            Algorithm::OneShotPush => {
+            Algorithm::OneShotPush | Algorithm::TwoShotPush => {
                 let st = self.custom.as_ref().map_err(Clone::clone)?;
+                // Both shapes share the push one-shot's receive buffers and limit (ANYCCL_PUSH_MAX_BYTES).
                 let push = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
                 if call.op != ReduceOp::Sum {
-                    return Err(format!("the push one-shot implements sum, not {}", call.op));
+                    return Err(format!("the push kernels implement sum, not {}", call.op));
                 }
-                // Graph capture needs nothing more: the kernel reads this rank's input directly and keeps its
+                if algorithm == Algorithm::TwoShotPush {
+                    if let Some(why) = push.kernels.missing(PushShape::TwoShot, call.dtype) {
+                        return Err(why);
+                    }
+                }
+                // Graph capture needs nothing more: the kernels read this rank's input directly and keep their
                 // buffer-set counter on the device, so a replay runs exactly what an eager call does.
                 push::ineligible::<P>(call.dtype, call.bytes, self.ccl.world(), push.capacity).map_or(Ok(()), Err)
             }
@@ -845,6 +869,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
             Algorithm::OneShot
                 | Algorithm::TwoShot
                 | Algorithm::OneShotPush
+                | Algorithm::TwoShotPush
                 | Algorithm::TwoShotFp8
                 | Algorithm::TwoShotInt8
         ) {

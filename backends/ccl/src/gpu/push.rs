@@ -119,8 +119,8 @@ pub enum PushShape {
     /// One hop: every rank writes its whole input into every peer's receive buffer ([`Algorithm::OneShotPush`]).
     OneShot,
     /// Two hops: chunk q of every input to rank q, which reduces it and writes the sum to every peer; each rank
-    /// moves 2 (W − 1) / W of the message instead of W − 1 times it. The same bits as the one-shot. Measured on
-    /// emulated ranks only (`anyccl-cuda-push-bench --two-shot`); not offered by communicators yet.
+    /// moves 2 (W − 1) / W of the message instead of W − 1 times it. The same bits as the one-shot
+    /// ([`Algorithm::TwoShotPush`]).
     TwoShot,
 }
 
@@ -199,6 +199,11 @@ impl<P: GpuPlatform> PushKernels<P> {
         self.fused[i].ok_or_else(|| {
             format!("the loaded kernel module has no {} (built from an older source?)", FUSED_PUSH_KERNELS[i])
         })
+    }
+
+    /// Why the module cannot run the push kernel of `shape` for `dtype`, if it cannot.
+    pub fn missing(&self, shape: PushShape, dtype: DataType) -> Option<String> {
+        self.function(shape, dtype).err()
     }
 
     /// Why the module cannot run the fused push one-shot for `dtype`, if it cannot.
