@@ -334,7 +334,7 @@ impl EmulatedFused {
                     let p = self.push_paths(path)?;
                     let recv = Self::ptrs(&p.recv);
                     let ar = self.allreduced[rank].device_ptr();
-                    p.kernels.launch_shaped(
+                    p.kernels.launch(
                         PushShape::OneShot,
                         &self.runtime,
                         self.dtype,

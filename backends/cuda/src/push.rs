@@ -158,7 +158,7 @@ impl EmulatedPush {
         // FLAG_BYTES; the receive buffers were initialised in `new`; every rank launches the same calls; `launch`
         // and `capture` check that every rank's blocks are co-resident.
         unsafe {
-            self.kernels.launch_shaped(
+            self.kernels.launch(
                 self.shape,
                 &g.runtime,
                 dtype,

@@ -679,7 +679,7 @@ impl<P: GpuPlatform> GpuComm<P> {
             // this rank's input (in place is fine) and keeps its call counter on the device: the same eager and
             // captured.
             return unsafe {
-                push.kernels.launch_shaped(
+                push.kernels.launch(
                     shape,
                     &self.runtime,
                     dtype,

@@ -290,49 +290,6 @@ impl<P: GpuPlatform> PushKernels<P> {
         self.dependent.as_ref().map(|_| ()).map_err(String::as_str)
     }
 
-    /// Launches one rank's push all-reduce of `bytes` from `input` into `output` (may equal `input`), with
-    /// `recv[r]` rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its abort word
-    /// stops the kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]). The push one-shot on
-    /// [`push_blocks`] blocks, with programmatic dependent launch where the platform has it.
-    ///
-    /// # Safety
-    /// `input`/`output` hold `bytes` of this device; every `recv[r]` is a live receive buffer of
-    /// [`PUSH_RECV_BYTES`] initialised by [`init_receive_buffer`] and used by this group only; `my_flags` a live
-    /// flag array; every rank launches the same sequence of push calls; ranks run on different devices.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch(
-        &self,
-        runtime: &P::Runtime,
-        dtype: DataType,
-        input: u64,
-        output: u64,
-        recv: &[u64],
-        my_flags: u64,
-        rank: usize,
-        bytes: usize,
-        capacity: usize,
-        stream: &StreamOf<P>,
-    ) -> Result<()> {
-        let grid = PushGrid { blocks: push_blocks(bytes, recv.len()), dependent: self.dependent.is_ok() };
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe {
-            self.launch_shaped(
-                PushShape::OneShot,
-                runtime,
-                dtype,
-                input,
-                output,
-                recv,
-                my_flags,
-                rank,
-                bytes,
-                capacity,
-                grid,
-                stream,
-            )
-        }
-    }
-
     /// How many blocks of the push kernel of `dtype` fit on one multiprocessor at once.
     pub fn blocks_per_sm(&self, runtime: &P::Runtime, dtype: DataType) -> Result<usize> {
         let f =
@@ -356,14 +313,20 @@ impl<P: GpuPlatform> PushKernels<P> {
         }
     }
 
-    /// [`Self::launch`] in either shape, on `grid` (blocks 1 to 128; `dependent` needs the platform's
-    /// programmatic dependent launch, else an error). Every rank of a call must use the same shape; push calls of
-    /// both shapes may follow each other on the same receive buffers.
+    /// Launches one rank's push all-reduce of `bytes` from `input` into `output` (may equal `input`) with the
+    /// kernel of `shape` on `grid` (blocks 1 to 128; [`push_blocks`] or [`push_two_shot_blocks`] for a
+    /// communicator; `dependent` needs the platform's programmatic dependent launch, else an error). `recv[r]` is
+    /// rank r's receive buffer as addressable here and `my_flags` this rank's flag array (its abort word stops the
+    /// kernel's waits); `capacity` bounds `bytes` (at most [`PUSH_MAX_BYTES`]). Every rank of a call must use the
+    /// same shape; push calls of both shapes may follow each other on the same receive buffers.
     ///
     /// # Safety
-    /// As for [`Self::launch`]; with ranks emulated on one device, every rank's blocks must be resident at once.
+    /// `input`/`output` hold `bytes` of this device; every `recv[r]` is a live receive buffer of
+    /// [`PUSH_RECV_BYTES`] initialised by [`init_receive_buffer`] and used by this group only; `my_flags` a live
+    /// flag array; every rank launches the same sequence of push calls; ranks run on different devices, or, when
+    /// they are emulated on one device, every rank's blocks are resident at once.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn launch_shaped(
+    pub unsafe fn launch(
         &self,
         shape: PushShape,
         runtime: &P::Runtime,
