@@ -666,10 +666,7 @@ impl<P: GpuPlatform> GpuComm<P> {
         if let Some(shape) = push_shape(algorithm) {
             let push = st.push.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
             let grid = PushGrid {
-                blocks: match shape {
-                    PushShape::OneShot => push::push_blocks(bytes, push.all_recv.len()),
-                    PushShape::TwoShot => push::push_two_shot_blocks(bytes, push.all_recv.len()),
-                },
+                blocks: shape.blocks(bytes, push.all_recv.len()),
                 dependent: push.kernels.dependent_launch().is_ok(),
             };
             // SAFETY: every rank's receive buffer was allocated with PUSH_RECV_BYTES and initialised by the setup,

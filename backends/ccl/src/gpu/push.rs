@@ -60,9 +60,14 @@ pub fn push_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
 /// 4 KiB). Ranks may use different grids (each block of a call reads the call counter itself); every rank uses
 /// this one.
 pub fn push_blocks(bytes: usize, world: usize) -> u32 {
-    let max = (64 / world.max(1)).max(8);
-    // At most max(8, 64) = 64 blocks: fits a u32.
-    (bytes / (8 << 10)).clamp(4, max) as u32
+    // At most 64 blocks: fits a u32.
+    (bytes / (8 << 10)).clamp(4, push_blocks_cap(world)) as u32
+}
+
+/// The most blocks per rank any push grid rule gives on `world` ranks: `max(8, 64 / world)`, which keeps every
+/// rank's blocks resident twice over (programmatic dependent launch) when the ranks are emulated on one GPU.
+fn push_blocks_cap(world: usize) -> usize {
+    (64 / world.max(1)).max(8)
 }
 
 /// Why the push one-shot kernel cannot run `dtype` × `bytes` on `world` ranks with receive slots for `capacity`
@@ -108,9 +113,8 @@ pub fn fused_push_ineligible(
 /// [`push_blocks`] (blocks beyond the rows only push), at most `max(8, 64 / world)` (every rank's blocks resident
 /// twice over on one GPU with emulated ranks, as for the push one-shot). Every rank uses the same.
 pub fn fused_push_blocks(tokens: usize, bytes: usize, world: usize) -> u32 {
-    let max = (64 / world.max(1)).max(8);
     // At most 64: fits a u32.
-    tokens.max(push_blocks(bytes, world) as usize).clamp(1, max) as u32
+    tokens.max(push_blocks(bytes, world) as usize).clamp(1, push_blocks_cap(world)) as u32
 }
 
 /// The two shapes of the push protocol (`push.h`), over the same receive buffers.
@@ -125,6 +129,14 @@ pub enum PushShape {
 }
 
 impl PushShape {
+    /// The grid rule of this shape: [`push_blocks`] or [`push_two_shot_blocks`].
+    pub fn blocks(self, bytes: usize, world: usize) -> u32 {
+        match self {
+            PushShape::OneShot => push_blocks(bytes, world),
+            PushShape::TwoShot => push_two_shot_blocks(bytes, world),
+        }
+    }
+
     fn what(self) -> &'static str {
         match self {
             PushShape::OneShot => "push one-shot",
@@ -137,10 +149,9 @@ impl PushShape {
 /// (`ceil(bytes / 16 / world)` vectors), in blocks of 512 threads, from 2 to `max(8, 64 / world)` (measured on an
 /// H200 with emulated ranks: within 3% of the best of 2, 4, 8 and 16 blocks from 4 to 256 KiB on 2, 4 and 8 ranks).
 pub fn push_two_shot_blocks(bytes: usize, world: usize) -> u32 {
-    let max = (64 / world.max(1)).max(8);
     let chunk_vecs = (bytes / common::VECTOR_BYTES).div_ceil(world.max(1));
-    // At most max(8, 64) = 64 blocks: fits a u32.
-    chunk_vecs.div_ceil(THREADS as usize).clamp(2, max) as u32
+    // At most 64 blocks: fits a u32.
+    chunk_vecs.div_ceil(THREADS as usize).clamp(2, push_blocks_cap(world)) as u32
 }
 
 /// The push kernels of the custom kernels' module (valid while those kernels are), and whether launches use

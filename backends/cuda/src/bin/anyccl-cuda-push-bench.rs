@@ -23,7 +23,7 @@ use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::EmulatedRanks;
 use anyccl_cuda::graph::Graph;
-use anyccl_cuda::push::{push_blocks, push_two_shot_blocks, EmulatedPush, PushShape, PUSH_MAX_BYTES};
+use anyccl_cuda::push::{EmulatedPush, PushShape, PUSH_MAX_BYTES};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -119,12 +119,7 @@ fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) 
     let (dtype, device) = (opts.dtype, opts.device);
     g.blocks = match col {
         Col::OneShot => anyccl_ccl::gpu::comm::custom_blocks(g.bytes, anyccl_ccl::gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
-        Col::Push { shape: PushShape::OneShot, .. } => {
-            opts.push_blocks.unwrap_or_else(|| push_blocks(g.bytes, g.streams.len()))
-        }
-        Col::Push { shape: PushShape::TwoShot, .. } => {
-            opts.push_blocks.unwrap_or_else(|| push_two_shot_blocks(g.bytes, g.streams.len()))
-        }
+        Col::Push { shape, .. } => opts.push_blocks.unwrap_or_else(|| shape.blocks(g.bytes, g.streams.len())),
     };
     let want = set_inputs(g, dtype, 0, device)?;
     launch(g, p, col, dtype)?;
