@@ -289,13 +289,18 @@ fn truncated_and_oversized_handshakes() {
     hello.extend_from_slice(&[0u8; 30]);
     s.write_all(&hello).expect("half a hello");
     drop(s);
-    // 4 MiB after a valid preamble: rank 0 reads one hello's worth, rejects it and closes the connection, so the
-    // sender's write fails with a reset or a broken pipe (not a timeout: nobody reads 4 MiB)
+    // megabytes after a valid preamble: rank 0 reads one hello's worth, rejects it and closes the connection, so
+    // the sender's writes fail with a reset or a broken pipe (not a timeout: nobody reads them). The kernel's
+    // socket buffers can hold tens of MiB on loopback (tcp_rmem's maximum is 32 MiB on common hosts), so a write
+    // may succeed before the reset arrives: keep writing 1 MiB at a time, and fail only if far more than any
+    // buffer holds (256 MiB) went through, which would mean rank 0 kept reading.
     let mut s = TcpStream::connect(addr).expect("connect");
-    let mut junk = preamble();
-    junk.extend(vec![b'z'; 4 << 20]);
     s.set_write_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let sent = s.write_all(&junk).expect_err("rank 0 must close a connection that sends megabytes");
+    s.write_all(&preamble()).expect("a valid preamble");
+    let junk = vec![b'z'; 1 << 20];
+    let sent = (0..256)
+        .find_map(|_| s.write_all(&junk).err())
+        .expect("rank 0 must close a connection that sends megabytes, yet it took 256 MiB");
     assert!(matches!(sent.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe), "{sent:?}");
     let (g0, took) = join_ranks(group);
     assert!(took < Duration::from_secs(5), "took {took:?}");
