@@ -1403,7 +1403,8 @@ mod tests {
 
     #[test]
     fn rejections_are_reported_when_the_group_never_forms() {
-        let listener = Rendezvous::listen(root_cfg(2, 400)).expect("listen");
+        // 2 s: long enough to turn the stranger away before the deadline on a loaded machine
+        let listener = Rendezvous::listen(root_cfg(2, 2000)).expect("listen");
         let addr = listener.local_addr();
         let root = thread::spawn(move || listener.accept_all());
         let mut s = TcpStream::connect(addr).expect("connect");
@@ -1448,7 +1449,8 @@ mod tests {
         let _g2 = Rendezvous::connect(c2).expect("rank 2");
         let _g1 = t1.join().expect("t1").expect("rank 1");
         let g0 = root.join().expect("root").expect("group");
-        assert!(start.elapsed() < Duration::from_secs(3), "took {:?}", start.elapsed());
+        // well under the 10 s timeout: the real ranks did not wait for the silent connections' deadlines
+        assert!(start.elapsed() < Duration::from_secs(8), "took {:?}", start.elapsed());
         assert!(g0.rejections().count() >= 16, "{}", g0.rejections());
         assert!(g0.rejections().first().iter().any(|r| r.contains("closed to make room")), "{}", g0.rejections());
         drop(silent);

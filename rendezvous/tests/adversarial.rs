@@ -218,8 +218,9 @@ fn replayed_handshakes_are_rejected_both_ways() {
     let down = relay.down.lock().expect("lock").clone();
     assert!(up.len() > HELLO_LEN && down.len() > GREETING_LEN + 33, "{} / {} bytes", up.len(), down.len());
 
-    // the client's handshake, replayed at a fresh rank 0 with the same key and rank 1's slot free
-    let listener = listen(2, Duration::from_millis(800));
+    // the client's handshake, replayed at a fresh rank 0 with the same key and rank 1's slot free (rank 0 waits 3 s:
+    // long enough to turn both replays away on a loaded machine before its deadline ends the group)
+    let listener = listen(2, Duration::from_secs(3));
     let addr = listener.local_addr();
     let root = thread::spawn(move || listener.accept_all());
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -311,7 +312,7 @@ fn truncated_and_oversized_handshakes() {
 
 #[test]
 fn escape_codes_in_what_a_stranger_sends_are_sanitized() {
-    let listener = listen(2, Duration::from_millis(500));
+    let listener = listen(2, Duration::from_secs(2));
     let addr = listener.local_addr();
     let root = thread::spawn(move || listener.accept_all());
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -373,7 +374,7 @@ fn an_impostor_rank_0_gets_no_payload_and_no_key() {
 
     // it hangs up on every connection: the client tries again until its timeout, then says so
     let stop = Arc::new(AtomicBool::new(false));
-    let client = client_of(&fake, Duration::from_millis(800));
+    let client = client_of(&fake, Duration::from_secs(2));
     let stopper = stop.clone();
     fake.set_nonblocking(true).expect("nonblocking");
     let hangups = thread::spawn(move || {

@@ -190,7 +190,7 @@ fn grouped_ring_and_split_on_process_communicators_over_a_local_group() {
     }
 }
 
-/// Why groups exist: on process communicators, a ring of plain blocking sends of 1 MiB (each rank sends before it
+/// Why groups exist: on process communicators, a ring of plain blocking sends of 1 MiB or more (each rank sends before it
 /// receives) stalls, every rank blocked in its send with its peer blocked in its own, until the write timeout;
 /// the same exchange as a group completes.
 #[test]
@@ -206,13 +206,20 @@ fn plain_sends_in_a_ring_stall_where_a_group_completes() {
             .collect();
         hs.into_iter().map(|h| h.join().expect("setup thread")).collect()
     });
+    // The stall needs a message that a Unix socket's send buffer (net.core.wmem_default, 208 KiB on common hosts)
+    // cannot take whole: 1 MiB, or 8 times that buffer on a host tuned higher.
+    let wmem = std::fs::read_to_string("/proc/sys/net/core/wmem_default")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let stall = BIG.max(2 * wmem);
     let t0 = Instant::now();
     let plain = on_threads(comms, |c| {
         let (me, world) = (c.rank(), c.world_size());
-        let out = message(me, 0);
-        let mut got = HostBuffer::zeroed(out.len());
-        c.send(out.as_bytes(), BIG, DataType::F32, (me + 1) % world, &())?;
-        c.recv(got.as_bytes_mut(), BIG, DataType::F32, (me + world - 1) % world, &())
+        let out = HostBuffer::zeroed(stall * 4);
+        let mut got = HostBuffer::zeroed(stall * 4);
+        c.send(out.as_bytes(), stall, DataType::F32, (me + 1) % world, &())?;
+        c.recv(got.as_bytes_mut(), stall, DataType::F32, (me + world - 1) % world, &())
     });
     eprintln!("plain blocking sends after {:?}: {plain:?}", t0.elapsed());
     assert!(
