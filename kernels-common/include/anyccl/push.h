@@ -66,6 +66,12 @@ __device__ __forceinline__ anyccl_vec16 push_canonical(anyccl_vec16 v) {
     return v;
 }
 
+// A receive slot's vector before a peer wrote it (and after it was read): every word the sentinel.
+__device__ __forceinline__ anyccl_vec16 push_empty() {
+    const anyccl_vec16 v = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL};
+    return v;
+}
+
 __device__ __forceinline__ bool push_pending(const anyccl_vec16& v) {
     return v.x == ANYCCL_PUSH_SENTINEL || v.y == ANYCCL_PUSH_SENTINEL || v.z == ANYCCL_PUSH_SENTINEL ||
            v.w == ANYCCL_PUSH_SENTINEL;
@@ -136,8 +142,7 @@ __device__ __forceinline__ anyccl_vec16 push_reduce_vec(const anyccl_vec16* src,
     Vec<T>::load(v[0], acc);
 #pragma unroll
     for (int r = 1; r < W; r++) Vec<T>::add(v[r], acc);
-    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
-                                ANYCCL_PUSH_SENTINEL};
+    const anyccl_vec16 empty = push_empty();
 #pragma unroll
     for (int r = 0; r < W; r++)
         if (r != rank) anyccl_st_vec_volatile(slots + (size_t)r * ANYCCL_PUSH_SLOT_VECS + i, empty);
@@ -241,8 +246,7 @@ __device__ __forceinline__ void push_two_shot(const void* in, void* out, const R
             if (q != rank) anyccl_st_vec_volatile(slot_of(recv.p[q], rank, ANYCCL_PUSH_HALF_VECS, i), sent);
     }
     // 3. Gather the other chunks from the second halves of this rank's slots.
-    const anyccl_vec16 empty = {ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL, ANYCCL_PUSH_SENTINEL,
-                                ANYCCL_PUSH_SENTINEL};
+    const anyccl_vec16 empty = push_empty();
     for (size_t i = first; i < chunk; i += stride) {
         anyccl_vec16 v[W];
         // All loads in flight before the first wait.
