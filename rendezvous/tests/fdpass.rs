@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::thread;
@@ -17,11 +17,18 @@ fn base() -> PathBuf {
     std::env::temp_dir()
 }
 
+/// A pipe whose ends no child process inherits.
+fn cloexec_pipe() -> (OwnedFd, OwnedFd) {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).expect("pipe")
+}
+
 #[test]
 fn a_pipe_end_travels_and_works() {
     let server = FdServer::bind_in(&base()).expect("bind").with_timeout(Duration::from_secs(5)).expect("timeout");
     let path = server.path().to_owned();
-    let (read_end, write_end) = nix::unistd::pipe().expect("pipe");
+    // close-on-exec: the reader waits for end-of-file, which a child process of a parallel test holding a copy of
+    // the write end would delay until it exits
+    let (read_end, write_end) = cloexec_pipe();
 
     let sender = thread::spawn(move || {
         let ch = FdChannel::connect(&path).expect("connect");
@@ -54,7 +61,7 @@ fn several_fds_and_an_empty_payload() {
     let server = FdServer::bind_in(&base()).expect("bind");
     let client = FdChannel::connect(server.path()).expect("connect");
     let ch = server.accept().expect("accept");
-    let pipes: Vec<_> = (0..3).map(|_| nix::unistd::pipe().expect("pipe")).collect();
+    let pipes: Vec<_> = (0..3).map(|_| cloexec_pipe()).collect();
     let ends: Vec<_> = pipes.iter().map(|(_, w)| w.as_fd()).collect();
     client.send(&ends, b"").expect("send");
     let (fds, payload) = ch.recv(MAX_FDS).expect("recv");
