@@ -55,11 +55,13 @@ mod tests {
             let pos = sig[at..].find(&format!(" {name},")).or_else(|| sig[at..].find(&format!(" {name}")));
             at += pos.unwrap_or_else(|| panic!("{name} missing or out of order in {sig}")) + 1;
         }
-        // It is the push protocol's and the fused kernels' code, not a copy: it uses their functions.
-        for used in
-            ["push_epoch(", "push_out<W>(", "push_reduce_vec<T, W>(", "push_end(", "norm_row<T>(", "ANYCCL_PUSH_CTRL"]
-        {
+        // It is the push protocol's and the fused kernels' code, not a copy: it uses their functions, and does not
+        // start a push call (PDL wait, epoch, control words) on its own.
+        for used in ["push_begin(", "push_out<W>(", "push_reduce_vec<T, W>(", "push_end(", "norm_row<T>("] {
             assert!(h.contains(used), "fused_push.h does not use {used}");
+        }
+        for copied in ["push_epoch(", "anyccl_grid_dependency_wait(", "ANYCCL_PUSH_CTRL"] {
+            assert!(!h.contains(copied), "fused_push.h repeats push_begin's {copied}");
         }
     }
 }

@@ -7,13 +7,13 @@
 // therefore bit for bit the fused one-shot's (NaN payloads aside, as for the push one-shot).
 //
 // Protocol: the receive buffers, their two sets, the epoch in the control words, the sentinel resets and the abort
-// word are push.h's, through the same functions (push_epoch, push_out, push_reduce_vec, push_end), so push one-shot
+// word are push.h's, through the same functions (push_begin, push_out, push_reduce_vec, push_end), so push one-shot
 // calls and fused push calls may share one set of receive buffers and follow each other in any order (each call is
 // one "push call" of that protocol). Every block pushes its share of the input (a grid-stride loop over every
 // vector), then block b normalises rows b, b + gridDim.x, ...; blocks beyond the row count only push. Messages
 // (tokens × hidden × sizeof(T)) up to ANYCCL_PUSH_MAX_BYTES.
 //
-// Programmatic dependent launch (sm_90+): nothing before anyccl_grid_dependency_wait reads the input, the residual
+// Programmatic dependent launch (sm_90+): nothing before push_begin's dependency wait reads the input, the residual
 // or the epoch, or writes anything; dependents may launch once this kernel's pushes are out (they wait for its
 // completion before they read what it writes).
 
@@ -22,29 +22,22 @@
 template <typename T, int W>
 __device__ __forceinline__ void fused_push_one_shot(const void* in, const NormArgs& a, const RankPtrs& recv,
                                                     const uint32_t* my_flags, int rank) {
-    char* mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
-    uint32_t* ctrl = reinterpret_cast<uint32_t*>(mine + ANYCCL_PUSH_CTRL);
     const size_t hv = a.hidden_vec;
     const size_t n_vec = (size_t)a.tokens * hv;
-    const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    anyccl_grid_dependency_wait();
-    const uint32_t epoch = push_epoch(ctrl);
-    const size_t set_vecs = push_set_vecs(epoch);
+    const PushCall c = push_begin(recv, rank);
     const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
-    push_out<W>(src, recv, rank, set_vecs, first, stride, n_vec);
+    push_out<W>(src, recv, rank, c.set_vecs, c.first, c.stride, n_vec);
     anyccl_launch_dependents();
-    anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
     bool stop = false;
     for (size_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
         // norm_row asks for each vector j of the row once, from the thread that owns it.
         const auto reduced = [&](uint32_t j) {
-            return push_reduce_vec<T, W>(src, slots, rank, row * hv + j, my_flags, stop);
+            return push_reduce_vec<T, W>(src, c.slots, rank, row * hv + j, my_flags, stop);
         };
         anyccl_vec16* res = vec_at(a.residual, row * hv);
         norm_row<T>(reduced, res, res, nullptr, byte_at(a.out, row * out_row_bytes(a)), nullptr, a);
     }
-    push_end(ctrl, epoch);
+    push_end(c);
 }
 
 // The fused push one-shot kernel of element type T (f16 or bf16), named by NAME; launch with ANYCCL_NORM_THREADS

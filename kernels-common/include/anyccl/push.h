@@ -109,6 +109,36 @@ __device__ __forceinline__ size_t push_set_vecs(uint32_t epoch) {
     return (size_t)(epoch % ANYCCL_PUSH_SETS) * ANYCCL_MAX_RANKS * ANYCCL_PUSH_SLOT_VECS;
 }
 
+// One thread's view of a push call, from push_begin to push_end.
+struct PushCall {
+    // This rank's receive buffer and its control words.
+    char* mine;
+    uint32_t* ctrl;
+    // The call's epoch, and the vector offset of the set it uses in every receive buffer.
+    uint32_t epoch;
+    size_t set_vecs;
+    // This rank's slots of that set in `mine` (slot r: vectors [r × ANYCCL_PUSH_SLOT_VECS, ...)).
+    anyccl_vec16* slots;
+    // This thread's grid-stride loop: vectors first, first + stride, ...
+    size_t first;
+    size_t stride;
+};
+
+// Starts a push call on this rank's receive buffer `recv.p[rank]`. Waits for the stream's previous kernel
+// (programmatic dependent launch) before it reads the epoch: nothing before that wait reads or writes memory.
+__device__ __forceinline__ PushCall push_begin(const RankPtrs& recv, int rank) {
+    PushCall c;
+    c.mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
+    c.ctrl = reinterpret_cast<uint32_t*>(c.mine + ANYCCL_PUSH_CTRL);
+    c.first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    c.stride = (size_t)gridDim.x * blockDim.x;
+    anyccl_grid_dependency_wait();
+    c.epoch = push_epoch(c.ctrl);
+    c.set_vecs = push_set_vecs(c.epoch);
+    c.slots = reinterpret_cast<anyccl_vec16*>(c.mine) + c.set_vecs;
+    return c;
+}
+
 // Pushes this thread's vectors (first, first + stride, ... below n_vec) of the input `src` into slot [set][rank]
 // of every peer's receive buffer.
 template <int W>
@@ -150,11 +180,11 @@ __device__ __forceinline__ anyccl_vec16 push_reduce_vec(const anyccl_vec16* src,
 }
 
 // The end of a call: the last block of the call moves the epoch on (every block has read it by then).
-__device__ __forceinline__ void push_end(uint32_t* ctrl, uint32_t epoch) {
+__device__ __forceinline__ void push_end(const PushCall& c) {
     __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(ctrl + 1, 1u) == gridDim.x - 1) {
-        ctrl[1] = 0;
-        ctrl[0] = epoch + 1;
+    if (threadIdx.x == 0 && atomicAdd(c.ctrl + 1, 1u) == gridDim.x - 1) {
+        c.ctrl[1] = 0;
+        c.ctrl[0] = c.epoch + 1;
     }
 }
 
@@ -164,23 +194,17 @@ __device__ __forceinline__ void push_end(uint32_t* ctrl, uint32_t epoch) {
 template <typename T, int W>
 __device__ __forceinline__ void push_one_shot(const void* in, void* out, const RankPtrs& recv,
                                               const uint32_t* my_flags, int rank, size_t n_vec) {
-    char* mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
-    uint32_t* ctrl = reinterpret_cast<uint32_t*>(mine + ANYCCL_PUSH_CTRL);
-    const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    anyccl_grid_dependency_wait();
-    const uint32_t epoch = push_epoch(ctrl);
-    const size_t set_vecs = push_set_vecs(epoch);
+    const PushCall c = push_begin(recv, rank);
     const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
     // Push: this rank's slot of the set in every peer's receive buffer.
-    push_out<W>(src, recv, rank, set_vecs, first, stride, n_vec);
+    push_out<W>(src, recv, rank, c.set_vecs, c.first, c.stride, n_vec);
     anyccl_launch_dependents();
     // Reduce this rank's slots in rank order, resetting each to the sentinel once read.
-    anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
     anyccl_vec16* o = reinterpret_cast<anyccl_vec16*>(out);
     bool stop = false;
-    for (size_t i = first; i < n_vec; i += stride) o[i] = push_reduce_vec<T, W>(src, slots, rank, i, my_flags, stop);
-    push_end(ctrl, epoch);
+    for (size_t i = c.first; i < n_vec; i += c.stride)
+        o[i] = push_reduce_vec<T, W>(src, c.slots, rank, i, my_flags, stop);
+    push_end(c);
 }
 
 // The push two-shot: the push protocol on the same receive buffers (same sets, epoch, sentinels, abort word), in
@@ -206,21 +230,15 @@ static_assert(2 * ANYCCL_PUSH_HALF_VECS == ANYCCL_PUSH_SLOT_VECS, "the two-shot'
 template <typename T, int W>
 __device__ __forceinline__ void push_two_shot(const void* in, void* out, const RankPtrs& recv,
                                               const uint32_t* my_flags, int rank, size_t n_vec) {
-    char* mine = reinterpret_cast<char*>(const_cast<void*>(pick(recv, rank)));
-    uint32_t* ctrl = reinterpret_cast<uint32_t*>(mine + ANYCCL_PUSH_CTRL);
-    const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const PushCall c = push_begin(recv, rank);
+    const size_t first = c.first, stride = c.stride;
     const size_t chunk = (n_vec + W - 1) / W;
-    anyccl_grid_dependency_wait();
-    const uint32_t epoch = push_epoch(ctrl);
-    const size_t set_vecs = push_set_vecs(epoch);
     const anyccl_vec16* src = reinterpret_cast<const anyccl_vec16*>(in);
     anyccl_vec16* o = reinterpret_cast<anyccl_vec16*>(out);
-    anyccl_vec16* slots = reinterpret_cast<anyccl_vec16*>(mine) + set_vecs;
     // Vector i of rank r's slot of this call's set in `buf`, first or second half.
     const auto slot_of = [&](const void* buf, int r, size_t half, size_t i) {
-        return reinterpret_cast<anyccl_vec16*>(const_cast<void*>(buf)) + set_vecs + (size_t)r * ANYCCL_PUSH_SLOT_VECS +
-               half + i;
+        return reinterpret_cast<anyccl_vec16*>(const_cast<void*>(buf)) + c.set_vecs +
+               (size_t)r * ANYCCL_PUSH_SLOT_VECS + half + i;
     };
     // 1. Scatter: chunk q of the input to its owner q.
     for (size_t i = first; i < chunk; i += stride) {
@@ -238,7 +256,7 @@ __device__ __forceinline__ void push_two_shot(const void* in, void* out, const R
     for (size_t i = first; i < mine_len; i += stride) {
         // push_reduce_vec's slots are the first halves of this set's slots, indexed by the chunk's vector i; its
         // own part is its input at the chunk's offset.
-        const anyccl_vec16 sum = push_reduce_vec<T, W>(src + mine_start, slots, rank, i, my_flags, stop);
+        const anyccl_vec16 sum = push_reduce_vec<T, W>(src + mine_start, c.slots, rank, i, my_flags, stop);
         o[mine_start + i] = sum;
         const anyccl_vec16 sent = push_canonical(sum);
 #pragma unroll
@@ -253,17 +271,17 @@ __device__ __forceinline__ void push_two_shot(const void* in, void* out, const R
 #pragma unroll
         for (int q = 0; q < W; q++)
             if (q != rank && (size_t)q * chunk + i < n_vec)
-                v[q] = anyccl_ld_vec_volatile(slot_of(mine, q, ANYCCL_PUSH_HALF_VECS, i));
+                v[q] = anyccl_ld_vec_volatile(slot_of(c.mine, q, ANYCCL_PUSH_HALF_VECS, i));
 #pragma unroll
         for (int q = 0; q < W; q++) {
             const size_t at = (size_t)q * chunk + i;
             if (q == rank || at >= n_vec) continue;
-            anyccl_vec16* s = slot_of(mine, q, ANYCCL_PUSH_HALF_VECS, i);
+            anyccl_vec16* s = slot_of(c.mine, q, ANYCCL_PUSH_HALF_VECS, i);
             o[at] = push_wait(s, v[q], my_flags, stop);
             anyccl_st_vec_volatile(s, empty);
         }
     }
-    push_end(ctrl, epoch);
+    push_end(c);
 }
 
 // The push one-shot and push two-shot kernels of element type T, named by NAME; the same names and parameters on
