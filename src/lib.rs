@@ -60,3 +60,18 @@ pub use dynamic::{AnyBuffer, AnyCommunicator, AnyEvent, AnyGraph, AnyStream, Bac
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The Rust guide's examples (`docs/rust.md`), compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuideDoctests;
+
+/// The kernel document's examples (`docs/kernels.md`), compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/kernels.md")]
+pub struct KernelsDoctests;
+
+/// The command's document's examples (`docs/cli.md`), compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cli.md")]
+pub struct CliDoctests;
