@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python package (python/, issue 19): builds the abi3 wheel with maturin from PyPI, installs it into a fresh
+# The Python package (python/): builds the abi3 wheel with maturin from PyPI, installs it into a fresh
 # virtual environment with NumPy, pytest and mypy (not torch: too big for CI), then runs
 #   - `import anyccl` (without NumPy or torch imported),
 #   - pytest python/tests: the host backend across 2 and 3 processes (NumPy; a unique id, the torchrun environment

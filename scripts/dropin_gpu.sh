@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU proofs of the drop-in libnccl (issue 17), in one run on a CUDA machine with NCCL installed:
+# The GPU proofs of the drop-in libnccl, in one run on a CUDA machine with NCCL installed:
 #   1. nccl-tests (public source, .devbin/nccl-tests) built with this machine's nvcc against the drop-in (NCCL_HOME
 #      is a folder whose lib/ holds the drop-in as libnccl.so and libnccl.so.2 and whose include/ holds the system's
 #      nccl*.h); `ldd` must show libnccl resolving to the drop-in.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU run of issue 8 on a lent machine, in two device calls of at most 10 minutes each.
+# The multi-GPU run on a lent machine, in two device calls of at most 10 minutes each.
 #
 # Build here first (no Rust toolchain on the GPU machines), then carry `.devbin`:
 #   cargo build --release --features cuda && cargo build --release -p anyccl-cuda --features tools

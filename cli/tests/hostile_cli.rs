@@ -5,7 +5,7 @@
 //!
 //! Every case runs even when an earlier one fails; the test then prints a table per input class (attempts, clean
 //! errors, panics, hangs, crashes) and fails listing each broken case. `ANYCCL_HOSTILE_BIN=/path/to/anyccl` runs
-//! the same table against another build (how the before/after numbers of issue 14 were taken).
+//! the same table against another build (how the before/after numbers of docs/security.md were taken).
 #![cfg(unix)]
 
 use std::ffi::{OsStr, OsString};

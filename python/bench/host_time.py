@@ -7,7 +7,7 @@
 
 World 1 on GPU 0 (no launcher needed). Each method runs ``--batches`` batches of ``--calls`` calls; the host time
 of a batch (perf_counter_ns around the loop, the device drained before each batch) divided by its calls is one
-sample; the table gives the median and the minimum per call, in µs, and the ratios the issue asks about. Prints a
+sample; the table gives the median and the minimum per call, in µs, and the ratios that matter. Prints a
 JSON line too (``--json PATH`` writes it to a file).
 
     python python/bench/host_time.py --sizes 4096,1048576 --dtype bfloat16

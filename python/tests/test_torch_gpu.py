@@ -252,7 +252,7 @@ def test_vllm_communicator_at_tp2_over_gloo_on_cpu_tensors(torch: Any) -> None:
         tmp.spawn(_tp2_rank, args=(2, d), nprocs=2, join=True)
 
 
-# ---- all-reduce options and DLPack input (issue 19) ---------------------------------------------------------------
+# ---- all-reduce options and DLPack input ----------------------------------------------------------------------------
 
 
 def test_a_named_algorithm_on_cuda(torch: Any, comm: anyccl.Communicator, ops: int) -> None:

@@ -1,4 +1,4 @@
-//! Hostile input on the fd-passing sockets (issue 14): descriptors lost at the fd limit, foreign, malformed and
+//! Hostile input on the fd-passing sockets (docs/security.md): descriptors lost at the fd limit, foreign, malformed and
 //! silent connections in the middle of an exchange, empty packets, and server directories left by killed processes.
 //!
 //! Some tests run parts of themselves in a child process (this test binary again, with `--exact <test>` and

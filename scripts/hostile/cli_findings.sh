@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 14: the CLI findings, one run each under ulimit -v. usage: cli_findings.sh BIN ; prints one line per case: name | rc | secs | first stderr line
+# The CLI findings of docs/security.md, one run each under ulimit -v. usage: cli_findings.sh BIN ; prints one line per case: name | rc | secs | first stderr line
 BIN=$1
 D=/tmp/cli-repro/work; rm -rf $D; mkdir -p $D
 mkfifo $D/fifo; ln -s $D/fifo $D/fifolink; mkdir $D/dir

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduction tally for the HIP runtime search (issue 14).
+# Reproduction tally for the HIP runtime search (docs/security.md).
 # Usage: hip_search.sh ROCM_HOSTILE_TEST_BINARY FAKE_DIR [ATTEMPTS]
 set -u
 bin=$(realpath "$1"); fake=$(realpath "$2"); n=${3:-3}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduction tally for the library-search findings of issue 14 (issue 14); HOSTILE_TEST_BINARY is target/debug/deps/hostile-<hash> of anyccl-ccl, FAKE_DIR its target/tmp/fake-ccl.
+# Reproduction tally for the library-search findings (docs/security.md); HOSTILE_TEST_BINARY is target/debug/deps/hostile-<hash> of anyccl-ccl, FAKE_DIR its target/tmp/fake-ccl.
 # Usage: library_search.sh HOSTILE_TEST_BINARY FAKE_DIR [ATTEMPTS]
 # Runs the hostile test binary's `child` (the real SearchPlan::from_env(..).load() / CclLibrary::open) in planted
 # working directories, ATTEMPTS times per case, each with a 10 s deadline, and classifies every run.

@@ -1,4 +1,4 @@
-//! Shared pieces of the hostile library-search tests (issue 14): planted folders and libraries, FIFOs, and a
+//! Shared pieces of the hostile library-search tests (docs/security.md): planted folders and libraries, FIFOs, and a
 //! child run of the including test binary's own `child` test in a planted working directory, with a cleared
 //! environment and a deadline, so a hang or a crash fails the case instead of hanging or killing the test run.
 //! Used through `#[path]` by `backends/ccl/tests/hostile.rs` and `backends/rocm/tests/hostile.rs`.

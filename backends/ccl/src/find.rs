@@ -1,6 +1,6 @@
 //! Finding the library really installed: explicit path, the dynamic loader's names, then where users have it.
 //!
-//! Rules (issue 14), shared with the HIP runtime loader of `anyccl-rocm`:
+//! Rules (see docs/security.md), shared with the HIP runtime loader of `anyccl-rocm`:
 //! - only absolute directories are searched; a relative entry of `PYTHONPATH`, `CUDA_HOME`, `ROCM_PATH`,
 //!   `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` or an explicit path is skipped and reported as an [`Attempt`], never
 //!   resolved against the working directory;

@@ -1,4 +1,4 @@
-//! Hostile places for the NCCL/RCCL search (issue 14): planted files in the working directory, FIFOs, relative
+//! Hostile places for the NCCL/RCCL search (docs/security.md): planted files in the working directory, FIFOs, relative
 //! entries in PYTHONPATH/LD_LIBRARY_PATH/CUDA_HOME/ROCM_PATH, a library whose `ncclGetVersion` is data.
 //!
 //! Each case runs the real search in a child process (this test binary again, test `child`) whose working

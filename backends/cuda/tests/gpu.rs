@@ -178,7 +178,7 @@ fn symmetric_buffers_1000_times_return_memory() {
     assert!(err.to_string().contains("not in a registered symmetric window"), "{err}");
 }
 
-/// Issue 14's finding on the H200: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at
+/// Found in review, on the H200: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at
 /// address 0, and a 2 TiB all-reduce on it "succeeded". Sizes are bounded before NCCL sees them; a size the
 /// device cannot hold is NCCL's error; a real buffer spans what it claims (`cuMemGetAddressRange`).
 #[test]

@@ -1,4 +1,4 @@
-//! The old out-of-bounds route, closed (issue 15, item 1).
+//! The old out-of-bounds route, closed.
 //!
 //! Before: `CommBackend`'s collectives were safe functions taking loose buffers and counts "already validated",
 //! and `Communicator::backend_mut()` handed them to any caller, so a 4-byte buffer described as 2^20 elements

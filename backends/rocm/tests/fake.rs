@@ -252,7 +252,7 @@ fn symmetric_buffers_on_7_1_register_before_capture_and_are_refused_during_it() 
     assert!(s.fake.calls("hipMalloc") >= 2, "ncclMemAlloc fell back to hipMalloc outside the capture");
 }
 
-/// Issue 14's finding: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at address 0 (the
+/// Found in review: `symmetric_buffer(usize::MAX)` returned `Ok` with a view of 2^64 - 1 bytes at address 0 (the
 /// 4 KiB round-up wrapped to 0 and `ncclMemAlloc(0)` succeeded). Sizes are now bounded before the library sees
 /// them, and what the allocator returns must be non-null and span the size as the runtime reports it.
 #[test]

@@ -1,4 +1,4 @@
-//! Hostile places for the HIP runtime search (issue 14), the same rules as the NCCL/RCCL search: planted files in
+//! Hostile places for the HIP runtime search (docs/security.md), the same rules as the NCCL/RCCL search: planted files in
 //! the working directory, FIFOs, relative `ROCM_PATH`/`LD_LIBRARY_PATH` entries, a runtime whose
 //! `hipRuntimeGetVersion` is data, unreadable and over-long paths.
 //!

@@ -103,7 +103,7 @@ pub fn input_table(ptrs: &[u64], registered: bool) -> [u8; INPUT_TABLE_BYTES] {
 }
 
 /// The round size two-shot uses (0: the whole message in one round). One round: rounds of 1 to 8 MiB were slower
-/// at every size with 8 emulated ranks on an H200 (docs/benchmarks.md, session 3);
+/// at every size with 8 emulated ranks on an H200 (docs/benchmarks.md, 2026-11-29);
 /// `anyccl-cuda-emulated-bench --two-shot-rounds` measures them again.
 pub const TWO_SHOT_ROUND_BYTES: usize = 0;
 

@@ -1,7 +1,7 @@
 //! Benchmark of the fused all-reduce + residual add + RMSNorm with N ranks emulated on one GPU (default bf16,
 //! hidden 8192, tokens 1, 8, 64, 512, at 2 and 8 ranks): fused one-shot, fused two-shot, and the unfused baseline,
 //! anyccl's all-reduce (one-shot and two-shot) followed by the separate RMSNorm kernel, side by side, with the
-//! ratio best fused / best unfused (issue 18's target: ≤ 0.8) and a correctness check per cell.
+//! ratio best fused / best unfused (the target: ≤ 0.8) and a correctness check per cell.
 //!
 //! Method (as anyccl-cuda-emulated-bench): per cell and path, each rank's stream holds a CUDA graph of 10
 //! back-to-back calls; all ranks' graphs start together after an event on a timing stream, which then waits for

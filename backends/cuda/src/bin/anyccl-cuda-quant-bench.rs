@@ -237,7 +237,7 @@ fn run(world: usize, device: i32, sizes: &[usize]) -> Result<bool> {
         println!("  {e}");
     }
     println!(
-        "\nissue 18 target: fp8 two-shot >= 1.5x faster than bf16 two-shot at 32-64 MiB, 8 ranks (ratios above: \
+        "\ntarget: fp8 two-shot >= 1.5x faster than bf16 two-shot at 32-64 MiB, 8 ranks (ratios above: \
          over the staged / the direct bf16 two-shot)"
     );
     Ok(ok)
