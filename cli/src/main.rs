@@ -40,7 +40,7 @@ enum Command {
     /// Show the backends compiled in, the GPU and vendor libraries found, every capability with its reason, and the
     /// drop-in libnccl (libanyccl_nccl.so beside the binary, or ANYCCL_DROPIN_PATH) with what it forwards to.
     Probe {
-        /// Print the report as JSON (schema documented in the README).
+        /// Print the report as JSON (schema documented in src/report.rs).
         #[arg(long)]
         json: bool,
         /// A selector table file (TOML) to load before the defaults (overrides ANYCCL_TUNE_FILE).
@@ -293,14 +293,14 @@ fn selector(table: Option<&PathBuf>) -> Result<Selector, CliError> {
             if source_name != anyccl::core::selector::ENV_FORCE_ALGO);
         let e = CliError::from(e);
         if from_table_file {
-            e.with_hint("fix the table file named by ANYCCL_TUNE_FILE (format in the README), or unset the variable")
+            e.with_hint("fix the table file named by ANYCCL_TUNE_FILE (docs/configuration.md), or unset the variable")
         } else {
             e
         }
     })?;
     Ok(match table {
         Some(p) => s.with_table_file(p, "--table").map_err(|e| {
-            CliError::from(e).with_hint("fix the table file given to --table (format in the README), or drop --table")
+            CliError::from(e).with_hint("fix the table file given to --table (docs/configuration.md), or drop --table")
         })?,
         None => s,
     })

@@ -152,13 +152,13 @@ fn config_hint(source_name: &str) -> Option<String> {
             Some(format!("set {source_name} to `auto` or one of {}, or unset it", crate::algo::Algorithm::all_names()))
         }
         crate::selector::ENV_TABLE_FILE => {
-            Some(format!("point {source_name} at a readable table file (format in the README), or unset it"))
+            Some(format!("point {source_name} at a readable table file (docs/configuration.md), or unset it"))
         }
         "ANYCCL_DISABLE" => Some(format!(
             "fix or unset {source_name}; it takes a comma-separated list of the capability names `anyccl probe` shows"
         )),
         "ANYCCL_LOG" => Some(format!("fix or unset {source_name}; it takes a tracing filter such as `info`")),
-        s if is_env_var_name(s) => Some(format!("fix or unset {s}; the README lists the values it accepts")),
+        s if is_env_var_name(s) => Some(format!("fix or unset {s}; docs/configuration.md lists the values it accepts")),
         _ => None,
     }
 }

@@ -1,4 +1,4 @@
-//! An engine's all-reduce as a cudarc user writes it (the README's torchrun example): cudarc's context, stream and
+//! An engine's all-reduce as a cudarc user writes it (docs/rust.md's torchrun example): cudarc's context, stream and
 //! `CudaSlice<bf16>`, anyccl's communicator from the torchrun environment, one typed call. CI only compiles it.
 
 use std::sync::Arc;

@@ -17,7 +17,7 @@
 //! format. Any wrong cell makes the exit status non-zero.
 //!
 //! On one GPU every rank's traffic goes through the same HBM, so the quantized form's saving on links (about 0.56 of
-//! bf16's exchanged bytes) shows only in part: quantizing is one more pass over the input. See the README.
+//! bf16's exchanged bytes) shows only in part: quantizing is one more pass over the input. See docs/kernels.md.
 //!
 //! Usage: anyccl-cuda-quant-bench [--world N] [--device D] [--sizes 8MiB,32MiB,64MiB]
 
