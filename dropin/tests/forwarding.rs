@@ -31,10 +31,9 @@ fn fake(rel: &str, defines: &[&str]) -> PathBuf {
 fn forward_program() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let so = dropin_so();
         let dir = case_dir("forward-program");
         let out = dir.join("forward");
-        let mut args = link_to(so.parent().expect("folder"), "libanyccl_nccl.so");
+        let mut args = programs::link_to_dropin();
         args.push(OsString::from("-I"));
         args.push(programs::c_dir().into_os_string());
         cc(&out, &[programs::c_dir().join("forward.c")], &args);
@@ -228,10 +227,9 @@ fn every_call_is_forwarded_with_its_arguments_and_its_result() {
 fn checks_program() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let so = dropin_so();
         let dir = case_dir("checks-program");
         let out = dir.join("checks");
-        let mut args = link_to(so.parent().expect("folder"), "libanyccl_nccl.so");
+        let mut args = programs::link_to_dropin();
         args.push(OsString::from("-I"));
         args.push(programs::c_dir().into_os_string());
         args.push(OsString::from("-pthread"));
@@ -459,7 +457,7 @@ fn with_no_library_every_call_fails_cleanly_and_says_why() {
             "last after ncclGetVersion: ncclGetVersion: the anyccl drop-in NCCL ({}) found no NCCL or RCCL library \
              to forward to; set ANYCCL_NCCL_PATH (or ANYCCL_RCCL_PATH) to the real library's absolute path. Tried: \
              {} (not found); ",
-            dropin_so().display(),
+            programs::dropin_as_linked().display(),
             missing.display()
         )),
         "{last}"

@@ -16,7 +16,7 @@ mod programs;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use programs::{case_dir, cc, dropin_so, link_to, run};
+use programs::{case_dir, cc, run};
 
 fn required_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set; see this test's documentation"))
@@ -54,12 +54,11 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
     let functions = dir.join("functions.c");
     std::fs::write(&functions, functions_c(&names)).expect("write functions.c");
     let program = dir.join("real_nccl");
-    let so = dropin_so();
     let mut args: Vec<OsString> = vec!["-Wno-deprecated-declarations".into(), "-I".into()];
     args.push(programs::c_dir().join("shim").into_os_string());
     args.push("-I".into());
     args.push(sdk.join("include").into_os_string());
-    args.extend(link_to(so.parent().expect("folder"), "libanyccl_nccl.so"));
+    args.extend(programs::link_to_dropin());
     cc(&program, &[programs::c_dir().join("real_nccl.c"), functions], &args);
     program
 }
