@@ -226,3 +226,59 @@ fn the_drop_in_built_for_glibc_2_28_is_named_and_versioned_like_libnccl() {
     // The library cargo built for these tests has the same SONAME (its glibc floor is the build machine's).
     assert_eq!(dynamic_names(&programs::dropin_so(), "SONAME"), ["libnccl.so.2"]);
 }
+
+/// The `nccl*` and `pnccl*` functions `nm -D --defined-only` lists for `file` (weak or not), each once, sorted.
+fn defined_functions(file: &Path) -> Vec<String> {
+    let mut names: Vec<String> = tool("nm", &["-D".as_ref(), "--defined-only".as_ref(), file.as_os_str()])
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            let name = name.split('@').next()?;
+            (matches!(kind, "T" | "W" | "i") && (name.starts_with("nccl") || name.starts_with("pnccl")))
+                .then(|| name.to_owned())
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[test]
+#[ignore = "needs the real NCCL: ANYCCL_TEST_NCCL_SDK (see the file's documentation)"]
+fn the_exports_match_the_real_library_and_its_header() {
+    let sdk = PathBuf::from(required_env("ANYCCL_TEST_NCCL_SDK"));
+    let header_text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
+    let mut declared = header::functions(&header_text);
+    declared.sort();
+    let real = defined_functions(&sdk.join("lib").join("libnccl.so.2"));
+    let mine = defined_functions(&programs::dropin_so());
+    // The drop-in exports exactly what nccl.h declares (each with its pnccl alias)...
+    assert_eq!(mine, declared, "the drop-in's exports and nccl.h differ");
+    // ...every one of which the real library exports too...
+    let absent: Vec<&String> = mine.iter().filter(|n| !real.contains(n)).collect();
+    assert!(absent.is_empty(), "exported by the drop-in but not by the real library: {absent:?}");
+    // ...and what the real library exports beyond nccl.h is the device API's host side (nccl_device/host.h, not
+    // nccl.h) and an internal function: each is named here, so a new nccl.h function cannot slip by.
+    let device_dir = sdk.join("include").join("nccl_device");
+    let device_text = std::fs::read_dir(&device_dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    let extra: Vec<&String> = real.iter().filter(|n| !mine.contains(n)).collect();
+    for n in &extra {
+        let base = n.strip_prefix('p').unwrap_or(n);
+        let device_api = device_text.contains(&format!("{base}("));
+        let internal = base == "ncclResetDebugInitInternal";
+        assert!(device_api || internal, "the real library exports {n}, which the drop-in does not and nccl.h lacks");
+    }
+    println!(
+        "real library: {} functions; drop-in: {}; not exported (device API host side, internal): {extra:?}",
+        real.len(),
+        mine.len()
+    );
+}
