@@ -328,7 +328,8 @@ fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollCo
     })
 }
 
-/// `ncclAllReduceConfig` of `nccl.h` (see [`all_reduce_config`]).
+/// `ncclAllReduceConfig` of `nccl.h`: with a null config the plain call, decided in [`dispatch_all_reduce`] like
+/// [`ncclAllReduce`]; with a config forwarded untouched (only the library honours what a config asks for).
 ///
 /// # Safety
 /// The arguments must be what `nccl.h` requires of `ncclAllReduceConfig`.

@@ -14,7 +14,7 @@
 //!
 //! Then `tests/nccl-2.32.3-functions.txt` (the header's list, which the tests compare with this table and with the
 //! real header) is renamed and regenerated, and [`crate::api::NCCL_H_VERSION`] follows. A function the loaded
-//! library does not export answers `ncclInvalidUsage` with a text naming it ([`crate::entry`]).
+//! library does not export answers `ncclInvalidUsage` with a text naming it.
 //!
 //! The functions of `nccl_device/host.h` (the device API's host side: `ncclDevCommCreate`, `ncclTeamWorld`, …) are
 //! not part of `nccl.h` and are not exported.
