@@ -73,9 +73,10 @@ ANYCCL_TEST_REAL_NCCL="$(ci/install-nccl.sh)"
 export ANYCCL_TEST_REAL_NCCL
 cargo test --locked -p anyccl-ccl --test real_nccl -- --ignored
 
-step "the drop-in libnccl compiled against the real nccl.h 2.28.9, over the real NCCL 2.28.9, 2.26.5 and 2.32.3"
+step "the drop-in libnccl compiled against the real nccl.h 2.32.3, over the real NCCL 2.32.3 and 2.26.5; linked like libnccl.so.2, built for glibc 2.28"
 ANYCCL_TEST_NCCL_SDK="$(dropin/ci/install-nccl-sdk.sh)"
-export ANYCCL_TEST_NCCL_SDK
+ANYCCL_TEST_DROPIN_GLIBC_2_28="$(dropin/ci/build-glibc-2.28.sh)"
+export ANYCCL_TEST_NCCL_SDK ANYCCL_TEST_DROPIN_GLIBC_2_28
 cargo test --locked -p anyccl-nccl --test real_nccl -- --ignored
 NCCL_LIB="${ANYCCL_TEST_REAL_NCCL##*=}"
 ANYCCL_NCCL_PATH="$NCCL_LIB" cargo run --release --locked -- probe

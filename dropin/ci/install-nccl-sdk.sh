@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Installs the NCCL "SDK" the drop-in's real-NCCL test compiles and runs against: nccl.h (and the rest of the
-# include folder) and libnccl.so.2 of the PyPI wheel nvidia-nccl-cu12 (default 2.28.9, the nccl.h the drop-in
+# include folder) and libnccl.so.2 of the PyPI wheel nvidia-nccl-cu12 (default 2.32.3, the nccl.h the drop-in
 # implements), into a cache that survives between CI runs on the same machine (as ci/install-nccl.sh does), and
 # prints the folder, which holds include/nccl.h and lib/libnccl.so.2: the value for ANYCCL_TEST_NCCL_SDK.
 # Usage: dropin/ci/install-nccl-sdk.sh [VERSION]
 set -euo pipefail
-v="${1:-2.28.9}"
+v="${1:-2.32.3}"
 cache="${ANYCCL_CACHE_DIR:-$HOME/.cache/anyccl}"
 sdk="$cache/nccl-sdk/$v"
 if [ ! -s "$sdk/include/nccl.h" ] || [ ! -s "$sdk/lib/libnccl.so.2" ]; then

@@ -1,15 +1,15 @@
-//! The `nccl.h` API of NCCL 2.28.9 as a table of the underlying library's entry points.
+//! The C types and result codes of `nccl.h` as the drop-in sees them; the functions themselves are listed once,
+//! in [`crate::table`], which generates [`Api`] (the underlying library's entry points), [`NCCL_H_FUNCTIONS`] and
+//! every export.
 //!
-//! The function list was derived from the `nccl.h` of the PyPI wheel `nvidia-nccl-cu12==2.28.9` (every
-//! `nccl*` function it declares; each also has a `pnccl*` profiling alias there). The test `real_nccl` parses that
-//! header again and compares it with [`NCCL_H_FUNCTIONS`], and the test `exports` compares the built library's
-//! dynamic symbols with it, so a function missing here fails a test.
-//!
-//! C enums (`ncclResult_t`, `ncclDataType_t`, `ncclRedOp_t`, `ncclScalarResidence_t`) are `int` here: a caller may
-//! pass any value and it is forwarded untouched (a Rust enum could not hold an unknown value soundly). Structures the
-//! drop-in never looks into (`ncclConfig_t`, `ncclSimInfo_t`, windows, communicators, streams) are opaque pointers.
+//! C enums (`ncclResult_t`, `ncclDataType_t`, `ncclRedOp_t`, `ncclScalarResidence_t`, `ncclCommMemStat_t`) are
+//! `int` here: a caller may pass any value and it is forwarded untouched (a Rust enum could not hold an unknown
+//! value soundly). Structures the drop-in never looks into (`ncclConfig_t`, `ncclCollConfig_t`, `ncclSimInfo_t`,
+//! windows, communicators, streams, parameter handles) are opaque pointers.
 
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_int, c_void};
+
+pub use crate::table::{Api, NCCL_H_FUNCTIONS};
 
 pub use anyccl_ccl::sys::{ncclComm_t as Comm, ncclResult_t as NcclResult, ncclUniqueId as UniqueId, Stream};
 
@@ -19,6 +19,10 @@ pub type Window = *mut c_void;
 pub type Config = *mut c_void;
 /// `ncclSimInfo_t*`.
 pub type SimInfo = *mut c_void;
+/// `const ncclCollConfig_t*` (the per-call configuration of NCCL 2.31 and later; null: as the plain call).
+pub type CollConfig = *const c_void;
+/// `ncclParamHandle_t`.
+pub type ParamHandle = *mut c_void;
 
 /// `ncclSuccess`.
 pub const NCCL_SUCCESS: NcclResult = 0;
@@ -36,100 +40,9 @@ pub const NCCL_INVALID_USAGE: NcclResult = 5;
 pub const NCCL_IN_PROGRESS: NcclResult = 7;
 
 /// The `nccl.h` version whose API this library exports.
-pub const NCCL_H_VERSION: &str = "2.28.9";
+pub const NCCL_H_VERSION: &str = "2.32.3";
 
-macro_rules! api_table {
-    ($( $name:ident ( $($ty:ty),* ) -> $ret:ty ; )*) => {
-        /// Every function of `nccl.h`, as the underlying library exports it (`None`: it does not).
-        #[allow(non_snake_case)]
-        #[derive(Debug, Clone, Copy, Default)]
-        pub struct Api {
-            $(
-                #[doc = concat!("`", stringify!($name), "`.")]
-                pub $name: Option<unsafe extern "C" fn($($ty),*) -> $ret>,
-            )*
-        }
-
-        /// The names of every function `nccl.h` 2.28.9 declares (without the `pnccl*` aliases), in header order.
-        pub const NCCL_H_FUNCTIONS: &[&str] = &[$(stringify!($name)),*];
-
-        impl Api {
-            /// Resolves every entry point through `lookup` (null: not exported), once.
-            pub(crate) fn resolve(lookup: &mut dyn FnMut(&std::ffi::CStr) -> *const c_void) -> Api {
-                Api {
-                    $(
-                        $name: {
-                            let p = lookup(
-                                // A literal with one NUL at its end: always a valid C string.
-                                match std::ffi::CStr::from_bytes_with_nul(concat!(stringify!($name), "\0").as_bytes()) {
-                                    Ok(c) => c,
-                                    Err(_) => c"",
-                                },
-                            );
-                            if p.is_null() {
-                                None
-                            } else {
-                                // SAFETY: `p` is the non-null address the underlying library exports under this
-                                // nccl.h name (the loader checked it is a function in that library's own code); the
-                                // target type is the signature nccl.h 2.28.9 declares for it, the same in every
-                                // NCCL and RCCL release that exports it.
-                                Some(unsafe {
-                                    std::mem::transmute::<*const c_void, unsafe extern "C" fn($($ty),*) -> $ret>(p)
-                                })
-                            }
-                        },
-                    )*
-                }
-            }
-        }
-    };
-}
-
-api_table! {
-    ncclMemAlloc(*mut *mut c_void, usize) -> NcclResult;
-    ncclMemFree(*mut c_void) -> NcclResult;
-    ncclGetVersion(*mut c_int) -> NcclResult;
-    ncclGetUniqueId(*mut UniqueId) -> NcclResult;
-    ncclCommInitRankConfig(*mut Comm, c_int, UniqueId, c_int, Config) -> NcclResult;
-    ncclCommInitRank(*mut Comm, c_int, UniqueId, c_int) -> NcclResult;
-    ncclCommInitAll(*mut Comm, c_int, *const c_int) -> NcclResult;
-    ncclCommFinalize(Comm) -> NcclResult;
-    ncclCommDestroy(Comm) -> NcclResult;
-    ncclCommAbort(Comm) -> NcclResult;
-    ncclCommRevoke(Comm, c_int) -> NcclResult;
-    ncclCommSplit(Comm, c_int, c_int, *mut Comm, Config) -> NcclResult;
-    ncclCommShrink(Comm, *mut c_int, c_int, *mut Comm, Config, c_int) -> NcclResult;
-    ncclCommInitRankScalable(*mut Comm, c_int, c_int, c_int, *mut UniqueId, Config) -> NcclResult;
-    ncclGetErrorString(NcclResult) -> *const c_char;
-    ncclGetLastError(Comm) -> *const c_char;
-    ncclResetDebugInit() -> ();
-    ncclCommGetAsyncError(Comm, *mut NcclResult) -> NcclResult;
-    ncclCommCount(Comm, *mut c_int) -> NcclResult;
-    ncclCommCuDevice(Comm, *mut c_int) -> NcclResult;
-    ncclCommUserRank(Comm, *mut c_int) -> NcclResult;
-    ncclCommRegister(Comm, *mut c_void, usize, *mut *mut c_void) -> NcclResult;
-    ncclCommDeregister(Comm, *mut c_void) -> NcclResult;
-    ncclCommWindowRegister(Comm, *mut c_void, usize, *mut Window, c_int) -> NcclResult;
-    ncclCommWindowDeregister(Comm, Window) -> NcclResult;
-    ncclRedOpCreatePreMulSum(*mut c_int, *mut c_void, c_int, c_int, Comm) -> NcclResult;
-    ncclRedOpDestroy(c_int, Comm) -> NcclResult;
-    ncclReduce(*const c_void, *mut c_void, usize, c_int, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclBcast(*mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclBroadcast(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclAllReduce(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclReduceScatter(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclAllGather(*const c_void, *mut c_void, usize, c_int, Comm, Stream) -> NcclResult;
-    ncclAlltoAll(*const c_void, *mut c_void, usize, c_int, Comm, Stream) -> NcclResult;
-    ncclGather(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclScatter(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclSend(*const c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclRecv(*mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult;
-    ncclGroupStart() -> NcclResult;
-    ncclGroupEnd() -> NcclResult;
-    ncclGroupSimulateEnd(SimInfo) -> NcclResult;
-}
-
-/// The name of an `ncclDataType_t` value for the log (`"bfloat16"`), or the number for one `nccl.h` 2.28 lacks.
+/// The name of an `ncclDataType_t` value for the log (`"bfloat16"`), or the number for one `nccl.h` 2.32 lacks.
 #[derive(Debug, Clone, Copy)]
 pub struct DataTypeName(pub c_int);
 

@@ -1,11 +1,17 @@
-//! A drop-in `libnccl`: the whole `nccl.h` API of NCCL 2.28.9 (and its `pnccl*` profiling aliases) as a C
-//! library, `libanyccl_nccl.so`, that forwards every call to the real NCCL (or RCCL) anyccl's library search finds.
+//! A drop-in `libnccl`: the whole `nccl.h` API of NCCL 2.32.3 (and its `pnccl*` profiling aliases) as a C
+//! library, `libanyccl_nccl.so` (SONAME `libnccl.so.2`), that forwards every call to the real NCCL (or RCCL)
+//! anyccl's library search finds. Every function is listed once, in [`table`], which generates the exports.
 //!
 //! - **Loading**: lazily, once per process, at the first call (thread-safe, [`std::sync::OnceLock`]); see
 //!   [`load`] for the search and how the drop-in never loads itself. Every entry point is resolved then, with
 //!   `dlsym` on the library's own handle; no symbol is looked up afterwards (so never during graph capture).
 //! - **Forwarding**: arguments, results and error codes pass through untouched; `ncclGetVersion` reports the
-//!   underlying version and `ncclGetErrorString` forwards.
+//!   underlying version and `ncclGetErrorString` forwards. The per-call config forms of NCCL 2.31 and later
+//!   (`ncclAllReduceConfig`, …) are forwarded like their plain forms; `ncclAllReduceConfig` with a null config is the
+//!   plain call (as `nccl.h` defines it) and goes through anyccl's all-reduce below, with a config it is forwarded.
+//! - **Handles checked** ([`handles`]): a communicator handle the drop-in did not create, or one already destroyed
+//!   or aborted, is answered with `ncclInvalidArgument` (4) and a text naming the function and the handle; nothing
+//!   is forwarded, so a garbage, freed or destroyed handle never crashes the process.
 //! - **Failures of its own**: with no library underneath every call returns `ncclSystemError` (2): finding and
 //!   loading an external library is a system failure in `nccl.h`'s terms (`ncclSystemError` is "a system call or
 //!   external library call failed"), and nothing the caller changes in the call fixes it. A function the underlying
@@ -14,7 +20,8 @@
 //!   turned off; it is never called through a null pointer. A panic inside the drop-in is caught at the boundary and
 //!   returns `ncclInternalError` (3). In each case `ncclGetLastError` on that thread returns the drop-in's text
 //!   (naming the function, the library's path and version, or every place tried) until a later call is forwarded;
-//!   otherwise it forwards too.
+//!   otherwise it forwards too. The text stays readable for the life of the process, as NCCL's does
+//!   ([`last_error`]).
 //! - **Logging**: `ANYCCL_LOG=debug` logs each collective and group call with its arguments and what was chosen
 //!   (see [`logging`]).
 //! - **Proof of interposition**: [`anyccl_nccl_dropin_calls`] counts the collective and point-to-point calls
@@ -36,11 +43,13 @@ use std::sync::OnceLock;
 pub mod accel;
 pub mod agree;
 pub mod api;
+pub mod handles;
 pub mod last_error;
 pub mod load;
 pub mod logging;
+pub mod table;
 
-use api::{Api, Comm, Config, DataTypeName, NcclResult, RedOpName, SimInfo, Stream, UniqueId, Window};
+use api::{Api, CollConfig, Comm, DataTypeName, NcclResult, RedOpName, Stream};
 use last_error::Failure;
 use load::{State, Underlying};
 
@@ -82,7 +91,7 @@ pub fn underlying() -> Result<&'static Underlying, &'static str> {
 
 /// The entry point `pick` chooses, or the drop-in's own failure for `name`.
 #[inline]
-fn entry<F>(name: &str, pick: impl FnOnce(&Api) -> Option<F>) -> Result<(F, &'static Underlying), Failure> {
+pub(crate) fn entry<F>(name: &str, pick: impl FnOnce(&Api) -> Option<F>) -> Result<(F, &'static Underlying), Failure> {
     match underlying() {
         Ok(u) => match pick(&u.api) {
             Some(f) => Ok((f, u)),
@@ -108,7 +117,7 @@ fn missing(name: &str, u: &Underlying) -> Failure {
 /// Runs `body` for the export `name` with panics caught: its result code, or the drop-in's own failure recorded
 /// for `ncclGetLastError`.
 #[inline]
-fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure>) -> NcclResult {
+pub(crate) fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure>) -> NcclResult {
     // AssertUnwindSafe: after a panic nothing `body` touched is used again; the call only reports the failure.
     match std::panic::catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(code)) => {
@@ -123,63 +132,6 @@ fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResult, Failure
     }
 }
 
-/// Both names of a forwarded `nccl.h` function (`ncclX` and `pncclX`), with an optional log statement.
-macro_rules! forward {
-    (collective $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) log { $($log:tt)* }) => {
-        forward!(@both true, $name / $pname ( $($arg : $ty),* ) log { $($log)* });
-    };
-    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(log { $($log:tt)* })?
-        $(before { $($before:tt)* })? $(after |$rc:ident, $u:ident| { $($after:tt)* })?) => {
-        forward!(@both false, $name / $pname ( $($arg : $ty),* ) $(log { $($log)* })?
-            $(before { $($before)* })? $(after |$rc, $u| { $($after)* })?);
-    };
-    (@both $counted:literal, $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) $(log { $($log:tt)* })?
-        $(before { $($before:tt)* })? $(after |$rc:ident, $u:ident| { $($after:tt)* })?) => {
-        #[doc = concat!("`", stringify!($name), "` of `nccl.h`, forwarded to the underlying library.")]
-        ///
-        /// # Safety
-        /// The arguments must be what `nccl.h` requires of this function; they are passed on untouched.
-        #[no_mangle]
-        pub unsafe extern "C" fn $name($($arg: $ty),*) -> NcclResult {
-            guarded(stringify!($name), || {
-                let (f, _u) = entry(stringify!($name), |a| a.$name)?;
-                // Before the log line: what the drop-in does first (releasing its state) is logged first.
-                $( $($before)* )?
-                $( tracing::debug!(function = stringify!($name), $($log)*); )?
-                if $counted {
-                    count_collective();
-                }
-                // SAFETY: `f` is the underlying library's own entry point of this name, with nccl.h's signature;
-                // the caller's arguments are passed on as the caller's contract with nccl.h requires.
-                let rc = unsafe { f($($arg),*) };
-                $( let ($rc, $u) = (rc, _u); { $($after)* }; )?
-                Ok(rc)
-            })
-        }
-
-        #[doc = concat!("`", stringify!($pname), "`: the profiling alias of [`", stringify!($name), "`].")]
-        ///
-        /// # Safety
-        #[doc = concat!("As for [`", stringify!($name), "`].")]
-        #[no_mangle]
-        pub unsafe extern "C" fn $pname($($arg: $ty),*) -> NcclResult {
-            guarded(stringify!($name), || {
-                let (f, _u) = entry(stringify!($name), |a| a.$name)?;
-                // Before the log line: what the drop-in does first (releasing its state) is logged first.
-                $( $($before)* )?
-                $( tracing::debug!(function = stringify!($pname), $($log)*); )?
-                if $counted {
-                    count_collective();
-                }
-                // SAFETY: as for the `nccl*` name.
-                let rc = unsafe { f($($arg),*) };
-                $( let ($rc, $u) = (rc, _u); { $($after)* }; )?
-                Ok(rc)
-            })
-        }
-    };
-}
-
 /// Marks this library as an anyccl drop-in: a library search that finds this symbol in a candidate never
 /// forwards to it (see [`load`]). Returns 1, the version of this marker.
 #[no_mangle]
@@ -191,15 +143,15 @@ pub extern "C" fn anyccl_nccl_dropin_marker() -> c_int {
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
 #[inline]
-fn count_collective() {
+pub(crate) fn count_collective() {
     // Relaxed: a statistic read by a program that wants to know its calls went through the drop-in; it orders
     // nothing else.
     CALLS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// How many collective and point-to-point calls (`ncclAllReduce`, `ncclReduce`, `ncclBcast`, `ncclBroadcast`,
-/// `ncclReduceScatter`, `ncclAllGather`, `ncclAlltoAll`, `ncclGather`, `ncclScatter`, `ncclSend`, `ncclRecv` and their
-/// `pnccl*` names) this process has made through the drop-in that reached the library underneath (or, for
+/// `ncclReduceScatter`, `ncclAllGather`, `ncclAlltoAll`, `ncclGather`, `ncclScatter`, `ncclSend`, `ncclRecv`, their
+/// `*Config` forms, `ncclPutSignal`, `ncclSignal`, `ncclWaitSignal` and their `pnccl*` names) this process has made through the drop-in that reached the library underneath (or, for
 /// `ncclAllReduce`, ran on anyccl's own kernels: [`anyccl_nccl_dropin_custom_calls`]), from any thread, whatever
 /// the answer. A program that preloads the drop-in reads it to prove its calls were interposed
 /// (a program linked to NCCL statically, or one that bypasses the global symbol scope, leaves it at 0). Calls the
@@ -220,13 +172,14 @@ pub extern "C" fn anyccl_nccl_dropin_custom_calls() -> u64 {
 /// anyccl's state for it, after the agreement round over it (see [`accel::register`]). A non-blocking communicator
 /// is registered off without a round: NCCL's (and RCCL's) init, split and shrink of one always return
 /// `ncclInProgress` (the work runs on a thread of the library's), never `ncclSuccess`.
-fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm) {
+pub(crate) fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm) {
     if out.is_null() || (rc != api::NCCL_SUCCESS && rc != api::NCCL_IN_PROGRESS) {
         return;
     }
     // SAFETY: the library returned success (or in-progress, which writes the handle too) through the caller's
     // valid pointer.
     let comm = unsafe { *out };
+    handles::created(comm);
     if rc == api::NCCL_IN_PROGRESS {
         accel::register_off_nonblocking(comm);
     } else {
@@ -234,7 +187,7 @@ fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Comm) {
     }
 }
 
-/// What the drop-in forwards to: `"NCCL 2.28.9 /path/libnccl.so.2"`, or an empty string when it found nothing
+/// What the drop-in forwards to: `"NCCL 2.32.3 /path/libnccl.so.2"`, or an empty string when it found nothing
 /// (then `ncclGetLastError` says why). Loads the library if no call has yet. The text lives as long as the process.
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_underlying() -> *const c_char {
@@ -243,213 +196,6 @@ pub extern "C" fn anyccl_nccl_dropin_underlying() -> *const c_char {
         _ => c"".as_ptr(),
     }
 }
-
-forward!(ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) log { size, "forwarded" });
-forward!(ncclMemFree / pncclMemFree(ptr: *mut c_void) log { ?ptr, "forwarded" });
-forward!(ncclGetVersion / pncclGetVersion(version: *mut c_int));
-forward!(ncclGetUniqueId / pncclGetUniqueId(unique_id: *mut UniqueId) log { "forwarded" });
-forward!(
-    ncclCommInitRankConfig / pncclCommInitRankConfig(
-        comm: *mut Comm,
-        nranks: c_int,
-        comm_id: UniqueId,
-        rank: c_int,
-        config: Config,
-    ) log { nranks, rank, "forwarded" }
-    after |rc, u| { register_out(rc, u, comm) }
-);
-forward!(ncclCommInitRank / pncclCommInitRank(comm: *mut Comm, nranks: c_int, comm_id: UniqueId, rank: c_int)
-    log { nranks, rank, "forwarded" } after |rc, u| { register_out(rc, u, comm) });
-forward!(
-    ncclCommInitAll / pncclCommInitAll(
-        comm: *mut Comm,
-        ndev: c_int,
-        devlist: *const c_int,
-    ) log { ndev, "forwarded" }
-    after |rc, _u| {
-        if rc == api::NCCL_SUCCESS && !comm.is_null() {
-            for i in 0..usize::try_from(ndev).unwrap_or(0) {
-                // SAFETY: the library returned success and wrote `ndev` communicators into the caller's array.
-                let c = unsafe { *comm.add(i) };
-                accel::register_off(c, "ncclCommInitAll: one thread drives every rank, and the custom kernels' \
-                    setup needs every rank at once");
-            }
-        }
-    }
-);
-forward!(ncclCommFinalize / pncclCommFinalize(comm: Comm) log { ?comm, "forwarded" }
-    before { accel::release(comm, false); });
-forward!(ncclCommDestroy / pncclCommDestroy(comm: Comm) log { ?comm, "forwarded" }
-    before { accel::release(comm, false); });
-forward!(ncclCommAbort / pncclCommAbort(comm: Comm) log { ?comm, "forwarded" } before { accel::release(comm, true); });
-forward!(ncclCommRevoke / pncclCommRevoke(comm: Comm, revoke_flags: c_int) log { ?comm, revoke_flags, "forwarded" }
-    before { accel::release(comm, true); });
-forward!(ncclCommSplit / pncclCommSplit(comm: Comm, color: c_int, key: c_int, newcomm: *mut Comm, config: Config)
-    log { ?comm, color, key, "forwarded" } after |rc, u| { register_out(rc, u, newcomm) });
-forward!(ncclCommShrink / pncclCommShrink(
-    comm: Comm,
-    exclude_ranks_list: *mut c_int,
-    exclude_ranks_count: c_int,
-    newcomm: *mut Comm,
-    config: Config,
-    shrink_flags: c_int
-) log { ?comm, exclude_ranks_count, shrink_flags, "forwarded" }
-    after |rc, u| { register_out(rc, u, newcomm) });
-forward!(ncclCommInitRankScalable / pncclCommInitRankScalable(
-    newcomm: *mut Comm,
-    nranks: c_int,
-    myrank: c_int,
-    n_id: c_int,
-    comm_ids: *mut UniqueId,
-    config: Config
-) log { nranks, myrank, n_id, "forwarded" }
-    after |rc, u| { register_out(rc, u, newcomm) });
-forward!(ncclCommGetAsyncError / pncclCommGetAsyncError(comm: Comm, async_error: *mut NcclResult));
-forward!(ncclCommCount / pncclCommCount(comm: Comm, count: *mut c_int));
-forward!(ncclCommCuDevice / pncclCommCuDevice(comm: Comm, device: *mut c_int));
-forward!(ncclCommUserRank / pncclCommUserRank(comm: Comm, rank: *mut c_int));
-forward!(ncclCommRegister / pncclCommRegister(comm: Comm, buff: *mut c_void, size: usize, handle: *mut *mut c_void)
-    log { ?comm, ?buff, size, "forwarded" });
-forward!(ncclCommDeregister / pncclCommDeregister(comm: Comm, handle: *mut c_void) log { ?comm, ?handle, "forwarded" });
-forward!(
-    ncclCommWindowRegister / pncclCommWindowRegister(
-        comm: Comm,
-        buff: *mut c_void,
-        size: usize,
-        win: *mut Window,
-        win_flags: c_int,
-    ) log { ?comm, ?buff, size, win_flags, "forwarded" }
-    after |rc, _u| {
-        if rc == api::NCCL_SUCCESS && !win.is_null() {
-            // SAFETY: the library wrote the window through the caller's valid pointer.
-            accel::window_registered(comm, buff, size, unsafe { *win });
-        }
-    }
-);
-forward!(
-    ncclCommWindowDeregister / pncclCommWindowDeregister(
-        comm: Comm,
-        win: Window,
-    ) log { ?comm, ?win, "forwarded" }
-    before { accel::window_deregistered(comm, win); }
-);
-forward!(
-    ncclRedOpCreatePreMulSum / pncclRedOpCreatePreMulSum(
-        op: *mut c_int,
-        scalar: *mut c_void,
-        datatype: c_int,
-        residence: c_int,
-        comm: Comm,
-    ) log { dtype = %DataTypeName(datatype), residence, ?comm, "forwarded" }
-);
-forward!(ncclRedOpDestroy / pncclRedOpDestroy(op: c_int, comm: Comm) log { op, ?comm, "forwarded" });
-forward!(
-    collective ncclReduce / pncclReduce(
-        sendbuff: *const c_void,
-        recvbuff: *mut c_void,
-        count: usize,
-        datatype: c_int,
-        op: c_int,
-        root: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) log {
-        count, dtype = %DataTypeName(datatype), op = %RedOpName(op), root,
-        ?comm, ?stream, choice = "ccl", "forwarded"
-    }
-);
-forward!(
-    collective ncclBcast / pncclBcast(
-        buff: *mut c_void,
-        count: usize,
-        datatype: c_int,
-        root: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" }
-);
-forward!(collective ncclBroadcast / pncclBroadcast(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: c_int,
-    root: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(
-    collective ncclReduceScatter / pncclReduceScatter(
-        sendbuff: *const c_void,
-        recvbuff: *mut c_void,
-        recvcount: usize,
-        datatype: c_int,
-        op: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) log {
-        count = recvcount, dtype = %DataTypeName(datatype), op = %RedOpName(op),
-        ?comm, ?stream, choice = "ccl", "forwarded"
-    }
-);
-forward!(collective ncclAllGather / pncclAllGather(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    sendcount: usize,
-    datatype: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count = sendcount, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(collective ncclAlltoAll / pncclAlltoAll(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count, dtype = %DataTypeName(datatype), ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(collective ncclGather / pncclGather(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: c_int,
-    root: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(collective ncclScatter / pncclScatter(
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
-    datatype: c_int,
-    root: c_int,
-    comm: Comm,
-    stream: Stream
-) log { count, dtype = %DataTypeName(datatype), root, ?comm, ?stream, choice = "ccl", "forwarded" });
-forward!(
-    collective ncclSend / pncclSend(
-        sendbuff: *const c_void,
-        count: usize,
-        datatype: c_int,
-        peer: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
-);
-forward!(
-    collective ncclRecv / pncclRecv(
-        recvbuff: *mut c_void,
-        count: usize,
-        datatype: c_int,
-        peer: c_int,
-        comm: Comm,
-        stream: Stream,
-    ) log { count, dtype = %DataTypeName(datatype), peer, ?comm, ?stream, choice = "ccl", "forwarded" }
-);
-forward!(ncclGroupStart / pncclGroupStart() log { "forwarded" }
-    after |rc, _u| { if rc == api::NCCL_SUCCESS { accel::group_start(); } });
-forward!(ncclGroupEnd / pncclGroupEnd() log { "forwarded" } after |_rc, _u| { accel::group_end(); });
-forward!(ncclGroupSimulateEnd / pncclGroupSimulateEnd(sim_info: SimInfo) log { "forwarded" }
-    after |_rc, _u| { accel::group_end(); });
 
 /// The arguments of one `ncclAllReduce` call.
 #[derive(Debug, Clone, Copy)]
@@ -533,10 +279,94 @@ pub unsafe fn dispatch_all_reduce(
 fn all_reduce(function: &'static str, call: AllReduceCall) -> NcclResult {
     guarded("ncclAllReduce", || {
         let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
+        handles::check(function, "comm", call.comm)?;
         count_collective();
         // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's.
         unsafe { dispatch_all_reduce(function, f, call) }
     })
+}
+
+/// `ncclAllReduceConfig` (NCCL 2.31 and later): with a null config it is the plain call (as `nccl.h` says), decided
+/// in [`dispatch_all_reduce`] like `ncclAllReduce`; with a config it is forwarded untouched, since the config asks for
+/// things only the library can honour (its own algorithms by name, CTA counts, a launch event, a profiler tag).
+fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollConfig) -> NcclResult {
+    guarded("ncclAllReduceConfig", || {
+        let (with_config, _u) = entry("ncclAllReduceConfig", |a| a.ncclAllReduceConfig)?;
+        handles::check(function, "comm", call.comm)?;
+        count_collective();
+        if config.is_null() {
+            let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
+            // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's, and nccl.h defines a
+            // null config as the plain call.
+            return unsafe { dispatch_all_reduce(function, f, call) };
+        }
+        tracing::debug!(
+            function,
+            count = call.count,
+            dtype = %DataTypeName(call.datatype),
+            op = %RedOpName(call.op),
+            comm = ?call.comm,
+            stream = ?call.stream,
+            ?config,
+            choice = "ccl",
+            why = "a per-call config (only the library underneath honours it)",
+            "forwarded"
+        );
+        // SAFETY: the library's own ncclAllReduceConfig with the caller's arguments, untouched.
+        Ok(unsafe {
+            with_config(
+                call.sendbuff,
+                call.recvbuff,
+                call.count,
+                call.datatype,
+                call.op,
+                call.comm,
+                call.stream,
+                config,
+            )
+        })
+    })
+}
+
+/// `ncclAllReduceConfig` of `nccl.h`: with a null config the plain call, decided in [`dispatch_all_reduce`] like
+/// [`ncclAllReduce`]; with a config forwarded untouched (only the library honours what a config asks for).
+///
+/// # Safety
+/// The arguments must be what `nccl.h` requires of `ncclAllReduceConfig`.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)] // nccl.h's signature
+pub unsafe extern "C" fn ncclAllReduceConfig(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: Comm,
+    stream: Stream,
+    config: CollConfig,
+) -> NcclResult {
+    let call = AllReduceCall { sendbuff, recvbuff, count, datatype, op, comm, stream };
+    all_reduce_config("ncclAllReduceConfig", call, config)
+}
+
+/// `pncclAllReduceConfig`: the profiling alias of [`ncclAllReduceConfig`].
+///
+/// # Safety
+/// As for [`ncclAllReduceConfig`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)] // nccl.h's signature
+pub unsafe extern "C" fn pncclAllReduceConfig(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    op: c_int,
+    comm: Comm,
+    stream: Stream,
+    config: CollConfig,
+) -> NcclResult {
+    let call = AllReduceCall { sendbuff, recvbuff, count, datatype, op, comm, stream };
+    all_reduce_config("pncclAllReduceConfig", call, config)
 }
 
 /// `ncclAllReduce` of `nccl.h`, decided in [`dispatch_all_reduce`].
@@ -605,9 +435,9 @@ fn last_error_text(comm: Comm) -> *const c_char {
         }
         match underlying() {
             Ok(u) => match u.api.ncclGetLastError {
-                // SAFETY: the library's own ncclGetLastError with the caller's communicator (or null), as nccl.h
-                // allows.
-                Some(f) => unsafe { f(comm) },
+                // A handle the drop-in does not hold is not passed on (NCCL's answer does not depend on it).
+                // SAFETY: the library's own ncclGetLastError with a live communicator or null, as nccl.h allows.
+                Some(f) => unsafe { f(if handles::is_live(comm) { comm } else { std::ptr::null_mut() }) },
                 None => last_error::answer(&missing("ncclGetLastError", u).message),
             },
             Err(why) => last_error::answer(why),
@@ -617,10 +447,10 @@ fn last_error_text(comm: Comm) -> *const c_char {
 }
 
 /// `ncclGetLastError` of `nccl.h`: the drop-in's own text when it failed the last call on this thread itself
-/// (valid until it fails another call on this thread), else the underlying library's.
+/// (valid for the life of the process, like NCCL's; see [`last_error`]), else the underlying library's.
 ///
 /// # Safety
-/// `comm` is null or a communicator of the underlying library, as `nccl.h` requires.
+/// None beyond `nccl.h`'s: any `comm` is accepted (one the drop-in does not hold is not passed on).
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetLastError(comm: Comm) -> *const c_char {
     last_error_text(comm)
@@ -633,28 +463,6 @@ pub unsafe extern "C" fn ncclGetLastError(comm: Comm) -> *const c_char {
 #[no_mangle]
 pub unsafe extern "C" fn pncclGetLastError(comm: Comm) -> *const c_char {
     last_error_text(comm)
-}
-
-fn reset_debug_init(name: &'static str) {
-    let _ = guarded(name, || {
-        let (f, _u) = entry("ncclResetDebugInit", |a| a.ncclResetDebugInit)?;
-        // SAFETY: the library's own ncclResetDebugInit; it takes nothing.
-        unsafe { f() };
-        Ok(api::NCCL_SUCCESS)
-    });
-}
-
-/// `ncclResetDebugInit` of `nccl.h` (deprecated there), forwarded; without it underneath, the reason is left for
-/// `ncclGetLastError`.
-#[no_mangle]
-pub extern "C" fn ncclResetDebugInit() {
-    reset_debug_init("ncclResetDebugInit");
-}
-
-/// `pncclResetDebugInit`: the profiling alias of [`ncclResetDebugInit`].
-#[no_mangle]
-pub extern "C" fn pncclResetDebugInit() {
-    reset_debug_init("pncclResetDebugInit");
 }
 
 #[cfg(test)]

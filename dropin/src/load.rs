@@ -11,10 +11,17 @@
 //!   after it for a soname (by `dlsym` on the handle and `dladdr` on its `ncclGetVersion`). Forwarding to a
 //!   drop-in would recurse.
 //!
+//! - the folders the dynamic loader would have searched for `libnccl.so.2` on behalf of the objects loaded in
+//!   this process that need it (their `DT_RUNPATH`, or `DT_RPATH` without one, `$ORIGIN` expanded), right after
+//!   the sonames ([`needed_dirs`]): the drop-in's SONAME is `libnccl.so.2`, so when it is preloaded
+//!   (`LD_PRELOAD`) over a program linked to the real NCCL, the loader takes it for that need and never opens the
+//!   real library; the drop-in looks where the loader would have.
+//!
 //! Every entry point is resolved with `dlsym` on the library's own handle, once, and accepted only if it lies in
 //! that library (`dladdr` gives the same object base as its `ncclGetVersion`), never in one of its dependencies.
 
 use std::ffi::{c_void, CStr, CString};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -132,10 +139,93 @@ enum Refusal {
     Failed(LoadFailure),
 }
 
+/// The paths of the objects loaded in this process: the program first, then every shared object the dynamic
+/// loader lists.
+fn loaded_objects() -> Vec<PathBuf> {
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> libc::c_int {
+        // SAFETY: `data` is the vector passed below, alive for the whole dl_iterate_phdr call; `info` is the
+        // loader's record of one object, valid during this callback, and its name a NUL-terminated string.
+        unsafe {
+            let paths = &mut *data.cast::<Vec<PathBuf>>();
+            let name = (*info).dlpi_name;
+            if !name.is_null() {
+                let name = CStr::from_ptr(name);
+                if !name.is_empty() {
+                    paths.push(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())));
+                }
+            }
+        }
+        0
+    }
+    let mut paths: Vec<PathBuf> = std::env::current_exe().into_iter().collect();
+    // SAFETY: the callback only reads the loader's records and appends to `paths`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), std::ptr::addr_of_mut!(paths).cast::<c_void>()) };
+    paths
+}
+
+/// The folders of `object`'s `DT_RUNPATH` (or `DT_RPATH` without one), `$ORIGIN` expanded, if it needs one of
+/// `names` (`DT_NEEDED`); reads only the ELF headers and the dynamic section.
+fn search_dirs_if_needed(object: &Path, names: &[&str]) -> Vec<PathBuf> {
+    use object::read::elf::{Dyn, FileHeader};
+    type Header = object::elf::FileHeader64<object::Endianness>;
+    let Ok(file) = std::fs::File::open(object) else { return Vec::new() };
+    let cache = object::read::ReadCache::new(file);
+    let Ok(header) = Header::parse(&cache) else { return Vec::new() };
+    let Ok(endian) = header.endian() else { return Vec::new() };
+    let Ok(sections) = header.sections(endian, &cache) else { return Vec::new() };
+    let Ok(Some((dynamic, link))) = sections.dynamic(endian, &cache) else { return Vec::new() };
+    let Ok(strings) = sections.strings(endian, &cache, link) else { return Vec::new() };
+    let text = |d: &<Header as FileHeader>::Dyn| d.val32(endian).and_then(|v| strings.get(v).ok());
+    let (mut needs, mut runpath, mut rpath) = (false, None, None);
+    for d in dynamic {
+        match d.tag32(endian) {
+            Some(object::elf::DT_NEEDED) => needs |= text(d).is_some_and(|n| names.iter().any(|x| x.as_bytes() == n)),
+            Some(object::elf::DT_RUNPATH) => runpath = text(d),
+            Some(object::elf::DT_RPATH) => rpath = text(d),
+            _ => {}
+        }
+    }
+    let Some(list) = runpath.or(rpath).filter(|_| needs) else { return Vec::new() };
+    let origin = object.parent().map(Path::to_path_buf).unwrap_or_default();
+    list.split(|b| *b == b':')
+        .filter_map(|entry| {
+            let entry = std::ffi::OsStr::from_bytes(entry).to_str()?;
+            let origin = origin.to_str()?;
+            let dir = entry.replace("${ORIGIN}", origin).replace("$ORIGIN", origin);
+            // `$LIB`, `$PLATFORM` and relative entries are left to the loader's own search.
+            (!dir.contains('$') && dir.starts_with('/')).then(|| PathBuf::from(dir))
+        })
+        .collect()
+}
+
+/// The folders the dynamic loader would have searched for one of `names` (`libnccl.so.2`) on behalf of the loaded
+/// objects that need it, each once, in load order.
+pub fn needed_dirs(names: &[&str]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for object in loaded_objects() {
+        for d in search_dirs_if_needed(&object, names) {
+            if !dirs.contains(&d) {
+                dirs.push(d);
+            }
+        }
+    }
+    dirs
+}
+
 /// Loads the first usable library of the standard plan (the process environment).
 pub fn load() -> State {
     let me = Me::find();
-    let places = plan(&find::process_env);
+    let mut places = plan(&find::process_env);
+    // After the NCCL sonames: where the loader would have found the libnccl.so.2 a loaded object needs.
+    let after =
+        places.iter().rposition(|p| matches!(p, Place::Soname(n) if n.starts_with("libnccl"))).map_or(0, |i| i + 1);
+    let extra: Vec<Place> = needed_dirs(&["libnccl.so.2", "libnccl.so"])
+        .into_iter()
+        .map(|d| d.join("libnccl.so.2"))
+        .filter(|p| !places.iter().any(|q| matches!(q, Place::Path(x) if x == p)))
+        .map(Place::Path)
+        .collect();
+    places.splice(after..after, extra);
     let mut tried = Vec::new();
     for place in &places {
         let candidate = match place {

@@ -2,7 +2,8 @@
 //! RCCL libraries underneath that record every call with its arguments (tests/c/fake_recording.c): every function
 //! forwarded with its arguments and its result unchanged, a library without window symbols answered with an error
 //! code and a text, no library at all answered cleanly, `ANYCCL_LOG=debug` logging each collective, and the drop-in
-//! never loading itself when it is installed as `libnccl.so.2`. Each case runs the program in its own process (the
+//! never loading itself when it is installed as `libnccl.so.2`, communicator handles the drop-in did not create
+//! refused, `ncclGetLastError`'s text readable for good, and `nccl.h` 2.32 functions forwarded. Each case runs the program in its own process (the
 //! drop-in loads its library once per process) with an empty environment but the variables it sets.
 
 #[path = "../../tests/support/fake_ccl.rs"]
@@ -30,10 +31,9 @@ fn fake(rel: &str, defines: &[&str]) -> PathBuf {
 fn forward_program() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let so = dropin_so();
         let dir = case_dir("forward-program");
         let out = dir.join("forward");
-        let mut args = link_to(so.parent().expect("folder"), "libanyccl_nccl.so");
+        let mut args = programs::link_to_dropin();
         args.push(OsString::from("-I"));
         args.push(programs::c_dir().into_os_string());
         cc(&out, &[programs::c_dir().join("forward.c")], &args);
@@ -168,7 +168,7 @@ fn line_starting<'a>(out: &'a Output, prefix: &str) -> &'a str {
 }
 
 #[test]
-fn the_exports_are_exactly_nccl_h_2_28_9_and_its_aliases() {
+fn the_exports_are_exactly_nccl_h_2_32_3_and_its_aliases() {
     use object::{Object, ObjectSymbol};
     let snapshot = header::snapshot();
     assert_eq!(anyccl_nccl::api::NCCL_H_FUNCTIONS, snapshot.as_slice(), "the drop-in's table and the header differ");
@@ -223,6 +223,105 @@ fn every_call_is_forwarded_with_its_arguments_and_its_result() {
     assert_eq!(out.stderr, "");
 }
 
+/// The checks program (tests/c/checks.c) linked to the drop-in where cargo built it.
+fn checks_program() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = case_dir("checks-program");
+        let out = dir.join("checks");
+        let mut args = programs::link_to_dropin();
+        args.push(OsString::from("-I"));
+        args.push(programs::c_dir().into_os_string());
+        args.push(OsString::from("-pthread"));
+        cc(&out, &[programs::c_dir().join("checks.c")], &args);
+        out
+    })
+}
+
+/// What the drop-in says of a handle it does not hold, passed to `function`.
+fn refusal(function: &str, handle: &str) -> String {
+    format!(
+        "{function}: comm {handle} is not a communicator of this process: the anyccl drop-in NCCL did not create it, \
+         or it was already destroyed (ncclCommDestroy or ncclCommAbort); nothing was called"
+    )
+}
+
+#[test]
+fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() {
+    let lib = fake("dropin-2.32/libnccl.so.2", &["FAKE_VERSION=23203", "NCCL_2_32"]);
+    let dir = case_dir("checks");
+    let record = dir.join("calls.txt");
+    let out = run(checks_program(), &dir, &[], &[("ANYCCL_NCCL_PATH", os(&lib)), ("FAKE_RECORD", os(&record))]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let ok = "rc=0 last=fake: no error yet";
+    let refused = |what: &str, function: &str, handle: &str| format!("{what} rc=4 last={}", refusal(function, handle));
+    let missing = format!(
+        "ncclCommGetUniqueId rc=5 last=ncclCommGetUniqueId is not available: the library under the anyccl drop-in \
+         NCCL, {} (NCCL 2.32.3), does not export it (the drop-in implements nccl.h 2.32.3); nothing was called",
+        lib.display()
+    );
+    let want: Vec<String> = vec![
+        refused("garbage ncclCommCount", "ncclCommCount", "0xdead0"),
+        refused("garbage ncclAllReduce", "ncclAllReduce", "0xdead1"),
+        refused("garbage ncclSend", "ncclSend", "0xdead2"),
+        refused("garbage ncclCommDestroy", "ncclCommDestroy", "0xdead3"),
+        refused("garbage ncclAllReduceConfig", "ncclAllReduceConfig", "0xdead4"),
+        "freed ncclCommUserRank rc=4 names_it=1".into(),
+        "garbage ncclGetLastError: text".into(),
+        format!("live ncclCommCount {ok}"),
+        format!("live ncclCommDestroy {ok}"),
+        refused("destroyed ncclCommCount", "ncclCommCount", "0xd00"),
+        refused("destroyed ncclCommDestroy", "ncclCommDestroy", "0xd00"),
+        format!("live ncclCommAbort {ok}"),
+        refused("aborted ncclAllReduce", "ncclAllReduce", "0xa00"),
+        format!("live ncclCommFinalize {ok}"),
+        format!("finalized ncclCommCount {ok}"),
+        format!("null ncclCommDestroy {ok}"),
+        // One buffer per thread, overwritten in place: the first pointer shows the newest text, never freed memory.
+        format!("first pointer again: same=1 text={}", refusal("ncclCommCuDevice", "0xbad11")),
+        format!("first text was: {}", refusal("ncclCommCount", "0xbad0")),
+        format!(
+            "after a forwarded call: fake: no error yet; first pointer: {}",
+            refusal("ncclCommCuDevice", "0xbad11")
+        ),
+        format!("ended thread's pointer: {}", refusal("ncclCommCount", "0xbad2")),
+        format!("ncclCommSuspend {ok}"),
+        format!("ncclCommResume {ok}"),
+        format!("ncclAllReduceConfig {ok}"),
+        format!("ncclAllReduceConfig null {ok}"),
+        format!("ncclBroadcastConfig {ok}"),
+        format!("pncclBroadcastConfig {ok}"),
+        "ncclParamGetI32 rc=0 value=32".into(),
+        missing,
+        refused("destroyed ncclCommSuspend", "ncclCommSuspend", "0xc32"),
+    ];
+    let got: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(got, want, "stderr:\n{}", out.stderr);
+    // Nothing refused reached the library; the minting calls record nothing.
+    assert_eq!(
+        records(&record),
+        [
+            "ncclGetVersion",
+            "ncclCommCount comm=d00",
+            "ncclCommDestroy comm=d00",
+            "ncclCommAbort comm=a00",
+            "ncclCommFinalize comm=f00",
+            "ncclCommCount comm=f00",
+            "ncclCommDestroy comm=0",
+            "ncclCommCount comm=c00",
+            "ncclCommSuspend comm=c32 flags=1",
+            "ncclCommResume comm=c32",
+            "ncclAllReduceConfig send=301 recv=302 count=303 dtype=7 op=0 comm=c32 stream=5f1 config=cc1",
+            // A null per-call config is the plain call (nccl.h), decided like ncclAllReduce.
+            "ncclAllReduce send=311 recv=312 count=313 dtype=7 op=0 comm=c32 stream=5f2",
+            "ncclBroadcastConfig send=321 recv=322 count=323 dtype=7 root=1 comm=c32 stream=5f3 config=cc2",
+            "ncclBroadcastConfig send=331 recv=332 count=333 dtype=7 root=2 comm=c32 stream=5f4 config=cc3",
+            "ncclParamGetI32 h=9a",
+            "ncclCommDestroy comm=c32",
+        ]
+    );
+}
+
 #[test]
 fn a_library_without_window_functions_is_answered_with_a_code_and_a_text() {
     // RCCL 7.0: no ncclCommWindowRegister. Named through ANYCCL_RCCL_PATH alone, so RCCL is searched first.
@@ -237,7 +336,7 @@ fn a_library_without_window_functions_is_answered_with_a_code_and_a_text() {
     assert_lines(&out, &["ncclCommWindowRegister rc=5 win=(nil)", "ncclCommWindowDeregister rc=5"]);
     let text = format!(
         "ncclCommWindowRegister is not available: the library under the anyccl drop-in NCCL, {} (RCCL 2.26.6), does \
-         not export it (the drop-in implements nccl.h 2.28.9); nothing was called",
+         not export it (the drop-in implements nccl.h 2.32.3); nothing was called",
         lib.display()
     );
     assert_eq!(
@@ -358,7 +457,7 @@ fn with_no_library_every_call_fails_cleanly_and_says_why() {
             "last after ncclGetVersion: ncclGetVersion: the anyccl drop-in NCCL ({}) found no NCCL or RCCL library \
              to forward to; set ANYCCL_NCCL_PATH (or ANYCCL_RCCL_PATH) to the real library's absolute path. Tried: \
              {} (not found); ",
-            dropin_so().display(),
+            programs::dropin_as_linked().display(),
             missing.display()
         )),
         "{last}"

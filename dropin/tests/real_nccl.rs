@@ -1,12 +1,17 @@
-//! The drop-in under a C program compiled against the real `nccl.h` 2.28.9 (from the PyPI wheel), with the real
+//! The drop-in under a C program compiled against the real `nccl.h` 2.32.3 (from the PyPI wheel), with the real
 //! `libnccl.so.2` underneath and no GPU: the version, every error string and the last-error text equal the real
 //! library's, `ncclGetUniqueId` succeeds as the real one does without a GPU, `ncclCommInitRank` fails cleanly
-//! with the real library's code and text, and a function an older NCCL lacks is answered with `ncclInvalidUsage`.
+//! with the real library's code and text, the 2.32 calls that have an answer without a GPU (suspend, resume,
+//! memory statistics, the per-call config collectives on a null communicator, the parameter registry) answer as
+//! the library does, and a function an older NCCL lacks is answered with `ncclInvalidUsage`. Then how it links: a
+//! program linked against the drop-in starts against the real `libnccl.so.2` and the other way round, and the
+//! drop-in built for glibc 2.28 has the SONAME `libnccl.so.2` and needs no `GLIBC_` version above 2.28.
 //!
 //! Needs the wheels, so it is ignored by a plain `cargo test`; CI runs it (ci/test.sh) with
-//! `ANYCCL_TEST_NCCL_SDK="$(dropin/ci/install-nccl-sdk.sh)"` (the 2.28.9 headers and library) and
-//! `ANYCCL_TEST_REAL_NCCL` from `ci/install-nccl.sh` (older and newer libraries, `VERSION=PATH:VERSION=PATH`), and
-//! fails when either is missing.
+//! `ANYCCL_TEST_NCCL_SDK="$(dropin/ci/install-nccl-sdk.sh)"` (the 2.32.3 headers and library),
+//! `ANYCCL_TEST_REAL_NCCL` from `ci/install-nccl.sh` (older and newer libraries, `VERSION=PATH:VERSION=PATH`) and
+//! `ANYCCL_TEST_DROPIN_GLIBC_2_28="$(dropin/ci/build-glibc-2.28.sh)"` (the drop-in linked against glibc 2.28), and
+//! fails when one is missing. `ANYCCL_TEST_KEEP=1` keeps the C program's output under cargo's temporary folder.
 
 #[path = "support/header.rs"]
 mod header;
@@ -16,7 +21,7 @@ mod programs;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use programs::{case_dir, cc, dropin_so, link_to, run};
+use programs::{case_dir, cc, run};
 
 fn required_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set; see this test's documentation"))
@@ -27,6 +32,15 @@ fn version_code(v: &str) -> i32 {
     let p: Vec<i32> = v.split('.').map(|x| x.parse().expect("a numeric version")).collect();
     assert_eq!(p.len(), 3, "{v}");
     p[0] * 10000 + p[1] * 100 + p[2]
+}
+
+/// `NCCL_VERSION_CODE` of the SDK's `nccl.h`.
+fn header_version_code(sdk: &Path) -> i32 {
+    let text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
+    text.lines()
+        .find_map(|l| l.strip_prefix("#define NCCL_VERSION_CODE "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("NCCL_VERSION_CODE in nccl.h")
 }
 
 /// A C file that takes the address of every function `names` (from the header) names: linking it to the drop-in
@@ -46,7 +60,7 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
     let header_text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
     let names = header::functions(&header_text);
     let plain: Vec<&str> = names.iter().filter(|n| n.starts_with("nccl")).map(String::as_str).collect();
-    assert_eq!(plain, header::snapshot(), "tests/nccl-2.28.9-functions.txt no longer matches the header");
+    assert_eq!(plain, header::snapshot(), "tests/nccl-2.32.3-functions.txt no longer matches the header");
     for n in &plain {
         assert!(names.contains(&format!("p{n}")), "the header declares {n} without its pnccl alias");
     }
@@ -54,12 +68,13 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
     let functions = dir.join("functions.c");
     std::fs::write(&functions, functions_c(&names)).expect("write functions.c");
     let program = dir.join("real_nccl");
-    let so = dropin_so();
-    let mut args: Vec<OsString> = vec!["-Wno-deprecated-declarations".into(), "-I".into()];
+    // NCCL_OS_LINUX: nccl.h 2.32 declares ncclResetDebugInit only under it (NCCL's own build defines it; the Linux
+    // library exports the function either way).
+    let mut args: Vec<OsString> = vec!["-Wno-deprecated-declarations".into(), "-DNCCL_OS_LINUX".into(), "-I".into()];
     args.push(programs::c_dir().join("shim").into_os_string());
     args.push("-I".into());
     args.push(sdk.join("include").into_os_string());
-    args.extend(link_to(so.parent().expect("folder"), "libanyccl_nccl.so"));
+    args.extend(programs::link_to_dropin());
     cc(&program, &[programs::c_dir().join("real_nccl.c"), functions], &args);
     program
 }
@@ -68,7 +83,9 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
 #[ignore = "needs the real NCCL: ANYCCL_TEST_NCCL_SDK and ANYCCL_TEST_REAL_NCCL (see the file's documentation)"]
 fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
     let sdk = PathBuf::from(required_env("ANYCCL_TEST_NCCL_SDK"));
-    let mut libraries = vec![("2.28.9".to_owned(), sdk.join("lib").join("libnccl.so.2"))];
+    let header_code = header_version_code(&sdk);
+    let sdk_version = format!("{}.{}.{}", header_code / 10000, header_code / 100 % 100, header_code % 100);
+    let mut libraries = vec![(sdk_version, sdk.join("lib").join("libnccl.so.2"))];
     for pair in required_env("ANYCCL_TEST_REAL_NCCL").split(':').filter(|p| !p.is_empty()) {
         let (v, path) = pair.split_once('=').expect("VERSION=PATH");
         libraries.push((v.to_owned(), PathBuf::from(path)));
@@ -89,7 +106,7 @@ fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
         assert!(has(&format!("functions linked: {}", 2 * header::snapshot().len())), "{context}");
         assert!(has(&format!("underlying: NCCL {version} {}", lib.display())), "{context}");
         let code = version_code(version);
-        assert!(has(&format!("ncclGetVersion rc=0 version={code} real={code} header=22809")), "{context}");
+        assert!(has(&format!("ncclGetVersion rc=0 version={code} real={code} header={header_code}")), "{context}");
         // Without a GPU the real NCCL hands out a unique id (its bootstrap needs no device)...
         assert!(has("ncclGetUniqueId rc=0 nonzero=1"), "{context}");
         // ...and refuses a communicator with ncclUnhandledCudaError (1), saying why; the drop-in passes both on.
@@ -103,13 +120,165 @@ fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
                 has(&format!(
                     "last after ncclCommWindowRegister: ncclCommWindowRegister is not available: the library under \
                      the anyccl drop-in NCCL, {} (NCCL {version}), does not export it (the drop-in implements nccl.h \
-                     2.28.9); nothing was called",
+                     2.32.3); nothing was called",
                     lib.display()
                 )),
                 "{context}"
             );
         }
+        // The 2.32 calls: compared where the library has them (the C program checks code and text), refused with
+        // ncclInvalidUsage where it does not.
+        assert!(has("2.32 calls compared"), "{context}");
+        if code >= 23200 {
+            for f in ["ncclCommSuspend", "ncclCommResume", "ncclAllReduceConfig", "ncclParamGetParameter"] {
+                let line = starts(&format!("{f} rc=")).unwrap_or_default();
+                assert!(line.ends_with("exported=1"), "{f}: {context}");
+            }
+        } else {
+            assert!(has("ncclCommSuspend rc=5 exported=0"), "{context}");
+            assert!(has("ncclAllReduceConfig rc=5 exported=0"), "{context}");
+        }
     }
     assert!(older_seen, "no library without ncclCommWindowRegister was tested (ci/install-nccl.sh installs 2.26.5)");
+    if std::env::var_os("ANYCCL_TEST_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// What `tool args…` printed (it must succeed).
+fn tool(tool: &str, args: &[&std::ffi::OsStr]) -> String {
+    let out = std::process::Command::new(tool).args(args).output().unwrap_or_else(|e| panic!("{tool} runs: {e}"));
+    assert!(out.status.success(), "{tool} {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The `DT_SONAME` and `DT_NEEDED` entries `readelf -d` shows.
+fn dynamic_names(file: &Path, kind: &str) -> Vec<String> {
+    tool("readelf", &["-d".as_ref(), file.as_os_str()])
+        .lines()
+        .filter(|l| l.contains(&format!("({kind})")))
+        .filter_map(|l| l.split('[').nth(1).and_then(|r| r.split(']').next()).map(str::to_owned))
+        .collect()
+}
+
+/// The highest `GLIBC_x.y[.z]` version `objdump -T` shows the file needs, as numbers.
+fn highest_glibc(file: &Path) -> Option<Vec<u32>> {
+    let text = tool("objdump", &["-T".as_ref(), file.as_os_str()]);
+    text.split(|c: char| c.is_whitespace() || c == '(' || c == ')')
+        .filter_map(|w| w.strip_prefix("GLIBC_"))
+        .filter_map(|v| v.split('.').map(|p| p.parse::<u32>().ok()).collect::<Option<Vec<u32>>>())
+        .max()
+}
+
+#[test]
+#[ignore = "needs the real NCCL: ANYCCL_TEST_NCCL_SDK (see the file's documentation)"]
+fn a_program_linked_to_either_starts_against_the_other() {
+    let sdk = PathBuf::from(required_env("ANYCCL_TEST_NCCL_SDK"));
+    let real_dir = sdk.join("lib");
+    let code = header_version_code(&sdk);
+    let dir = case_dir("linkage");
+    let source = dir.join("starts.c");
+    std::fs::write(
+        &source,
+        "#include <stdio.h>\nint ncclGetVersion(int*);\n\
+         const char* anyccl_nccl_dropin_underlying(void) __attribute__((weak));\n\
+         int main(void) { int v = -1; int rc = ncclGetVersion(&v);\n\
+         printf(\"rc=%d version=%d dropin=%d\\n\", rc, v, anyccl_nccl_dropin_underlying != 0); return rc; }\n",
+    )
+    .expect("write starts.c");
+    // Linked to the drop-in (by its SONAME, no run path): run where only the real library is.
+    let linked = programs::dropin_as_linked();
+    let to_dropin = dir.join("to_dropin");
+    let mut l = std::ffi::OsString::from("-L");
+    l.push(linked.parent().expect("folder"));
+    cc(&to_dropin, std::slice::from_ref(&source), &[l, "-l:libnccl.so.2".into()]);
+    assert_eq!(dynamic_names(&to_dropin, "NEEDED").iter().filter(|n| n.starts_with("libnccl")).count(), 1);
+    assert!(dynamic_names(&to_dropin, "NEEDED").contains(&"libnccl.so.2".to_owned()));
+    let out = run(&to_dropin, &dir, &[], &[("LD_LIBRARY_PATH", real_dir.clone().into_os_string())]);
+    assert_eq!((out.code, out.stdout.trim()), (Some(0), format!("rc=0 version={code} dropin=0").as_str()), "{out:?}");
+    // Linked to the real library: run where the drop-in is installed as libnccl.so.2 (forwarding to the real one).
+    let to_real = dir.join("to_real");
+    let mut l = std::ffi::OsString::from("-L");
+    l.push(&real_dir);
+    cc(&to_real, std::slice::from_ref(&source), &[l, "-l:libnccl.so.2".into()]);
+    assert!(dynamic_names(&to_real, "NEEDED").contains(&"libnccl.so.2".to_owned()));
+    let env = [
+        ("LD_LIBRARY_PATH", linked.parent().expect("folder").as_os_str().to_owned()),
+        ("ANYCCL_NCCL_PATH", real_dir.join("libnccl.so.2").into_os_string()),
+    ];
+    let out = run(&to_real, &dir, &[], &env);
+    assert_eq!((out.code, out.stdout.trim()), (Some(0), format!("rc=0 version={code} dropin=1").as_str()), "{out:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs the drop-in built for glibc 2.28: ANYCCL_TEST_DROPIN_GLIBC_2_28 (see the file's documentation)"]
+fn the_drop_in_built_for_glibc_2_28_is_named_and_versioned_like_libnccl() {
+    let built = PathBuf::from(required_env("ANYCCL_TEST_DROPIN_GLIBC_2_28"));
+    assert_eq!(dynamic_names(&built, "SONAME"), ["libnccl.so.2"], "{}", built.display());
+    let highest = highest_glibc(&built).expect("the drop-in needs some GLIBC_ version");
+    assert!(
+        highest <= vec![2, 28],
+        "{} needs GLIBC_{:?}, above 2.28 (the real NCCL 2.32.3 needs at most 2.27)",
+        built.display(),
+        highest
+    );
+    // The library cargo built for these tests has the same SONAME (its glibc floor is the build machine's).
+    assert_eq!(dynamic_names(&programs::dropin_so(), "SONAME"), ["libnccl.so.2"]);
+}
+
+/// The `nccl*` and `pnccl*` functions `nm -D --defined-only` lists for `file` (weak or not), each once, sorted.
+fn defined_functions(file: &Path) -> Vec<String> {
+    let mut names: Vec<String> = tool("nm", &["-D".as_ref(), "--defined-only".as_ref(), file.as_os_str()])
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            let name = name.split('@').next()?;
+            (matches!(kind, "T" | "W" | "i") && (name.starts_with("nccl") || name.starts_with("pnccl")))
+                .then(|| name.to_owned())
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+#[test]
+#[ignore = "needs the real NCCL: ANYCCL_TEST_NCCL_SDK (see the file's documentation)"]
+fn the_exports_match_the_real_library_and_its_header() {
+    let sdk = PathBuf::from(required_env("ANYCCL_TEST_NCCL_SDK"));
+    let header_text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
+    let mut declared = header::functions(&header_text);
+    declared.sort();
+    let real = defined_functions(&sdk.join("lib").join("libnccl.so.2"));
+    let mine = defined_functions(&programs::dropin_so());
+    // The drop-in exports exactly what nccl.h declares (each with its pnccl alias)...
+    assert_eq!(mine, declared, "the drop-in's exports and nccl.h differ");
+    // ...every one of which the real library exports too...
+    let absent: Vec<&String> = mine.iter().filter(|n| !real.contains(n)).collect();
+    assert!(absent.is_empty(), "exported by the drop-in but not by the real library: {absent:?}");
+    // ...and what the real library exports beyond nccl.h is the device API's host side (nccl_device/host.h, not
+    // nccl.h) and an internal function: each is named here, so a new nccl.h function cannot slip by.
+    let device_dir = sdk.join("include").join("nccl_device");
+    let device_text = std::fs::read_dir(&device_dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    let extra: Vec<&String> = real.iter().filter(|n| !mine.contains(n)).collect();
+    for n in &extra {
+        let base = n.strip_prefix('p').unwrap_or(n);
+        let device_api = device_text.contains(&format!("{base}("));
+        let internal = base == "ncclResetDebugInitInternal";
+        assert!(device_api || internal, "the real library exports {n}, which the drop-in does not and nccl.h lacks");
+    }
+    println!(
+        "real library: {} functions; drop-in: {}; not exported (device API host side, internal): {extra:?}",
+        real.len(),
+        mine.len()
+    );
 }

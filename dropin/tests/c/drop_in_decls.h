@@ -54,3 +54,11 @@ int ncclGroupSimulateEnd(void*);
 /* Weak: a program linked to the real library and run with the drop-in in LD_PRELOAD gets it from the drop-in. */
 const char* anyccl_nccl_dropin_underlying(void) __attribute__((weak));
 unsigned long long anyccl_nccl_dropin_calls(void) __attribute__((weak));
+/* nccl.h 2.32 functions the checks program calls. */
+int ncclAllReduceConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclBroadcastConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int pncclBroadcastConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclCommSuspend(ncclComm_t, int);
+int ncclCommResume(ncclComm_t);
+int ncclParamGetI32(void*, int*);
+int ncclCommGetUniqueId(ncclComm_t, ncclUniqueId*);

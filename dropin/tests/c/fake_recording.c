@@ -1,8 +1,13 @@
-/* A fake NCCL for the drop-in's tests: it exports the nccl.h 2.28 functions and appends one line per call, with
- * every argument, to the file named by FAKE_RECORD. Built by dropin/tests/forwarding.rs with
+/* A fake NCCL for the drop-in's tests: it exports the nccl.h 2.28 functions (and, with -DNCCL_2_32, a few of 2.32)
+ * and appends one line per call, with every argument, to the file named by FAKE_RECORD. ncclCommInitRank with
+ * nranks -1 (which NCCL refuses) records nothing and hands out the handle `rank` itself: the test programs create,
+ * through the drop-in, the communicators with distinctive handles that they then pass. Built by
+ * dropin/tests/forwarding.rs with
  *   -DFAKE_VERSION=<code>   what ncclGetVersion answers
  *   -DNO_WINDOWS            leave out ncclCommWindowRegister/Deregister (as RCCL 7.0 does)
  *   -DRCCL                  export ncclAllToAllv too, an RCCL-only symbol (anyccl's loader then says RCCL)
+ *   -DNCCL_2_32             export ncclAllReduceConfig, ncclBroadcastConfig, ncclCommSuspend, ncclCommResume and
+ *                           ncclParamGetI32 too
  * Results: every call returns ncclSuccess (0) except ncclGroupEnd, which returns ncclInProgress (7), and
  * ncclAllGather with sendcount 13, which returns ncclInvalidArgument (4) and sets the last error. */
 #include <stddef.h>
@@ -43,6 +48,10 @@ int ncclCommInitRankConfig(comm_t* c, int n, ncclUniqueId id, int r, void* cfg) 
     return 0;
 }
 int ncclCommInitRank(comm_t* c, int n, ncclUniqueId id, int r) {
+    if (n == -1) {
+        *c = (void*)(uintptr_t)(unsigned)r;
+        return 0;
+    }
     rec("ncclCommInitRank nranks=%d id0=%d id127=%d rank=%d", n, id.internal[0], id.internal[127], r);
     *c = (void*)0xc1;
     return 0;
@@ -160,6 +169,21 @@ int ncclGroupEnd(void) { rec("ncclGroupEnd"); return 7; }
 int ncclGroupSimulateEnd(void* info) { rec("ncclGroupSimulateEnd info=%lx", P(info)); return 0; }
 #ifdef RCCL
 int ncclAllToAllv(void) { return 0; }
+#endif
+#ifdef NCCL_2_32
+int ncclAllReduceConfig(const void* s, void* r, size_t n, int t, int op, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclAllReduceConfig send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n,
+        t, op, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclBroadcastConfig(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclBroadcastConfig send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx config=%lx", P(s), P(r),
+        n, t, root, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclCommSuspend(comm_t c, int flags) { rec("ncclCommSuspend comm=%lx flags=%d", P(c), flags); return 0; }
+int ncclCommResume(comm_t c) { rec("ncclCommResume comm=%lx", P(c)); return 0; }
+int ncclParamGetI32(void* h, int* out) { rec("ncclParamGetI32 h=%lx", P(h)); *out = 32; return 0; }
 #endif
 /* The profiling aliases forward.c calls (the real library exports every one). */
 int pncclAllReduce(const void*, void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclAllReduce")));

@@ -3,6 +3,7 @@
  * and checks that the drop-in answers as it does. Prints what it saw; exits 1 on the first mismatch.
  * Usage: real_nccl <path of the real libnccl.so.2> */
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,57 @@ int main(int argc, char** argv) {
     } else {
         CHECK(rc == ncclInvalidUsage, "ncclCommWindowRegister rc %d where the library lacks it", rc);
     }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 32, 0)
+    /* nccl.h 2.32 calls that have a defined answer without a GPU (a null communicator, the parameter registry):
+     * through the drop-in and from the library directly, the same code and last-error text; where the library
+     * lacks the function, ncclInvalidUsage from the drop-in. */
+    {
+        ncclCollConfig_t cfg = NCCL_COLLCONFIG_INITIALIZER;
+        uint64_t stat = 0;
+        ncclUniqueId gid;
+        const char* value = NULL;
+        int value_len = -1;
+        ncclParamHandle_t param = NULL;
+        int32_t param_value = -1;
+#define SAME(name, types, ...)                                                                                   \
+    do {                                                                                                         \
+        char mine_text[1024], theirs_text[1024];                                                                 \
+        ncclResult_t mine_rc = name(__VA_ARGS__);                                                                \
+        snprintf(mine_text, sizeof mine_text, "%s", str(ncclGetLastError(NULL)));                                \
+        void* sym = dlsym(real, #name);                                                                          \
+        printf(#name " rc=%d exported=%d\n", mine_rc, sym != NULL);                                              \
+        printf("last after " #name ": %s\n", mine_text);                                                         \
+        if (sym) {                                                                                               \
+            ncclResult_t theirs_rc = ((ncclResult_t(*) types)sym)(__VA_ARGS__);                                  \
+            snprintf(theirs_text, sizeof theirs_text, "%s", str(real_last_error(NULL)));                         \
+            CHECK(mine_rc == theirs_rc, #name " rc %d vs %d", mine_rc, theirs_rc);                               \
+            CHECK(strcmp(mine_text, theirs_text) == 0, #name " last error \"%s\" vs \"%s\"", mine_text,        \
+                  theirs_text);                                                                                  \
+        } else {                                                                                                 \
+            CHECK(mine_rc == ncclInvalidUsage, #name " rc %d where the library lacks it", mine_rc);              \
+        }                                                                                                        \
+    } while (0)
+        SAME(ncclCommSuspend, (ncclComm_t, int), NULL, NCCL_SUSPEND_MEM);
+        SAME(ncclCommResume, (ncclComm_t), NULL);
+        SAME(ncclCommMemStats, (ncclComm_t, ncclCommMemStat_t, uint64_t*), NULL, ncclStatGpuMemTotal, &stat);
+        SAME(ncclCommGetUniqueId, (ncclComm_t, ncclUniqueId*), NULL, &gid);
+        SAME(ncclAllReduceConfig,
+             (const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t,
+              const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL, &cfg);
+        SAME(ncclBroadcastConfig,
+             (const void*, void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t, const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, 0, NULL, NULL, &cfg);
+        SAME(ncclAlltoAllConfig,
+             (const void*, void*, size_t, ncclDataType_t, ncclComm_t, cudaStream_t, const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, NULL, NULL, NULL);
+        SAME(ncclParamGetParameter, (const char*, const char**, int*), "NCCL_PROTO", &value, &value_len);
+        SAME(ncclParamBind, (ncclParamHandle_t*, const char*), &param, "NCCL_NTHREADS");
+        if (param) SAME(ncclParamGetI32, (ncclParamHandle_t, int32_t*), param, &param_value);
+        printf("2.32 calls compared\n");
+#undef SAME
+    }
+#endif
     printf("%s\n", failed ? "FAILED" : "ALL CHECKS PASSED");
     return failed;
 }

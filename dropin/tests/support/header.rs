@@ -86,9 +86,9 @@ fn strip_attributes(stmt: &str) -> String {
     out
 }
 
-/// The snapshot of the `nccl*` functions of the PyPI wheel `nvidia-nccl-cu12==2.28.9`'s `nccl.h`, one per line (made
+/// The snapshot of the `nccl*` functions of the PyPI wheel `nvidia-nccl-cu12==2.32.3`'s `nccl.h`, one per line (made
 /// with [`functions`]; the real-NCCL test checks it against the header again).
-pub const SNAPSHOT: &str = include_str!("../nccl-2.28.9-functions.txt");
+pub const SNAPSHOT: &str = include_str!("../nccl-2.32.3-functions.txt");
 
 /// The snapshot's names.
 pub fn snapshot() -> Vec<&'static str> {

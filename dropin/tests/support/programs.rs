@@ -30,6 +30,29 @@ pub fn dropin_so() -> PathBuf {
     panic!("the drop-in library was not built where cargo puts it: {candidates:?}");
 }
 
+/// The drop-in as programs link to it: `libnccl.so.2` (its SONAME) in a folder of this test process's own, a
+/// symbolic link to [`dropin_so`]. A program linked to the drop-in records `libnccl.so.2` whatever file name it was
+/// linked by, so the dynamic loader looks for that name at run time.
+pub fn dropin_as_linked() -> PathBuf {
+    static LINKED: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    LINKED
+        .get_or_init(|| {
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("dropin-{}-soname", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).expect("soname folder");
+            let link = dir.join("libnccl.so.2");
+            std::os::unix::fs::symlink(dropin_so(), &link).expect("link libnccl.so.2 to the drop-in");
+            link
+        })
+        .clone()
+}
+
+/// The arguments that link a program to the drop-in (as `-lnccl` would, by its SONAME) and find it at run time.
+pub fn link_to_dropin() -> Vec<OsString> {
+    let linked = dropin_as_linked();
+    link_to(linked.parent().expect("folder"), "libnccl.so.2")
+}
+
 /// A fresh folder for one test under cargo's per-target temporary folder (removed first).
 pub fn case_dir(name: &str) -> PathBuf {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("dropin-{}-{name}", std::process::id()));
