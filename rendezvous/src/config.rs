@@ -1,6 +1,7 @@
 //! Rendezvous configuration: built in code, or read from the launcher's environment (torchrun, then Slurm), with
 //! the job's secret and the bounds every value must respect.
 
+use std::ffi::{OsStr, OsString};
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
@@ -124,17 +125,21 @@ impl RendezvousConfig {
 
     /// Reads the configuration from the process environment; see [`RendezvousConfig::from_env_with`].
     pub fn from_env() -> Result<Self> {
-        Self::from_env_with(&|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+        Self::from_env_with(&|name| std::env::var_os(name))
     }
 
     /// Reads the configuration through `get` (a variable's value, or `None` where it is unset).
+    ///
+    /// Values are taken as the operating system gives them: the secret in [`KEY_VAR`] as raw bytes and the path in
+    /// [`KEY_FILE_VAR`] as a path, with no conversion (two secrets that differ only in bytes that are not UTF-8 are
+    /// two secrets); every other variable must be valid UTF-8, and one that is not is an [`Error::Config`] naming it.
     ///
     /// - rank: `RANK`, else `SLURM_PROCID`; world: `WORLD_SIZE`, else `SLURM_NTASKS` (`1..=`[`MAX_WORLD`]); local
     ///   rank: `LOCAL_RANK`, else `SLURM_LOCALID` (optional);
     /// - `MASTER_ADDR` (host name or IP address, resolved here); the port: [`PORT_VAR`] (`ANYCCL_MASTER_PORT`), else
     ///   `MASTER_PORT + 1`, since `torchrun`'s agent holds `MASTER_PORT` itself;
     /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
-    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (text) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
+    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (raw bytes) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
     ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
     ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets a key derived from
     ///   the address, port and world size ([`JobKey::derived`]: any local user can compute it), and any other
@@ -142,7 +147,18 @@ impl RendezvousConfig {
     ///
     /// A variable that is set takes precedence over its fallback even when it is malformed: a missing or malformed
     /// value is an [`Error::Config`] naming the variable. Never panics, whatever the values.
-    pub fn from_env_with(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    pub fn from_env_with(get_os: &dyn Fn(&str) -> Option<OsString>) -> Result<Self> {
+        // Every text variable is checked once, up front: one that is set but not UTF-8 is an error naming it.
+        for &var in TEXT_VARS {
+            if get_os(var).is_some_and(|v| v.to_str().is_none()) {
+                return Err(config(var, "the value is not valid UTF-8"));
+            }
+        }
+        let get = |name: &str| get_os(name).and_then(|v| v.into_string().ok());
+        Self::from_text_env(&get, get_os)
+    }
+
+    fn from_text_env(get: &dyn Fn(&str) -> Option<String>, get_os: &dyn Fn(&str) -> Option<OsString>) -> Result<Self> {
         let (world_var, world_text) = first_of(get, &["WORLD_SIZE", "SLURM_NTASKS"])?;
         let world = parse_usize(world_var, &world_text, "a world size (a positive integer)")?;
         if world == 0 {
@@ -180,11 +196,16 @@ impl RendezvousConfig {
             None => DEFAULT_TIMEOUT,
             Some(text) => parse_secs(TIMEOUT_VAR, &text)?,
         };
-        let key = match (get(KEY_VAR), get(KEY_FILE_VAR)) {
+        let key = match (get_os(KEY_VAR), get_os(KEY_FILE_VAR)) {
             (Some(_), Some(_)) => {
                 return Err(config(KEY_FILE_VAR, format!("both {KEY_VAR} and {KEY_FILE_VAR} are set; set only one")));
             }
-            (Some(text), None) => JobKey::from_secret(check_secret(KEY_VAR, text.as_bytes())?),
+            (Some(secret), None) => {
+                let mut secret = os_bytes(KEY_VAR, secret)?;
+                let key = check_secret(KEY_VAR, &secret).map(JobKey::from_secret);
+                secret.fill(0);
+                key?
+            }
             (None, Some(path)) => read_key_file(&path)?,
             (None, None) if is_loopback(master.ip()) => {
                 debug!(
@@ -251,6 +272,36 @@ impl RendezvousConfig {
     }
 }
 
+/// The variables read as text (everything but the secret and the key file's path); a value of one of them that is
+/// not UTF-8 is an error naming it.
+const TEXT_VARS: &[&str] = &[
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "RANK",
+    "SLURM_PROCID",
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    PORT_VAR,
+    TIMEOUT_VAR,
+];
+
+/// The raw bytes of a value, without any conversion (on Unix, where a value is a byte string); elsewhere the value
+/// must be valid Unicode.
+fn os_bytes(var: &str, value: OsString) -> Result<Vec<u8>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStringExt;
+        let _ = var;
+        Ok(value.into_vec())
+    }
+    #[cfg(not(unix))]
+    {
+        value.into_string().map(String::into_bytes).map_err(|_| config(var, "the value is not valid Unicode"))
+    }
+}
+
 /// Whether `ip` is a loopback address (including an IPv4-mapped one such as `::ffff:127.0.0.1`).
 fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
@@ -281,13 +332,13 @@ fn check_secret<'a>(var: &str, secret: &'a [u8]) -> Result<&'a [u8]> {
 /// Reads the secret from the file `path_text` names: opened without blocking (a FIFO or a device cannot hang the
 /// rank), and refused unless it is a regular file of at most [`MAX_KEY_FILE_LEN`] bytes that neither group nor
 /// others may read or write (as ssh does with a private key).
-fn read_key_file(path_text: &str) -> Result<JobKey> {
+fn read_key_file(path_os: &OsStr) -> Result<JobKey> {
     let var = KEY_FILE_VAR;
-    let shown = sanitize(path_text);
-    if path_text.trim().is_empty() {
+    let shown = sanitize(&path_os.to_string_lossy());
+    if path_os.to_string_lossy().trim().is_empty() {
         return Err(config(var, "is empty; set it to the path of a file holding the job's secret"));
     }
-    let path = Path::new(path_text);
+    let path = Path::new(path_os);
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     #[cfg(target_os = "linux")]

@@ -278,9 +278,9 @@ fn wrong_roles_are_refused() {
 
 // ---- configuration from the environment ----
 
-fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<std::ffi::OsString> {
     let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    move |name| map.get(name).cloned()
+    move |name| map.get(name).cloned().map(Into::into)
 }
 
 fn config_error(vars: &[(&str, &str)]) -> (String, String) {
