@@ -440,6 +440,39 @@ fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
     assert_eq!(capability(&v, "ccl")["enabled"], false);
 }
 
+/// `tune --out` and `bench --plot` into a directory where another user planted links: a link at the target is
+/// replaced by the new file (never written through), and a link at the name the temporary file used to have is
+/// left alone.
+#[cfg(unix)]
+#[test]
+fn tune_and_plot_replace_a_planted_link_instead_of_following_it() {
+    let dir = std::env::temp_dir().join(format!("anyccl-planted-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").expect("write");
+    for name in ["t.toml", "p.svg"] {
+        std::os::unix::fs::symlink(&victim, dir.join(name)).expect("link at the target");
+    }
+    let out = dir.join("t.toml").to_string_lossy().into_owned();
+    let plot = dir.join("p.svg").to_string_lossy().into_owned();
+    let args = ["--world", "2", "--sizes", "4KiB", "--iters", "1", "--warmup", "0"];
+    let r = anyccl(&[&["tune"][..], &args, &["--algos", "ring", "--out", &out]].concat(), &[]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let r = anyccl(&[&["bench"][..], &args, &["--plot", &plot]].concat(), &[]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious", "no link was written through");
+    for name in ["t.toml", "p.svg"] {
+        let meta = std::fs::symlink_metadata(dir.join(name)).expect("lstat");
+        assert!(meta.is_file(), "{name} is now a regular file");
+    }
+    anyccl::core::SelectorTable::load(&dir.join("t.toml")).expect("the table was written whole");
+    assert!(std::fs::read_to_string(dir.join("p.svg")).expect("read").contains("<svg"));
+    // nothing but the victim and the two outputs is left in the directory
+    assert_eq!(std::fs::read_dir(&dir).expect("list").count(), 3);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn tune_writes_a_table_that_bench_then_uses() {
     let out = std::env::temp_dir().join(format!("anyccl-tune-{}.toml", std::process::id()));
