@@ -190,12 +190,11 @@ impl RendezvousConfig {
             return Err(config("MASTER_ADDR", "is empty; set it to rank 0's host name or IP address"));
         }
         let port = rendezvous_port(get)?;
-        let master = resolve(&addr_text, port)?;
-
         let timeout = match get(TIMEOUT_VAR) {
             None => DEFAULT_TIMEOUT,
             Some(text) => parse_secs(TIMEOUT_VAR, &text)?,
         };
+        let master = resolve(&addr_text, port, timeout, system_lookup)?;
         let key = match (get_os(KEY_VAR), get_os(KEY_FILE_VAR)) {
             (Some(_), Some(_)) => {
                 return Err(config(KEY_FILE_VAR, format!("both {KEY_VAR} and {KEY_FILE_VAR} are set; set only one")));
@@ -453,7 +452,19 @@ fn parse_secs(var: &str, text: &str) -> Result<Duration> {
     }
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+/// How a host name becomes addresses (the system resolver; a stand-in in tests).
+type Lookup = fn(&str, u16) -> std::io::Result<Vec<SocketAddr>>;
+
+/// The system resolver.
+fn system_lookup(host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+    (host, port).to_socket_addrs().map(|addrs| addrs.collect())
+}
+
+/// `host` (an IP address, or a host name looked up through `lookup`) with `port`. A lookup runs on a helper thread
+/// and is waited for at most `timeout` (the rendezvous timeout): a resolver that never answers is an error naming
+/// `MASTER_ADDR`, not a hang. The helper thread of a lookup given up on is left to finish on its own (the system
+/// resolver cannot be cancelled); it holds nothing but its own result.
+fn resolve(host: &str, port: u16, timeout: Duration, lookup: Lookup) -> Result<SocketAddr> {
     let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
     if let Ok(ip) = literal {
         return Ok(SocketAddr::new(ip, port));
@@ -462,9 +473,32 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
     if !host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_')) {
         return Err(config("MASTER_ADDR", format!("'{shown}' is not a host name or IP address")));
     }
-    let mut addrs =
-        (host, port).to_socket_addrs().map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{shown}': {e}")))?;
-    addrs.next().ok_or_else(|| config("MASTER_ADDR", format!("'{shown}' resolves to no address")))
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = host.to_owned();
+    std::thread::Builder::new()
+        .name("anyccl-resolve".into())
+        .spawn(move || {
+            // the receiver may have given up: then nobody needs the answer
+            let _ = tx.send(lookup(&name, port));
+        })
+        .map_err(|e| config("MASTER_ADDR", format!("cannot start resolving '{shown}': {e}")))?;
+    let addrs = match rx.recv_timeout(timeout) {
+        Ok(result) => result.map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{shown}': {e}")))?,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(config(
+                "MASTER_ADDR",
+                format!(
+                    "resolving '{shown}' took longer than the rendezvous timeout ({:?}); check the name and the \
+                     resolver, or give an IP address",
+                    timeout
+                ),
+            ))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            return Err(config("MASTER_ADDR", format!("resolving '{shown}' failed (the resolver thread ended)")))
+        }
+    };
+    addrs.into_iter().next().ok_or_else(|| config("MASTER_ADDR", format!("'{shown}' resolves to no address")))
 }
 
 #[cfg(test)]
@@ -488,5 +522,39 @@ mod tests {
         let e = check_secret("V", b"0123456789abcde").expect_err("15 bytes");
         assert!(e.to_string().contains("15 bytes long; it must be at least 16"), "{e}");
         assert!(check_secret("V", b" \n\t").expect_err("blank").to_string().contains("is empty"));
+    }
+
+    #[test]
+    fn a_resolver_that_never_answers_is_bounded_by_the_timeout() {
+        // a lookup that blocks far longer than the test (its thread is left behind, as in real use)
+        let started = std::time::Instant::now();
+        let stuck: Lookup = |_, _| {
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(Vec::new())
+        };
+        let e = resolve("rank0.example", 1, Duration::from_millis(200), stuck).expect_err("no answer");
+        match &e {
+            Error::Config { source_name, message, .. } => {
+                assert_eq!(source_name, "MASTER_ADDR");
+                assert!(message.contains("longer than the rendezvous timeout"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "bounded: {:?}", started.elapsed());
+        // an answer in time is used; IP addresses never reach the resolver
+        let local: Lookup = |_, port| Ok(vec![SocketAddr::from(([127, 0, 0, 7], port))]);
+        assert_eq!(
+            resolve("rank0", 9, Duration::from_secs(30), local).expect("resolved"),
+            "127.0.0.7:9".parse().expect("addr")
+        );
+        assert_eq!(
+            resolve("::1", 9, Duration::from_millis(1), stuck).expect("literal"),
+            "[::1]:9".parse().expect("addr")
+        );
+        let none: Lookup = |_, _| Ok(Vec::new());
+        assert!(resolve("rank0", 9, Duration::from_secs(30), none)
+            .expect_err("empty")
+            .to_string()
+            .contains("no address"));
     }
 }
