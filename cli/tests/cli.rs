@@ -194,6 +194,24 @@ fn assert_one_line_error(out: &Output, needle: &str) {
     assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
 }
 
+/// A variable anyccl reads that is not UTF-8 is an error naming it, in `probe` too (it used to ignore a
+/// non-UTF-8 `ANYCCL_DISABLE` in silence), and an out-of-range size from the environment is one as well.
+#[cfg(unix)]
+#[test]
+fn probe_names_a_variable_that_is_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    for var in ["ANYCCL_DISABLE", "ANYCCL_CUSTOM_MAX_BYTES", "ANYCCL_FUSED_RMSNORM"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_anyccl"))
+            .arg("probe")
+            .env_remove("ANYCCL_TUNE_FILE")
+            .env(var, std::ffi::OsStr::from_bytes(b"ccl\xfe"))
+            .output()
+            .expect("run anyccl");
+        assert_one_line_error(&out, var);
+        assert!(text(&out.stderr).contains("not valid UTF-8"), "{var}: {}", text(&out.stderr));
+    }
+}
+
 #[test]
 fn bad_flags_give_one_line_and_nonzero_exit() {
     assert_one_line_error(&anyccl(&["bench", "--frobnicate"], &[]), "--frobnicate");
