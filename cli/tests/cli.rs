@@ -545,8 +545,8 @@ fn bench_plots_an_svg_and_refuses_other_formats() {
 }
 
 /// Starts `world` `anyccl` processes the way torchrun does (a stand-in holds `MASTER_PORT`; each process gets
-/// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and nothing else), rank `r` with `args(r)`, and
-/// waits for all of them (60 s at most).
+/// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `XDG_RUNTIME_DIR` and nothing else), rank `r`
+/// with `args(r)`, and waits for all of them (60 s at most).
 fn per_rank(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<Output> {
     let held = launcher::hold_master_port();
     let port = held.local_addr().expect("addr").port();
@@ -561,6 +561,8 @@ fn per_rank(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<Output> {
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                // where the per-user key of a loopback job without a secret lives (torchrun passes it on)
+                .env("XDG_RUNTIME_DIR", launcher::runtime_dir())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

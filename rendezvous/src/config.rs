@@ -141,9 +141,10 @@ impl RendezvousConfig {
     /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
     /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (raw bytes) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
     ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
-    ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets a key derived from
-    ///   the address, port and world size ([`JobKey::derived`]: any local user can compute it), and any other
-    ///   address is an error, since anyone who can reach the port could then join the job.
+    ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets this user's
+    ///   per-user key ([`JobKey::per_user`] from a private file, see [`crate::userkey`]: every process of this
+    ///   user finds it, no other uid can read it), and any other address is an error, since anyone who can reach
+    ///   the port could then join the job.
     ///
     /// A variable that is set takes precedence over its fallback even when it is malformed: a missing or malformed
     /// value is an [`Error::Config`] naming the variable. Never panics, whatever the values.
@@ -206,14 +207,7 @@ impl RendezvousConfig {
                 key?
             }
             (None, Some(path)) => read_key_file(&path)?,
-            (None, None) if is_loopback(master.ip()) => {
-                debug!(
-                    target: "anyccl::rendezvous",
-                    "{KEY_VAR} is not set: using the key derived from MASTER_ADDR, MASTER_PORT and the world size \
-                     (loopback only; any local user can compute it)"
-                );
-                JobKey::derived(&addr_text, port, world)
-            }
+            (None, None) if is_loopback(master.ip()) => loopback_key(get_os, &addr_text, port)?,
             (None, None) => {
                 return Err(config(
                     KEY_VAR,
@@ -299,6 +293,40 @@ fn os_bytes(var: &str, value: OsString) -> Result<Vec<u8>> {
     {
         value.into_string().map(String::into_bytes).map_err(|_| config(var, "the value is not valid Unicode"))
     }
+}
+
+/// The key of a loopback job without a configured secret: [`JobKey::per_user`] from this user's private secret
+/// ([`crate::userkey`]), which no other uid can read, so no other user can join the job or pose as its rank 0.
+#[cfg(target_os = "linux")]
+fn loopback_key(get_os: &dyn Fn(&str) -> Option<OsString>, addr_text: &str, port: u16) -> Result<JobKey> {
+    let base = crate::userkey::base_dir(get_os).ok_or_else(|| {
+        config(
+            KEY_VAR,
+            format!(
+                "not set, and neither XDG_RUNTIME_DIR nor HOME names a directory for the per-user key that keeps \
+                 other users out of a loopback job: set one of them, or give every rank the same secret in {KEY_VAR} \
+                 or {KEY_FILE_VAR}"
+            ),
+        )
+    })?;
+    let mut secret = crate::userkey::load_or_create(&base)?;
+    debug!(
+        target: "anyccl::rendezvous",
+        "{KEY_VAR} is not set: using this user's private key under {} (loopback only)",
+        base.display()
+    );
+    let key = JobKey::per_user(&secret, addr_text, port);
+    secret.fill(0);
+    Ok(key)
+}
+
+/// Without the per-user key file (Linux only), a loopback job needs a secret like any other.
+#[cfg(not(target_os = "linux"))]
+fn loopback_key(_: &dyn Fn(&str) -> Option<OsString>, _: &str, _: u16) -> Result<JobKey> {
+    Err(config(
+        KEY_VAR,
+        format!("not set: on this platform every job needs a secret; set {KEY_VAR} or {KEY_FILE_VAR} on every rank"),
+    ))
 }
 
 /// Whether `ip` is a loopback address (including an IPv4-mapped one such as `::ffff:127.0.0.1`).

@@ -46,6 +46,8 @@ pub mod config;
 #[cfg(target_os = "linux")]
 pub mod fdpass;
 pub mod tcp;
+#[cfg(target_os = "linux")]
+pub mod userkey;
 
 pub use auth::JobKey;
 pub use config::RendezvousConfig;

@@ -23,8 +23,11 @@ fn read(vars: &[(String, String)]) -> anyccl_core::Result<RendezvousConfig> {
 
 /// The base variables with `extra` set (replacing their base values, if any).
 fn with(extra: &[(&str, &str)]) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = BASE
+    // the per-user key of loopback jobs lives in a directory of this test process's own
+    let runtime = std::env::temp_dir().join(format!("anyccl-config-test-{}", std::process::id()));
+    let mut v: Vec<(String, String)> = [("XDG_RUNTIME_DIR", runtime.to_string_lossy().as_ref())]
         .iter()
+        .chain(BASE.iter())
         .filter(|(k, _)| !extra.iter().any(|(e, _)| e == k))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
@@ -129,12 +132,25 @@ fn a_secret_is_required_off_loopback() {
     let secret = "0123456789abcdef0123";
     let cfg = read(&with(&[("MASTER_ADDR", "10.1.2.3"), (KEY_VAR, secret)])).expect("with a secret");
     assert_eq!(cfg.key, Some(JobKey::from_secret(secret.as_bytes())));
-    // on loopback the derived key is the default, the same on every rank
+    // on loopback the per-user key is the default, the same on every rank (and every world size)
     let a = read(&with(&[])).expect("loopback");
     let b = read(&with(&[("RANK", "1")])).expect("loopback");
     assert_eq!(a.key, b.key);
-    // derived from the rendezvous port, MASTER_PORT + 1
-    assert_eq!(a.key, Some(JobKey::derived("127.0.0.1", 29501, 2)));
+    assert_eq!(a.key, read(&with(&[("WORLD_SIZE", "3")])).expect("loopback").key);
+    // from the user's private file and the rendezvous port, MASTER_PORT + 1
+    let runtime = with(&[]).into_iter().find(|(k, _)| k == "XDG_RUNTIME_DIR").expect("set").1;
+    let user = anyccl_rendezvous::userkey::load_or_create(std::path::Path::new(&runtime)).expect("user key");
+    assert_eq!(a.key, Some(JobKey::per_user(&user, "127.0.0.1", 29501)));
+    assert_ne!(a.key, read(&with(&[("MASTER_PORT", "29600")])).expect("loopback").key);
+    // another user's directory (here: another base) gives another key
+    let other = tempfile::tempdir().expect("tempdir");
+    let c = read(&with(&[("XDG_RUNTIME_DIR", other.path().to_str().expect("utf8"))])).expect("loopback");
+    assert_ne!(a.key, c.key);
+    // with neither XDG_RUNTIME_DIR nor HOME there is no private place for it: an error naming the secret
+    let bare: Vec<(String, String)> = BASE.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let (var, msg) = config_error(&bare);
+    assert_eq!(var, KEY_VAR);
+    assert!(msg.contains("XDG_RUNTIME_DIR") && msg.contains("HOME"), "{msg}");
     let v6 = read(&with(&[("MASTER_ADDR", "::1")])).expect("IPv6 loopback");
     assert!(v6.key.is_some());
 }

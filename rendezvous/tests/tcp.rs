@@ -299,7 +299,10 @@ fn wrong_roles_are_refused() {
 // ---- configuration from the environment ----
 
 fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<std::ffi::OsString> {
-    let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let mut map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    // the per-user key of loopback jobs lives in a directory of this test process's own
+    let runtime = std::env::temp_dir().join(format!("anyccl-tcp-test-{}", std::process::id()));
+    map.entry("XDG_RUNTIME_DIR".into()).or_insert_with(|| runtime.to_string_lossy().into_owned());
     move |name| map.get(name).cloned().map(Into::into)
 }
 
@@ -329,8 +332,10 @@ fn from_env_torchrun() {
     assert_eq!(cfg.master, "127.0.0.1:29501".parse::<SocketAddr>().expect("addr"));
     assert_eq!(cfg.timeout, anyccl_rendezvous::config::DEFAULT_TIMEOUT);
     assert_eq!(cfg.max_message, 1 << 20);
-    // no secret set and a loopback MASTER_ADDR: the derived key
-    assert_eq!(cfg.key, Some(JobKey::derived("127.0.0.1", 29501, 8)));
+    // no secret set and a loopback MASTER_ADDR: this user's per-user key
+    let runtime = std::env::temp_dir().join(format!("anyccl-tcp-test-{}", std::process::id()));
+    let user = anyccl_rendezvous::userkey::load_or_create(&runtime).expect("user key");
+    assert_eq!(cfg.key, Some(JobKey::per_user(&user, "127.0.0.1", 29501)));
 }
 
 #[test]
