@@ -139,8 +139,8 @@ impl RendezvousConfig {
     /// - `MASTER_ADDR` (host name or IP address, resolved here); the port: [`PORT_VAR`] (`ANYCCL_MASTER_PORT`), else
     ///   `MASTER_PORT + 1`, since `torchrun`'s agent holds `MASTER_PORT` itself;
     /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
-    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (raw bytes) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
-    ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
+    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (raw bytes) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at
+    ///   most [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
     ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets this user's
     ///   per-user key ([`JobKey::per_user`] from a private file, see [`crate::userkey`]: every process of this
     ///   user finds it, no other uid can read it), and any other address is an error, since anyone who can reach

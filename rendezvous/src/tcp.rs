@@ -16,10 +16,10 @@
 //! has joined, rank 0 sends `Ready` to all (or `Abort` with the reason when it gives up). When a rank that proved it
 //! holds the job key contradicts the job (another world size, rank 0, or a rank that already joined), the job cannot
 //! form: rank 0 admits that rank only to send it `Reject` with the reason, sends `Reject` to every rank that joined,
-//! and gives up at once instead of waiting out the timeout. A peer that did not prove the key still learns nothing. In a collective each
-//! client sends one `Data` frame tagged with the operation and its sequence number; rank 0 checks the tags (a rank
-//! calling another collective than the others is an error, not a silent mix-up), and replies with the result
-//! frames, or with `Abort` to everyone when a rank failed.
+//! and gives up at once instead of waiting out the timeout. A peer that did not prove the key still learns nothing.
+//! In a collective each client sends one `Data` frame tagged with the operation and its sequence number; rank 0
+//! checks the tags (a rank calling another collective than the others is an error, not a silent mix-up), and
+//! replies with the result frames, or with `Abort` to everyone when a rank failed.
 //!
 //! ## Pending connections
 //!
@@ -437,11 +437,13 @@ impl Listener {
     }
 
     /// Waits (up to the configured timeout) until every other rank has connected and proved it holds the job key,
-    /// then tells them the group is ready.
+    /// then tells them the group is ready. A rank that proves the key but contradicts the job (another world size,
+    /// rank 0, a rank that already joined) ends the wait at once: it and every rank that joined get a `Reject`
+    /// frame with the reason, and this returns [`InvalidArgument::BadWorld`] with it.
     ///
     /// All handshakes run at once, each with its own deadline (see the module documentation). A connection that
-    /// fails its handshake (bad magic, another protocol version, no proof of the key, another world size, a rank
-    /// out of range, rank 0, or a rank that already joined) is told only that it was rejected, and closed; the
+    /// fails its handshake (bad magic, another protocol version, no proof of the key) is told only that it was
+    /// rejected, and closed; the
     /// reason is logged and kept in [`Rendezvous::rejections`]. When the timeout passes, the error names the ranks
     /// that did not join (and the connections turned away), and the ranks that did join are told why the group was
     /// abandoned.
