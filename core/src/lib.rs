@@ -5,7 +5,7 @@
 //! - the capability model: [`Capabilities`] and a [`CapabilityReport`] that says, for every flag, whether it is
 //!   enabled and, if not, the concrete [`Reason`] ([`caps`]);
 //! - the error types ([`Error`], [`InvalidArgument`]) and the one checked reader of environment variables
-//!   ([`env`]);
+//!   ([`env`](mod@env));
 //! - the traits a backend implements ([`CommBackend`], [`MemoryRuntime`]) and the [`Communicator`] front-end that
 //!   validates every call and picks the all-reduce algorithm before the backend sees it ([`comm`], [`validate`]);
 //! - the validated call descriptions only the front-end makes ([`args`]) and the [`Bootstrap`] trait through
