@@ -1,9 +1,10 @@
 //! Output files (`bench --plot`, `tune --out`): checked before a sweep, so a bad path fails at once and by name
 //! rather than after minutes of measuring; written whole or not at all.
 
-use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use tempfile::NamedTempFile;
 
 use anyccl::core::{Error, Result};
 
@@ -33,81 +34,98 @@ fn kind(ft: std::fs::FileType) -> &'static str {
     }
 }
 
-/// Opens for writing without blocking (a FIFO with no reader would block a plain open) and without truncating.
-fn open_for_write(options: &mut OpenOptions) -> &mut OpenOptions {
-    options.write(true);
+/// The directory a new file beside `path` goes into (`.` for a bare file name).
+fn dir_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// A new, empty file beside `path`, with a name no other process can predict (`.<name>.<random>.anyccl-tmp`),
+/// created exclusively (`O_CREAT | O_EXCL`: never a file or symbolic link that is already there, whoever planted
+/// it), with mode 0666 less the umask. It is removed when dropped unless persisted.
+fn temp_beside(path: &Path) -> std::io::Result<NamedTempFile> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let prefix = format!(".{name}.");
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(&prefix).suffix(".anyccl-tmp").rand_bytes(12);
     #[cfg(unix)]
     {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    options
+    builder.tempfile_in(dir_of(path))
 }
 
 /// Checks that `path` (the value of `flag`, which will hold `what`) can be written the way [`write_atomically`]
-/// writes it: an existing file must be a regular file open for writing (it is not truncated), and its directory
-/// must take a new file (one is created and removed again). Anything else (a directory, FIFO, device, a missing
-/// directory, no permission) is an error naming the path and the flag.
+/// writes it: what is there now must be a regular file or a symbolic link (which is replaced, never followed),
+/// and its directory must take a new file (one is created and removed again). Anything else (a directory, FIFO,
+/// device, a missing directory, no permission) is an error naming the path and the flag.
 pub fn check_writable(path: &Path, flag: &str, what: &str) -> Result<()> {
     let fail = |m: String| config(path, format!("cannot write {what} here ({flag}): {m}"));
-    let not_regular = |ft: std::fs::FileType| fail(format!("it is {}; {flag} takes a regular file", kind(ft)));
     if path.file_name().is_none() {
         return Err(fail(format!("the path names no file; {flag} takes a file name")));
     }
-    match std::fs::metadata(path) {
-        Ok(meta) if !meta.is_file() => return Err(not_regular(meta.file_type())),
-        Ok(_) => {
-            let f = open_for_write(&mut OpenOptions::new()).open(path).map_err(|e| fail(e.to_string()))?;
-            let ft = f.metadata().map_err(|e| fail(e.to_string()))?.file_type();
-            if !ft.is_file() {
-                return Err(not_regular(ft));
-            }
+    // lstat: a symbolic link is judged as itself, since it is what gets replaced
+    let existing = match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.is_file() && !meta.file_type().is_symlink() => {
+            return Err(fail(format!("it is {}; {flag} takes a regular file", kind(meta.file_type()))));
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Ok(meta) => Some(meta),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(fail(e.to_string())),
+    };
+    // created and removed again (on drop)
+    let probe = temp_beside(path).map_err(|e| fail(e.to_string()))?;
+    #[cfg(unix)]
+    if let Some(existing) = existing {
+        // In a sticky directory (such as /tmp) a file or link another user owns cannot be replaced: say so now
+        // rather than after the whole sweep. The probe file is this process's own, so its owner is who we are.
+        use std::os::unix::fs::MetadataExt;
+        let me = probe.as_file().metadata().map_err(|e| fail(e.to_string()))?.uid();
+        let dir = std::fs::metadata(dir_of(path)).map_err(|e| fail(e.to_string()))?;
+        if dir.mode() & 0o1000 != 0 && me != 0 && existing.uid() != me && dir.uid() != me {
+            return Err(fail(format!(
+                "it belongs to another user (uid {}) in a shared sticky directory, so it cannot be replaced; \
+                 choose another name",
+                existing.uid()
+            )));
+        }
     }
-    let probe = temp_beside(path, "check");
-    open_for_write(&mut OpenOptions::new()).create_new(true).open(&probe).map_err(|e| fail(e.to_string()))?;
-    std::fs::remove_file(&probe).map_err(|e| fail(format!("created {} but cannot remove it: {e}", probe.display())))
+    #[cfg(not(unix))]
+    let _ = existing;
+    drop(probe);
+    Ok(())
 }
 
-/// The file `path` names in the end (a symlink's target), or `path` itself if it does not exist yet.
-fn target(path: &Path) -> PathBuf {
-    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned())
-}
-
-/// A new file's name beside `path`'s target, private to this process.
-fn temp_beside(path: &Path, tag: &str) -> PathBuf {
-    let t = target(path);
-    let name = t.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    t.with_file_name(format!(".{name}.anyccl-{}.{tag}", std::process::id()))
-}
-
-/// Writes `bytes` to `path` whole or not at all: into a new file beside it, then renamed over it, so a failure
-/// (a full disk, a kill) leaves the old file as it was. A symlink is followed (its target is replaced).
+/// Writes `bytes` to `path` whole or not at all: into a new file beside it with an unpredictable name, created
+/// exclusively ([`temp_beside`]), then renamed over `path` (`rename(2)` is atomic, and replaces a symbolic link at
+/// `path` instead of writing through it), so a failure (a full disk, a kill) leaves the old file as it was and
+/// another user's link or planted file in a shared directory is never followed. A regular file being replaced
+/// keeps its permissions.
 pub fn write_atomically(path: &Path, bytes: &[u8], flag: &str, what: &str) -> Result<()> {
     let fail = |m: String| config(path, format!("cannot write {what} ({flag}): {m}"));
-    let target = target(path);
-    let tmp = temp_beside(path, "tmp");
+    let mut tmp = temp_beside(path).map_err(|e| fail(e.to_string()))?;
     let written = (|| -> std::io::Result<()> {
-        let mut f: File = open_for_write(&mut OpenOptions::new()).create_new(true).open(&tmp)?;
-        f.write_all(bytes)?;
-        // An existing file keeps its permissions.
-        if let Ok(meta) = std::fs::metadata(&target) {
-            f.set_permissions(meta.permissions())?;
+        tmp.as_file_mut().write_all(bytes)?;
+        // An existing regular file keeps its permissions (lstat: never a link's target's).
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if meta.is_file() {
+                tmp.as_file().set_permissions(meta.permissions())?;
+            }
         }
-        f.sync_all()?;
-        std::fs::rename(&tmp, &target)
+        tmp.as_file().sync_all()
     })();
-    written.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        fail(e.to_string())
-    })
+    // on failure `tmp` is dropped here, which removes it
+    written.map_err(|e| fail(e.to_string()))?;
+    tmp.persist(path).map(drop).map_err(|e| fail(e.error.to_string()))
 }
 
 #[cfg(all(test, unix))]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("anyccl-output-{}-{name}", std::process::id()));
@@ -160,6 +178,60 @@ mod tests {
         // Nothing is left beside the target.
         let left: Vec<_> = std::fs::read_dir(&d).expect("list").filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
         assert_eq!(left.len(), 1, "{left:?}");
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// Another user's links in a shared directory: one at the target and one at each name the old code would
+    /// have used for its temporary file. None is followed; the target's link is replaced by the new file.
+    #[test]
+    fn planted_links_are_replaced_never_followed() {
+        let d = dir("links");
+        let victim = d.join("victim");
+        std::fs::write(&victim, "precious").expect("write");
+        let p = d.join("t.toml");
+        std::os::unix::fs::symlink(&victim, &p).expect("symlink at the target");
+        let pid = std::process::id();
+        let planted: Vec<PathBuf> =
+            ["tmp", "check"].iter().map(|tag| d.join(format!(".t.toml.anyccl-{pid}.{tag}"))).collect();
+        for link in &planted {
+            std::os::unix::fs::symlink(&victim, link).expect("symlink at a predictable name");
+        }
+        check_writable(&p, "--out", "the table").expect("a link at the target is fine: it is replaced");
+        write_atomically(&p, b"table", "--out", "the table").expect("written");
+        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious", "the link was not written through");
+        let meta = std::fs::symlink_metadata(&p).expect("lstat");
+        assert!(meta.is_file(), "the target is now a regular file, not the link");
+        assert_eq!(std::fs::read(&p).expect("read"), b"table");
+        for link in &planted {
+            assert!(std::fs::symlink_metadata(link).expect("still there").file_type().is_symlink());
+        }
+        // a dangling link (to where another user might create a file later) is replaced too
+        let q = d.join("u.toml");
+        std::os::unix::fs::symlink(d.join("later"), &q).expect("symlink");
+        write_atomically(&q, b"x", "--out", "the table").expect("written");
+        assert!(!d.join("later").exists(), "nothing was created through the dangling link");
+        assert_eq!(std::fs::read(&q).expect("read"), b"x");
+        // nothing else is left behind: the victim, t.toml, u.toml and the two planted links
+        let left = std::fs::read_dir(&d).expect("list").count();
+        assert_eq!(left, 5);
+        std::fs::remove_dir_all(&d).ok();
+    }
+
+    /// The temporary names differ from call to call and from the old `<name>.anyccl-<pid>` form.
+    #[test]
+    fn temporary_names_are_unpredictable() {
+        let d = dir("names");
+        let p = d.join("t.toml");
+        let a = temp_beside(&p).expect("temp");
+        let b = temp_beside(&p).expect("temp");
+        assert_ne!(a.path(), b.path());
+        for t in [&a, &b] {
+            let name = t.path().file_name().expect("name").to_string_lossy().into_owned();
+            assert!(name.starts_with(".t.toml.") && name.ends_with(".anyccl-tmp"), "{name}");
+            assert!(!name.contains(&std::process::id().to_string()), "{name}");
+            assert_eq!(t.path().parent(), Some(d.as_path()), "beside the target");
+        }
+        drop((a, b));
         std::fs::remove_dir_all(&d).ok();
     }
 }

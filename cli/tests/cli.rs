@@ -194,6 +194,24 @@ fn assert_one_line_error(out: &Output, needle: &str) {
     assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
 }
 
+/// A variable anyccl reads that is not UTF-8 is an error naming it, in `probe` too (it used to ignore a
+/// non-UTF-8 `ANYCCL_DISABLE` in silence), and an out-of-range size from the environment is one as well.
+#[cfg(unix)]
+#[test]
+fn probe_names_a_variable_that_is_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    for var in ["ANYCCL_DISABLE", "ANYCCL_CUSTOM_MAX_BYTES", "ANYCCL_FUSED_RMSNORM"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_anyccl"))
+            .arg("probe")
+            .env_remove("ANYCCL_TUNE_FILE")
+            .env(var, std::ffi::OsStr::from_bytes(b"ccl\xfe"))
+            .output()
+            .expect("run anyccl");
+        assert_one_line_error(&out, var);
+        assert!(text(&out.stderr).contains("not valid UTF-8"), "{var}: {}", text(&out.stderr));
+    }
+}
+
 #[test]
 fn bad_flags_give_one_line_and_nonzero_exit() {
     assert_one_line_error(&anyccl(&["bench", "--frobnicate"], &[]), "--frobnicate");
@@ -440,6 +458,39 @@ fn probe_reports_a_fake_nccl_2_28_and_a_broken_path() {
     assert_eq!(capability(&v, "ccl")["enabled"], false);
 }
 
+/// `tune --out` and `bench --plot` into a directory where another user planted links: a link at the target is
+/// replaced by the new file (never written through), and a link at the name the temporary file used to have is
+/// left alone.
+#[cfg(unix)]
+#[test]
+fn tune_and_plot_replace_a_planted_link_instead_of_following_it() {
+    let dir = std::env::temp_dir().join(format!("anyccl-planted-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let victim = dir.join("victim");
+    std::fs::write(&victim, "precious").expect("write");
+    for name in ["t.toml", "p.svg"] {
+        std::os::unix::fs::symlink(&victim, dir.join(name)).expect("link at the target");
+    }
+    let out = dir.join("t.toml").to_string_lossy().into_owned();
+    let plot = dir.join("p.svg").to_string_lossy().into_owned();
+    let args = ["--world", "2", "--sizes", "4KiB", "--iters", "1", "--warmup", "0"];
+    let r = anyccl(&[&["tune"][..], &args, &["--algos", "ring", "--out", &out]].concat(), &[]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    let r = anyccl(&[&["bench"][..], &args, &["--plot", &plot]].concat(), &[]);
+    assert!(r.status.success(), "{}", text(&r.stderr));
+    assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious", "no link was written through");
+    for name in ["t.toml", "p.svg"] {
+        let meta = std::fs::symlink_metadata(dir.join(name)).expect("lstat");
+        assert!(meta.is_file(), "{name} is now a regular file");
+    }
+    anyccl::core::SelectorTable::load(&dir.join("t.toml")).expect("the table was written whole");
+    assert!(std::fs::read_to_string(dir.join("p.svg")).expect("read").contains("<svg"));
+    // nothing but the victim and the two outputs is left in the directory
+    assert_eq!(std::fs::read_dir(&dir).expect("list").count(), 3);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn tune_writes_a_table_that_bench_then_uses() {
     let out = std::env::temp_dir().join(format!("anyccl-tune-{}.toml", std::process::id()));
@@ -494,8 +545,8 @@ fn bench_plots_an_svg_and_refuses_other_formats() {
 }
 
 /// Starts `world` `anyccl` processes the way torchrun does (a stand-in holds `MASTER_PORT`; each process gets
-/// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` and nothing else), rank `r` with `args(r)`, and
-/// waits for all of them (60 s at most).
+/// `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `XDG_RUNTIME_DIR` and nothing else), rank `r`
+/// with `args(r)`, and waits for all of them (60 s at most).
 fn per_rank(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<Output> {
     let held = launcher::hold_master_port();
     let port = held.local_addr().expect("addr").port();
@@ -510,6 +561,8 @@ fn per_rank(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<Output> {
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                // where the per-user key of a loopback job without a secret lives (torchrun passes it on)
+                .env("XDG_RUNTIME_DIR", launcher::runtime_dir())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()

@@ -308,11 +308,12 @@ impl CapabilityReport {
         Ok(())
     }
 
-    /// Reads `ANYCCL_DISABLE` from the environment and applies it (see [`Self::apply_disable_list`]).
+    /// Reads `ANYCCL_DISABLE` from the environment and applies it (see [`Self::apply_disable_list`]); a value that
+    /// is not UTF-8 is an [`Error::Config`] naming the variable, like any other invalid value.
     pub fn apply_env(&mut self) -> Result<()> {
-        match std::env::var("ANYCCL_DISABLE") {
-            Ok(v) => self.apply_disable_list("ANYCCL_DISABLE", &v),
-            Err(_) => Ok(()),
+        match crate::env::var("ANYCCL_DISABLE")? {
+            Some(v) => self.apply_disable_list("ANYCCL_DISABLE", &v),
+            None => Ok(()),
         }
     }
 
@@ -372,17 +373,7 @@ impl Serialize for CapabilityReport {
 /// The capabilities `ANYCCL_DISABLE` turns off (an invalid value is a [`Error::Config`] naming the variable).
 pub fn disabled_by_env() -> Result<Capabilities> {
     const VAR: &str = "ANYCCL_DISABLE";
-    let value = match std::env::var(VAR) {
-        Ok(v) => v,
-        Err(std::env::VarError::NotPresent) => return Ok(Capabilities::empty()),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            return Err(Error::Config {
-                source_name: VAR.into(),
-                line: None,
-                message: "the value is not valid UTF-8".into(),
-            })
-        }
-    };
+    let Some(value) = crate::env::var(VAR)? else { return Ok(Capabilities::empty()) };
     let mut all = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: String::new() });
     all.enable(Capabilities::all());
     all.apply_disable_list(VAR, &value)?;

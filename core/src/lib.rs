@@ -4,7 +4,8 @@
 //! - [`DataType`], [`ReduceOp`] and which pairs are valid ([`dtype`]);
 //! - the capability model: [`Capabilities`] and a [`CapabilityReport`] that says, for every flag, whether it is
 //!   enabled and, if not, the concrete [`Reason`] ([`caps`]);
-//! - the error types ([`Error`], [`InvalidArgument`]);
+//! - the error types ([`Error`], [`InvalidArgument`]) and the one checked reader of environment variables
+//!   ([`env`](mod@env));
 //! - the traits a backend implements ([`CommBackend`], [`MemoryRuntime`]) and the [`Communicator`] front-end that
 //!   validates every call and picks the all-reduce algorithm before the backend sees it ([`comm`], [`validate`]);
 //! - the validated call descriptions only the front-end makes ([`args`]) and the [`Bootstrap`] trait through
@@ -24,6 +25,7 @@ pub mod comm;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod dtype;
+pub mod env;
 pub mod error;
 pub mod fused;
 pub mod runtime;

@@ -666,38 +666,24 @@ impl Selector {
         Self::default()
     }
 
-    /// Reads `ANYCCL_ALLREDUCE_ALGO` and `ANYCCL_TUNE_FILE`. A bad value of either is an error naming it.
+    /// Reads `ANYCCL_ALLREDUCE_ALGO` and `ANYCCL_TUNE_FILE`. A bad value of either is an error naming it, and so is
+    /// any `ANYCCL_*` variable that is set but not UTF-8 ([`crate::env::check_process_env`]).
     pub fn from_env() -> Result<Self> {
         let mut s = Self::default();
         if let Some(path) = std::env::var_os(ENV_TABLE_FILE).filter(|p| !p.is_empty()) {
             s = s.with_table_file(Path::new(&path), ENV_TABLE_FILE)?;
         }
-        let forced = match std::env::var(ENV_FORCE_ALGO) {
-            Ok(v) => Some(v),
-            Err(std::env::VarError::NotPresent) => None,
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(Error::Config {
-                    source_name: ENV_FORCE_ALGO.to_owned(),
-                    line: None,
-                    message: "the value is not valid UTF-8".to_owned(),
-                })
-            }
-        };
-        s.deterministic = match std::env::var(ENV_DETERMINISTIC) {
-            Ok(v) => parse_switch(&v).map_err(|message| Error::Config {
+        let forced = crate::env::var(ENV_FORCE_ALGO)?;
+        s.deterministic = match crate::env::var(ENV_DETERMINISTIC)? {
+            Some(v) => parse_switch(&v).map_err(|message| Error::Config {
                 source_name: ENV_DETERMINISTIC.to_owned(),
                 line: None,
                 message,
             })?,
-            Err(std::env::VarError::NotPresent) => false,
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(Error::Config {
-                    source_name: ENV_DETERMINISTIC.to_owned(),
-                    line: None,
-                    message: "the value is not valid UTF-8".to_owned(),
-                })
-            }
+            None => false,
         };
+        // every other variable read below through a plain closure: set but not UTF-8 is an error naming it
+        crate::env::check_process_env()?;
         s.fused_forced = crate::fused::form_from_env(&|k| std::env::var(k).ok())?;
         if let Some(v) = forced {
             if !v.trim().is_empty() && !v.trim().eq_ignore_ascii_case("auto") {

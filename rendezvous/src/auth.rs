@@ -37,7 +37,7 @@ pub(crate) const LEN: usize = 32;
 type HmacSha256 = Hmac<Sha256>;
 
 const LABEL_JOB_KEY: &[u8] = b"anyccl-rendezvous job key\0";
-const LABEL_DERIVED: &[u8] = b"anyccl-rendezvous derived loopback key\0";
+const LABEL_USER: &[u8] = b"anyccl-rendezvous per-user loopback key\0";
 const LABEL_CLIENT_PROOF: &[u8] = b"anyccl-rendezvous v2 client proof\0";
 const LABEL_SERVER_PROOF: &[u8] = b"anyccl-rendezvous v2 server proof\0";
 const LABEL_SESSION: &[u8] = b"anyccl-rendezvous v2 session key\0";
@@ -65,17 +65,19 @@ impl JobKey {
         Ok(JobKey(key))
     }
 
-    /// The key a job uses on a loopback `MASTER_ADDR` when no secret is set: derived from the master address text,
-    /// port and world size. Anybody who knows those can compute it, so it keeps out only strangers who cannot reach
-    /// a loopback port anyway, and processes of another job that picked the same port by mistake.
-    pub fn derived(master_addr: &str, port: u16, world: usize) -> JobKey {
+    /// The key a job uses on a loopback `MASTER_ADDR` when no secret is set: derived from the user's private
+    /// secret ([`crate::userkey`], which other users cannot read), the master address text and the port. Every rank
+    /// of one user on this host computes the same key; the world size is deliberately not part of it, so a rank
+    /// with another world size proves the key and is told at once why the job cannot form.
+    pub fn per_user(user_secret: &[u8], master_addr: &str, port: u16) -> JobKey {
         JobKey(
             Sha256::new()
-                .chain_update(LABEL_DERIVED)
+                .chain_update(LABEL_USER)
+                .chain_update((user_secret.len() as u64).to_le_bytes())
+                .chain_update(user_secret)
                 .chain_update(master_addr.as_bytes())
                 .chain_update([0u8])
                 .chain_update(port.to_le_bytes())
-                .chain_update((world as u64).to_le_bytes())
                 .finalize()
                 .into(),
         )
@@ -276,9 +278,11 @@ mod tests {
     #[test]
     fn keys_differ_and_do_not_show() {
         assert_ne!(JobKey::from_secret(b"x"), JobKey::from_secret(b"y"));
-        assert_ne!(JobKey::derived("127.0.0.1", 1, 2), JobKey::derived("127.0.0.1", 1, 3));
-        assert_ne!(JobKey::derived("127.0.0.1", 1, 2), JobKey::derived("127.0.0.1", 2, 2));
-        assert_ne!(JobKey::derived("127.0.0.1", 1, 2), JobKey::derived("localhost", 1, 2));
+        let user = [1u8; 32];
+        assert_eq!(JobKey::per_user(&user, "127.0.0.1", 1), JobKey::per_user(&user, "127.0.0.1", 1));
+        assert_ne!(JobKey::per_user(&user, "127.0.0.1", 1), JobKey::per_user(&[2u8; 32], "127.0.0.1", 1));
+        assert_ne!(JobKey::per_user(&user, "127.0.0.1", 1), JobKey::per_user(&user, "127.0.0.1", 2));
+        assert_ne!(JobKey::per_user(&user, "127.0.0.1", 1), JobKey::per_user(&user, "localhost", 1));
         assert_ne!(JobKey::random().expect("random"), JobKey::random().expect("random"));
         assert_eq!(format!("{:?}", JobKey::from_secret(b"x")), "JobKey(<secret>)");
     }

@@ -1,6 +1,7 @@
 //! Rendezvous configuration: built in code, or read from the launcher's environment (torchrun, then Slurm), with
 //! the job's secret and the bounds every value must respect.
 
+use std::ffi::{OsStr, OsString};
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::Path;
@@ -124,25 +125,41 @@ impl RendezvousConfig {
 
     /// Reads the configuration from the process environment; see [`RendezvousConfig::from_env_with`].
     pub fn from_env() -> Result<Self> {
-        Self::from_env_with(&|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+        Self::from_env_with(&|name| std::env::var_os(name))
     }
 
     /// Reads the configuration through `get` (a variable's value, or `None` where it is unset).
+    ///
+    /// Values are taken as the operating system gives them: the secret in [`KEY_VAR`] as raw bytes and the path in
+    /// [`KEY_FILE_VAR`] as a path, with no conversion (two secrets that differ only in bytes that are not UTF-8 are
+    /// two secrets); every other variable must be valid UTF-8, and one that is not is an [`Error::Config`] naming it.
     ///
     /// - rank: `RANK`, else `SLURM_PROCID`; world: `WORLD_SIZE`, else `SLURM_NTASKS` (`1..=`[`MAX_WORLD`]); local
     ///   rank: `LOCAL_RANK`, else `SLURM_LOCALID` (optional);
     /// - `MASTER_ADDR` (host name or IP address, resolved here); the port: [`PORT_VAR`] (`ANYCCL_MASTER_PORT`), else
     ///   `MASTER_PORT + 1`, since `torchrun`'s agent holds `MASTER_PORT` itself;
     /// - `ANYCCL_RENDEZVOUS_TIMEOUT_SECS` (optional, seconds, fractions allowed, at most [`MAX_TIMEOUT`]);
-    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (text) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at most
-    ///   [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
-    ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets a key derived from
-    ///   the address, port and world size ([`JobKey::derived`]: any local user can compute it), and any other
-    ///   address is an error, since anyone who can reach the port could then join the job.
+    /// - the job's secret: `ANYCCL_RENDEZVOUS_KEY` (raw bytes) or `ANYCCL_RENDEZVOUS_KEY_FILE` (a regular file of at
+    ///   most [`MAX_KEY_FILE_LEN`] bytes that neither group nor others may read or write), at least [`MIN_SECRET_LEN`]
+    ///   bytes after trimming white space; not both. With neither, a loopback `MASTER_ADDR` gets this user's
+    ///   per-user key ([`JobKey::per_user`] from a private file, see [`crate::userkey`]: every process of this
+    ///   user finds it, no other uid can read it), and any other address is an error, since anyone who can reach
+    ///   the port could then join the job.
     ///
     /// A variable that is set takes precedence over its fallback even when it is malformed: a missing or malformed
     /// value is an [`Error::Config`] naming the variable. Never panics, whatever the values.
-    pub fn from_env_with(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+    pub fn from_env_with(get_os: &dyn Fn(&str) -> Option<OsString>) -> Result<Self> {
+        // Every text variable is checked once, up front: one that is set but not UTF-8 is an error naming it.
+        for &var in TEXT_VARS {
+            if get_os(var).is_some_and(|v| v.to_str().is_none()) {
+                return Err(config(var, "the value is not valid UTF-8"));
+            }
+        }
+        let get = |name: &str| get_os(name).and_then(|v| v.into_string().ok());
+        Self::from_text_env(&get, get_os)
+    }
+
+    fn from_text_env(get: &dyn Fn(&str) -> Option<String>, get_os: &dyn Fn(&str) -> Option<OsString>) -> Result<Self> {
         let (world_var, world_text) = first_of(get, &["WORLD_SIZE", "SLURM_NTASKS"])?;
         let world = parse_usize(world_var, &world_text, "a world size (a positive integer)")?;
         if world == 0 {
@@ -174,26 +191,23 @@ impl RendezvousConfig {
             return Err(config("MASTER_ADDR", "is empty; set it to rank 0's host name or IP address"));
         }
         let port = rendezvous_port(get)?;
-        let master = resolve(&addr_text, port)?;
-
         let timeout = match get(TIMEOUT_VAR) {
             None => DEFAULT_TIMEOUT,
             Some(text) => parse_secs(TIMEOUT_VAR, &text)?,
         };
-        let key = match (get(KEY_VAR), get(KEY_FILE_VAR)) {
+        let master = resolve(&addr_text, port, timeout, system_lookup)?;
+        let key = match (get_os(KEY_VAR), get_os(KEY_FILE_VAR)) {
             (Some(_), Some(_)) => {
                 return Err(config(KEY_FILE_VAR, format!("both {KEY_VAR} and {KEY_FILE_VAR} are set; set only one")));
             }
-            (Some(text), None) => JobKey::from_secret(check_secret(KEY_VAR, text.as_bytes())?),
-            (None, Some(path)) => read_key_file(&path)?,
-            (None, None) if is_loopback(master.ip()) => {
-                debug!(
-                    target: "anyccl::rendezvous",
-                    "{KEY_VAR} is not set: using the key derived from MASTER_ADDR, MASTER_PORT and the world size \
-                     (loopback only; any local user can compute it)"
-                );
-                JobKey::derived(&addr_text, port, world)
+            (Some(secret), None) => {
+                let mut secret = os_bytes(KEY_VAR, secret)?;
+                let key = check_secret(KEY_VAR, &secret).map(JobKey::from_secret);
+                secret.fill(0);
+                key?
             }
+            (None, Some(path)) => read_key_file(&path)?,
+            (None, None) if is_loopback(master.ip()) => loopback_key(get_os, &addr_text, port)?,
             (None, None) => {
                 return Err(config(
                     KEY_VAR,
@@ -251,6 +265,70 @@ impl RendezvousConfig {
     }
 }
 
+/// The variables read as text (everything but the secret and the key file's path); a value of one of them that is
+/// not UTF-8 is an error naming it.
+const TEXT_VARS: &[&str] = &[
+    "WORLD_SIZE",
+    "SLURM_NTASKS",
+    "RANK",
+    "SLURM_PROCID",
+    "LOCAL_RANK",
+    "SLURM_LOCALID",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    PORT_VAR,
+    TIMEOUT_VAR,
+];
+
+/// The raw bytes of a value, without any conversion (on Unix, where a value is a byte string); elsewhere the value
+/// must be valid Unicode.
+fn os_bytes(var: &str, value: OsString) -> Result<Vec<u8>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStringExt;
+        let _ = var;
+        Ok(value.into_vec())
+    }
+    #[cfg(not(unix))]
+    {
+        value.into_string().map(String::into_bytes).map_err(|_| config(var, "the value is not valid Unicode"))
+    }
+}
+
+/// The key of a loopback job without a configured secret: [`JobKey::per_user`] from this user's private secret
+/// ([`crate::userkey`]), which no other uid can read, so no other user can join the job or pose as its rank 0.
+#[cfg(target_os = "linux")]
+fn loopback_key(get_os: &dyn Fn(&str) -> Option<OsString>, addr_text: &str, port: u16) -> Result<JobKey> {
+    let base = crate::userkey::base_dir(get_os).ok_or_else(|| {
+        config(
+            KEY_VAR,
+            format!(
+                "not set, and neither XDG_RUNTIME_DIR nor HOME names a directory for the per-user key that keeps \
+                 other users out of a loopback job: set one of them, or give every rank the same secret in {KEY_VAR} \
+                 or {KEY_FILE_VAR}"
+            ),
+        )
+    })?;
+    let mut secret = crate::userkey::load_or_create(&base)?;
+    debug!(
+        target: "anyccl::rendezvous",
+        "{KEY_VAR} is not set: using this user's private key under {} (loopback only)",
+        base.display()
+    );
+    let key = JobKey::per_user(&secret, addr_text, port);
+    secret.fill(0);
+    Ok(key)
+}
+
+/// Without the per-user key file (Linux only), a loopback job needs a secret like any other.
+#[cfg(not(target_os = "linux"))]
+fn loopback_key(_: &dyn Fn(&str) -> Option<OsString>, _: &str, _: u16) -> Result<JobKey> {
+    Err(config(
+        KEY_VAR,
+        format!("not set: on this platform every job needs a secret; set {KEY_VAR} or {KEY_FILE_VAR} on every rank"),
+    ))
+}
+
 /// Whether `ip` is a loopback address (including an IPv4-mapped one such as `::ffff:127.0.0.1`).
 fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
@@ -281,13 +359,13 @@ fn check_secret<'a>(var: &str, secret: &'a [u8]) -> Result<&'a [u8]> {
 /// Reads the secret from the file `path_text` names: opened without blocking (a FIFO or a device cannot hang the
 /// rank), and refused unless it is a regular file of at most [`MAX_KEY_FILE_LEN`] bytes that neither group nor
 /// others may read or write (as ssh does with a private key).
-fn read_key_file(path_text: &str) -> Result<JobKey> {
+fn read_key_file(path_os: &OsStr) -> Result<JobKey> {
     let var = KEY_FILE_VAR;
-    let shown = sanitize(path_text);
-    if path_text.trim().is_empty() {
+    let shown = sanitize(&path_os.to_string_lossy());
+    if path_os.to_string_lossy().trim().is_empty() {
         return Err(config(var, "is empty; set it to the path of a file holding the job's secret"));
     }
-    let path = Path::new(path_text);
+    let path = Path::new(path_os);
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     #[cfg(target_os = "linux")]
@@ -402,7 +480,19 @@ fn parse_secs(var: &str, text: &str) -> Result<Duration> {
     }
 }
 
-fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+/// How a host name becomes addresses (the system resolver; a stand-in in tests).
+type Lookup = fn(&str, u16) -> std::io::Result<Vec<SocketAddr>>;
+
+/// The system resolver.
+fn system_lookup(host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+    (host, port).to_socket_addrs().map(|addrs| addrs.collect())
+}
+
+/// `host` (an IP address, or a host name looked up through `lookup`) with `port`. A lookup runs on a helper thread
+/// and is waited for at most `timeout` (the rendezvous timeout): a resolver that never answers is an error naming
+/// `MASTER_ADDR`, not a hang. The helper thread of a lookup given up on is left to finish on its own (the system
+/// resolver cannot be cancelled); it holds nothing but its own result.
+fn resolve(host: &str, port: u16, timeout: Duration, lookup: Lookup) -> Result<SocketAddr> {
     let literal = host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>();
     if let Ok(ip) = literal {
         return Ok(SocketAddr::new(ip, port));
@@ -411,9 +501,32 @@ fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
     if !host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_')) {
         return Err(config("MASTER_ADDR", format!("'{shown}' is not a host name or IP address")));
     }
-    let mut addrs =
-        (host, port).to_socket_addrs().map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{shown}': {e}")))?;
-    addrs.next().ok_or_else(|| config("MASTER_ADDR", format!("'{shown}' resolves to no address")))
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = host.to_owned();
+    std::thread::Builder::new()
+        .name("anyccl-resolve".into())
+        .spawn(move || {
+            // the receiver may have given up: then nobody needs the answer
+            let _ = tx.send(lookup(&name, port));
+        })
+        .map_err(|e| config("MASTER_ADDR", format!("cannot start resolving '{shown}': {e}")))?;
+    let addrs = match rx.recv_timeout(timeout) {
+        Ok(result) => result.map_err(|e| config("MASTER_ADDR", format!("cannot resolve '{shown}': {e}")))?,
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            return Err(config(
+                "MASTER_ADDR",
+                format!(
+                    "resolving '{shown}' took longer than the rendezvous timeout ({:?}); check the name and the \
+                     resolver, or give an IP address",
+                    timeout
+                ),
+            ))
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            return Err(config("MASTER_ADDR", format!("resolving '{shown}' failed (the resolver thread ended)")))
+        }
+    };
+    addrs.into_iter().next().ok_or_else(|| config("MASTER_ADDR", format!("'{shown}' resolves to no address")))
 }
 
 #[cfg(test)]
@@ -437,5 +550,39 @@ mod tests {
         let e = check_secret("V", b"0123456789abcde").expect_err("15 bytes");
         assert!(e.to_string().contains("15 bytes long; it must be at least 16"), "{e}");
         assert!(check_secret("V", b" \n\t").expect_err("blank").to_string().contains("is empty"));
+    }
+
+    #[test]
+    fn a_resolver_that_never_answers_is_bounded_by_the_timeout() {
+        // a lookup that blocks far longer than the test (its thread is left behind, as in real use)
+        let started = std::time::Instant::now();
+        let stuck: Lookup = |_, _| {
+            std::thread::sleep(Duration::from_secs(3600));
+            Ok(Vec::new())
+        };
+        let e = resolve("rank0.example", 1, Duration::from_millis(200), stuck).expect_err("no answer");
+        match &e {
+            Error::Config { source_name, message, .. } => {
+                assert_eq!(source_name, "MASTER_ADDR");
+                assert!(message.contains("longer than the rendezvous timeout"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "bounded: {:?}", started.elapsed());
+        // an answer in time is used; IP addresses never reach the resolver
+        let local: Lookup = |_, port| Ok(vec![SocketAddr::from(([127, 0, 0, 7], port))]);
+        assert_eq!(
+            resolve("rank0", 9, Duration::from_secs(30), local).expect("resolved"),
+            "127.0.0.7:9".parse().expect("addr")
+        );
+        assert_eq!(
+            resolve("::1", 9, Duration::from_millis(1), stuck).expect("literal"),
+            "[::1]:9".parse().expect("addr")
+        );
+        let none: Lookup = |_, _| Ok(Vec::new());
+        assert!(resolve("rank0", 9, Duration::from_secs(30), none)
+            .expect_err("empty")
+            .to_string()
+            .contains("no address"));
     }
 }

@@ -13,7 +13,8 @@
 //!   [`Rendezvous::barrier`]. Every wait has a timeout; a rank that never arrives or dies makes the others fail
 //!   with [`Error::Timeout`](anyccl_core::Error::Timeout) or [`Error::PeerFailure`](anyccl_core::Error::PeerFailure)
 //!   instead of hanging. [`RendezvousConfig::from_env`] reads torchrun's (or Slurm's) variables and the job's
-//!   secret (`ANYCCL_RENDEZVOUS_KEY` or `ANYCCL_RENDEZVOUS_KEY_FILE`; required unless `MASTER_ADDR` is loopback).
+//!   secret (`ANYCCL_RENDEZVOUS_KEY` or `ANYCCL_RENDEZVOUS_KEY_FILE`; required unless `MASTER_ADDR` is loopback,
+//!   where a per-user private key ([`userkey`]) keeps other users out).
 //! - [`fdpass`] (Linux): file-descriptor passing over a Unix-domain socket (`SCM_RIGHTS`) between processes of the
 //!   same user, for CUDA VMM POSIX-FD memory handles. The server socket lives in a private directory (mode 0700),
 //!   the socket file has mode 0600, and every accepted peer's uid is checked with `SO_PEERCRED`.
@@ -46,6 +47,8 @@ pub mod config;
 #[cfg(target_os = "linux")]
 pub mod fdpass;
 pub mod tcp;
+#[cfg(target_os = "linux")]
+pub mod userkey;
 
 pub use auth::JobKey;
 pub use config::RendezvousConfig;

@@ -13,10 +13,13 @@
 //!
 //! Then frames, each a 26-byte header (kind `u8`, op `u8`, sequence `u64`, argument `u64`, length `u64`), `length`
 //! bytes of payload (at most `max_message`), and a 32-byte tag from the connection's session key. Once every rank
-//! has joined, rank 0 sends `Ready` to all (or `Abort` with the reason when it gives up). In a collective each
-//! client sends one `Data` frame tagged with the operation and its sequence number; rank 0 checks the tags (a rank
-//! calling another collective than the others is an error, not a silent mix-up), and replies with the result
-//! frames, or with `Abort` to everyone when a rank failed.
+//! has joined, rank 0 sends `Ready` to all (or `Abort` with the reason when it gives up). When a rank that proved it
+//! holds the job key contradicts the job (another world size, rank 0, or a rank that already joined), the job cannot
+//! form: rank 0 admits that rank only to send it `Reject` with the reason, sends `Reject` to every rank that joined,
+//! and gives up at once instead of waiting out the timeout. A peer that did not prove the key still learns nothing.
+//! In a collective each client sends one `Data` frame tagged with the operation and its sequence number; rank 0
+//! checks the tags (a rank calling another collective than the others is an error, not a silent mix-up), and
+//! replies with the result frames, or with `Abort` to everyone when a rank failed.
 //!
 //! ## Pending connections
 //!
@@ -84,11 +87,14 @@ enum Kind {
     Ready = 3,
     Abort = 4,
     Data = 5,
+    /// The job cannot form (a world-size contradiction, a rank claimed twice): sent, with the reason, to every rank
+    /// that proved it holds the job key.
+    Reject = 6,
 }
 
 impl Kind {
     fn from_u8(b: u8) -> Option<Kind> {
-        [Kind::Ready, Kind::Abort, Kind::Data].into_iter().find(|k| *k as u8 == b)
+        [Kind::Ready, Kind::Abort, Kind::Data, Kind::Reject].into_iter().find(|k| *k as u8 == b)
     }
 }
 
@@ -431,11 +437,13 @@ impl Listener {
     }
 
     /// Waits (up to the configured timeout) until every other rank has connected and proved it holds the job key,
-    /// then tells them the group is ready.
+    /// then tells them the group is ready. A rank that proves the key but contradicts the job (another world size,
+    /// rank 0, a rank that already joined) ends the wait at once: it and every rank that joined get a `Reject`
+    /// frame with the reason, and this returns [`InvalidArgument::BadWorld`] with it.
     ///
     /// All handshakes run at once, each with its own deadline (see the module documentation). A connection that
-    /// fails its handshake (bad magic, another protocol version, no proof of the key, another world size, a rank
-    /// out of range, rank 0, or a rank that already joined) is told only that it was rejected, and closed; the
+    /// fails its handshake (bad magic, another protocol version, no proof of the key) is told only that it was
+    /// rejected, and closed; the
     /// reason is logged and kept in [`Rendezvous::rejections`]. When the timeout passes, the error names the ranks
     /// that did not join (and the connections turned away), and the ranks that did join are told why the group was
     /// abandoned.
@@ -461,6 +469,11 @@ impl Listener {
             if let Err(e) = gate.turn() {
                 abort_all(gate.peers.iter_mut().flatten(), &format!("rank 0 failed: {e}"));
                 return Err(e);
+            }
+            if let Some(reason) = gate.fatal.take() {
+                warn!(target: "anyccl::rendezvous", "rendezvous at {addr}: {reason}");
+                reject_all(gate.peers.iter_mut().flatten(), &reason);
+                return Err(Error::InvalidArgument(InvalidArgument::BadWorld(reason)));
             }
         }
         let Gate { peers, rejections, .. } = gate;
@@ -604,6 +617,8 @@ struct Gate<'a> {
     peers: Vec<Option<Conn>>,
     joined: usize,
     rejections: Rejections,
+    /// Why the job cannot form, once a rank holding the key contradicted it.
+    fatal: Option<String>,
 }
 
 impl<'a> Gate<'a> {
@@ -641,6 +656,7 @@ impl<'a> Gate<'a> {
             peers,
             joined: 0,
             rejections: Rejections::default(),
+            fatal: None,
         })
     }
 
@@ -783,7 +799,8 @@ impl<'a> Gate<'a> {
             server_nonce: p.server_nonce,
         };
         let proof = array_at(&hello, PREAMBLE_LEN + 16 + auth::LEN);
-        let verdict = if !transcript.check_client_proof(&self.key, &proof)? {
+        let authentic = transcript.check_client_proof(&self.key, &proof)?;
+        let verdict = if !authentic {
             Err(format!(
                 "did not prove it holds the job key (a rank with another {KEY_VAR}, MASTER_ADDR or MASTER_PORT, a \
                  process of another job, or a stranger)"
@@ -803,8 +820,11 @@ impl<'a> Gate<'a> {
                 _ => Err(format!("rank {} is out of range for a world of {}", transcript.rank, self.cfg.world)),
             }
         };
-        let rank = match verdict {
-            Ok(rank) => rank,
+        let (rank, contradiction) = match verdict {
+            Ok(rank) => (rank, None),
+            // A rank holding the key that contradicts the job: it is told why (after rank 0 proved itself to it, so
+            // only key holders read the reason), and so is everyone else, at once.
+            Err(reason) if authentic => (0, Some(reason)),
             Err(reason) => {
                 self.rejections.record(Some(p.from), &reason);
                 p.reject(self.poll.registry());
@@ -820,6 +840,16 @@ impl<'a> Gate<'a> {
         let sent = stream
             .set_nonblocking(false)
             .and_then(|()| write_all_by(&mut stream, &reply, at_least(self.deadline, ABORT_LIMIT)));
+        if let Some(reason) = contradiction {
+            let reason = format!("the job cannot form: {reason}");
+            self.rejections.record(Some(p.from), &reason);
+            if sent.is_ok() {
+                let mut conn = Conn { stream, session };
+                reject_all(std::iter::once(&mut conn), &reason);
+            }
+            self.fatal = Some(reason);
+            return Ok(());
+        }
         if let Err(e) = sent {
             self.rejections
                 .record(Some(p.from), &format!("rank {rank} passed the handshake but the reply failed: {e}"));
@@ -836,10 +866,19 @@ impl<'a> Gate<'a> {
 
 /// Tells every connection that the group is abandoned (best effort, about one second in all).
 fn abort_all<'a>(conns: impl Iterator<Item = &'a mut Conn>, reason: &str) {
+    tell_all(conns, Kind::Abort, reason)
+}
+
+/// Tells every connection that the job cannot form, and why (best effort, about one second in all).
+fn reject_all<'a>(conns: impl Iterator<Item = &'a mut Conn>, reason: &str) {
+    tell_all(conns, Kind::Reject, reason)
+}
+
+fn tell_all<'a>(conns: impl Iterator<Item = &'a mut Conn>, kind: Kind, reason: &str) {
     let reason = sanitize_bytes(reason.as_bytes(), MAX_REASON);
     let by = at_least(Instant::now(), ABORT_LIMIT);
     let ctx = Ctx { peer: "a rank", what: "an abort", after: ABORT_LIMIT, max: 0 };
-    let abort = Out { kind: Kind::Abort, op: Op::Setup, seq: 0, arg: 0 };
+    let abort = Out { kind, op: Op::Setup, seq: 0, arg: 0 };
     for c in conns {
         let _ = c.send(abort, reason.as_bytes(), by, &ctx);
         let _ = c.stream.shutdown(Shutdown::Write);
@@ -972,6 +1011,12 @@ impl Rendezvous {
                     "rank 0 abandoned the rendezvous: {}",
                     sanitize_bytes(&payload, MAX_REASON)
                 )))
+            }
+            Kind::Reject => {
+                return Err(Error::InvalidArgument(InvalidArgument::BadWorld(format!(
+                    "rank 0 at {master}: {}",
+                    sanitize_bytes(&payload, MAX_REASON)
+                ))))
             }
             other => return Err(ctx.protocol(format_args!("expected Ready or Abort, got {other:?}"))),
         }
@@ -1380,25 +1425,85 @@ mod tests {
         rejects(|_| hello_for(&[0u8; GREETING_LEN], &key(), 3, 2), "did not prove");
     }
 
-    #[test]
-    fn rejects_world_mismatch() {
-        rejects(|g| hello_for(g, &key(), 4, 2), "has world size 4, rank 0 has 3");
+    /// A rank that proves it holds the key but contradicts the job (`world`, `rank` in its hello): the job cannot
+    /// form, and everyone hears it at once with the reason: rank 0 (an error, long before its timeout), the rank
+    /// that joined before (a `Reject` frame), and the contradicting rank itself (admitted only to be told why).
+    fn cannot_form(world: usize, rank: usize, expected: &str) {
+        let timeout = Duration::from_secs(120);
+        let listener = Rendezvous::listen(root_cfg(3, 120_000)).expect("listen");
+        let addr = listener.local_addr();
+        let c1 = listener.client_config(1);
+        let started = Instant::now();
+        let root = thread::spawn(move || listener.accept_all());
+        let by = Instant::now() + Duration::from_secs(30);
+        let mut s1 = TcpStream::connect(addr).expect("connect");
+        let Ok(session) = client_handshake(&mut s1, &c1, &key(), by) else { panic!("rank 1's handshake") };
+        let mut rank1 = Conn { stream: s1, session };
+        let liar_cfg = RendezvousConfig { world, rank, ..c1 };
+        let mut s = TcpStream::connect(addr).expect("connect");
+        let Ok(session) = client_handshake(&mut s, &liar_cfg, &key(), by) else {
+            panic!("a key holder passes the handshake (rank 0 proves itself before it tells why)")
+        };
+        let mut liar = Conn { stream: s, session };
+        let ctx = Ctx { peer: "rank 0", what: "test", after: timeout, max: 1 << 20 };
+        for (who, conn) in [("the contradicting rank", &mut liar), ("rank 1", &mut rank1)] {
+            let (h, reason) = conn.recv(by, &ctx).expect("a frame");
+            let reason = String::from_utf8_lossy(&reason).into_owned();
+            assert_eq!(h.kind, Kind::Reject, "{who}");
+            assert!(reason.contains(expected) && reason.contains("cannot form"), "{who}: {reason}");
+        }
+        match root.join().expect("root thread") {
+            Err(Error::InvalidArgument(InvalidArgument::BadWorld(msg))) => assert!(msg.contains(expected), "{msg}"),
+            other => panic!("rank 0 must give up with the reason, got {other:?}"),
+        }
+        // generous for a loaded machine, and far below the 120 s a rank would otherwise wait
+        assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     }
 
     #[test]
-    fn rejects_rank_out_of_range() {
-        rejects(|g| hello_for(g, &key(), 3, 3), "rank 3 is out of range for a world of 3");
-        rejects(|g| hello_for(g, &key(), 3, u64::MAX), "out of range");
+    fn a_world_mismatch_fails_every_rank_at_once() {
+        cannot_form(4, 2, "has world size 4, rank 0 has 3");
     }
 
     #[test]
-    fn rejects_rank_zero_claimed() {
-        rejects(|g| hello_for(g, &key(), 3, 0), "claimed rank 0");
+    fn a_rank_out_of_range_fails_every_rank_at_once() {
+        cannot_form(3, 3, "rank 3 is out of range for a world of 3");
     }
 
     #[test]
-    fn rejects_duplicate_rank() {
-        rejects(|g| hello_for(g, &key(), 3, 1), "rank 1 already joined");
+    fn a_second_rank_0_fails_every_rank_at_once() {
+        cannot_form(3, 0, "claimed rank 0");
+    }
+
+    #[test]
+    fn a_duplicate_rank_fails_every_rank_at_once() {
+        cannot_form(3, 1, "rank 1 already joined");
+    }
+
+    /// Through the public API: a rank with the wrong world size gets a typed error with the reason at once, and
+    /// so does a rank that had joined.
+    #[test]
+    fn connect_reports_why_the_job_cannot_form() {
+        let listener = Rendezvous::listen(root_cfg(3, 120_000)).expect("listen");
+        let addr = listener.local_addr();
+        let c1 = listener.client_config(1);
+        let wrong = RendezvousConfig { world: 5, rank: 2, ..listener.client_config(2) };
+        let started = Instant::now();
+        let root = thread::spawn(move || listener.accept_all());
+        let by = Instant::now() + Duration::from_secs(30);
+        let mut s1 = TcpStream::connect(addr).expect("connect");
+        let Ok(session) = client_handshake(&mut s1, &c1, &key(), by) else { panic!("rank 1's handshake") };
+        let mut rank1 = Conn { stream: s1, session };
+        match Rendezvous::connect(wrong) {
+            Err(Error::InvalidArgument(InvalidArgument::BadWorld(msg))) => {
+                assert!(msg.contains("has world size 5, rank 0 has 3"), "{msg}")
+            }
+            other => panic!("expected a typed error with the reason, got {other:?}"),
+        }
+        let ctx = Ctx { peer: "rank 0", what: "test", after: Duration::from_secs(120), max: 1 << 20 };
+        assert_eq!(rank1.recv(by, &ctx).expect("a frame").0.kind, Kind::Reject);
+        assert!(matches!(root.join().expect("root"), Err(Error::InvalidArgument(_))));
+        assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     }
 
     #[test]

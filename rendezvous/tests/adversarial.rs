@@ -137,8 +137,8 @@ fn guessed_keys_cannot_join() {
     let listener = listen(3, Duration::from_secs(10));
     let addr = listener.local_addr();
     let guesses = [
-        JobKey::derived(&addr.ip().to_string(), addr.port(), 3),
-        JobKey::derived("127.0.0.1", 0, 3),
+        JobKey::per_user(&[0u8; 32], &addr.ip().to_string(), addr.port()),
+        JobKey::per_user(b"", "127.0.0.1", addr.port()),
         JobKey::from_secret(b""),
         JobKey::from_secret(&SECRET[..SECRET.len() - 1]),
         JobKey::random().expect("random"),

@@ -2,6 +2,7 @@
 //! timeouts are bounded, and the job's secret comes only from where it safely can.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::io::Write;
 use std::time::Duration;
 
@@ -17,13 +18,16 @@ const BASE: [(&str, &str); 4] =
 
 fn read(vars: &[(String, String)]) -> anyccl_core::Result<RendezvousConfig> {
     let map: HashMap<String, String> = vars.iter().cloned().collect();
-    RendezvousConfig::from_env_with(&move |name| map.get(name).cloned())
+    RendezvousConfig::from_env_with(&move |name| map.get(name).cloned().map(OsString::from))
 }
 
 /// The base variables with `extra` set (replacing their base values, if any).
 fn with(extra: &[(&str, &str)]) -> Vec<(String, String)> {
-    let mut v: Vec<(String, String)> = BASE
+    // the per-user key of loopback jobs lives in a directory of this test process's own
+    let runtime = std::env::temp_dir().join(format!("anyccl-config-test-{}", std::process::id()));
+    let mut v: Vec<(String, String)> = [("XDG_RUNTIME_DIR", runtime.to_string_lossy().as_ref())]
         .iter()
+        .chain(BASE.iter())
         .filter(|(k, _)| !extra.iter().any(|(e, _)| e == k))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
@@ -128,12 +132,25 @@ fn a_secret_is_required_off_loopback() {
     let secret = "0123456789abcdef0123";
     let cfg = read(&with(&[("MASTER_ADDR", "10.1.2.3"), (KEY_VAR, secret)])).expect("with a secret");
     assert_eq!(cfg.key, Some(JobKey::from_secret(secret.as_bytes())));
-    // on loopback the derived key is the default, the same on every rank
+    // on loopback the per-user key is the default, the same on every rank (and every world size)
     let a = read(&with(&[])).expect("loopback");
     let b = read(&with(&[("RANK", "1")])).expect("loopback");
     assert_eq!(a.key, b.key);
-    // derived from the rendezvous port, MASTER_PORT + 1
-    assert_eq!(a.key, Some(JobKey::derived("127.0.0.1", 29501, 2)));
+    assert_eq!(a.key, read(&with(&[("WORLD_SIZE", "3")])).expect("loopback").key);
+    // from the user's private file and the rendezvous port, MASTER_PORT + 1
+    let runtime = with(&[]).into_iter().find(|(k, _)| k == "XDG_RUNTIME_DIR").expect("set").1;
+    let user = anyccl_rendezvous::userkey::load_or_create(std::path::Path::new(&runtime)).expect("user key");
+    assert_eq!(a.key, Some(JobKey::per_user(&user, "127.0.0.1", 29501)));
+    assert_ne!(a.key, read(&with(&[("MASTER_PORT", "29600")])).expect("loopback").key);
+    // another user's directory (here: another base) gives another key
+    let other = tempfile::tempdir().expect("tempdir");
+    let c = read(&with(&[("XDG_RUNTIME_DIR", other.path().to_str().expect("utf8"))])).expect("loopback");
+    assert_ne!(a.key, c.key);
+    // with neither XDG_RUNTIME_DIR nor HOME there is no private place for it: an error naming the secret
+    let bare: Vec<(String, String)> = BASE.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let (var, msg) = config_error(&bare);
+    assert_eq!(var, KEY_VAR);
+    assert!(msg.contains("XDG_RUNTIME_DIR") && msg.contains("HOME"), "{msg}");
     let v6 = read(&with(&[("MASTER_ADDR", "::1")])).expect("IPv6 loopback");
     assert!(v6.key.is_some());
 }
@@ -152,6 +169,55 @@ fn secrets_must_be_long_and_unambiguous() {
     let a = read(&with(&[(KEY_VAR, "0123456789abcdef")])).expect("key");
     let b = read(&with(&[(KEY_VAR, " 0123456789abcdef\n")])).expect("key");
     assert_eq!(a.key, b.key);
+}
+
+/// Two secrets that differ only in bytes that are not UTF-8 (equal after a lossy conversion) are two secrets: they
+/// give two keys, and a rank holding one cannot join a rank 0 holding the other.
+#[cfg(unix)]
+#[test]
+fn secrets_are_bytes_not_lossy_text() {
+    use anyccl_rendezvous::Rendezvous;
+    use std::os::unix::ffi::OsStringExt;
+    let a = b"0123456789abcdef-\xff".to_vec();
+    let b = b"0123456789abcdef-\xfe".to_vec();
+    assert_eq!(String::from_utf8_lossy(&a), String::from_utf8_lossy(&b), "the premise: lossily equal");
+    let read_with = |rank: &str, secret: &[u8]| {
+        let mut vars: HashMap<String, OsString> =
+            with(&[("RANK", rank)]).into_iter().map(|(k, v)| (k, OsString::from(v))).collect();
+        vars.insert(KEY_VAR.into(), OsString::from_vec(secret.to_vec()));
+        RendezvousConfig::from_env_with(&move |name| vars.get(name).cloned()).expect("a non-UTF-8 secret is fine")
+    };
+    let cfg_a = read_with("0", &a);
+    let cfg_b = read_with("1", &b);
+    assert_eq!(cfg_a.key, Some(JobKey::from_secret(&a)), "the raw bytes are the secret");
+    assert_ne!(cfg_a.key, cfg_b.key);
+    // and at the level of the group: rank 1 with the other secret is turned away at once
+    let timeout = Duration::from_secs(20);
+    let cfg0 = RendezvousConfig { master: "127.0.0.1:0".parse().expect("addr"), timeout, ..cfg_a };
+    let listener = Rendezvous::listen(cfg0).expect("listen");
+    let cfg1 = RendezvousConfig { master: listener.local_addr(), timeout, ..cfg_b };
+    // rank 0 waits in its own thread (left to time out on its own: the test does not wait for it)
+    let _rank0 = std::thread::spawn(move || listener.accept_all());
+    let e = Rendezvous::connect(cfg1).expect_err("another secret");
+    assert!(e.to_string().contains("rejected"), "{e}");
+}
+
+/// Every text variable that is set but not UTF-8 is an error naming it (never read lossily, never ignored).
+#[cfg(unix)]
+#[test]
+fn text_variables_that_are_not_utf8_are_named() {
+    use std::os::unix::ffi::OsStringExt;
+    for var in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", TIMEOUT_VAR, "ANYCCL_MASTER_PORT"] {
+        let mut vars: HashMap<String, OsString> = with(&[]).into_iter().map(|(k, v)| (k, OsString::from(v))).collect();
+        vars.insert(var.into(), OsString::from_vec(b"1\xff".to_vec()));
+        match RendezvousConfig::from_env_with(&move |name| vars.get(name).cloned()) {
+            Err(Error::Config { source_name, message, .. }) => {
+                assert_eq!(source_name, var);
+                assert!(message.contains("not valid UTF-8"), "{message}");
+            }
+            other => panic!("{var}: expected a config error, got {other:?}"),
+        }
+    }
 }
 
 #[cfg(unix)]

@@ -20,6 +20,15 @@ pub fn hold_master_port() -> TcpListener {
     panic!("found no port whose successor is free in 50 tries");
 }
 
+/// A private directory of this test process (mode 0700) that its ranks get as `XDG_RUNTIME_DIR`.
+pub fn runtime_dir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("anyccl-launcher-{}", std::process::id()));
+    let mut builder = std::fs::DirBuilder::new();
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.recursive(true).create(&dir).expect("the ranks' runtime directory");
+    dir
+}
+
 /// Starts `world` ranks (this test binary's test `rank`) with a cleared environment holding torchrun's variables,
 /// `MASTER_PORT = master_port`, and `env`.
 pub fn start_ranks(world: usize, master_port: u16, env: &[(&str, String)]) -> Vec<Child> {
@@ -46,6 +55,9 @@ pub fn start_ranks_each(
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", master_port.to_string())
+                // torchrun passes its own environment on; of it, the ranks need the place of the per-user key
+                // that a loopback job without a secret uses (one directory of this test's own, shared by its ranks)
+                .env("XDG_RUNTIME_DIR", runtime_dir())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env {
