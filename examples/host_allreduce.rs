@@ -1,6 +1,6 @@
 //! All-reduce on the host backend, ranks as threads of one process: `cargo run --example host_allreduce`.
 
-use anyccl::host::{communicators, HostBuffer, HostOptions};
+use anyccl::host::{communicators, HostBuffer, HostOptions, HostStream};
 use anyccl::{DataType, InOut, ReduceOp};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 s.spawn(move || -> anyccl::Result<Vec<f32>> {
                     let me = comm.rank() as f32;
                     let mut buf = HostBuffer::from_elems(&[me, 1.0, 2.0]);
-                    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 3, DataType::F32, ReduceOp::Sum, &())?;
+                    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 3, DataType::F32, ReduceOp::Sum, &HostStream)?;
                     Ok(buf.to_vec::<f32>())
                 })
             })

@@ -18,7 +18,7 @@ fn host() -> Result<(usize, usize, f32), Box<dyn std::error::Error>> {
     let mut comm = anyccl::host::from_env(anyccl::host::HostOptions::default())?;
     let me = (comm.rank() + 1) as f32;
     let mut buf = anyccl::host::HostBuffer::from_elems(&[me; 4]);
-    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 4, DataType::F32, ReduceOp::Sum, &())?;
+    comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 4, DataType::F32, ReduceOp::Sum, &anyccl::host::HostStream)?;
     let out = buf.to_vec::<f32>();
     if out.iter().any(|v| *v != out[0]) {
         return Err(format!("elements differ: {out:?}").into());

@@ -4,12 +4,12 @@
 //! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels) and ROCm (feature
 //! `rocm`: HIP runtime and RCCL, loaded at run time), and the machine-level capability report
 //! ([`report::MachineReport`]). [`dynamic`] chooses the backend at run time: one type-erased communicator
-//! ([`AnyCommunicator`]) for code written once for every backend. The `anyccl` command (`probe`, `bench`, `tune`) lives in the `anyccl-cli` crate; this
-//! library has no command-line dependencies.
+//! ([`AnyCommunicator`]) for code written once for every backend. The `anyccl` command (`probe`, `bench`, `tune`)
+//! lives in the `anyccl-cli` crate; this library has no command-line dependencies.
 //!
 //! ```
 //! use anyccl::core::{DataType, InOut, ReduceOp};
-//! use anyccl::host::{communicators, HostBuffer, HostOptions};
+//! use anyccl::host::{communicators, HostBuffer, HostOptions, HostStream};
 //!
 //! // Two ranks on two threads; each all-reduces its buffer in place.
 //! let comms = communicators(2, HostOptions::default()).unwrap();
@@ -18,7 +18,7 @@
 //!         s.spawn(move || {
 //!             let mut buf = HostBuffer::from_elems(&[anyccl::half::bf16::from_f32(1.5); 8]);
 //!             let chosen = comm
-//!                 .all_reduce(InOut::InPlace(buf.as_bytes_mut()), 8, DataType::Bf16, ReduceOp::Sum, &())
+//!                 .all_reduce(InOut::InPlace(buf.as_bytes_mut()), 8, DataType::Bf16, ReduceOp::Sum, &HostStream)
 //!                 .unwrap();
 //!             assert_eq!(buf.to_vec::<anyccl::half::bf16>()[0].to_f32(), 3.0);
 //!             println!("rank {} used {} because {}", comm.rank(), chosen.algorithm, chosen.why);
@@ -30,19 +30,38 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 /// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library).
+/// The `anyccl-ccl` crate.
+#[doc(inline)]
 pub use anyccl_ccl as ccl;
+/// The vendor-neutral core every backend shares: the [`Communicator`] front door and its validation, data types
+/// and operators, errors, the capability model ([`CapabilityReport`]), the algorithm [`Selector`] and the fused
+/// all-reduce + RMSNorm. The `anyccl-core` crate; its most used items are also re-exported at this crate's root.
+#[doc(inline)]
 pub use anyccl_core as core;
 pub use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, RmsNormForm,
     RmsNormOutput, RmsNormSelection, RmsNormSpec, Selector,
 };
+/// The CUDA backend (feature `cuda`): NCCL and the CUDA driver loaded at run time, anyccl's custom all-reduce
+/// kernels, graph capture, one process per GPU, and the cudarc interop (feature `cudarc`). The `anyccl-cuda`
+/// crate.
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+#[doc(inline)]
 pub use anyccl_cuda as cuda;
+/// The host backend (feature `host`, on by default): ranks as threads over host memory ([`host::communicators`]),
+/// or one process per rank over shared memory ([`host::from_env`], [`host::communicator_over`]); no GPU needed.
+/// Its calls take [`&host::HostStream`](type@host::HostStream) where the GPU backends take a stream. The
+/// `anyccl-host` crate.
 #[cfg(feature = "host")]
+#[cfg_attr(docsrs, doc(cfg(feature = "host")))]
+#[doc(inline)]
 pub use anyccl_host as host;
+/// The ROCm backend (feature `rocm`): the HIP runtime and RCCL loaded at run time, and anyccl's kernels built by
+/// hipcc. The `anyccl-rocm` crate.
 #[cfg(feature = "rocm")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rocm")))]
+#[doc(inline)]
 pub use anyccl_rocm as rocm;
 /// The fp8 element types ([`float8::F8E4M3`], [`float8::F8E5M2`]) the typed APIs take.
 pub use float8;

@@ -1,7 +1,6 @@
 //! `anyccl probe`: the library's machine-level capability report ([`anyccl::report::MachineReport`]) as text.
 //! The JSON form is the report's serde serialisation (schema documented in the facade's `report` module).
 
-use anyccl::core::CapabilityState;
 use anyccl::report::MachineReport;
 
 /// The human-readable form of the machine report.
@@ -33,16 +32,9 @@ pub fn render_text(r: &MachineReport) -> String {
         }
     }
     let _ = writeln!(s, "\nCapabilities:");
-    for (c, st) in r.capabilities.iter() {
-        let name = c.name().unwrap_or("?");
-        match st {
-            CapabilityState::Enabled => {
-                let _ = writeln!(s, "  [on ] {name}");
-            }
-            CapabilityState::Disabled(reason) => {
-                let _ = writeln!(s, "  [off] {name:<20} {reason}");
-            }
-        }
+    // The report's own table (`Display`), indented under the heading.
+    for line in r.capabilities.to_string().lines() {
+        let _ = writeln!(s, "  {line}");
     }
     let _ = writeln!(s, "\nAll-reduce selection:");
     // `TableSource` is `#[non_exhaustive]`; its `Display` (in anyccl-core) covers every source.

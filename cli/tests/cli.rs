@@ -81,6 +81,8 @@ fn probe_text_says_plainly_what_is_missing() {
     assert!(s.contains("GPU: "), "{s}");
     assert!(s.contains("host   available"), "{s}");
     assert!(s.contains("[off] symmetric-windows"), "{s}");
+    // The capability report's own table, indented under its heading.
+    assert!(s.contains("\nCapabilities:\n  [on ] host-backend\n  [off] cuda-runtime         "), "{s}");
 }
 
 #[test]

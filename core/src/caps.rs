@@ -35,11 +35,14 @@ bitflags::bitflags! {
         const COMM_SHRINK = 1 << 8;
         /// The device-side API: `ncclDevCommCreate` (NCCL ≥ 2.28).
         const DEVICE_API = 1 << 9;
-        /// bf16 reductions in the collective library (`ncclBfloat16`, NCCL ≥ 2.10).
+        /// bf16 reductions: on the GPU backends the collective library's `ncclBfloat16` (NCCL ≥ 2.10); the host
+        /// backend reduces bf16 itself.
         const BF16 = 1 << 10;
-        /// The `avg` operator in the collective library (`ncclAvg`, NCCL ≥ 2.10).
+        /// The `avg` operator: on the GPU backends the collective library's `ncclAvg` (NCCL ≥ 2.10); the host
+        /// backend implements it itself.
         const AVG = 1 << 11;
-        /// fp8 reductions in the collective library (`ncclFloat8e4m3`/`e5m2`, NCCL ≥ 2.24; RCCL from ROCm 6.2).
+        /// fp8 reductions: on the GPU backends the collective library's `ncclFloat8e4m3`/`e5m2` (NCCL ≥ 2.24; RCCL
+        /// from ROCm 6.2); the host backend reduces fp8 itself.
         const FP8 = 1 << 12;
         /// Pre-multiplied sum: `ncclRedOpCreatePreMulSum` (NCCL ≥ 2.11).
         const PRE_MUL_SUM = 1 << 13;
@@ -331,6 +334,31 @@ impl CapabilityReport {
     }
 }
 
+/// A table, one line per capability in display order: `[on ]` and the name for an enabled one, `[off]`, the name
+/// padded to a column and the reason for a disabled one (the form `anyccl probe` prints). Every line ends in a
+/// newline.
+///
+/// ```
+/// use anyccl_core::{Capabilities, CapabilityReport, Reason};
+///
+/// let mut report = CapabilityReport::all_disabled(|_| Reason::NotApplicable { detail: "no GPU".into() });
+/// report.enable(Capabilities::HOST_BACKEND);
+/// let text = report.to_string();
+/// assert!(text.starts_with("[on ] host-backend\n[off] cuda-runtime         not applicable: no GPU\n"));
+/// ```
+impl fmt::Display for CapabilityReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (c, state) in self.iter() {
+            let name = c.name().unwrap_or("?");
+            match state {
+                CapabilityState::Enabled => writeln!(f, "[on ] {name}")?,
+                CapabilityState::Disabled(reason) => writeln!(f, "[off] {name:<20} {reason}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The variable NCCL reads to turn NVLink SHARP (multicast, NVLS) off; anyccl honours it too.
 pub const NVLS_ENABLE_VAR: &str = "NCCL_NVLS_ENABLE";
 
@@ -462,6 +490,42 @@ mod tests {
             version: Some("RCCL 2.26.6".into()),
         };
         assert_eq!(r.to_string(), "/opt/rocm/lib/librccl.so.1 (RCCL 2.26.6) does not export ncclCommWindowRegister");
+    }
+
+    #[test]
+    fn display_is_one_line_per_capability_with_its_reason() {
+        let mut r = CapabilityReport::all_disabled(|c| {
+            if c == Capabilities::MULTICAST {
+                Reason::EnvVar { var: "NCCL_NVLS_ENABLE".into(), value: "0".into() }
+            } else {
+                Reason::NotApplicable { detail: "test".into() }
+            }
+        });
+        r.enable(Capabilities::HOST_BACKEND | Capabilities::COMM_SPLIT | Capabilities::BF16 | Capabilities::AVG);
+        let want = "\
+[on ] host-backend
+[off] cuda-runtime         not applicable: test
+[off] hip-runtime          not applicable: test
+[off] ccl                  not applicable: test
+[on ] comm-split
+[off] buffer-registration  not applicable: test
+[off] ccl-mem-alloc        not applicable: test
+[off] symmetric-windows    not applicable: test
+[off] comm-shrink          not applicable: test
+[off] device-api           not applicable: test
+[on ] bf16
+[on ] avg
+[off] fp8                  not applicable: test
+[off] pre-mul-sum          not applicable: test
+[off] last-error           not applicable: test
+[off] p2p-all-pairs        not applicable: test
+[off] ipc                  not applicable: test
+[off] multicast            turned off by NCCL_NVLS_ENABLE=0
+[off] custom-kernels       not applicable: test
+[off] graph-capture        not applicable: test
+[off] dependent-launch     not applicable: test
+";
+        assert_eq!(r.to_string(), want);
     }
 
     #[test]

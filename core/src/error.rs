@@ -170,7 +170,8 @@ pub enum InvalidArgument {
     /// A buffer is shorter than the call needs.
     #[error("{which} buffer holds {have} bytes, but {count} × {dtype} needs {need}")]
     BufferTooSmall {
-        /// `"send"`, `"recv"` or `"buffer"`.
+        /// Which buffer: `"send"`, `"recv"`, `"in-place"` (one buffer for input and output), or the role a call
+        /// names (`"upload"`, `"input"`, …).
         which: &'static str,
         /// Bytes available.
         have: usize,

@@ -75,7 +75,7 @@ fn check_pair(
     layout: &'static str,
 ) -> Result<(), InvalidArgument> {
     match bufs {
-        InOutDesc::InPlace(b) => check_buffer("buffer", b, send_need.max(recv_need), count, dtype, shape),
+        InOutDesc::InPlace(b) => check_buffer("in-place", b, send_need.max(recv_need), count, dtype, shape),
         InOutDesc::Separate { send, recv } => {
             check_buffer("send", send, send_need, count, dtype, shape)?;
             check_buffer("recv", recv, recv_need, count, dtype, shape)?;
@@ -324,6 +324,18 @@ mod tests {
         let e =
             all_reduce(&SHAPE, &sep(dev(0x1000, 64), dev(0x2000, 64)), usize::MAX / 2, DataType::F32, ReduceOp::Sum);
         assert!(matches!(e, Err(InvalidArgument::CountOverflow { .. })));
+    }
+
+    #[test]
+    fn in_place_errors_name_the_buffer_once() {
+        let e = all_reduce(&SHAPE, &InOutDesc::InPlace(dev(0x1000, 60)), 16, DataType::F32, ReduceOp::Sum)
+            .expect_err("60 bytes hold 15 f32");
+        assert_eq!(e.to_string(), "in-place buffer holds 60 bytes, but 16 × f32 needs 64");
+        let e = all_reduce(&SHAPE, &InOutDesc::InPlace(dev(0x1002, 64)), 16, DataType::F32, ReduceOp::Sum)
+            .expect_err("misaligned");
+        assert_eq!(e.to_string(), "in-place buffer at 0x1002 is not aligned to 4 bytes, as f32 requires");
+        let e = point_to_point(&SHAPE, "recv", &dev(0x1000, 60), 16, DataType::F32, 2).expect_err("short");
+        assert_eq!(e.to_string(), "recv buffer holds 60 bytes, but 16 × f32 needs 64");
     }
 
     fn op(recv: bool, addr: usize, len: usize, count: usize, peer: usize) -> P2pDesc {

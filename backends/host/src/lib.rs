@@ -71,6 +71,10 @@ pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, 
 /// Options of a host communicator group.
 ///
 /// Not `#[non_exhaustive]`: callers build one with `HostOptions { .., ..HostOptions::default() }`.
+///
+/// [`HostOptions::default`] reads no environment variable; [`HostOptions::from_env`] takes the selector from the
+/// environment (`ANYCCL_ALLREDUCE_ALGO`, `ANYCCL_TUNE_FILE`, `ANYCCL_DETERMINISTIC`, `ANYCCL_FUSED_RMSNORM`), as
+/// the `anyccl` command and the drop-in library do for every backend.
 #[derive(Debug, Clone)]
 pub struct HostOptions {
     /// How long a rank waits for its peers at a barrier or for a message before it gives up with
@@ -89,7 +93,30 @@ pub struct HostOptions {
     pub shm_dir: Option<PathBuf>,
 }
 
+impl HostOptions {
+    /// The defaults, with the selector read from the environment by [`Selector::from_env`]:
+    /// `ANYCCL_ALLREDUCE_ALGO` (a forced algorithm), `ANYCCL_TUNE_FILE` (a table file), `ANYCCL_DETERMINISTIC` and
+    /// `ANYCCL_FUSED_RMSNORM` — the variables the GPU backends honour when their selector comes from
+    /// [`Selector::from_env`]. A bad value of any of them is [`Error::Config`] naming the variable.
+    ///
+    /// `ANYCCL_LOG` is not read here, nor by any backend: the library only emits `tracing` events, and the program
+    /// chooses the subscriber and its filter (the `anyccl` command and the drop-in library filter theirs by
+    /// `ANYCCL_LOG`).
+    ///
+    /// ```
+    /// let options = anyccl_host::HostOptions::from_env()?;
+    /// let comms = anyccl_host::communicators(2, options)?;
+    /// # Ok::<(), anyccl_core::Error>(())
+    /// ```
+    pub fn from_env() -> Result<Self> {
+        Ok(HostOptions { selector: Arc::new(Selector::from_env()?), ..HostOptions::default() })
+    }
+}
+
 impl Default for HostOptions {
+    /// A two-minute timeout, the default selector ([`Selector::defaults`]), a [`DEFAULT_SHM_CAPACITY`] segment in
+    /// the default directory. Reads no environment variable: `ANYCCL_ALLREDUCE_ALGO`, `ANYCCL_DETERMINISTIC` and
+    /// `ANYCCL_TUNE_FILE` are ignored; [`HostOptions::from_env`] honours them.
     fn default() -> Self {
         HostOptions {
             timeout: Duration::from_secs(120),
@@ -167,14 +194,38 @@ impl BorrowMut<[u8]> for HostBuffer {
     }
 }
 
-/// The host memory runtime: buffers are byte slices, streams are `()`, nothing is ever captured.
+/// The stream of the host backend, the type of the `stream` argument its calls take where the GPU backends take
+/// their stream: the host backend has none (every call has finished when it returns), so it is `()`. Write
+/// `&HostStream` (the [constant](constant@HostStream) of this type); `&()` is the same value.
+///
+/// ```
+/// use anyccl_core::{DataType, InOut, ReduceOp};
+/// use anyccl_host::{communicators, HostBuffer, HostOptions, HostStream};
+///
+/// let comms = communicators(1, HostOptions::default())?;
+/// for mut comm in comms {
+///     let mut buf = HostBuffer::from_elems(&[1.0f32; 4]);
+///     comm.all_reduce(InOut::InPlace(buf.as_bytes_mut()), 4, DataType::F32, ReduceOp::Sum, &HostStream)?;
+///     comm.barrier(&HostStream)?;
+/// }
+/// # Ok::<(), anyccl_core::Error>(())
+/// ```
+pub type HostStream = ();
+
+/// The one value of the [`HostStream`](type@HostStream) type: `&HostStream` is the stream argument of the host
+/// backend's calls.
+#[allow(non_upper_case_globals)] // Named like its type, as a unit struct's value is.
+pub const HostStream: HostStream = ();
+
+/// The host memory runtime: buffers are byte slices, streams are [`HostStream`](type@HostStream) (`()`), nothing
+/// is ever captured.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HostRuntime;
 
 impl MemoryRuntime for HostRuntime {
     type Buffer = [u8];
     type OwnedBuffer = HostBuffer;
-    type Stream = ();
+    type Stream = HostStream;
 
     fn location(&self) -> Location {
         Location::Host
@@ -237,8 +288,9 @@ fn out_of_memory<T>(n: usize, what: &str) -> Error {
     Error::OutOfMemory { what: what.to_owned(), bytes }
 }
 
-/// The capability report of the host backend: the backend itself and sub-communicators
-/// ([`Communicator::split`], threads and processes), and nothing that needs a vendor library.
+/// The capability report of the host backend: the backend itself, sub-communicators ([`Communicator::split`],
+/// threads and processes), the element types and operators its own kernels reduce (bf16, fp8, `avg`), and nothing
+/// that needs a vendor library.
 pub fn host_capabilities() -> CapabilityReport {
     let mut r = CapabilityReport::all_disabled(|c| {
         let detail = if c == Capabilities::GRAPH_CAPTURE {
@@ -250,6 +302,9 @@ pub fn host_capabilities() -> CapabilityReport {
     });
     r.enable(Capabilities::HOST_BACKEND);
     r.enable(Capabilities::COMM_SPLIT);
+    // Its own kernels reduce every data type with every operator (`reduce.rs`); the tests check the report
+    // against what an all-reduce accepts.
+    r.enable(Capabilities::BF16 | Capabilities::AVG | Capabilities::FP8);
     r
 }
 

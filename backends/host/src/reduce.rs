@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 /// The reduction operators the host backend implements.
 ///
-/// [`ReduceOp`] is `#[non_exhaustive]`; [`resolve`] turns it into this exhaustive set once per call, before any data
+/// [`ReduceOp`] is `#[non_exhaustive]`; `resolve` turns it into this exhaustive set once per call, before any data
 /// moves, so an operator newer than this crate is a typed error up front and the element loops need no fallback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
