@@ -17,7 +17,7 @@
 //! describing both calls, at once; a rank that does not come makes its peers' waits end in [`Error::Timeout`]
 //! naming it; a rank that drops its communicator fails its peers' collectives with [`Error::PeerFailure`] naming
 //! it, while the other pairs' point-to-point messages still flow. After a failed collective a rank refuses every
-//! further collective. A wait spins for a few microseconds, then yields, then sleeps on a futex that the awaited
+//! further collective. A wait spins for a few microseconds, then sleeps on a futex that the awaited
 //! peer rings when it publishes, so an oversubscribed machine still makes progress.
 //!
 //! ```

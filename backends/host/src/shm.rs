@@ -22,7 +22,8 @@
 //! compares every peer's descriptor with its own, so ranks that call different collectives (or sizes) get an
 //! error instead of each other's bytes.
 //!
-//! **Waiting.** A wait spins for about 10 µs, yields the processor until about 50 µs, then sleeps on the awaited
+//! **Waiting.** A wait spins for up to about 10 µs (less when recent waits were long: see `SPIN_FOR`), then
+//! sleeps on the awaited
 //! peer's doorbell (a 32-bit futex word in its header) after saying so in its own header; a rank that publishes
 //! bumps its doorbell and wakes it only when a peer says it sleeps on it, so the hot path makes no system call.
 //!
@@ -651,6 +652,10 @@ pub(crate) struct ShmGroup {
     liveness: Vec<Option<UnixStream>>,
     /// Whether the doorbells are private to this process (ranks as threads) or shared between processes.
     private: bool,
+    /// How long the next wait spins before it sleeps (adapts between zero and [`SPIN_FOR`]).
+    spin: Duration,
+    /// Waits that did not find their peers there at once (every [`PROBE_EVERY`]th spins the full [`SPIN_FOR`]).
+    waits: u32,
 }
 
 /// One rank's header when the ranks are threads of one process: shared by the ranks' [`ShmGroup`]s.
@@ -732,6 +737,8 @@ impl ShmGroup {
             blame: None,
             liveness,
             private: false,
+            spin: SPIN_FOR,
+            waits: 0,
         })
     }
 
@@ -756,6 +763,8 @@ impl ShmGroup {
             blame: None,
             liveness: headers.iter().map(|_| None).collect(),
             private: true,
+            spin: SPIN_FOR,
+            waits: 0,
         })
     }
 
@@ -906,28 +915,31 @@ impl ShmGroup {
         if self.synced == target {
             return Ok(());
         }
+        if self.first_behind(target)?.is_none() {
+            return self.synced_to(target);
+        }
         let start = Instant::now();
         let mut polled = start;
         let mut round = 0u32;
         let mut sleeping = false;
+        let budget = if self.waits.is_multiple_of(PROBE_EVERY) { SPIN_FOR } else { self.spin };
+        self.waits = self.waits.wrapping_add(1);
+        let spins = budget >= SPIN_STEP;
         loop {
             match self.first_behind(target)? {
                 None => break,
                 Some(q) => {
-                    // Spin, looking at the clock every 32 rounds only; then yield; then sleep.
+                    // Spin for the current budget, looking at the clock every 32 rounds only; then sleep.
                     round = round.wrapping_add(1);
-                    if !sleeping && !round.is_multiple_of(32) {
+                    let spin = !sleeping && spins;
+                    if spin && !round.is_multiple_of(32) {
                         std::hint::spin_loop();
                         continue;
                     }
                     let now = Instant::now();
                     let waited = now.duration_since(start);
-                    if waited < SPIN_FOR {
+                    if spin && waited < budget {
                         std::hint::spin_loop();
-                        continue;
-                    }
-                    if waited < YIELD_UNTIL {
-                        std::thread::yield_now();
                         continue;
                     }
                     sleeping = true;
@@ -943,6 +955,15 @@ impl ShmGroup {
                 }
             }
         }
+        // Adaptive spinning: a peer that came while this rank spun was running, and spinning catches it sooner
+        // than a wake-up; one that did not was not (an oversubscribed or loaded machine), and spinning for it only
+        // keeps it, or another rank, off the processor.
+        self.spin = if sleeping { budget / 2 } else { (budget * 2).clamp(SPIN_STEP, SPIN_FOR) };
+        self.synced_to(target)
+    }
+
+    /// Every peer's counter reached `target`: checks their descriptors of it.
+    fn synced_to(&mut self, target: u64) -> std::result::Result<(), (usize, Error)> {
         // Pairs with each peer's `Release` store of its counter: its descriptor and data are visible from here on.
         fence(Ordering::Acquire);
         self.check_descs(target)?;
@@ -979,11 +1000,12 @@ impl ShmGroup {
             if c >= target {
                 continue;
             }
-            let when = format!("at step {c}, before step {target} ({})", self.current());
+            // Only formatted on the way to an error: this loop is the hot path of every wait.
+            let when = || format!("at step {c}, before step {target} ({})", self.current());
             match state {
                 STATE_OPEN => {}
                 STATE_CLOSED => {
-                    return fail(Error::PeerFailure(format!("rank {q} left: it closed its communicator {when}")))
+                    return fail(Error::PeerFailure(format!("rank {q} left: it closed its communicator {}", when())))
                 }
                 STATE_FAILED => {
                     // Display only: any value outside the world is ignored.
@@ -992,7 +1014,7 @@ impl ShmGroup {
                         Ok(b) if (1..=self.segs.len()).contains(&b) => format!("; it blamed rank {}", b - 1),
                         _ => String::new(),
                     };
-                    return fail(Error::PeerFailure(format!("rank {q} stopped after an error {when}{blamed}")));
+                    return fail(Error::PeerFailure(format!("rank {q} stopped after an error {}{blamed}", when())));
                 }
                 _ => return fail(self.corrupt(q, format!("its state word is {state}"))),
             }
@@ -1074,12 +1096,19 @@ impl ShmGroup {
     }
 }
 
-/// How long a wait only spins: a peer that is running arrives within it.
+/// The longest a wait only spins: a peer that is running arrives within it. After that the wait sleeps on the
+/// awaited peer's doorbell. The budget adapts (see `wait_all_inner`): it halves after each wait whose peer did not
+/// come while it spun, and doubles (from [`SPIN_STEP`]) after each whose peer did; below [`SPIN_STEP`] a wait sleeps
+/// at once, and every [`PROBE_EVERY`]th wait spins the full budget again to learn whether the machine got quieter.
+/// Measured on a loaded 2-core machine, any fixed spin (2 µs or 10 µs) made a threaded 4 KiB all-reduce several
+/// times slower than sleeping at once, since the spinner holds a processor its peer is queued for. (No phase of
+/// `sched_yield` either: on a loaded machine one yield can give a whole time slice away to another program, while a
+/// futex wake-up hands the processor to the woken rank.)
 const SPIN_FOR: Duration = Duration::from_micros(10);
-/// Until when a wait yields the processor (to a peer waiting for it, on an oversubscribed machine); after that it
-/// sleeps on the awaited peer's doorbell. Bounded in time, not in rounds: on a loaded machine one yield can take a
-/// whole time slice.
-const YIELD_UNTIL: Duration = Duration::from_micros(50);
+/// The smallest spin budget: below it a wait sleeps at once.
+const SPIN_STEP: Duration = Duration::from_micros(1);
+/// How often (in waits that did not find their peers there at once) a wait spins the full [`SPIN_FOR`] again.
+const PROBE_EVERY: u32 = 64;
 
 /// `FUTEX_WAIT` on `bell` while it holds `seen`, at most `max`; an early or failed return only means the caller
 /// looks again.
