@@ -6,8 +6,19 @@
 //! all-reduce algorithms one-shot, two-shot (reduce-scatter + all-gather) and ring.
 //!
 //! Ranks exchange data the way the custom GPU kernels do over IPC: each rank copies its input into its own
-//! staging buffer, which peers then read after a barrier. Every reduction visits the ranks' contributions in one
-//! fixed order per element, so all ranks get bitwise identical results. 8- and 16-bit floats accumulate in f32.
+//! staging buffer and publishes it with a step counter; peers read it once every rank published the same step.
+//! Every reduction visits the ranks' contributions in one fixed order per element, so all ranks get bitwise
+//! identical results. 8- and 16-bit floats accumulate in f32.
+//!
+//! **Ranks check each other.** Ranks as threads synchronise the way ranks as processes do (the same step
+//! counters and descriptors, on the heap instead of in shared memory): each step carries a descriptor of the call
+//! (collective, size, element type, operator, root, algorithm), and no rank reads a peer's data before it checked
+//! every peer's descriptor against its own. Ranks that make different calls all get [`Error::PeerFailure`]
+//! describing both calls, at once; a rank that does not come makes its peers' waits end in [`Error::Timeout`]
+//! naming it; a rank that drops its communicator fails its peers' collectives with [`Error::PeerFailure`] naming
+//! it, while the other pairs' point-to-point messages still flow. After a failed collective a rank refuses every
+//! further collective. A wait spins for a few microseconds, then sleeps on a futex that the awaited
+//! peer rings when it publishes, so an oversubscribed machine still makes progress.
 //!
 //! ```
 //! use anyccl_core::{InOut, ReduceOp};
@@ -60,7 +71,8 @@ use anyccl_core::{
 use bytemuck::Zeroable;
 
 use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, resolve, store_acc, with_type, Op, Reducible};
-use crate::sync::GroupSync;
+use crate::shm::{thread_headers, Desc, Kind, ShmGroup, ThreadHeader};
+use crate::sync::MailSync;
 
 pub use crate::process::{communicator_over, from_env, ProcessComm, PROCESS_ALGORITHMS};
 pub use crate::shm::{DEFAULT_SHM_CAPACITY, MAX_SHM_CAPACITY, MIN_SHM_CAPACITY};
@@ -77,8 +89,8 @@ pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, 
 /// the `anyccl` command and the drop-in library do for every backend.
 #[derive(Debug, Clone)]
 pub struct HostOptions {
-    /// How long a rank waits for its peers at a barrier or for a message before it gives up with
-    /// [`Error::Timeout`] (the group is then broken for every rank).
+    /// How long a rank waits for its peers in a collective or for a message before it gives up with
+    /// [`Error::Timeout`] naming the rank it waited for (a rank whose collective failed refuses further ones).
     pub timeout: Duration,
     /// The algorithm selector (defaults, a table file, a forced algorithm).
     pub selector: Arc<Selector>,
@@ -308,15 +320,20 @@ pub fn host_capabilities() -> CapabilityReport {
     r
 }
 
-/// Two staging buffers per rank, written only by their owner and read by peers after a barrier.
+/// Two staging buffers per rank, written only by their owner and read by peers between the steps that publish and
+/// release them.
 type Staging = [RwLock<Vec<u64>>; 2];
 
 struct Shared {
     world: usize,
-    sync: GroupSync,
+    /// Every rank's step header: the collectives' synchronisation (sequence counters, doorbells) and the descriptor
+    /// of each step, which every rank checks against its own before it reads a peer's data.
+    headers: Vec<ThreadHeader>,
     staging: Vec<Staging>,
     /// Point-to-point mailboxes, index `src * world + dst`.
     mail: Vec<Mutex<VecDeque<Vec<u8>>>>,
+    /// The receives' waits, and which ranks left.
+    mail_sync: MailSync,
     caps: CapabilityReport,
     /// Sub-communicators being handed out by a split ([`HostComm`]'s `split`): the leader's parent rank → the new
     /// group (or why it could not be made) and how many members have yet to take it.
@@ -346,9 +363,10 @@ impl Shared {
         staging.extend((0..world).map(|_| [RwLock::new(Vec::new()), RwLock::new(Vec::new())]));
         Ok(Arc::new(Shared {
             world,
-            sync: GroupSync::new(world),
+            headers: thread_headers(world)?,
             staging,
             mail,
+            mail_sync: MailSync::new(world),
             caps: host_capabilities(),
             splits: Mutex::new(HashMap::new()),
         }))
@@ -428,14 +446,24 @@ pub(crate) fn parse_split_entry(q: usize, b: &[u8]) -> Result<(Option<u32>, u32)
 pub struct HostComm {
     rank: usize,
     shared: Arc<Shared>,
+    /// This rank's place in the group's steps: every collective is a few steps, each published with a descriptor
+    /// of the call that every rank checks against its own.
+    steps: ShmGroup,
     runtime: HostRuntime,
     timeout: Duration,
+}
+
+impl HostComm {
+    fn new(rank: usize, shared: Arc<Shared>, timeout: Duration) -> Result<HostComm> {
+        let steps = ShmGroup::in_process(rank, &shared.headers, timeout)?;
+        Ok(HostComm { rank, shared, steps, runtime: HostRuntime, timeout })
+    }
 }
 
 /// Creates the backends of a group of `world` ranks (index = rank).
 pub fn create_group(world: usize, timeout: Duration) -> Result<Vec<HostComm>> {
     let shared = Shared::new(world)?;
-    Ok((0..world).map(|rank| HostComm { rank, shared: shared.clone(), runtime: HostRuntime, timeout }).collect())
+    (0..world).map(|rank| HostComm::new(rank, shared.clone(), timeout)).collect()
 }
 
 /// Creates a group of `world` ranks wrapped in the validating [`Communicator`] front-end (index = rank).
@@ -447,8 +475,10 @@ pub fn communicators(world: usize, options: HostOptions) -> Result<Vec<Communica
 }
 
 impl Drop for HostComm {
+    /// Tells the peers: their receives from this rank that find no message fail, and so does their next (or
+    /// current) collective, naming this rank (its step header turns closed as `steps` drops).
     fn drop(&mut self) {
-        self.shared.sync.leave(self.rank);
+        self.shared.mail_sync.leave(self.rank);
     }
 }
 
@@ -461,8 +491,26 @@ fn write_lock(l: &RwLock<Vec<u64>>) -> RwLockWriteGuard<'_, Vec<u64>> {
     l.write().unwrap_or_else(|e| e.into_inner())
 }
 
-fn bytes_of(words: &[u64], len: usize) -> &[u8] {
-    &bytemuck::cast_slice(words)[..len]
+/// The first `len` bytes of a staging buffer. Every rank checked that its peers run the same call before it reads
+/// their staging buffers, so they hold at least `len` bytes; anything else is an internal error, not a panic.
+fn bytes_of(words: &[u64], len: usize) -> Result<&[u8]> {
+    let have = words.len() * 8;
+    bytemuck::cast_slice(words)
+        .get(..len)
+        .ok_or_else(|| reduce::internal(format!("a staging buffer of {have} bytes read as {len} bytes")))
+}
+
+/// Copies `src` into the staging buffer `slot`, growing it (fallibly) where needed.
+fn publish(slot: &RwLock<Vec<u64>>, src: &[u8]) -> Result<()> {
+    let mut g = write_lock(slot);
+    let words = src.len().div_ceil(8);
+    if g.len() < words {
+        let more = words - g.len();
+        g.try_reserve_exact(more).map_err(|_| out_of_memory::<u64>(words, "the host staging buffer"))?;
+        g.resize(words, 0);
+    }
+    bytemuck::cast_slice_mut::<u64, u8>(&mut g)[..src.len()].copy_from_slice(src);
+    Ok(())
 }
 
 /// Element range `[start, end)` of chunk `i` when `count` elements are split into `n` near-equal chunks.
@@ -471,74 +519,90 @@ fn chunk(count: usize, n: usize, i: usize) -> (usize, usize) {
 }
 
 impl HostComm {
-    fn barrier_wait(&self) -> Result<()> {
-        self.shared.sync.wait(self.rank, self.timeout)
+    /// Runs one collective as `what`: refused once this rank stopped after a failure; a failure inside it stops
+    /// this rank (its peers see that at their next step).
+    fn run<R>(&mut self, what: &str, f: impl FnOnce(&mut Call<'_>) -> Result<R>) -> Result<R> {
+        let (rank, shared) = (self.rank, &*self.shared);
+        self.steps.run(|steps| f(&mut Call { rank, world: shared.world, shared, steps })).map_err(|e| {
+            tracing::warn!(rank, "host {what} failed: {e}");
+            e
+        })
+    }
+}
+
+/// One collective in progress on one rank: its steps, and the group's staging buffers.
+struct Call<'a> {
+    rank: usize,
+    world: usize,
+    shared: &'a Shared,
+    steps: &'a mut ShmGroup,
+}
+
+impl Call<'_> {
+    /// One step: once every peer is done reading this rank's previous data, copies `src` into this rank's staging
+    /// buffer `which` and publishes the step described by `desc`; returns once every rank published the same step
+    /// (every peer's descriptor checked against `desc`, so ranks running different calls get an error naming the
+    /// difference, never each other's bytes). The peers' staging buffers may then be read until [`Call::done`].
+    fn exchange(&mut self, desc: Desc, which: usize, src: &[u8]) -> Result<()> {
+        let slot = &self.shared.staging[self.rank][which];
+        self.steps.exchange(desc, |_| publish(slot, src))
     }
 
-    /// Copies `src` into this rank's staging buffer `which`, growing it (fallibly) where needed.
-    fn publish(&self, which: usize, src: &[u8]) -> Result<()> {
-        let mut g = write_lock(&self.shared.staging[self.rank][which]);
-        let words = src.len().div_ceil(8);
-        if g.len() < words {
-            let more = words - g.len();
-            g.try_reserve_exact(more).map_err(|_| out_of_memory::<u64>(words, "the host staging buffer"))?;
-            g.resize(words, 0);
-        }
-        bytemuck::cast_slice_mut::<u64, u8>(&mut g)[..src.len()].copy_from_slice(src);
-        Ok(())
+    /// A step that publishes no data (its descriptor is still checked).
+    fn exchange_none(&mut self, desc: Desc) -> Result<()> {
+        self.steps.exchange(desc, |_| Ok(()))
+    }
+
+    /// Says this rank is done reading the current step's data; does not wait.
+    fn done(&mut self) -> Result<()> {
+        self.steps.done()
     }
 
     fn staged(&self, rank: usize, which: usize) -> RwLockReadGuard<'_, Vec<u64>> {
         read_lock(&self.shared.staging[rank][which])
     }
 
-    fn world(&self) -> usize {
-        self.shared.world
-    }
-
-    fn one_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
+    fn one_shot<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let len = buf.len();
-        self.publish(0, input.unwrap_or(buf))?;
-        self.barrier_wait()?;
+        self.exchange(desc, 0, input.unwrap_or(buf))?;
         {
-            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
-            let ins: Vec<&[T]> = guards.iter().map(|g| cast::<T>(bytes_of(g, len))).collect::<Result<_>>()?;
-            reduce_into(&ins, cast_mut::<T>(buf)?, op, self.world());
+            let guards: Vec<_> = (0..self.world).map(|q| self.staged(q, 0)).collect();
+            let ins: Vec<&[T]> = guards.iter().map(|g| cast::<T>(bytes_of(g, len)?)).collect::<Result<_>>()?;
+            reduce_into(&ins, cast_mut::<T>(buf)?, op, self.world);
         }
-        self.barrier_wait()
+        self.done()
     }
 
-    fn two_shot<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
+    fn two_shot<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let esz = std::mem::size_of::<T>();
         let count = buf.len() / esz;
-        let world = self.world();
-        self.publish(0, input.unwrap_or(buf))?;
-        self.barrier_wait()?;
+        let world = self.world;
+        self.exchange(desc, 0, input.unwrap_or(buf))?;
         let (s, e) = chunk(count, world, self.rank);
         {
             let guards: Vec<_> = (0..world).map(|q| self.staged(q, 0)).collect();
             let ins: Vec<&[T]> =
-                guards.iter().map(|g| cast::<T>(&bytes_of(g, buf.len())[s * esz..e * esz])).collect::<Result<_>>()?;
+                guards.iter().map(|g| cast::<T>(&bytes_of(g, buf.len())?[s * esz..e * esz])).collect::<Result<_>>()?;
             let mine = &mut cast_mut::<T>(buf)?[s..e];
             reduce_into(&ins, mine, op, world);
         }
-        self.publish(1, &buf[s * esz..e * esz])?;
-        self.barrier_wait()?;
+        self.done()?;
+        self.exchange(desc.chunk(1), 1, &buf[s * esz..e * esz])?;
         for q in (0..world).filter(|q| *q != self.rank) {
             let (qs, qe) = chunk(count, world, q);
             let g = self.staged(q, 1);
-            buf[qs * esz..qe * esz].copy_from_slice(bytes_of(&g, (qe - qs) * esz));
+            buf[qs * esz..qe * esz].copy_from_slice(bytes_of(&g, (qe - qs) * esz)?);
         }
-        self.barrier_wait()
+        self.done()
     }
 
-    /// Ring reduce-scatter then ring all-gather. Step `k` publishes into staging buffer `k % 2` and reads the
-    /// predecessor's; the barrier between steps keeps a buffer from being rewritten before its reader is done.
-    fn ring<T: Reducible>(&self, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
+    /// Ring reduce-scatter then ring all-gather: step `k` publishes into staging buffer `k % 2` and reads the
+    /// predecessor's.
+    fn ring<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         if let Some(src) = input {
             buf.copy_from_slice(src);
         }
-        let world = self.world();
+        let world = self.world;
         let rank = self.rank;
         let esz = std::mem::size_of::<T>();
         let asz = std::mem::size_of::<T::Acc>();
@@ -554,15 +618,15 @@ impl HostComm {
         let mut k = 0usize;
         for s in 1..world {
             k += 1;
-            self.publish(k % 2, bytemuck::cast_slice(&acc[..acc_len]))?;
-            self.barrier_wait()?;
+            self.exchange(desc.chunk(k), k % 2, bytemuck::cast_slice(&acc[..acc_len]))?;
             let c = (rank + world - s) % world;
             let (cs, ce) = chunk(count, world, c);
             {
                 let g = self.staged(pred, k % 2);
-                let theirs = cast::<T::Acc>(bytes_of(&g, (ce - cs) * asz))?;
+                let theirs = cast::<T::Acc>(bytes_of(&g, (ce - cs) * asz)?)?;
                 combine_acc::<T>(theirs, &cast::<T>(buf)?[cs..ce], &mut next[..ce - cs], op);
             }
+            self.done()?;
             std::mem::swap(&mut acc, &mut next);
             acc_len = ce - cs;
         }
@@ -575,15 +639,17 @@ impl HostComm {
             k += 1;
             let (hs, he) = chunk(count, world, held);
             let out = try_copy(&buf[hs * esz..he * esz], "the ring's outgoing chunk")?;
-            self.publish(k % 2, &out)?;
-            self.barrier_wait()?;
+            self.exchange(desc.chunk(k), k % 2, &out)?;
             let c = (rank + world + 1 - t) % world;
             let (cs, ce) = chunk(count, world, c);
-            let g = self.staged(pred, k % 2);
-            buf[cs * esz..ce * esz].copy_from_slice(bytes_of(&g, (ce - cs) * esz));
+            {
+                let g = self.staged(pred, k % 2);
+                buf[cs * esz..ce * esz].copy_from_slice(bytes_of(&g, (ce - cs) * esz)?);
+            }
+            self.done()?;
             held = c;
         }
-        self.barrier_wait()
+        Ok(())
     }
 }
 
@@ -650,34 +716,39 @@ impl CommBackend for HostComm {
         let (input, buf) = split_io(args.into_bufs());
         let input = input.map(|i| &i[..bytes]);
         let buf = &mut buf[..bytes];
-        with_type!(dtype, T => match algorithm {
-            Algorithm::OneShot => self.one_shot::<T>(input, buf, op),
-            Algorithm::TwoShot => self.two_shot::<T>(input, buf, op),
-            Algorithm::Ring => self.ring::<T>(input, buf, op),
-            other => Err(Error::AlgorithmNotEligible {
-                algorithm: other,
-                why: "not implemented by the host backend".into(),
-            }),
+        if !ALGORITHMS.contains(&algorithm) {
+            return Err(Error::AlgorithmNotEligible { algorithm, why: "not implemented by the host backend".into() });
+        }
+        let desc = Desc::new(Kind::AllReduce, bytes, 0).reduction(dtype, op).algorithm(algorithm);
+        self.run("all-reduce", |c| {
+            with_type!(dtype, T => match algorithm {
+                Algorithm::TwoShot => c.two_shot::<T>(desc, input, buf, op),
+                Algorithm::Ring => c.ring::<T>(desc, input, buf, op),
+                _ => c.one_shot::<T>(desc, input, buf, op),
+            })
         })
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
-        let part = args.count() * args.dtype().size_bytes();
+        let dtype = args.dtype();
+        let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
         let own = self.rank * part..(self.rank + 1) * part;
-        match input {
-            Some(i) => {
-                self.publish(0, &i[..part])?;
-                buf[own].copy_from_slice(&i[..part]);
+        let desc = Desc::new(Kind::AllGather, part, 0).dtype(dtype);
+        self.run("all-gather", |c| {
+            match input {
+                Some(i) => {
+                    c.exchange(desc, 0, &i[..part])?;
+                    buf[own].copy_from_slice(&i[..part]);
+                }
+                None => c.exchange(desc, 0, &buf[own])?,
             }
-            None => self.publish(0, &buf[own])?,
-        }
-        self.barrier_wait()?;
-        for q in (0..self.world()).filter(|q| *q != self.rank) {
-            let g = self.staged(q, 0);
-            buf[q * part..(q + 1) * part].copy_from_slice(bytes_of(&g, part));
-        }
-        self.barrier_wait()
+            for q in (0..c.world).filter(|q| *q != c.rank) {
+                let g = c.staged(q, 0);
+                buf[q * part..(q + 1) * part].copy_from_slice(bytes_of(&g, part)?);
+            }
+            c.done()
+        })
     }
 
     fn reduce_scatter(&mut self, args: ReduceScatterArgs<'_, Self>) -> Result<()> {
@@ -685,43 +756,47 @@ impl CommBackend for HostComm {
         let op = args.reduction();
         let part = args.count() * dtype.size_bytes();
         let (input, buf) = split_io(args.into_bufs());
-        let src = match input {
-            Some(i) => &i[..total],
-            None => &buf[..total],
-        };
-        self.publish(0, src)?;
-        self.barrier_wait()?;
-        let mine = self.rank * part..(self.rank + 1) * part;
-        let out = if input.is_some() { &mut buf[..part] } else { &mut buf[mine.clone()] };
-        {
-            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
-            with_type!(dtype, T => {
-                let ins: Vec<&[T]> = guards
-                    .iter()
-                    .map(|g| cast::<T>(&bytes_of(g, total)[mine.clone()]))
-                    .collect::<Result<_>>()?;
-                reduce_into(&ins, cast_mut::<T>(out)?, op, self.world());
-            });
-        }
-        self.barrier_wait()
+        let desc = Desc::new(Kind::ReduceScatter, total, 0).reduction(dtype, op);
+        self.run("reduce-scatter", |c| {
+            let src = match input {
+                Some(i) => &i[..total],
+                None => &buf[..total],
+            };
+            c.exchange(desc, 0, src)?;
+            let mine = c.rank * part..(c.rank + 1) * part;
+            let out = if input.is_some() { &mut buf[..part] } else { &mut buf[mine.clone()] };
+            {
+                let guards: Vec<_> = (0..c.world).map(|q| c.staged(q, 0)).collect();
+                with_type!(dtype, T => {
+                    let ins: Vec<&[T]> = guards
+                        .iter()
+                        .map(|g| cast::<T>(&bytes_of(g, total)?[mine.clone()]))
+                        .collect::<Result<_>>()?;
+                    reduce_into(&ins, cast_mut::<T>(out)?, op, c.world);
+                });
+            }
+            c.done()
+        })
     }
 
     fn broadcast(&mut self, args: BroadcastArgs<'_, Self>) -> Result<()> {
-        let (bytes, root) = (args.bytes(), args.root());
+        let (bytes, root, dtype) = (args.bytes(), args.root(), args.dtype());
         let (input, buf) = split_io(args.into_bufs());
-        if self.rank == root {
-            let src = input.map_or(&buf[..bytes], |i| &i[..bytes]);
-            self.publish(0, src)?;
-            if let Some(i) = input {
-                buf[..bytes].copy_from_slice(&i[..bytes]);
+        let desc = Desc::new(Kind::Broadcast, bytes, 0).dtype(dtype).root(root);
+        self.run("broadcast", |c| {
+            if c.rank == root {
+                let src = input.map_or(&buf[..bytes], |i| &i[..bytes]);
+                c.exchange(desc, 0, src)?;
+                if let Some(i) = input {
+                    buf[..bytes].copy_from_slice(&i[..bytes]);
+                }
+            } else {
+                c.exchange_none(desc)?;
+                let g = c.staged(root, 0);
+                buf[..bytes].copy_from_slice(bytes_of(&g, bytes)?);
             }
-        }
-        self.barrier_wait()?;
-        if self.rank != root {
-            let g = self.staged(root, 0);
-            buf[..bytes].copy_from_slice(bytes_of(&g, bytes));
-        }
-        self.barrier_wait()
+            c.done()
+        })
     }
 
     fn reduce(&mut self, args: ReduceArgs<'_, Self>) -> Result<()> {
@@ -729,30 +804,33 @@ impl CommBackend for HostComm {
         // On every rank, the root's peers too, so an unknown type or operator fails everywhere before anything moves.
         let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
-        self.publish(0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
-        self.barrier_wait()?;
-        if self.rank == root {
-            let guards: Vec<_> = (0..self.world()).map(|q| self.staged(q, 0)).collect();
-            with_type!(dtype, T => {
-                let ins: Vec<&[T]> = guards.iter().map(|g| cast::<T>(bytes_of(g, bytes))).collect::<Result<_>>()?;
-                reduce_into(&ins, cast_mut::<T>(&mut buf[..bytes])?, op, self.world());
-            });
-        }
-        self.barrier_wait()
+        let desc = Desc::new(Kind::Reduce, bytes, 0).reduction(dtype, op).root(root);
+        self.run("reduce", |c| {
+            c.exchange(desc, 0, input.map_or(&buf[..bytes], |i| &i[..bytes]))?;
+            if c.rank == root {
+                let guards: Vec<_> = (0..c.world).map(|q| c.staged(q, 0)).collect();
+                with_type!(dtype, T => {
+                    let ins: Vec<&[T]> =
+                        guards.iter().map(|g| cast::<T>(bytes_of(g, bytes)?)).collect::<Result<_>>()?;
+                    reduce_into(&ins, cast_mut::<T>(&mut buf[..bytes])?, op, c.world);
+                });
+            }
+            c.done()
+        })
     }
 
     fn send(&mut self, args: SendArgs<'_, Self>) -> Result<()> {
-        let idx = self.rank * self.world() + args.peer();
+        let idx = self.rank * self.shared.world + args.peer();
         let msg = try_copy(&args.buf()[..args.bytes()], "a point-to-point message")?;
         self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).push_back(msg);
-        self.shared.sync.notify_all();
+        self.shared.mail_sync.notify_all();
         Ok(())
     }
 
     fn recv(&mut self, args: RecvArgs<'_, Self>) -> Result<()> {
         let (bytes, peer) = (args.bytes(), args.peer());
-        let idx = peer * self.world() + self.rank;
-        let msg = self.shared.sync.wait_for(self.rank, peer, self.timeout, || {
+        let idx = peer * self.shared.world + self.rank;
+        let msg = self.shared.mail_sync.wait_for(self.rank, peer, self.timeout, || {
             self.shared.mail[idx].lock().unwrap_or_else(|e| e.into_inner()).pop_front()
         })?;
         if msg.len() != bytes {
@@ -784,37 +862,38 @@ impl CommBackend for HostComm {
     /// The ranks exchange their (color, key) through the staging buffers; the first member of each color (in the
     /// new order) makes the new group's shared state and hands it to the others through the parent's state.
     fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
-        let world = self.world();
-        self.publish(0, &split_entry(color, key))?;
-        self.barrier_wait()?;
-        let entries = (0..world)
-            .map(|q| {
-                let g = self.staged(q, 0);
-                parse_split_entry(q, bytes_of(&g, 9))
-            })
-            .collect::<Result<Vec<_>>>();
-        let mine = match (&entries, color) {
-            (Ok(entries), Some(c)) => Some(split_members(entries, c)),
-            _ => None,
-        };
-        if let Some(members) = mine.as_ref().filter(|m| m.first() == Some(&self.rank)) {
-            let made = Shared::new(members.len());
-            let mut splits = self.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
-            splits.insert(self.rank, (made, members.len()));
-        }
-        // Every rank has read every entry, and every leader has left its group, past this barrier.
-        self.barrier_wait()?;
-        entries?;
-        let Some(members) = mine else { return Ok(None) };
-        // This rank passed `color`, so it is one of `members`.
-        let me = self.rank;
-        let rank = members
-            .iter()
-            .position(|q| *q == me)
-            .ok_or_else(|| reduce::internal(format!("rank {me} is not in its own split")))?;
-        let leader = members[0];
-        let shared = {
-            let mut splits = self.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
+        let timeout = self.timeout;
+        let desc = Desc::new(Kind::Split, 9, 0);
+        let taken = self.run("split", |c| {
+            c.exchange(desc, 0, &split_entry(color, key))?;
+            let entries = (0..c.world)
+                .map(|q| {
+                    let g = c.staged(q, 0);
+                    parse_split_entry(q, bytes_of(&g, 9)?)
+                })
+                .collect::<Result<Vec<_>>>();
+            let mine = match (&entries, color) {
+                (Ok(entries), Some(col)) => Some(split_members(entries, col)),
+                _ => None,
+            };
+            if let Some(members) = mine.as_ref().filter(|m| m.first() == Some(&c.rank)) {
+                let made = Shared::new(members.len());
+                let mut splits = c.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
+                splits.insert(c.rank, (made, members.len()));
+            }
+            c.done()?;
+            // Every rank has read every entry, and every leader has left its group, past this barrier.
+            c.steps.barrier()?;
+            entries?;
+            let Some(members) = mine else { return Ok(None) };
+            // This rank passed `color`, so it is one of `members`.
+            let me = c.rank;
+            let rank = members
+                .iter()
+                .position(|q| *q == me)
+                .ok_or_else(|| reduce::internal(format!("rank {me} is not in its own split")))?;
+            let leader = members[0];
+            let mut splits = c.shared.splits.lock().unwrap_or_else(|e| e.into_inner());
             let entry = splits.get_mut(&leader).ok_or_else(|| {
                 reduce::internal(format!("rank {leader} left no sub-communicator for color {color:?}"))
             })?;
@@ -823,9 +902,10 @@ impl CommBackend for HostComm {
             if entry.1 == 0 {
                 splits.remove(&leader);
             }
-            got?
-        };
-        Ok(Some(HostComm { rank, shared, runtime: HostRuntime, timeout: self.timeout }))
+            Ok(Some((rank, got)))
+        })?;
+        let Some((rank, shared)) = taken else { return Ok(None) };
+        Ok(Some(HostComm::new(rank, shared?, timeout)?))
     }
 
     fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {
@@ -835,24 +915,31 @@ impl CommBackend for HostComm {
     fn all_reduce_rmsnorm(&mut self, args: anyccl_core::fused::RmsNormArgs<'_, Self>) -> Result<()> {
         let (call, form) = (*args.call(), args.form());
         let dtype = fused::element(&call)?;
+        let two = fused::two_shot(form, &call);
+        let algorithm = if two { Algorithm::TwoShot } else { Algorithm::OneShot };
+        let desc = Desc::new(Kind::AllReduceRmsNorm, call.bytes, 0).reduction(dtype, Op::Sum).algorithm(algorithm);
         if call.bytes == 0 {
-            return Ok(());
+            // Nothing moves, but the ranks still check that they all make this call.
+            return self.run("all-reduce + RMSNorm", |c| {
+                c.exchange_none(desc)?;
+                c.done()
+            });
         }
         let b = args.into_bufs();
         let mut reduced = fused::reduced_buffer(&call)?;
-        let (input, two) = (Some(&b.input[..call.bytes]), fused::two_shot(form, &call));
+        let input = Some(&b.input[..call.bytes]);
         let sum = reduced.as_bytes_mut();
-        match (dtype, two) {
-            (DataType::F16, false) => self.one_shot::<half::f16>(input, sum, Op::Sum),
-            (DataType::F16, true) => self.two_shot::<half::f16>(input, sum, Op::Sum),
-            (_, false) => self.one_shot::<half::bf16>(input, sum, Op::Sum),
-            (_, true) => self.two_shot::<half::bf16>(input, sum, Op::Sum),
-        }?;
+        self.run("all-reduce + RMSNorm", |c| match (dtype, two) {
+            (DataType::F16, false) => c.one_shot::<half::f16>(desc, input, sum, Op::Sum),
+            (DataType::F16, true) => c.two_shot::<half::f16>(desc, input, sum, Op::Sum),
+            (_, false) => c.one_shot::<half::bf16>(desc, input, sum, Op::Sum),
+            (_, true) => c.two_shot::<half::bf16>(desc, input, sum, Op::Sum),
+        })?;
         fused::norm_rows(&call, reduced.as_bytes(), b.residual, b.weight, b.out)
     }
 
     fn barrier(&mut self, _stream: &()) -> Result<()> {
-        self.barrier_wait()
+        self.run("barrier", |c| c.steps.barrier())
     }
 }
 

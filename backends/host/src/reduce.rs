@@ -23,6 +23,11 @@ pub enum Op {
     Avg,
 }
 
+impl Op {
+    /// Every operator, in declaration order (index = discriminant).
+    pub const ALL: [Op; 5] = [Op::Sum, Op::Prod, Op::Min, Op::Max, Op::Avg];
+}
+
 /// An element type the host backend reduces, with the accumulator it reduces in.
 pub(crate) trait Reducible: Pod {
     /// The accumulator: the type itself for integers and f32/f64, f32 for the 8- and 16-bit floats.

@@ -1,71 +1,33 @@
-//! Group synchronisation for host ranks: a barrier that fails (instead of hanging) when a peer leaves or a wait
-//! times out, and a condition wait for point-to-point messages.
+//! Point-to-point waits for host ranks as threads: a receive waits on a condition variable until its message
+//! arrives, its sender leaves, or the wait times out. (The collectives synchronise through the step counters of
+//! the `shm` module instead.)
 //!
-//! Written by hand because `std::sync::Barrier` has neither a timeout nor a way to abort waiters, and a rank that
-//! dies must not leave its peers blocked forever.
+//! A rank that leaves fails only the receives that wait for it: the other pairs keep exchanging messages.
 
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyccl_core::{Error, Result};
 
-struct State {
-    arrived: usize,
-    generation: u64,
-    /// Set once a rank leaves or times out; every later wait fails with it.
-    broken: Option<String>,
-}
-
-pub(crate) struct GroupSync {
-    world: usize,
-    state: Mutex<State>,
+pub(crate) struct MailSync {
+    /// Index = rank: whether the rank dropped its communicator.
+    left: Mutex<Vec<bool>>,
     cv: Condvar,
 }
 
-impl GroupSync {
+impl MailSync {
     pub(crate) fn new(world: usize) -> Self {
-        GroupSync { world, state: Mutex::new(State { arrived: 0, generation: 0, broken: None }), cv: Condvar::new() }
+        MailSync { left: Mutex::new(vec![false; world]), cv: Condvar::new() }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // Poisoning only means a thread panicked while holding the lock; the counters are still consistent
-        // because every update below is a single assignment.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Vec<bool>> {
+        // Poisoning only means a thread panicked while holding the lock; the flags are still consistent because
+        // every update is a single assignment.
+        self.left.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits until all `world` ranks have called `wait` for this generation.
-    pub(crate) fn wait(&self, rank: usize, timeout: Duration) -> Result<()> {
-        let mut st = self.lock();
-        if let Some(b) = &st.broken {
-            return Err(Error::PeerFailure(b.clone()));
-        }
-        let gen = st.generation;
-        st.arrived += 1;
-        if st.arrived == self.world {
-            st.arrived = 0;
-            st.generation = st.generation.wrapping_add(1);
-            self.cv.notify_all();
-            return Ok(());
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            if st.generation != gen {
-                return Ok(());
-            }
-            if let Some(b) = &st.broken {
-                return Err(Error::PeerFailure(b.clone()));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                st.broken = Some(format!("rank {rank} timed out after {timeout:?} at a barrier"));
-                self.cv.notify_all();
-                return Err(Error::Timeout { what: format!("rank {rank}'s peers at a barrier"), after: timeout });
-            }
-            st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
-        }
-    }
-
-    /// Waits until `poll` yields a value (a message from `peer`), the group breaks, or `timeout` passes.
+    /// Waits until `poll` yields a value (a message from `peer`), `peer` leaves, or `timeout` passes. A message
+    /// that `peer` sent before it left is still received.
     pub(crate) fn wait_for<T>(
         &self,
         rank: usize,
@@ -74,33 +36,35 @@ impl GroupSync {
         mut poll: impl FnMut() -> Option<T>,
     ) -> Result<T> {
         let deadline = Instant::now() + timeout;
-        let mut st = self.lock();
+        let mut left = self.lock();
         loop {
             if let Some(v) = poll() {
                 return Ok(v);
             }
-            if let Some(b) = &st.broken {
-                return Err(Error::PeerFailure(b.clone()));
+            if left.get(peer).copied().unwrap_or(true) {
+                return Err(Error::PeerFailure(format!(
+                    "rank {peer} left the communicator before sending the message rank {rank} waits for"
+                )));
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout { what: format!("rank {rank}'s message from rank {peer}"), after: timeout });
             }
-            st = self.cv.wait_timeout(st, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+            left = self.cv.wait_timeout(left, deadline - now).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
         }
     }
 
     /// Wakes every waiter (after a message was posted).
     pub(crate) fn notify_all(&self) {
-        let _st = self.lock();
+        let _left = self.lock();
         self.cv.notify_all();
     }
 
-    /// Marks `rank` as gone: current and later waits of its peers fail.
+    /// Marks `rank` as gone: receives from it that find no message fail.
     pub(crate) fn leave(&self, rank: usize) {
-        let mut st = self.lock();
-        if st.broken.is_none() {
-            st.broken = Some(format!("rank {rank} left the communicator"));
+        let mut left = self.lock();
+        if let Some(l) = left.get_mut(rank) {
+            *l = true;
         }
         self.cv.notify_all();
     }
