@@ -169,7 +169,9 @@ class AnycclCustomAllreduce:
     ``capture()`` but outside an actual graph capture, an empty tensor of the shape, as vLLM's warm-up expects);
     ``all_reduce(inp, *, out=None, registered=False)``; ``capture()`` a context manager that registers the captured
     inputs on exit (through anyccl's own bootstrap, not pickles over gloo); ``register_graph_buffers()``;
-    ``finalize_p2p()`` (nothing left to do: anyccl checks peer access when it is made); ``close()``.
+    ``finalize_p2p()`` (nothing left to do: anyccl checks peer access when it is made); ``close()``. vLLM's custom
+    all-gather and reduce-scatter (``should_custom_all_gather``, ``custom_all_gather``, ``should_custom_reduce_scatter``,
+    ``should_mnnvl_multimem_reduce_scatter``, ``custom_reduce_scatter``) answer False / None: vLLM uses pynccl.
     """
 
     #: vLLM's class this one replaced, set by the plugin (None when made directly).
@@ -181,13 +183,29 @@ class AnycclCustomAllreduce:
         group: Any,
         device: Union[int, str, torch.device],
         max_size: int = 8192 * 1024,
+        max_all_gather_size: int = 2 * 1024 * 1024,
+        max_mnnvl_all_gather_size: Optional[int] = None,
+        max_reduce_scatter_size: int = 16 * 1024 * 1024,
+        max_mnnvl_reduce_scatter_size: int = 16 * 1024 * 1024,
+        max_mnnvl_multimem_reduce_scatter_size: int = 64 * 1024 * 1024,
         symm_mem_enabled: bool = False,
+        *,
+        register_graph_buffers: bool = True,
     ) -> None:
+        """vLLM's arguments; the all-gather and reduce-scatter sizes are kept but unused (anyccl leaves those
+        collectives to vLLM's pynccl: ``should_custom_all_gather`` and ``should_custom_reduce_scatter`` answer
+        False). ``register_graph_buffers=False``: ``capture()`` registers nothing on exit."""
         self._IS_CAPTURING = False
         self.disabled = True
         self.group = group
         self.max_size = int(max_size)
+        self.max_all_gather_size = max_all_gather_size
+        self.max_mnnvl_all_gather_size = max_mnnvl_all_gather_size
+        self.max_reduce_scatter_size = max_reduce_scatter_size
+        self.max_mnnvl_reduce_scatter_size = max_mnnvl_reduce_scatter_size
+        self.max_mnnvl_multimem_reduce_scatter_size = max_mnnvl_multimem_reduce_scatter_size
         self.symm_mem_enabled = symm_mem_enabled
+        self._registers_graph_buffers = bool(register_graph_buffers)
         self.fully_connected = True
         self.comm: Optional[Communicator] = None
         self._handle: Optional[int] = None
@@ -225,7 +243,7 @@ class AnycclCustomAllreduce:
             yield
         finally:
             self._IS_CAPTURING = False
-            if not self.disabled:
+            if not self.disabled and self._registers_graph_buffers:
                 self.register_graph_buffers()
 
     def register_graph_buffers(self) -> None:
@@ -259,9 +277,32 @@ class AnycclCustomAllreduce:
         """The all-reduce vLLM calls: the result in a new tensor, or None to make the caller fall back."""
         if self.disabled or not self.should_custom_ar(input):
             return None
-        if self._IS_CAPTURING and not torch.cuda.is_current_stream_capturing():
+        if self._IS_CAPTURING and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             return torch.empty_like(input)  # vLLM's warm-up inside capture(): the allocation only
         return self.all_reduce(input)
+
+    # vLLM's custom all-gather and reduce-scatter: anyccl does not take them, and vLLM falls back to pynccl, as it
+    # does when its own class has no buffers for them.
+
+    def should_custom_all_gather(self, inp: torch.Tensor) -> bool:
+        """False: vLLM's all-gather goes to pynccl."""
+        return False
+
+    def custom_all_gather(self, inp: torch.Tensor) -> Optional[torch.Tensor]:
+        """None: the caller falls back."""
+        return None
+
+    def should_custom_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: vLLM's reduce-scatter goes to pynccl."""
+        return False
+
+    def should_mnnvl_multimem_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: no multi-node NVLink multimem reduce-scatter here."""
+        return False
+
+    def custom_reduce_scatter(self, inp: torch.Tensor) -> Optional[torch.Tensor]:
+        """None: the caller falls back."""
+        return None
 
     def close(self) -> None:
         """Ends the communicator (idempotent)."""
