@@ -9,7 +9,8 @@
 #     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy;
 #     the GPU tests (-m gpu) stay deselected here,
 #   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package and two examples.
-# Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 2-4 minutes on 2 cores.
+# Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 9 minutes on 2 loaded cores (6 min 20 s
+# of it the release build; the sdist adds about 15 s, as the wheel is built from it rather than from the tree).
 #
 #   ci/python.sh                   # from the repository root (ci/test.sh calls it)
 #   ANYCCL_PY_WHEEL_DIR=dir ci/python.sh   # where the wheel goes (default target/wheels-python)
