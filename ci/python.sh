@@ -6,9 +6,11 @@
 #   - pytest python/tests: the host backend across 2 and 3 processes (NumPy; a unique id, the torchrun environment
 #     under ci/torchrun_stand_in.py, a Python bootstrap object) and as threads of one process (the GIL released),
 #     the error paths, the all-reduce options (named algorithms, deterministic mode) and DLPack input (arrays
-#     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy;
-#     the GPU tests (-m gpu) stay deselected here,
-#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package and two examples.
+#     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy,
+#     the READMEs' Python snippets (2 processes), the metadata, the vLLM plugin's entry point and its no-vLLM path;
+#     the GPU, vLLM and torch tests (-m gpu, -m vllm, -m torch) stay deselected here,
+#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package, the vLLM plugin module
+#     and two examples.
 # Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 9 minutes on 2 loaded cores (6 min 20 s
 # of it the release build; the sdist adds about 15 s, as the wheel is built from it rather than from the tree).
 #
@@ -74,7 +76,7 @@ echo "== pytest (host backend; -m gpu deselected)"
 
 echo "== type stubs"
 (cd "$work" && "$py" -m mypy.stubtest anyccl._anyccl)
-(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl)
+(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl -m anyccl.vllm_plugin)
 (cd "$work" && "$py" -m mypy --strict --no-incremental "$root/examples/python/host_numpy.py" \
     "$root/examples/python/torchrun_allreduce.py")
 echo "python: ok"
