@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The Python package (python/): builds the abi3 wheel with maturin from PyPI, installs it into a fresh
-# virtual environment with NumPy, pytest and mypy (not torch: too big for CI), then runs
+# The Python package (python/): builds the sdist (python/tools/sdist.py) and from it the abi3 manylinux_2_28 wheel with
+# maturin and zig from PyPI, checks the tag with auditwheel, installs the wheel into a fresh virtual environment with
+# NumPy, pytest and mypy (not torch: too big for CI; nor vLLM: about 4.9 GB of wheels), then runs
 #   - `import anyccl` (without NumPy or torch imported),
 #   - pytest python/tests: the host backend across 2 and 3 processes (NumPy; a unique id, the torchrun environment
 #     under ci/torchrun_stand_in.py, a Python bootstrap object) and as threads of one process (the GIL released),
 #     the error paths, the all-reduce options (named algorithms, deterministic mode) and DLPack input (arrays
-#     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy;
-#     the GPU tests (-m gpu) stay deselected here,
-#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package and two examples.
-# Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 2-4 minutes on 2 cores.
+#     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy,
+#     the READMEs' Python snippets (2 processes), the metadata, the vLLM plugin's entry point and its no-vLLM path;
+#     the GPU, vLLM and torch tests (-m gpu, -m vllm, -m torch) stay deselected here,
+#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package, the vLLM plugin module
+#     and two examples.
+# Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 9 minutes on 2 loaded cores (6 min 20 s
+# of it the release build; the sdist adds about 15 s, as the wheel is built from it rather than from the tree).
 #
 #   ci/python.sh                   # from the repository root (ci/test.sh calls it)
 #   ANYCCL_PY_WHEEL_DIR=dir ci/python.sh   # where the wheel goes (default target/wheels-python)
@@ -16,7 +20,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
 
-MATURIN=1.9.6
+# 1.16.0: 1.9.6 cannot write this workspace's sdist (the root's README.md and python/README.md collide).
+MATURIN=1.16.0
+# The wheel links against glibc 2.28 through zig (the host's glibc would tag it with its own, e.g. 2_34).
+ZIGLANG=0.13.0.post1
+AUDITWHEEL=6.8.2
 NUMPY=2.2.6
 PYTEST=8.3.5
 MYPY=1.15.0
@@ -32,27 +40,43 @@ if ! python3 -m venv "$venv" 2>/dev/null; then
 fi
 py="$venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet "maturin==$MATURIN" "numpy==$NUMPY" "pytest==$PYTEST" "mypy==$MYPY"
+"$py" -m pip install --quiet "maturin==$MATURIN" "numpy==$NUMPY" "pytest==$PYTEST" "mypy==$MYPY" \
+    "ziglang==$ZIGLANG" "auditwheel==$AUDITWHEEL"
 
-echo "== the wheel (maturin $MATURIN, release, --locked)"
+echo "== the sdist (python/tools/sdist.py: maturin sdist + the root crate's sources), the wheel built from it"
+# One compilation, as before: the wheel is built from the unpacked sdist (so a broken sdist fails here), for
+# manylinux_2_28 through zig. Not --locked: cargo prunes the lock file's entries of the crates the sdist leaves out
+# (the versions of the others stay as locked).
 wheels="${ANYCCL_PY_WHEEL_DIR:-${CARGO_TARGET_DIR:-target}/wheels-python}"
+case "$wheels" in /*) ;; *) wheels="$root/$wheels" ;; esac
 rm -rf "$wheels"
-"$venv/bin/maturin" build --release --locked -m python/Cargo.toml -o "$wheels"
+sdist="$("$py" python/tools/sdist.py "$work/sdist" "$venv/bin/maturin")"
+ls -l "$sdist"
+tar -xzf "$sdist" -C "$work/sdist"
+target="${CARGO_TARGET_DIR:-target}"
+case "$target" in /*) ;; *) target="$root/$target" ;; esac
+CARGO_TARGET_DIR="$target" PATH="$venv/bin:$PATH" "$venv/bin/maturin" build --release --zig \
+    --compatibility manylinux_2_28 -m "$work/sdist/$(basename "$sdist" .tar.gz)/python/Cargo.toml" -o "$wheels"
+cp "$sdist" "$wheels/"
 ls -l "$wheels"
-"$py" -m pip install --quiet --no-index --find-links "$wheels" anyccl
+
+echo "== the wheel's platform tag (auditwheel $AUDITWHEEL): manylinux_2_28"
+"$venv/bin/auditwheel" show "$wheels"/*.whl | tee "$work/auditwheel.txt"
+tr -s ' \n' ' ' < "$work/auditwheel.txt" | grep -q "platform tag: \"manylinux_2_28_$(uname -m)\"" \
+    || { echo "python: the wheel is not manylinux_2_28" >&2; exit 1; }
+"$py" -m pip install --quiet --no-index "$wheels"/anyccl-*.whl
 
 echo "== import without NumPy or torch"
 (cd "$work" && "$py" -c 'import sys, anyccl; assert "numpy" not in sys.modules and "torch" not in sys.modules; print("anyccl", anyccl.__version__, "backends:", anyccl.backends())')
 
 echo "== pytest (host backend; -m gpu deselected)"
-# Run from python/ so pytest reads python/pyproject.toml (markers, the gpu deselection); `anyccl` is the
-# installed wheel: the pytest script (unlike `python -m pytest`) does not put the working directory, with the
-# uncompiled python/anyccl, on sys.path.
+# Run from python/ so pytest reads python/pyproject.toml (markers, the gpu and vllm deselection); `anyccl` is the
+# installed wheel (python/tests/conftest.py keeps the uncompiled python/anyccl off sys.path, for `python -m pytest`).
 (cd python && "$venv/bin/pytest" -q -p no:cacheprovider tests)
 
 echo "== type stubs"
 (cd "$work" && "$py" -m mypy.stubtest anyccl._anyccl)
-(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl)
+(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl -m anyccl.vllm_plugin)
 (cd "$work" && "$py" -m mypy --strict --no-incremental "$root/examples/python/host_numpy.py" \
     "$root/examples/python/torchrun_allreduce.py")
 echo "python: ok"

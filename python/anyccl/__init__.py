@@ -34,9 +34,21 @@ import os
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import _anyccl
+try:
+    from . import _anyccl
+except ImportError as _e:  # the source tree (python/anyccl) imported instead of the installed package
+    if "_anyccl" not in str(_e):
+        raise
+    raise ImportError(
+        f"anyccl's compiled extension (anyccl._anyccl) is not next to {os.path.dirname(os.path.abspath(__file__))}: "
+        "this is the uncompiled source tree, found first on sys.path (e.g. `python` or `python -m pytest` started in "
+        "the repository's python/ directory). Install the package (`pip install ./python` from the repository root, "
+        "or `maturin develop -m python/Cargo.toml` in a virtual environment) and run from another directory."
+    ) from None
 from ._anyccl import (
     CUDA_COMPILED_IN,
+    CUDA_KERNELS_NOT_BUILT,
+    CUDA_KERNELS_NVCC,
     BackendError,
     ClosedError,
     Error,
@@ -59,6 +71,9 @@ __all__ = [
     "PeerFailureError",
     "ClosedError",
     "CUDA_COMPILED_IN",
+    "CUDA_KERNELS_NOT_BUILT",
+    "CUDA_KERNELS_NVCC",
+    "capabilities",
     "DTYPES",
     "REDUCE_OPS",
     "ALGORITHMS",
@@ -164,6 +179,26 @@ def _ensure_nccl_path(backend: str) -> None:
         if os.path.isfile(candidate):
             os.environ["ANYCCL_NCCL_PATH"] = candidate
             return
+
+
+def _check_launched() -> None:
+    """``from_env`` outside a launcher (neither torchrun's nor srun's variables set): an error that says how to launch,
+    rather than the rendezvous' "WORLD_SIZE: not set". There is no silent world of 1: a process of a misconfigured
+    job would then compute alone and return wrong results without an error."""
+    if any(os.environ.get(v) for v in ("WORLD_SIZE", "SLURM_NTASKS", "RANK", "SLURM_PROCID")):
+        return
+    message = (
+        "Communicator.from_env(): this process was not started by a launcher (neither WORLD_SIZE and RANK, as torchrun "
+        "sets them, nor srun's SLURM_NTASKS and SLURM_PROCID are set)"
+    )
+    hint = (
+        "start it with `torchrun --nproc-per-node 2 script.py` (or srun), or set RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT yourself (RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 for one process); "
+        "without a launcher use Communicator.from_unique_id(anyccl.unique_id(), rank, world)"
+    )
+    err = InvalidArgumentError(f"{message}\nhint: {hint}")
+    err.message, err.hint, err.kind = message, hint, "config"
+    raise err
 
 
 def _is_torch_tensor(x: Any) -> bool:
@@ -344,6 +379,7 @@ class Communicator:
         authenticated rendezvous listens on MASTER_PORT + 1 (or ANYCCL_MASTER_PORT); set ANYCCL_RENDEZVOUS_KEY
         unless MASTER_ADDR is a loopback address. ``deterministic``: see ``Communicator.deterministic`` (None: the
         ``ANYCCL_DETERMINISTIC`` setting)."""
+        _check_launched()
         _ensure_nccl_path(backend)
         return cls(_anyccl.from_env(backend), deterministic)
 
@@ -729,12 +765,15 @@ class Communicator:
 
 
 class ProcessGroupBootstrap:
-    """anyccl's bootstrap over a torch ``ProcessGroup``: ``all_gather(bytes)`` through
-    ``torch.distributed.all_gather_object`` (use a gloo CPU group: it moves a few small byte strings)."""
+    """anyccl's bootstrap over a torch ``ProcessGroup``: ``all_gather(bytes)`` as two ``torch.distributed.all_gather``
+    calls on CPU tensors, the lengths then the bytes (use a gloo CPU group: it moves a few small byte strings). No
+    pickles: ``all_gather_object`` unpickles what peers send, and fails with gloo under ``torch.inference_mode``."""
 
     def __init__(self, group: Any = None) -> None:
+        import torch  # type: ignore[import-not-found, unused-ignore]
         import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
 
+        self._torch = torch
         self._dist = dist
         self.group = group
         self.rank: int = dist.get_rank(group)
@@ -742,9 +781,19 @@ class ProcessGroupBootstrap:
 
     def all_gather(self, mine: bytes) -> List[bytes]:
         """Every rank's ``mine``, by rank."""
-        out: List[Any] = [None] * self.world
-        self._dist.all_gather_object(out, bytes(mine), group=self.group)
-        return [bytes(b) if isinstance(b, (bytes, bytearray)) else b for b in out]
+        torch, dist = self._torch, self._dist
+        mine = bytes(mine)
+        with torch.inference_mode(False):
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+            dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64), group=self.group)
+            lengths = [int(t.item()) for t in sizes]
+            width = max(max(lengths), 1)
+            padded = torch.zeros(width, dtype=torch.uint8)
+            if mine:
+                padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world)]
+            dist.all_gather(parts, padded, group=self.group)
+        return [bytes(p[:n].tolist()) for p, n in zip(parts, lengths)]
 
 
 def unique_id(addr: str = "127.0.0.1", port: int = 0) -> bytes:
@@ -752,6 +801,22 @@ def unique_id(addr: str = "127.0.0.1", port: int = 0) -> bytes:
     every rank proves it holds. Move it to every rank yourself (a file, an environment variable, your store) and
     call ``Communicator.from_unique_id`` on each. Treat it as a secret."""
     return bytes(_anyccl.unique_id(addr, port))
+
+
+def capabilities() -> Dict[str, Any]:
+    """What this build of the package holds, before any communicator is made: ``cuda_backend`` (the CUDA backend is
+    compiled in), ``cuda_kernels`` (anyccl's custom CUDA kernels are built in: nvcc was found when the wheel was
+    built), ``cuda_kernels_missing`` (why they are not, else None: without them a CUDA communicator runs NCCL's
+    algorithms only), ``nvcc`` (the nvcc that built them), and ``backends`` (``anyccl.backends()``).
+    ``Communicator.capabilities()`` reports a communicator's capabilities on its device."""
+    return {
+        "version": __version__,
+        "cuda_backend": bool(CUDA_COMPILED_IN),
+        "cuda_kernels": CUDA_KERNELS_NOT_BUILT is None,
+        "cuda_kernels_missing": CUDA_KERNELS_NOT_BUILT,
+        "nvcc": CUDA_KERNELS_NVCC or None,
+        "backends": backends(),
+    }
 
 
 def backends() -> Dict[str, Optional[str]]:

@@ -26,11 +26,15 @@ __all__: List[str] = [
     "PeerFailureError",
     "ClosedError",
     "CUDA_COMPILED_IN",
+    "CUDA_KERNELS_NOT_BUILT",
+    "CUDA_KERNELS_NVCC",
     "MAX_BOOTSTRAP_BYTES",
     "RMSNORM_FORMS",
 ]
 
 CUDA_COMPILED_IN: bool
+CUDA_KERNELS_NOT_BUILT: Optional[str]
+CUDA_KERNELS_NVCC: str
 MAX_BOOTSTRAP_BYTES: int
 RMSNORM_FORMS: List[str]
 

@@ -16,15 +16,18 @@ custom op, so ``torch.compile`` and CUDA graphs keep working.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import logging
+from typing import Any, ClassVar, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import Communicator, _canon_algorithm
+from . import Communicator, Error, _canon_algorithm
 from . import torch_ops
 
-__all__ = ["AnycclDeviceCommunicator"]
+__all__ = ["AnycclDeviceCommunicator", "AnycclCustomAllreduce"]
+
+logger = logging.getLogger("anyccl.vllm")
 
 
 class AnycclDeviceCommunicator:
@@ -152,3 +155,167 @@ class AnycclDeviceCommunicator:
         torch_ops.unregister(self._handle)
         self.comm.close()
         self.disabled = True
+
+
+class AnycclCustomAllreduce:
+    """vLLM's ``CustomAllreduce`` (``vllm.distributed.device_communicators.custom_all_reduce``), method for method,
+    over anyccl: what vLLM's ``CudaCommunicator`` makes for a tensor-parallel group when anyccl's vLLM plugin is on
+    (``anyccl.vllm_plugin``).
+
+    The contract it keeps: made with ``group=`` (a gloo CPU group) and ``device=``; ``disabled`` True when it cannot
+    run (then vLLM falls back to pynccl); ``should_custom_ar(inp)`` with vLLM's limits (a multiple of 16 bytes,
+    contiguous, fewer than ``max_size`` bytes) and anyccl's (a dtype and device it has, an eligible algorithm);
+    ``custom_all_reduce(inp)`` out of place, returning the new tensor or None to make the caller fall back (inside
+    ``capture()`` but outside an actual graph capture, an empty tensor of the shape, as vLLM's warm-up expects);
+    ``all_reduce(inp, *, out=None, registered=False)``; ``capture()`` a context manager that registers the captured
+    inputs on exit (through anyccl's own bootstrap, not pickles over gloo); ``register_graph_buffers()``;
+    ``finalize_p2p()`` (nothing left to do: anyccl checks peer access when it is made); ``close()``. vLLM's custom
+    all-gather and reduce-scatter (``should_custom_all_gather``, ``custom_all_gather``, ``should_custom_reduce_scatter``,
+    ``should_mnnvl_multimem_reduce_scatter``, ``custom_reduce_scatter``) answer False / None: vLLM uses pynccl.
+    """
+
+    #: vLLM's class this one replaced, set by the plugin (None when made directly).
+    replaced: ClassVar[Any] = None
+    _SUPPORTED_WORLD_SIZES: ClassVar[List[int]] = [2, 3, 4, 5, 6, 7, 8]
+
+    def __init__(
+        self,
+        group: Any,
+        device: Union[int, str, torch.device],
+        max_size: int = 8192 * 1024,
+        max_all_gather_size: int = 2 * 1024 * 1024,
+        max_mnnvl_all_gather_size: Optional[int] = None,
+        max_reduce_scatter_size: int = 16 * 1024 * 1024,
+        max_mnnvl_reduce_scatter_size: int = 16 * 1024 * 1024,
+        max_mnnvl_multimem_reduce_scatter_size: int = 64 * 1024 * 1024,
+        symm_mem_enabled: bool = False,
+        *,
+        register_graph_buffers: bool = True,
+    ) -> None:
+        """vLLM's arguments; the all-gather and reduce-scatter sizes are kept but unused (anyccl leaves those
+        collectives to vLLM's pynccl: ``should_custom_all_gather`` and ``should_custom_reduce_scatter`` answer
+        False). ``register_graph_buffers=False``: ``capture()`` registers nothing on exit."""
+        self._IS_CAPTURING = False
+        self.disabled = True
+        self.group = group
+        self.max_size = int(max_size)
+        self.max_all_gather_size = max_all_gather_size
+        self.max_mnnvl_all_gather_size = max_mnnvl_all_gather_size
+        self.max_reduce_scatter_size = max_reduce_scatter_size
+        self.max_mnnvl_reduce_scatter_size = max_mnnvl_reduce_scatter_size
+        self.max_mnnvl_multimem_reduce_scatter_size = max_mnnvl_multimem_reduce_scatter_size
+        self.symm_mem_enabled = symm_mem_enabled
+        self._registers_graph_buffers = bool(register_graph_buffers)
+        self.fully_connected = True
+        self.comm: Optional[Communicator] = None
+        self._handle: Optional[int] = None
+        self.rank = dist.get_rank(group=group)
+        self.world_size = dist.get_world_size(group=group)
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        elif isinstance(device, str):
+            device = torch.device(device)
+        self.device = device
+        if self.world_size == 1:
+            return  # as vLLM: nothing to do for one GPU
+        if self.world_size not in self._SUPPORTED_WORLD_SIZES:
+            logger.warning("anyccl custom all-reduce disabled: world size %d (anyccl's kernels: 2 to 8)", self.world_size)
+            return
+        try:
+            backend = "cuda" if device.type == "cuda" else "host"
+            index = device.index if device.type == "cuda" else None
+            self.comm = Communicator.from_process_group(group, backend=backend, device=index)
+        except Error as e:
+            # Collective: every rank fails alike (the bootstrap or the backend), and vLLM falls back to pynccl.
+            logger.warning("anyccl custom all-reduce disabled: %s", e)
+            return
+        self._handle = torch_ops.register(self.comm)
+        self.disabled = False
+
+    def finalize_p2p(self) -> None:
+        """vLLM's deferred peer-access check: nothing to do (anyccl checked peer access when it was made)."""
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Around vLLM's CUDA graph captures: the captured all-reduces' inputs are registered on exit (collective)."""
+        try:
+            self._IS_CAPTURING = True
+            yield
+        finally:
+            self._IS_CAPTURING = False
+            if not self.disabled and self._registers_graph_buffers:
+                self.register_graph_buffers()
+
+    def register_graph_buffers(self) -> None:
+        """Registers the inputs of the all-reduces captured so far on every rank (collective)."""
+        if self.comm is not None:
+            self.comm.register_graph_buffers()
+
+    def should_custom_ar(self, inp: torch.Tensor) -> bool:
+        """Whether ``custom_all_reduce`` takes ``inp``: vLLM's limits (bytes a multiple of 16 and fewer than
+        ``max_size``, contiguous) and anyccl's (device, dtype, an eligible algorithm)."""
+        if self.disabled or self.comm is None:
+            return False
+        size = inp.numel() * inp.element_size()
+        if size % 16 != 0 or size >= self.max_size or not inp.is_contiguous():
+            return False
+        return self.comm.should_all_reduce(inp)
+
+    def all_reduce(
+        self, inp: torch.Tensor, *, out: Optional[torch.Tensor] = None, registered: bool = False
+    ) -> torch.Tensor:
+        """The sum over the group, out of place into ``out`` (a new tensor when None). ``registered`` is accepted
+        for vLLM's signature: anyccl finds captured inputs itself."""
+        if self.comm is None or self._handle is None:
+            raise RuntimeError("anyccl custom all-reduce is disabled")
+        if out is None:
+            return torch.ops.anyccl.all_reduce(inp, self._handle, "sum", None)
+        self.comm.all_reduce(inp, out=out)
+        return out
+
+    def custom_all_reduce(self, input: torch.Tensor) -> Optional[torch.Tensor]:
+        """The all-reduce vLLM calls: the result in a new tensor, or None to make the caller fall back."""
+        if self.disabled or not self.should_custom_ar(input):
+            return None
+        if self._IS_CAPTURING and self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            return torch.empty_like(input)  # vLLM's warm-up inside capture(): the allocation only
+        return self.all_reduce(input)
+
+    # vLLM's custom all-gather and reduce-scatter: anyccl does not take them, and vLLM falls back to pynccl, as it
+    # does when its own class has no buffers for them.
+
+    def should_custom_all_gather(self, inp: torch.Tensor) -> bool:
+        """False: vLLM's all-gather goes to pynccl."""
+        return False
+
+    def custom_all_gather(self, inp: torch.Tensor) -> Optional[torch.Tensor]:
+        """None: the caller falls back."""
+        return None
+
+    def should_custom_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: vLLM's reduce-scatter goes to pynccl."""
+        return False
+
+    def should_mnnvl_multimem_reduce_scatter(self, inp: torch.Tensor) -> bool:
+        """False: no multi-node NVLink multimem reduce-scatter here."""
+        return False
+
+    def custom_reduce_scatter(self, inp: torch.Tensor) -> Optional[torch.Tensor]:
+        """None: the caller falls back."""
+        return None
+
+    def close(self) -> None:
+        """Ends the communicator (idempotent)."""
+        if self._handle is not None:
+            torch_ops.unregister(self._handle)
+            self._handle = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self.disabled = True
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to close with
+            pass

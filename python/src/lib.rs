@@ -77,7 +77,7 @@ fn exception<T: pyo3::PyTypeInfo>(py: Python<'_>, message: String, hint: Option<
 /// anyccl's error as the matching Python exception.
 fn to_py(py: Python<'_>, e: &anyccl::Error) -> PyErr {
     use anyccl::Error as E;
-    let (message, hint) = (e.to_string(), e.hint());
+    let (message, hint) = (e.to_string(), python_hint(e));
     match e {
         E::InvalidArgument(_) => exception::<InvalidArgumentError>(py, message, hint, "invalid-argument"),
         E::Parse { .. } | E::Config { .. } => exception::<InvalidArgumentError>(py, message, hint, "config"),
@@ -88,6 +88,34 @@ fn to_py(py: Python<'_>, e: &anyccl::Error) -> PyErr {
         E::PeerFailure(_) => exception::<PeerFailureError>(py, message, hint, "peer-failure"),
         E::Backend { .. } | E::OutOfMemory { .. } => exception::<BackendError>(py, message, hint, "backend"),
         _ => exception::<Error>(py, message, hint, "other"),
+    }
+}
+
+/// The hint of `e` for a Python caller: the keyword and the Python calls rather than the CLI (`anyccl probe`) and the
+/// environment variable, which a Python user reaches last (the variable is still named when it is set).
+fn python_hint(e: &anyccl::Error) -> Option<String> {
+    use anyccl::Error as E;
+    let forced = std::env::var_os(anyccl::core::selector::ENV_FORCE_ALGO).is_some();
+    let env_note = if forced {
+        format!(
+            " ({} is set in the environment and forces an algorithm when algorithm= is not given)",
+            anyccl::core::selector::ENV_FORCE_ALGO
+        )
+    } else {
+        String::new()
+    };
+    match e {
+        E::AlgorithmNotEligible { .. } => Some(format!(
+            "pass algorithm=None to let anyccl pick, or another name of anyccl.ALGORITHMS; \
+             comm.select_all_reduce(count, dtype, algorithm=...) says whether one can run a call{env_note}"
+        )),
+        E::NoEligibleAlgorithm { .. } => {
+            Some(format!("comm.capabilities() lists the algorithms and why each capability is off{env_note}"))
+        }
+        E::Unsupported { .. } => {
+            Some("anyccl.backends() and comm.capabilities() show every backend and capability and why it is off".into())
+        }
+        _ => e.hint(),
     }
 }
 
@@ -885,6 +913,31 @@ fn from_unique_id(
     r.map_err(|e| to_py(py, &e))
 }
 
+/// Why this build has no custom CUDA kernels (`None`: they are built in): nvcc absent when the wheel was built, or
+/// the CUDA backend left out.
+fn cuda_kernels_not_built() -> Option<&'static str> {
+    #[cfg(feature = "cuda")]
+    {
+        anyccl_kernels_cuda::NOT_BUILT
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Some("the CUDA backend is not compiled into this build (cargo feature `cuda` of anyccl-python)")
+    }
+}
+
+/// The nvcc version that built the custom CUDA kernels (empty when none are built in).
+fn cuda_kernels_nvcc() -> &'static str {
+    #[cfg(feature = "cuda")]
+    {
+        anyccl_kernels_cuda::NVCC_VERSION
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        ""
+    }
+}
+
 /// Why the Python package cannot run the ROCm backend (in `backends()` and in the error of `backend="rocm"`).
 const ROCM_WHY: &str = "not in the Python package yet: its wheel is built without anyccl's `rocm` feature, and its \
     device-tensor path takes CUDA memory only (torch CUDA tensors by pointer, DLPack kDLCUDA arrays; a ROCm tensor \
@@ -955,6 +1008,8 @@ fn _anyccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerFailureError", py.get_type::<PeerFailureError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("CUDA_COMPILED_IN", cfg!(feature = "cuda"))?;
+    m.add("CUDA_KERNELS_NOT_BUILT", cuda_kernels_not_built())?;
+    m.add("CUDA_KERNELS_NVCC", cuda_kernels_nvcc())?;
     m.add("MAX_BOOTSTRAP_BYTES", MAX_BOOTSTRAP_BYTES)?;
     Ok(())
 }

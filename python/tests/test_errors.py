@@ -142,7 +142,7 @@ def test_cuda_asked_for_without_a_gpu_is_unsupported_with_the_reason() -> None:
     with pytest.raises(anyccl.UnsupportedError) as e:
         anyccl.Communicator.from_unique_id(anyccl.unique_id(), 0, 1, backend="cuda")
     assert reason in e.value.message
-    assert e.value.hint and "anyccl probe" in e.value.hint
+    assert e.value.hint and "anyccl.backends()" in e.value.hint and "anyccl probe" not in e.value.hint
 
 
 def test_from_env_without_a_launcher_names_the_variable(tmp_path: Path) -> None:
@@ -151,7 +151,24 @@ def test_from_env_without_a_launcher_names_the_variable(tmp_path: Path) -> None:
     # Run away from python/ (whose uncompiled anyccl/ would shadow the installed package).
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "RANK" in out.stdout or "WORLD_SIZE" in out.stdout or "MASTER_ADDR" in out.stdout, out.stdout
+    assert out.stdout.startswith("InvalidArgumentError "), out.stdout
+    assert "not started by a launcher" in out.stdout and "WORLD_SIZE" in out.stdout, out.stdout
+
+
+def test_from_env_without_a_launcher_says_how_to_launch_in_the_hint(tmp_path: Path) -> None:
+    code = "import anyccl\ntry:\n    anyccl.Communicator.from_env()\nexcept anyccl.Error as e:\n    print(e.hint)\n"
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "torchrun --nproc-per-node" in out.stdout and "from_unique_id" in out.stdout, out.stdout
+
+
+def test_from_env_with_a_launcher_but_no_master_addr_still_names_the_variable(tmp_path: Path) -> None:
+    code = "import anyccl\ntry:\n    anyccl.Communicator.from_env('host')\nexcept anyccl.Error as e:\n    print(e.message)\n"
+    env = {"PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "MASTER_ADDR" in out.stdout, out.stdout
 
 
 def test_importing_anyccl_imports_neither_numpy_nor_torch(tmp_path: Path) -> None:

@@ -87,7 +87,9 @@ def test_an_ineligible_algorithm_is_unsupported_with_the_reason_and_touches_noth
     with pytest.raises(anyccl.UnsupportedError) as e:
         comm.all_reduce(x, algorithm=name)
     assert name in e.value.message and "not implemented by the host backend" in e.value.message, e.value.message
-    assert e.value.hint and "anyccl probe" in e.value.hint
+    # The hint speaks Python: the keyword and the calls, not the CLI or the environment variable (not set here).
+    assert e.value.hint and "algorithm=" in e.value.hint and "select_all_reduce" in e.value.hint, e.value.hint
+    assert "ANYCCL_ALLREDUCE_ALGO" not in e.value.hint and "anyccl probe" not in e.value.hint, e.value.hint
     assert e.value.kind == "unsupported"
     np.testing.assert_array_equal(x, np.full(64, 3.0, dtype=np.float32))
     with pytest.raises(anyccl.UnsupportedError, match="not implemented by the host backend"):

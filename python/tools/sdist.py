@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Builds the anyccl source distribution: ``maturin sdist``, then the files of the workspace's root crate that
+maturin leaves out.
+
+The extension crate (python/) depends on the ``anyccl`` crate, which is also the workspace root. ``maturin sdist``
+(1.16.0) copies the root's Cargo.toml, Cargo.lock and README.md but not that crate's sources,
+so the sdist could not build. This adds them: the files ``cargo package --list -p anyccl`` names under src/, tests/,
+examples/, benches/ and build.rs (cargo reads the declared test and example targets when it loads the manifest), and
+the two licence files, to the tarball maturin wrote; and points the sdist's pyproject.toml (which maturin puts at the
+top, next to the workspace's README.md) at python/README.md. Needs a maturin that writes this workspace's sdist at
+all (1.16.0 does; 1.9.6 stops at the two README.md files).
+
+    python python/tools/sdist.py OUT_DIR [MATURIN]    # from anywhere; prints the sdist's path
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KEEP = ("src/", "tests/", "examples/", "benches/")
+KEEP_FILES = ("build.rs", "LICENSE-APACHE", "LICENSE-MIT")
+
+
+def root_crate_files() -> list[str]:
+    listed = subprocess.run(
+        ["cargo", "package", "--list", "--allow-dirty", "-p", "anyccl"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return sorted(p for p in listed if p.startswith(KEEP) or p in KEEP_FILES)
+
+
+def main() -> int:
+    if len(sys.argv) not in (2, 3):
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = Path(sys.argv[1]).resolve()
+    maturin = sys.argv[2] if len(sys.argv) == 3 else "maturin"
+    out.mkdir(parents=True, exist_ok=True)
+    before = set(out.glob("*.tar.gz"))
+    subprocess.run([maturin, "sdist", "-m", str(ROOT / "python" / "Cargo.toml"), "-o", str(out)], check=True)
+    made = sorted(set(out.glob("*.tar.gz")) - before) or sorted(out.glob("anyccl-*.tar.gz"))
+    if len(made) != 1:
+        print(f"expected one sdist in {out}, found {made}", file=sys.stderr)
+        return 1
+    sdist = made[0]
+    with tarfile.open(sdist, "r:gz") as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]  # type: ignore[union-attr]
+    top = members[0][0].name.split("/")[0]
+    have = {m.name for m, _ in members}
+    added = 0
+    buf = io.BytesIO()
+    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for m, data in members:
+            if m.name == f"{top}/pyproject.toml" and data is not None:
+                # maturin moves pyproject.toml to the sdist's top, where README.md is the workspace's: the package's
+                # own readme is python/README.md there.
+                text = data.decode("utf-8")
+                fixed = text.replace('readme = "README.md"', 'readme = "python/README.md"', 1)
+                if fixed == text:
+                    raise SystemExit(f"{m.name}: no readme line to point at python/README.md")
+                data = fixed.encode("utf-8")
+                m.size = len(data)
+            tar.addfile(m, io.BytesIO(data) if data is not None else None)
+        for rel in root_crate_files():
+            name = f"{top}/{rel}"
+            if name in have:
+                continue
+            src = ROOT / rel
+            info = tar.gettarinfo(str(src), arcname=name)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(src, "rb") as f:
+                tar.addfile(info, f)
+            added += 1
+    tmp = sdist.with_suffix(".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, sdist)
+    print(f"added {added} files of the root crate to {sdist}", file=sys.stderr)
+    print(sdist)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
