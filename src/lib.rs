@@ -29,8 +29,16 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-/// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library).
-pub use anyccl_ccl as ccl;
+/// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library), with
+/// the GPU engine's device layer and communicator ([`anyccl_gpu`]) under the names they have always had here.
+pub mod ccl {
+    pub use anyccl_ccl::*;
+    /// The GPU engine ([`anyccl_gpu`]): the communicator of both vendors over a per-vendor platform.
+    pub use anyccl_gpu as gpu;
+    pub use anyccl_gpu::{
+        ccl_bootstrap, device, CaptureQueries, CclBootstrap, GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut,
+    };
+}
 pub use anyccl_core as core;
 pub use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, Communicator, DataType, Error, InOut, ReduceOp, Result, RmsNormForm,

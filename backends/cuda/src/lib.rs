@@ -3,7 +3,7 @@
 //! - [`driver`]: the CUDA driver through cudarc, probed first so a machine without `libcuda.so.1` reports
 //!   "CUDA backend unavailable" instead of crashing;
 //! - [`runtime`]: core's memory runtime over the driver (device buffers, streams, capture status);
-//! - [`platform`]: the CUDA platform of anyccl-ccl's generic GPU communicator (module load and launch, IPC,
+//! - [`platform`]: the CUDA platform of anyccl-gpu's generic GPU communicator (module load and launch, IPC,
 //!   peer access, the abort word);
 //! - [`comm`]: the communicator ([`CudaComm`] = `GpuComm<Cuda>`): NCCL through anyccl-ccl's table, symmetric
 //!   windows, the custom kernels;

@@ -1,6 +1,6 @@
 //! The push-mode one-shot all-reduce (`anyccl_push_one_shot_{f32,f16,bf16}`, kernel source
 //! `anyccl-kernels-common/include/anyccl/push.h`) on N ranks emulated on one GPU: the communicator's launcher
-//! ([`anyccl_ccl::gpu::push::PushKernels`], with programmatic dependent launch on sm_90+) on the group's grid, and
+//! ([`anyccl_gpu::push::PushKernels`], with programmatic dependent launch on sm_90+) on the group's grid, and
 //! the ranks' receive buffers.
 //!
 //! Every rank writes its input into its slot of every peer's receive buffer, then reduces the slots of its own in
@@ -43,7 +43,7 @@ pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String>
 /// dependent launch) on one GPU: world × blocks × 2 ≤ 128 blocks of 512 threads, 2 per SM.
 pub fn push_blocks(bytes: usize, world: usize) -> u32 {
     // The communicator's choice too: one formula.
-    anyccl_ccl::gpu::push::push_blocks(bytes, world)
+    anyccl_gpu::push::push_blocks(bytes, world)
 }
 
 fn bad(m: String) -> Error {
@@ -51,11 +51,11 @@ fn bad(m: String) -> Error {
 }
 
 /// The push kernels (and the fused push kernels) of a loaded kernel module, launched the way the communicator
-/// launches them ([`anyccl_ccl::gpu::push::PushKernels`]); valid while the [`CustomKernels`] they were looked up in
+/// launches them ([`anyccl_gpu::push::PushKernels`]); valid while the [`CustomKernels`] they were looked up in
 /// are.
-pub type PushKernels = anyccl_ccl::gpu::push::PushKernels<Cuda>;
+pub type PushKernels = anyccl_gpu::push::PushKernels<Cuda>;
 
-pub use anyccl_ccl::gpu::push::{push_two_shot_blocks, PushGrid, PushShape};
+pub use anyccl_gpu::push::{push_two_shot_blocks, PushGrid, PushShape};
 
 /// Fills a receive buffer of [`PUSH_RECV_BYTES`] with the sentinel and zeroes its control words, in stream order
 /// on `stream` (before first use, or to reuse the buffer after an abort left it unusable). Not during capture.

@@ -118,7 +118,7 @@ fn capture(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) -
 fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) -> Result<(f64, bool)> {
     let (dtype, device) = (opts.dtype, opts.device);
     g.blocks = match col {
-        Col::OneShot => anyccl_ccl::gpu::comm::custom_blocks(g.bytes, anyccl_ccl::gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
+        Col::OneShot => anyccl_gpu::comm::custom_blocks(g.bytes, anyccl_gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
         Col::Push { shape, .. } => opts.push_blocks.unwrap_or_else(|| shape.blocks(g.bytes, g.streams.len())),
     };
     let want = set_inputs(g, dtype, 0, device)?;

@@ -23,13 +23,13 @@
 
 use std::process::ExitCode;
 
-use anyccl_ccl::gpu::quant::model as quant;
 use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
 use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
 use anyccl_cuda::emulated_quant::{Format, QuantRanks};
 use anyccl_cuda::graph::Graph;
+use anyccl_gpu::quant::model as quant;
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
