@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 pub use anyccl_ccl::UniqueId;
 use anyccl_core::{Bootstrap, Communicator, Error, Result, Selector};
-use anyccl_gpu::bootstrap as generic;
+use anyccl_gpu::multi_process as generic;
 use anyccl_rendezvous::{FdChannel, FdServer, Rendezvous, RendezvousConfig};
 
 use crate::comm::CudaComm;

@@ -885,9 +885,9 @@ fn two_hosts(s: &Setup) {
                 sc.spawn(move || -> Result<(String, Algorithm, Vec<f32>)> {
                     let host = if rank == 0 { "node-a" } else { "node-b" };
                     let env = move |k: &str| (k == "ANYCCL_HOST_ID").then(|| host.to_owned());
-                    let id = anyccl_gpu::bootstrap::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
+                    let id = anyccl_gpu::multi_process::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
                     let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_gpu::bootstrap::join::<Cuda>(
+                    let mut c = anyccl_gpu::multi_process::join::<Cuda>(
                         s.lib.clone(),
                         &id,
                         rank,

@@ -23,7 +23,6 @@ use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
 use anyccl_ccl::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
 
-#[path = "comm_fused.rs"]
 pub mod fused_call;
 
 /// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
@@ -927,7 +926,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     /// every rank's input directly instead of copying it through staging (through
     /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers)).
     ///
-    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`super::bootstrap`]): the
+    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`crate::multi_process`]): the
     /// inputs' IPC handles travel through it; communicators of one process ([`GpuComm::init_all`]) exchange
     /// pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`/`hipMalloc`
     /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.

@@ -20,15 +20,15 @@
 //!   programmatic dependent launch where the platform has it ([`GpuPlatform::launch_dependent`]);
 //! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
 //! - [`comm`]: the communicator ([`GpuComm`]);
-//! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
+//! - [`multi_process`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
-pub mod bootstrap;
 pub mod ccl_bootstrap;
 pub mod comm;
 pub mod device;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+pub mod multi_process;
 pub mod push;
 pub mod quant;
 

@@ -18,7 +18,7 @@ use std::time::Duration;
 use anyccl_ccl::CclLibrary;
 use anyccl_core::bootstrap::LocalGroup;
 use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result, Selector};
-use anyccl_gpu::bootstrap as gpu_bootstrap;
+use anyccl_gpu::multi_process as gpu_bootstrap;
 use anyccl_rocm::{Hip, HipBuffer, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
 use fake_hip::{FakeHip, Launch, Shot};
 
