@@ -11,9 +11,9 @@
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
-use anyccl_cuda::emulated_quant::{Format, QuantRanks};
 use anyccl_gpu::quant::model as quant;
+use anyccl_lab::emulated::{EmulatedRanks, InputMode};
+use anyccl_lab::emulated_quant::{Format, QuantRanks};
 
 fn encode(dtype: DataType, v: f32) -> Vec<u8> {
     match dtype {

@@ -11,11 +11,11 @@ use anyccl_gpu::quant::{self, QuantKernels};
 
 pub use anyccl_gpu::quant::Format;
 
-use crate::custom::Kind;
 use crate::emulated::EmulatedRanks;
-use crate::graph::Graph;
-use crate::platform::Cuda;
-use crate::runtime::{CudaStream, DeviceBuffer};
+use anyccl_cuda::custom::Kind;
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::platform::Cuda;
+use anyccl_cuda::runtime::{CudaStream, DeviceBuffer};
 
 /// N emulated ranks of `bytes`-byte all-reduces, full precision and quantized.
 #[non_exhaustive]

@@ -6,10 +6,10 @@
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::InputMode;
-use anyccl_cuda::emulated_fused::{EmulatedFused, FusedPath};
 use anyccl_gpu::fused::reference;
 use anyccl_gpu::fused::{FusedForm, FusedOutput};
+use anyccl_lab::emulated::InputMode;
+use anyccl_lab::emulated_fused::{EmulatedFused, FusedPath};
 
 /// xorshift64*: reproducible inputs in [-1, 1) without a dependency.
 fn rng(seed: u64) -> impl FnMut() -> f32 {
@@ -306,7 +306,7 @@ fn fused_push_matches_the_reference_for_2_to_8_ranks_on_alternating_buffer_sets(
                 }
                 // Every slot of both sets holds the sentinel again after the calls.
                 let p = g.push.as_ref().expect("enabled");
-                let mut recv = vec![0u8; anyccl_cuda::push::PUSH_RECV_BYTES];
+                let mut recv = vec![0u8; anyccl_lab::push::PUSH_RECV_BYTES];
                 for (r, b) in p.recv.iter().enumerate() {
                     g.runtime.download(b, &mut recv, &g.streams[0]).expect("download receive buffer");
                     let sets = anyccl_kernels_cuda::push::PUSH_CTRL_OFFSET;

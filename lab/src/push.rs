@@ -4,12 +4,12 @@
 //! the ranks' receive buffers.
 //!
 //! Every rank writes its input into its slot of every peer's receive buffer, then reduces the slots of its own in
-//! rank order (the bits of [`Kind::OneShot`](crate::custom::Kind::OneShot)'s result). Completion is flag-free: a
+//! rank order (the bits of [`Kind::OneShot`](anyccl_cuda::custom::Kind::OneShot)'s result). Completion is flag-free: a
 //! receive slot holds the sentinel [`PUSH_SENTINEL`] (every byte `0xFF`) until its data lands, and the reader
 //! writes the sentinel back after use; calls alternate between two buffer sets by a call counter in each receive
 //! buffer. No barrier round: one write across the links, then the reads of local memory. Messages up to
 //! [`PUSH_MAX_BYTES`] (256 KiB; each rank's receive buffer holds [`PUSH_RECV_BYTES`], about 4 MiB). The abort word
-//! of each rank's flag array stops a kernel whose peer never writes ([`crate::custom::stop_waiting`]).
+//! of each rank's flag array stops a kernel whose peer never writes ([`anyccl_cuda::custom::stop_waiting`]).
 
 use std::sync::Arc;
 
@@ -18,16 +18,16 @@ use anyccl_kernels_cuda::push::{PUSH_CTRL_BYTES, PUSH_CTRL_OFFSET};
 pub use anyccl_kernels_cuda::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
 use cudarc::driver::sys;
 
-use crate::custom::CustomKernels;
-use crate::driver::cu_err;
 use crate::emulated::EmulatedRanks;
-use crate::graph::Graph;
-use crate::platform::Cuda;
-use crate::runtime::{CudaStream, DeviceBuffer};
+use anyccl_cuda::custom::CustomKernels;
+use anyccl_cuda::driver::cu_err;
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::platform::Cuda;
+use anyccl_cuda::runtime::{CudaStream, DeviceBuffer};
 
 /// Why the push one-shot cannot run `dtype` × `bytes` for `world` ranks, if it cannot.
 pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
-    if let Some(why) = crate::custom::ineligible(dtype, bytes, world) {
+    if let Some(why) = anyccl_cuda::custom::ineligible(dtype, bytes, world) {
         return Some(why);
     }
     if bytes > PUSH_MAX_BYTES {
