@@ -2,9 +2,10 @@
 # The single-GPU regression run after a change to the CUDA communicator: the GPU tests (2-GPU ones skipped), the
 # cudarc tests, the eager host-time check against raw NCCL, the bench, --per-rank and the IPC check under the real
 # torchrun, and the kernel tests. Binaries are built elsewhere (the GPU machine has no Rust) and passed in BINDIR:
-# gpu, cudarc_gpu, kernels_gpu (the anyccl-cuda test binaries), anyccl, anyccl-cuda-ipc-check. When BINDIR also
-# holds them, the fused/push/quantized kernel tests (fused_gpu, push_gpu, quant_gpu: release builds, since their host checks at
-# 64 MiB are slow in debug) and benches (anyccl-cuda-{fused,push,quant}-bench) run too. Prints each step's
+# gpu, cudarc_gpu (anyccl-cuda test binaries), kernels_gpu (an anyccl-lab test binary), anyccl,
+# anyccl-cuda-ipc-check (anyccl-lab). When BINDIR also holds them, the kernel tests (fused_gpu, push_gpu,
+# quant_gpu of anyccl-lab: release builds, since their host checks at 64 MiB are slow in debug) and benches
+# (anyccl-cuda-{fused,push,quant}-bench) run too. Prints each step's
 # summary; exits 1 if any step failed. Multicast stays off.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BIN="${1:-.devbin}"

@@ -2,8 +2,8 @@
 # The multi-GPU run on a lent machine, in two device calls of at most 10 minutes each.
 #
 # Build here first (no Rust toolchain on the GPU machines), then carry `.devbin`:
-#   cargo build --release --features cuda && cargo build --release -p anyccl-cuda --features tools
-#   cargo test --release -p anyccl-cuda --all-features --no-run
+#   cargo build --release --features cuda && cargo build --release -p anyccl-lab
+#   cargo test --release -p anyccl-cuda -p anyccl-lab --all-features --no-run
 #   mkdir -p .devbin && cp target/release/{anyccl,anyccl-cuda-emulated-bench,anyccl-cuda-ipc-check} .devbin/
 #   cp target/release/deps/gpu-<hash> .devbin/gpu && cp target/release/deps/kernels_gpu-<hash> .devbin/kernels_gpu
 #   cp scripts/torch_tp_bench.py scripts/multi_gpu_run.sh .devbin/ && strip .devbin/{anyccl*,gpu,kernels_gpu}

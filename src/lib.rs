@@ -29,10 +29,16 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-/// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library).
-/// The `anyccl-ccl` crate.
-#[doc(inline)]
-pub use anyccl_ccl as ccl;
+/// The NCCL/RCCL loader and capability report (`communicators_single_process` and friends take its library), with
+/// the GPU engine's device layer and communicator ([`anyccl_gpu`]) under the names they have always had here.
+pub mod ccl {
+    pub use anyccl_ccl::*;
+    /// The GPU engine ([`anyccl_gpu`]): the communicator of both vendors over a per-vendor platform.
+    pub use anyccl_gpu as gpu;
+    pub use anyccl_gpu::{
+        ccl_bootstrap, device, CaptureQueries, CclBootstrap, GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut,
+    };
+}
 /// The vendor-neutral core every backend shares: the [`Communicator`] front door and its validation, data types
 /// and operators, errors, the capability model ([`CapabilityReport`]), the algorithm [`Selector`] and the fused
 /// all-reduce + RMSNorm. The `anyccl-core` crate; its most used items are also re-exported at this crate's root.

@@ -25,7 +25,7 @@
 //!   outside a group. That decision reads the call's shape and the world (the same on every rank) and the
 //!   settings the agreement round found equal on every rank, so every rank sets up at the same call. The setup is
 //!   [`GpuComm::enable_custom_ipc_over_ccl`]: the one-host check and the handles travel over the communicator
-//!   itself ([`anyccl_ccl::CclBootstrap`]), and its agreement rounds turn the kernels on or off on every rank
+//!   itself ([`anyccl_gpu::CclBootstrap`]), and its agreement rounds turn the kernels on or off on every rank
 //!   alike. Off once means forwarded for good.
 //! - **Capture**: nothing is set up, allocated or registered while the caller's stream captures. Set up already:
 //!   captured calls run the custom kernels through the graph-input tables, which stay on staging copies (graph
@@ -39,12 +39,12 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use anyccl_ccl::device::GpuBuffer;
-use anyccl_ccl::gpu::{GpuComm, GpuPlatform, StreamOf};
 use anyccl_ccl::{CclComm, CclLibrary, CclStream, CclVendor};
 use anyccl_core::comm::AllReduceCall as CoreCall;
 use anyccl_core::selector::SelectionQuery;
 use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, ReduceOp, Selection, Selector};
+use anyccl_gpu::device::GpuBuffer;
+use anyccl_gpu::{GpuComm, GpuPlatform, StreamOf};
 use dashmap::DashMap;
 
 use crate::agree::{agree, participant, verdict, Local};
@@ -711,7 +711,7 @@ fn custom_fits<P: GpuPlatform>(
     if op != ReduceOp::Sum {
         return Err(format!("the custom kernels implement sum, not {op}"));
     }
-    if let Some(why) = anyccl_ccl::gpu::kernels::ineligible::<P>(dtype, bytes, world) {
+    if let Some(why) = anyccl_gpu::kernels::ineligible::<P>(dtype, bytes, world) {
         return Err(why);
     }
     if bytes > capacity {

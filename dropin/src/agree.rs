@@ -33,9 +33,10 @@ use std::borrow::{Borrow, BorrowMut};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::StreamOf;
-use anyccl_ccl::{CclComm, CclLibrary, CclStream, DeviceAddress, GpuRuntime};
+use anyccl_ccl::{CclComm, CclLibrary, CclStream, DeviceAddress};
 use anyccl_core::{Capabilities, DataType, Error, MemoryRuntime, Selector};
+use anyccl_gpu::GpuRuntime;
+use anyccl_gpu::StreamOf;
 use sha2::{Digest, Sha256};
 
 use crate::accel::DropinPlatform;
@@ -177,10 +178,10 @@ impl Local {
         world: usize,
     ) -> Self {
         let disabled = anyccl_core::caps::disabled_by_env();
-        let capacity = anyccl_ccl::gpu::comm::custom_capacity(&env);
-        let blocks = anyccl_ccl::gpu::comm::custom_max_blocks(&env);
+        let capacity = anyccl_gpu::comm::custom_capacity(&env);
+        let blocks = anyccl_gpu::comm::custom_max_blocks(&env);
         let selector = Selector::from_env();
-        let kernels = anyccl_ccl::gpu::kernels::unavailable::<P>(world);
+        let kernels = anyccl_gpu::kernels::unavailable::<P>(world);
         let arch = P::arch(runtime);
         let fields = [
             match &disabled {

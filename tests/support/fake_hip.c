@@ -1095,7 +1095,7 @@ static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 /* f32 to fp8 e4m3 (OCP "fn"): round to nearest even, saturating to ±448, NaN to 0x7f | sign, |v| <= 2^-10 to ±0:
  * fused.h's anyccl_f32_to_e4m3, in the same integer operations. quant.h's vendor conversion (anyccl_e4m3x2_encode)
  * is the same function written differently (both are the correctly rounded saturating conversion; the host
- * tests of anyccl-ccl and anyccl-kernels-common pin each against an independent reference), so it serves both. */
+ * tests of anyccl-gpu and anyccl-kernels-common pin each against an independent reference), so it serves both. */
 static uint8_t e4m3_encode(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -9,24 +9,14 @@
 //!   symbols without `dlopen`.
 //! - [`caps`]: turns the table, the version and the environment into a capability report with reasons, and
 //!   assembles the GPU backends' reports ([`caps::gpu_backend_report`], [`caps::gpu_runtime`]).
-//! - [`rank`]: one rank's collectives, barrier, query, wait and symmetric buffers, written once for the CUDA and
+//! - [`rank`]: one rank's collectives, barrier, query, wait and symmetric windows, written once for the CUDA and
 //!   ROCm backends ([`CclRank`]).
-//! - [`ccl_bootstrap`]: a [`anyccl_core::Bootstrap`] over a rank's own communicator ([`CclBootstrap`]), so that
-//!   sub-communicators (and anything else that needs every rank's bytes) set up with no port of their own.
-//! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
-//!   backend's [`GpuAllocation`]), and the runtime the shared layers need of a backend ([`GpuRuntime`]).
-//! - [`gpu`]: the GPU communicator of both vendors ([`gpu::GpuComm`]) over a per-vendor [`gpu::GpuPlatform`]: the
-//!   custom kernels' load, parameter packing and launch, their peers' buffers over peer access or IPC, graph
-//!   buffers, the abort word, and the one-process-per-GPU bootstrap.
 //! - this module: a thin safe layer — status codes to errors carrying the vendor's text, unique ids as bytes,
 //!   dtype/op mappings that refuse what the loaded version lacks, and a small RAII communicator handle.
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod caps;
-pub mod ccl_bootstrap;
-pub mod device;
 pub mod find;
-pub mod gpu;
 pub mod loader;
 pub mod rank;
 pub mod sys;
@@ -37,8 +27,6 @@ use std::sync::Arc;
 use anyccl_core::{DataType, Error, InvalidArgument, ReduceOp, Result, Teardown};
 
 pub use caps::derive as derive_capabilities;
-pub use ccl_bootstrap::CclBootstrap;
-pub use device::{CaptureQueries, GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use find::{NotFound, SearchPlan};
 pub use loader::{CclLibrary, CclTable, CclVendor, CclVersion, LoadFailure};
 pub use rank::{CclBackend, CclRank, CclStream, DeviceAddress, ABORT_GRACE};

@@ -19,7 +19,6 @@ use anyccl_core::{
     Teardown,
 };
 
-use crate::device::{GpuBuffer, GpuRuntime};
 use crate::{sys, AbortOutcome, CclComm, CclLibrary, CclReduction};
 
 /// How long a failed wait waits for the library's abort before it returns and leaves the abort running in the
@@ -309,34 +308,6 @@ impl CclRank {
             windows: self.windows.clone(),
             bind,
         })
-    }
-
-    /// A symmetric buffer of `bytes` on `runtime`'s device, as the backend's buffer ([`Self::symmetric_memory`],
-    /// the device bound through the runtime). Collective: every rank calls it with the same size. Refused while a
-    /// capture that allocation would break runs ([`MemoryRuntime::refuse_during_capture`]) or `stream` captures,
-    /// and where `caps` has the windows off (the error carries the reason). `backend` names it in errors.
-    pub fn symmetric_buffer<R>(
-        &self,
-        backend: &str,
-        caps: &CapabilityReport,
-        runtime: &R,
-        bytes: usize,
-        stream: &R::Stream,
-    ) -> Result<SymmetricBuffer<R::Buffer>>
-    where
-        R: GpuRuntime,
-        R::Stream: CclStream,
-    {
-        runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
-        let bind = {
-            let runtime = runtime.clone();
-            Box::new(move || runtime.bind())
-        };
-        let range = |ptr| runtime.address_range(ptr);
-        let mem = self.symmetric_memory(backend, caps, bytes, stream.is_capturing()?, bind, &range)?;
-        // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
-        let view = unsafe { GpuBuffer::from_raw(mem.ptr() as u64, bytes, runtime.ordinal()) };
-        Ok(SymmetricBuffer::new(view, mem))
     }
 
     /// Whether `[d.addr, +bytes)` lies inside one registered window.

@@ -10,9 +10,9 @@
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::bootstrap as generic;
 pub use anyccl_ccl::UniqueId;
 use anyccl_core::{Bootstrap, Communicator, Error, Result, Selector};
+use anyccl_gpu::multi_process as generic;
 use anyccl_rendezvous::{FdChannel, FdServer, Rendezvous, RendezvousConfig};
 
 use crate::comm::CudaComm;

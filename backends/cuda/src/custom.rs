@@ -1,26 +1,26 @@
 //! Launch glue for the custom all-reduce kernels of `anyccl-kernels-cuda`, written once for both vendors in
-//! [`anyccl_ccl::gpu::kernels`] and used here on the CUDA platform: one-shot and two-shot (inputs read directly,
+//! [`anyccl_gpu::kernels`] and used here on the CUDA platform: one-shot and two-shot (inputs read directly,
 //! through staging the kernel copies into, or through an input table in device memory), and the unicast
 //! emulations of the NVLS zero-copy, warp-pipeline and block-pipeline variants.
 
 use anyccl_core::{DataType, Result};
 
-pub use anyccl_ccl::gpu::kernels::{input_table, Inputs, Kind, INPUT_TABLE_BYTES, THREADS, TWO_SHOT_ROUND_BYTES};
+pub use anyccl_gpu::kernels::{input_table, Inputs, Kind, INPUT_TABLE_BYTES, THREADS, TWO_SHOT_ROUND_BYTES};
 
 use crate::platform::Cuda;
 use crate::runtime::{CudaStream, DeviceBuffer};
 
 /// The kernels loaded for one device (`CustomKernels::load(&runtime)`).
-pub type CustomKernels = anyccl_ccl::gpu::CustomKernels<Cuda>;
+pub type CustomKernels = anyccl_gpu::CustomKernels<Cuda>;
 
 /// Why the custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.
 pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
-    anyccl_ccl::gpu::kernels::ineligible::<Cuda>(dtype, bytes, world)
+    anyccl_gpu::kernels::ineligible::<Cuda>(dtype, bytes, world)
 }
 
 /// Why the custom kernels cannot serve a communicator of `world` ranks at all, if they cannot.
 pub fn unavailable(world: usize) -> Option<String> {
-    anyccl_ccl::gpu::kernels::unavailable::<Cuda>(world)
+    anyccl_gpu::kernels::unavailable::<Cuda>(world)
 }
 
 /// Tells every custom kernel of the rank whose flag array is `flags` to stop waiting for its peers: sets the abort
@@ -30,12 +30,12 @@ pub fn unavailable(world: usize) -> Option<String> {
 /// has given up on a peer. Not during capture.
 pub fn stop_waiting(flags: &DeviceBuffer, stream: &CudaStream, limit: std::time::Duration) -> Result<()> {
     let runtime = crate::CudaRuntime::from_context(stream.context().clone());
-    anyccl_ccl::gpu::stop_waiting::<Cuda>(&runtime, flags, stream, limit)
+    anyccl_gpu::stop_waiting::<Cuda>(&runtime, flags, stream, limit)
 }
 
 #[cfg(test)]
 mod tests {
-    use anyccl_ccl::gpu::kernels::kernel_name;
+    use anyccl_gpu::kernels::kernel_name;
 
     use super::*;
 

@@ -14,7 +14,7 @@ use crate::driver::cu_err;
 use crate::runtime::{DeviceBuffer, DeviceContext};
 
 /// Bytes of a legacy IPC handle (`CUipcMemHandle`).
-pub use anyccl_ccl::gpu::LEGACY_HANDLE_BYTES;
+pub use anyccl_gpu::LEGACY_HANDLE_BYTES;
 
 /// A legacy IPC handle of `cuMemAlloc` memory, as bytes for the rendezvous.
 pub fn export_legacy(ctx: &Arc<DeviceContext>, buf: &DeviceBuffer) -> Result<[u8; LEGACY_HANDLE_BYTES]> {

@@ -3,17 +3,17 @@
 //! - [`driver`]: the CUDA driver through cudarc, probed first so a machine without `libcuda.so.1` reports
 //!   "CUDA backend unavailable" instead of crashing;
 //! - [`runtime`]: core's memory runtime over the driver (device buffers, streams, capture status);
-//! - [`platform`]: the CUDA platform of anyccl-ccl's generic GPU communicator (module load and launch, IPC,
+//! - [`platform`]: the CUDA platform of anyccl-gpu's generic GPU communicator (module load and launch, IPC,
 //!   peer access, the abort word);
 //! - [`comm`]: the communicator ([`CudaComm`] = `GpuComm<Cuda>`): NCCL through anyccl-ccl's table, symmetric
 //!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
 //!   with a fake driver;
-//! - `emulated` (feature `emulation`): N ranks emulated on one GPU, for the kernel tests and benchmarks;
-//!   `emulated_fused`: the same for the fused all-reduce + residual add + RMSNorm and its unfused baseline.
-//!   `emulated_quant` adds the quantized two-shot to them.
+//! - [`custom`], [`graph_inputs`], [`ipc`], [`graph`], [`bootstrap`]: the CUDA names of the engine's custom
+//!   kernels, graph inputs and one-process-per-GPU join, legacy and VMM IPC handles, and CUDA graphs and events.
 //!
-//! Test and tool support stays out of the default API: the tool binaries need the feature `tools`.
+//! N ranks emulated on one GPU and the tool binaries (`anyccl-cuda-*-bench`, `anyccl-cuda-ipc-check`) live in the
+//! unpublished workspace member `anyccl-lab`.
 //!
 //! Graph capture: every path asks the driver whether the stream is capturing first; allocation, registration and
 //! synchronous copies are refused during capture with [`anyccl_core::InvalidArgument::DuringCapture`] before the
@@ -27,15 +27,6 @@ pub mod comm;
 pub mod cudarc_interop;
 pub mod custom;
 pub mod driver;
-#[cfg(feature = "emulation")]
-#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
-pub mod emulated;
-#[cfg(feature = "emulation")]
-#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
-pub mod emulated_fused;
-#[cfg(feature = "emulation")]
-#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
-pub mod emulated_quant;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;
@@ -46,9 +37,6 @@ pub mod multicast;
 #[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast_driver;
 pub mod platform;
-#[cfg(feature = "emulation")]
-#[cfg_attr(docsrs, doc(cfg(feature = "emulation")))]
-pub mod push;
 pub mod runtime;
 
 use std::sync::Arc;

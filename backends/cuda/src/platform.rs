@@ -1,13 +1,13 @@
-//! The CUDA platform of the generic GPU communicator ([`anyccl_ccl::gpu::GpuPlatform`]): the CUDA driver through
+//! The CUDA platform of the generic GPU communicator ([`anyccl_gpu::GpuPlatform`]): the CUDA driver through
 //! cudarc for module load and launch, legacy IPC handles, peer access, pointer attributes and the abort word's
 //! `cuStreamWriteValue32`; NCCL as the collective library; the NVLS algorithms listed and said to be off.
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::{GpuPlatform, LEGACY_HANDLE_BYTES};
 use anyccl_ccl::{CclLibrary, CclVendor};
 use anyccl_core::{Algorithm, Capabilities, CapabilityReport, Error, MemoryRuntime, Reason, Result, Vendor};
+use anyccl_gpu::{GpuPlatform, LEGACY_HANDLE_BYTES};
 use cudarc::driver::{result, sys};
 
 use crate::driver::cu_err;
@@ -119,7 +119,7 @@ pub fn dependent_launch_unavailable(ordinal: i32) -> Option<String> {
 
 /// Loads NCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
 pub fn load_nccl() -> Result<Arc<CclLibrary>> {
-    anyccl_ccl::gpu::load_ccl::<Cuda>()
+    anyccl_gpu::load_ccl::<Cuda>()
 }
 
 impl GpuPlatform for Cuda {

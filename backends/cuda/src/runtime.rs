@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use anyccl_core::capture::{KnownStreams, StreamKey};
 use anyccl_core::{Error, InvalidArgument, Location, MemoryRuntime, Result};
+use anyccl_gpu::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use cudarc::driver::{result, sys};
 
 use crate::driver::cu_err;
@@ -36,7 +36,7 @@ fn stream_is_capturing(raw: sys::CUstream) -> Result<bool> {
 }
 
 /// The capture rules' questions to the CUDA driver for one context ([`CaptureQueries`]; the rules are written
-/// once in anyccl-ccl). Checking the legacy stream binds the context.
+/// once in anyccl-gpu). Checking the legacy stream binds the context.
 impl CaptureQueries for DeviceContext {
     type Mode = sys::CUstreamCaptureMode;
     const RELAXED: sys::CUstreamCaptureMode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
@@ -214,7 +214,7 @@ impl CudaStream {
     /// Polls [`Self::query`] until the stream's work is done, for at most `limit`: `Ok(false)` when it was still
     /// busy then. Refused while the stream is being captured.
     pub fn done_within(&self, limit: std::time::Duration) -> Result<bool> {
-        anyccl_ccl::gpu::done_within(self, limit)
+        anyccl_gpu::done_within(self, limit)
     }
 
     /// [`InvalidArgument::DuringCapture`] naming `call` when the stream is being captured, where `call` would
@@ -413,7 +413,7 @@ impl MemoryRuntime for CudaRuntime {
     }
 }
 
-impl anyccl_ccl::GpuRuntime for CudaRuntime {
+impl anyccl_gpu::GpuRuntime for CudaRuntime {
     type Allocation = CudaAllocation;
 
     fn bind(&self) -> Result<()> {

@@ -401,7 +401,7 @@ fn fused(s: &Setup) {
         (RmsNormForm::Unfused, vec![("anyccl_one_shot_bf16", 0), ("anyccl_rmsnorm_bf16", tokens as u32)]),
         (
             RmsNormForm::FusedPush,
-            vec![("anyccl_fused_push_one_shot_bf16", anyccl_ccl::gpu::push::fused_push_blocks(tokens, bytes, 2))],
+            vec![("anyccl_fused_push_one_shot_bf16", anyccl_gpu::push::fused_push_blocks(tokens, bytes, 2))],
         ),
     ];
     for (form, want) in forms {
@@ -529,7 +529,7 @@ fn shot_of(a: Algorithm) -> Shot {
 fn check_launches(fake: &FakeHip, from: u64, world: usize, name: &str, bytes: usize) -> Vec<Launch> {
     let new: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
     assert_eq!(new.len(), world, "one launch per rank: {new:?}");
-    let blocks = anyccl_ccl::gpu::comm::custom_blocks(bytes, anyccl_cuda::comm::DEFAULT_CUSTOM_MAX_BLOCKS);
+    let blocks = anyccl_gpu::comm::custom_blocks(bytes, anyccl_cuda::comm::DEFAULT_CUSTOM_MAX_BLOCKS);
     let mut ranks: Vec<i32> = Vec::new();
     for l in &new {
         assert_eq!(l.name, name);
@@ -885,9 +885,9 @@ fn two_hosts(s: &Setup) {
                 sc.spawn(move || -> Result<(String, Algorithm, Vec<f32>)> {
                     let host = if rank == 0 { "node-a" } else { "node-b" };
                     let env = move |k: &str| (k == "ANYCCL_HOST_ID").then(|| host.to_owned());
-                    let id = anyccl_ccl::gpu::bootstrap::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
+                    let id = anyccl_gpu::multi_process::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
                     let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_ccl::gpu::bootstrap::join::<Cuda>(
+                    let mut c = anyccl_gpu::multi_process::join::<Cuda>(
                         s.lib.clone(),
                         &id,
                         rank,
@@ -1269,7 +1269,7 @@ fn check_push_launches(
 ) -> Vec<Launch> {
     let new: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
     assert_eq!(new.len(), world, "one launch per rank: {new:?}");
-    let blocks = anyccl_ccl::gpu::push::push_blocks(bytes, world);
+    let blocks = anyccl_gpu::push::push_blocks(bytes, world);
     let mut ranks = Vec::new();
     for l in &new {
         assert_eq!(l.name, format!("anyccl_push_one_shot_{}", dtype_name(dtype)), "{l:?}");
@@ -1450,8 +1450,8 @@ fn push_two_shot(s: &Setup) {
                 let new: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
                 assert_eq!(new.len(), world, "one launch per rank: {new:?}");
                 let (kernel, blocks) = match algorithm {
-                    Algorithm::TwoShotPush => ("two", anyccl_ccl::gpu::push::push_two_shot_blocks(bytes, world)),
-                    _ => ("one", anyccl_ccl::gpu::push::push_blocks(bytes, world)),
+                    Algorithm::TwoShotPush => ("two", anyccl_gpu::push::push_two_shot_blocks(bytes, world)),
+                    _ => ("one", anyccl_gpu::push::push_blocks(bytes, world)),
                 };
                 for l in &new {
                     assert_eq!(l.name, format!("anyccl_push_{kernel}_shot_{}", dtype_name(dtype)), "{l:?}");

@@ -281,10 +281,28 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
 }
 
+/// The `anyccl-cuda-ipc-check` tool (workspace member `anyccl-lab`): `ANYCCL_IPC_CHECK`, else the one built in this
+/// test's target directory (`cargo build -p anyccl-lab --bin anyccl-cuda-ipc-check`, same profile).
+fn ipc_check_exe() -> std::path::PathBuf {
+    if let Some(exe) = std::env::var_os("ANYCCL_IPC_CHECK") {
+        return exe.into();
+    }
+    // This test runs as target/<profile>/deps/gpu-<hash>; binaries lie in target/<profile>.
+    let test = std::env::current_exe().expect("the test's own path");
+    let exe = test.parent().and_then(|deps| deps.parent()).expect("a target directory").join("anyccl-cuda-ipc-check");
+    assert!(
+        exe.exists(),
+        "{} is missing: build it with `cargo build -p anyccl-lab --bin anyccl-cuda-ipc-check` (same profile) or set \
+         ANYCCL_IPC_CHECK",
+        exe.display()
+    );
+    exe
+}
+
 /// Runs `anyccl-cuda-ipc-check` as `world` ranks with the torchrun variables; returns (rank, success, stdout,
 /// stderr) per rank once all have exited.
 fn run_ranks(world: usize, args: &dyn Fn(usize) -> Vec<String>) -> Vec<(usize, bool, String, String)> {
-    let exe = std::env::var("ANYCCL_IPC_CHECK").unwrap_or_else(|_| env!("CARGO_BIN_EXE_anyccl-cuda-ipc-check").into());
+    let exe = ipc_check_exe();
     let port = free_port().to_string();
     let children: Vec<_> = (0..world)
         .map(|rank| {

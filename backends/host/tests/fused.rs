@@ -1,7 +1,7 @@
 //! The fused all-reduce + residual add + RMSNorm through the front door (`Communicator::all_reduce_rmsnorm`) on
 //! the host backend, ranks as threads (`HostComm`) and as `ProcessComm`s over an in-process bootstrap: every form,
 //! f16 and bf16, fp8 output, bit for bit against a reference computed here (rank-order f32 sum rounded once, then
-//! core's row arithmetic, which anyccl-ccl's tests tie to the GPU kernels' reference); the residual updated in
+//! core's row arithmetic, which anyccl-gpu's tests tie to the GPU kernels' reference); the residual updated in
 //! place; bad calls refused with typed errors that change nothing; the form chosen by the call, the selector's
 //! forced form and a table rule.
 

@@ -1,16 +1,16 @@
 //! One process per GPU on ROCm: ranks find each other through the rendezvous (torchrun / Slurm environment), rank
 //! 0 creates the RCCL unique id and sends it to the others, every rank joins the communicator on its GPU, and the
 //! same bootstrap then exchanges the HIP IPC handles of the custom kernels' buffers and of graph buffers. Written
-//! once for both vendors ([`anyccl_ccl::gpu::bootstrap`]); these are its ROCm names.
+//! once for both vendors ([`anyccl_gpu::multi_process`]); these are its ROCm names.
 //!
 //! Bring your own bootstrap: an engine that moves the RCCL id itself ([`new_unique_id`], [`UniqueId::as_bytes`],
 //! [`UniqueId::from_bytes`]) joins with [`communicator_with_id`], passing any [`Bootstrap`].
 
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::bootstrap as generic;
 pub use anyccl_ccl::UniqueId;
 use anyccl_core::{Bootstrap, Communicator, Result, Selector};
+use anyccl_gpu::multi_process as generic;
 use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
 
 use crate::comm::RocmComm;

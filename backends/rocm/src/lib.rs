@@ -5,7 +5,7 @@
 //!   is off.
 //! - [`runtime`]: devices, buffers, streams, graphs; core's [`anyccl_core::MemoryRuntime`] over HIP, with the
 //!   capture rules (no allocation, free, synchronous copy or registration while a stream captures).
-//! - [`platform`]: the HIP platform of anyccl-ccl's generic GPU communicator (module load and launch of the HIP
+//! - [`platform`]: the HIP platform of anyccl-gpu's generic GPU communicator (module load and launch of the HIP
 //!   kernels of `anyccl-kernels-hip`, HIP IPC handles, peer access, the abort word).
 //! - [`comm`]: the communicator ([`RocmComm`] = `GpuComm<Hip>`, written once with the CUDA one): RCCL, symmetric
 //!   windows only where RCCL exports the window symbols and `NCCL_CUMEM_ENABLE=1`, and the custom one-shot /

@@ -1,4 +1,4 @@
-//! The HIP platform of the generic GPU communicator ([`anyccl_ccl::gpu::GpuPlatform`]): the HIP code objects of
+//! The HIP platform of the generic GPU communicator ([`anyccl_gpu::GpuPlatform`]): the HIP code objects of
 //! `anyccl-kernels-hip` loaded with `hipModuleLoadData` and launched with `hipModuleLaunchKernel`, HIP legacy IPC
 //! handles, peer access, the abort word's stream-ordered write, all through the loaded [`HipLibrary`] table and
 //! under the HIP capture rules (module load, IPC and peer access are refused while a capture they would break
@@ -7,9 +7,10 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, OnceLock};
 
-use anyccl_ccl::gpu::{GpuPlatform, LEGACY_HANDLE_BYTES};
-use anyccl_ccl::{CclLibrary, CclVendor, GpuRuntime};
+use anyccl_ccl::{CclLibrary, CclVendor};
 use anyccl_core::{Algorithm, CapabilityReport, Error, MemoryRuntime, Reason, Result, Vendor};
+use anyccl_gpu::GpuRuntime;
+use anyccl_gpu::{GpuPlatform, LEGACY_HANDLE_BYTES};
 
 use crate::loader::{HipLibrary, HipLoadError};
 use crate::runtime::{check, HipDevice, HipRuntime, HipStream};
@@ -108,7 +109,7 @@ fn process_hip() -> Result<&'static Arc<HipLibrary>> {
 
 /// Loads RCCL with the library search every constructor uses; `Error::Unsupported` says why when it cannot.
 pub fn load_rccl() -> Result<Arc<CclLibrary>> {
-    anyccl_ccl::gpu::load_ccl::<Hip>()
+    anyccl_gpu::load_ccl::<Hip>()
 }
 
 impl GpuPlatform for Hip {

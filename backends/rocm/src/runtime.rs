@@ -12,9 +12,9 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use anyccl_ccl::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 use anyccl_core::capture::{KnownStreams, StreamKey};
 use anyccl_core::{CaptureMode, Error, Location, MemoryRuntime, Result};
+use anyccl_gpu::{CaptureQueries, GpuAllocation, GpuBuffer, GpuView, GpuViewMut};
 
 use crate::loader::HipLibrary;
 use crate::sys;
@@ -31,7 +31,7 @@ fn stream_is_capturing(lib: &HipLibrary, raw: sys::hipStream_t) -> Result<bool> 
 }
 
 /// The capture rules' questions to the HIP runtime ([`CaptureQueries`]; the rules are written once in
-/// anyccl-ccl). The capture mode is exchanged where HIP has `hipThreadExchangeStreamCaptureMode`.
+/// anyccl-gpu). The capture mode is exchanged where HIP has `hipThreadExchangeStreamCaptureMode`.
 impl CaptureQueries for HipLibrary {
     type Mode = sys::hipStreamCaptureMode;
     const RELAXED: sys::hipStreamCaptureMode = sys::HIP_STREAM_CAPTURE_MODE_RELAXED;
@@ -590,7 +590,7 @@ impl MemoryRuntime for HipRuntime {
     }
 }
 
-impl anyccl_ccl::GpuRuntime for HipRuntime {
+impl anyccl_gpu::GpuRuntime for HipRuntime {
     type Allocation = HipAllocation;
 
     fn bind(&self) -> Result<()> {

@@ -15,10 +15,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use anyccl_ccl::gpu::bootstrap as gpu_bootstrap;
 use anyccl_ccl::CclLibrary;
 use anyccl_core::bootstrap::LocalGroup;
 use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, MemoryRuntime, ReduceOp, Result, Selector};
+use anyccl_gpu::multi_process as gpu_bootstrap;
 use anyccl_rocm::{Hip, HipBuffer, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
 use fake_hip::{FakeHip, Launch, Shot};
 
@@ -320,7 +320,7 @@ fn a_table_write_failing_on_one_rank_fails_registration_on_every_rank() {
     let s = setup();
     let (world, bytes, dtype) = (2usize, 4096usize, DataType::F32);
     let count = bytes / 4;
-    let table_bytes = anyccl_ccl::gpu::kernels::INPUT_TABLE_BYTES;
+    let table_bytes = anyccl_gpu::kernels::INPUT_TABLE_BYTES;
     for failing in [1, 2] {
         let mut cs = comms(&s, world);
         let from = s.fake.launch_total();

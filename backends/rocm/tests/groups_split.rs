@@ -17,7 +17,7 @@ mod fake_hip;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyccl_ccl::rank::CclRank;
-use anyccl_ccl::{CclBootstrap, CclComm, CclLibrary, CclReduction, UniqueId};
+use anyccl_ccl::{CclComm, CclLibrary, CclReduction, UniqueId};
 use anyccl_core::bootstrap::Bootstrap;
 use anyccl_core::comm::{
     AllGatherArgs, AllReduceArgs, AllReduceCall, BroadcastArgs, CommBackend, P2pArgs, RecvArgs, ReduceArgs,
@@ -27,6 +27,7 @@ use anyccl_core::{
     Algorithm, CapabilityReport, Communicator, DataType, Error, InOut, InvalidArgument, MemoryRuntime, P2pOp, ReduceOp,
     Result, Selector, Vendor,
 };
+use anyccl_gpu::CclBootstrap;
 use anyccl_rocm::{HipBuffer, HipDevice, HipGraph, HipLibrary, HipRuntime, HipStream};
 use fake_ccl::{NCCL_2_17, RCCL_6_2};
 use fake_hip::FakeHip;

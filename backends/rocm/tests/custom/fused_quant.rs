@@ -6,8 +6,8 @@
 
 use super::*;
 
-use anyccl_ccl::gpu::quant::{self, Format};
 use anyccl_core::fused::{from_f32, to_f32, RmsNormForm, RmsNormSpec};
+use anyccl_gpu::quant::{self, Format};
 use fake_hip::Fused;
 use fused_case::{bytes_of, rng, u16s, Case};
 

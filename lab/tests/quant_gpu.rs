@@ -2,18 +2,18 @@
 //! launched concurrently on N streams.
 //!
 //! - Quantized (fp8 e4m3 / int8 with one f32 scale per 32 elements): every rank's output equals the host model
-//!   (`anyccl_kernels_common::quant::model`, re-exported as `anyccl_ccl::gpu::quant::model`, rounded once to the output type) value for value (±0 alike), the
+//!   (`anyccl_kernels_common::quant::model`, re-exported as `anyccl_gpu::quant::model`, rounded once to the output type) value for value (±0 alike), the
 //!   error against the exact sum is within the documented bound, ranks agree bitwise, and graph replays equal the
 //!   eager run; 2..=8 ranks, f32/f16/bf16, 16 B to 64 MiB.
 //! - Deterministic: one-shot, two-shot, two-shot in rounds, inputs read directly or through staging, eager and
 //!   replayed, every size: all bitwise equal to the host's rank-order sum (f32, rounded once), so to each other, run
 //!   after run, and independent of the message size.
 
-use anyccl_ccl::gpu::quant::model as quant;
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
-use anyccl_cuda::emulated_quant::{Format, QuantRanks};
+use anyccl_gpu::quant::model as quant;
+use anyccl_lab::emulated::{EmulatedRanks, InputMode};
+use anyccl_lab::emulated_quant::{Format, QuantRanks};
 
 fn encode(dtype: DataType, v: f32) -> Vec<u8> {
     match dtype {

@@ -1,4 +1,4 @@
-//! The quantized two-shot all-reduce ([`anyccl_ccl::gpu::quant`]) with N ranks emulated on one GPU: the
+//! The quantized two-shot all-reduce ([`anyccl_gpu::quant`]) with N ranks emulated on one GPU: the
 //! [`EmulatedRanks`] of the other custom kernels (inputs, outputs, flag arrays, streams, the loaded module) plus
 //! every rank's quantized staging and scratch. For the quantized kernels' GPU tests and
 //! `anyccl-cuda-quant-bench`; the full-precision kernels of the same group run through [`QuantRanks::ranks`]
@@ -6,16 +6,16 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::quant::{self, QuantKernels};
 use anyccl_core::{DataType, Error, MemoryRuntime, Result};
+use anyccl_gpu::quant::{self, QuantKernels};
 
-pub use anyccl_ccl::gpu::quant::Format;
+pub use anyccl_gpu::quant::Format;
 
-use crate::custom::Kind;
 use crate::emulated::EmulatedRanks;
-use crate::graph::Graph;
-use crate::platform::Cuda;
-use crate::runtime::{CudaStream, DeviceBuffer};
+use anyccl_cuda::custom::Kind;
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::platform::Cuda;
+use anyccl_cuda::runtime::{CudaStream, DeviceBuffer};
 
 /// N emulated ranks of `bytes`-byte all-reduces, full precision and quantized.
 #[non_exhaustive]

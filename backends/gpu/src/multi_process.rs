@@ -13,7 +13,7 @@ use anyccl_core::{Bootstrap, Communicator, Error, InvalidArgument, Result, Selec
 use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
 
 use super::{GpuComm, GpuPlatform};
-use crate::{CclLibrary, UniqueId};
+use anyccl_ccl::{CclLibrary, UniqueId};
 
 /// Joins the communicator described by `cfg` on GPU `device` (default: `LOCAL_RANK`, else rank modulo the GPU
 /// count). Returns the communicator and the rendezvous, which stays usable for exchanging handles (it is a

@@ -21,9 +21,9 @@ use std::process::ExitCode;
 use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::EmulatedRanks;
 use anyccl_cuda::graph::Graph;
-use anyccl_cuda::push::{EmulatedPush, PushShape, PUSH_MAX_BYTES};
+use anyccl_lab::emulated::EmulatedRanks;
+use anyccl_lab::push::{EmulatedPush, PushShape, PUSH_MAX_BYTES};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -118,14 +118,14 @@ fn capture(g: &EmulatedRanks, p: &mut EmulatedPush, col: Col, dtype: DataType) -
 fn time_col(g: &mut EmulatedRanks, p: &mut EmulatedPush, col: Col, opts: &Opts) -> Result<(f64, bool)> {
     let (dtype, device) = (opts.dtype, opts.device);
     g.blocks = match col {
-        Col::OneShot => anyccl_ccl::gpu::comm::custom_blocks(g.bytes, anyccl_ccl::gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
+        Col::OneShot => anyccl_gpu::comm::custom_blocks(g.bytes, anyccl_gpu::comm::DEFAULT_CUSTOM_MAX_BLOCKS),
         Col::Push { shape, .. } => opts.push_blocks.unwrap_or_else(|| shape.blocks(g.bytes, g.streams.len())),
     };
     let want = set_inputs(g, dtype, 0, device)?;
     launch(g, p, col, dtype)?;
     let mut ok = outputs_equal(g, &want, device)?;
     let graphs = capture(g, p, col, dtype)?;
-    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    let per_call = anyccl_lab::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
     ok &= outputs_equal(g, &want, device)?;
     // One eager call on other inputs: a result left over from an earlier call would show here.
     let want = set_inputs(g, dtype, 1, device)?;

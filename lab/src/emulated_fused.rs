@@ -4,22 +4,22 @@
 
 use std::sync::Arc;
 
-use anyccl_ccl::gpu::fused::{fused_ineligible, two_shot_scratch_bytes, FusedForm, FusedOutput, NormArgs};
 use anyccl_core::{DataType, Error, MemoryRuntime, Result};
+use anyccl_gpu::fused::{fused_ineligible, two_shot_scratch_bytes, FusedForm, FusedOutput, NormArgs};
 use anyccl_kernels_cuda::FLAG_BYTES;
 
-use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES, TWO_SHOT_ROUND_BYTES};
 use crate::emulated::InputMode;
-use crate::graph::Graph;
-use crate::platform::Cuda;
 use crate::push::{
     init_receive_buffer, push_blocks, PushGrid, PushKernels, PushShape, PUSH_MAX_BYTES, PUSH_RECV_BYTES,
 };
-use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
-use anyccl_ccl::gpu::push::{fused_push_blocks, fused_push_ineligible};
+use anyccl_cuda::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES, TWO_SHOT_ROUND_BYTES};
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::platform::Cuda;
+use anyccl_cuda::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
+use anyccl_gpu::push::{fused_push_blocks, fused_push_ineligible};
 
 /// The fused kernels loaded for one CUDA device.
-pub type FusedKernels = anyccl_ccl::gpu::fused::FusedKernels<Cuda>;
+pub type FusedKernels = anyccl_gpu::fused::FusedKernels<Cuda>;
 
 /// How a call is carried out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

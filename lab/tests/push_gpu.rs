@@ -1,4 +1,4 @@
-//! The push-mode one-shot (`anyccl_cuda::push`) on one GPU with N ranks emulated as N buffer sets on N streams:
+//! The push-mode one-shot (`anyccl_lab::push`) on one GPU with N ranks emulated as N buffer sets on N streams:
 //! bitwise equal to today's one-shot over many consecutive calls (both buffer sets, grids that change between
 //! calls, with and without programmatic dependent launch), in graph replays, for inputs that hold the sentinel's
 //! bits, and stopped by the abort word when a peer never writes. The push two-shot (`PushShape::TwoShot`, the same
@@ -6,8 +6,8 @@
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::EmulatedRanks;
-use anyccl_cuda::push::{push_blocks, EmulatedPush, PushShape, PUSH_MAX_BYTES, PUSH_SENTINEL};
+use anyccl_lab::emulated::EmulatedRanks;
+use anyccl_lab::push::{push_blocks, EmulatedPush, PushShape, PUSH_MAX_BYTES, PUSH_SENTINEL};
 
 const DTYPES: [DataType; 3] = [DataType::F32, DataType::F16, DataType::Bf16];
 
@@ -316,7 +316,7 @@ fn a_push_kernel_whose_peer_never_writes_stops_when_its_abort_word_is_set() {
 
 #[test]
 fn sizes_beyond_the_receive_slots_and_odd_sizes_are_refused() {
-    use anyccl_cuda::push::ineligible;
+    use anyccl_lab::push::ineligible;
     if let Some(why) = anyccl_kernels_cuda::NOT_BUILT {
         assert!(ineligible(DataType::Bf16, 4096, 4).is_some_and(|w| w.contains(why)));
         return;

@@ -8,12 +8,12 @@
 use anyccl_core::fused::{RmsNormArgs, RmsNormCall, RmsNormForm};
 use anyccl_core::Result;
 
-use super::super::fused::{self as fused, FusedForm, NormArgs};
-use super::super::kernels::{self, Inputs, Kind};
-use super::super::push::{fused_push_ineligible, PUSH_MAX_BYTES};
-use super::super::GpuPlatform;
 use super::{custom_blocks, GpuComm};
 use crate::device::GpuRuntime;
+use crate::fused::{self as fused, FusedForm, NormArgs};
+use crate::kernels::{self, Inputs, Kind};
+use crate::push::{fused_push_ineligible, PUSH_MAX_BYTES};
+use crate::GpuPlatform;
 
 /// Why `form` cannot run `call` on `world` ranks whose custom kernels have `capacity` bytes of staging and
 /// scratch (each), or `None`: the fused kernels' type, row and world bounds; the staging (the input is staged, or
@@ -46,7 +46,7 @@ pub fn rmsnorm_ineligible(form: RmsNormForm, call: &RmsNormCall, world: usize, c
             }
         }
         RmsNormForm::FusedPush => {
-            super::super::push::fused_push_ineligible(call.dtype, call.tokens, call.hidden, world, PUSH_MAX_BYTES)
+            crate::push::fused_push_ineligible(call.dtype, call.tokens, call.hidden, world, PUSH_MAX_BYTES)
         }
         RmsNormForm::Unfused if call.output != fused::FusedOutput::Same => Some(
             "the unfused path all-reduces into `out`, which holds e4m3 bytes with fp8 output; fp8 output is made by \

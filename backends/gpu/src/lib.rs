@@ -1,10 +1,15 @@
-//! One GPU communicator for both vendors, written once over a per-vendor platform ([`GpuPlatform`]): the
-//! NCCL/RCCL rank, the custom one-shot / two-shot kernels (load, parameter packing, launch), their peer buffers
-//! over peer access (one process) or legacy IPC handles (one process per GPU), graph-buffer registration, the
-//! abort word and wait, and the bootstrap of a one-process-per-GPU job. A vendor supplies only what differs:
-//! its runtime and streams, module load and raw launch, IPC handles, peer access, pointer attributes, the
-//! stream-ordered write of the abort word, and its names.
+//! anyccl-gpu: the GPU engine of anyccl, one communicator for both vendors, written once over a per-vendor platform
+//! ([`GpuPlatform`]): the NCCL/RCCL rank, the custom one-shot / two-shot kernels (load, parameter packing, launch),
+//! their peer buffers over peer access (one process) or legacy IPC handles (one process per GPU), graph-buffer
+//! registration, the abort word and wait, and the bootstrap of a one-process-per-GPU job. A vendor supplies only
+//! what differs: its runtime and streams, module load and raw launch, IPC handles, peer access, pointer attributes,
+//! the stream-ordered write of the abort word, and its names. The `nccl.h` library itself is reached through
+//! [`anyccl_ccl`].
 //!
+//! - [`device`]: device buffers and their views, written once for both GPU backends ([`GpuBuffer`] over a
+//!   backend's [`GpuAllocation`]), and the runtime the engine needs of a backend ([`GpuRuntime`]);
+//! - [`ccl_bootstrap`]: a [`anyccl_core::Bootstrap`] over a rank's own communicator ([`CclBootstrap`]), so that
+//!   sub-communicators (and anything else that needs every rank's bytes) set up with no port of their own;
 //! - [`kernels`]: the kernels of a device ([`CustomKernels`]), what each launch takes ([`Inputs`], [`Kind`]) and
 //!   the parameter packing (the kernels' parameters are the same on every vendor,
 //!   [`anyccl_kernels_common::allreduce_params`]);
@@ -15,13 +20,15 @@
 //!   programmatic dependent launch where the platform has it ([`GpuPlatform::launch_dependent`]);
 //! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
 //! - [`comm`]: the communicator ([`GpuComm`]);
-//! - [`bootstrap`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
+//! - [`multi_process`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
-pub mod bootstrap;
+pub mod ccl_bootstrap;
 pub mod comm;
+pub mod device;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+pub mod multi_process;
 pub mod push;
 pub mod quant;
 
@@ -31,12 +38,13 @@ use std::time::{Duration, Instant};
 
 use anyccl_core::{Algorithm, CapabilityReport, Error, MemoryRuntime, Result, Vendor};
 
+pub use ccl_bootstrap::CclBootstrap;
 pub use comm::GpuComm;
+pub use device::{CaptureQueries, GpuAllocation, GpuBuffer, GpuRuntime, GpuView, GpuViewMut};
 pub use graph_inputs::GraphInputs;
 pub use kernels::{CustomKernels, Inputs, Kind};
 
-use crate::device::{GpuBuffer, GpuRuntime};
-use crate::{CclLibrary, CclStream, CclVendor};
+use anyccl_ccl::{CclLibrary, CclStream, CclVendor};
 
 /// Bytes of a legacy IPC handle (`CUipcMemHandle`, `hipIpcMemHandle_t`: 64 on both vendors).
 pub const LEGACY_HANDLE_BYTES: usize = 64;
@@ -188,7 +196,7 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
 /// Loads the collective library of platform `P` ([`GpuPlatform::CCL`]) with the standard search;
 /// [`Error::Unsupported`] says why when it cannot.
 pub fn load_ccl<P: GpuPlatform>() -> Result<Arc<CclLibrary>> {
-    crate::load(P::CCL).map_err(|e| Error::Unsupported {
+    anyccl_ccl::load(P::CCL).map_err(|e| Error::Unsupported {
         capability: "ccl".into(),
         reason: anyccl_core::Reason::Unavailable { component: P::CCL.to_string(), detail: e.to_string() },
     })

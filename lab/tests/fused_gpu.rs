@@ -1,15 +1,15 @@
 //! The fused all-reduce + residual add + RMSNorm with N ranks emulated on one GPU, against the host reference
-//! (`anyccl_ccl::gpu::fused::reference`, the kernels' math operation for operation): exact bits for the output and
+//! (`anyccl_gpu::fused::reference`, the kernels' math operation for operation): exact bits for the output and
 //! the new residual on every rank, for fused one-shot, fused two-shot and the unfused baseline (all-reduce kernel,
 //! then the separate RMSNorm kernel), eager and graph replay, direct / staged / table inputs, and fp8 e4m3 output
 //! against the float8 crate's conversion.
 
-use anyccl_ccl::gpu::fused::reference;
-use anyccl_ccl::gpu::fused::{FusedForm, FusedOutput};
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::InputMode;
-use anyccl_cuda::emulated_fused::{EmulatedFused, FusedPath};
+use anyccl_gpu::fused::reference;
+use anyccl_gpu::fused::{FusedForm, FusedOutput};
+use anyccl_lab::emulated::InputMode;
+use anyccl_lab::emulated_fused::{EmulatedFused, FusedPath};
 
 /// xorshift64*: reproducible inputs in [-1, 1) without a dependency.
 fn rng(seed: u64) -> impl FnMut() -> f32 {
@@ -306,7 +306,7 @@ fn fused_push_matches_the_reference_for_2_to_8_ranks_on_alternating_buffer_sets(
                 }
                 // Every slot of both sets holds the sentinel again after the calls.
                 let p = g.push.as_ref().expect("enabled");
-                let mut recv = vec![0u8; anyccl_cuda::push::PUSH_RECV_BYTES];
+                let mut recv = vec![0u8; anyccl_lab::push::PUSH_RECV_BYTES];
                 for (r, b) in p.recv.iter().enumerate() {
                     g.runtime.download(b, &mut recv, &g.streams[0]).expect("download receive buffer");
                     let sets = anyccl_kernels_cuda::push::PUSH_CTRL_OFFSET;
@@ -370,8 +370,8 @@ fn paths_cover_both_fused_forms_and_both_unfused_all_reduces() {
 #[test]
 #[ignore = "needs 2 or more NVIDIA GPUs and NCCL: run on a multi-GPU machine with --ignored"]
 fn communicator_all_reduce_rmsnorm_matches_the_reference_on_every_gpu() {
-    use anyccl_ccl::gpu::GpuPlatform;
     use anyccl_core::{Communicator, RmsNormForm, RmsNormSpec, Selector};
+    use anyccl_gpu::GpuPlatform;
     use std::sync::Arc;
     let gpus = anyccl_cuda::Cuda::device_count().expect("device count");
     assert!(gpus >= 2, "this test needs at least 2 GPUs, found {gpus}");

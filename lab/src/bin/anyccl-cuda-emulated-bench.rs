@@ -19,8 +19,8 @@ use std::process::ExitCode;
 use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::EmulatedRanks;
 use anyccl_cuda::graph::Event;
+use anyccl_lab::emulated::EmulatedRanks;
 use cudarc::driver::result;
 
 const CALLS: usize = 10;
@@ -78,7 +78,7 @@ fn time_kind(g: &EmulatedRanks, kind: Kind, device: i32) -> Result<f64> {
     g.launch(kind, DataType::Bf16)?;
     g.synchronize()?;
     let graphs = g.capture(kind, DataType::Bf16, CALLS)?;
-    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    let per_call = anyccl_lab::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
     Ok(per_call)
 }
 

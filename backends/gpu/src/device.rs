@@ -7,10 +7,10 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut, RangeBounds};
 use std::sync::Arc;
 
+use anyccl_ccl::rank::SymmetricBuffer;
+use anyccl_ccl::{CclRank, CclStream, DeviceAddress};
 use anyccl_core::runtime::{view_range, BufferLike};
-use anyccl_core::{BufferDesc, Location, MemoryRuntime, Result};
-
-use crate::{CclStream, DeviceAddress};
+use anyccl_core::{BufferDesc, CapabilityReport, Location, MemoryRuntime, Result};
 
 /// What the capture rules ([`anyccl_core::capture`]) ask of one vendor's runtime: the streams it knows, a capture
 /// query that is legal during capture, and its thread capture-mode exchange. The rules built on them
@@ -170,14 +170,14 @@ impl<A> GpuBuffer<A> {
 
     /// A read-only view of the bytes `range` of this buffer (for example `1024..2048`), to pass as the input of a
     /// collective without `unsafe`. A range past the end (or ending before it starts) is
-    /// [`crate::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer, so it cannot outlive it.
     pub fn view(&self, range: impl RangeBounds<usize>) -> Result<GpuView<'_, A>> {
         Ok(GpuView { buf: self.sub(range)?, _parent: PhantomData })
     }
 
     /// A writable view of the bytes `range` of this buffer, to all-reduce (or receive into) part of it without
     /// `unsafe`; the bytes outside the range are not touched. A range past the end is
-    /// [`crate::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively, so it cannot outlive
+    /// [`anyccl_core::InvalidArgument::RangeOutOfBounds`]. The view borrows the buffer exclusively, so it cannot outlive
     /// it and nothing else uses the buffer meanwhile. A view of a buffer made by [`GpuBuffer::from_raw`] is bound
     /// by that call's contract.
     pub fn view_mut(&mut self, range: impl RangeBounds<usize>) -> Result<GpuViewMut<'_, A>> {
@@ -234,6 +234,34 @@ impl<A> DerefMut for GpuViewMut<'_, A> {
     fn deref_mut(&mut self) -> &mut GpuBuffer<A> {
         &mut self.buf
     }
+}
+
+/// A symmetric buffer of `bytes` on `runtime`'s device, as the backend's buffer ([`CclRank::symmetric_memory`],
+/// the device bound through the runtime). Collective: every rank calls it with the same size. Refused while a
+/// capture that allocation would break runs ([`MemoryRuntime::refuse_during_capture`]) or `stream` captures,
+/// and where `caps` has the windows off (the error carries the reason). `backend` names it in errors.
+pub fn symmetric_buffer<R>(
+    rank: &CclRank,
+    backend: &str,
+    caps: &CapabilityReport,
+    runtime: &R,
+    bytes: usize,
+    stream: &R::Stream,
+) -> Result<SymmetricBuffer<R::Buffer>>
+where
+    R: GpuRuntime,
+    R::Stream: CclStream,
+{
+    runtime.refuse_during_capture("symmetric_buffer (ncclMemAlloc)")?;
+    let bind = {
+        let runtime = runtime.clone();
+        Box::new(move || runtime.bind())
+    };
+    let range = |ptr| runtime.address_range(ptr);
+    let mem = rank.symmetric_memory(backend, caps, bytes, stream.is_capturing()?, bind, &range)?;
+    // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
+    let view = unsafe { GpuBuffer::from_raw(mem.ptr() as u64, bytes, runtime.ordinal()) };
+    Ok(SymmetricBuffer::new(view, mem))
 }
 
 #[cfg(test)]

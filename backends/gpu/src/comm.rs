@@ -21,9 +21,8 @@ use super::push::{self, PushGrid, PushKernels, PushShape, PushState};
 use super::quant::{self, QuantKernels};
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
-use crate::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
+use anyccl_ccl::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
 
-#[path = "comm_fused.rs"]
 pub mod fused_call;
 
 /// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
@@ -212,7 +211,7 @@ impl<P: GpuPlatform> GpuComm<P> {
     pub fn init_all(lib: Arc<CclLibrary>, devices: &[P::DeviceSpec], caps: Arc<CapabilityReport>) -> Result<Vec<Self>> {
         let runtimes: Vec<P::Runtime> = devices.iter().map(P::runtime).collect::<Result<_>>()?;
         let ordinals: Vec<i32> = devices.iter().map(P::ordinal).collect();
-        let ccls = crate::init_all(&lib, &ordinals)?;
+        let ccls = anyccl_ccl::init_all(&lib, &ordinals)?;
         let world = devices.len();
         let mut comms: Vec<Self> = ccls
             .into_iter()
@@ -249,7 +248,7 @@ impl<P: GpuPlatform> GpuComm<P> {
     /// with the reason, and is returned too (the communicator stays usable through the collective library).
     /// Settings and the host identity come from the process environment ([`Self::enable_custom_ipc_with_env`]).
     pub fn enable_custom_ipc(&mut self, bootstrap: &mut dyn Bootstrap) -> Result<()> {
-        self.enable_custom_ipc_with_env(bootstrap, &crate::caps::process_env)
+        self.enable_custom_ipc_with_env(bootstrap, &anyccl_ccl::caps::process_env)
     }
 
     /// [`Self::enable_custom_ipc`] with the settings (`ANYCCL_CUSTOM_MAX_BYTES`, `ANYCCL_CUSTOM_MAX_BLOCKS`) and
@@ -515,8 +514,8 @@ impl<P: GpuPlatform> GpuComm<P> {
         if let Some(why) = kernels::unavailable::<P>(world) {
             return Err(why);
         }
-        let capacity = custom_capacity(&crate::caps::process_env).map_err(|e| e.to_string())?;
-        let max_blocks = custom_max_blocks(&crate::caps::process_env).map_err(|e| e.to_string())?;
+        let capacity = custom_capacity(&anyccl_ccl::caps::process_env).map_err(|e| e.to_string())?;
+        let max_blocks = custom_max_blocks(&anyccl_ccl::caps::process_env).map_err(|e| e.to_string())?;
         for a in comms {
             for b in comms {
                 let (oa, ob) = (a.runtime.ordinal(), b.runtime.ordinal());
@@ -528,7 +527,7 @@ impl<P: GpuPlatform> GpuComm<P> {
                 }
             }
         }
-        let push_capacity = push::push_capacity(&crate::caps::process_env).map_err(|e| e.to_string())?;
+        let push_capacity = push::push_capacity(&anyccl_ccl::caps::process_env).map_err(|e| e.to_string())?;
         let mut parts = Vec::new();
         for c in comms {
             parts.push(own_custom_buffers::<P>(&c.runtime, capacity).map_err(|e| e.to_string())?);
@@ -640,7 +639,7 @@ impl<P: GpuPlatform> GpuComm<P> {
     /// is being captured (allocation and registration are not capture-safe), and where windows are off (RCCL
     /// without the window symbols, or with `NCCL_CUMEM_ENABLE` unset): the error carries the reason.
     pub fn symmetric_buffer(&self, bytes: usize, stream: &StreamOf<P>) -> Result<SymmetricBuffer<P>> {
-        self.ccl.symmetric_buffer(P::NAME, &self.caps, &self.runtime, bytes, stream)
+        crate::device::symmetric_buffer(&self.ccl, P::NAME, &self.caps, &self.runtime, bytes, stream)
     }
 
     /// Launches a custom all-reduce. Eager: the kernel copies this rank's input into its staging buffer, which the
@@ -661,7 +660,7 @@ impl<P: GpuPlatform> GpuComm<P> {
             return Ok(());
         }
         self.runtime.bind()?;
-        let (src, dst) = crate::rank::io_ptrs(args.bufs());
+        let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
         let (src, dst) = (src as u64, dst as u64);
         if let Some(shape) = push_shape(algorithm) {
             let push = st.push.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
@@ -753,7 +752,7 @@ impl<P: GpuPlatform> GpuComm<P> {
 
 /// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator
 /// ([`GpuComm::symmetric_buffer`]).
-pub type SymmetricBuffer<P> = crate::rank::SymmetricBuffer<BufferOf<P>>;
+pub type SymmetricBuffer<P> = anyccl_ccl::rank::SymmetricBuffer<BufferOf<P>>;
 
 impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     type Reduction = CclReduction;
@@ -927,7 +926,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     /// every rank's input directly instead of copying it through staging (through
     /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers)).
     ///
-    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`super::bootstrap`]): the
+    /// `bootstrap` is how a one-process-per-GPU communicator's ranks reach each other ([`crate::multi_process`]): the
     /// inputs' IPC handles travel through it; communicators of one process ([`GpuComm::init_all`]) exchange
     /// pointers among themselves and take `None`. Inputs that cannot be shared (not `cuMemAlloc`/`hipMalloc`
     /// memory, e.g. cuMem/VMM allocations) stay on staging, still correct; the result lists them with the reason.
@@ -975,7 +974,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         // anything. Before the library's abort (which frees device memory and so waits for the device), the custom
         // kernels are told to stop waiting for peers: the library's abort stops its kernels, the abort word ours.
         let (custom, runtime) = (&self.custom, &self.runtime);
-        let r = self.ccl.wait_or_abort(timeout, &mut || crate::CclStream::query(stream), &mut || {
+        let r = self.ccl.wait_or_abort(timeout, &mut || anyccl_ccl::CclStream::query(stream), &mut || {
             if let Ok(st) = custom {
                 if let Err(e) = st.stop_kernels(runtime) {
                     tracing::error!(error = %e, "could not tell the custom all-reduce kernels to stop");
@@ -1083,7 +1082,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         let stream = P::stream(&sub.runtime)?;
         let r = sub.setup_custom_ipc(
             &mut crate::CclBootstrap::new(&sub.ccl, &sub.runtime, &stream),
-            &crate::caps::process_env,
+            &anyccl_ccl::caps::process_env,
         );
         if let Err(e) = sub.finish_custom_ipc(r) {
             tracing::info!(error = %e, "custom all-reduce kernels off for this sub-communicator");

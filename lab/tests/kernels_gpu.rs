@@ -2,7 +2,7 @@
 
 use anyccl_core::{DataType, MemoryRuntime};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
+use anyccl_lab::emulated::{EmulatedRanks, InputMode};
 
 fn encode(dtype: DataType, v: f64) -> Vec<u8> {
     match dtype {

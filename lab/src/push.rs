@@ -1,15 +1,15 @@
 //! The push-mode one-shot all-reduce (`anyccl_push_one_shot_{f32,f16,bf16}`, kernel source
 //! `anyccl-kernels-common/include/anyccl/push.h`) on N ranks emulated on one GPU: the communicator's launcher
-//! ([`anyccl_ccl::gpu::push::PushKernels`], with programmatic dependent launch on sm_90+) on the group's grid, and
+//! ([`anyccl_gpu::push::PushKernels`], with programmatic dependent launch on sm_90+) on the group's grid, and
 //! the ranks' receive buffers.
 //!
 //! Every rank writes its input into its slot of every peer's receive buffer, then reduces the slots of its own in
-//! rank order (the bits of [`Kind::OneShot`](crate::custom::Kind::OneShot)'s result). Completion is flag-free: a
+//! rank order (the bits of [`Kind::OneShot`](anyccl_cuda::custom::Kind::OneShot)'s result). Completion is flag-free: a
 //! receive slot holds the sentinel [`PUSH_SENTINEL`] (every byte `0xFF`) until its data lands, and the reader
 //! writes the sentinel back after use; calls alternate between two buffer sets by a call counter in each receive
 //! buffer. No barrier round: one write across the links, then the reads of local memory. Messages up to
 //! [`PUSH_MAX_BYTES`] (256 KiB; each rank's receive buffer holds [`PUSH_RECV_BYTES`], about 4 MiB). The abort word
-//! of each rank's flag array stops a kernel whose peer never writes ([`crate::custom::stop_waiting`]).
+//! of each rank's flag array stops a kernel whose peer never writes ([`anyccl_cuda::custom::stop_waiting`]).
 
 use std::sync::Arc;
 
@@ -18,16 +18,16 @@ use anyccl_kernels_cuda::push::{PUSH_CTRL_BYTES, PUSH_CTRL_OFFSET};
 pub use anyccl_kernels_cuda::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
 use cudarc::driver::sys;
 
-use crate::custom::CustomKernels;
-use crate::driver::cu_err;
 use crate::emulated::EmulatedRanks;
-use crate::graph::Graph;
-use crate::platform::Cuda;
-use crate::runtime::{CudaStream, DeviceBuffer};
+use anyccl_cuda::custom::CustomKernels;
+use anyccl_cuda::driver::cu_err;
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::platform::Cuda;
+use anyccl_cuda::runtime::{CudaStream, DeviceBuffer};
 
 /// Why the push one-shot cannot run `dtype` × `bytes` for `world` ranks, if it cannot.
 pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String> {
-    if let Some(why) = crate::custom::ineligible(dtype, bytes, world) {
+    if let Some(why) = anyccl_cuda::custom::ineligible(dtype, bytes, world) {
         return Some(why);
     }
     if bytes > PUSH_MAX_BYTES {
@@ -43,7 +43,7 @@ pub fn ineligible(dtype: DataType, bytes: usize, world: usize) -> Option<String>
 /// dependent launch) on one GPU: world × blocks × 2 ≤ 128 blocks of 512 threads, 2 per SM.
 pub fn push_blocks(bytes: usize, world: usize) -> u32 {
     // The communicator's choice too: one formula.
-    anyccl_ccl::gpu::push::push_blocks(bytes, world)
+    anyccl_gpu::push::push_blocks(bytes, world)
 }
 
 fn bad(m: String) -> Error {
@@ -51,11 +51,11 @@ fn bad(m: String) -> Error {
 }
 
 /// The push kernels (and the fused push kernels) of a loaded kernel module, launched the way the communicator
-/// launches them ([`anyccl_ccl::gpu::push::PushKernels`]); valid while the [`CustomKernels`] they were looked up in
+/// launches them ([`anyccl_gpu::push::PushKernels`]); valid while the [`CustomKernels`] they were looked up in
 /// are.
-pub type PushKernels = anyccl_ccl::gpu::push::PushKernels<Cuda>;
+pub type PushKernels = anyccl_gpu::push::PushKernels<Cuda>;
 
-pub use anyccl_ccl::gpu::push::{push_two_shot_blocks, PushGrid, PushShape};
+pub use anyccl_gpu::push::{push_two_shot_blocks, PushGrid, PushShape};
 
 /// Fills a receive buffer of [`PUSH_RECV_BYTES`] with the sentinel and zeroes its control words, in stream order
 /// on `stream` (before first use, or to reuse the buffer after an abort left it unusable). Not during capture.

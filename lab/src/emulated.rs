@@ -6,9 +6,9 @@ use std::sync::Arc;
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_kernels_cuda::FLAG_BYTES;
 
-use crate::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES};
-use crate::graph::Graph;
-use crate::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
+use anyccl_cuda::custom::{input_table, CustomKernels, Inputs, Kind, INPUT_TABLE_BYTES};
+use anyccl_cuda::graph::Graph;
+use anyccl_cuda::runtime::{CudaRuntime, CudaStream, DeviceBuffer};
 
 /// Where the emulated ranks' one-shot and two-shot kernels read the inputs (the [`Inputs`] the communicator
 /// uses, all testable on one GPU).
@@ -82,7 +82,7 @@ impl EmulatedRanks {
             stage_out,
             bytes,
             blocks,
-            two_shot_round: crate::custom::TWO_SHOT_ROUND_BYTES,
+            two_shot_round: anyccl_cuda::custom::TWO_SHOT_ROUND_BYTES,
             input_mode: InputMode::Direct,
             tables,
         };
@@ -133,7 +133,7 @@ impl EmulatedRanks {
 
     /// Launches rank `rank`'s kernel alone on `s`; does not wait. Its barriers wait for the other ranks' launches
     /// (what [`Self::launch`] does for every rank), or, when they never come, until
-    /// [`crate::custom::stop_waiting`] is given the rank's flag array.
+    /// [`anyccl_cuda::custom::stop_waiting`] is given the rank's flag array.
     pub fn launch_rank(&self, kind: Kind, dtype: DataType, rank: usize, s: &CudaStream) -> Result<()> {
         if rank == 0 {
             self.check_resident(kind, dtype)?;
@@ -237,7 +237,7 @@ pub fn time_graphs(
     warmup: usize,
     rounds: usize,
 ) -> Result<f64> {
-    use crate::graph::Event;
+    use anyccl_cuda::graph::Event;
     let timer = runtime.stream()?;
     let ctx = runtime.context();
     let (start, end) = (Event::new(ctx)?, Event::new(ctx)?);

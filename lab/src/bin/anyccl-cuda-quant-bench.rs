@@ -23,13 +23,13 @@
 
 use std::process::ExitCode;
 
-use anyccl_ccl::gpu::quant::model as quant;
 use anyccl_core::units::{format_bytes, parse_bytes};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated::{EmulatedRanks, InputMode};
-use anyccl_cuda::emulated_quant::{Format, QuantRanks};
 use anyccl_cuda::graph::Graph;
+use anyccl_gpu::quant::model as quant;
+use anyccl_lab::emulated::{EmulatedRanks, InputMode};
+use anyccl_lab::emulated_quant::{Format, QuantRanks};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -75,7 +75,7 @@ fn capture(q: &QuantRanks, c: Column) -> Result<Vec<Graph>> {
 fn time(q: &QuantRanks, c: Column) -> Result<f64> {
     let g = &q.ranks;
     let graphs = capture(q, c)?;
-    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    let per_call = anyccl_lab::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
     Ok(per_call)
 }
 

@@ -15,7 +15,7 @@ use anyccl_core::bootstrap::{all_gather_padded, Bootstrap, MAX_PADDED_PAYLOAD};
 use anyccl_core::{DataType, Error, Result};
 
 use crate::device::GpuRuntime;
-use crate::rank::{CclRank, CclStream, DeviceAddress};
+use anyccl_ccl::rank::{CclRank, CclStream, DeviceAddress};
 
 /// A [`Bootstrap`] whose exchanges are collectives of `rank`'s own communicator, on `stream` of `runtime`'s
 /// device. Every method is collective over that communicator, and blocks until the exchange has finished.

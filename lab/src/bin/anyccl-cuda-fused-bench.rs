@@ -7,11 +7,11 @@
 //! back-to-back calls; all ranks' graphs start together after an event on a timing stream, which then waits for
 //! every rank; 3 warm-up rounds, 20 timed rounds, median; time per call = round / 10. Before timing, every path
 //! runs once eagerly from a fresh residual and every rank's output and new residual are compared bit for bit with
-//! the host reference (anyccl_ccl::gpu::fused::reference); any difference makes the exit status non-zero.
+//! the host reference (anyccl_gpu::fused::reference); any difference makes the exit status non-zero.
 //!
 //! The push paths (fused push one-shot; push one-shot then RMSNorm) run where the message fits the push receive
 //! slots (256 KiB; `-` elsewhere), with programmatic dependent launch on sm_90+, on the push grids
-//! (`anyccl_ccl::gpu::push::fused_push_blocks`, `anyccl_cuda::push::push_blocks`). The ratio takes the best of
+//! (`anyccl_gpu::push::fused_push_blocks`, `anyccl_lab::push::push_blocks`). The ratio takes the best of
 //! every fused path over the best of every unfused one.
 //!
 //! Blocks per rank: fused one-shot and the all-reduce kernels min(rows, cap); fused two-shot min(rows per rank,
@@ -23,10 +23,10 @@
 
 use std::process::ExitCode;
 
-use anyccl_ccl::gpu::fused::{reference, FusedForm, FusedOutput};
 use anyccl_core::{DataType, MemoryRuntime, Result};
 use anyccl_cuda::custom::Kind;
-use anyccl_cuda::emulated_fused::{EmulatedFused, FusedPath};
+use anyccl_gpu::fused::{reference, FusedForm, FusedOutput};
+use anyccl_lab::emulated_fused::{EmulatedFused, FusedPath};
 
 const CALLS: usize = 10;
 const ROUNDS: usize = 20;
@@ -73,7 +73,7 @@ fn check(g: &EmulatedFused, device: i32, path: FusedPath, residual: &[u8], want:
 /// Median time of one call of `path` over the group, seconds.
 fn time_path(g: &EmulatedFused, path: FusedPath) -> Result<f64> {
     let graphs = g.capture(path, CALLS)?;
-    let per_call = anyccl_cuda::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
+    let per_call = anyccl_lab::emulated::time_graphs(&g.runtime, &g.streams, &graphs, CALLS, 3, ROUNDS)?;
     Ok(per_call)
 }
 

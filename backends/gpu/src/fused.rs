@@ -3,7 +3,7 @@
 //! ([`fused_ineligible`]), and the host reference of the math ([`reference`]), which the kernels match bit for bit.
 //! The call's description, checks and choice of form are vendor-neutral and live in `anyccl-core`
 //! ([`anyccl_core::fused`], [`anyccl_core::selector::default_rmsnorm_forms`]); the communicator's part is
-//! `comm_fused.rs`.
+//! `comm/fused_call.rs`.
 //!
 //! `out = rmsnorm(allreduce(x) + residual) * weight`, the new residual `allreduce(x) + residual` written back into
 //! `residual`, for f16 and bf16 rows of `hidden` elements (a multiple of 8, at most
