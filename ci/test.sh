@@ -5,7 +5,44 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step prints its wall time and the CPU time (user + sys) of the processes it ran; the end (or a failure)
+# prints the table of all steps. CPU time is the figure to compare between runs on a shared machine.
+ci_times="$(mktemp)"
+ci_t0=$SECONDS
+ci_table=""
+step_name=""
+# Sets ci_cpu to the CPU seconds used so far by this script's finished child processes (`times`, second line).
+# `times` runs in this shell (not in a command substitution, whose children it would not see).
+cpu_used() {
+    times >"$ci_times"
+    ci_cpu="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); n += a[1] * 60 + a[2] }; printf "%.1f", n }' "$ci_times")"
+}
+step_end() {
+    [ -n "$step_name" ] || return 0
+    cpu_used
+    local wall=$((SECONDS - step_t0)) cpu
+    cpu="$(awk -v a="$ci_cpu" -v b="$step_cpu0" 'BEGIN { printf "%.1f", a - b }')"
+    printf '<== %s: %d s wall, %s s CPU\n' "$step_name" "$wall" "$cpu"
+    ci_table+="$(printf '%6d s %8s s  %s' "$wall" "$cpu" "$step_name")"$'\n'
+    step_name=""
+}
+step() {
+    step_end
+    step_name="$*"
+    step_t0=$SECONDS
+    cpu_used
+    step_cpu0="$ci_cpu"
+    printf '\n==> %s\n' "$*"
+}
+ci_summary() {
+    local rc=$?
+    step_end
+    cpu_used
+    printf '\n== time per step (wall, CPU = user + sys of the step\x27s processes)\n%s' "$ci_table"
+    printf '%6d s %8s s  total (exit %d)\n' "$((SECONDS - ci_t0))" "$ci_cpu" "$rc"
+    rm -f "$ci_times"
+}
+trap ci_summary EXIT
 
 step "toolchain"
 command -v cargo >/dev/null || { echo "error: cargo not found; install a Rust toolchain (rustup)"; exit 1; }
