@@ -2,7 +2,7 @@
 # Builds the documentation of every publishable workspace member as docs.rs builds it: alone (`-p`, `--no-deps`),
 # on nightly, with the features and rustdoc arguments of its `[package.metadata.docs.rs]` (default features
 # where it has none), into target/docsrs. Then checks that each feature named in a `doc(cfg(feature = "..."))`
-# mark of a crate's sources shows on its rendered pages ("Available on crate feature ... only").
+# mark of a crate's sources shows on its rendered pages ("Available on crate feature `X` only").
 # Installs nightly (minimal profile) with rustup when it is missing; never updates an installed one.
 # Usage: ci/docs-rs.sh (from anywhere in the repository).
 set -euo pipefail
@@ -46,7 +46,8 @@ while IFS=$'\t' read -r name lib dir flags args; do
     [ -f "$html/index.html" ] || { echo "error: $name: no $html/index.html"; fail=1; continue; }
     if [[ " $args " == *" docsrs "* ]]; then
         for f in $(grep -rhoE 'doc\(cfg\(feature = "[^"]+"' "$dir/src" | sed 's/.*"\(.*\)"/\1/' | sort -u); do
-            if ! grep -rqF "crate feature <code>$f</code>" "$html"; then
+            # rustdoc writes "Available on crate feature `X` only" (or "features `X` or `Y`") on the marked items.
+            if ! grep -rqE "Available on crate features? [^\"<]*\`$f\`" "$html"; then
                 echo "error: $name: no page says which items need the feature $f"; fail=1
             fi
         done
