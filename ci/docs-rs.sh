@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds the documentation of every publishable workspace member as docs.rs builds it: alone (`-p`, `--no-deps`),
-# on nightly, with the features and rustdoc arguments of its `[package.metadata.docs.rs]` (default features
-# where it has none), into target/docsrs. Then checks that each feature named in a `doc(cfg(feature = "..."))`
+# Builds the documentation of each publishable workspace member that has a `[package.metadata.docs.rs]` (with
+# `--all`: of every publishable member) as docs.rs builds it: alone (`-p`, `--no-deps`), on nightly, with the
+# features and rustdoc arguments of that table (default features where it has none), into target/docsrs. Then checks that each feature named in a `doc(cfg(feature = "..."))`
 # mark of a crate's sources shows on its rendered pages ("Available on crate feature `X` only").
 # Installs nightly (minimal profile) with rustup when it is missing; never updates an installed one.
-# Usage: ci/docs-rs.sh (from anywhere in the repository).
+# Each member alone resolves its own feature set, so each costs a check of part of its dependencies again (the
+# facade with cuda and rocm: about 250 s of CPU from cold); `--all` is for a release, CI runs the default.
+# Usage: ci/docs-rs.sh [--all] (from anywhere in the repository).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,8 +17,9 @@ cargo +nightly --version
 export CARGO_TARGET_DIR="${ANYCCL_DOCSRS_TARGET_DIR:-target/docsrs}"
 
 # One line per publishable member: name, library target name, manifest directory, cargo flags, rustdoc args.
-plan="$(cargo metadata --locked --no-deps --format-version 1 | python3 -c '
-import json, sys
+all="${1:-}"
+plan="$(cargo metadata --locked --no-deps --format-version 1 | ANYCCL_DOCSRS_ALL="$all" python3 -c '
+import json, os, sys
 m = json.load(sys.stdin)
 ws = set(m["workspace_members"])
 for p in m["packages"]:
@@ -25,7 +28,10 @@ for p in m["packages"]:
     libs = [t["name"] for t in p["targets"] if any(k in ("lib", "rlib", "cdylib", "staticlib", "dylib") for k in t["kind"])]
     if not libs:
         continue
-    d = ((p.get("metadata") or {}).get("docs") or {}).get("rs") or {}
+    d = ((p.get("metadata") or {}).get("docs") or {}).get("rs")
+    if d is None and os.environ.get("ANYCCL_DOCSRS_ALL") != "--all":
+        continue
+    d = d or {}
     flags = []
     if d.get("all-features"):
         flags.append("--all-features")
