@@ -34,8 +34,8 @@ step() {
     step_cpu0="$ci_cpu"
     printf '\n==> %s\n' "$*"
 }
-ci_summary() {
-    local rc=$?
+ci_summary() { # [exit status]
+    local rc="${1:-$?}"
     step_end
     cpu_used
     printf '\n== time per step (wall, CPU = user + sys of the step\x27s processes)\n%s' "$ci_table"
@@ -70,7 +70,7 @@ wait_for() { # name
     fi
     cat "target/ci-logs/$1.log" >&2
 }
-trap 'for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done; ci_summary' EXIT
+trap 'ci_rc=$?; for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done; ci_summary "$ci_rc"' EXIT
 
 step "toolchain"
 command -v cargo >/dev/null || { echo "error: cargo not found; install a Rust toolchain (rustup)"; exit 1; }
@@ -148,8 +148,8 @@ cli_deps="$(cargo tree --locked -p anyccl --all-features -e normal --prefix none
 [ -z "$cli_deps" ] || { echo "error: the anyccl library depends on: $(echo $cli_deps)"; exit 1; }
 # One version of each crate (one syn among them) in the library's build, host-only and with every backend.
 for features in host cuda,rocm; do
-    dups="$(cargo tree --locked -p anyccl --no-default-features --features "$features" -e normal,build -d \
-        --prefix none 2>/dev/null | awk '/^[a-z]/ && !/\(\*\)/ {print $1, $2}' | sort -u)"
+    dups="$(cargo tree --locked -p anyccl --no-default-features --features "$features" -e normal,build -d 2>/dev/null |
+        awk '/^[a-z]/ {print $1, $2}' | sort -u)"
     [ -z "$dups" ] || { echo "error: the anyccl library ($features) builds two versions of:"; echo "$dups"; exit 1; }
 done
 
