@@ -16,6 +16,8 @@
 #
 #   ci/python.sh                   # from the repository root (ci/test.sh calls it)
 #   ANYCCL_PY_WHEEL_DIR=dir ci/python.sh   # where the wheel goes (default target/wheels-python)
+#   ci/python.sh --prepare dir     # only make the virtual environment with the pinned tools, in dir
+#   ANYCCL_PY_VENV=dir ci/python.sh        # use that environment (ci/test.sh prepares it while it compiles)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -29,19 +31,37 @@ NUMPY=2.2.6
 PYTEST=8.3.5
 MYPY=1.15.0
 
+# A fresh virtual environment with the pinned tools, in $1.
+make_venv() {
+    local venv="$1"
+    rm -rf "$venv"
+    if ! python3 -m venv "$venv" 2>/dev/null; then
+        # Debian/Ubuntu without python3-venv: virtualenv from PyPI instead.
+        python3 -m pip install --quiet --user "virtualenv==20.29.3"
+        python3 -m virtualenv --quiet "$venv"
+    fi
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet "maturin==$MATURIN" "numpy==$NUMPY" "pytest==$PYTEST" "mypy==$MYPY" \
+        "ziglang==$ZIGLANG" "auditwheel==$AUDITWHEEL"
+}
+if [ "${1:-}" = --prepare ]; then
+    [ -n "${2:-}" ] || { echo "usage: ci/python.sh --prepare DIR" >&2; exit 2; }
+    make_venv "$2"
+    exit 0
+fi
+
 python3 --version
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-venv="$work/venv"
-if ! python3 -m venv "$venv" 2>/dev/null; then
-    # Debian/Ubuntu without python3-venv: virtualenv from PyPI instead.
-    python3 -m pip install --quiet --user "virtualenv==20.29.3"
-    python3 -m virtualenv --quiet "$venv"
+if [ -n "${ANYCCL_PY_VENV:-}" ]; then
+    # Prepared by `ci/python.sh --prepare` with the same pins; the wheel is installed into it below.
+    venv="$(cd "$ANYCCL_PY_VENV" && pwd)"
+    "$venv/bin/maturin" --version | grep -qx "maturin $MATURIN" || { echo "error: $venv has no maturin $MATURIN"; exit 1; }
+else
+    venv="$work/venv"
+    make_venv "$venv"
 fi
 py="$venv/bin/python"
-"$py" -m pip install --quiet --upgrade pip
-"$py" -m pip install --quiet "maturin==$MATURIN" "numpy==$NUMPY" "pytest==$PYTEST" "mypy==$MYPY" \
-    "ziglang==$ZIGLANG" "auditwheel==$AUDITWHEEL"
 
 echo "== the sdist (python/tools/sdist.py: maturin sdist + the root crate's sources), the wheel built from it"
 # One compilation, as before: the wheel is built from the unpacked sdist (so a broken sdist fails here), for

@@ -11,11 +11,18 @@
 # Usage: dropin/ci/build-glibc-2.28.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-if ! command -v cargo-zigbuild >/dev/null || ! python3 -m ziglang version >/dev/null 2>&1; then
-    echo "installing cargo-zigbuild and ziglang from PyPI" >&2
-    python3 -m pip install -q cargo-zigbuild ziglang >&2
+# The tools live in their own virtual environment under the target dir (pinned; a system pip may refuse installs).
+tools="${CARGO_TARGET_DIR:-$PWD/target}/ci-zigbuild-venv"
+if [ ! -x "$tools/bin/cargo-zigbuild" ]; then
+    echo "installing cargo-zigbuild and ziglang from PyPI into $tools" >&2
+    python3 -m venv "$tools" >&2
+    "$tools/bin/python" -m pip install -q "cargo-zigbuild==0.24.1" "ziglang==0.17.1" >&2
 fi
+export PATH="$tools/bin:$PATH"
 target=x86_64-unknown-linux-gnu
 case "$(uname -m)" in aarch64) target=aarch64-unknown-linux-gnu ;; esac
-cargo zigbuild --locked -p anyccl-nccl --lib --target "$target.2.28" >&2
+# Only the link is under test (which glibc symbol versions it needs), so nothing is optimised: the dependencies
+# of the dev profile are otherwise built at opt-level 2, a second time for this target.
+cargo zigbuild --locked -p anyccl-nccl --lib --target "$target.2.28" \
+    --config 'profile.dev.opt-level=0' --config 'profile.dev.package."*".opt-level=0' >&2
 echo "${CARGO_TARGET_DIR:-$PWD/target}/$target/debug/libanyccl_nccl.so"

@@ -13,6 +13,24 @@ pub fn cu_err(call: &str, e: DriverError) -> Error {
     Error::backend("cuda", call, Some(e.0 as i64), format!("{name}: {text}"))
 }
 
+/// The location "device `ordinal`" for the cuMem calls, whichever CUDA version cudarc was built for: up to CUDA
+/// 13.1 cudarc's `CUmemLocation` is `{ type_, id }`, from 13.2 on `{ type_, union { id, .. } }`. In C both are
+/// `{ CUmemLocationType type; int id; }` in memory, so one value serves both (the library builds against the
+/// version the final binary chooses, or cudarc's newest without nvcc).
+pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    #[repr(C)]
+    struct Plain {
+        type_: sys::CUmemLocationType,
+        id: std::ffi::c_int,
+    }
+    const _: () = assert!(std::mem::align_of::<Plain>() == std::mem::align_of::<sys::CUmemLocation>());
+    let plain = Plain { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal };
+    // SAFETY: both are `repr(C)` with the same size (transmute checks it at compile time) and alignment (asserted
+    // above): the location type first, then the C `int` device id, alone or as the first member of a union of
+    // 4-byte members, so every bit pattern of `Plain` is a valid `CUmemLocation` meaning the same device.
+    unsafe { std::mem::transmute::<Plain, sys::CUmemLocation>(plain) }
+}
+
 /// One device as the driver describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyccl_core::{Error, Result};
 use cudarc::driver::sys;
 
-use crate::driver::cu_err;
+use crate::driver::{cu_err, device_location};
 use crate::runtime::{DeviceBuffer, DeviceContext};
 
 /// Bytes of a legacy IPC handle (`CUipcMemHandle`).
@@ -102,7 +102,7 @@ fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    p.location = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal };
+    p.location = device_location(ordinal);
     p
 }
 
@@ -185,10 +185,7 @@ impl VmmBuffer {
         unsafe { sys::cuMemMap(b.ptr, size, 0, handle, 0) }.result().map_err(|e| cu_err("cuMemMap", e))?;
         b.mapped = true;
         let access = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: ctx.ordinal(),
-            },
+            location: device_location(ctx.ordinal()),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped; one access descriptor.

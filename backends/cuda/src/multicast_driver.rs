@@ -187,7 +187,7 @@ impl MulticastDriver for CudaMulticastDriver {
 
     fn set_access(&self, va: u64, size: usize, ordinal: i32) -> Result<(), DriverError> {
         let desc = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ordinal },
+            location: crate::driver::device_location(ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: the range is mapped; one descriptor.
