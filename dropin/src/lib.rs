@@ -37,7 +37,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 pub mod accel;
@@ -59,8 +59,23 @@ thread_local! {
     static LOADING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// The library underneath, loaded at the first call; `Err` says why there is none.
+/// Set by the report functions that `anyccl probe` calls: that process has its own log subscriber and has already
+/// said what it thinks of `ANYCCL_LOG`, so the drop-in installs none (and repeats no warning) there.
+static REPORTING_TO_PROBE: AtomicBool = AtomicBool::new(false);
+
+/// The library underneath, loaded at the first call; `Err` says why there is none. The first call also installs
+/// the drop-in's log subscriber when `ANYCCL_LOG` asks for one ([`logging`]), unless `anyccl probe` loaded it.
 pub fn underlying() -> Result<&'static Underlying, &'static str> {
+    static LOGGING: std::sync::Once = std::sync::Once::new();
+    LOGGING.call_once(|| {
+        if !REPORTING_TO_PROBE.load(Ordering::Relaxed) {
+            logging::init();
+        }
+    });
+    load_underlying()
+}
+
+fn load_underlying() -> Result<&'static Underlying, &'static str> {
     let state = match STATE.get() {
         Some(s) => s,
         None => {
@@ -77,10 +92,7 @@ pub fn underlying() -> Result<&'static Underlying, &'static str> {
                 }
             }
             let _loading = Loading;
-            STATE.get_or_init(|| {
-                logging::init();
-                load::load()
-            })
+            STATE.get_or_init(load::load)
         }
     };
     match state {
@@ -191,6 +203,8 @@ pub(crate) fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Com
 /// (then `ncclGetLastError` says why). Loads the library if no call has yet. The text lives as long as the process.
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_underlying() -> *const c_char {
+    // Relaxed: read by the same thread's first call below, or by later calls, which only skip a log subscriber.
+    REPORTING_TO_PROBE.store(true, Ordering::Relaxed);
     match std::panic::catch_unwind(underlying) {
         Ok(Ok(u)) => u.description.as_ptr(),
         _ => c"".as_ptr(),

@@ -13,7 +13,8 @@ use std::io::{IsTerminal, Write};
 /// The variable read.
 pub const VAR: &str = "ANYCCL_LOG";
 
-/// Installs the subscriber if `ANYCCL_LOG` asks for one and none is set; called once, from the library's load.
+/// Installs the subscriber if `ANYCCL_LOG` asks for one and none is set; called once, at the first `nccl.h` call
+/// (never in `anyccl probe`, which has its own).
 pub fn init() {
     use tracing_subscriber::EnvFilter;
     const FALLBACK: &str = "warn";
