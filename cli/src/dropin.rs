@@ -29,7 +29,7 @@ const MAX_TEXT: usize = 4096;
 /// The symbols a candidate must export to be loaded.
 const EXPORTS: Exports<'static> = Exports {
     required: &["anyccl_nccl_dropin_marker", "anyccl_nccl_dropin_underlying", "ncclGetLastError"],
-    optional: &["anyccl_nccl_dropin_calls"],
+    optional: &["anyccl_nccl_dropin_calls", "anyccl_nccl_dropin_no_log_subscriber"],
 };
 
 /// A place looked at and why it was not used.
@@ -112,11 +112,17 @@ fn probe_in(places: Vec<(PathBuf, &'static str)>) -> DropinReport {
         // it is an anyccl drop-in, whose exports have these C signatures (anyccl-nccl's lib.rs): `int
         // anyccl_nccl_dropin_marker(void)`, `const char* anyccl_nccl_dropin_underlying(void)` (a string that lives
         // as long as the process) and nccl.h's `const char* ncclGetLastError(ncclComm_t)` (null allowed; valid
-        // until the next failing call on this thread). Each is called once here, on this thread.
+        // until the next failing call on this thread), and `void anyccl_nccl_dropin_no_log_subscriber(void)` where
+        // it exists. Each is called once here, on this thread.
         unsafe {
             type Marker = unsafe extern "C" fn() -> c_int;
             type Underlying = unsafe extern "C" fn() -> *const c_char;
             type LastError = unsafe extern "C" fn(*mut std::ffi::c_void) -> *const c_char;
+            type NoLogSubscriber = unsafe extern "C" fn();
+            // This command has its own log subscriber and has warned about a bad ANYCCL_LOG already.
+            if let Ok(f) = lib.get::<NoLogSubscriber>(b"anyccl_nccl_dropin_no_log_subscriber\0") {
+                f();
+            }
             let marker = lib.get::<Marker>(b"anyccl_nccl_dropin_marker\0").ok().map(|f| f());
             let underlying = lib.get::<Underlying>(b"anyccl_nccl_dropin_underlying\0").ok().and_then(|f| text(f()));
             let underlying = underlying.filter(|u| !u.is_empty());

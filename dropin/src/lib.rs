@@ -59,16 +59,15 @@ thread_local! {
     static LOADING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Set by the report functions that `anyccl probe` calls: that process has its own log subscriber and has already
-/// said what it thinks of `ANYCCL_LOG`, so the drop-in installs none (and repeats no warning) there.
-static REPORTING_TO_PROBE: AtomicBool = AtomicBool::new(false);
+/// Set by [`anyccl_nccl_dropin_no_log_subscriber`]: the program logs for itself.
+static NO_LOG_SUBSCRIBER: AtomicBool = AtomicBool::new(false);
 
 /// The library underneath, loaded at the first call; `Err` says why there is none. The first call also installs
-/// the drop-in's log subscriber when `ANYCCL_LOG` asks for one ([`logging`]), unless `anyccl probe` loaded it.
+/// the drop-in's log subscriber when `ANYCCL_LOG` asks for one ([`logging`]), unless the program asked for none first ([`anyccl_nccl_dropin_no_log_subscriber`]).
 pub fn underlying() -> Result<&'static Underlying, &'static str> {
     static LOGGING: std::sync::Once = std::sync::Once::new();
     LOGGING.call_once(|| {
-        if !REPORTING_TO_PROBE.load(Ordering::Relaxed) {
+        if !NO_LOG_SUBSCRIBER.load(Ordering::Relaxed) {
             logging::init();
         }
     });
@@ -199,12 +198,20 @@ pub(crate) fn register_out(rc: NcclResult, u: &'static Underlying, out: *mut Com
     }
 }
 
+/// Asks the drop-in to install no log subscriber of its own: the calling program logs for itself and has read
+/// `ANYCCL_LOG` already (`anyccl probe` calls this before anything else, so a bad value is warned about once). Acts
+/// only before the drop-in's first call that loads the library underneath.
+#[no_mangle]
+pub extern "C" fn anyccl_nccl_dropin_no_log_subscriber() {
+    // Relaxed: read by the first loading call, on this thread in the one caller there is (`anyccl probe`), or on
+    // another after this returned; a late read only means the subscriber is installed as before.
+    NO_LOG_SUBSCRIBER.store(true, Ordering::Relaxed);
+}
+
 /// What the drop-in forwards to: `"NCCL 2.32.3 /path/libnccl.so.2"`, or an empty string when it found nothing
 /// (then `ncclGetLastError` says why). Loads the library if no call has yet. The text lives as long as the process.
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_underlying() -> *const c_char {
-    // Relaxed: read by the same thread's first call below, or by later calls, which only skip a log subscriber.
-    REPORTING_TO_PROBE.store(true, Ordering::Relaxed);
     match std::panic::catch_unwind(underlying) {
         Ok(Ok(u)) => u.description.as_ptr(),
         _ => c"".as_ptr(),

@@ -185,6 +185,7 @@ fn the_exports_are_exactly_nccl_h_2_32_3_and_its_aliases() {
     want.push("anyccl_nccl_dropin_underlying".into());
     want.push("anyccl_nccl_dropin_calls".into());
     want.push("anyccl_nccl_dropin_custom_calls".into());
+    want.push("anyccl_nccl_dropin_no_log_subscriber".into());
     want.sort();
     assert_eq!(exported, want);
 }
