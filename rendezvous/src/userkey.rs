@@ -1,7 +1,8 @@
 //! The per-user secret that closes single-host jobs to other users when no secret is configured.
 //!
-//! A file of 32 random bytes, `anyccl/rendezvous.key`, in a directory private to the user: `$XDG_RUNTIME_DIR`
-//! where it is set, else `$HOME/.cache`. The `anyccl` directory is created with mode 0700 and the file with mode
+//! A file of 32 random bytes, `anyccl-rendezvous/rendezvous.key`, in a directory private to the user:
+//! `$XDG_RUNTIME_DIR` where it is set, else `$HOME/.cache`. The `anyccl-rendezvous` directory (its own, not the
+//! `anyccl` download cache, which other tools create with ordinary modes) is created with mode 0700 and the file with mode
 //! 0600, exclusively and without following symbolic links; on every read the directory and the file must be owned
 //! by this process's effective uid with no access for group or others, and the file must be a regular file of
 //! exactly 32 bytes. Anything else is an error naming the path (never a silent fallback to a weaker key). The first
@@ -24,8 +25,9 @@ use anyccl_core::{Error, Result};
 use rustix::fs::{AtFlags, Mode, OFlags, CWD};
 use tracing::debug;
 
-/// The directory created in the base directory.
-pub const DIR_NAME: &str = "anyccl";
+/// The directory created in the base directory: the key's alone (`~/.cache/anyccl` holds downloads, with
+/// ordinary modes).
+pub const DIR_NAME: &str = "anyccl-rendezvous";
 
 /// The key file's name in [`DIR_NAME`].
 pub const FILE_NAME: &str = "rendezvous.key";
@@ -33,8 +35,9 @@ pub const FILE_NAME: &str = "rendezvous.key";
 /// The length of the per-user secret (bytes).
 pub const SECRET_LEN: usize = 32;
 
-/// Where the per-user secret lives for an environment read through `get_os`: `$XDG_RUNTIME_DIR/anyccl` when that is
-/// set to an absolute path, else `$HOME/.cache/anyccl` (`HOME` absolute); `None` when neither is usable.
+/// The base directory of the per-user secret ([`DIR_NAME`] goes in it) for an environment read through `get_os`:
+/// `$XDG_RUNTIME_DIR` when that is set to an absolute path, else `$HOME/.cache` (`HOME` absolute); `None` when
+/// neither is usable.
 pub fn base_dir(get_os: &dyn Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
     let absolute = |v: OsString| Some(PathBuf::from(v)).filter(|p| p.is_absolute());
     get_os("XDG_RUNTIME_DIR").and_then(absolute).or_else(|| get_os("HOME").and_then(absolute).map(|h| h.join(".cache")))
@@ -65,7 +68,7 @@ fn check_private(path: &Path, meta: &std::fs::Metadata, uid: u32, what: &str) ->
     Ok(())
 }
 
-/// The per-user secret in `base/anyccl/rendezvous.key`, created on first use (see the module documentation).
+/// The per-user secret in `base/anyccl-rendezvous/rendezvous.key`, created on first use (see the module documentation).
 pub fn load_or_create(base: &Path) -> Result<[u8; SECRET_LEN]> {
     let uid = nix::unistd::geteuid().as_raw();
     // `~/.cache` may not exist yet; `$XDG_RUNTIME_DIR` always does (its owner's login made it)

@@ -75,7 +75,7 @@ fn another_user_can_neither_read_the_key_nor_join() {
     let runtime = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let cfg0 = env_config(0, port, runtime.path());
-    let key_file = runtime.path().join("anyccl").join("rendezvous.key");
+    let key_file = runtime.path().join("anyccl-rendezvous").join("rendezvous.key");
     let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o7777;
     assert_eq!(mode(&key_file), 0o600);
     assert_eq!(mode(key_file.parent().expect("dir")), 0o700);
