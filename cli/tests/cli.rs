@@ -308,6 +308,47 @@ fn probe_reports_a_fake_rccl_7_0_with_reasons() {
     assert!(text_out.contains("does not export ncclCommWindowRegister"), "{text_out}");
 }
 
+/// `windows-in-capture` follows the loaded release: off before 2.30.7 with the version as the reason (on RCCL
+/// naming 2.30.4's failure inside capture), on from 2.30.7, for NCCL and RCCL alike; the text table says the same.
+#[test]
+fn probe_keys_windows_in_capture_on_the_release() {
+    let releases = [
+        (&fake_ccl::NCCL_2_30_3, "ANYCCL_NCCL_PATH", "NCCL 2.30.3", false),
+        (&fake_ccl::NCCL_2_30_7, "ANYCCL_NCCL_PATH", "NCCL 2.30.7", true),
+        (&fake_ccl::RCCL_2_30_4, "ANYCCL_RCCL_PATH", "RCCL 2.30.4", false),
+        (&fake_ccl::RCCL_2_30_7, "ANYCCL_RCCL_PATH", "RCCL 2.30.7", true),
+    ];
+    for (p, var, label, in_capture) in releases {
+        let lib = fake_ccl::build_profile(p).to_string_lossy().into_owned();
+        let env = [(var, lib.as_str()), ("NCCL_CUMEM_ENABLE", "1")];
+        let out = anyccl(&["probe", "--json"], &env);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let row = v["libraries"].as_array().and_then(|a| a.iter().find(|l| l["version"] == label));
+        assert!(row.is_some_and(|r| r["found"] == true), "{label}: {}", v["libraries"]);
+        assert_eq!(capability(&v, "symmetric-windows")["enabled"], true, "{label}");
+        let cap = capability(&v, "windows-in-capture");
+        let table = text(&anyccl(&["probe"], &env).stdout);
+        if in_capture {
+            assert_eq!(cap["enabled"], true, "{label}: {cap}");
+            assert!(table.contains("\n  [on ] windows-in-capture\n"), "{label}: {table}");
+            continue;
+        }
+        assert_eq!(cap["enabled"], false, "{label}: {cap}");
+        assert_eq!(cap["reason_detail"]["kind"], "version-too-old", "{label}");
+        let reason = cap["reason"].as_str().unwrap_or_default();
+        let (vendor, version) = label.split_once(' ').expect("vendor and version");
+        assert!(reason.starts_with(&format!("{vendor} at ")), "{reason}");
+        assert!(reason.ends_with(&format!(" is version {version}; 2.30.7 or newer is required")), "{reason}");
+        assert_eq!(
+            reason.contains("(RCCL 2.30.4 fails to register windows inside graph capture)"),
+            vendor == "RCCL",
+            "{reason}"
+        );
+        assert!(table.contains(&format!("  [off] windows-in-capture   {reason}\n")), "{label}: {table}");
+    }
+}
+
 /// The ROCm build on a machine whose HIP runtime and RCCL are the fakes (8 gfx90a devices, RCCL of ROCm 7.0):
 /// the backend is available, and symmetric memory is off because RCCL 2.26.6 lacks `ncclCommWindowRegister`.
 #[cfg(feature = "rocm")]

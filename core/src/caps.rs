@@ -64,6 +64,12 @@ bitflags::bitflags! {
         /// (`cuLaunchKernelEx` with the programmatic-stream-serialization attribute: compute capability 9.0 or
         /// newer, a CUDA ≥ 11.8 driver). The push one-shot uses it where on, and launches plainly where off.
         const DEPENDENT_LAUNCH = 1 << 20;
+        /// Symmetric-window registration while a CUDA/HIP graph is being captured: needs [`SYMMETRIC_WINDOWS`]
+        /// and a library that registers windows inside capture (NCCL >= 2.30.7; RCCL >= 2.30.7, since RCCL 2.30.4
+        /// fails to). Decided from the loaded library's vendor and version.
+        ///
+        /// [`SYMMETRIC_WINDOWS`]: Capabilities::SYMMETRIC_WINDOWS
+        const WINDOWS_IN_CAPTURE = 1 << 21;
     }
 }
 
@@ -77,6 +83,7 @@ const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
     (Capabilities::BUFFER_REGISTRATION, "buffer-registration", "ncclCommRegister (NCCL >= 2.19)"),
     (Capabilities::CCL_MEM_ALLOC, "ccl-mem-alloc", "ncclMemAlloc (NCCL >= 2.19)"),
     (Capabilities::SYMMETRIC_WINDOWS, "symmetric-windows", "ncclCommWindowRegister (NCCL >= 2.27)"),
+    (Capabilities::WINDOWS_IN_CAPTURE, "windows-in-capture", "window registration in graph capture (>= 2.30.7)"),
     (Capabilities::COMM_SHRINK, "comm-shrink", "ncclCommShrink (NCCL >= 2.27)"),
     (Capabilities::DEVICE_API, "device-api", "ncclDevCommCreate (NCCL >= 2.28)"),
     (Capabilities::BF16, "bf16", "ncclBfloat16 (NCCL >= 2.10)"),
@@ -511,6 +518,7 @@ mod tests {
 [off] buffer-registration  not applicable: test
 [off] ccl-mem-alloc        not applicable: test
 [off] symmetric-windows    not applicable: test
+[off] windows-in-capture   not applicable: test
 [off] comm-shrink          not applicable: test
 [off] device-api           not applicable: test
 [on ] bf16

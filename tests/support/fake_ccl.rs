@@ -162,6 +162,39 @@ pub const RCCL_7_1: Profile = Profile {
     ],
 };
 
+/// What NCCL 2.30 and newer export beyond [`BASE`] (the 2.28 set, and what 2.28.9 and 2.29.7 added).
+pub const NCCL_2_30_EXTRA: &[&str] = &[
+    "ncclCommSplit",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclGroupSimulateEnd",
+    "ncclCommInitRankScalable",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+    "ncclCommShrink",
+    "ncclDevCommCreate",
+    "ncclAlltoAll",
+    "ncclCommRevoke",
+    "ncclCommGrow",
+    "ncclCommSuspend",
+    "ncclCommResume",
+    "ncclGetMultimemDevicePointer",
+];
+/// NCCL 2.30 before 2.30.7: windows, but not registered during graph capture.
+pub const NCCL_2_30_3: Profile = Profile { file: "nccl-2.30.3/libnccl.so.2", version: 23003, extra: NCCL_2_30_EXTRA };
+/// NCCL 2.30.7: the first that registers windows during graph capture.
+pub const NCCL_2_30_7: Profile = Profile { file: "nccl-2.30.7/libnccl.so.2", version: 23007, extra: NCCL_2_30_EXTRA };
+pub const NCCL_2_31: Profile = Profile { file: "nccl-2.31/libnccl.so.2", version: 23102, extra: NCCL_2_30_EXTRA };
+pub const NCCL_2_32: Profile = Profile { file: "nccl-2.32/libnccl.so.2", version: 23203, extra: NCCL_2_30_EXTRA };
+/// RCCL 2.27.7 of production ROCm 7.2.x: the ROCm 7.1 symbol set.
+pub const RCCL_7_2: Profile = Profile { file: "rocm-7.2/librccl.so.1", version: 22707, extra: RCCL_7_1.extra };
+/// RCCL 2.30.4 (ROCm 7.14, 10.0): fails to register windows inside graph capture.
+pub const RCCL_2_30_4: Profile = Profile { file: "rccl-2.30.4/librccl.so.1", version: 23004, extra: RCCL_7_1.extra };
+/// RCCL 2.30.7: registers windows inside graph capture.
+pub const RCCL_2_30_7: Profile = Profile { file: "rccl-2.30.7/librccl.so.1", version: 23007, extra: RCCL_7_1.extra };
+
 /// C source of a fake library exporting `symbols`; `ncclGetVersion` answers `version` with status `status`.
 pub fn c_source(symbols: &[&str], version: i32, version_status: i32) -> String {
     let mut s = String::from(

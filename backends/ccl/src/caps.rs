@@ -1,7 +1,7 @@
 //! From a loaded library to a capability report: each missing symbol, old version or environment switch becomes
 //! a disabled capability with a concrete reason.
 
-use anyccl_core::{Capabilities, CapabilityReport, Reason};
+use anyccl_core::{Capabilities, CapabilityReport, CapabilityState, Reason};
 
 use crate::loader::{CclLibrary, CclVendor};
 
@@ -11,6 +11,7 @@ pub const CCL_CAPABILITIES: Capabilities = Capabilities::CCL
     .union(Capabilities::BUFFER_REGISTRATION)
     .union(Capabilities::CCL_MEM_ALLOC)
     .union(Capabilities::SYMMETRIC_WINDOWS)
+    .union(Capabilities::WINDOWS_IN_CAPTURE)
     .union(Capabilities::COMM_SHRINK)
     .union(Capabilities::DEVICE_API)
     .union(Capabilities::BF16)
@@ -79,8 +80,41 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
             r.disable(Capabilities::SYMMETRIC_WINDOWS, Reason::EnvVar { var: "NCCL_WIN_ENABLE".into(), value: v });
         }
     }
+    windows_in_capture(&mut r, lib);
     r.apply_nvls_env(env);
     r
+}
+
+/// The first release, of NCCL and of RCCL alike, that registers symmetric windows while a graph is captured:
+/// NCCL 2.30.7 allows it; RCCL 2.30.4 fails to, 2.30.7 succeeds.
+pub const WINDOWS_IN_CAPTURE_FIRST: (u32, u32, u32) = (2, 30, 7);
+
+/// Sets [`Capabilities::WINDOWS_IN_CAPTURE`] from what `lib` is: off because of symmetric windows where those
+/// are off, else on from [`WINDOWS_IN_CAPTURE_FIRST`] and off as too old before it (on RCCL the reason says that
+/// 2.30.4 fails inside capture).
+fn windows_in_capture(r: &mut CapabilityReport, lib: &CclLibrary) {
+    if let CapabilityState::Disabled(because) = r.state(Capabilities::SYMMETRIC_WINDOWS) {
+        let because = Box::new(because.clone());
+        let capability = Capabilities::SYMMETRIC_WINDOWS.name().unwrap_or("symmetric-windows").to_owned();
+        r.disable(Capabilities::WINDOWS_IN_CAPTURE, Reason::Requires { capability, because });
+        return;
+    }
+    let (major, minor, patch) = WINDOWS_IN_CAPTURE_FIRST;
+    if lib.version().at_least_patch(major, minor, patch) {
+        r.enable(Capabilities::WINDOWS_IN_CAPTURE);
+        return;
+    }
+    let library = lib.path().display();
+    let component = match lib.vendor() {
+        CclVendor::Nccl => format!("NCCL at {library}"),
+        CclVendor::Rccl => format!("RCCL at {library} (RCCL 2.30.4 fails to register windows inside graph capture)"),
+    };
+    let reason = Reason::VersionTooOld {
+        component,
+        found: lib.version().to_string(),
+        required: format!("{major}.{minor}.{patch}"),
+    };
+    r.disable(Capabilities::WINDOWS_IN_CAPTURE, reason);
 }
 
 /// The start of a GPU backend's report: every capability off as not used by `backend`, then the collective

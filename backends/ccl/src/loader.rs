@@ -57,6 +57,11 @@ impl CclVersion {
     pub fn at_least(&self, major: u32, minor: u32) -> bool {
         (self.major, self.minor) >= (major, minor)
     }
+
+    /// Whether this version is at least `major.minor.patch`.
+    pub fn at_least_patch(&self, major: u32, minor: u32, patch: u32) -> bool {
+        (self.major, self.minor, self.patch) >= (major, minor, patch)
+    }
 }
 
 impl fmt::Display for CclVersion {

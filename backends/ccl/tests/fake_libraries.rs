@@ -53,6 +53,22 @@ fn missing(lib: &CclLibrary, sym: &str) -> String {
     format!("{} ({}) does not export {sym}", lib.path().display(), lib.describe())
 }
 
+/// The reason `windows-in-capture` gives when symmetric windows are off `because`.
+fn no_windows(because: &str) -> String {
+    format!("requires symmetric-windows, which is off: {because}")
+}
+
+/// The reason `windows-in-capture` gives for a release of `lib`'s vendor before 2.30.7.
+fn capture_too_old(lib: &CclLibrary) -> String {
+    let path = lib.path().display();
+    let component = if lib.vendor() == CclVendor::Rccl {
+        format!("RCCL at {path} (RCCL 2.30.4 fails to register windows inside graph capture)")
+    } else {
+        format!("NCCL at {path}")
+    };
+    format!("{component} is version {}; 2.30.7 or newer is required", lib.version())
+}
+
 #[test]
 fn nccl_2_17_has_no_split() {
     let lib = CclLibrary::open(&build_profile(&NCCL_2_17)).expect("loads");
@@ -68,6 +84,7 @@ fn nccl_2_17_has_no_split() {
             ("buffer-registration", &missing(&lib, "ncclCommRegister")),
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -93,6 +110,7 @@ fn nccl_2_18_has_split_but_no_mem_alloc() {
             ("buffer-registration", &missing(&lib, "ncclCommRegister")),
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -119,6 +137,7 @@ fn nccl_2_26_has_no_windows() {
             ("buffer-registration", "on"),
             ("ccl-mem-alloc", "on"),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -150,6 +169,11 @@ fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
     .into_iter()
     .map(|n| (n, "on"))
     .collect();
+    // 2.28.9 registers windows, but not during graph capture (from 2.30.7 on).
+    let capture = capture_too_old(&lib);
+    assert_eq!(capture, format!("NCCL at {} is version 2.28.9; 2.30.7 or newer is required", lib.path().display()));
+    let mut all_on = all_on;
+    all_on.push(("windows-in-capture", &capture));
     expect_states(&lib, &no_env, &all_on);
     let env = |k: &str| match k {
         "NCCL_NVLS_ENABLE" => Some("0".to_owned()),
@@ -157,8 +181,10 @@ fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
         _ => None,
     };
     let mut with_env = all_on.clone();
-    with_env.retain(|(n, _)| *n != "symmetric-windows");
+    with_env.retain(|(n, _)| *n != "symmetric-windows" && *n != "windows-in-capture");
     with_env.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0"));
+    let win_off = no_windows("turned off by NCCL_WIN_ENABLE=0");
+    with_env.push(("windows-in-capture", &win_off));
     with_env.push(("multicast", "turned off by NCCL_NVLS_ENABLE=0"));
     expect_states(&lib, &env, &with_env);
 
@@ -204,6 +230,7 @@ fn rccl_6_2_is_told_apart_and_has_fp8() {
             ("buffer-registration", "on"),
             ("ccl-mem-alloc", "on"),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -234,6 +261,7 @@ fn rccl_7_0_has_no_window_register_and_says_so() {
                 ("buffer-registration", "on"),
                 ("ccl-mem-alloc", "on"),
                 ("symmetric-windows", &reason),
+                ("windows-in-capture", &no_windows(&reason)),
                 ("comm-shrink", &missing(&lib, "ncclCommShrink")),
                 ("device-api", &missing(&lib, "ncclDevCommCreate")),
                 ("bf16", "on"),
@@ -265,13 +293,101 @@ fn rccl_7_1_windows_need_cumem() {
         ]
     };
     let dev = missing(&lib, "ncclDevCommCreate");
-    let mut off = base("turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)");
+    let cumem_off = "turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)";
+    let mut off = base(cumem_off);
     off.push(("device-api", &dev));
+    let capture_off = no_windows(cumem_off);
+    off.push(("windows-in-capture", &capture_off));
     expect_states(&lib, &no_env, &off);
     let cumem = |k: &str| (k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned());
     let mut on = base("on");
     on.push(("device-api", &dev));
+    let capture = capture_too_old(&lib);
+    on.push(("windows-in-capture", &capture));
     expect_states(&lib, &cumem, &on);
+}
+
+/// Every library-decided capability of a release that registers windows (NCCL 2.30 on, RCCL 2.27.7 on), with
+/// `windows-in-capture` as given; `device_api` is the device API's state.
+fn windows_release(capture: &str, device_api: &str) -> Vec<(&'static str, String)> {
+    let mut v: Vec<(&'static str, String)> = [
+        "ccl",
+        "comm-split",
+        "buffer-registration",
+        "ccl-mem-alloc",
+        "symmetric-windows",
+        "comm-shrink",
+        "bf16",
+        "avg",
+        "fp8",
+        "pre-mul-sum",
+        "last-error",
+    ]
+    .into_iter()
+    .map(|n| (n, "on".to_owned()))
+    .collect();
+    v.push(("device-api", device_api.to_owned()));
+    v.push(("windows-in-capture", capture.to_owned()));
+    v
+}
+
+fn expect_owned(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>, expected: &[(&'static str, String)]) {
+    let borrowed: Vec<(&str, &str)> = expected.iter().map(|(n, s)| (*n, s.as_str())).collect();
+    expect_states(lib, env, &borrowed);
+}
+
+#[test]
+fn nccl_registers_windows_during_capture_from_2_30_7() {
+    let releases = [
+        (&NCCL_2_30_3, "2.30.3", false),
+        (&NCCL_2_30_7, "2.30.7", true),
+        (&NCCL_2_31, "2.31.2", true),
+        (&NCCL_2_32, "2.32.3", true),
+    ];
+    for (p, version, in_capture) in releases {
+        let lib = CclLibrary::open(&build_profile(p)).expect("loads");
+        assert_eq!((lib.vendor(), lib.version().to_string()), (CclVendor::Nccl, version.to_owned()));
+        let capture = if in_capture {
+            "on".to_owned()
+        } else {
+            format!("NCCL at {} is version {version}; 2.30.7 or newer is required", lib.path().display())
+        };
+        expect_owned(&lib, &no_env, &windows_release(&capture, "on"));
+        // Windows switched off take registration during capture with them, whatever the release.
+        let env = |k: &str| (k == "NCCL_WIN_ENABLE").then(|| "0".to_owned());
+        let mut off = windows_release(&no_windows("turned off by NCCL_WIN_ENABLE=0"), "on");
+        off.retain(|(n, _)| *n != "symmetric-windows");
+        off.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0".to_owned()));
+        expect_owned(&lib, &env, &off);
+    }
+}
+
+#[test]
+fn rccl_registers_windows_during_capture_from_2_30_7_and_says_2_30_4_fails() {
+    let cumem = |k: &str| (k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned());
+    for (p, version, in_capture) in
+        [(&RCCL_7_2, "2.27.7", false), (&RCCL_2_30_4, "2.30.4", false), (&RCCL_2_30_7, "2.30.7", true)]
+    {
+        let lib = CclLibrary::open(&build_profile(p)).expect("loads");
+        assert_eq!(lib.describe(), format!("RCCL {version}"));
+        let path = lib.path().display().to_string();
+        let capture = if in_capture {
+            "on".to_owned()
+        } else {
+            format!(
+                "RCCL at {path} (RCCL 2.30.4 fails to register windows inside graph capture) is version {version}; \
+                 2.30.7 or newer is required"
+            )
+        };
+        let dev = missing(&lib, "ncclDevCommCreate");
+        expect_owned(&lib, &cumem, &windows_release(&capture, &dev));
+        // Without cuMem RCCL's windows are off, and with them registration during capture, even on 2.30.7.
+        let cumem_off = "turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)";
+        let mut off = windows_release(&no_windows(cumem_off), &dev);
+        off.retain(|(n, _)| *n != "symmetric-windows");
+        off.push(("symmetric-windows", cumem_off.to_owned()));
+        expect_owned(&lib, &no_env, &off);
+    }
 }
 
 #[test]
@@ -414,6 +530,7 @@ fn nccl_2_8_uses_the_old_version_encoding_and_lacks_bf16_and_avg() {
             ("buffer-registration", &missing(&lib, "ncclCommRegister")),
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
+            ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", &old("2.10")),

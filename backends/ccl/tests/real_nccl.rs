@@ -67,6 +67,9 @@ fn real_nccl_versions_symbols_and_unique_ids() {
         for (cap, sym) in pairs {
             assert_eq!(caps.has(cap), nm.contains(sym), "{cap:?} of {version} vs nm -D {sym}");
         }
+        // Windows during graph capture: from 2.30.7 on (2.32.3 has it), never without windows.
+        let in_capture = caps.has(Capabilities::SYMMETRIC_WINDOWS) && lib.version().at_least_patch(2, 30, 7);
+        assert_eq!(caps.has(Capabilities::WINDOWS_IN_CAPTURE), in_capture, "windows-in-capture of {version}");
         saw_old |= !nm.contains("ncclCommWindowRegister");
         saw_windows |= caps.has(Capabilities::SYMMETRIC_WINDOWS);
         if !caps.has(Capabilities::SYMMETRIC_WINDOWS) {
