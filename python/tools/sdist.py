@@ -5,12 +5,13 @@ maturin leaves out.
 The extension crate (python/) depends on the ``anyccl`` crate, which is also the workspace root. ``maturin sdist``
 (1.16.0) copies the root's Cargo.toml, Cargo.lock and README.md but not that crate's sources,
 so the sdist could not build. This adds them: the files ``cargo package --list -p anyccl`` names under src/, tests/,
-examples/, benches/ and build.rs (cargo reads the declared test and example targets when it loads the manifest), and
+examples/, benches/ and build.rs, the files of the test, example and bench targets the root manifest declares (cargo
+checks they exist when it loads the manifest; the package's include list leaves tests out), and
 the two licence files, to the tarball maturin wrote; and points the sdist's pyproject.toml (which maturin puts at the
 top, next to the workspace's README.md) at python/README.md. Needs a maturin that writes this workspace's sdist at
 all (1.16.0 does; 1.9.6 stops at the two README.md files).
 
-    python python/tools/sdist.py OUT_DIR [MATURIN]    # from anywhere; prints the sdist's path
+    python python/tools/sdist.py OUT_DIR [MATURIN]    # Python 3.11+, from anywhere; prints the sdist's path
 """
 
 from __future__ import annotations
@@ -36,7 +37,24 @@ def root_crate_files() -> list[str]:
         capture_output=True,
         text=True,
     ).stdout.split()
-    return sorted(p for p in listed if p.startswith(KEEP) or p in KEEP_FILES)
+    files = {p for p in listed if p.startswith(KEEP) or p in KEEP_FILES}
+    # The package's include list leaves tests out, but cargo checks that every target the manifest declares exists
+    # when it loads it: the declared targets' files come along too.
+    return sorted(files | declared_target_files())
+
+
+def declared_target_files() -> set[str]:
+    import tomllib
+
+    manifest = tomllib.loads((ROOT / "Cargo.toml").read_text(encoding="utf-8"))
+    found = set()
+    for kind, folder in (("test", "tests"), ("example", "examples"), ("bench", "benches")):
+        for target in manifest.get(kind, []):
+            rel = target.get("path", f"{folder}/{target['name']}.rs")
+            if not (ROOT / rel).is_file():
+                raise SystemExit(f"Cargo.toml declares the {kind} {target['name']!r} at {rel}, which does not exist")
+            found.add(rel)
+    return found
 
 
 def main() -> int:
