@@ -76,22 +76,10 @@ const STOP_WRITE_LIMIT: std::time::Duration = std::time::Duration::from_millis(5
 /// buffers (freeing under a kernel that still runs would wait for it forever).
 const STOP_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, rounded up to 16 bytes.
+/// The custom kernels' staging size: `ANYCCL_CUSTOM_MAX_BYTES` or the default, within 16 B..=1 GiB and rounded up
+/// to 16 bytes (core's one reader of that variable, [`anyccl_core::env::custom_max_bytes`]).
 pub fn custom_capacity(env: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
-    let Some(v) = env("ANYCCL_CUSTOM_MAX_BYTES") else {
-        return Ok(DEFAULT_CUSTOM_MAX_BYTES);
-    };
-    let bad = || Error::Parse {
-        what: "ANYCCL_CUSTOM_MAX_BYTES",
-        input: v.clone(),
-        expected: "a size of at least 16 bytes, such as 8MiB or 67108864".into(),
-    };
-    let bytes = anyccl_core::units::parse_bytes(&v).map_err(|_| bad())?;
-    let bytes = usize::try_from(bytes).map_err(|_| bad())?;
-    if bytes < 16 {
-        return Err(bad());
-    }
-    bytes.checked_next_multiple_of(16).ok_or_else(bad)
+    anyccl_core::env::custom_max_bytes(env, DEFAULT_CUSTOM_MAX_BYTES)
 }
 
 /// `ANYCCL_CUSTOM_MAX_BLOCKS` or the default; a value outside 4..=MAX_BLOCKS is an error.
@@ -1111,7 +1099,7 @@ mod tests {
         assert_eq!(custom_capacity(&env(&[])).expect("default"), DEFAULT_CUSTOM_MAX_BYTES);
         assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "64MiB")])).expect("64 MiB"), 64 << 20);
         assert_eq!(custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", "1000")])).expect("rounded"), 1008);
-        for bad in ["lots", "8", "-1MiB"] {
+        for bad in ["lots", "8", "-1MiB", "2GiB"] {
             let e = custom_capacity(&env(&[("ANYCCL_CUSTOM_MAX_BYTES", bad)])).expect_err("refused");
             assert!(e.to_string().contains("ANYCCL_CUSTOM_MAX_BYTES"), "{e}");
         }
