@@ -116,7 +116,7 @@ info "CUDA: $CUDA_HOME ($("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release 
 info "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo unknown)"
 
 # NCCL_HOME for the drop-in: include/ = the system's nccl*.h (nccl.h, nccl_device.h and its folder, ...); lib/ = the
-# drop-in under both of NCCL's names (it has no SONAME, so the link records the name it was found by: libnccl.so).
+# drop-in under both of NCCL's names (its SONAME is libnccl.so.2, so a program linked against it records that name).
 DHOME="$WORK/nccl_home_dropin"
 RHOME="$WORK/nccl_home_real"
 mkdir -p "$DHOME/include" "$DHOME/lib" "$RHOME/lib"
