@@ -114,13 +114,6 @@ impl FakeMulticast {
                 v.as_mut_ptr(),
             )
         };
-        McLive {
-            objects: v[0],
-            handles: v[1],
-            allocations: v[2],
-            bindings: v[3],
-            reservations: v[4],
-            mappings: v[5],
-        }
+        McLive { objects: v[0], handles: v[1], allocations: v[2], bindings: v[3], reservations: v[4], mappings: v[5] }
     }
 }
