@@ -659,7 +659,9 @@ fn nvls(s: &Setup) {
     let mc = multicast_records();
     let caps = anyccl_cuda::capabilities(Some(&s.lib), &|k| std::env::var(k).ok());
     assert!(caps.has(Capabilities::MULTICAST), "{caps:?}");
-    let cases: [(usize, Option<Algorithm>, Algorithm, &[(DataType, usize, bool)]); 2] = [
+    /// World, forced algorithm, the algorithm expected, and the calls (element type, bytes, in place).
+    type NvlsCase = (usize, Option<Algorithm>, Algorithm, &'static [(DataType, usize, bool)]);
+    let cases: [NvlsCase; 2] = [
         (
             4,
             None,
