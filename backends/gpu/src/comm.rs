@@ -900,7 +900,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
             };
         }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
-            // The platform's other algorithms (CUDA's NVLS ones): listed, never eligible.
+            // The platform's other algorithms: listed, never eligible.
             return Err(Error::AlgorithmNotEligible { algorithm, why: P::other_algorithm(&self.caps, algorithm) });
         }
         // ccl and ccl-symmetric are the same call: the library picks its symmetric kernels when the buffers lie in
