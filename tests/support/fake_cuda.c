@@ -581,7 +581,7 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
  *   stream: multimem.ld_reduce sums the element over every device bound at that offset (in device order, in f32),
  *   multimem.st stores into every one, and multimem.red on the flag arrays' multicast address adds to every
  *   device's arrival counter (the kernels' barrier), with the abort word and FAKEHIP_KERNEL_TIMEOUT_MS honoured.
- * Every call is logged in order ("call kind#id ...") for fakecuda_mc_log. */
+ * Every call is logged in order ("call kind#id ...") for fakecuda_mc_log; fakecuda_mc_fail makes one call fail. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -707,6 +707,24 @@ static void mc_collect(void) {
     }
 }
 
+/* Test interface: the `nth` call of `name` from now on fails with CUDA_ERROR_OUT_OF_MEMORY (nth 0: none). */
+static char mc_fail_name[64];
+static int mc_fail_nth, mc_fail_seen;
+void fakecuda_mc_fail(const char* name, int nth) {
+    pthread_mutex_lock(&vmu);
+    snprintf(mc_fail_name, sizeof mc_fail_name, "%s", name ? name : "");
+    mc_fail_nth = nth;
+    mc_fail_seen = 0;
+    pthread_mutex_unlock(&vmu);
+}
+static int mc_should_fail(const char* name) {
+    pthread_mutex_lock(&vmu);
+    int fail = mc_fail_nth > 0 && strcmp(name, mc_fail_name) == 0 && ++mc_fail_seen == mc_fail_nth;
+    if (fail) mc_log("fail %s", name);
+    pthread_mutex_unlock(&vmu);
+    return fail;
+}
+
 CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) {
     count_call("cuMemGetAllocationGranularity");
     if (!mc_enabled()) return 801;
@@ -725,6 +743,7 @@ CUresult cuMulticastGetGranularity(size_t* g, const void* prop, int option) {
 CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
     count_call("cuMemCreate");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemCreate")) return 2;
     if (!h || !prop || flags || size == 0 || size % MC_G) return 1;
     int type, loc_type, device;
     memcpy(&type, prop, 4);
@@ -756,6 +775,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
 CUresult cuMulticastCreate(unsigned long long* h, const void* prop) {
     count_call("cuMulticastCreate");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastCreate")) return 2;
     if (!h || !prop) return 1;
     unsigned n;
     size_t size;
@@ -784,6 +804,7 @@ CUresult cuMulticastCreate(unsigned long long* h, const void* prop) {
 CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int type, unsigned long long flags) {
     count_call("cuMemExportToShareableHandle");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemExportToShareableHandle")) return 2;
     if (!out || flags || type != 1) return 1;
     pthread_mutex_lock(&vmu);
     struct vmm_handle* x = handle_of(h);
@@ -798,6 +819,7 @@ CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int type,
 CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* os_handle, int type) {
     count_call("cuMemImportFromShareableHandle");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemImportFromShareableHandle")) return 2;
     if (!h || type != 1) return 1;
     int fd = (int)(intptr_t)os_handle;
     struct stat st;
@@ -840,6 +862,7 @@ CUresult cuMemRelease(unsigned long long h) {
 CUresult cuMulticastAddDevice(unsigned long long h, CUdevice d) {
     count_call("cuMulticastAddDevice");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastAddDevice")) return 2;
     pthread_mutex_lock(&vmu);
     struct vmm_handle* x = handle_of(h);
     CUresult e = 0;
@@ -861,6 +884,7 @@ CUresult cuMulticastBindMem(unsigned long long mc, size_t mc_off, unsigned long 
                             unsigned long long flags) {
     count_call("cuMulticastBindMem");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastBindMem")) return 2;
     pthread_mutex_lock(&vmu);
     struct vmm_handle* x = handle_of(mc);
     struct vmm_handle* m = handle_of(mem);
@@ -940,6 +964,7 @@ static struct vmm_range* reservation_of(uint64_t va, size_t size) {
 CUresult cuMemAddressReserve(CUdeviceptr* p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
     count_call("cuMemAddressReserve");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemAddressReserve")) return 2;
     if (!p || size == 0 || size % MC_G || flags || addr) return 1;
     if (align == 0) align = MC_G;
     if (align & (align - 1)) return 1;
@@ -979,6 +1004,7 @@ CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
 CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
     count_call("cuMemMap");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemMap")) return 2;
     pthread_mutex_lock(&vmu);
     struct vmm_handle* x = handle_of(h);
     CUresult e = 0;
@@ -1031,6 +1057,7 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
 CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const void* desc, size_t count) {
     count_call("cuMemSetAccess");
     if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemSetAccess")) return 2;
     if (!desc || count != 1) return 1;
     int loc_type, device, flags;
     memcpy(&loc_type, desc, 4);

@@ -99,6 +99,18 @@ impl FakeMulticast {
         }
     }
 
+    /// Makes the `nth` call of `name` from now on fail (`CUDA_ERROR_OUT_OF_MEMORY`); `nth` 0 fails none.
+    pub fn fail(&self, name: &str, nth: i32) {
+        let name = std::ffi::CString::new(name).expect("a call name");
+        // SAFETY: the symbol's C signature; the name is a NUL-terminated string it copies.
+        unsafe {
+            self.lib.get::<unsafe extern "C" fn(*const std::ffi::c_char, i32)>(b"fakecuda_mc_fail\0").expect("sym")(
+                name.as_ptr(),
+                nth,
+            )
+        }
+    }
+
     /// Clears the log.
     pub fn reset(&self) {
         // SAFETY: the symbol's C signature.

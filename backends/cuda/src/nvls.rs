@@ -135,10 +135,13 @@ fn setup_gated(
             // Large enough for the binding (the size rounded up to the multicast granularity).
             let bound = size.div_ceil(g.granularity()) * g.granularity();
             let buf = VmmBuffer::alloc(rt.context(), bound)?;
-            let binding = g.bind(crate::multicast::MemHandle(buf.handle()), size)?;
-            multicast[k] = g.map(&binding)?;
-            unicast[k] = buf.device_ptr();
+            let (handle, ptr) = (buf.handle(), buf.device_ptr());
+            // Kept by `res` before it is bound: a failure from here on unbinds it (the group) before releasing it.
             res.buffers.push(buf);
+            let g = res.group.as_mut().ok_or_else(|| anyccl_core::Error::backend("cuda", "nvls", None, "no group"))?;
+            let binding = g.bind(crate::multicast::MemHandle(handle), size)?;
+            multicast[k] = g.map(&binding)?;
+            unicast[k] = ptr;
         }
         // The flag array starts zeroed (cuMem memory is not).
         zero(rt, unicast[2], anyccl_kernels_cuda::FLAG_BYTES)?;

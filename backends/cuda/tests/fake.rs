@@ -63,6 +63,7 @@ const NEED_KERNELS: &[&str] = &[
     "push_fail",
     "fused",
     "nvls",
+    "nvls_fail",
 ];
 
 /// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
@@ -70,7 +71,7 @@ const NEED_KERNELS: &[&str] = &[
 const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "push_off"];
 
 /// Cases run on a fake driver that reports multicast (`FAKECUDA_MULTICAST=1`).
-const NVLS_CASES: &[&str] = &["nvls", "nvls_env_off", "nvls_disabled"];
+const NVLS_CASES: &[&str] = &["nvls", "nvls_fail", "nvls_env_off", "nvls_disabled"];
 
 /// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
 fn run_case(case: &str) -> String {
@@ -317,6 +318,15 @@ fn nvls_all_reduce_runs_through_the_communicator_on_a_multicast_fake_and_tears_d
     run_case("nvls");
 }
 
+/// A multicast setup that fails at any step (the object's creation, a peer's import or device, an allocation, a
+/// binding, a multicast mapping, an access grant) turns NVLS off on every rank with the failing call named, tears
+/// down everything it had made (no object, handle, allocation, binding, reservation or mapping left, no allocation
+/// released while bound), and the communicators keep running two-shot.
+#[test]
+fn nvls_setup_failing_at_any_step_leaks_nothing_and_says_why() {
+    run_case("nvls_fail");
+}
+
 /// On the default fake (no multicast) the NVLS plans are refused with the device attribute as the reason, the
 /// selector falls back to two-shot, and no VMM or multicast call is made at all.
 #[test]
@@ -370,6 +380,7 @@ fn child() {
         "push_off" => push_off(&s),
         "push_fail" => push_fail(&s),
         "nvls" => nvls(&s),
+        "nvls_fail" => nvls_fail(&s),
         "nvls_off" => nvls_refused(&s, "MULTICAST_SUPPORTED = 0"),
         "nvls_env_off" => nvls_refused(&s, "NCCL_NVLS_ENABLE"),
         "nvls_disabled" => nvls_refused(&s, "ANYCCL_DISABLE"),
@@ -746,6 +757,9 @@ fn nvls(s: &Setup) {
             }
             println!("world {world} {dtype} {bytes} bytes: {want}");
         }
+        if world == 4 {
+            nvls_captured(&mut cs, &mc);
+        }
         let why = cs[0].check_algorithm(Algorithm::NvlsZeroCopy, &call(1 << 18, DataType::F32)).expect_err("zc");
         assert!(why.to_string().contains("bound to the multicast object"), "{why}");
         let why = cs[0].check_algorithm(want, &call(10, DataType::F32)).expect_err("40 bytes");
@@ -769,6 +783,85 @@ fn nvls(s: &Setup) {
         }
         assert_eq!(teardown, expected, "world {world}: the teardown's calls");
         assert_eq!(mc.live(), fake_cuda::McLive::default(), "world {world}: something leaked");
+    }
+}
+
+/// A captured nvls-block-pipeline all-reduce (1 MiB f32, out of place) at world 4: captured once, replayed twice
+/// with new inputs, right both times; the kernel ran once per rank per replay.
+fn nvls_captured(cs: &mut [Communicator<CudaComm>], mc: &fake_cuda::FakeMulticast) {
+    let (dtype, bytes) = (DataType::F32, 1usize << 20);
+    let count = bytes / 4;
+    let world = cs.len();
+    mc.reset();
+    let out = per_rank(cs, |c| -> Result<(Option<Algorithm>, Vec<Vec<f32>>)> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut inp = rt.alloc(bytes)?;
+        let mut out = rt.alloc(bytes)?;
+        let mut chosen = None;
+        let graph = Graph::capture(rt.context(), &st, |st| {
+            let sel = c.all_reduce(InOut::Separate { send: &inp, recv: &mut out }, count, dtype, ReduceOp::Sum, st)?;
+            chosen = Some(sel.algorithm);
+            Ok(())
+        })?;
+        let mut sums = Vec::new();
+        for round in [3usize, 4] {
+            rt.upload(&mut inp, &input(dtype, c.rank(), round, count), &st)?;
+            graph.launch(&st)?;
+            st.synchronize()?;
+            let mut host = vec![0u8; bytes];
+            rt.download(&out, &mut host, &st)?;
+            sums.push(decode(dtype, &host));
+        }
+        Ok((chosen, sums))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (chosen, sums) = r.unwrap_or_else(|e| panic!("captured rank {rank}: {e}"));
+        assert_eq!(chosen, Some(Algorithm::NvlsBlockPipeline), "rank {rank}");
+        assert!(sums[0] == reference(world, 3, count) && sums[1] == reference(world, 4, count), "rank {rank}: replays");
+    }
+    let runs = mc.log().iter().filter(|l| l.starts_with("run anyccl_nvls_block_pipeline_mc_f32")).count();
+    assert_eq!(runs, 2 * world, "{:?}", mc.log());
+}
+
+fn nvls_fail(s: &Setup) {
+    let mc = multicast_records();
+    let steps = [
+        ("cuMulticastCreate", 1),
+        ("cuMemExportToShareableHandle", 1),
+        ("cuMemImportFromShareableHandle", 3),
+        ("cuMulticastAddDevice", 2),
+        ("cuMemCreate", 7),
+        ("cuMulticastBindMem", 5),
+        ("cuMemMap", 6),
+        ("cuMemSetAccess", 12),
+    ];
+    for (name, nth) in steps {
+        mc.fail(name, nth);
+        let mut cs = comms(s, 4);
+        mc.fail("", 0);
+        for c in &cs {
+            let off = c.backend().nvls_off().expect("NVLS off");
+            assert!(off.contains("multicast setup failed") && off.contains(name), "{name} #{nth}: {off}");
+        }
+        assert_eq!(mc.live(), fake_cuda::McLive::default(), "{name} #{nth}: left behind");
+        let big = call((1 << 20) / 4, DataType::F32);
+        assert_eq!(cs[0].select_all_reduce(&big).expect("selection").algorithm, Algorithm::TwoShot, "{name}");
+        let out = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let mut a = rt.alloc(1 << 20)?;
+            rt.upload(&mut a, &input(DataType::F32, c.rank(), 1, big.count), &st)?;
+            c.all_reduce(InOut::InPlace(&mut a), big.count, DataType::F32, ReduceOp::Sum, &st)?;
+            st.synchronize()?;
+            let mut host = vec![0u8; 1 << 20];
+            rt.download(&a, &mut host, &st)?;
+            Ok(decode(DataType::F32, &host))
+        });
+        for r in out {
+            assert!(r.expect("two-shot") == reference(4, 1, big.count), "{name}: wrong sums");
+        }
+        println!("{name} #{nth}: NVLS off, nothing left");
     }
 }
 
