@@ -9,9 +9,9 @@
  * Contexts are the primary contexts of the devices (one per device; current per thread, as hipSetDevice is).
  * Devices: FAKECUDA_DEVICES (default 4), compute capability 9.0 (FAKECUDA_CC_MAJOR changes the major),
  * FAKECUDA_SMS multiprocessors (default 132),
- * no multicast. The VMM calls (cuMem*) and multicast are not emulated: cuMemCreate and friends answer
- * CUDA_ERROR_NOT_SUPPORTED, and cuMulticast* is not exported at all (anyccl must never call it on the machines it
- * is tested on). CUDA's result codes equal HIP's for every code the fake HIP returns except 98
+ * no multicast by default: the VMM calls (cuMem*) and cuMulticast* answer CUDA_ERROR_NOT_SUPPORTED unless a test
+ * sets FAKECUDA_MULTICAST=1, which turns the multicast emulation on (see "VMM and multicast" below; anyccl must
+ * never call the real cuMulticastCreate on the machines it is tested on). CUDA's result codes equal HIP's for every code the fake HIP returns except 98
  * (hipErrorInvalidDeviceFunction), which becomes CUDA_ERROR_INVALID_VALUE. */
 
 typedef int CUresult;
@@ -20,6 +20,10 @@ typedef int CUdevice;
 
 #define CU_STREAM_LEGACY ((void*)1)
 #define CU_STREAM_PER_THREAD ((void*)2)
+
+static int mc_enabled(void);
+static CUresult mc_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                          unsigned bz, void* s, void** params, void** extra);
 
 /* A stream handle as the fake HIP knows it: the legacy and per-thread default streams are its null stream. */
 static void* hs(void* s) { return s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD ? NULL : s; }
@@ -88,6 +92,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 76: *v = 0; break;                       /* COMPUTE_CAPABILITY_MINOR */
         case 16: *v = sms ? atoi(sms) : 132; break;   /* MULTIPROCESSOR_COUNT */
         case 41: case 92: *v = 1; break;              /* UNIFIED_ADDRESSING, CAN_USE_STREAM_MEM_OPS */
+        case 132: *v = mc_enabled(); break;           /* MULTICAST_SUPPORTED (FAKECUDA_MULTICAST=1) */
         default: *v = 0;
     }
     return 0;
@@ -484,6 +489,9 @@ CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int* n, void* f, int block,
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared, void* s, void** params, void** extra) {
     count_call("cuLaunchKernel");
+    const struct function* fn = f;
+    if (fn && strncmp(fn->name, "anyccl_nvls_", 12) == 0 && strstr(fn->name, "_mc_"))
+        return mc_launch(fn->name, gx, gy, gz, bx, by, bz, s, params, extra);
     void* hip_extra[16];
     void** ex = NULL;
     if (extra) {
@@ -555,22 +563,706 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
     return cu(hipIpcCloseMemHandle((void*)(uintptr_t)p));
 }
 
-/* ---- VMM: not emulated ---- */
-#define NOT_SUPPORTED(name)         \
-    CUresult name(void) {           \
-        count_call(#name);          \
-        return 801;                 \
+/* ---- VMM and multicast: only where a test asks (FAKECUDA_MULTICAST=1) ----
+ * Without FAKECUDA_MULTICAST=1 (the default) every cuMem* VMM call and every cuMulticast* call answers
+ * CUDA_ERROR_NOT_SUPPORTED (801), counted, and the devices report no multicast (attribute 132 reads 0).
+ *
+ * With it, the devices report multicast, and:
+ * - cuMemCreate makes a memfd of the size (a multiple of the 2 MiB granularity) with a host mapping of its own;
+ *   cuMemAddressReserve reserves real address space (PROT_NONE); cuMemMap of a physical handle maps the memfd
+ *   there (so the unicast address aliases the allocation); cuMemMap of a multicast handle must use offset 0 and
+ *   leaves the range inaccessible: only the emulated multimem kernels reach it, through the bindings;
+ * - cuMulticastCreate makes an object with a memfd of its own; cuMemExportToShareableHandle gives a new
+ *   descriptor of it (a real fd; peers in the process use dup), cuMemImportFromShareableHandle finds the object by
+ *   the descriptor's inode; an object lives while a handle, a mapping or an exported descriptor refers to it;
+ * - cuMulticastBindMem needs every device added first, a physical allocation of an added device, and aligned,
+ *   non-overlapping ranges; releasing an allocation still bound or a handle still mapped is a violation;
+ * - the kernels anyccl_nvls_{zero_copy,block_pipeline,warp_pipeline}_mc_{f32,f16,bf16} run emulated on the
+ *   stream: multimem.ld_reduce sums the element over every device bound at that offset (in device order, in f32),
+ *   multimem.st stores into every one, and multimem.red on the flag arrays' multicast address adds to every
+ *   device's arrival counter (the kernels' barrier), with the abort word and FAKEHIP_KERNEL_TIMEOUT_MS honoured.
+ * Every call is logged in order ("call kind#id ...") for fakecuda_mc_log; fakecuda_mc_fail makes one call fail. */
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+
+#define MC_G ((size_t)2 << 20)
+#define MC_MAX 64
+#define MC_BIND_MAX 32
+static int mc_enabled(void) {
+    const char* e = getenv("FAKECUDA_MULTICAST");
+    return e && strcmp(e, "1") == 0;
+}
+struct vmm_phys {
+    int live, fd, device, handles, maps, binds;
+    size_t size;
+    unsigned char* backing;
+    ino_t ino;
+};
+struct mc_binding {
+    int live, device, phys;
+    size_t offset, size, mem_offset;
+};
+struct mc_obj {
+    int live, fd, num_devices, added, handles, maps;
+    unsigned devices;
+    size_t size;
+    ino_t ino;
+    struct mc_binding b[MC_BIND_MAX];
+};
+struct vmm_handle {
+    int live, kind, obj; /* kind 1: physical, 2: multicast */
+};
+struct vmm_range {
+    int live, kind, obj; /* kind 0: a reservation; 1 / 2: a mapping of a physical / multicast handle */
+    uint64_t va;
+    size_t size;
+    void* region; /* reservations: the mmap'd region */
+    size_t region_size;
+};
+static struct vmm_phys phys[MC_MAX];
+static struct mc_obj mcs[MC_MAX];
+static struct vmm_handle handles[MC_MAX * 4];
+static struct vmm_range ranges[MC_MAX * 4];
+static pthread_mutex_t vmu = PTHREAD_MUTEX_INITIALIZER;
+static char mc_log_buf[1 << 16];
+static size_t mc_log_len;
+static void mc_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+#include <stdarg.h>
+static void mc_log(const char* fmt, ...) {
+    char line[200];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    if (mc_log_len + (size_t)n < sizeof mc_log_buf) {
+        memcpy(mc_log_buf + mc_log_len, line, (size_t)n);
+        mc_log_len += (size_t)n;
     }
-NOT_SUPPORTED(cuMemCreate)
-NOT_SUPPORTED(cuMemRelease)
-NOT_SUPPORTED(cuMemMap)
-NOT_SUPPORTED(cuMemUnmap)
-NOT_SUPPORTED(cuMemSetAccess)
-NOT_SUPPORTED(cuMemAddressReserve)
-NOT_SUPPORTED(cuMemAddressFree)
-NOT_SUPPORTED(cuMemGetAllocationGranularity)
-NOT_SUPPORTED(cuMemExportToShareableHandle)
-NOT_SUPPORTED(cuMemImportFromShareableHandle)
+}
+#define H_BASE 0x1000ull
+static struct vmm_handle* handle_of(unsigned long long h) {
+    if (h < H_BASE || h - H_BASE >= sizeof handles / sizeof handles[0]) return NULL;
+    struct vmm_handle* x = &handles[h - H_BASE];
+    return x->live ? x : NULL;
+}
+static unsigned long long new_handle(int kind, int obj) {
+    for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++)
+        if (!handles[i].live) {
+            handles[i] = (struct vmm_handle){1, kind, obj};
+            return H_BASE + i;
+        }
+    return 0;
+}
+static int mc_memfd(const char* name, size_t size, ino_t* ino) {
+    int fd = (int)syscall(SYS_memfd_create, name, 0);
+    if (fd < 0) return -1;
+    struct stat st;
+    if ((size && ftruncate(fd, (off_t)size) != 0) || fstat(fd, &st) != 0) {
+        close(fd);
+        return -1;
+    }
+    *ino = st.st_ino;
+    return fd;
+}
+/* Open descriptors of this process (other than `except`) on the inode `ino`. */
+static int fds_on(ino_t ino, int except) {
+    int n = 0;
+    DIR* d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    const struct dirent* e;
+    while ((e = readdir(d)) != NULL) {
+        int fd = atoi(e->d_name);
+        struct stat st;
+        if (e->d_name[0] == '.' || fd == except || fd == dirfd(d)) continue;
+        if (fstat(fd, &st) == 0 && st.st_ino == ino && S_ISREG(st.st_mode)) n++;
+    }
+    closedir(d);
+    return n;
+}
+/* Frees objects nothing refers to any more (under vmu). */
+static void mc_collect(void) {
+    for (int i = 0; i < MC_MAX; i++) {
+        struct mc_obj* o = &mcs[i];
+        if (o->live && o->handles == 0 && o->maps == 0 && fds_on(o->ino, o->fd) == 0) {
+            for (int k = 0; k < MC_BIND_MAX; k++)
+                if (o->b[k].live) fakehip_add_violation("multicast", "an object freed with memory still bound");
+            close(o->fd);
+            o->live = 0;
+            mc_log("free mc#%d", i);
+        }
+        struct vmm_phys* p = &phys[i];
+        if (p->live && p->handles == 0 && p->maps == 0) {
+            if (p->binds) fakehip_add_violation("cuMemRelease", "an allocation freed while bound to a multicast object");
+            munmap(p->backing, p->size);
+            close(p->fd);
+            p->live = 0;
+            mc_log("free mem#%d", i);
+        }
+    }
+}
+
+/* Test interface: the `nth` call of `name` from now on fails with CUDA_ERROR_OUT_OF_MEMORY (nth 0: none). */
+static char mc_fail_name[64];
+static int mc_fail_nth, mc_fail_seen;
+void fakecuda_mc_fail(const char* name, int nth) {
+    pthread_mutex_lock(&vmu);
+    snprintf(mc_fail_name, sizeof mc_fail_name, "%s", name ? name : "");
+    mc_fail_nth = nth;
+    mc_fail_seen = 0;
+    pthread_mutex_unlock(&vmu);
+}
+static int mc_should_fail(const char* name) {
+    pthread_mutex_lock(&vmu);
+    int fail = mc_fail_nth > 0 && strcmp(name, mc_fail_name) == 0 && ++mc_fail_seen == mc_fail_nth;
+    if (fail) mc_log("fail %s", name);
+    pthread_mutex_unlock(&vmu);
+    return fail;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) {
+    count_call("cuMemGetAllocationGranularity");
+    if (!mc_enabled()) return 801;
+    if (!g || !prop || option < 0 || option > 1) return 1;
+    *g = MC_G;
+    return 0;
+}
+CUresult cuMulticastGetGranularity(size_t* g, const void* prop, int option) {
+    count_call("cuMulticastGetGranularity");
+    if (!mc_enabled()) return 801;
+    if (!g || !prop || option < 0 || option > 1) return 1;
+    *g = MC_G;
+    return 0;
+}
+/* CUmemAllocationProp: type at 0, requested handle types at 4, location (type, id) at 8 and 12. */
+CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
+    count_call("cuMemCreate");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemCreate")) return 2;
+    if (!h || !prop || flags || size == 0 || size % MC_G) return 1;
+    int type, loc_type, device;
+    memcpy(&type, prop, 4);
+    memcpy(&loc_type, (const char*)prop + 8, 4);
+    memcpy(&device, (const char*)prop + 12, 4);
+    if (type != 1 || loc_type != 1 || !cu_device_ok(device)) return 1;
+    pthread_mutex_lock(&vmu);
+    int i = 0;
+    while (i < MC_MAX && phys[i].live) i++;
+    CUresult e = 2;
+    if (i < MC_MAX) {
+        struct vmm_phys* p = &phys[i];
+        ino_t ino;
+        int fd = mc_memfd("fakecuda-mem", size, &ino);
+        void* b = fd < 0 ? MAP_FAILED : mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (b != MAP_FAILED) {
+            *p = (struct vmm_phys){1, fd, device, 1, 0, 0, size, b, ino};
+            *h = new_handle(1, i);
+            mc_log("cuMemCreate mem#%d dev=%d size=%zu", i, device, size);
+            e = 0;
+        } else if (fd >= 0) {
+            close(fd);
+        }
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+/* CUmulticastObjectProp: numDevices at 0, size at 8, handleTypes at 16, flags at 24. */
+CUresult cuMulticastCreate(unsigned long long* h, const void* prop) {
+    count_call("cuMulticastCreate");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastCreate")) return 2;
+    if (!h || !prop) return 1;
+    unsigned n;
+    size_t size;
+    unsigned long long types;
+    memcpy(&n, prop, 4);
+    memcpy(&size, (const char*)prop + 8, 8);
+    memcpy(&types, (const char*)prop + 16, 8);
+    if (n == 0 || n > 8 || size == 0 || size % MC_G || !(types & 1)) return 1;
+    pthread_mutex_lock(&vmu);
+    int i = 0;
+    while (i < MC_MAX && mcs[i].live) i++;
+    CUresult e = 2;
+    ino_t ino;
+    int fd = i < MC_MAX ? mc_memfd("fakecuda-mc", 0, &ino) : -1;
+    if (fd >= 0) {
+        memset(&mcs[i], 0, sizeof mcs[i]);
+        mcs[i].live = 1, mcs[i].fd = fd, mcs[i].num_devices = (int)n, mcs[i].size = size, mcs[i].ino = ino;
+        mcs[i].handles = 1;
+        *h = new_handle(2, i);
+        mc_log("cuMulticastCreate mc#%d devices=%u size=%zu", i, n, size);
+        e = 0;
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int type, unsigned long long flags) {
+    count_call("cuMemExportToShareableHandle");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemExportToShareableHandle")) return 2;
+    if (!out || flags || type != 1) return 1;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(h);
+    int src = !x ? -1 : x->kind == 2 ? mcs[x->obj].fd : phys[x->obj].fd;
+    int fd = src < 0 ? -1 : fcntl(src, F_DUPFD_CLOEXEC, 3);
+    if (fd >= 0) mc_log("cuMemExportToShareableHandle %s#%d", x->kind == 2 ? "mc" : "mem", x->obj);
+    pthread_mutex_unlock(&vmu);
+    if (fd < 0) return x ? 2 : 400;
+    memcpy(out, &fd, sizeof fd);
+    return 0;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* os_handle, int type) {
+    count_call("cuMemImportFromShareableHandle");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemImportFromShareableHandle")) return 2;
+    if (!h || type != 1) return 1;
+    int fd = (int)(intptr_t)os_handle;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return 1;
+    pthread_mutex_lock(&vmu);
+    CUresult e = 1;
+    for (int i = 0; i < MC_MAX && e; i++) {
+        if (mcs[i].live && mcs[i].ino == st.st_ino) {
+            mcs[i].handles++;
+            *h = new_handle(2, i);
+            mc_log("cuMemImportFromShareableHandle mc#%d", i);
+            e = 0;
+        } else if (phys[i].live && phys[i].ino == st.st_ino) {
+            phys[i].handles++;
+            *h = new_handle(1, i);
+            mc_log("cuMemImportFromShareableHandle mem#%d", i);
+            e = 0;
+        }
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMemRelease(unsigned long long h) {
+    count_call("cuMemRelease");
+    if (!mc_enabled()) return 801;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(h);
+    if (!x) {
+        pthread_mutex_unlock(&vmu);
+        return 400;
+    }
+    if (x->kind == 2) mcs[x->obj].handles--;
+    else phys[x->obj].handles--;
+    mc_log("cuMemRelease %s#%d", x->kind == 2 ? "mc" : "mem", x->obj);
+    x->live = 0;
+    mc_collect();
+    pthread_mutex_unlock(&vmu);
+    return 0;
+}
+CUresult cuMulticastAddDevice(unsigned long long h, CUdevice d) {
+    count_call("cuMulticastAddDevice");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastAddDevice")) return 2;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(h);
+    CUresult e = 0;
+    if (!x || x->kind != 2) e = 400;
+    else if (!cu_device_ok(d)) e = 101;
+    else {
+        struct mc_obj* o = &mcs[x->obj];
+        if ((o->devices >> d & 1) || o->added >= o->num_devices) e = 1;
+        else {
+            o->devices |= 1u << d;
+            o->added++;
+            mc_log("cuMulticastAddDevice mc#%d dev=%d", x->obj, d);
+        }
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMulticastBindMem(unsigned long long mc, size_t mc_off, unsigned long long mem, size_t mem_off, size_t size,
+                            unsigned long long flags) {
+    count_call("cuMulticastBindMem");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMulticastBindMem")) return 2;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(mc);
+    struct vmm_handle* m = handle_of(mem);
+    CUresult e = 0;
+    if (!x || x->kind != 2 || !m || m->kind != 1 || flags) e = 1;
+    else {
+        struct mc_obj* o = &mcs[x->obj];
+        struct vmm_phys* p = &phys[m->obj];
+        int aligned = mc_off % MC_G == 0 && mem_off % MC_G == 0 && size % MC_G == 0 && size > 0;
+        if (o->added != o->num_devices) {
+            /* The driver would block here until every device is added; the fake calls it a mistake. */
+            fakehip_add_violation("cuMulticastBindMem", "memory bound before every device was added");
+            e = 1;
+        } else if (!(o->devices >> p->device & 1) || !aligned || mc_off + size > o->size || mem_off + size > p->size) {
+            e = 1;
+        } else {
+            int free_slot = -1;
+            for (int k = 0; k < MC_BIND_MAX; k++) {
+                const struct mc_binding* b = &o->b[k];
+                if (!b->live) {
+                    if (free_slot < 0) free_slot = k;
+                } else if (b->device == p->device && b->offset < mc_off + size && mc_off < b->offset + b->size) {
+                    e = 1;
+                }
+            }
+            if (!e && free_slot < 0) e = 2;
+            if (!e) {
+                o->b[free_slot] = (struct mc_binding){1, p->device, m->obj, mc_off, size, mem_off};
+                p->binds++;
+                mc_log("cuMulticastBindMem mc#%d dev=%d off=%zu size=%zu mem#%d", x->obj, p->device, mc_off, size,
+                       m->obj);
+            }
+        }
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMulticastUnbind(unsigned long long mc, CUdevice d, size_t mc_off, size_t size) {
+    count_call("cuMulticastUnbind");
+    if (!mc_enabled()) return 801;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(mc);
+    CUresult e = 1;
+    if (x && x->kind == 2) {
+        struct mc_obj* o = &mcs[x->obj];
+        for (int k = 0; k < MC_BIND_MAX && e; k++) {
+            struct mc_binding* b = &o->b[k];
+            if (b->live && b->device == d && b->offset == mc_off && b->size == size) {
+                b->live = 0;
+                phys[b->phys].binds--;
+                mc_log("cuMulticastUnbind mc#%d dev=%d off=%zu", x->obj, d, mc_off);
+                e = 0;
+            }
+        }
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+static struct vmm_range* range_at(int kind, uint64_t va) {
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++)
+        if (ranges[i].live && ranges[i].kind == kind && ranges[i].va == va) return &ranges[i];
+    return NULL;
+}
+static struct vmm_range* new_range(void) {
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++)
+        if (!ranges[i].live) return &ranges[i];
+    return NULL;
+}
+/* The reservation holding [va, va + size), if any. */
+static struct vmm_range* reservation_of(uint64_t va, size_t size) {
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        struct vmm_range* r = &ranges[i];
+        if (r->live && r->kind == 0 && va >= r->va && va + size <= r->va + r->size) return r;
+    }
+    return NULL;
+}
+CUresult cuMemAddressReserve(CUdeviceptr* p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    count_call("cuMemAddressReserve");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemAddressReserve")) return 2;
+    if (!p || size == 0 || size % MC_G || flags || addr) return 1;
+    if (align == 0) align = MC_G;
+    if (align & (align - 1)) return 1;
+    size_t region = size + align;
+    void* b = mmap(NULL, region, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (b == MAP_FAILED) return 2;
+    pthread_mutex_lock(&vmu);
+    struct vmm_range* r = new_range();
+    if (r) {
+        uint64_t va = ((uint64_t)(uintptr_t)b + align - 1) / align * align;
+        *r = (struct vmm_range){1, 0, -1, va, size, b, region};
+        *p = va;
+        mc_log("cuMemAddressReserve size=%zu", size);
+    }
+    pthread_mutex_unlock(&vmu);
+    if (!r) munmap(b, region);
+    return r ? 0 : 2;
+}
+CUresult cuMemAddressFree(CUdeviceptr va, size_t size) {
+    count_call("cuMemAddressFree");
+    if (!mc_enabled()) return 801;
+    pthread_mutex_lock(&vmu);
+    struct vmm_range* r = range_at(0, va);
+    CUresult e = 1;
+    if (r && r->size == size) {
+        for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++)
+            if (ranges[i].live && ranges[i].kind && ranges[i].va >= va && ranges[i].va < va + size)
+                fakehip_add_violation("cuMemAddressFree", "a range freed while still mapped");
+        munmap(r->region, r->region_size);
+        r->live = 0;
+        mc_log("cuMemAddressFree size=%zu", size);
+        e = 0;
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, unsigned long long h, unsigned long long flags) {
+    count_call("cuMemMap");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemMap")) return 2;
+    pthread_mutex_lock(&vmu);
+    struct vmm_handle* x = handle_of(h);
+    CUresult e = 0;
+    struct vmm_range* r = NULL;
+    if (!x || flags || size == 0 || size % MC_G || !reservation_of(va, size) || range_at(1, va) || range_at(2, va)) {
+        e = 1;
+    } else if (x->kind == 2) {
+        /* A multicast handle is mapped from offset 0 only. */
+        if (offset != 0 || size > mcs[x->obj].size) e = 1;
+    } else if (offset % MC_G || offset + size > phys[x->obj].size) {
+        e = 1;
+    } else if (mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, phys[x->obj].fd,
+                    (off_t)offset) == MAP_FAILED) {
+        e = 2;
+    }
+    if (!e && (r = new_range()) == NULL) e = 2;
+    if (!e) {
+        *r = (struct vmm_range){1, x->kind, x->obj, va, size, NULL, 0};
+        if (x->kind == 2) mcs[x->obj].maps++;
+        else phys[x->obj].maps++;
+        mc_log("cuMemMap %s#%d size=%zu offset=%zu", x->kind == 2 ? "mc" : "mem", x->obj, size, offset);
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
+    count_call("cuMemUnmap");
+    if (!mc_enabled()) return 801;
+    pthread_mutex_lock(&vmu);
+    struct vmm_range* r = range_at(1, va);
+    if (!r) r = range_at(2, va);
+    CUresult e = 1;
+    if (r && r->size == size) {
+        if (r->kind == 1) {
+            mmap((void*)(uintptr_t)va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
+                 0);
+            phys[r->obj].maps--;
+        } else {
+            mcs[r->obj].maps--;
+        }
+        mc_log("cuMemUnmap %s#%d", r->kind == 2 ? "mc" : "mem", r->obj);
+        r->live = 0;
+        mc_collect();
+        e = 0;
+    }
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+/* CUmemAccessDesc: location (type, id), flags (3: read-write). */
+CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const void* desc, size_t count) {
+    count_call("cuMemSetAccess");
+    if (!mc_enabled()) return 801;
+    if (mc_should_fail("cuMemSetAccess")) return 2;
+    if (!desc || count != 1) return 1;
+    int loc_type, device, flags;
+    memcpy(&loc_type, desc, 4);
+    memcpy(&device, (const char*)desc + 4, 4);
+    memcpy(&flags, (const char*)desc + 8, 4);
+    pthread_mutex_lock(&vmu);
+    struct vmm_range* r = range_at(1, va);
+    if (!r) r = range_at(2, va);
+    CUresult e = r && r->size == size && loc_type == 1 && cu_device_ok(device) && flags == 3 ? 0 : 1;
+    if (!e) mc_log("cuMemSetAccess %s#%d dev=%d", r->kind == 2 ? "mc" : "mem", r->obj, device);
+    pthread_mutex_unlock(&vmu);
+    return e;
+}
+
+/* The host addresses a multicast address reaches: for each device bound at `addr` (in device order) the
+ * allocation's bytes there, holding `bytes` bytes. The count, or -1 when `addr` is in no multicast mapping or a
+ * binding does not hold the bytes. Under vmu. */
+static int mc_resolve(uint64_t addr, size_t bytes, unsigned char** out) {
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        const struct vmm_range* r = &ranges[i];
+        if (!r->live || r->kind != 2 || addr < r->va || addr + bytes > r->va + r->size) continue;
+        const struct mc_obj* o = &mcs[r->obj];
+        size_t off = (size_t)(addr - r->va);
+        int n = 0;
+        for (int d = 0; d < 32; d++)
+            for (int k = 0; k < MC_BIND_MAX; k++) {
+                const struct mc_binding* b = &o->b[k];
+                if (!b->live || b->device != d || off < b->offset || off + bytes > b->offset + b->size) continue;
+                if (n == 8) return -1;
+                out[n++] = phys[b->phys].backing + b->mem_offset + (off - b->offset);
+            }
+        return n;
+    }
+    return -1;
+}
+/* The unicast range [addr, addr + bytes) lies in a mapping of a physical allocation. Under vmu. */
+static int mc_unicast_ok(uint64_t addr, size_t bytes) {
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        const struct vmm_range* r = &ranges[i];
+        if (r->live && r->kind == 1 && addr >= r->va && addr + bytes <= r->va + r->size) return 1;
+    }
+    return 0;
+}
+
+#define MC_ARRIVALS (K_EPOCHS + K_MAX_BLOCKS)
+struct mc_work {
+    char name[64];
+    int variant, dtype, rank, world, n_in, n_out, n_flags;
+    uint64_t in, out, my_in, my_out, n_vec;
+    uint32_t* my_flags;
+    unsigned char *in_at[8], *out_at[8], *flags_at[8];
+};
+/* One multicast barrier: add 1 to every device's arrival counter, then wait until this rank's reaches
+ * `target` × world (wrapping). 0: met; 1: aborted; 2: timed out. */
+static int mc_barrier(const struct mc_work* w, uint32_t target) {
+    for (int d = 0; d < w->n_flags; d++) __atomic_fetch_add((uint32_t*)w->flags_at[d] + MC_ARRIVALS, 1, __ATOMIC_ACQ_REL);
+    wake_kernels();
+    const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
+    int timeout = env ? atoi(env) : 20000;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout / 1000;
+    deadline.tv_nsec += (long)(timeout % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
+    const uint32_t want = target * (uint32_t)w->world;
+    int result = 0;
+    pthread_mutex_lock(&kmu);
+    kernels_waiting++;
+    while ((int32_t)(__atomic_load_n(w->my_flags + MC_ARRIVALS, __ATOMIC_ACQUIRE) - want) < 0) {
+        if (__atomic_load_n(w->my_flags + K_ABORT_WORD, __ATOMIC_ACQUIRE)) {
+            result = 1;
+            break;
+        }
+        struct timespec now, until;
+        clock_gettime(CLOCK_REALTIME, &now);
+        if (now.tv_sec > deadline.tv_sec || (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)) {
+            result = 2;
+            break;
+        }
+        until = now;
+        until.tv_nsec += 2000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&kcv, &kmu, &until);
+    }
+    kernels_waiting--;
+    pthread_mutex_unlock(&kmu);
+    return result;
+}
+/* multimem.ld_reduce of vectors [v0, v1) from every device's `in_at`, multimem.st into every device's `out_at`. */
+static void mc_reduce(const struct mc_work* w, size_t v0, size_t v1) {
+    const size_t per = w->dtype == 0 ? 4 : 8;
+    for (size_t e = v0 * per; e < v1 * per; e++) {
+        float sum = 0.0f;
+        for (int d = 0; d < w->n_in; d++) sum += k_get(w->dtype, w->in_at[d], e);
+        for (int d = 0; d < w->n_out; d++) k_put(w->dtype, w->out_at[d], e, sum);
+    }
+}
+static void mc_run(void* arg) {
+    const struct mc_work* w = arg;
+    const size_t bytes = w->n_vec * 16;
+    const uint32_t steps = w->variant == 0 ? 2 : 3;
+    uint32_t* epoch = w->my_flags + K_EPOCHS;
+    const uint32_t e = *epoch;
+    *epoch = e + steps;
+    int stopped = 0;
+    if (w->variant) memcpy((void*)(uintptr_t)w->my_in, (const void*)(uintptr_t)w->in, bytes);
+    stopped = mc_barrier(w, e + 1);
+    const size_t chunk = (w->n_vec + (size_t)w->world - 1) / (size_t)w->world;
+    const size_t v0 = min_size(w->n_vec, chunk * (size_t)w->rank), v1 = min_size(w->n_vec, v0 + chunk);
+    if (!stopped) mc_reduce(w, v0, v1);
+    int s2 = mc_barrier(w, e + 2);
+    if (!stopped) stopped = s2;
+    if (w->variant) {
+        if (!stopped) memcpy((void*)(uintptr_t)w->out, (const void*)(uintptr_t)w->my_out, bytes);
+        int s3 = mc_barrier(w, e + 3);
+        if (!stopped) stopped = s3;
+    }
+    pthread_mutex_lock(&vmu);
+    mc_log("run %s rank=%d %s", w->name, w->rank, stopped == 0 ? "completed" : stopped == 1 ? "aborted" : "timed out");
+    pthread_mutex_unlock(&vmu);
+}
+/* Launches an `_mc` NVLS kernel: decodes and checks its parameters (kernelParams only), resolves its multicast
+ * addresses, and runs it on the stream. */
+static CUresult mc_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                          unsigned bz, void* s, void** params, void** extra) {
+    struct mc_work w;
+    memset(&w, 0, sizeof w);
+    snprintf(w.name, sizeof w.name, "%s", name);
+    const char* rest = name + strlen("anyccl_nvls_");
+    if (strncmp(rest, "zero_copy_mc_", 13) == 0) w.variant = 0, rest += 13;
+    else if (strncmp(rest, "block_pipeline_mc_", 18) == 0) w.variant = 1, rest += 18;
+    else if (strncmp(rest, "warp_pipeline_mc_", 17) == 0) w.variant = 2, rest += 17;
+    else return 1;
+    w.dtype = strcmp(rest, "f32") == 0 ? 0 : strcmp(rest, "f16") == 0 ? 1 : strcmp(rest, "bf16") == 0 ? 2 : -1;
+    if (w.dtype < 0 || !params || extra) return 1;
+    if (gx < 1 || gx > K_MAX_BLOCKS || gy != 1 || gz != 1 || bx < 1 || bx > K_MAX_THREADS || by != 1 || bz != 1)
+        return 1;
+    /* zero-copy: (in_mc, out_mc, flags_mc, FlagPtrs, rank, world, n_vec); staged: (in, out, my_stage_in,
+     * my_stage_out, stage_in_mc, stage_out_mc, flags_mc, FlagPtrs, rank, world, n_vec). */
+    int k = 0;
+    uint64_t in_mc, out_mc, flags_mc, flag_ptrs[8];
+    if (w.variant) {
+        memcpy(&w.in, params[k++], 8);
+        memcpy(&w.out, params[k++], 8);
+        memcpy(&w.my_in, params[k++], 8);
+        memcpy(&w.my_out, params[k++], 8);
+    }
+    memcpy(&in_mc, params[k++], 8);
+    memcpy(&out_mc, params[k++], 8);
+    memcpy(&flags_mc, params[k++], 8);
+    memcpy(flag_ptrs, params[k++], 64);
+    memcpy(&w.rank, params[k++], 4);
+    memcpy(&w.world, params[k++], 4);
+    memcpy(&w.n_vec, params[k++], 8);
+    if (w.world < 2 || w.world > K_MAX_RANKS || w.rank < 0 || w.rank >= w.world || w.n_vec == 0 ||
+        w.n_vec > ((uint64_t)1 << 36))
+        return 1;
+    const size_t bytes = w.n_vec * 16;
+    w.my_flags = (uint32_t*)(uintptr_t)flag_ptrs[w.rank];
+    pthread_mutex_lock(&vmu);
+    w.n_in = mc_resolve(in_mc, bytes, w.in_at);
+    w.n_out = mc_resolve(out_mc, bytes, w.out_at);
+    w.n_flags = mc_resolve(flags_mc, K_FLAG_BYTES, w.flags_at);
+    int ok = w.n_in == w.world && w.n_out == w.world && w.n_flags == w.world && w.my_flags &&
+             mc_unicast_ok(flag_ptrs[w.rank], K_FLAG_BYTES);
+    if (ok && w.variant)
+        ok = w.in && w.out && mc_unicast_ok(w.my_in, bytes) && mc_unicast_ok(w.my_out, bytes);
+    mc_log("launch %s rank=%d world=%d n_vec=%llu grid=%u %s", name, w.rank, w.world, (unsigned long long)w.n_vec, gx,
+           ok ? "accepted" : "refused");
+    pthread_mutex_unlock(&vmu);
+    if (!ok) return 1;
+    return cu(fakehip_enqueue(hs(s), mc_run, &w, sizeof w));
+}
+
+/* Test interface: the multicast call log (every entry a line), and its reset. */
+size_t fakecuda_mc_log(char* buf, size_t n) {
+    pthread_mutex_lock(&vmu);
+    size_t len = mc_log_len < n ? mc_log_len : n;
+    if (buf) memcpy(buf, mc_log_buf, len);
+    pthread_mutex_unlock(&vmu);
+    return len;
+}
+void fakecuda_mc_log_reset(void) {
+    pthread_mutex_lock(&vmu);
+    mc_log_len = 0;
+    pthread_mutex_unlock(&vmu);
+}
+/* Test interface: what is alive now (after freeing what nothing refers to): multicast objects, handles,
+ * allocations, bindings, reservations and mappings, in that order. */
+void fakecuda_mc_live(int* out) {
+    pthread_mutex_lock(&vmu);
+    mc_collect();
+    memset(out, 0, 6 * sizeof(int));
+    for (int i = 0; i < MC_MAX; i++) {
+        out[0] += mcs[i].live;
+        out[2] += phys[i].live;
+        for (int k = 0; k < MC_BIND_MAX; k++) out[3] += mcs[i].live && mcs[i].b[k].live;
+    }
+    for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++) out[1] += handles[i].live;
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        out[4] += ranges[i].live && ranges[i].kind == 0;
+        out[5] += ranges[i].live && ranges[i].kind != 0;
+    }
+    pthread_mutex_unlock(&vmu);
+}
 
 /* ---- Errors ---- */
 static const char* cu_error_name(CUresult e) {

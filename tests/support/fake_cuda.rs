@@ -54,3 +54,78 @@ fn build_cuda_uncached() -> PathBuf {
 pub fn build_nccl(p: &Profile) -> PathBuf {
     fake_ccl::build_computing(p, "cuda-compute", &build_cuda())
 }
+
+/// What the fake driver's multicast emulation (`FAKECUDA_MULTICAST=1`) holds alive now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct McLive {
+    /// Multicast objects (freed once no handle, mapping or exported descriptor refers to them).
+    pub objects: i32,
+    /// Allocation handles (multicast and physical) not released.
+    pub handles: i32,
+    /// Physical allocations (`cuMemCreate`) not freed.
+    pub allocations: i32,
+    /// Bindings of memory to multicast objects.
+    pub bindings: i32,
+    /// Address reservations not freed.
+    pub reservations: i32,
+    /// Mappings (physical or multicast) not unmapped.
+    pub mappings: i32,
+}
+
+/// The fake driver's multicast records, read through its test interface (`fakecuda_mc_*`).
+pub struct FakeMulticast {
+    lib: libloading::Library,
+}
+
+impl FakeMulticast {
+    /// Opens the fake driver at `path` (already loaded by the process: the same instance).
+    pub fn open(path: &std::path::Path) -> Self {
+        // SAFETY: the fake driver, which has no initialisers beyond its statics.
+        FakeMulticast { lib: unsafe { libloading::Library::new(path) }.expect("open the fake CUDA driver") }
+    }
+
+    /// The multicast call log since the last reset, one entry per line ("cuMulticastCreate mc#0 ...").
+    pub fn log(&self) -> Vec<String> {
+        // SAFETY: the symbol's C signature; it writes at most `n` bytes into the buffer.
+        unsafe {
+            let f = self
+                .lib
+                .get::<unsafe extern "C" fn(*mut u8, usize) -> usize>(b"fakecuda_mc_log\0")
+                .expect("fakecuda_mc_log");
+            let mut buf = vec![0u8; 1 << 16];
+            let n = f(buf.as_mut_ptr(), buf.len());
+            buf.truncate(n);
+            String::from_utf8_lossy(&buf).lines().map(str::to_owned).collect()
+        }
+    }
+
+    /// Makes the `nth` call of `name` from now on fail (`CUDA_ERROR_OUT_OF_MEMORY`); `nth` 0 fails none.
+    pub fn fail(&self, name: &str, nth: i32) {
+        let name = std::ffi::CString::new(name).expect("a call name");
+        // SAFETY: the symbol's C signature; the name is a NUL-terminated string it copies.
+        unsafe {
+            self.lib.get::<unsafe extern "C" fn(*const std::ffi::c_char, i32)>(b"fakecuda_mc_fail\0").expect("sym")(
+                name.as_ptr(),
+                nth,
+            )
+        }
+    }
+
+    /// Clears the log.
+    pub fn reset(&self) {
+        // SAFETY: the symbol's C signature.
+        unsafe { self.lib.get::<unsafe extern "C" fn()>(b"fakecuda_mc_log_reset\0").expect("sym")() }
+    }
+
+    /// What is alive now.
+    pub fn live(&self) -> McLive {
+        let mut v = [0i32; 6];
+        // SAFETY: the symbol's C signature; it writes six ints.
+        unsafe {
+            self.lib.get::<unsafe extern "C" fn(*mut i32)>(b"fakecuda_mc_live\0").expect("fakecuda_mc_live")(
+                v.as_mut_ptr(),
+            )
+        };
+        McLive { objects: v[0], handles: v[1], allocations: v[2], bindings: v[3], reservations: v[4], mappings: v[5] }
+    }
+}

@@ -218,6 +218,21 @@ impl VmmBuffer {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
+    /// The allocation handle (`CUmemGenericAllocationHandle`), to bind to a multicast object.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// The mapped device address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The bytes allocated and mapped (the requested length rounded up to the granularity).
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
     /// A view of the first `len` bytes.
     pub fn view(&self) -> DeviceBuffer {
         // SAFETY: mapped for `size >= len` bytes until this value drops.

@@ -8,7 +8,7 @@
 //! - [`comm`]: the communicator ([`CudaComm`] = `GpuComm<Cuda>`): NCCL through anyccl-ccl's table, symmetric
 //!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
-//!   with a fake driver;
+//!   with a fake driver; `nvls`: the multicast object of the engine's NVLS plans, behind its gate;
 //! - [`custom`], [`graph_inputs`], [`ipc`], [`graph`], [`bootstrap`]: the CUDA names of the engine's custom
 //!   kernels, graph inputs and one-process-per-GPU join, legacy and VMM IPC handles, and CUDA graphs and events.
 //!
@@ -36,6 +36,9 @@ pub mod multicast;
 #[cfg(feature = "multicast")]
 #[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast_driver;
+#[cfg(feature = "multicast")]
+#[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
+pub mod nvls;
 pub mod platform;
 pub mod runtime;
 
@@ -57,17 +60,31 @@ pub use runtime::{CudaRuntime, CudaStream, DeviceBuffer, DeviceContext, DeviceVi
 /// library's capabilities when one is loaded.
 pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<String>) -> CapabilityReport {
     let probed = driver::probe();
-    // Where the driver runs: off because a device lacks multicast, or because the NVLS kernels are not wired yet.
-    let multicast_off = probed.as_ref().ok().map(|info| match info.devices.iter().find(|d| !d.multicast_supported) {
-        Some(d) => Reason::DeviceAttribute {
-            device: format!("device {} ({})", d.ordinal, d.name),
-            attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
-        },
-        None => Reason::Unavailable {
-            component: "NVLS all-reduce".into(),
-            detail: "the multicast kernels are built but not yet wired to multicast objects".into(),
-        },
+    // Where the driver runs: off because a device lacks multicast (or the driver is older than 12.1), or because
+    // this build lacks the `multicast` feature; on otherwise (NCCL_NVLS_ENABLE=0 and ANYCCL_DISABLE still apply).
+    let multicast_off = probed.as_ref().ok().and_then(|info| {
+        if let Some(d) = info.devices.iter().find(|d| !d.multicast_supported) {
+            return Some(Reason::DeviceAttribute {
+                device: format!("device {} ({})", d.ordinal, d.name),
+                attribute: "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED = 0".into(),
+            });
+        }
+        if info.version < MULTICAST_DRIVER {
+            return Some(Reason::VersionTooOld {
+                component: "CUDA driver".into(),
+                found: info.version_string(),
+                required: "12.1".into(),
+            });
+        }
+        if !cfg!(feature = "multicast") {
+            return Some(Reason::NotCompiledIn {
+                what: "NVLS multicast".into(),
+                detail: "anyccl-cuda was built without its `multicast` feature".into(),
+            });
+        }
+        None
     });
+    let multicast_on = probed.is_ok() && multicast_off.is_none();
     let parts = anyccl_ccl::caps::GpuReport {
         label: "CUDA",
         missing_ccl: Reason::Unavailable { component: "NCCL".into(), detail: "no libnccl.so.2 could be loaded".into() },
@@ -82,6 +99,11 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
         kernels: ("custom CUDA kernels", anyccl_kernels_cuda::NOT_BUILT),
     };
     let mut report = anyccl_ccl::caps::gpu_report(parts, lib, env);
+    if multicast_on {
+        // Every device reports multicast: on, unless NCCL_NVLS_ENABLE=0 turns it off (applied again after it).
+        report.enable(Capabilities::MULTICAST);
+        report.apply_nvls_env(env);
+    }
     // Programmatic dependent launch: on where every device has it (the push one-shot asks per device too).
     if let Ok(info) = &probed {
         let why = info.devices.iter().find_map(|d| platform::dependent_launch_unavailable(d.ordinal));
@@ -95,6 +117,9 @@ pub fn capabilities(lib: Option<&CclLibrary>, env: &dyn Fn(&str) -> Option<Strin
     }
     report
 }
+
+/// The oldest driver with multicast objects (CUDA 12.1).
+const MULTICAST_DRIVER: i32 = 12010;
 
 /// Whether the backend can run here; `Err` says why not.
 pub fn available() -> std::result::Result<&'static driver::DriverInfo, Reason> {

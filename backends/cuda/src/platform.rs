@@ -1,6 +1,6 @@
 //! The CUDA platform of the generic GPU communicator ([`anyccl_gpu::GpuPlatform`]): the CUDA driver through
 //! cudarc for module load and launch, legacy IPC handles, peer access, pointer attributes and the abort word's
-//! `cuStreamWriteValue32`; NCCL as the collective library; the NVLS algorithms listed and said to be off.
+//! `cuStreamWriteValue32`; NCCL as the collective library; the NVLS multicast object (feature `multicast`).
 
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
@@ -14,8 +14,9 @@ use crate::driver::cu_err;
 use crate::ipc::LegacyMapping;
 use crate::runtime::{CudaRuntime, CudaStream};
 
-/// The all-reduce algorithms of the CUDA backend. The NVLS ones are listed so that selection and the bench say why
-/// they cannot run (multicast off, or not wired yet); they are never eligible today. The push one-shot runs where
+/// The all-reduce algorithms of the CUDA backend. The NVLS ones run where multicast is on and set up (the
+/// `multicast` feature, devices that report it, `NCCL_NVLS_ENABLE` not 0, `ANYCCL_DISABLE` allowing it, ranks of
+/// one process); elsewhere selection says why not. The push one-shot runs where
 /// the custom kernels' setup allocated and exchanged its receive buffers (`ANYCCL_PUSH_MAX_BYTES`). The
 /// quantized two-shots are lossy: they run only where named (see [`Algorithm::is_lossy`]).
 pub const ALGORITHMS: [Algorithm; 11] = [
@@ -76,13 +77,12 @@ fn pointer_attribute(rt: &CudaRuntime, attr: sys::CUpointer_attribute, ptr: u64)
     Ok(v)
 }
 
-/// Why the NVLS algorithms cannot run on a communicator with capabilities `caps`.
+/// Why the NVLS algorithms cannot run on a communicator with capabilities `caps` (the engine answers for them
+/// itself; this is only asked of an algorithm it does not know).
 fn nvls_unavailable(caps: &CapabilityReport) -> String {
     match caps.require(Capabilities::MULTICAST) {
         Err(e) => e.to_string(),
-        Ok(()) => "the multicast kernels are built (sm_90+) but not yet wired to multicast objects; their unicast \
-                   emulation runs only in tests and anyccl-cuda-emulated-bench"
-            .into(),
+        Ok(()) => "the NVLS plans are set up by CudaComm::init_all only".into(),
     }
 }
 
@@ -334,6 +334,15 @@ impl GpuPlatform for Cuda {
             }
             other => format!("{other} is not implemented by the CUDA backend yet"),
         }
+    }
+
+    #[cfg(feature = "multicast")]
+    fn nvls_setup(
+        runtimes: &[&CudaRuntime],
+        capacity: usize,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> std::result::Result<Vec<anyccl_gpu::nvls::NvlsMemory>, String> {
+        crate::nvls::setup(runtimes, capacity, env)
     }
 
     fn capabilities(_device: &i32, lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport> {

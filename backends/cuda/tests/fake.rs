@@ -18,7 +18,6 @@ mod fake_hip;
 #[path = "../../../tests/support/fused_case.rs"]
 mod fused_case;
 
-use std::ffi::c_void;
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -63,11 +62,16 @@ const NEED_KERNELS: &[&str] = &[
     "push_off",
     "push_fail",
     "fused",
+    "nvls",
+    "nvls_fail",
 ];
 
 /// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
 /// push one-shot): they run with the push one-shot off (`ANYCCL_PUSH_MAX_BYTES=0`), as they did before it existed.
 const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "push_off"];
+
+/// Cases run on a fake driver that reports multicast (`FAKECUDA_MULTICAST=1`).
+const NVLS_CASES: &[&str] = &["nvls", "nvls_fail", "nvls_env_off", "nvls_disabled"];
 
 /// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
 fn run_case(case: &str) -> String {
@@ -97,6 +101,19 @@ fn run_case(case: &str) -> String {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    // The multicast emulation only where a case asks for it; the gates' environment per case.
+    if NVLS_CASES.contains(&case) {
+        cmd.env("FAKECUDA_MULTICAST", "1");
+    }
+    match case {
+        "nvls_env_off" => {
+            cmd.env("NCCL_NVLS_ENABLE", "0");
+        }
+        "nvls_disabled" => {
+            cmd.env("ANYCCL_DISABLE", "multicast");
+        }
+        _ => {}
+    }
     let mut child = cmd.spawn().expect("start the child");
     let mut out_pipe = child.stdout.take().expect("stdout");
     let mut err_pipe = child.stderr.take().expect("stderr");
@@ -287,6 +304,48 @@ fn conformance_of_every_collective_on_the_fake_cuda_driver() {
     run_case("conformance");
 }
 
+/// NVLS through the communicator on a fake driver that reports multicast: the capability is on, `init_all` sets
+/// one multicast object up in the order of the leak fix (create, export, release the local handle right after the
+/// export, import and add every device, then every rank's staging-in, staging-out and flag buffers created, mapped,
+/// bound and mapped through the multicast object from offset 0); at world 4 the default selector picks
+/// nvls-block-pipeline for 1 MiB f32 and 2 MiB bf16, at world 2 a forced nvls-warp-pipeline runs 64 KiB f32 and
+/// bf16, in place and not, and every rank's sums equal the host reference through the emulated multimem kernels;
+/// nvls-zero-copy and a 40-byte call are refused with their reasons; dropping the communicators tears each rank's
+/// part down in its fixed order (multicast mappings, ranges and bindings, the multicast handle, then the buffers)
+/// and leaves no object, handle, allocation, binding, reservation or mapping behind.
+#[test]
+fn nvls_all_reduce_runs_through_the_communicator_on_a_multicast_fake_and_tears_down_in_order() {
+    run_case("nvls");
+}
+
+/// A multicast setup that fails at any step (the object's creation, a peer's import or device, an allocation, a
+/// binding, a multicast mapping, an access grant) turns NVLS off on every rank with the failing call named, tears
+/// down everything it had made (no object, handle, allocation, binding, reservation or mapping left, no allocation
+/// released while bound), and the communicators keep running two-shot.
+#[test]
+fn nvls_setup_failing_at_any_step_leaks_nothing_and_says_why() {
+    run_case("nvls_fail");
+}
+
+/// On the default fake (no multicast) the NVLS plans are refused with the device attribute as the reason, the
+/// selector falls back to two-shot, and no VMM or multicast call is made at all.
+#[test]
+fn nvls_is_refused_without_multicast_and_makes_no_multicast_call() {
+    run_case("nvls_off");
+}
+
+/// `NCCL_NVLS_ENABLE=0` on a fake that reports multicast: refused with that reason, no multicast call.
+#[test]
+fn nvls_is_refused_with_nccl_nvls_enable_0_and_makes_no_multicast_call() {
+    run_case("nvls_env_off");
+}
+
+/// `ANYCCL_DISABLE=multicast` on a fake that reports multicast: refused with that reason, no multicast call.
+#[test]
+fn nvls_is_refused_with_anyccl_disable_and_makes_no_multicast_call() {
+    run_case("nvls_disabled");
+}
+
 // ---- The child half ----
 
 /// The child half: runs the case `FAKECUDA_CASE` names (set by the tests above, which start it) and prints its
@@ -320,6 +379,11 @@ fn child() {
         "push_sm80" => push_sm80(&s),
         "push_off" => push_off(&s),
         "push_fail" => push_fail(&s),
+        "nvls" => nvls(&s),
+        "nvls_fail" => nvls_fail(&s),
+        "nvls_off" => nvls_refused(&s, "MULTICAST_SUPPORTED = 0"),
+        "nvls_env_off" => nvls_refused(&s, "NCCL_NVLS_ENABLE"),
+        "nvls_disabled" => nvls_refused(&s, "ANYCCL_DISABLE"),
         other => panic!("unknown case {other}"),
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new(), "capture violations");
@@ -581,11 +645,259 @@ fn available(s: &Setup) {
         CapabilityState::Disabled(r) => assert!(r.to_string().contains("MULTICAST_SUPPORTED = 0"), "{r}"),
         other => panic!("multicast on the fake: {other:?}"),
     }
-    // cuMulticastCreate is not even exported.
-    // SAFETY: the fake driver, already loaded; a lookup only reads its symbol table.
-    let driver = unsafe { libloading::Library::new(std::env::var_os("FAKECUDA_LIB").expect("lib")) }.expect("open");
-    // SAFETY: a lookup only.
-    assert!(unsafe { driver.get::<*const c_void>(b"cuMulticastCreate\0") }.is_err(), "cuMulticastCreate exported");
+    // Nothing multicast was asked of the driver.
+    for name in ["cuMulticastCreate", "cuMulticastGetGranularity", "cuMemCreate"] {
+        assert_eq!(s.fake.calls(name), 0, "{name}");
+    }
+}
+
+/// The multicast records of the fake driver.
+fn multicast_records() -> fake_cuda::FakeMulticast {
+    fake_cuda::FakeMulticast::open(&PathBuf::from(std::env::var_os("FAKECUDA_LIB").expect("FAKECUDA_LIB")))
+}
+
+/// A log line reduced to its call and the kind of handle it names (`"cuMemRelease mc"`).
+fn call_kind(line: &str) -> String {
+    let mut words = line.split_whitespace();
+    let call = words.next().unwrap_or_default();
+    match words.next().and_then(|w| w.split_once('#')) {
+        Some((kind, _)) => format!("{call} {kind}"),
+        None => call.to_owned(),
+    }
+}
+
+fn nvls(s: &Setup) {
+    let mc = multicast_records();
+    let caps = anyccl_cuda::capabilities(Some(&s.lib), &|k| std::env::var(k).ok());
+    assert!(caps.has(Capabilities::MULTICAST), "{caps:?}");
+    /// World, forced algorithm, the algorithm expected, and the calls (element type, bytes, in place).
+    type NvlsCase = (usize, Option<Algorithm>, Algorithm, &'static [(DataType, usize, bool)]);
+    let cases: [NvlsCase; 2] = [
+        (
+            4,
+            None,
+            Algorithm::NvlsBlockPipeline,
+            &[(DataType::F32, 1 << 20, false), (DataType::Bf16, 2 << 20, true), (DataType::F32, 1 << 20, true)],
+        ),
+        (
+            2,
+            Some(Algorithm::NvlsWarpPipeline),
+            Algorithm::NvlsWarpPipeline,
+            &[(DataType::F32, 64 << 10, true), (DataType::Bf16, 64 << 10, false)],
+        ),
+    ];
+    for (world, forced, want, runs) in cases {
+        mc.reset();
+        let ordinals: Vec<i32> = (0..world as i32).collect();
+        let selector = Arc::new(Selector::defaults().with_forced(forced));
+        let mut cs =
+            anyccl_cuda::communicators_single_process(s.lib.clone(), &ordinals, selector).expect("communicators");
+        for c in &cs {
+            assert_eq!(c.backend().nvls_off(), None, "world {world}");
+        }
+        // The setup, in order: one object, its local handle released right after the export, every device added
+        // before any memory is bound, each binding mapped through the multicast handle.
+        let setup: Vec<String> = mc.log().iter().map(|l| call_kind(l)).collect();
+        let mut expected: Vec<&str> = vec![
+            "cuMulticastCreate mc",
+            "cuMemExportToShareableHandle mc",
+            "cuMemRelease mc",
+            "cuMemImportFromShareableHandle mc",
+            "cuMulticastAddDevice mc",
+        ];
+        for _ in 1..world {
+            expected.extend(["cuMemImportFromShareableHandle mc", "cuMulticastAddDevice mc"]);
+        }
+        for _ in 0..world * 3 {
+            expected.extend([
+                "cuMemCreate mem",
+                "cuMemAddressReserve",
+                "cuMemMap mem",
+                "cuMemSetAccess mem",
+                "cuMulticastBindMem mc",
+                "cuMemAddressReserve",
+                "cuMemMap mc",
+                "cuMemSetAccess mc",
+            ]);
+        }
+        assert_eq!(setup, expected, "world {world}: the setup's calls");
+        assert!(mc.log().iter().any(|l| l.starts_with("cuMemMap mc") && l.ends_with("offset=0")));
+        for (round, &(dtype, bytes, in_place)) in runs.iter().enumerate() {
+            let count = bytes / dtype.size_bytes();
+            let mut c = call(count, dtype);
+            c.in_place = in_place;
+            assert_eq!(cs[0].select_all_reduce(&c).expect("selection").algorithm, want, "world {world} {dtype}");
+            mc.reset();
+            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
+                let rt = c.runtime().clone();
+                let st = rt.stream()?;
+                let mut a = rt.alloc(bytes)?;
+                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
+                let mut b = rt.alloc(bytes)?;
+                let sel = if in_place {
+                    c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
+                } else {
+                    c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
+                };
+                st.synchronize()?;
+                let mut host = vec![0u8; bytes];
+                rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
+                Ok((sel.algorithm, decode(dtype, &host)))
+            });
+            for (rank, r) in out.into_iter().enumerate() {
+                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype} {bytes}: {e}"));
+                assert_eq!(algorithm, want, "world {world} rank {rank}");
+                assert!(got == reference(world, round, count), "world {world} {dtype} {bytes} rank {rank}: wrong sums");
+            }
+            let name = anyccl_gpu::nvls::kernel_name(want, dtype).expect("kernel");
+            let log = mc.log();
+            for rank in 0..world {
+                let ran = format!("run {name} rank={rank} completed");
+                assert!(log.contains(&ran), "world {world}: {ran} missing from {log:?}");
+            }
+            println!("world {world} {dtype} {bytes} bytes: {want}");
+        }
+        if world == 4 {
+            nvls_captured(&mut cs, &mc);
+        }
+        let why = cs[0].check_algorithm(Algorithm::NvlsZeroCopy, &call(1 << 18, DataType::F32)).expect_err("zc");
+        assert!(why.to_string().contains("bound to the multicast object"), "{why}");
+        let why = cs[0].check_algorithm(want, &call(10, DataType::F32)).expect_err("40 bytes");
+        assert!(why.to_string().contains("multiple of 16"), "{why}");
+        // Teardown: each rank's part in its fixed order, then the object itself; nothing left.
+        mc.reset();
+        drop(cs);
+        let teardown: Vec<String> = mc.log().iter().map(|l| call_kind(l)).collect();
+        let mut expected: Vec<&str> = Vec::new();
+        for rank in 0..world {
+            for _ in 0..3 {
+                expected.extend(["cuMemUnmap mc", "cuMemAddressFree", "cuMulticastUnbind mc"]);
+            }
+            expected.push("cuMemRelease mc");
+            if rank == world - 1 {
+                expected.push("free mc");
+            }
+            for _ in 0..3 {
+                expected.extend(["cuMemUnmap mem", "cuMemAddressFree", "cuMemRelease mem", "free mem"]);
+            }
+        }
+        assert_eq!(teardown, expected, "world {world}: the teardown's calls");
+        assert_eq!(mc.live(), fake_cuda::McLive::default(), "world {world}: something leaked");
+    }
+}
+
+/// A captured nvls-block-pipeline all-reduce (1 MiB f32, out of place) at world 4: captured once, replayed twice
+/// with new inputs, right both times; the kernel ran once per rank per replay.
+fn nvls_captured(cs: &mut [Communicator<CudaComm>], mc: &fake_cuda::FakeMulticast) {
+    let (dtype, bytes) = (DataType::F32, 1usize << 20);
+    let count = bytes / 4;
+    let world = cs.len();
+    mc.reset();
+    let out = per_rank(cs, |c| -> Result<(Option<Algorithm>, Vec<Vec<f32>>)> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut inp = rt.alloc(bytes)?;
+        let mut out = rt.alloc(bytes)?;
+        let mut chosen = None;
+        let graph = Graph::capture(rt.context(), &st, |st| {
+            let sel = c.all_reduce(InOut::Separate { send: &inp, recv: &mut out }, count, dtype, ReduceOp::Sum, st)?;
+            chosen = Some(sel.algorithm);
+            Ok(())
+        })?;
+        let mut sums = Vec::new();
+        for round in [3usize, 4] {
+            rt.upload(&mut inp, &input(dtype, c.rank(), round, count), &st)?;
+            graph.launch(&st)?;
+            st.synchronize()?;
+            let mut host = vec![0u8; bytes];
+            rt.download(&out, &mut host, &st)?;
+            sums.push(decode(dtype, &host));
+        }
+        Ok((chosen, sums))
+    });
+    for (rank, r) in out.into_iter().enumerate() {
+        let (chosen, sums) = r.unwrap_or_else(|e| panic!("captured rank {rank}: {e}"));
+        assert_eq!(chosen, Some(Algorithm::NvlsBlockPipeline), "rank {rank}");
+        assert!(sums[0] == reference(world, 3, count) && sums[1] == reference(world, 4, count), "rank {rank}: replays");
+    }
+    let runs = mc.log().iter().filter(|l| l.starts_with("run anyccl_nvls_block_pipeline_mc_f32")).count();
+    assert_eq!(runs, 2 * world, "{:?}", mc.log());
+}
+
+fn nvls_fail(s: &Setup) {
+    let mc = multicast_records();
+    let steps = [
+        ("cuMulticastCreate", 1),
+        ("cuMemExportToShareableHandle", 1),
+        ("cuMemImportFromShareableHandle", 3),
+        ("cuMulticastAddDevice", 2),
+        ("cuMemCreate", 7),
+        ("cuMulticastBindMem", 5),
+        ("cuMemMap", 6),
+        ("cuMemSetAccess", 12),
+    ];
+    for (name, nth) in steps {
+        mc.fail(name, nth);
+        let mut cs = comms(s, 4);
+        mc.fail("", 0);
+        for c in &cs {
+            let off = c.backend().nvls_off().expect("NVLS off");
+            assert!(off.contains("multicast setup failed") && off.contains(name), "{name} #{nth}: {off}");
+        }
+        assert_eq!(mc.live(), fake_cuda::McLive::default(), "{name} #{nth}: left behind");
+        let big = call((1 << 20) / 4, DataType::F32);
+        assert_eq!(cs[0].select_all_reduce(&big).expect("selection").algorithm, Algorithm::TwoShot, "{name}");
+        let out = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+            let rt = c.runtime().clone();
+            let st = rt.stream()?;
+            let mut a = rt.alloc(1 << 20)?;
+            rt.upload(&mut a, &input(DataType::F32, c.rank(), 1, big.count), &st)?;
+            c.all_reduce(InOut::InPlace(&mut a), big.count, DataType::F32, ReduceOp::Sum, &st)?;
+            st.synchronize()?;
+            let mut host = vec![0u8; 1 << 20];
+            rt.download(&a, &mut host, &st)?;
+            Ok(decode(DataType::F32, &host))
+        });
+        for r in out {
+            assert!(r.expect("two-shot") == reference(4, 1, big.count), "{name}: wrong sums");
+        }
+        println!("{name} #{nth}: NVLS off, nothing left");
+    }
+}
+
+/// The NVLS plans refused with `reason` on every rank, nothing multicast asked of the driver.
+fn nvls_refused(s: &Setup, reason: &str) {
+    let mut cs = comms(s, 4);
+    let big = call((1 << 20) / 4, DataType::F32);
+    for c in &cs {
+        let off = c.backend().nvls_off().expect("NVLS off");
+        assert!(off.contains(reason), "{off}");
+        for a in [Algorithm::NvlsBlockPipeline, Algorithm::NvlsWarpPipeline, Algorithm::NvlsZeroCopy] {
+            let e = c.check_algorithm(a, &big).expect_err("refused");
+            assert!(e.to_string().contains(reason), "{a}: {e}");
+        }
+    }
+    // The default table's NVLS rule falls back to two-shot, which runs.
+    assert_eq!(cs[0].select_all_reduce(&big).expect("selection").algorithm, Algorithm::TwoShot);
+    let out = per_rank(&mut cs, |c| -> Result<Vec<f32>> {
+        let rt = c.runtime().clone();
+        let st = rt.stream()?;
+        let mut a = rt.alloc(1 << 20)?;
+        rt.upload(&mut a, &input(DataType::F32, c.rank(), 0, big.count), &st)?;
+        c.all_reduce(InOut::InPlace(&mut a), big.count, DataType::F32, ReduceOp::Sum, &st)?;
+        st.synchronize()?;
+        let mut host = vec![0u8; 1 << 20];
+        rt.download(&a, &mut host, &st)?;
+        Ok(decode(DataType::F32, &host))
+    });
+    for r in out {
+        assert!(r.expect("two-shot") == reference(4, 0, big.count), "wrong sums");
+    }
+    drop(cs);
+    for name in ["cuMulticastCreate", "cuMulticastGetGranularity", "cuMulticastAddDevice", "cuMemCreate"] {
+        assert_eq!(s.fake.calls(name), 0, "{name} was called");
+    }
+    assert_eq!(multicast_records().log(), Vec::<String>::new());
 }
 
 fn init_all(s: &Setup) {

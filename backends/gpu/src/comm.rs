@@ -176,6 +176,8 @@ pub struct GpuComm<P: GpuPlatform> {
     /// The fused all-reduce + RMSNorm kernels ([`CommBackend::all_reduce_rmsnorm`]) of the custom kernels' module,
     /// set with the custom kernels' state by [`GpuComm::set_custom`]; `None` while those are off.
     fused: Option<super::fused::FusedKernels<P>>,
+    /// The NVLS multicast plans' kernels and multicast memory, or why they are off ([`crate::nvls`]).
+    nvls: crate::nvls::Nvls<P>,
 }
 
 impl<P: GpuPlatform> GpuComm<P> {
@@ -207,6 +209,14 @@ impl<P: GpuPlatform> GpuComm<P> {
             .enumerate()
             .map(|(rank, (c, rt))| Self::wrap(c, rt, rank, world, caps.clone()))
             .collect::<Result<_>>()?;
+        // NVLS multicast, behind its gate (the capability report's multicast); a failure only turns it off.
+        let nvls = {
+            let rts: Vec<&P::Runtime> = comms.iter().map(|c| &c.runtime).collect();
+            crate::nvls::Nvls::setup_all(&rts, &caps, &anyccl_ccl::caps::process_env)
+        };
+        for (c, n) in comms.iter_mut().zip(nvls) {
+            c.nvls = n;
+        }
         // The custom kernels: every rank's buffers, peer access between every pair. A failure here only turns
         // them off for this communicator, with the reason.
         match Self::setup_custom(&comms) {
@@ -595,6 +605,10 @@ impl<P: GpuPlatform> GpuComm<P> {
             custom_via_ipc: false,
             retired: Vec::new(),
             fused: None,
+            nvls: crate::nvls::Nvls::off(format!(
+                "NVLS multicast is set up only for communicators of one process ({}::init_all)",
+                P::COMM_NAME
+            )),
         })
     }
 
@@ -615,6 +629,11 @@ impl<P: GpuPlatform> GpuComm<P> {
     /// The shared collective-library rank (rank, world, windows).
     pub fn ccl_rank(&self) -> &CclRank {
         &self.ccl
+    }
+
+    /// Why the NVLS multicast plans cannot run on this communicator, or `None` when they are set up.
+    pub fn nvls_off(&self) -> Option<&str> {
+        self.nvls.off_reason()
     }
 
     /// Why the custom kernels cannot run on this communicator, or `None` when they are set up.
@@ -838,6 +857,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
                 }
                 Ok(())
             }
+            a if crate::nvls::is_nvls(a) => self.nvls.eligible(a, call, self.ccl.world()),
             other => Err(P::other_algorithm(&self.caps, other)),
         }
     }
@@ -859,8 +879,28 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         ) {
             return self.custom_all_reduce(args);
         }
+        if crate::nvls::is_nvls(algorithm) {
+            self.runtime.bind()?;
+            let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
+            // SAFETY: `args` was validated by this backend's `Communicator` (both buffers hold `bytes` of this
+            // device) and eligibility checked the plan; every rank of the multicast object makes the same calls in
+            // the same order (a collective), each on its own device.
+            return unsafe {
+                self.nvls.launch(
+                    &self.runtime,
+                    algorithm,
+                    args.dtype(),
+                    src as u64,
+                    dst as u64,
+                    args.bytes(),
+                    self.ccl.rank(),
+                    self.ccl.world(),
+                    args.stream(),
+                )
+            };
+        }
         if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
-            // The platform's other algorithms (CUDA's NVLS ones): listed, never eligible.
+            // The platform's other algorithms: listed, never eligible.
             return Err(Error::AlgorithmNotEligible { algorithm, why: P::other_algorithm(&self.caps, algorithm) });
         }
         // ccl and ccl-symmetric are the same call: the library picks its symmetric kernels when the buffers lie in
@@ -1016,8 +1056,9 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
             custom_via_ipc: _,
             retired,
             fused,
+            nvls,
         } = self;
-        ccl.close_in_background_with((scratch, custom, fused, retired, runtime))
+        ccl.close_in_background_with((scratch, custom, fused, retired, nvls, runtime))
     }
 
     fn rmsnorm_forms(&self) -> &[anyccl_core::RmsNormForm] {

@@ -19,6 +19,8 @@
 //! - [`push`]: the push one-shot ([`Algorithm::OneShotPush`]): its receive buffers' setting and its launch, with
 //!   programmatic dependent launch where the platform has it ([`GpuPlatform::launch_dependent`]);
 //! - [`quant`]: the quantized two-shot kernels (fp8 e4m3 / int8 exchanged data) of the same module;
+//! - [`nvls`]: the NVLS multicast all-reduce plans over a multicast object the platform sets up
+//!   ([`GpuPlatform::nvls_setup`]; by default a platform has none);
 //! - [`comm`]: the communicator ([`GpuComm`]);
 //! - [`multi_process`]: one process per GPU (unique id through a [`anyccl_core::Bootstrap`], the TCP rendezvous).
 
@@ -29,6 +31,7 @@ pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
 pub mod multi_process;
+pub mod nvls;
 pub mod push;
 pub mod quant;
 
@@ -177,6 +180,20 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
     fn other_algorithm(caps: &CapabilityReport, algorithm: Algorithm) -> String {
         let _ = caps;
         format!("{algorithm} is not implemented by the {} backend yet", Self::LABEL)
+    }
+
+    /// Sets an NVLS multicast object up for the ranks of one process (`runtimes[rank]`): every rank's staging-in,
+    /// staging-out and flag buffers of `capacity`, `capacity` and [`anyccl_kernels_common::FLAG_BYTES`] bytes bound
+    /// to it and mapped, one [`nvls::NvlsMemory`] per rank, or why not as a sentence. Called only where the
+    /// capability report has multicast on; the platform checks its own gate again before any multicast call.
+    /// Default: the platform has no multicast (nothing is called).
+    fn nvls_setup(
+        runtimes: &[&Self::Runtime],
+        capacity: usize,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> std::result::Result<Vec<nvls::NvlsMemory>, String> {
+        let _ = (runtimes, capacity, env);
+        Err(format!("the {} backend has no multicast", Self::LABEL))
     }
 
     /// The collective library of this vendor (NCCL, RCCL).
