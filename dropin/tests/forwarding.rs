@@ -59,6 +59,8 @@ fn expected_records(windows: bool) -> Vec<&'static str> {
         "ncclCommInitAll ndev=2 devlist=0,1",
         "ncclCommFinalize comm=c10",
         "ncclCommDestroy comm=c11",
+        // The fake's destroy asks its own ncclCommGetAsyncError, as NCCL does: the library's call stays inside it.
+        "ncclCommGetAsyncError comm=c11",
         "ncclCommAbort comm=c12",
         "ncclCommRevoke comm=c13 flags=0",
         "ncclCommSplit comm=c14 color=3 key=7 config=cf7",
@@ -305,6 +307,7 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
             "ncclGetVersion",
             "ncclCommCount comm=d00",
             "ncclCommDestroy comm=d00",
+            "ncclCommGetAsyncError comm=d00",
             "ncclCommAbort comm=a00",
             "ncclCommFinalize comm=f00",
             "ncclCommCount comm=f00",
@@ -319,6 +322,7 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
             "ncclBroadcastConfig send=331 recv=332 count=333 dtype=7 root=2 comm=c32 stream=5f4 config=cc3",
             "ncclParamGetI32 h=9a",
             "ncclCommDestroy comm=c32",
+            "ncclCommGetAsyncError comm=c32",
         ]
     );
 }

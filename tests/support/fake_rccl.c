@@ -438,7 +438,16 @@ ncclResult_t ncclCommInitAll(void** out, int n, const int* devs) {
     }
     return 0;
 }
-ncclResult_t ncclCommDestroy(void* c) { free(c); return 0; }
+ncclResult_t ncclCommGetAsyncError(void* c, int* e);
+/* As NCCL 2.28's does, destroy asks for the communicator's state through its own exported ncclCommGetAsyncError: a
+   call that reaches a drop-in's same-named symbol unless the drop-in loads this library with its own binding first. */
+ncclResult_t ncclCommDestroy(void* c) {
+    int e = 0;
+    ncclResult_t r = c ? ncclCommGetAsyncError(c, &e) : 0;
+    if (r != 0) return r;
+    free(c);
+    return 0;
+}
 ncclResult_t ncclCommCount(void* c, int* n) { *n = ((struct comm*)c)->c->n; return 0; }
 ncclResult_t ncclCommUserRank(void* c, int* r) { *r = ((struct comm*)c)->rank; return 0; }
 ncclResult_t ncclCommCuDevice(void* c, int* d) {

@@ -37,6 +37,9 @@ pub fn start_ranks(world: usize, master_port: u16, env: &[(&str, String)]) -> Ve
 
 /// [`start_ranks`], with variables of each rank's own on top (`per_rank(rank)`), as a launcher spanning hosts would
 /// set them.
+/// The variables that keep NVLink multicast off (NCCL, PyTorch, NVSHMEM), passed on to every rank when set.
+const MULTICAST_OFF: [&str; 3] = ["NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"];
+
 #[allow(dead_code)] // Not every suite that includes this file starts ranks with variables of their own.
 pub fn start_ranks_each(
     world: usize,
@@ -58,6 +61,8 @@ pub fn start_ranks_each(
                 // torchrun passes its own environment on; of it, the ranks need the place of the per-user key
                 // that a loopback job without a secret uses (one directory of this test's own, shared by its ranks)
                 .env("XDG_RUNTIME_DIR", runtime_dir())
+                // What keeps NVLink multicast off on shared machines travels with the ranks.
+                .envs(MULTICAST_OFF.iter().filter_map(|k| std::env::var(k).ok().map(|v| (*k, v))))
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             for (k, v) in env {

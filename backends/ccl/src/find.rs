@@ -604,6 +604,23 @@ fn check_elf(file: &File, exports: &Exports<'_>) -> Result<(), LoadFailure> {
     Ok(())
 }
 
+/// `dlopen`s `path` so that the library's calls to its own exported functions stay inside it (`RTLD_DEEPBIND` on
+/// glibc): in a process that also holds anyccl's drop-in `libnccl` (linked as `libnccl.so.2` or `LD_PRELOAD`ed), a
+/// vendor library bound the default way would reach the drop-in's same-named symbols from inside its own calls
+/// (NCCL's `ncclCommDestroy` calls its `ncclCommGetAsyncError`), which answer for a communicator the drop-in has
+/// already released. Loaded `RTLD_LAZY | RTLD_LOCAL` otherwise, as `libloading::Library::new` does.
+///
+/// # Safety
+/// As [`libloading::Library::new`]: loading runs the library's initialisers.
+unsafe fn open_own_bound(path: &Path) -> Result<libloading::Library, libloading::Error> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    let flags = libloading::os::unix::RTLD_LAZY | libloading::os::unix::RTLD_LOCAL | libc::RTLD_DEEPBIND;
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let flags = libloading::os::unix::RTLD_LAZY | libloading::os::unix::RTLD_LOCAL;
+    // SAFETY: the caller's contract (initialisers run); the flags only choose symbol binding and visibility.
+    unsafe { libloading::os::unix::Library::open(Some(path), flags) }.map(libloading::Library::from)
+}
+
 /// Opens a library for `exports` and checks it before anything in it is called.
 ///
 /// - A path must be absolute and pass [`check_candidate`] before `dlopen` sees it.
@@ -628,7 +645,7 @@ pub fn open_checked(candidate: &Path, exports: &Exports<'_>) -> Result<libloadin
     // SAFETY: loading a shared library runs its initialisers. A path has passed the checks above (a regular ELF
     // shared object of this machine whose entry points are functions); a bare name is found by the dynamic loader
     // in the system's own directories (LD_LIBRARY_PATH has no relative entry, checked above).
-    let lib = unsafe { libloading::Library::new(candidate) }.map_err(|e| {
+    let lib = unsafe { open_own_bound(candidate) }.map_err(|e| {
         let message = crate::loader::dl_error_text(&e);
         if bare && message.contains("No such file") {
             LoadFailure::NotFound

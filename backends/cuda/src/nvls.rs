@@ -44,11 +44,23 @@ pub fn env_gate(env: &dyn Fn(&str) -> Option<String>) -> Option<Reason> {
     }
 }
 
-/// The whole gate for `ordinals`: [`env_gate`], the driver's probe, then [`multicast_eligibility`] of every device (driver version and
+/// The whole gate for `ordinals`: [`env_gate`], two or more distinct devices, the driver's probe, then [`multicast_eligibility`] of every device (driver version and
 /// `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`). `Ok` only when multicast may be created; no multicast call is made.
 pub fn gate(ordinals: &[i32], env: &dyn Fn(&str) -> Option<String>) -> Result<(), String> {
     if let Some(reason) = env_gate(env) {
         return Err(format!("multicast is off: {reason}"));
+    }
+    // The ranks' devices next, still before any driver call: an all-reduce over multicast needs two or more GPUs,
+    // each rank on its own (ranks emulated on one GPU, or a world of one, never reach the driver).
+    if ordinals.len() < 2 {
+        return Err(format!(
+            "multicast is off: NVLS needs two or more GPUs (this communicator has {})",
+            ordinals.len()
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(d) = ordinals.iter().find(|&&d| !seen.insert(d)) {
+        return Err(format!("multicast is off: two ranks share GPU {d}; NVLS needs each rank on its own GPU"));
     }
     // The driver is probed safely first (a machine without libcuda answers here, before any driver call).
     crate::driver::probe().map_err(|r| format!("multicast is off: {r}"))?;
@@ -198,8 +210,13 @@ mod tests {
     fn on_this_machine_the_gate_refuses_with_a_reason() {
         // No GPU here (or one without multicast): whatever the environment, the gate refuses, and `setup` returns
         // that refusal without creating anything.
-        let e = gate(&[0], &|_| None).expect_err("no multicast on the machines this project is tested on");
+        let e = gate(&[0, 1], &|_| None).expect_err("no multicast on the machines this project is tested on");
         assert!(e.starts_with("multicast is off"), "{e}");
+        // One GPU, or two ranks on one GPU: refused before the driver is asked anything.
+        let e = gate(&[0], &|_| None).expect_err("a world of one");
+        assert!(e.contains("two or more GPUs"), "{e}");
+        let e = gate(&[0, 0], &|_| None).expect_err("ranks sharing a GPU");
+        assert!(e.contains("share GPU 0"), "{e}");
         let e = setup(&[], 1 << 20, &env(&[("NCCL_NVLS_ENABLE", "0")])).expect_err("refused");
         assert!(e.contains("NCCL_NVLS_ENABLE"), "{e}");
     }

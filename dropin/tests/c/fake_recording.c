@@ -63,7 +63,15 @@ int ncclCommInitAll(comm_t* c, int n, const int* devs) {
     return 0;
 }
 int ncclCommFinalize(comm_t c) { rec("ncclCommFinalize comm=%lx", P(c)); return 0; }
-int ncclCommDestroy(comm_t c) { rec("ncclCommDestroy comm=%lx", P(c)); return 0; }
+int ncclCommGetAsyncError(comm_t c, int* e);
+/* NCCL 2.28's destroy asks for the communicator's state through its own exported ncclCommGetAsyncError. Under a
+   drop-in that loads this library with the default binding, that call would reach the drop-in's symbol instead,
+   which refuses the communicator it has just released; the drop-in binds the library to itself (RTLD_DEEPBIND). */
+int ncclCommDestroy(comm_t c) {
+    rec("ncclCommDestroy comm=%lx", P(c));
+    int e = 0;
+    return c ? ncclCommGetAsyncError(c, &e) : 0;
+}
 int ncclCommAbort(comm_t c) { rec("ncclCommAbort comm=%lx", P(c)); return 0; }
 int ncclCommRevoke(comm_t c, int flags) { rec("ncclCommRevoke comm=%lx flags=%d", P(c), flags); return 0; }
 int ncclCommSplit(comm_t c, int color, int key, comm_t* out, void* cfg) {
