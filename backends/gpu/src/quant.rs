@@ -13,7 +13,7 @@
 use super::kernels::{ptrs, Ptrs};
 use std::ffi::{c_void, CString};
 
-use anyccl_core::{Algorithm, DataType, Error, Result};
+use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
 /// The host side of the quantized kernels: layout, the model of their arithmetic, the error bound.
 pub use common::quant as model;
@@ -21,15 +21,6 @@ pub use common::quant::Format;
 
 use super::kernels::{CustomKernels, THREADS};
 use super::{GpuPlatform, StreamOf};
-
-/// The quantized format an algorithm exchanges, for the quantized algorithms.
-pub fn format_of(algorithm: Algorithm) -> Option<Format> {
-    match algorithm {
-        Algorithm::TwoShotFp8 => Some(Format::Fp8E4m3),
-        Algorithm::TwoShotInt8 => Some(Format::Int8),
-        _ => None,
-    }
-}
 
 /// Bytes of staging (and of scratch) every rank needs for a quantized all-reduce of `bytes` bytes of `dtype`;
 /// `None` for a type without kernels or on overflow.
@@ -195,7 +186,5 @@ mod tests {
         }
         assert_eq!(staging_bytes(DataType::Bf16, 16), Some(36));
         assert_eq!(staging_bytes(DataType::I32, 1024), None);
-        assert_eq!(format_of(Algorithm::TwoShotFp8), Some(Format::Fp8E4m3));
-        assert_eq!(format_of(Algorithm::TwoShot), None);
     }
 }
