@@ -358,6 +358,17 @@ struct Memo<R, P> {
     plan: P,
 }
 
+/// What [`Communicator::all_reduce_if`] did with a call.
+#[derive(Debug)]
+pub enum AllReduceOutcome {
+    /// The selected algorithm ran (queued on the stream).
+    Ran(Selection),
+    /// The caller declined the selected algorithm: nothing ran.
+    Declined(Selection),
+    /// No algorithm could run the call (the selector's refusal): nothing ran.
+    Unselected(Error),
+}
+
 /// What the front-end decided for one all-reduce: the backend's reduction, the selection and the backend's plan.
 type Decision<B> = (<B as CommBackend>::Reduction, Selection, <B as CommBackend>::Plan);
 
@@ -531,10 +542,14 @@ impl<B: CommBackend> Communicator<B> {
         (m.call == *call).then(|| (m.reduction, m.selection.clone(), m.plan.clone()))
     }
 
-    /// The backend's reduction and the selection for a validated `call`, asked afresh and remembered when the
-    /// backend says when its answers change.
-    fn decide_all_reduce(&mut self, call: &AllReduceCall, epoch: Option<u64>) -> Result<Decision<B>> {
-        let reduction = self.backend.check_reduction(call.dtype, call.op)?;
+    /// The selection and plan for a validated `call` whose reduction the backend accepted, asked afresh and
+    /// remembered (with `reduction`) when the backend says when its answers change.
+    fn decide_all_reduce(
+        &mut self,
+        call: &AllReduceCall,
+        epoch: Option<u64>,
+        reduction: B::Reduction,
+    ) -> Result<Decision<B>> {
         let (selection, plan) = self.plan_all_reduce(call)?;
         self.memo =
             epoch.map(|epoch| Memo { call: *call, epoch, reduction, selection: selection.clone(), plan: plan.clone() });
@@ -554,21 +569,49 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<Selection> {
+        match self.all_reduce_if(bufs, count, dtype, op, stream, |_| true)? {
+            AllReduceOutcome::Ran(sel) | AllReduceOutcome::Declined(sel) => Ok(sel),
+            AllReduceOutcome::Unselected(e) => Err(e),
+        }
+    }
+
+    /// [`Self::all_reduce`], run only where `accept` takes the selection: the selector is asked once (or its
+    /// remembered decision reused), and the backend's plan for the chosen algorithm runs if `accept` says so.
+    /// For a caller that hands some algorithms elsewhere (the drop-in `libnccl` forwards what is not its own
+    /// kernels' to the library underneath). `Err` is a call that failed (validation, the capture query, the
+    /// backend's reduction or the run); a call no algorithm can run is [`AllReduceOutcome::Unselected`].
+    pub fn all_reduce_if(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+        accept: impl FnOnce(&Selection) -> bool,
+    ) -> Result<AllReduceOutcome> {
         let mut call = self.validate_all_reduce(&bufs, count, dtype, op)?;
         let epoch = self.backend.eligibility_epoch();
         let mut capture_asked = false;
-        let decided = match self.remembered(&mut call, epoch, false) {
-            Some(d) => d,
+        let remembered = match self.remembered(&mut call, epoch, false) {
+            Some(d) => Some(d),
             None => {
                 call.capturing = self.runtime().is_capturing(stream)?;
                 capture_asked = true;
-                match self.remembered(&mut call, epoch, true) {
-                    Some(d) => d,
-                    None => self.decide_all_reduce(&call, epoch)?,
+                self.remembered(&mut call, epoch, true)
+            }
+        };
+        let decided = match remembered {
+            Some(d) => d,
+            None => {
+                let reduction = self.backend.check_reduction(call.dtype, call.op)?;
+                match self.decide_all_reduce(&call, epoch, reduction) {
+                    Ok(d) => d,
+                    Err(e) => return Ok(AllReduceOutcome::Unselected(e)),
                 }
             }
         };
         let (reduction, sel, plan) = decided;
+        let accepted = accept(&sel);
         tracing::debug!(
             rank = self.rank(),
             world = self.world_size(),
@@ -579,10 +622,14 @@ impl<B: CommBackend> Communicator<B> {
             capture_asked,
             algorithm = %sel.algorithm,
             rule = %sel.why,
+            accepted,
             "all-reduce"
         );
+        if !accepted {
+            return Ok(AllReduceOutcome::Declined(sel));
+        }
         self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, sel.algorithm, plan))?;
-        Ok(sel)
+        Ok(AllReduceOutcome::Ran(sel))
     }
 
     /// All-reduce with an explicit algorithm (for benchmarks and tests, and the way to ask for a lossy one:
