@@ -720,10 +720,8 @@ fn custom_fits<P: GpuPlatform>(
 /// The call's type and operator as anyccl's, when the custom kernels could take them at all (else why not, a fixed
 /// text).
 fn shape(call: &AllReduceCall) -> std::result::Result<(DataType, ReduceOp, usize), &'static str> {
-    let dtype = match call.datatype {
-        6 => DataType::F16,
-        7 => DataType::F32,
-        9 => DataType::Bf16,
+    let dtype = match anyccl_ccl::dtype_of_nccl_code(call.datatype) {
+        Some(d @ (DataType::F16 | DataType::F32 | DataType::Bf16)) => d,
         _ => return Err("the custom kernels handle float32, float16 and bfloat16 only"),
     };
     if call.op != 0 {

@@ -28,6 +28,7 @@ pub mod device;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+mod launch_args;
 pub mod multi_process;
 pub mod push;
 pub mod quant;
