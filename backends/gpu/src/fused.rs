@@ -139,12 +139,9 @@ pub fn rmsnorm_kernel_name(dtype: DataType) -> Option<String> {
     Some(format!("anyccl_rmsnorm_{}", fused_suffix(dtype)?))
 }
 
+/// The suffix of `dtype`'s fused kernels: one of the shared source's [`common::FUSED_DTYPES`].
 fn fused_suffix(dtype: DataType) -> Option<&'static str> {
-    match dtype {
-        DataType::F16 => Some("f16"),
-        DataType::Bf16 => Some("bf16"),
-        _ => None,
-    }
+    super::kernels::dtype_suffix(dtype).filter(|s| common::FUSED_DTYPES.contains(s))
 }
 
 /// The fused kernels and the separate RMSNorm kernel: handles into the module of a [`CustomKernels`] (one module
@@ -253,8 +250,8 @@ impl<P: GpuPlatform> FusedKernels<P> {
         let name = fused_kernel_name(form, dtype, table != 0);
         let list = name.as_deref().and_then(common::fused_params);
         let f = self.function(name, dtype)?;
-        let two = form == FusedForm::TwoShot;
-        let mut kargs = fused_args(two, table, peers, own, scratch, args, flags, rank as i32, world as i32);
+        let scratch = (form == FusedForm::TwoShot).then_some(scratch);
+        let mut kargs = fused_args(table, peers, own, scratch, args, flags, rank as i32);
         let (mut params, n) = list
             .and_then(|list| kargs.pointers_for(list))
             .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
@@ -304,24 +301,24 @@ impl<P: GpuPlatform> FusedKernels<P> {
     }
 }
 
-/// The fused one-shot's or two-shot's (`two`) parameters, in the order of `common::fused_params`: the input
-/// table's pointer (`table`, non-zero) or every rank's input, this rank's own input, two-shot's scratch, the
-/// `NormArgs`, every rank's flags, rank, world.
-#[allow(clippy::too_many_arguments)]
+/// The fused one-shot's or two-shot's parameters, in the order of `common::fused_params`: the input table's
+/// pointer (`table`, non-zero) or every rank's input, this rank's own input, the scratch (`Some` for two-shot),
+/// the `NormArgs`, every rank's flags, rank, world (`flags.len()`, at most `MAX_RANKS`: checked by the launcher).
 fn fused_args(
-    two: bool,
     table: u64,
     peers: &[u64],
     own: u64,
-    scratch: &[u64],
+    scratch: Option<&[u64]>,
     args: &NormArgs,
     flags: &[u64],
     rank: i32,
-    world: i32,
 ) -> KernelArgs {
     let head = if table != 0 { KernelArgs::new().u64(table) } else { KernelArgs::new().ptrs(peers) }.u64(own);
-    let head = if two { head.ptrs(scratch) } else { head };
-    head.block(args).ptrs(flags).i32(rank).i32(world)
+    let head = match scratch {
+        Some(scratch) => head.ptrs(scratch),
+        None => head,
+    };
+    head.block(args).ptrs(flags).i32(rank).i32(flags.len() as i32)
 }
 
 /// The host reference of the fused kernels' math, operation for operation (fused.h): its results equal the
@@ -476,8 +473,8 @@ mod tests {
         for form in FusedForm::ALL {
             for table in [0, 0x1000] {
                 let name = fused_kernel_name(form, DataType::Bf16, table != 0).expect("bf16");
-                let two = form == FusedForm::TwoShot;
-                let built = fused_args(two, table, &[16, 32], 16, &[48, 64], &NormArgs::default(), &[80, 96], 0, 2);
+                let scratch = (form == FusedForm::TwoShot).then_some(&[48u64, 64][..]);
+                let built = fused_args(table, &[16, 32], 16, scratch, &NormArgs::default(), &[80, 96], 0);
                 let want = common::fused_params(&name).expect("listed");
                 assert!(built.matches(want), "{name}: {:?}", built.sizes());
             }

@@ -136,13 +136,10 @@ pub fn kernel_name(kind: Kind, dtype: DataType, table: bool) -> Option<String> {
     })
 }
 
-fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
-    match dtype {
-        DataType::F32 => Some("f32"),
-        DataType::F16 => Some("f16"),
-        DataType::Bf16 => Some("bf16"),
-        _ => None,
-    }
+/// The suffix of `dtype`'s kernels: its name in the shared source's list ([`common::DTYPES`], in the order of
+/// [`KERNEL_DTYPES`]); `None` for a type without kernels. Every launcher's symbol ends with it.
+pub(crate) fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
+    KERNEL_DTYPES.iter().position(|t| *t == dtype).and_then(|i| common::DTYPES.get(i).copied())
 }
 
 /// Why platform `P`'s custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.

@@ -31,12 +31,7 @@ pub fn staging_bytes(dtype: DataType, bytes: usize) -> Option<usize> {
 
 /// The kernel's symbol.
 pub fn kernel_name(format: Format, dtype: DataType) -> Option<String> {
-    let d = match dtype {
-        DataType::F32 => "f32",
-        DataType::F16 => "f16",
-        DataType::Bf16 => "bf16",
-        _ => return None,
-    };
+    let d = super::kernels::dtype_suffix(dtype)?;
     Some(format!("anyccl_quant_two_shot_{}_{d}", format.name()))
 }
 
@@ -133,7 +128,7 @@ impl<P: GpuPlatform> QuantKernels<P> {
         if stage.iter().chain(scratch).chain([&input, &out]).any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let mut kargs = quant_args(input, stage, scratch, out, flags, rank as i32, world as i32, bytes);
+        let mut kargs = quant_args(input, stage, scratch, out, flags, rank as i32, bytes);
         let (mut params, n) = kargs
             .pointers_for(&common::QUANT_PARAMS)
             .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
@@ -144,8 +139,8 @@ impl<P: GpuPlatform> QuantKernels<P> {
     }
 }
 
-/// The quantized kernels' parameters, in the order of `common::QUANT_PARAMS`.
-#[allow(clippy::too_many_arguments)]
+/// The quantized kernels' parameters, in the order of `common::QUANT_PARAMS` (the world is `flags.len()`, at most
+/// `MAX_RANKS`: checked by the launcher).
 fn quant_args(
     input: u64,
     stage: &[u64],
@@ -153,10 +148,10 @@ fn quant_args(
     out: u64,
     flags: &[u64],
     rank: i32,
-    world: i32,
     bytes: usize,
 ) -> KernelArgs {
     let n_vec = (bytes / common::VECTOR_BYTES) as u64;
+    let world = flags.len() as i32;
     KernelArgs::new().u64(input).ptrs(stage).ptrs(scratch).u64(out).ptrs(flags).i32(rank).i32(world).u64(n_vec)
 }
 
@@ -181,7 +176,7 @@ mod tests {
         listed.sort();
         assert_eq!(names, listed);
         // The parameters the launcher builds: the sizes the shared table lists.
-        let built = quant_args(16, &[32, 48], &[64, 80], 96, &[112, 128], 0, 2, 4096);
+        let built = quant_args(16, &[32, 48], &[64, 80], 96, &[112, 128], 0, 4096);
         assert!(built.matches(&common::QUANT_PARAMS), "{:?}", built.sizes());
         // A quantized message fits the staging its full-precision message fits, from one block up.
         for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
