@@ -638,7 +638,7 @@ impl<P: GpuPlatform> GpuComm<P> {
         &mut self,
         plan: &Plan,
         args: &AllReduceArgs<'_, Self>,
-    ) -> Result<Option<(LaunchIo, &mut CustomState<P>, &P::Runtime)>> {
+    ) -> Result<Option<CustomLaunch<'_, P>>> {
         let algorithm = plan.algorithm();
         let rank = self.ccl.rank();
         let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
@@ -659,6 +659,10 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.runtime.bind()
     }
 }
+
+/// What a custom kernel's launch works with ([`GpuComm::custom_launch`]): the call's pointers and sizes, the custom
+/// kernels' state and the device runtime.
+type CustomLaunch<'a, P> = (LaunchIo, &'a mut CustomState<P>, &'a <P as GpuPlatform>::Runtime);
 
 /// A custom kernel launch's own pointers and sizes ([`GpuComm::custom_launch`]).
 struct LaunchIo {
