@@ -634,11 +634,7 @@ impl<P: GpuPlatform> GpuComm<P> {
     /// and switches to reading every rank's input directly once
     /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers) has run.
     /// Stream-ordered and capture-safe (nothing is allocated).
-    fn custom_launch(
-        &mut self,
-        plan: &Plan,
-        args: &AllReduceArgs<'_, Self>,
-    ) -> Result<Option<CustomLaunch<'_, P>>> {
+    fn custom_launch(&mut self, plan: &Plan, args: &AllReduceArgs<'_, Self>) -> Result<Option<CustomLaunch<'_, P>>> {
         let algorithm = plan.algorithm();
         let rank = self.ccl.rank();
         let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
