@@ -22,7 +22,7 @@
 //! fn forge<'a, B: CommBackend>(bufs: InOut<'a, BufOf<B>>, stream: &'a StreamOf<B>) -> AllReduceArgs<'a, B> {
 //!     let (count, dtype, op) = (1 << 30, DataType::F32, ReduceOp::Sum);
 //!     let call = AllReduceCall { count, dtype, op, bytes: 4 << 30, in_place: true, capturing: false, bufs: None };
-//!     AllReduceArgs::new(bufs, stream, call, todo!(), Algorithm::Ccl)
+//!     AllReduceArgs::new(bufs, stream, call, todo!(), Algorithm::Ccl, todo!())
 //! }
 //! ```
 //!
@@ -74,25 +74,29 @@ use crate::comm::{AllReduceCall, BufOf, CommBackend, InOut, P2pOp, StreamOf};
 use crate::dtype::{DataType, ReduceOp};
 
 /// A validated all-reduce: the buffers, the stream, the call as the selector saw it (one capture query, made by
-/// the front-end on this stream) and the algorithm it chose (eligible for this call).
+/// the front-end on this stream), the algorithm it chose (eligible for this call) and the backend's plan for
+/// running it ([`CommBackend::Plan`], what the backend's eligibility answer returned).
 pub struct AllReduceArgs<'a, B: CommBackend + ?Sized> {
     bufs: InOut<'a, BufOf<B>>,
     stream: &'a StreamOf<B>,
     call: AllReduceCall,
     reduction: B::Reduction,
     algorithm: Algorithm,
+    plan: B::Plan,
 }
 
 impl<'a, B: CommBackend + ?Sized> AllReduceArgs<'a, B> {
-    /// Made by the `Communicator` once the call is validated and `algorithm` found eligible for `call`.
+    /// Made by the `Communicator` once the call is validated and `algorithm` found eligible for `call`, with the
+    /// plan that eligibility answer returned.
     pub(crate) fn new(
         bufs: InOut<'a, BufOf<B>>,
         stream: &'a StreamOf<B>,
         call: AllReduceCall,
         reduction: B::Reduction,
         algorithm: Algorithm,
+        plan: B::Plan,
     ) -> Self {
-        AllReduceArgs { bufs, stream, call, reduction, algorithm }
+        AllReduceArgs { bufs, stream, call, reduction, algorithm, plan }
     }
 
     /// The buffers: each holds at least [`Self::bytes`] bytes of this rank's memory; separate ones do not overlap.
@@ -118,6 +122,13 @@ impl<'a, B: CommBackend + ?Sized> AllReduceArgs<'a, B> {
     /// The algorithm chosen (eligible for this call on this backend).
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
+    }
+
+    /// The backend's plan for running [`Self::algorithm`] on this call: what its
+    /// [`CommBackend::allreduce_eligible`] returned when the algorithm was found eligible (remembered with the
+    /// decision while the backend's eligibility is unchanged).
+    pub fn plan(&self) -> &B::Plan {
+        &self.plan
     }
 
     /// Element count.

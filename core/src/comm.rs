@@ -168,8 +168,14 @@ pub trait CommBackend: Send {
     fn capabilities(&self) -> &CapabilityReport;
     /// The all-reduce algorithms this backend implements, eligible or not.
     fn allreduce_algorithms(&self) -> &[Algorithm];
-    /// Whether `algorithm` can run `call` (`Err` says why not).
-    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String>;
+    /// What a backend's eligibility answer hands to its launch: everything [`CommBackend::all_reduce`] needs to
+    /// know about how to run the chosen algorithm on that call (which kernel family, shape, format), so the launch
+    /// does not decide it again. The front-end remembers it with the decision and passes it back inside
+    /// [`AllReduceArgs::plan`]. `()` for a backend with nothing to hand over.
+    type Plan: Clone + Send + Sync + std::fmt::Debug;
+    /// Whether `algorithm` can run `call`: its plan ([`CommBackend::Plan`]), or why not.
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall)
+        -> std::result::Result<Self::Plan, String>;
     /// What the backend derives once from a (type, operator) pair it accepts, such as the vendor library's codes
     /// for them. The front-end gets it from [`CommBackend::check_reduction`] and hands it back inside the
     /// validated description of the call ([`AllReduceArgs::reduction`] and the others), so a pair is checked and
@@ -338,18 +344,33 @@ pub struct Communicator<B: CommBackend> {
     /// Whether one of `candidates` looks at the capture state.
     rules_read_capture: bool,
     /// The last all-reduce's decision, for a backend that says when its eligibility changes.
-    memo: Option<Memo<B::Reduction>>,
+    memo: Option<Memo<B::Reduction, B::Plan>>,
     /// Deterministic mode ([`Communicator::set_deterministic`]).
     deterministic: bool,
 }
 
-/// One remembered all-reduce decision ([`CommBackend::eligibility_epoch`]).
-struct Memo<R> {
+/// One remembered all-reduce decision ([`CommBackend::eligibility_epoch`]), with the backend's plan for it.
+struct Memo<R, P> {
     call: AllReduceCall,
     epoch: u64,
     reduction: R,
     selection: Selection,
+    plan: P,
 }
+
+/// What [`Communicator::all_reduce_if`] did with a call.
+#[derive(Debug)]
+pub enum AllReduceOutcome {
+    /// The selected algorithm ran (queued on the stream).
+    Ran(Selection),
+    /// The caller declined the selected algorithm: nothing ran.
+    Declined(Selection),
+    /// No algorithm could run the call (the selector's refusal): nothing ran.
+    Unselected(Error),
+}
+
+/// What the front-end decided for one all-reduce: the backend's reduction, the selection and the backend's plan.
+type Decision<B> = (<B as CommBackend>::Reduction, Selection, <B as CommBackend>::Plan);
 
 impl<B: CommBackend> Communicator<B> {
     /// Wraps a backend communicator with `selector`.
@@ -421,6 +442,14 @@ impl<B: CommBackend> Communicator<B> {
 
     /// The algorithm an all-reduce of this shape would use now, without running it.
     pub fn select_all_reduce(&self, call: &AllReduceCall) -> Result<Selection> {
+        self.plan_all_reduce(call).map(|(selection, _)| selection)
+    }
+
+    /// The selection for `call` with the backend's plan for the chosen algorithm: each candidate's eligibility is
+    /// asked once, and the plan of the one chosen is kept (the selector returns the last algorithm it found
+    /// eligible).
+    pub fn plan_all_reduce(&self, call: &AllReduceCall) -> Result<(Selection, B::Plan)> {
+        let mut last: Option<(Algorithm, B::Plan)> = None;
         let q = SelectionQuery {
             vendor: self.backend.vendor(),
             arch: self.backend.arch(),
@@ -430,17 +459,32 @@ impl<B: CommBackend> Communicator<B> {
             capturing: call.capturing,
         };
         let algos = self.backend.allreduce_algorithms();
-        self.selector.select_among(&self.candidates, &q, self.deterministic, |a| {
+        let selection = self.selector.select_among(&self.candidates, &q, self.deterministic, |a| {
             if !algos.contains(&a) {
                 return Err(format!("not implemented by the {} backend", self.backend.name()));
             }
-            self.backend.allreduce_eligible(a, call)
-        })
+            let plan = self.backend.allreduce_eligible(a, call)?;
+            last = Some((a, plan));
+            Ok(())
+        })?;
+        match last {
+            Some((a, plan)) if a == selection.algorithm => Ok((selection, plan)),
+            // The selector only returns an algorithm it found eligible last; asked again should that ever change.
+            _ => {
+                let plan = self.plan_algorithm(selection.algorithm, call)?;
+                Ok((selection, plan))
+            }
+        }
     }
 
     /// Whether `algorithm` could run `call` here (`Err` with the reason if not; in deterministic mode an algorithm
     /// that does not sum in rank order is refused).
     pub fn check_algorithm(&self, algorithm: Algorithm, call: &AllReduceCall) -> Result<()> {
+        self.plan_algorithm(algorithm, call).map(drop)
+    }
+
+    /// [`Self::check_algorithm`], returning the backend's plan for running `algorithm` on `call`.
+    pub fn plan_algorithm(&self, algorithm: Algorithm, call: &AllReduceCall) -> Result<B::Plan> {
         if let Some(why) = algorithm.nondeterministic().filter(|_| self.deterministic) {
             return Err(Error::AlgorithmNotEligible {
                 algorithm,
@@ -487,12 +531,7 @@ impl<B: CommBackend> Communicator<B> {
     /// The remembered decision, if `call` repeats the previous call and the backend's eligibility has not changed
     /// since ([`CommBackend::eligibility_epoch`]). `capture` is whether `call.capturing` was asked: if not, the
     /// memo applies only when the decision cannot depend on it, and `call.capturing` becomes the previous answer.
-    fn remembered(
-        &self,
-        call: &mut AllReduceCall,
-        epoch: Option<u64>,
-        capture: bool,
-    ) -> Option<(B::Reduction, Selection)> {
+    fn remembered(&self, call: &mut AllReduceCall, epoch: Option<u64>, capture: bool) -> Option<Decision<B>> {
         let m = self.memo.as_ref().filter(|m| Some(m.epoch) == epoch)?;
         if !capture {
             if self.rules_read_capture || !self.backend.capture_independent(m.selection.algorithm) {
@@ -500,16 +539,21 @@ impl<B: CommBackend> Communicator<B> {
             }
             call.capturing = m.call.capturing;
         }
-        (m.call == *call).then(|| (m.reduction, m.selection.clone()))
+        (m.call == *call).then(|| (m.reduction, m.selection.clone(), m.plan.clone()))
     }
 
-    /// The backend's reduction and the selection for a validated `call`, asked afresh and remembered when the
-    /// backend says when its answers change.
-    fn decide_all_reduce(&mut self, call: &AllReduceCall, epoch: Option<u64>) -> Result<(B::Reduction, Selection)> {
-        let reduction = self.backend.check_reduction(call.dtype, call.op)?;
-        let selection = self.select_all_reduce(call)?;
-        self.memo = epoch.map(|epoch| Memo { call: *call, epoch, reduction, selection: selection.clone() });
-        Ok((reduction, selection))
+    /// The selection and plan for a validated `call` whose reduction the backend accepted, asked afresh and
+    /// remembered (with `reduction`) when the backend says when its answers change.
+    fn decide_all_reduce(
+        &mut self,
+        call: &AllReduceCall,
+        epoch: Option<u64>,
+        reduction: B::Reduction,
+    ) -> Result<Decision<B>> {
+        let (selection, plan) = self.plan_all_reduce(call)?;
+        self.memo =
+            epoch.map(|epoch| Memo { call: *call, epoch, reduction, selection: selection.clone(), plan: plan.clone() });
+        Ok((reduction, selection, plan))
     }
 
     /// All-reduce `count` elements with the algorithm the selector picks. Returns the selection.
@@ -525,21 +569,49 @@ impl<B: CommBackend> Communicator<B> {
         op: ReduceOp,
         stream: &StreamOf<B>,
     ) -> Result<Selection> {
+        match self.all_reduce_if(bufs, count, dtype, op, stream, |_| true)? {
+            AllReduceOutcome::Ran(sel) | AllReduceOutcome::Declined(sel) => Ok(sel),
+            AllReduceOutcome::Unselected(e) => Err(e),
+        }
+    }
+
+    /// [`Self::all_reduce`], run only where `accept` takes the selection: the selector is asked once (or its
+    /// remembered decision reused), and the backend's plan for the chosen algorithm runs if `accept` says so.
+    /// For a caller that hands some algorithms elsewhere (the drop-in `libnccl` forwards what is not its own
+    /// kernels' to the library underneath). `Err` is a call that failed (validation, the capture query, the
+    /// backend's reduction or the run); a call no algorithm can run is [`AllReduceOutcome::Unselected`].
+    pub fn all_reduce_if(
+        &mut self,
+        bufs: InOut<'_, BufOf<B>>,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: &StreamOf<B>,
+        accept: impl FnOnce(&Selection) -> bool,
+    ) -> Result<AllReduceOutcome> {
         let mut call = self.validate_all_reduce(&bufs, count, dtype, op)?;
         let epoch = self.backend.eligibility_epoch();
         let mut capture_asked = false;
-        let decided = match self.remembered(&mut call, epoch, false) {
-            Some(d) => d,
+        let remembered = match self.remembered(&mut call, epoch, false) {
+            Some(d) => Some(d),
             None => {
                 call.capturing = self.runtime().is_capturing(stream)?;
                 capture_asked = true;
-                match self.remembered(&mut call, epoch, true) {
-                    Some(d) => d,
-                    None => self.decide_all_reduce(&call, epoch)?,
+                self.remembered(&mut call, epoch, true)
+            }
+        };
+        let decided = match remembered {
+            Some(d) => d,
+            None => {
+                let reduction = self.backend.check_reduction(call.dtype, call.op)?;
+                match self.decide_all_reduce(&call, epoch, reduction) {
+                    Ok(d) => d,
+                    Err(e) => return Ok(AllReduceOutcome::Unselected(e)),
                 }
             }
         };
-        let (reduction, sel) = decided;
+        let (reduction, sel, plan) = decided;
+        let accepted = accept(&sel);
         tracing::debug!(
             rank = self.rank(),
             world = self.world_size(),
@@ -550,10 +622,14 @@ impl<B: CommBackend> Communicator<B> {
             capture_asked,
             algorithm = %sel.algorithm,
             rule = %sel.why,
+            accepted,
             "all-reduce"
         );
-        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, sel.algorithm))?;
-        Ok(sel)
+        if !accepted {
+            return Ok(AllReduceOutcome::Declined(sel));
+        }
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, sel.algorithm, plan))?;
+        Ok(AllReduceOutcome::Ran(sel))
     }
 
     /// All-reduce with an explicit algorithm (for benchmarks and tests, and the way to ask for a lossy one:
@@ -570,8 +646,8 @@ impl<B: CommBackend> Communicator<B> {
     ) -> Result<()> {
         let call = self.prepare_all_reduce(&bufs, count, dtype, op, stream)?;
         let reduction = self.backend.check_reduction(dtype, op)?;
-        self.check_algorithm(algorithm, &call)?;
-        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, algorithm))
+        let plan = self.plan_algorithm(algorithm, &call)?;
+        self.backend.all_reduce(AllReduceArgs::new(bufs, stream, call, reduction, algorithm, plan))
     }
 
     /// [`Error::Unsupported`] naming the backend if it has no form of the fused all-reduce + RMSNorm.
@@ -964,6 +1040,7 @@ mod tests {
 
     impl CommBackend for Counting {
         type Reduction = (DataType, ReduceOp);
+        type Plan = ();
         type Runtime = Bytes;
 
         fn runtime(&self) -> &Bytes {

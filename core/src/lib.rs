@@ -39,7 +39,7 @@ pub mod validate;
 pub use algo::{Algorithm, Vendor};
 pub use bootstrap::Bootstrap;
 pub use caps::{Capabilities, CapabilityReport, CapabilityState, Reason};
-pub use comm::{CommBackend, Communicator, GraphRegistration, InOut, P2pOp};
+pub use comm::{AllReduceOutcome, CommBackend, Communicator, GraphRegistration, InOut, P2pOp};
 pub use dtype::{DataType, Element, ReduceOp};
 pub use error::{Error, InvalidArgument, Result};
 pub use fused::{RmsNormForm, RmsNormOutput, RmsNormSelection, RmsNormSpec};

@@ -40,9 +40,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use anyccl_ccl::{CclComm, CclLibrary, CclStream, CclVendor};
-use anyccl_core::comm::AllReduceCall as CoreCall;
 use anyccl_core::selector::SelectionQuery;
-use anyccl_core::{Algorithm, Communicator, DataType, Error, InOut, ReduceOp, Selection, Selector};
+use anyccl_core::{Algorithm, AllReduceOutcome, Communicator, DataType, Error, InOut, ReduceOp, Selection, Selector};
 use anyccl_gpu::device::GpuBuffer;
 use anyccl_gpu::{GpuComm, GpuPlatform, StreamOf};
 use dashmap::DashMap;
@@ -605,11 +604,7 @@ where
             Ok(s) => s,
             Err(why) => return Outcome::Forward(Why::Static(why)),
         };
-        if bytes > self.capacity {
-            return Outcome::Forward(Why::Static(
-                "the message exceeds the custom kernels' staging buffers (ANYCCL_CUSTOM_MAX_BYTES)",
-            ));
-        }
+        // What the custom kernels cannot take at all is forwarded without asking the selector.
         if let Err(why) = custom_fits::<P>(dtype, op, bytes, self.world, self.capacity) {
             return Outcome::Forward(Why::Owned(why));
         }
@@ -618,7 +613,7 @@ where
         }
         if self.ready.is_none() {
             match self.would_choose(dtype, op, bytes) {
-                Ok(s) if matches!(s.algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush) => {}
+                Ok(s) if runs_here(s.algorithm) => {}
                 Ok(s) => {
                     return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", s.algorithm, s.why)))
                 }
@@ -654,10 +649,6 @@ where
         let ordinal = P::device_ordinal(comm.runtime());
         // SAFETY: the caller's stream, live for the call (nccl.h's contract); dropped before returning.
         let stream = unsafe { P::borrow_stream(comm.runtime(), call.stream) };
-        let capturing = match stream.is_capturing() {
-            Ok(c) => c,
-            Err(e) => return Outcome::Failed(failure(&e)),
-        };
         let in_place = call.sendbuff == call.recvbuff.cast_const();
         // SAFETY: nccl.h's contract: `sendbuff` and `recvbuff` hold `count` elements of device memory of the
         // communicator's device, allocated for the call's duration (and for a captured call, for as long as its
@@ -669,16 +660,14 @@ where
             )
         };
         let bufs = if in_place { InOut::InPlace(&mut recv) } else { InOut::Separate { send: &send, recv: &mut recv } };
-        let core_call = CoreCall { count: call.count, dtype, op, bytes, in_place, capturing, bufs: Some(bufs.desc()) };
-        let sel = match comm.select_all_reduce(&core_call) {
-            Ok(s) => s,
-            Err(e) => return Outcome::Forward(Why::Owned(e.to_string())),
-        };
-        if !matches!(sel.algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush) {
-            return Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", sel.algorithm, sel.why)));
-        }
-        match comm.all_reduce_with(sel.algorithm, bufs, call.count, dtype, op, &stream) {
-            Ok(()) => Outcome::Ran(sel.algorithm, sel.why.to_string()),
+        // The selector is asked once (its decision remembered for a repeat of this call) and the plan it chose
+        // runs, unless it chose what the library underneath runs: that is forwarded.
+        match comm.all_reduce_if(bufs, call.count, dtype, op, &stream, |s| runs_here(s.algorithm)) {
+            Ok(AllReduceOutcome::Ran(sel)) => Outcome::Ran(sel.algorithm, sel.why.to_string()),
+            Ok(AllReduceOutcome::Declined(sel)) => {
+                Outcome::Forward(Why::Owned(format!("the selector chose {} ({})", sel.algorithm, sel.why)))
+            }
+            Ok(AllReduceOutcome::Unselected(e)) => Outcome::Forward(Why::Owned(e.to_string())),
             Err(e) => Outcome::Failed(failure(&e)),
         }
     }
@@ -698,6 +687,12 @@ where
             }
         }
     }
+}
+
+/// Whether the drop-in runs `algorithm` itself (its custom kernels); every other choice is forwarded to the
+/// library underneath.
+fn runs_here(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::OneShot | Algorithm::TwoShot | Algorithm::OneShotPush)
 }
 
 /// Whether the custom kernels take this call (before asking the selector), else why not.
@@ -725,10 +720,8 @@ fn custom_fits<P: GpuPlatform>(
 /// The call's type and operator as anyccl's, when the custom kernels could take them at all (else why not, a fixed
 /// text).
 fn shape(call: &AllReduceCall) -> std::result::Result<(DataType, ReduceOp, usize), &'static str> {
-    let dtype = match call.datatype {
-        6 => DataType::F16,
-        7 => DataType::F32,
-        9 => DataType::Bf16,
+    let dtype = match anyccl_ccl::dtype_of_nccl_code(call.datatype) {
+        Some(d @ (DataType::F16 | DataType::F32 | DataType::Bf16)) => d,
         _ => return Err("the custom kernels handle float32, float16 and bfloat16 only"),
     };
     if call.op != 0 {

@@ -48,15 +48,9 @@ pub struct DataTypeName(pub c_int);
 
 impl std::fmt::Display for DataTypeName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names =
-            ["int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32", "float64", "bfloat16"];
-        match usize::try_from(self.0).ok().and_then(|i| names.get(i)) {
+        match anyccl_ccl::nccl_dtype_name(self.0) {
             Some(n) => f.write_str(n),
-            None => match self.0 {
-                10 => f.write_str("float8e4m3"),
-                11 => f.write_str("float8e5m2"),
-                other => write!(f, "datatype {other}"),
-            },
+            None => write!(f, "datatype {}", self.0),
         }
     }
 }

@@ -116,16 +116,20 @@ pub fn allreduce_params(kernel: &str) -> Option<&'static [Param]> {
     if !ALLREDUCE_KERNELS.contains(&kernel) {
         return None;
     }
-    let params: &'static [Param] = if kernel.starts_with("anyccl_one_shot_table_") {
-        &ONE_SHOT_TABLE_PARAMS
-    } else if kernel.starts_with("anyccl_one_shot_") {
-        &ONE_SHOT_PARAMS
-    } else if kernel.starts_with("anyccl_two_shot_table_") {
-        &TWO_SHOT_TABLE_PARAMS
-    } else {
-        &TWO_SHOT_PARAMS
-    };
-    Some(params)
+    let one_shot = kernel.starts_with("anyccl_one_shot_");
+    let table = kernel.starts_with("anyccl_one_shot_table_") || kernel.starts_with("anyccl_two_shot_table_");
+    Some(allreduce_params_of(one_shot, table))
+}
+
+/// The parameters of the one-shot (`one_shot`) or two-shot kernel, reading its inputs through a table or not
+/// (what [`allreduce_params`] answers for each of their names).
+pub fn allreduce_params_of(one_shot: bool, table: bool) -> &'static [Param] {
+    match (one_shot, table) {
+        (true, true) => &ONE_SHOT_TABLE_PARAMS,
+        (true, false) => &ONE_SHOT_PARAMS,
+        (false, true) => &TWO_SHOT_TABLE_PARAMS,
+        (false, false) => &TWO_SHOT_PARAMS,
+    }
 }
 
 /// The fused all-reduce + residual add + RMSNorm kernels (`include/anyccl/fused.h`), for f16 and bf16:

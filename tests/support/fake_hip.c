@@ -1806,10 +1806,28 @@ static int push_two_run(const struct kwork* w) {
 /* Set by cuLaunchKernelEx (fake_cuda.c) for the launch it makes on this thread: programmatic dependent launch. */
 static __thread int launch_pdl;
 
+/* Test hook (fakehip_fail_launches): the next `count` launches of a function whose name starts with `prefix`
+ * fail with hipErrorLaunchFailure (719) before anything is checked, recorded or run, as a launch on a failing
+ * device would. A count of 0 turns it off. */
+static char fail_launch_prefix[64];
+static int fail_launch_count;
+void fakehip_fail_launches(const char* prefix, int count) {
+    pthread_mutex_lock(&mu);
+    snprintf(fail_launch_prefix, sizeof fail_launch_prefix, "%s", prefix ? prefix : "");
+    fail_launch_count = count;
+    pthread_mutex_unlock(&mu);
+}
 hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                  unsigned bz, unsigned shared, void* s, void** params, void** extra) {
     count_call("hipModuleLaunchKernel");
     struct function* fn = f;
+    if (fn) {
+        pthread_mutex_lock(&mu);
+        int fail = fail_launch_count > 0 && strncmp(fn->name, fail_launch_prefix, strlen(fail_launch_prefix)) == 0;
+        if (fail) fail_launch_count--;
+        pthread_mutex_unlock(&mu);
+        if (fail) return 719;
+    }
     struct kwork w;
     memset(&w, 0, sizeof w);
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};

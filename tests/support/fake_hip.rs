@@ -107,6 +107,18 @@ impl FakeHip {
         }
     }
 
+    /// Makes the next `count` launches of a kernel whose name starts with `prefix` fail with
+    /// hipErrorLaunchFailure (719, CUDA's CUDA_ERROR_LAUNCH_FAILED too) before anything runs; `count` 0 turns it
+    /// off.
+    pub fn fail_launches(&self, prefix: &str, count: i32) {
+        let prefix = std::ffi::CString::new(prefix).expect("a kernel name prefix without NUL");
+        // SAFETY: as above; the fake copies the prefix.
+        unsafe {
+            let f = self.lib.get::<unsafe extern "C" fn(*const std::ffi::c_char, i32)>(b"fakehip_fail_launches\0");
+            f.expect("sym")(prefix.as_ptr(), count)
+        }
+    }
+
     /// Bytes of every live allocation of the fake's "device" memory (all devices), from `hipMemGetInfo`.
     pub fn used_bytes(&self) -> usize {
         let (mut free, mut total) = (0usize, 0usize);

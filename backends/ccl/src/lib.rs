@@ -120,6 +120,41 @@ impl UniqueId {
     }
 }
 
+/// Every `ncclDataType_t` of `nccl.h` (2.32) with anyccl's type and the name NCCL gives it: the one list of the
+/// codes (RCCL uses the same values, its fp8 types included). The drop-in `libnccl` reads its callers' codes
+/// through it.
+pub const NCCL_DATA_TYPES: [(DataType, sys::ncclDataType_t, &str); 12] = [
+    (DataType::I8, 0, "int8"),
+    (DataType::U8, 1, "uint8"),
+    (DataType::I32, 2, "int32"),
+    (DataType::U32, 3, "uint32"),
+    (DataType::I64, 4, "int64"),
+    (DataType::U64, 5, "uint64"),
+    (DataType::F16, 6, "float16"),
+    (DataType::F32, 7, "float32"),
+    (DataType::F64, 8, "float64"),
+    (DataType::Bf16, 9, "bfloat16"),
+    (DataType::Fp8E4M3, 10, "float8e4m3"),
+    (DataType::Fp8E5M2, 11, "float8e5m2"),
+];
+
+/// The `ncclDataType_t` code of `dtype` in `nccl.h`, whatever the loaded library's version
+/// ([`NCCL_DATA_TYPES`]); `None` for a type `nccl.h` has no code for.
+pub fn nccl_dtype_code(dtype: DataType) -> Option<sys::ncclDataType_t> {
+    NCCL_DATA_TYPES.iter().find(|(d, _, _)| *d == dtype).map(|(_, c, _)| *c)
+}
+
+/// anyccl's type of an `ncclDataType_t` code ([`NCCL_DATA_TYPES`]); `None` for a code `nccl.h` 2.32 lacks.
+pub fn dtype_of_nccl_code(code: sys::ncclDataType_t) -> Option<DataType> {
+    NCCL_DATA_TYPES.iter().find(|(_, c, _)| *c == code).map(|(d, _, _)| *d)
+}
+
+/// NCCL's name of an `ncclDataType_t` code (`"bfloat16"`, [`NCCL_DATA_TYPES`]); `None` for a code `nccl.h` 2.32
+/// lacks.
+pub fn nccl_dtype_name(code: sys::ncclDataType_t) -> Option<&'static str> {
+    NCCL_DATA_TYPES.iter().find(|(_, c, _)| *c == code).map(|(_, _, n)| *n)
+}
+
 /// The `ncclDataType_t` of `dtype`, or an error if the loaded version lacks it (bf16 before 2.10, fp8 before 2.24
 /// on NCCL / 2.20 on RCCL).
 pub fn nccl_dtype(lib: &CclLibrary, dtype: DataType) -> Result<sys::ncclDataType_t> {
@@ -131,43 +166,29 @@ pub fn nccl_dtype(lib: &CclLibrary, dtype: DataType) -> Result<sys::ncclDataType
             why: format!("{} has no {dtype} type; {}.{} or newer is required", lib.describe(), need.0, need.1),
         })
     };
-    Ok(match dtype {
-        DataType::I8 => 0,
-        DataType::U8 => 1,
-        DataType::I32 => 2,
-        DataType::U32 => 3,
-        DataType::I64 => 4,
-        DataType::U64 => 5,
-        DataType::F16 => 6,
-        DataType::F32 => 7,
-        DataType::F64 => 8,
-        DataType::Bf16 if v.at_least(2, 10) => 9,
-        DataType::Bf16 => return Err(refuse((2, 10))),
+    match dtype {
+        DataType::Bf16 if !v.at_least(2, 10) => return Err(refuse((2, 10))),
         DataType::Fp8E4M3 | DataType::Fp8E5M2 => {
             let need = caps::fp8_first_version(lib.vendor());
             if !v.at_least(need.0, need.1) {
                 return Err(refuse(need));
             }
-            // NCCL's ncclFloat8e4m3/e5m2 and RCCL's ncclFp8E4M3/E5M2 share the values 10 and 11.
-            if dtype == DataType::Fp8E4M3 {
-                10
-            } else {
-                11
-            }
         }
+        _ => {}
+    }
+    // NCCL's ncclFloat8e4m3/e5m2 and RCCL's ncclFp8E4M3/E5M2 share the values 10 and 11.
+    nccl_dtype_code(dtype).ok_or_else(|| {
         // `DataType` is `#[non_exhaustive]`: a type added to anyccl-core after this crate has no code here yet.
-        other => {
-            return Err(Error::InvalidArgument(InvalidArgument::UnsupportedDataType {
-                dtype: other,
-                backend: backend_name(lib).into(),
-                why: format!(
-                    "anyccl-ccl {} does not know its ncclDataType_t, so {} cannot be asked (the type is newer than \
-                     this crate; update anyccl-ccl)",
-                    env!("CARGO_PKG_VERSION"),
-                    lib.describe()
-                ),
-            }))
-        }
+        Error::InvalidArgument(InvalidArgument::UnsupportedDataType {
+            dtype,
+            backend: backend_name(lib).into(),
+            why: format!(
+                "anyccl-ccl {} does not know its ncclDataType_t, so {} cannot be asked (the type is newer than this \
+                 crate; update anyccl-ccl)",
+                env!("CARGO_PKG_VERSION"),
+                lib.describe()
+            ),
+        })
     })
 }
 
@@ -851,5 +872,23 @@ impl Drop for CclComm {
         if let Err(e) = self.destroy_in_place() {
             tracing::warn!(error = %e, "destroying a communicator failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod dtype_code_tests {
+    use super::*;
+
+    #[test]
+    fn every_nccl_code_names_one_type_and_back() {
+        for (i, (dtype, code, name)) in NCCL_DATA_TYPES.iter().enumerate() {
+            assert_eq!(*code as usize, i, "nccl.h numbers its types from 0 in this order");
+            assert_eq!(nccl_dtype_code(*dtype), Some(*code));
+            assert_eq!(dtype_of_nccl_code(*code), Some(*dtype));
+            assert_eq!(nccl_dtype_name(*code), Some(*name));
+        }
+        assert_eq!(dtype_of_nccl_code(12), None);
+        assert_eq!(dtype_of_nccl_code(-1), None);
+        assert_eq!(nccl_dtype_name(9), Some("bfloat16"));
     }
 }

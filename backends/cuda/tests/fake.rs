@@ -61,6 +61,7 @@ const NEED_KERNELS: &[&str] = &[
     "push_sm80",
     "push_off",
     "push_fail",
+    "launch_fail",
     "fused",
     "nvls",
     "nvls_fail",
@@ -144,6 +145,14 @@ fn run_case(case: &str) -> String {
         "case {case}: the child did not run the case\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
     );
     stdout
+}
+
+/// A failed launch names the algorithm that ran: the push one-shot (selected for a small message), the push
+/// two-shot and both quantized two-shots (named), each when the fake driver fails its kernel's launch on every rank
+/// (CUDA_ERROR_LAUNCH_FAILED); nothing was enqueued, so the same calls then run and sum right.
+#[test]
+fn a_failed_launch_of_the_push_or_quantized_kernels_names_its_algorithm() {
+    run_case("launch_fail");
 }
 
 /// The push one-shot on communicators of one process (worlds 2 and 4): the setup allocates one receive buffer of
@@ -384,6 +393,7 @@ fn child() {
         "nvls_off" => nvls_refused(&s, "MULTICAST_SUPPORTED = 0"),
         "nvls_env_off" => nvls_refused(&s, "NCCL_NVLS_ENABLE"),
         "nvls_disabled" => nvls_refused(&s, "ANYCCL_DISABLE"),
+        "launch_fail" => launch_fail(&s),
         other => panic!("unknown case {other}"),
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new(), "capture violations");
@@ -1888,6 +1898,50 @@ fn push_off(s: &Setup) {
     }
     drop(cs);
     assert_eq!(s.fake.used_bytes(), used);
+}
+
+fn launch_fail(s: &Setup) {
+    let mut cs = comms(s, 2);
+    let cases: [(Option<Algorithm>, Algorithm, &str, DataType); 4] = [
+        (None, Algorithm::OneShotPush, "anyccl_push_one_shot_", DataType::F32),
+        (Some(Algorithm::TwoShotPush), Algorithm::TwoShotPush, "anyccl_push_two_shot_", DataType::F32),
+        (Some(Algorithm::TwoShotFp8), Algorithm::TwoShotFp8, "anyccl_quant_two_shot_fp8_", DataType::Bf16),
+        (Some(Algorithm::TwoShotInt8), Algorithm::TwoShotInt8, "anyccl_quant_two_shot_int8_", DataType::Bf16),
+    ];
+    for (named, algorithm, prefix, dtype) in cases {
+        let count = 1024;
+        s.fake.fail_launches(prefix, 2);
+        let before = s.fake.launch_total();
+        let out = per_rank(&mut cs, |c| reduce_once_with(c, named, dtype, count, 1, true));
+        s.fake.fail_launches("", 0);
+        assert_eq!(s.fake.launch_total(), before, "{algorithm}: the failed launches ran nothing");
+        for (rank, r) in out.into_iter().enumerate() {
+            let e = r.expect_err("the launch failed");
+            match &e {
+                Error::Backend { call, code, .. } => {
+                    assert_eq!(*code, Some(719), "rank {rank}: {e}");
+                    assert!(call.starts_with(&format!("{algorithm} all-reduce: ")), "rank {rank}: {e}");
+                }
+                other => panic!("rank {rank}: {algorithm}: not the launch's failure: {other}"),
+            }
+            assert!(e.to_string().contains(&algorithm.to_string()), "rank {rank}: {e}");
+            for other in [Algorithm::OneShot, Algorithm::TwoShot] {
+                assert!(!e.to_string().contains(&format!("{other} all-reduce")), "rank {rank}: {e}");
+            }
+        }
+        // Nothing was enqueued on any rank: the same call runs and sums right.
+        let out = per_rank(&mut cs, |c| reduce_once_with(c, named, dtype, count, 1, true));
+        for r in out {
+            let (ran, got) = r.expect("the call after the failure");
+            assert_eq!(ran, algorithm);
+            let want = reference(2, 1, count);
+            // The quantized two-shots are lossy: near the exact sums (at most 16 in magnitude here).
+            let tolerance = if algorithm.is_lossy() { 2.5 } else { 0.0 };
+            assert!(got.iter().zip(&want).all(|(g, w)| (g - w).abs() <= tolerance), "{algorithm}: {got:?}");
+            let mean_error = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).sum::<f32>() / count as f32;
+            assert!(mean_error <= tolerance / 4.0, "{algorithm}: mean error {mean_error}");
+        }
+    }
 }
 
 fn push_fail(s: &Setup) {

@@ -16,14 +16,17 @@ use anyccl_core::{
 use anyccl_kernels_common as common;
 
 use super::graph_inputs::{GraphInputs, Transport};
-use super::kernels::{self, CustomKernels, Inputs, Kind};
-use super::push::{self, PushGrid, PushKernels, PushShape, PushState};
-use super::quant::{self, QuantKernels};
+use super::kernels::{self, CustomKernels};
+use super::push::{self, PushKernels, PushState};
+use super::quant::QuantKernels;
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
 use anyccl_ccl::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
 
 pub mod fused_call;
+mod plans;
+
+pub use plans::Plan;
 
 /// Largest message the custom kernels take by default (their staging buffers' size); `ANYCCL_CUSTOM_MAX_BYTES`
 /// changes it.
@@ -117,15 +120,6 @@ fn own_custom_buffers<P: GpuPlatform>(rt: &P::Runtime, capacity: usize) -> Resul
 /// Bytes of what each rank sends in the custom kernels' IPC setup: the staging, scratch and flag handles, the
 /// staging size and block limit, then the push receive buffer's handle and the push limit (0: no push buffer).
 const IPC_BLOB_BYTES: usize = 4 * LEGACY_HANDLE_BYTES + 24;
-
-/// The push kernel shape of `algorithm`, if it is a push algorithm.
-fn push_shape(algorithm: Algorithm) -> Option<PushShape> {
-    match algorithm {
-        Algorithm::OneShotPush => Some(PushShape::OneShot),
-        Algorithm::TwoShotPush => Some(PushShape::TwoShot),
-        _ => None,
-    }
-}
 
 /// This rank's push one-shot part: its kernels (from `kernels`' module) and its initialised receive buffer, or why
 /// not (a limit of 0, a platform that does not offer it, or a failure, whose partial buffer is freed).
@@ -649,103 +643,27 @@ impl<P: GpuPlatform> GpuComm<P> {
         crate::device::symmetric_buffer(&self.ccl, P::NAME, &self.caps, &self.runtime, bytes, stream)
     }
 
-    /// Launches a custom all-reduce. Eager: the kernel copies this rank's input into its staging buffer, which the
-    /// peers read. During capture: the kernel reads the input through a table in device memory that starts as the
-    /// same staging copy and switches to reading every rank's input directly once
-    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers) has run (not for
-    /// in-place one-shot, where a rank would overwrite its input while peers still read it). Stream-ordered and
-    /// capture-safe (nothing is allocated).
-    fn custom_all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
-        let (algorithm, bytes, dtype, stream) = (args.algorithm(), args.bytes(), args.dtype(), args.stream());
-        // Queried once, by the front-end, on this stream.
-        let capturing = args.capturing();
+    /// What every custom kernel's launch starts with ([`plans`]): the custom kernels' state (or the refusal,
+    /// naming the plan's algorithm), the device made current, and the call's pointers; `None` for an empty
+    /// message, which launches nothing (every rank of the collective skips it alike, the same count, so the
+    /// kernels' barrier epochs stay in step).
+    ///
+    /// Eager, the kernels copy this rank's input into its staging buffer, which the peers read; during capture,
+    /// the one-shot and two-shot read it through a table in device memory that starts as the same staging copy
+    /// and switches to reading every rank's input directly once
+    /// [`Communicator::register_graph_buffers`](anyccl_core::Communicator::register_graph_buffers) has run.
+    /// Stream-ordered and capture-safe (nothing is allocated).
+    fn custom_launch(&mut self, plan: &Plan, args: &AllReduceArgs<'_, Self>) -> Result<Option<CustomLaunch<'_, P>>> {
+        let algorithm = plan.algorithm();
         let rank = self.ccl.rank();
         let st = self.custom.as_mut().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
+        let bytes = args.bytes();
         if bytes == 0 {
-            // Nothing to reduce: no launch. Every rank of the collective skips it alike (the same count), so the
-            // kernels' barrier epochs stay in step.
-            return Ok(());
+            return Ok(None);
         }
         self.runtime.bind()?;
         let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
-        let (src, dst) = (src as u64, dst as u64);
-        if let Some(shape) = push_shape(algorithm) {
-            let push = st.push.as_ref().map_err(|why| Error::AlgorithmNotEligible { algorithm, why: why.clone() })?;
-            let grid = PushGrid {
-                blocks: shape.blocks(bytes, push.all_recv.len()),
-                dependent: push.kernels.dependent_launch().is_ok(),
-            };
-            // SAFETY: every rank's receive buffer was allocated with PUSH_RECV_BYTES and initialised by the setup,
-            // and is reachable through peer access or IPC; `flags` is this rank's live flag array; eligibility
-            // checked `bytes` against the agreed limit (≤ the slots' size); every rank of this communicator makes
-            // the same calls in the same order (a collective); ranks run on different GPUs. The kernel reads only
-            // this rank's input (in place is fine) and keeps its call counter on the device: the same eager and
-            // captured.
-            return unsafe {
-                push.kernels.launch(
-                    shape,
-                    &self.runtime,
-                    dtype,
-                    src,
-                    dst,
-                    &push.all_recv,
-                    st.flags.device_ptr(),
-                    rank,
-                    bytes,
-                    push.capacity,
-                    grid,
-                    stream,
-                )
-            };
-        }
-        if let Some(format) = quant::format_of(algorithm) {
-            // SAFETY: eligibility checked that the quantized message fits every rank's staging and scratch
-            // (`capacity`), reachable through peer access or IPC; `quant` came from `kernels`' module; every rank
-            // makes the same calls in the same order with the same block count; ranks run on different GPUs. The
-            // kernel reads only this rank's input and the ranks' staging and scratch: the same eager and captured.
-            return unsafe {
-                st.quant.launch(
-                    &st.kernels,
-                    format,
-                    dtype,
-                    src,
-                    &st.all_staging,
-                    &st.all_scratch,
-                    dst,
-                    &st.all_flags,
-                    rank,
-                    bytes,
-                    custom_blocks(bytes, st.max_blocks),
-                    stream,
-                )
-            };
-        }
-        let table =
-            if capturing && !(algorithm == Algorithm::OneShot && src == dst) { st.graph.table_for(src) } else { None };
-        let inputs = match table {
-            Some(table) => Inputs::Table { table, own: src },
-            None => Inputs::Staged { staging: &st.all_staging, own: src },
-        };
-        let kind = if algorithm == Algorithm::OneShot { Kind::OneShot } else { Kind::TwoShot };
-        // SAFETY: every rank's staging/scratch/flags were allocated with `capacity >= bytes` (eligibility) by the
-        // setup and are reachable through peer access or IPC; the tables hold staging or registered inputs of
-        // every rank; every rank of this communicator makes the same calls in the same order (a collective), with
-        // the same block count (a function of `bytes`); ranks run on different GPUs.
-        unsafe {
-            st.kernels.launch(
-                kind,
-                dtype,
-                inputs,
-                &st.all_scratch,
-                dst,
-                &st.all_flags,
-                rank,
-                bytes,
-                custom_blocks(bytes, st.max_blocks),
-                kernels::TWO_SHOT_ROUND_BYTES,
-                stream,
-            )
-        }
+        Ok(Some((LaunchIo { src: src as u64, dst: dst as u64, rank, bytes }, st, &self.runtime)))
     }
 
     /// Makes the device current where the collective library does not do it itself.
@@ -757,12 +675,26 @@ impl<P: GpuPlatform> GpuComm<P> {
     }
 }
 
+/// What a custom kernel's launch works with ([`GpuComm::custom_launch`]): the call's pointers and sizes, the custom
+/// kernels' state and the device runtime.
+type CustomLaunch<'a, P> = (LaunchIo, &'a mut CustomState<P>, &'a <P as GpuPlatform>::Runtime);
+
+/// A custom kernel launch's own pointers and sizes ([`GpuComm::custom_launch`]).
+struct LaunchIo {
+    /// This rank's input and output (equal in place).
+    src: u64,
+    dst: u64,
+    rank: usize,
+    bytes: usize,
+}
+
 /// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator
 /// ([`GpuComm::symmetric_buffer`]).
 pub type SymmetricBuffer<P> = anyccl_ccl::rank::SymmetricBuffer<BufferOf<P>>;
 
 impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     type Reduction = CclReduction;
+    type Plan = Plan;
     type Runtime = P::Runtime;
 
     fn runtime(&self) -> &P::Runtime {
@@ -797,69 +729,10 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         P::ALGORITHMS
     }
 
-    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<(), String> {
-        let hint = format!("{}::symmetric_buffer", P::COMM_NAME);
-        if let Some(r) = self.ccl.eligible(algorithm, call, &self.caps, &hint) {
-            return r;
-        }
-        match algorithm {
-            Algorithm::OneShot | Algorithm::TwoShot => {
-                let st = self.custom.as_ref().map_err(Clone::clone)?;
-                if call.op != ReduceOp::Sum {
-                    return Err(format!("the custom kernels implement sum, not {}", call.op));
-                }
-                if let Some(why) = kernels::ineligible::<P>(call.dtype, call.bytes, self.ccl.world()) {
-                    return Err(why);
-                }
-                if call.bytes > st.capacity {
-                    return Err(format!(
-                        "{} bytes exceed the custom kernels' staging buffers ({} bytes; ANYCCL_CUSTOM_MAX_BYTES)",
-                        call.bytes, st.capacity
-                    ));
-                }
-                Ok(())
-            }
-            Algorithm::OneShotPush | Algorithm::TwoShotPush => {
-                let st = self.custom.as_ref().map_err(Clone::clone)?;
-                // Both shapes share the push one-shot's receive buffers and limit (ANYCCL_PUSH_MAX_BYTES).
-                let push = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
-                if call.op != ReduceOp::Sum {
-                    return Err(format!("the push kernels implement sum, not {}", call.op));
-                }
-                if algorithm == Algorithm::TwoShotPush {
-                    if let Some(why) = push.kernels.missing(PushShape::TwoShot, call.dtype) {
-                        return Err(why);
-                    }
-                }
-                // Graph capture needs nothing more: the kernels read this rank's input directly and keep their
-                // buffer-set counter on the device, so a replay runs exactly what an eager call does.
-                push::ineligible::<P>(call.dtype, call.bytes, self.ccl.world(), push.capacity).map_or(Ok(()), Err)
-            }
-            Algorithm::TwoShotFp8 | Algorithm::TwoShotInt8 => {
-                let st = self.custom.as_ref().map_err(Clone::clone)?;
-                if call.op != ReduceOp::Sum {
-                    return Err(format!("the quantized kernels implement sum, not {}", call.op));
-                }
-                if let Some(why) = kernels::ineligible::<P>(call.dtype, call.bytes, self.ccl.world()) {
-                    return Err(why);
-                }
-                let format = quant::format_of(algorithm).ok_or_else(|| format!("{algorithm} is not quantized"))?;
-                if let Some(why) = st.quant.missing(format, call.dtype) {
-                    return Err(why);
-                }
-                let need = quant::staging_bytes(call.dtype, call.bytes).unwrap_or(usize::MAX);
-                if need > st.capacity {
-                    return Err(format!(
-                        "{} bytes quantize to {need} bytes, more than the custom kernels' staging buffers ({} bytes; \
-                         ANYCCL_CUSTOM_MAX_BYTES)",
-                        call.bytes, st.capacity
-                    ));
-                }
-                Ok(())
-            }
-            a if crate::nvls::is_nvls(a) => self.nvls.eligible(a, call, self.ccl.world()),
-            other => Err(P::other_algorithm(&self.caps, other)),
-        }
+    fn allreduce_eligible(&self, algorithm: Algorithm, call: &AllReduceCall) -> std::result::Result<Plan, String> {
+        // The one place an algorithm is matched after selection: the table gives its family, whose eligibility
+        // makes the plan the launch runs.
+        plans::registered::<P>(algorithm).eligible(self, algorithm, call)
     }
 
     fn check_reduction(&self, dtype: DataType, op: ReduceOp) -> Result<CclReduction> {
@@ -867,51 +740,11 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     }
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
-        let algorithm = args.algorithm();
-        if matches!(
-            algorithm,
-            Algorithm::OneShot
-                | Algorithm::TwoShot
-                | Algorithm::OneShotPush
-                | Algorithm::TwoShotPush
-                | Algorithm::TwoShotFp8
-                | Algorithm::TwoShotInt8
-        ) {
-            return self.custom_all_reduce(args);
-        }
-        if crate::nvls::is_nvls(algorithm) {
-            self.runtime.bind()?;
-            let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
-            // SAFETY: `args` was validated by this backend's `Communicator` (both buffers hold `bytes` of this
-            // device) and eligibility checked the plan; every rank of the multicast object makes the same calls in
-            // the same order (a collective), each on its own device.
-            return unsafe {
-                self.nvls.launch(
-                    &self.runtime,
-                    algorithm,
-                    args.dtype(),
-                    src as u64,
-                    dst as u64,
-                    args.bytes(),
-                    self.ccl.rank(),
-                    self.ccl.world(),
-                    args.stream(),
-                )
-            };
-        }
-        if !matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric) {
-            // The platform's other algorithms: listed, never eligible.
-            return Err(Error::AlgorithmNotEligible { algorithm, why: P::other_algorithm(&self.caps, algorithm) });
-        }
-        // ccl and ccl-symmetric are the same call: the library picks its symmetric kernels when the buffers lie in
-        // a registered window, which eligibility has checked. NCCL makes the communicator's device current itself
-        // before it prepares and launches a collective (what lets one thread drive several GPUs in a group), so
-        // the device is bound here only where the library does not ([`GpuPlatform::CCL_BINDS_DEVICE`]).
-        self.bind_for_ccl()?;
-        // SAFETY: `args` was made by this backend's `Communicator` after validating it against this rank: both
-        // buffers hold `count` elements of this device and do not overlap unless in place; the stream is live
-        // (borrowed for the call).
-        unsafe { self.ccl.all_reduce(args) }
+        let plan = *args.plan();
+        let family = plans::registered::<P>(plan.algorithm());
+        // SAFETY: `args` was made by this backend's `Communicator` with the plan this backend's eligibility
+        // returned for its call, remembered only while the eligibility epoch is unchanged.
+        unsafe { family.launch(self, &plan, args) }.map_err(|e| plans::name_algorithm(plan.algorithm(), e))
     }
 
     fn all_gather(&mut self, args: AllGatherArgs<'_, Self>) -> Result<()> {
@@ -986,9 +819,9 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     }
 
     fn capture_independent(&self, algorithm: Algorithm) -> bool {
-        // No eligibility answer above reads `call.capturing`; the library's calls handle capture themselves, while
-        // the custom kernels choose their input table by it.
-        matches!(algorithm, Algorithm::Ccl | Algorithm::CclSymmetric)
+        // No eligibility answer reads `call.capturing`; the library's calls handle capture themselves, while the
+        // custom kernels choose their input table by it.
+        plans::registered::<P>(algorithm).capture_independent()
     }
 
     fn eligibility_epoch(&self) -> Option<u64> {

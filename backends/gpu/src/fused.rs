@@ -10,8 +10,8 @@
 //! [`common::MAX_HIDDEN`]), f32 arithmetic; optionally fp8 e4m3 output `e4m3(y / scale)` (round to nearest even,
 //! saturating to ±448, NaN kept). See fused.h for the exact order of every operation.
 
-use super::kernels::{ptrs, Ptrs};
-use std::ffi::{c_void, CString};
+use crate::launch_args::KernelArgs;
+use std::ffi::CString;
 
 use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
@@ -139,12 +139,9 @@ pub fn rmsnorm_kernel_name(dtype: DataType) -> Option<String> {
     Some(format!("anyccl_rmsnorm_{}", fused_suffix(dtype)?))
 }
 
+/// The suffix of `dtype`'s fused kernels: one of the shared source's [`common::FUSED_DTYPES`].
 fn fused_suffix(dtype: DataType) -> Option<&'static str> {
-    match dtype {
-        DataType::F16 => Some("f16"),
-        DataType::Bf16 => Some("bf16"),
-        _ => None,
-    }
+    super::kernels::dtype_suffix(dtype).filter(|s| common::FUSED_DTYPES.contains(s))
 }
 
 /// The fused kernels and the separate RMSNorm kernel: handles into the module of a [`CustomKernels`] (one module
@@ -250,29 +247,18 @@ impl<P: GpuPlatform> FusedKernels<P> {
         if all.any(|p| p % 16 != 0) || table % 8 != 0 {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let f = self.function(fused_kernel_name(form, dtype, table != 0), dtype)?;
-        let (mut in_p, mut sc_p, mut own_p, mut table_p, mut a) = (ptrs(peers), ptrs(scratch), own, table, *args);
-        let (mut fl_p, mut rank_i, mut world_i) = (ptrs(flags), rank as i32, world as i32);
-        let mut params: Vec<*mut c_void> = Vec::with_capacity(7);
-        if table != 0 {
-            params.push((&mut table_p as *mut u64).cast());
-        } else {
-            params.push((&mut in_p as *mut Ptrs).cast());
-        }
-        params.push((&mut own_p as *mut u64).cast());
-        if form == FusedForm::TwoShot {
-            params.push((&mut sc_p as *mut Ptrs).cast());
-        }
-        params.extend([
-            (&mut a as *mut NormArgs).cast(),
-            (&mut fl_p as *mut Ptrs).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-        ]);
-        // SAFETY: the parameters match the kernel's signature (common::fused_params: RankPtrs or an InputTable
-        // pointer, own input or null, two-shot's scratch, NormArgs, FlagPtrs, rank, world), all live until the
-        // launch returns; the caller guarantees buffers and co-residency.
-        unsafe { P::launch(&self.runtime, f, (blocks, 1, 1), (common::NORM_THREADS, 1, 1), stream, &mut params) }
+        let name = fused_kernel_name(form, dtype, table != 0);
+        let list = name.as_deref().and_then(common::fused_params);
+        let f = self.function(name, dtype)?;
+        let scratch = (form == FusedForm::TwoShot).then_some(scratch);
+        let mut kargs = fused_args(table, peers, own, scratch, args, flags, rank as i32);
+        let (mut params, n) = list
+            .and_then(|list| kargs.pointers_for(list))
+            .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
+        // SAFETY: the parameters match the kernel's signature (common::fused_params, checked: RankPtrs or an
+        // InputTable pointer, own input or null, two-shot's scratch, NormArgs, FlagPtrs, rank, world) and point
+        // into `kargs`, which outlives the launch; the caller guarantees buffers and co-residency.
+        unsafe { P::launch(&self.runtime, f, (blocks, 1, 1), (common::NORM_THREADS, 1, 1), stream, &mut params[..n]) }
     }
 
     /// Launches the separate RMSNorm kernel (the unfused baseline's second kernel): the same residual add and
@@ -302,13 +288,37 @@ impl<P: GpuPlatform> FusedKernels<P> {
         if [input, args.residual, args.weight, args.out].iter().any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let f = self.function(rmsnorm_kernel_name(dtype), dtype)?;
-        let (mut in_p, mut a) = (input, *args);
-        let mut params: Vec<*mut c_void> = vec![(&mut in_p as *mut u64).cast(), (&mut a as *mut NormArgs).cast()];
-        // SAFETY: (const void* in, NormArgs args), both live until the launch returns; the caller guarantees the
-        // buffers.
-        unsafe { P::launch(&self.runtime, f, (blocks, 1, 1), (common::NORM_THREADS, 1, 1), stream, &mut params) }
+        let name = rmsnorm_kernel_name(dtype);
+        let list = name.as_deref().and_then(common::fused_params);
+        let f = self.function(name, dtype)?;
+        let mut kargs = KernelArgs::new().u64(input).block(args);
+        let (mut params, n) = list
+            .and_then(|list| kargs.pointers_for(list))
+            .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
+        // SAFETY: (const void* in, NormArgs args), checked against common::fused_params, pointing into `kargs`,
+        // which outlives the launch; the caller guarantees the buffers.
+        unsafe { P::launch(&self.runtime, f, (blocks, 1, 1), (common::NORM_THREADS, 1, 1), stream, &mut params[..n]) }
     }
+}
+
+/// The fused one-shot's or two-shot's parameters, in the order of `common::fused_params`: the input table's
+/// pointer (`table`, non-zero) or every rank's input, this rank's own input, the scratch (`Some` for two-shot),
+/// the `NormArgs`, every rank's flags, rank, world (`flags.len()`, at most `MAX_RANKS`: checked by the launcher).
+fn fused_args(
+    table: u64,
+    peers: &[u64],
+    own: u64,
+    scratch: Option<&[u64]>,
+    args: &NormArgs,
+    flags: &[u64],
+    rank: i32,
+) -> KernelArgs {
+    let head = if table != 0 { KernelArgs::new().u64(table) } else { KernelArgs::new().ptrs(peers) }.u64(own);
+    let head = match scratch {
+        Some(scratch) => head.ptrs(scratch),
+        None => head,
+    };
+    head.block(args).ptrs(flags).i32(rank).i32(flags.len() as i32)
 }
 
 /// The host reference of the fused kernels' math, operation for operation (fused.h): its results equal the
@@ -459,6 +469,19 @@ mod tests {
         let mut shared = common::FUSED_KERNELS.map(str::to_owned).to_vec();
         shared.sort();
         assert_eq!(names, shared);
+        // The parameters the launchers build are, in order, the shared source's.
+        for form in FusedForm::ALL {
+            for table in [0, 0x1000] {
+                let name = fused_kernel_name(form, DataType::Bf16, table != 0).expect("bf16");
+                let scratch = (form == FusedForm::TwoShot).then_some(&[48u64, 64][..]);
+                let built = fused_args(table, &[16, 32], 16, scratch, &NormArgs::default(), &[80, 96], 0);
+                let want = common::fused_params(&name).expect("listed");
+                assert!(built.matches(want), "{name}: {:?}", built.sizes());
+            }
+        }
+        let rms = KernelArgs::new().u64(16).block(&NormArgs::default());
+        let want = common::fused_params("anyccl_rmsnorm_bf16").expect("listed");
+        assert!(rms.matches(want), "{:?}", rms.sizes());
         assert_eq!(fused_kernel_name(FusedForm::OneShot, DataType::F32, false), None);
         assert_eq!(rmsnorm_kernel_name(DataType::I32), None);
         for n in &names {

@@ -9,12 +9,13 @@
 //! rank's flag array keep the barriers in step, also across graph replays. The parameters are packed here once
 //! for `cuLaunchKernel` and `hipModuleLaunchKernel` alike (both take one pointer per parameter).
 
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::{CStr, CString};
 
 use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
 
 use super::{GpuPlatform, StreamOf};
+use crate::launch_args::KernelArgs;
 
 /// Threads per block of every launch.
 pub const THREADS: u32 = 512;
@@ -135,13 +136,10 @@ pub fn kernel_name(kind: Kind, dtype: DataType, table: bool) -> Option<String> {
     })
 }
 
-fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
-    match dtype {
-        DataType::F32 => Some("f32"),
-        DataType::F16 => Some("f16"),
-        DataType::Bf16 => Some("bf16"),
-        _ => None,
-    }
+/// The suffix of `dtype`'s kernels: its name in the shared source's list ([`common::DTYPES`], in the order of
+/// [`KERNEL_DTYPES`]); `None` for a type without kernels. Every launcher's symbol ends with it.
+pub(crate) fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
+    KERNEL_DTYPES.iter().position(|t| *t == dtype).and_then(|i| common::DTYPES.get(i).copied())
 }
 
 /// Why platform `P`'s custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.
@@ -334,57 +332,50 @@ impl<P: GpuPlatform> CustomKernels<P> {
         if !two_shot_round.is_multiple_of(common::VECTOR_BYTES) {
             return Err(bad(format!("a two-shot round of {two_shot_round} bytes is not a multiple of 16")));
         }
-        let (mut in_p, mut sc_p, mut out_p, mut own_p, mut table_p) = (ptrs(peers), ptrs(scratch), out, own, table);
-        let mut round_vecs = (two_shot_round / common::VECTOR_BYTES) as u64;
-        let mut head: Vec<*mut c_void> = Vec::with_capacity(9);
-        if table != 0 {
-            head.push((&mut table_p as *mut u64).cast());
-        } else {
-            head.push((&mut in_p as *mut Ptrs).cast());
-        }
-        head.push((&mut own_p as *mut u64).cast());
-        if kind == Kind::TwoShot {
-            head.push((&mut sc_p as *mut Ptrs).cast());
-        }
-        head.push((&mut out_p as *mut u64).cast());
-        if kind == Kind::TwoShot {
-            head.push((&mut round_vecs as *mut u64).cast());
-        }
+        let round_vecs = (two_shot_round / common::VECTOR_BYTES) as u64;
+        let two = kind == Kind::TwoShot;
+        let head = shot_head(two, table, peers, own, scratch, out, round_vecs);
         let shape = LaunchShape { flags, rank, world, bytes, blocks, table: table != 0 };
-        // SAFETY: `head` matches the kernel's leading parameters (RankPtrs are 8 × u64 by value or an InputTable
-        // pointer, then this rank's own input or null, two-shot's scratch, `out`, two-shot's round); the caller
-        // guarantees the buffers and the co-residency.
-        unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
+        let list = common::allreduce_params_of(!two, table != 0);
+        // SAFETY: `head` holds the kernel's leading parameters (RankPtrs are 8 × u64 by value or an InputTable
+        // pointer, then this rank's own input or null, two-shot's scratch, `out`, two-shot's round), and the whole
+        // list is checked against the kernel's own (`list`); the caller guarantees the buffers and the
+        // co-residency.
+        unsafe { self.launch_with(kind, dtype, head, Some(list), &shape, stream) }
     }
 
     /// Takes `kind`'s `dtype` kernel from the table resolved at load and launches it with the parameters `head`
-    /// followed by the ones every kernel ends with: the flag pointers, rank, world and vector count.
+    /// followed by the ones every kernel ends with: the flag pointers, rank, world and vector count; refused
+    /// unless the whole list has the sizes of `list`, the kernel's own in `anyccl-kernels-common` (`None` for a
+    /// kernel it has none for: the NVLS emulations).
     ///
     /// # Safety
-    /// `head` points to live values matching the kernel's leading parameters; the caller's contract of
-    /// [`Self::launch`] holds.
+    /// `head` holds the kernel's leading parameters; the caller's contract of [`Self::launch`] holds.
     unsafe fn launch_with(
         &self,
         kind: Kind,
         dtype: DataType,
-        mut params: Vec<*mut c_void>,
+        head: KernelArgs,
+        list: Option<&[common::Param]>,
         shape: &LaunchShape<'_>,
         stream: &StreamOf<P>,
     ) -> Result<()> {
         let f = self.function(kind, dtype, shape.table)?;
-        let mut fl_p = ptrs(shape.flags);
-        let (mut rank_i, mut world_i) = (shape.rank as i32, shape.world as i32);
-        let mut n_vec = (shape.bytes / common::VECTOR_BYTES) as u64;
-        params.extend([
-            (&mut fl_p as *mut Ptrs).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-            (&mut n_vec as *mut u64).cast(),
-        ]);
+        // rank < world <= MAX_RANKS (checked by the callers).
+        let n_vec = (shape.bytes / common::VECTOR_BYTES) as u64;
+        let mut args = tail(head, shape.flags, shape.rank as i32, shape.world as i32, n_vec);
+        let pointers = match list {
+            Some(list) => args.pointers_for(list),
+            None => args.pointers(),
+        };
+        let (mut params, n) = pointers.ok_or_else(|| {
+            Error::backend(P::NAME, "custom all-reduce", None, format!("{kind:?}: parameters off the kernel's layout"))
+        })?;
         let grid = (shape.blocks, 1, 1);
         // SAFETY: the parameter list matches the kernel's signature (the caller's part, then FlagPtrs by value,
-        // rank, world, n_vec); the caller guarantees the buffers and the co-residency.
-        unsafe { P::launch(&self.runtime, f, grid, (THREADS, 1, 1), stream, &mut params) }
+        // rank, world, n_vec; checked against the kernel's list where it has one) and points into `args`, which
+        // outlives the call; the caller guarantees the buffers and the co-residency.
+        unsafe { P::launch(&self.runtime, f, grid, (THREADS, 1, 1), stream, &mut params[..n]) }
     }
 
     /// Launches one rank of an NVLS variant over the unicast emulation of the switch channel (the multicast
@@ -432,23 +423,35 @@ impl<P: GpuPlatform> CustomKernels<P> {
         if a.iter().chain(b).chain([&input, &output]).any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let (mut a_p, mut b_p) = (ptrs(a), ptrs(b));
-        let (mut in_p, mut out_p) = (input, output);
-        let head: Vec<*mut c_void> = match kind {
-            Kind::NvlsZeroCopyEmulated => vec![(&mut a_p as *mut Ptrs).cast(), (&mut b_p as *mut Ptrs).cast()],
-            Kind::NvlsBlockPipelineEmulated | Kind::NvlsWarpPipelineEmulated => vec![
-                (&mut in_p as *mut u64).cast(),
-                (&mut out_p as *mut u64).cast(),
-                (&mut a_p as *mut Ptrs).cast(),
-                (&mut b_p as *mut Ptrs).cast(),
-            ],
+        let head = match kind {
+            Kind::NvlsZeroCopyEmulated => KernelArgs::new().ptrs(a).ptrs(b),
+            Kind::NvlsBlockPipelineEmulated | Kind::NvlsWarpPipelineEmulated => {
+                KernelArgs::new().u64(input).u64(output).ptrs(a).ptrs(b)
+            }
             other => return Err(bad(format!("{other:?} is not an NVLS variant"))),
         };
         let shape = LaunchShape { flags, rank, world, bytes, blocks, table: false };
-        // SAFETY: `head` matches the NVLS kernels' leading parameters; the caller guarantees buffers and
+        // SAFETY: `head` holds the NVLS kernels' leading parameters; the caller guarantees buffers and
         // co-residency.
-        unsafe { self.launch_with(kind, dtype, head, &shape, stream) }
+        unsafe { self.launch_with(kind, dtype, head, None, &shape, stream) }
     }
+}
+
+/// The one-shot's or two-shot's (`two`) leading parameters: the input table's pointer (`table`, non-zero) or
+/// every rank's input, this rank's own input, two-shot's scratch, `out`, two-shot's round.
+fn shot_head(two: bool, table: u64, peers: &[u64], own: u64, scratch: &[u64], out: u64, round_vecs: u64) -> KernelArgs {
+    let head = if table != 0 { KernelArgs::new().u64(table) } else { KernelArgs::new().ptrs(peers) }.u64(own);
+    if two {
+        head.ptrs(scratch).u64(out).u64(round_vecs)
+    } else {
+        head.u64(out)
+    }
+}
+
+/// `head` followed by the parameters every all-reduce kernel ends with: every rank's flag array (by value), this
+/// rank, the world and the vector count.
+fn tail(head: KernelArgs, flags: &[u64], rank: i32, world: i32, n_vec: u64) -> KernelArgs {
+    head.ptrs(flags).i32(rank).i32(world).u64(n_vec)
 }
 
 /// What every launch of a rank shares: every rank's flag array, this rank, the world, the message size and the
@@ -496,20 +499,20 @@ mod tests {
         }
     }
 
-    /// The parameters packed by `launch` are, in order, the shared source's (sizes as the kernels lay them out).
+    /// The parameters `launch` builds are, in order, the shared source's (sizes as the kernels lay them out).
     #[test]
-    fn the_packed_parameters_have_the_shared_sources_sizes() {
-        for (name, head) in [
-            ("anyccl_one_shot_f32", vec![64usize, 8, 8]),
-            ("anyccl_one_shot_table_f32", vec![8, 8, 8]),
-            ("anyccl_two_shot_f32", vec![64, 8, 64, 8, 8]),
-            ("anyccl_two_shot_table_f32", vec![8, 8, 64, 8, 8]),
+    fn the_built_parameters_have_the_shared_sources_sizes() {
+        for (name, two, table) in [
+            ("anyccl_one_shot_f32", false, 0),
+            ("anyccl_one_shot_table_f32", false, 0x1000),
+            ("anyccl_two_shot_f32", true, 0),
+            ("anyccl_two_shot_table_f32", true, 0x1000),
         ] {
-            let mut sizes = head;
-            // flags (8 pointers), rank, world, n_vec.
-            sizes.extend([std::mem::size_of::<Ptrs>(), 4, 4, 8]);
-            let want: Vec<usize> = common::allreduce_params(name).expect(name).iter().map(|p| p.2).collect();
-            assert_eq!(sizes, want, "{name}");
+            let head = shot_head(two, table, &[16, 32], 16, &[48, 64], 80, 4);
+            let built = tail(head, &[96, 112], 0, 2, 256);
+            let want = common::allreduce_params(name).expect(name);
+            assert!(built.matches(want), "{name}: {:?}", built.sizes());
+            assert!(std::ptr::eq(want, common::allreduce_params_of(!two, table != 0)), "{name}");
         }
     }
 }

@@ -30,6 +30,7 @@ pub mod device;
 pub mod fused;
 pub mod graph_inputs;
 pub mod kernels;
+mod launch_args;
 pub mod multi_process;
 pub mod nvls;
 pub mod push;

@@ -15,7 +15,7 @@
 //! `ANYCCL_PUSH_MAX_BYTES` says: the slots' size is compiled into the kernel. The setting only lowers the largest
 //! message the push one-shot takes, or turns it off (`0`: no receive buffer is allocated at all).
 
-use std::ffi::{c_void, CString};
+use std::ffi::CString;
 
 use anyccl_core::{Algorithm, DataType, Error, MemoryRuntime, Result};
 use anyccl_kernels_common as common;
@@ -24,8 +24,9 @@ use common::push::{PUSH_CTRL_OFFSET, PUSH_KERNELS, PUSH_TWO_SHOT_KERNELS};
 pub use common::push::{PUSH_MAX_BYTES, PUSH_RECV_BYTES, PUSH_SENTINEL};
 
 use super::fused::NormArgs;
-use super::kernels::{ptrs, CustomKernels, Ptrs, THREADS};
+use super::kernels::{CustomKernels, THREADS};
 use super::{BufferOf, GpuPlatform, StreamOf};
+use crate::launch_args::KernelArgs;
 
 /// The environment variable that bounds (or turns off) the push one-shot.
 pub const ENV_PUSH_MAX_BYTES: &str = "ANYCCL_PUSH_MAX_BYTES";
@@ -272,26 +273,20 @@ impl<P: GpuPlatform> PushKernels<P> {
         }
         let f = self.fused_function(dtype).map_err(bad)?;
         let bytes = tokens * hidden * dtype.size_bytes();
-        let (mut in_p, mut a, mut recv_p, mut flags_p) = (input, *args, ptrs(recv), my_flags);
         // rank < world <= MAX_RANKS (checked above and by `fused_push_ineligible`).
-        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
-        // The order and sizes of common::fused_push::FUSED_PUSH_PARAMS.
-        let mut params: [*mut c_void; 6] = [
-            (&mut in_p as *mut u64).cast(),
-            (&mut a as *mut NormArgs).cast(),
-            (&mut recv_p as *mut Ptrs).cast(),
-            (&mut flags_p as *mut u64).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-        ];
+        let mut kargs = fused_push_args(input, args, recv, my_flags, rank as i32, world as i32);
+        let (mut params, n) = kargs
+            .pointers_for(&common::fused_push::FUSED_PUSH_PARAMS)
+            .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
+        let params = &mut params[..n];
         let grid = (fused_push_blocks(tokens, bytes, world), 1, 1);
-        // SAFETY: `params` matches the kernel's signature (FUSED_PUSH_PARAMS) and points to locals that outlive the
-        // call; the caller guarantees the buffers and that every rank makes the same calls.
+        // SAFETY: `params` matches the kernel's signature (FUSED_PUSH_PARAMS, checked) and points into `kargs`,
+        // which outlives the call; the caller guarantees the buffers and that every rank makes the same calls.
         unsafe {
             if dependent {
-                P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+                P::launch_dependent(runtime, f, grid, (THREADS, 1, 1), stream, params)
             } else {
-                P::launch(runtime, f, grid, (THREADS, 1, 1), stream, &mut params)
+                P::launch(runtime, f, grid, (THREADS, 1, 1), stream, params)
             }
         }
     }
@@ -373,31 +368,35 @@ impl<P: GpuPlatform> PushKernels<P> {
             self.dependent_launch().map_err(|why| bad(why.to_owned()))?;
         }
         let f = self.function(shape, dtype).map_err(bad)?;
-        let (mut in_p, mut out_p, mut recv_p, mut flags_p) = (input, output, ptrs(recv), my_flags);
         // rank < world <= MAX_RANKS (checked above and by `ineligible`).
-        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
-        let mut n_vec = (bytes / common::VECTOR_BYTES) as u64;
-        // The order and sizes of common::push::PUSH_PARAMS (both shapes).
-        let mut params: [*mut c_void; 7] = [
-            (&mut in_p as *mut u64).cast(),
-            (&mut out_p as *mut u64).cast(),
-            (&mut recv_p as *mut Ptrs).cast(),
-            (&mut flags_p as *mut u64).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-            (&mut n_vec as *mut u64).cast(),
-        ];
+        let mut kargs = push_args(input, output, recv, my_flags, rank as i32, world as i32, bytes);
+        let (mut params, n) = kargs
+            .pointers_for(&common::push::PUSH_PARAMS)
+            .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
+        let params = &mut params[..n];
         let dims = (grid.blocks, 1, 1);
-        // SAFETY: `params` matches the kernel's signature (PUSH_PARAMS) and points to locals that outlive the call;
+        // SAFETY: `params` matches the kernel's signature (PUSH_PARAMS, checked) and points into `kargs`, which
+        // outlives the call;
         // the caller guarantees the buffers and that every rank makes the same calls.
         unsafe {
             if grid.dependent {
-                P::launch_dependent(runtime, f, dims, (THREADS, 1, 1), stream, &mut params)
+                P::launch_dependent(runtime, f, dims, (THREADS, 1, 1), stream, params)
             } else {
-                P::launch(runtime, f, dims, (THREADS, 1, 1), stream, &mut params)
+                P::launch(runtime, f, dims, (THREADS, 1, 1), stream, params)
             }
         }
     }
+}
+
+/// The push kernels' parameters (both shapes), in the order of `common::push::PUSH_PARAMS`.
+fn push_args(input: u64, output: u64, recv: &[u64], my_flags: u64, rank: i32, world: i32, bytes: usize) -> KernelArgs {
+    let n_vec = (bytes / common::VECTOR_BYTES) as u64;
+    KernelArgs::new().u64(input).u64(output).ptrs(recv).u64(my_flags).i32(rank).i32(world).u64(n_vec)
+}
+
+/// The fused push one-shot's parameters, in the order of `common::fused_push::FUSED_PUSH_PARAMS`.
+fn fused_push_args(input: u64, args: &NormArgs, recv: &[u64], my_flags: u64, rank: i32, world: i32) -> KernelArgs {
+    KernelArgs::new().u64(input).block(args).ptrs(recv).u64(my_flags).i32(rank).i32(world)
 }
 
 /// A push launch's grid: blocks per rank, and whether it overlaps the stream's previous kernel (programmatic
@@ -527,16 +526,14 @@ mod tests {
         assert_eq!(fused_push_blocks(16, 256 << 10, 8), 8);
         assert_eq!(fused_push_blocks(16, 256 << 10, 2), 32);
         assert_eq!(fused_push_blocks(1, 16 << 10, 2), 4);
-        // Packed parameters: in, NormArgs, RankPtrs, my_flags, rank, world.
-        let sizes = [8usize, std::mem::size_of::<NormArgs>(), std::mem::size_of::<Ptrs>(), 8, 4, 4];
-        let want: Vec<usize> = common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| p.2).collect();
-        assert_eq!(sizes.to_vec(), want);
+        // The parameters the launcher builds: in, NormArgs, RankPtrs, my_flags, rank, world.
+        let built = fused_push_args(16, &NormArgs::default(), &[32, 48], 64, 0, 2);
+        assert!(built.matches(&common::fused_push::FUSED_PUSH_PARAMS), "{:?}", built.sizes());
     }
 
     #[test]
     fn the_packed_parameters_are_the_push_kernels() {
-        let sizes = [8usize, 8, std::mem::size_of::<Ptrs>(), 8, 4, 4, 8];
-        let want: Vec<usize> = common::push::PUSH_PARAMS.iter().map(|p| p.2).collect();
-        assert_eq!(sizes.to_vec(), want);
+        let built = push_args(16, 32, &[48, 64], 80, 1, 2, 4096);
+        assert!(built.matches(&common::push::PUSH_PARAMS), "{:?}", built.sizes());
     }
 }

@@ -10,10 +10,10 @@
 //! does (≤ 36 bytes per 32 elements, plus one block). The kernel reads only this rank's own input and every rank's
 //! staging and scratch, so it is the same eager and inside a graph (no input tables).
 
-use super::kernels::{ptrs, Ptrs};
-use std::ffi::{c_void, CString};
+use crate::launch_args::KernelArgs;
+use std::ffi::CString;
 
-use anyccl_core::{Algorithm, DataType, Error, Result};
+use anyccl_core::{DataType, Error, Result};
 use anyccl_kernels_common as common;
 /// The host side of the quantized kernels: layout, the model of their arithmetic, the error bound.
 pub use common::quant as model;
@@ -21,15 +21,6 @@ pub use common::quant::Format;
 
 use super::kernels::{CustomKernels, THREADS};
 use super::{GpuPlatform, StreamOf};
-
-/// The quantized format an algorithm exchanges, for the quantized algorithms.
-pub fn format_of(algorithm: Algorithm) -> Option<Format> {
-    match algorithm {
-        Algorithm::TwoShotFp8 => Some(Format::Fp8E4m3),
-        Algorithm::TwoShotInt8 => Some(Format::Int8),
-        _ => None,
-    }
-}
 
 /// Bytes of staging (and of scratch) every rank needs for a quantized all-reduce of `bytes` bytes of `dtype`;
 /// `None` for a type without kernels or on overflow.
@@ -40,12 +31,7 @@ pub fn staging_bytes(dtype: DataType, bytes: usize) -> Option<usize> {
 
 /// The kernel's symbol.
 pub fn kernel_name(format: Format, dtype: DataType) -> Option<String> {
-    let d = match dtype {
-        DataType::F32 => "f32",
-        DataType::F16 => "f16",
-        DataType::Bf16 => "bf16",
-        _ => return None,
-    };
+    let d = super::kernels::dtype_suffix(dtype)?;
     Some(format!("anyccl_quant_two_shot_{}_{d}", format.name()))
 }
 
@@ -142,24 +128,31 @@ impl<P: GpuPlatform> QuantKernels<P> {
         if stage.iter().chain(scratch).chain([&input, &out]).any(|p| p % 16 != 0) {
             return Err(bad("every buffer must be 16-byte aligned".into()));
         }
-        let (mut in_p, mut st_p, mut sc_p, mut out_p, mut fl_p) = (input, ptrs(stage), ptrs(scratch), out, ptrs(flags));
-        let (mut rank_i, mut world_i) = (rank as i32, world as i32);
-        let mut n_vec = (bytes / common::VECTOR_BYTES) as u64;
-        let mut params: [*mut c_void; 8] = [
-            (&mut in_p as *mut u64).cast(),
-            (&mut st_p as *mut Ptrs).cast(),
-            (&mut sc_p as *mut Ptrs).cast(),
-            (&mut out_p as *mut u64).cast(),
-            (&mut fl_p as *mut Ptrs).cast(),
-            (&mut rank_i as *mut i32).cast(),
-            (&mut world_i as *mut i32).cast(),
-            (&mut n_vec as *mut u64).cast(),
-        ];
-        // SAFETY: the parameter list matches the kernel's signature (common::QUANT_PARAMS: in, stage, scratch, out,
-        // flags, rank, world, n_vec), every pointer points to a live local; the caller guarantees the buffers, the
-        // module and the co-residency.
-        unsafe { P::launch(kernels.runtime(), f, (blocks, 1, 1), (THREADS, 1, 1), stream, &mut params) }
+        let mut kargs = quant_args(input, stage, scratch, out, flags, rank as i32, bytes);
+        let (mut params, n) = kargs
+            .pointers_for(&common::QUANT_PARAMS)
+            .ok_or_else(|| bad("parameters off the kernel's layout".into()))?;
+        // SAFETY: the parameter list matches the kernel's signature (common::QUANT_PARAMS, checked: in, stage,
+        // scratch, out, flags, rank, world, n_vec), every pointer points into `kargs`, which outlives the call; the
+        // caller guarantees the buffers, the module and the co-residency.
+        unsafe { P::launch(kernels.runtime(), f, (blocks, 1, 1), (THREADS, 1, 1), stream, &mut params[..n]) }
     }
+}
+
+/// The quantized kernels' parameters, in the order of `common::QUANT_PARAMS` (the world is `flags.len()`, at most
+/// `MAX_RANKS`: checked by the launcher).
+fn quant_args(
+    input: u64,
+    stage: &[u64],
+    scratch: &[u64],
+    out: u64,
+    flags: &[u64],
+    rank: i32,
+    bytes: usize,
+) -> KernelArgs {
+    let n_vec = (bytes / common::VECTOR_BYTES) as u64;
+    let world = flags.len() as i32;
+    KernelArgs::new().u64(input).ptrs(stage).ptrs(scratch).u64(out).ptrs(flags).i32(rank).i32(world).u64(n_vec)
 }
 
 #[cfg(test)]
@@ -182,11 +175,9 @@ mod tests {
         let mut listed = common::QUANT_KERNELS.map(str::to_owned).to_vec();
         listed.sort();
         assert_eq!(names, listed);
-        // Packed parameters: 8 of the sizes the shared table lists.
-        let sizes =
-            [8usize, std::mem::size_of::<Ptrs>(), std::mem::size_of::<Ptrs>(), 8, std::mem::size_of::<Ptrs>(), 4, 4, 8];
-        let want: Vec<usize> = common::QUANT_PARAMS.iter().map(|p| p.2).collect();
-        assert_eq!(sizes.to_vec(), want);
+        // The parameters the launcher builds: the sizes the shared table lists.
+        let built = quant_args(16, &[32, 48], &[64, 80], 96, &[112, 128], 0, 4096);
+        assert!(built.matches(&common::QUANT_PARAMS), "{:?}", built.sizes());
         // A quantized message fits the staging its full-precision message fits, from one block up.
         for dtype in [DataType::F32, DataType::F16, DataType::Bf16] {
             for bytes in [64usize << 10, 8 << 20, 64 << 20] {
@@ -195,7 +186,5 @@ mod tests {
         }
         assert_eq!(staging_bytes(DataType::Bf16, 16), Some(36));
         assert_eq!(staging_bytes(DataType::I32, 1024), None);
-        assert_eq!(format_of(Algorithm::TwoShotFp8), Some(Format::Fp8E4m3));
-        assert_eq!(format_of(Algorithm::TwoShot), None);
     }
 }

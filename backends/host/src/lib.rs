@@ -663,6 +663,7 @@ fn split_io<'a>(bufs: InOut<'a, [u8]>) -> (Option<&'a [u8]>, &'a mut [u8]) {
 impl CommBackend for HostComm {
     /// The operator in the host kernels' own set, resolved once per call by `check_reduction`.
     type Reduction = crate::reduce::Op;
+    type Plan = ();
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {

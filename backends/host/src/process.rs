@@ -429,6 +429,7 @@ fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) 
 impl CommBackend for ProcessComm {
     /// The operator in the host kernels' own set, resolved once per call by `check_reduction`.
     type Reduction = crate::reduce::Op;
+    type Plan = ();
     type Runtime = HostRuntime;
 
     fn runtime(&self) -> &HostRuntime {

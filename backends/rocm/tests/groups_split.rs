@@ -48,6 +48,7 @@ struct Ranked {
 
 impl CommBackend for Ranked {
     type Reduction = CclReduction;
+    type Plan = ();
     type Runtime = HipRuntime;
 
     fn runtime(&self) -> &HipRuntime {
