@@ -24,7 +24,9 @@ pub fn planted_constructor_c() -> String {
 /// A fresh folder for one case (absolute; under the target dir, named after the test binary, removed first).
 pub fn case_dir(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let binary = exe.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = exe.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    // The test binary's name without cargo's `-<hash>` suffix.
+    let binary = stem.rsplit_once('-').map_or(stem.as_str(), |(name, _)| name).to_owned();
     let d = crate::scratch_dir().join(format!("hostile-{binary}-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("case dir");

@@ -26,8 +26,10 @@ pub mod gpu_suite;
 pub mod hostile_child;
 pub mod launcher;
 
-/// The folder the fakes are compiled into and the hostile cases plant into: `anyccl-testkit` under the target
-/// directory's build folder of this crate (one per build profile), created on first use.
+/// The folder the fakes are compiled into and the hostile cases plant into: `anyccl-testkit` beside the build
+/// profile's `build` folder (`target/debug/anyccl-testkit`), short enough for the Unix socket paths the hostile
+/// cases bind (108 bytes). `OUT_DIR` is `<target>/<profile>/build/anyccl-testkit-<hash>/out`.
 pub fn scratch_dir() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("OUT_DIR")).join("scratch")
+    let out = std::path::Path::new(env!("OUT_DIR"));
+    out.ancestors().nth(3).unwrap_or(out).join("anyccl-testkit")
 }
