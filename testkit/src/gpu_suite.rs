@@ -20,6 +20,8 @@ use anyccl_gpu::{GpuComm, GpuPlatform, StreamOf};
 
 use crate::fake_hip::{FakeHip, Launch, Shot};
 
+/// An environment to read settings from (`ANYCCL_HOST_ID`, ...), in place of the process's.
+pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// A platform's stream.
 pub type Stream<H> = StreamOf<<H as Harness>::P>;
 /// A platform's device buffer.
@@ -68,7 +70,7 @@ pub trait Harness: Sync {
         boot: &mut dyn Bootstrap,
         rank: usize,
         world: usize,
-        env: Option<&dyn Fn(&str) -> Option<String>>,
+        env: Option<Env<'_>>,
     ) -> Result<Communicator<GpuComm<Self::P>>>;
     /// Captures what `f` enqueues on `stream` into a graph.
     fn capture(

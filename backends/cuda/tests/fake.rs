@@ -373,7 +373,7 @@ impl Harness for Setup {
         boot: &mut dyn Bootstrap,
         rank: usize,
         world: usize,
-        env: Option<&dyn Fn(&str) -> Option<String>>,
+        env: Option<gpu_suite::Env<'_>>,
     ) -> Result<Communicator<CudaComm>> {
         let selector = Arc::new(Selector::defaults());
         let Some(env) = env else {

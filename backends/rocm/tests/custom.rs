@@ -96,7 +96,7 @@ impl Harness for Setup {
         boot: &mut dyn anyccl_core::Bootstrap,
         _rank: usize,
         world: usize,
-        env: Option<&dyn Fn(&str) -> Option<String>>,
+        env: Option<gpu_suite::Env<'_>>,
     ) -> Result<Communicator<RocmComm>> {
         let one_host = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
         join_rank(self, boot, world, env.unwrap_or(&one_host))
