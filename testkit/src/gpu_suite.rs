@@ -712,3 +712,68 @@ pub fn all_reduce_into_a_view<P: GpuPlatform>(c: &mut Communicator<GpuComm<P>>, 
         assert_eq!(v, want, "element {i}");
     }
 }
+
+/// A registration whose table write fails on one rank fails on every rank alike, with no rank left reading
+/// registered inputs while its peer reads staging: the fake fails rank 1's table copy (device 1's copies of the
+/// table's size). With one failing copy the revert succeeds: every rank errs naming rank 1, a replay reads staging on both ranks (`registered` 0) with right
+/// sums, the input stays pending, and the next registration succeeds. With two (the revert fails too) every rank
+/// errs saying the graphs must not be replayed, and the custom kernels are off on both ranks. Before the agreement
+/// round, rank 0 returned `Ok` with the input registered while rank 1 failed and kept staging.
+pub fn table_write_failure<H: Harness>(h: &H) {
+    let fake = h.fake();
+    let (world, bytes, dtype) = (2usize, 4096usize, DataType::F32);
+    let count = bytes / 4;
+    let table_bytes = anyccl_gpu::kernels::INPUT_TABLE_BYTES;
+    for failing in [1, 2] {
+        let mut cs = h.comms(world);
+        let from = fake.launch_total();
+        let mut kept: Vec<_> = per_rank(&mut cs, |c| -> Result<_> {
+            let rt = c.runtime().clone();
+            let st = H::P::stream(&rt)?;
+            let inp = rt.alloc(bytes)?;
+            let mut out = rt.alloc(bytes)?;
+            let graph = H::capture(&rt, &st, CaptureMode::ThreadLocal, &mut |st| {
+                c.all_reduce(InOut::Separate { send: &inp, recv: &mut out }, count, dtype, ReduceOp::Sum, st)
+                    .map(|_| ())
+            })?;
+            Ok((graph, st, inp, out))
+        })
+        .into_iter()
+        .map(|r| r.expect("capture"))
+        .collect();
+        fake.fail_copies(1, table_bytes, failing);
+        let regs = per_rank(&mut cs, |c| c.register_graph_buffers(None));
+        fake.fail_copies(-1, 0, 0);
+        for (rank, r) in regs.into_iter().enumerate() {
+            let e = r.expect_err("registration fails on every rank").to_string();
+            assert!(e.contains("rank 1 could not write the input table"), "{failing} failing, rank {rank}: {e}");
+            let says = if failing == 1 { "back to staging" } else { "must not be replayed" };
+            assert!(e.contains(says), "{failing} failing, rank {rank}: {e}");
+        }
+        if failing == 2 {
+            for c in &cs {
+                let why = c.backend().custom_kernels_off().expect("off on every rank");
+                assert!(why.contains("left the input tables unusable"), "{why}");
+            }
+            continue;
+        }
+        // Both ranks' tables are staging: the replay copies through staging on both, and the sums are right.
+        for (rank, r) in replay_all::<H>(&cs, &mut kept, dtype, 0).into_iter().enumerate() {
+            assert!(r.expect("replay") == reference(world, 0, count), "rank {rank}: replay after the failure");
+        }
+        let replayed: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
+        assert_eq!(replayed.len(), world, "{replayed:?}");
+        for l in &replayed {
+            assert_eq!(l.params.as_ref().and_then(|p| p.last_registered), Some(false), "{l:?}");
+        }
+        for c in &cs {
+            assert_eq!(c.pending_graph_buffers(), 1, "the input stays pending");
+            assert_eq!(c.backend().custom_kernels_off(), None);
+        }
+        let regs = per_rank(&mut cs, |c| c.register_graph_buffers(None));
+        for r in regs {
+            assert_eq!(r.expect("the next registration").registered, 1);
+        }
+        drop(kept);
+    }
+}

@@ -49,6 +49,7 @@ const NEED_KERNELS: &[&str] = &[
     "abort",
     "ipc_threads",
     "two_hosts",
+    "table_write",
     "alloc_in_capture",
     "engine_streams",
     "ipc_during_capture",
@@ -64,7 +65,7 @@ const NEED_KERNELS: &[&str] = &[
 
 /// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
 /// push one-shot): they run with the push one-shot off (`ANYCCL_PUSH_MAX_BYTES=0`), as they did before it existed.
-const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "push_off"];
+const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "table_write", "push_off"];
 
 /// Runs case `case` in a child process on the fakes and checks that it passed; returns its stdout.
 fn run_case(case: &str) -> String {
@@ -234,6 +235,15 @@ fn ranks_on_two_hosts_turn_the_kernels_off_before_any_ipc() {
     run_case("two_hosts");
 }
 
+/// A registration whose table write fails on one rank (the fake fails rank 1's table copy once, then twice) fails
+/// on every rank alike: reverted to staging with right sums and the input still pending, or, when the revert fails
+/// too, the graphs must not be replayed and the custom kernels are off on both ranks
+/// (`gpu_suite::table_write_failure`).
+#[test]
+fn a_table_write_failing_on_one_rank_fails_registration_on_every_rank() {
+    run_case("table_write");
+}
+
 /// Allocation during a capture is refused before the driver sees it (no `cuMemAlloc_v2`), and so is a wait (the
 /// kernels stay on: a refused wait is no failed wait); the capture stays valid: the graph instantiates and replays
 /// the captured all-reduce correctly.
@@ -303,6 +313,7 @@ fn child() {
         "abort" => abort(&s),
         "ipc_threads" => ipc_threads(&s),
         "two_hosts" => two_hosts(&s),
+        "table_write" => gpu_suite::table_write_failure(&s),
         "alloc_in_capture" => alloc_in_capture(&s),
         "engine_streams" => engine_streams(&s),
         "ipc_during_capture" => ipc_during_capture(&s),
