@@ -6,10 +6,8 @@
 //!
 //! One test in its own binary: the chooser loads the HIP runtime once per process, from `ANYCCL_HIP_PATH`.
 
-#[path = "support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_hip;
 
 use std::sync::Arc;
 

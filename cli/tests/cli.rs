@@ -1,15 +1,11 @@
 //! The `anyccl` command as a user runs it.
 
-#[path = "../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
+use anyccl_testkit::fake_ccl;
 #[cfg(feature = "cuda")]
-#[path = "../../tests/support/fake_cuda.rs"]
-mod fake_cuda;
+use anyccl_testkit::fake_cuda;
 #[cfg(feature = "rocm")]
-#[path = "../../tests/support/fake_hip.rs"]
-mod fake_hip;
-#[path = "../../tests/support/launcher.rs"]
-mod launcher;
+use anyccl_testkit::fake_hip;
+use anyccl_testkit::launcher;
 
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

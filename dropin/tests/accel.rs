@@ -11,10 +11,8 @@
 
 #[path = "support/accel_common.rs"]
 mod accel_common;
-#[path = "../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../tests/support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_hip;
 #[path = "support/programs.rs"]
 mod programs;
 

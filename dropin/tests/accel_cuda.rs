@@ -1,6 +1,6 @@
 //! The drop-in's CUDA side of `ncclAllReduce` (NCCL underneath, so `pending::<anyccl_cuda::Cuda>`) with no GPU:
 //! the drop-in library cargo built for this run over the computing fake NCCL 2.28 and the fake CUDA driver
-//! (`libcuda.so.1`: tests/support/fake_cuda.c over the fake HIP runtime, which emulates anyccl's kernels from the
+//! (`libcuda.so.1`: testkit/c/fake_cuda.c over the fake HIP runtime, which emulates anyccl's kernels from the
 //! sm_90 cubin and records every launch, allocation count, IPC mapping and capture violation). Ranks are threads
 //! calling the drop-in's C ABI; the application's side is the CUDA driver API (each rank's primary context made
 //! current, `cuMemAlloc`, a non-blocking `cuStreamCreate` stream, global-mode captures, `cuGraphLaunch`).
@@ -13,12 +13,9 @@
 //! The custom CUDA kernels must be compiled in (`ANYCCL_CUDA_TOOLKIT=$(ci/install-cuda.sh)`, as CI does): without
 //! them the drop-in turns the kernels off and the cases fail, saying so.
 
-#[path = "../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../tests/support/fake_cuda.rs"]
-mod fake_cuda;
-#[path = "../../tests/support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_cuda;
+use anyccl_testkit::fake_hip;
 
 #[path = "support/accel_common.rs"]
 mod accel_common;

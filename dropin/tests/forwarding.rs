@@ -6,8 +6,7 @@
 //! refused, `ncclGetLastError`'s text readable for good, and `nccl.h` 2.32 functions forwarded. Each case runs the program in its own process (the
 //! drop-in loads its library once per process) with an empty environment but the variables it sets.
 
-#[path = "../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
+use anyccl_testkit::fake_ccl;
 #[path = "support/header.rs"]
 mod header;
 #[path = "support/programs.rs"]

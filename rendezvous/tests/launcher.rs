@@ -6,8 +6,7 @@
 //! that the ranks form their group beside it — on `MASTER_PORT + 1`, or on `ANYCCL_MASTER_PORT` — and that none
 //! of them knocked on the launcher's port.
 
-#[path = "../../tests/support/launcher.rs"]
-mod launcher;
+use anyccl_testkit::launcher;
 
 use std::io::ErrorKind;
 use std::net::{Ipv4Addr, TcpListener};

@@ -1,8 +1,7 @@
 //! Fake NCCL/RCCL libraries compiled at test time from C with the system `cc`, each exporting the symbol set of
 //! one release, and broken ones. Every test asserts the exact capability report and its reasons.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
+use anyccl_testkit::fake_ccl;
 
 use std::collections::BTreeMap;
 use std::ffi::{c_void, CStr};

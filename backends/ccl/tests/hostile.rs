@@ -5,10 +5,8 @@
 //! directory is a planted temporary folder, with a deadline: a hang or a crash fails the case instead of hanging or
 //! killing the test run. The working directory of this (multi-threaded) test process is never changed.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/hostile_child.rs"]
-mod hostile_child;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::hostile_child;
 
 use std::path::{Path, PathBuf};
 

@@ -2,8 +2,7 @@
 //! for it (the destroy finishes, nothing crashes), and the process still exits with its own status. Run in a child
 //! process (this test binary again, its `#[ignore]`d test `exit_child`), because the point is the exit.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
+use anyccl_testkit::fake_ccl;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -1,5 +1,5 @@
 //! The CUDA communicator (`CudaComm = GpuComm<Cuda>`) end to end with no GPU: on the fake CUDA driver
-//! (`libcuda.so.1` from tests/support/fake_cuda.c over the fake HIP runtime: host memory as device memory, streams
+//! (`libcuda.so.1` from testkit/c/fake_cuda.c over the fake HIP runtime: host memory as device memory, streams
 //! on worker threads, graphs, the capture rules, IPC handles within one process, and the one-shot / two-shot
 //! kernels emulated from the sm_90 cubin, every launch recorded) and a computing fake NCCL 2.28 linked against it.
 //!
@@ -9,14 +9,10 @@
 //! asserts, and the parent asserts that it passed within its deadline and printed the case's closing line. If the
 //! fakes cannot be built (no `cc`), the parent fails with the compiler's reason: nothing here is skipped.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/fake_cuda.rs"]
-mod fake_cuda;
-#[path = "../../../tests/support/fake_hip.rs"]
-mod fake_hip;
-#[path = "../../../tests/support/fused_case.rs"]
-mod fused_case;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_cuda;
+use anyccl_testkit::fake_hip;
+use anyccl_testkit::fused_case;
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -26,14 +22,15 @@ use std::time::Duration;
 
 use anyccl_ccl::CclLibrary;
 use anyccl_core::bootstrap::LocalGroup;
-use anyccl_core::comm::AllReduceCall;
 use anyccl_core::conformance::{self, Config, ConformanceTarget};
+use anyccl_core::Bootstrap;
 use anyccl_core::{
     Algorithm, Capabilities, CapabilityState, Communicator, DataType, Error, InOut, InvalidArgument, MemoryRuntime,
     ReduceOp, Result, Selector,
 };
 use anyccl_cuda::graph::Graph;
 use anyccl_cuda::{Cuda, CudaComm, CudaStream};
+use anyccl_testkit::gpu_suite::{self, call, decode, input, per_rank, reference, value, Harness};
 use cudarc::driver::sys;
 use fake_hip::{FakeHip, Launch, Shot};
 use wait_timeout::ChildExt;
@@ -51,6 +48,7 @@ const NEED_KERNELS: &[&str] = &[
     "abort",
     "ipc_threads",
     "two_hosts",
+    "table_write",
     "alloc_in_capture",
     "engine_streams",
     "ipc_during_capture",
@@ -69,7 +67,7 @@ const NEED_KERNELS: &[&str] = &[
 
 /// Cases that test the one-shot / two-shot machinery at small sizes (which NVIDIA's default table gives to the
 /// push one-shot): they run with the push one-shot off (`ANYCCL_PUSH_MAX_BYTES=0`), as they did before it existed.
-const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "push_off"];
+const PUSH_OFF: &[&str] = &["init_all", "graphs", "abort", "ipc_threads", "table_write", "push_off"];
 
 /// Cases run on a fake driver that reports multicast (`FAKECUDA_MULTICAST=1`).
 const NVLS_CASES: &[&str] = &["nvls", "nvls_fail", "nvls_env_off", "nvls_disabled"];
@@ -263,6 +261,15 @@ fn ranks_on_two_hosts_turn_the_kernels_off_before_any_ipc() {
     run_case("two_hosts");
 }
 
+/// A registration whose table write fails on one rank (the fake fails rank 1's table copy once, then twice) fails
+/// on every rank alike: reverted to staging with right sums and the input still pending, or, when the revert fails
+/// too, the graphs must not be replayed and the custom kernels are off on both ranks
+/// (`gpu_suite::table_write_failure`).
+#[test]
+fn a_table_write_failing_on_one_rank_fails_registration_on_every_rank() {
+    run_case("table_write");
+}
+
 /// Allocation during a capture is refused before the driver sees it (no `cuMemAlloc_v2`), and so is a wait (the
 /// kernels stay on: a refused wait is no failed wait); the capture stays valid: the graph instantiates and replays
 /// the captured all-reduce correctly.
@@ -374,6 +381,7 @@ fn child() {
         "abort" => abort(&s),
         "ipc_threads" => ipc_threads(&s),
         "two_hosts" => two_hosts(&s),
+        "table_write" => gpu_suite::table_write_failure(&s),
         "alloc_in_capture" => alloc_in_capture(&s),
         "engine_streams" => engine_streams(&s),
         "ipc_during_capture" => ipc_during_capture(&s),
@@ -412,6 +420,71 @@ fn setup() -> Setup {
     anyccl_cuda::available().expect("the fake driver");
     let fake = FakeHip::open(&path);
     Setup { lib, fake }
+}
+
+impl Harness for Setup {
+    type P = Cuda;
+    type Graph = Graph;
+    const WRITE_VALUE: &'static str = "cuStreamWriteValue32_v2";
+    const ABORT_WORD_OFFSET: usize = anyccl_kernels_cuda::ABORT_WORD_OFFSET;
+    const IPC_GET: &'static str = "cuIpcGetMemHandle";
+    const IPC_OPEN: &'static str = "cuIpcOpenMemHandle_v2";
+    const IPC_CLOSE: &'static str = "cuIpcCloseMemHandle";
+    const MODULE_LOAD: &'static str = "cuModuleLoadData";
+    const SMALL: Algorithm = Algorithm::OneShotPush;
+
+    fn lib(&self) -> &Arc<CclLibrary> {
+        &self.lib
+    }
+
+    fn device(&self, ordinal: i32) -> i32 {
+        ordinal
+    }
+
+    fn caps(&self) -> anyccl_core::CapabilityReport {
+        anyccl_cuda::capabilities(Some(&self.lib), &|_| None)
+    }
+
+    fn fake(&self) -> &FakeHip {
+        &self.fake
+    }
+
+    fn comms(&self, world: usize) -> Vec<Communicator<CudaComm>> {
+        comms(self, world)
+    }
+
+    fn join(
+        &self,
+        boot: &mut dyn Bootstrap,
+        rank: usize,
+        world: usize,
+        env: Option<gpu_suite::Env<'_>>,
+    ) -> Result<Communicator<CudaComm>> {
+        let selector = Arc::new(Selector::defaults());
+        let Some(env) = env else {
+            let id = anyccl_cuda::bootstrap::broadcast_unique_id(boot)?;
+            return anyccl_cuda::bootstrap::communicator_with_id(&id, rank, world, rank as i32, boot, selector);
+        };
+        let id = anyccl_gpu::multi_process::share_unique_id::<Cuda>(boot, Some(&self.lib))?;
+        anyccl_gpu::multi_process::join::<Cuda>(self.lib.clone(), &id, rank, world, rank as i32, boot, selector, env)
+    }
+
+    fn capture(
+        rt: &anyccl_cuda::CudaRuntime,
+        stream: &CudaStream,
+        mode: anyccl_core::CaptureMode,
+        f: &mut dyn FnMut(&CudaStream) -> Result<()>,
+    ) -> Result<Graph> {
+        Graph::capture_with(rt.context(), stream, mode, f)
+    }
+
+    fn replay(graph: &Graph, stream: &CudaStream) -> Result<()> {
+        graph.launch(stream)
+    }
+
+    fn raw(stream: &CudaStream) -> *mut c_void {
+        stream.raw().cast()
+    }
 }
 
 fn comms(s: &Setup, world: usize) -> Vec<Communicator<CudaComm>> {
@@ -540,96 +613,6 @@ fn fused(s: &Setup) {
 }
 
 /// Runs `f` on one thread per rank.
-fn per_rank<T: Send>(
-    comms: &mut [Communicator<CudaComm>],
-    f: impl Fn(&mut Communicator<CudaComm>) -> T + Sync,
-) -> Vec<T> {
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = comms.iter_mut().map(|c| sc.spawn(|| f(c))).collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
-    })
-}
-
-/// Small integers, exact in f32, bf16 and i32 and in their sums over 8 ranks.
-fn value(rank: usize, round: usize, i: usize) -> f32 {
-    ((i * 7 + rank * 13 + round * 5) % 17) as f32 - 8.0
-}
-
-fn encode(dtype: DataType, v: &[f32]) -> Vec<u8> {
-    match dtype {
-        DataType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DataType::I32 => v.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-        // Exact for these integers: bf16 is the upper half of the f32.
-        DataType::Bf16 => v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect(),
-        other => panic!("no encoding for {other}"),
-    }
-}
-
-fn decode(dtype: DataType, b: &[u8]) -> Vec<f32> {
-    match dtype {
-        DataType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        DataType::I32 => b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32).collect(),
-        DataType::Bf16 => {
-            b.chunks_exact(2).map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)).collect()
-        }
-        other => panic!("no decoding for {other}"),
-    }
-}
-
-fn input(dtype: DataType, rank: usize, round: usize, count: usize) -> Vec<u8> {
-    encode(dtype, &(0..count).map(|i| value(rank, round, i)).collect::<Vec<_>>())
-}
-
-fn reference(world: usize, round: usize, count: usize) -> Vec<f32> {
-    (0..count).map(|i| (0..world).map(|r| value(r, round, i)).sum()).collect()
-}
-
-fn kernel(shot: Shot, table: bool, dtype: DataType) -> String {
-    let s = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let t = if table { "table_" } else { "" };
-    format!("anyccl_{s}_{t}{}", if dtype == DataType::F32 { "f32" } else { "bf16" })
-}
-
-fn shot_of(a: Algorithm) -> Shot {
-    match a {
-        Algorithm::OneShot => Shot::One,
-        Algorithm::TwoShot => Shot::Two,
-        other => panic!("{other} is not a custom kernel"),
-    }
-}
-
-/// The launches recorded since `from` must be `world` launches of `name`, one per rank, with the communicator's
-/// grid for `bytes`, 512 threads, and decoded parameters for `world` ranks of `bytes / 16` vectors.
-fn check_launches(fake: &FakeHip, from: u64, world: usize, name: &str, bytes: usize) -> Vec<Launch> {
-    let new: Vec<Launch> = fake.launches().into_iter().filter(|l| l.seq > from).collect();
-    assert_eq!(new.len(), world, "one launch per rank: {new:?}");
-    let blocks = anyccl_gpu::comm::custom_blocks(bytes, anyccl_cuda::comm::DEFAULT_CUSTOM_MAX_BLOCKS);
-    let mut ranks: Vec<i32> = Vec::new();
-    for l in &new {
-        assert_eq!(l.name, name);
-        assert_eq!((l.grid, l.block, l.status), ([blocks, 1, 1], [512, 1, 1], 0), "{l:?}");
-        let p = l.params.as_ref().expect("decoded all-reduce parameters");
-        assert_eq!((p.world as usize, p.n_vec as usize), (world, bytes / 16), "{l:?}");
-        assert!(p.flags[..world].iter().all(|f| *f != 0), "every rank's flags: {l:?}");
-        ranks.push(p.rank);
-    }
-    ranks.sort();
-    assert_eq!(ranks, (0..world as i32).collect::<Vec<_>>());
-    new
-}
-
-fn call(count: usize, dtype: DataType) -> AllReduceCall {
-    AllReduceCall {
-        count,
-        dtype,
-        op: ReduceOp::Sum,
-        bytes: count * dtype.size_bytes(),
-        in_place: true,
-        capturing: false,
-        bufs: None,
-    }
-}
-
 fn available(s: &Setup) {
     let info = anyccl_cuda::available().expect("available");
     assert_eq!(info.version, 12080);
@@ -910,340 +893,30 @@ fn nvls_refused(s: &Setup, reason: &str) {
     assert_eq!(multicast_records().log(), Vec::<String>::new());
 }
 
+/// The generic `init_all` case on the fake CUDA driver (whatever NVIDIA's default table picks).
 fn init_all(s: &Setup) {
-    for world in [2usize, 4] {
-        let mut cs = comms(s, world);
-        assert!(cs[0].backend().custom_kernels_off().is_none(), "{:?}", cs[0].backend().custom_kernels_off());
-        let cases = [
-            (DataType::F32, 4096usize, false),
-            (DataType::Bf16, 4096, true),
-            (DataType::F32, 1 << 20, true),
-            (DataType::Bf16, 1 << 20, false),
-        ];
-        for (round, (dtype, bytes, in_place)) in cases.into_iter().enumerate() {
-            let count = bytes / dtype.size_bytes();
-            let want = cs[0].select_all_reduce(&call(count, dtype)).expect("selection").algorithm;
-            assert!(matches!(want, Algorithm::OneShot | Algorithm::TwoShot), "world {world} {dtype} {bytes}: {want}");
-            let from = s.fake.launch_total();
-            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
-                let rt = c.runtime().clone();
-                let st = rt.stream()?;
-                let mut a = rt.alloc(bytes)?;
-                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
-                let mut b = rt.alloc(bytes)?;
-                let sel = if in_place {
-                    c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
-                } else {
-                    c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
-                };
-                st.synchronize()?;
-                let mut host = vec![0u8; bytes];
-                rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-                Ok((sel.algorithm, decode(dtype, &host)))
-            });
-            let launches = check_launches(&s.fake, from, world, &kernel(shot_of(want), false, dtype), bytes);
-            assert!(launches.iter().all(|l| !l.capturing && l.completed == 1), "{launches:?}");
-            for (rank, r) in out.into_iter().enumerate() {
-                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype} {bytes}: {e}"));
-                assert_eq!(algorithm, want, "world {world} {dtype} {bytes} rank {rank}");
-                assert!(got == reference(world, round, count), "world {world} {dtype} {bytes} rank {rank}: wrong sums");
-            }
-            println!("world {world} {dtype} {bytes} bytes: {want}");
-        }
-        // The small sizes take one-shot on NVIDIA's default table.
-        assert_eq!(cs[0].select_all_reduce(&call(1024, DataType::F32)).expect("sel").algorithm, Algorithm::OneShot);
-        // i32 (no custom kernel) and 40 bytes (not whole vectors) go to NCCL, which sums them right.
-        let why = cs[0].check_algorithm(Algorithm::OneShot, &call(10, DataType::F32)).expect_err("40 bytes");
-        assert!(why.to_string().contains("multiple of 16"), "{why}");
-        for (dtype, count) in [(DataType::I32, 4096usize), (DataType::F32, 10)] {
-            let from = s.fake.launch_total();
-            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
-                let rt = c.runtime().clone();
-                let st = rt.stream()?;
-                let bytes = count * dtype.size_bytes();
-                let mut a = rt.alloc(bytes)?;
-                rt.upload(&mut a, &input(dtype, c.rank(), 7, count), &st)?;
-                let sel = c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?;
-                st.synchronize()?;
-                let mut host = vec![0u8; bytes];
-                rt.download(&a, &mut host, &st)?;
-                Ok((sel.algorithm, decode(dtype, &host)))
-            });
-            assert_eq!(s.fake.launch_total(), from, "no kernel for {dtype} x {count}");
-            for (rank, r) in out.into_iter().enumerate() {
-                let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype}: {e}"));
-                assert_eq!(algorithm, Algorithm::Ccl, "world {world} {dtype} x {count} rank {rank}");
-                assert!(got == reference(world, 7, count), "world {world} {dtype} rank {rank}: wrong sums");
-            }
-        }
-    }
+    gpu_suite::init_all(s, |_, _| None);
 }
 
-type Captured = (Graph, CudaStream, anyccl_cuda::DeviceBuffer, anyccl_cuda::DeviceBuffer);
-
+/// The generic graph-capture case on the fake CUDA driver.
 fn graphs(s: &Setup) {
-    for (world, bytes) in [(2usize, 4096usize), (4, 1 << 20)] {
-        let mut cs = comms(s, world);
-        let dtype = DataType::F32;
-        let count = bytes / 4;
-        let mut capturing = call(count, dtype);
-        (capturing.in_place, capturing.capturing) = (false, true);
-        let want = cs[0].select_all_reduce(&capturing).expect("selection").algorithm;
-        let from = s.fake.launch_total();
-        let graphs = per_rank(&mut cs, |c| -> Result<_> {
-            let rt = c.runtime().clone();
-            let st = rt.stream()?;
-            let mut inp = rt.alloc(bytes)?;
-            let mut out = rt.alloc(bytes)?;
-            let mut chosen = None;
-            let graph = Graph::capture(rt.context(), &st, |st| {
-                let sel =
-                    c.all_reduce(InOut::Separate { send: &inp, recv: &mut out }, count, dtype, ReduceOp::Sum, st)?;
-                chosen = Some(sel.algorithm);
-                Ok(())
-            })?;
-            let pending = c.pending_graph_buffers();
-            rt.upload(&mut inp, &input(dtype, c.rank(), 0, count), &st)?;
-            graph.launch(&st)?;
-            st.synchronize()?;
-            let mut host = vec![0u8; bytes];
-            rt.download(&out, &mut host, &st)?;
-            Ok(((graph, st, inp, out), chosen, pending, decode(dtype, &host)))
-        });
-        let captured = check_launches(&s.fake, from, world, &kernel(shot_of(want), true, dtype), bytes);
-        assert!(captured.iter().all(|l| l.capturing && l.runs == 1 && l.completed == 1), "{captured:?}");
-        assert!(captured.iter().all(|l| l.params.as_ref().and_then(|p| p.last_registered) == Some(false)));
-        let mut kept: Vec<Captured> = Vec::new();
-        for (rank, g) in graphs.into_iter().enumerate() {
-            let (k, chosen, pending, got) = g.unwrap_or_else(|e| panic!("world {world} rank {rank}: {e}"));
-            assert_eq!(chosen, Some(want), "rank {rank}");
-            assert_eq!(pending, 1, "one input seen in the capture");
-            assert!(got == reference(world, 0, count), "world {world} rank {rank}: first replay");
-            kept.push(k);
-        }
-        let regs = per_rank(&mut cs, |c| c.register_graph_buffers(None));
-        for r in regs {
-            let r = r.expect("registration");
-            assert_eq!((r.registered, r.kept_staged.len()), (1, 0), "{r:?}");
-        }
-        assert_eq!(cs[0].pending_graph_buffers(), 0);
-        let runtimes: Vec<_> = cs.iter().map(|c| c.runtime().clone()).collect();
-        let results = std::thread::scope(|sc| {
-            let hs: Vec<_> = kept
-                .iter_mut()
-                .zip(runtimes)
-                .enumerate()
-                .map(|(rank, ((graph, st, inp, out), rt))| {
-                    sc.spawn(move || -> Result<Vec<f32>> {
-                        rt.upload(inp, &input(dtype, rank, 1, count), st)?;
-                        graph.launch(st)?;
-                        st.synchronize()?;
-                        let mut host = vec![0u8; bytes];
-                        rt.download(out, &mut host, st)?;
-                        Ok(decode(dtype, &host))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-        });
-        for (rank, r) in results.into_iter().enumerate() {
-            assert!(r.expect("replay") == reference(world, 1, count), "world {world} rank {rank}: registered replay");
-        }
-        let replayed: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
-        for l in &replayed {
-            assert_eq!((l.runs, l.completed, l.failed), (2, 2, 0), "{l:?}");
-            assert_eq!(l.params.as_ref().and_then(|p| p.last_registered), Some(true), "{l:?}");
-        }
-        println!("world {world}: captured {want}, replayed before and after registration");
-        drop(kept);
-    }
+    gpu_suite::graphs(s, |_, _| None);
 }
 
+/// The generic abort-word case on the fake CUDA driver.
 fn abort(s: &Setup) {
-    let mut cs = comms(s, 2);
-    let from = s.fake.launch_total();
-    let ok = per_rank(&mut cs, |c| -> Result<()> {
-        let rt = c.runtime().clone();
-        let st = rt.stream()?;
-        let mut b = rt.alloc(4096)?;
-        c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
-        c.wait(&st, Duration::from_secs(5))
-    });
-    assert!(ok.iter().all(|r| r.is_ok()), "{ok:?}");
-    let launched = check_launches(&s.fake, from, 2, "anyccl_one_shot_f32", 4096);
-    let flags_of = |rank: i32| {
-        let p = launched.iter().filter_map(|l| l.params.clone()).find(|p| p.rank == rank).expect("launch");
-        (p.flags[rank as usize] + anyccl_kernels_cuda::ABORT_WORD_OFFSET as u64) as *const u32
-    };
-    let (word0, word1) = (flags_of(0), flags_of(1));
-    // SAFETY: the fake's device memory is host memory; the flag arrays live while the communicators do.
-    let read = |w: *const u32| unsafe { std::ptr::read_volatile(w) };
-    assert_eq!((read(word0), read(word1)), (0, 0), "the abort words start clear");
-
-    let c = &mut cs[0];
-    let rt = c.runtime().clone();
-    let st = rt.stream().expect("stream");
-    s.fake.set_busy(st.raw().cast(), true);
-    let writes = s.fake.calls("cuStreamWriteValue32_v2");
-    let started = std::time::Instant::now();
-    let err = c.wait(&st, Duration::from_millis(200)).expect_err("the stream never drains");
-    assert!(matches!(err, Error::Timeout { .. } | Error::PeerFailure(_)), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
-    assert_eq!(s.fake.calls("cuStreamWriteValue32_v2"), writes + 1, "the abort word was written once");
-    assert_eq!(read(word0), 1, "rank 0's abort word is set");
-    let off = c.backend().custom_kernels_off().expect("off").to_owned();
-    assert!(off.contains("an earlier wait failed"), "{off}");
-    let mut b = rt.alloc(4096).expect("buffer");
-    assert!(c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).is_err(), "aborted");
-    s.fake.set_busy(st.raw().cast(), false);
-    println!("rank 0 abort: {err}; kernels off: {off}");
-
-    // Rank 1 still chooses the kernel, whose launch waits for rank 0 at its barrier for good (rank 0 fails every
-    // call now): rank 1's own wait gives up, writes its abort word, which stops the kernel (aborted, not timed
-    // out), and rank 1's kernels go off too. So the call fails on every rank and none hangs.
-    let c = &mut cs[1];
-    let rt = c.runtime().clone();
-    let st = rt.stream().expect("stream");
-    let mut b = rt.alloc(4096).expect("buffer");
-    let from = s.fake.launch_total();
-    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st).expect("rank 1 launches");
-    assert_eq!(sel.algorithm, Algorithm::OneShot, "rank 1 has seen no failure");
-    let started = std::time::Instant::now();
-    let err = c.wait(&st, Duration::from_millis(300)).expect_err("rank 0 never comes");
-    assert!(matches!(err, Error::Timeout { .. } | Error::PeerFailure(_)), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(8), "bounded: {:?}", started.elapsed());
-    assert_eq!(s.fake.calls("cuStreamWriteValue32_v2"), writes + 2, "rank 1's abort word was written once");
-    assert_eq!(read(word1), 1, "rank 1's abort word is set");
-    let stuck: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
-    assert_eq!(stuck.len(), 1, "{stuck:?}");
-    assert_eq!((stuck[0].runs, stuck[0].aborted, stuck[0].timed_out, stuck[0].completed), (1, 1, 0, 0), "{stuck:?}");
-    let off = c.backend().custom_kernels_off().expect("off on rank 1 too").to_owned();
-    assert!(off.contains("an earlier wait failed"), "{off}");
-    println!("rank 1 abort: {err}; kernels off: {off}");
+    gpu_suite::abort(s);
 }
 
-/// A rank's eager sums, its registered replay's sums, how many graph inputs it registered, and the communicator.
-type RankResult = (Vec<f32>, Vec<f32>, usize, Communicator<CudaComm>);
-
+/// The generic one-process-per-GPU case on the fake CUDA driver, through `bootstrap::broadcast_unique_id` and
+/// `communicator_with_id`.
 fn ipc_threads(s: &Setup) {
-    let world = 3;
-    let (gets, opens) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuIpcOpenMemHandle_v2"));
-    let group = LocalGroup::new(world, Duration::from_secs(30));
-    let bytes = 8192;
-    let count = bytes / 4;
-    let from = s.fake.launch_total();
-    let outcomes = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let mut boot = group.member(rank);
-                sc.spawn(move || -> Result<RankResult> {
-                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
-                    let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
-                        &id,
-                        rank,
-                        world,
-                        rank as i32,
-                        &mut boot,
-                        selector,
-                    )?;
-                    let rt = c.runtime().clone();
-                    let st = rt.stream()?;
-                    let mut inp = rt.alloc(bytes)?;
-                    let mut out = rt.alloc(bytes)?;
-                    rt.upload(&mut inp, &input(DataType::F32, rank, 0, count), &st)?;
-                    let io = InOut::Separate { send: &inp, recv: &mut out };
-                    c.all_reduce(io, count, DataType::F32, ReduceOp::Sum, &st)?;
-                    st.synchronize()?;
-                    let mut host = vec![0u8; bytes];
-                    rt.download(&out, &mut host, &st)?;
-                    let eager = decode(DataType::F32, &host);
-                    let graph = Graph::capture(rt.context(), &st, |st| {
-                        let io = InOut::Separate { send: &inp, recv: &mut out };
-                        c.all_reduce(io, count, DataType::F32, ReduceOp::Sum, st).map(|_| ())
-                    })?;
-                    let reg = c.register_graph_buffers(Some(&mut boot))?;
-                    rt.upload(&mut inp, &input(DataType::F32, rank, 1, count), &st)?;
-                    graph.launch(&st)?;
-                    st.synchronize()?;
-                    rt.download(&out, &mut host, &st)?;
-                    Ok((eager, decode(DataType::F32, &host), reg.registered, c))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-    });
-    let mut comms = Vec::new();
-    for (rank, o) in outcomes.into_iter().enumerate() {
-        let (eager, replay, registered, c) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert!(c.backend().custom_kernels_off().is_none(), "{:?}", c.backend().custom_kernels_off());
-        assert!(eager == reference(world, 0, count), "rank {rank}: eager");
-        assert!(replay == reference(world, 1, count), "rank {rank}: registered replay");
-        assert_eq!(registered, 1, "rank {rank}");
-        comms.push(c);
-    }
-    let launched: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
-    assert_eq!(launched.iter().filter(|l| l.name == "anyccl_one_shot_f32").count(), world, "{launched:?}");
-    let table: Vec<&Launch> = launched.iter().filter(|l| l.name == "anyccl_one_shot_table_f32").collect();
-    assert_eq!(table.len(), world);
-    assert!(table.iter().all(|l| l.params.as_ref().and_then(|p| p.last_registered) == Some(true)), "{table:?}");
-    // Setup: staging, scratch and flags of every rank, each opened by every peer; then one graph input each.
-    let n = world as i32;
-    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 3 * n + n);
-    assert_eq!(s.fake.calls("cuIpcOpenMemHandle_v2") - opens, (3 + 1) * n * (n - 1));
-    assert_eq!(s.fake.ipc_open_count(), (3 + 1) * n * (n - 1), "every mapping open while the communicators live");
-    drop(comms);
-    assert_eq!(s.fake.ipc_open_count(), 0, "every mapping closed with its communicator");
-    assert_eq!(s.fake.calls("cuIpcCloseMemHandle"), (3 + 1) * n * (n - 1));
+    gpu_suite::ipc_threads(s);
 }
 
+/// The generic two-hosts case on the fake CUDA driver.
 fn two_hosts(s: &Setup) {
-    let world = 2;
-    let group = LocalGroup::new(world, Duration::from_secs(30));
-    let outcomes = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let mut boot = group.member(rank);
-                sc.spawn(move || -> Result<(String, Algorithm, Vec<f32>)> {
-                    let host = if rank == 0 { "node-a" } else { "node-b" };
-                    let env = move |k: &str| (k == "ANYCCL_HOST_ID").then(|| host.to_owned());
-                    let id = anyccl_gpu::multi_process::share_unique_id::<Cuda>(&mut boot, Some(&s.lib))?;
-                    let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_gpu::multi_process::join::<Cuda>(
-                        s.lib.clone(),
-                        &id,
-                        rank,
-                        world,
-                        rank as i32,
-                        &mut boot,
-                        selector,
-                        &env,
-                    )?;
-                    let off = c.backend().custom_kernels_off().unwrap_or_default().to_owned();
-                    let rt = c.runtime().clone();
-                    let st = rt.stream()?;
-                    let mut b = rt.alloc(4096)?;
-                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
-                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
-                    st.synchronize()?;
-                    let mut host_bytes = vec![0u8; 4096];
-                    rt.download(&b, &mut host_bytes, &st)?;
-                    Ok((off, sel.algorithm, decode(DataType::F32, &host_bytes)))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-    });
-    for (rank, o) in outcomes.into_iter().enumerate() {
-        let (off, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert!(off.contains("ranks span 2 hosts (rank 0 on node-a, rank 1 on node-b)"), "rank {rank}: {off}");
-        assert_eq!(algorithm, Algorithm::Ccl, "rank {rank}");
-        assert!(got == reference(world, 0, 1024), "rank {rank}");
-        println!("rank {rank}: {off}");
-    }
-    for call in ["cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuModuleLoadData", "hipIpcGetMemHandle"] {
-        assert_eq!(s.fake.calls(call), 0, "{call}: no IPC handle and not even the kernels before the check");
-    }
+    gpu_suite::two_hosts(s);
 }
 
 fn alloc_in_capture(s: &Setup) {
@@ -1352,143 +1025,14 @@ fn engine_streams(s: &Setup) {
     }
 }
 
+/// The generic custom-kernel-setup-during-capture case on the fake CUDA driver (the push one-shot after it).
 fn ipc_during_capture(s: &Setup) {
-    let world = 2;
-    let group = LocalGroup::new(world, Duration::from_secs(30));
-    let env = |k: &str| (k == "ANYCCL_HOST_ID").then(|| "node-a".to_owned());
-    let caps = Arc::new(anyccl_cuda::capabilities(Some(&s.lib), &|_| None));
-    let id = anyccl_ccl::UniqueId::new(&s.lib).expect("unique id");
-    let (gets, loads) = (s.fake.calls("cuIpcGetMemHandle"), s.fake.calls("cuModuleLoadData"));
-    let outcomes = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let mut boot = group.member(rank);
-                let (env, caps, id) = (&env, caps.clone(), &id);
-                sc.spawn(move || -> Result<(Error, Algorithm, Vec<f32>)> {
-                    let mut comm = CudaComm::init_rank(s.lib.clone(), rank as i32, world, rank, id, caps)?;
-                    let rt = anyccl_core::CommBackend::runtime(&comm).clone();
-                    let st = rt.stream()?;
-                    // A global capture refuses allocation on every thread: every rank is set up before any
-                    // captures, and every capture has ended before any rank allocates again.
-                    anyccl_core::Bootstrap::barrier(&mut boot)?;
-                    let mut during = None;
-                    let _graph = Graph::capture_with(rt.context(), &st, anyccl_core::CaptureMode::Global, |_| {
-                        during = Some(comm.enable_custom_ipc_with_env(&mut boot, env));
-                        Ok(())
-                    })?;
-                    let refused = during.and_then(|r| r.err()).expect("refused during the capture");
-                    anyccl_core::Bootstrap::barrier(&mut boot)?;
-                    comm.enable_custom_ipc_with_env(&mut boot, env)?;
-                    let mut c = Communicator::new(comm, Arc::new(Selector::defaults()));
-                    let mut b = rt.alloc(4096)?;
-                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
-                    let sel = c.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
-                    st.synchronize()?;
-                    let mut host = vec![0u8; 4096];
-                    rt.download(&b, &mut host, &st)?;
-                    Ok((refused, sel.algorithm, decode(DataType::F32, &host)))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-    });
-    for (rank, o) in outcomes.into_iter().enumerate() {
-        let (refused, algorithm, got) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert!(
-            matches!(refused, Error::InvalidArgument(InvalidArgument::DuringCapture { .. })),
-            "rank {rank}: {refused}"
-        );
-        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}: set up after the capture");
-        assert!(got == reference(world, 0, 1024), "rank {rank}");
-    }
-    // Only the setup after the capture reached the driver: four handles per rank (staging, scratch, flags, the
-    // push receive buffer), one module load per rank.
-    assert_eq!(s.fake.calls("cuIpcGetMemHandle") - gets, 4 * world as i32);
-    assert_eq!(s.fake.calls("cuModuleLoadData") - loads, world as i32);
+    gpu_suite::ipc_during_capture(s);
 }
 
-/// What one rank of the split case saw: its sub-communicator's rank and world, the sub all-reduce's algorithm and
-/// sums, and what the grouped ring exchange on the parent received.
-type SplitSeen = (usize, usize, Algorithm, Vec<f32>, Vec<f32>);
-
+/// The generic split case on the fake CUDA driver (the subs run the push one-shot).
 fn split(s: &Setup) {
-    let world = 4;
-    let group = LocalGroup::new(world, Duration::from_secs(30));
-    let from = s.fake.launch_total();
-    let outcomes = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..world)
-            .map(|rank| {
-                let mut boot = group.member(rank);
-                sc.spawn(move || -> Result<SplitSeen> {
-                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
-                    let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
-                        &id,
-                        rank,
-                        world,
-                        rank as i32,
-                        &mut boot,
-                        selector,
-                    )?;
-                    let rt = c.runtime().clone();
-                    let st = rt.stream()?;
-                    let mut sub = c.split(Some(rank as u32 % 2), rank as u32)?.expect("a color was given");
-                    let mut b = rt.alloc(4096)?;
-                    rt.upload(&mut b, &input(DataType::F32, rank, 0, 1024), &st)?;
-                    let sel = sub.all_reduce(InOut::InPlace(&mut b), 1024, DataType::F32, ReduceOp::Sum, &st)?;
-                    st.synchronize()?;
-                    let mut host = vec![0u8; 4096];
-                    rt.download(&b, &mut host, &st)?;
-                    let mut mine = rt.alloc(16)?;
-                    rt.upload(&mut mine, &encode(DataType::F32, &[rank as f32; 4]), &st)?;
-                    let mut got = rt.alloc(16)?;
-                    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-                    let mut ops = [
-                        anyccl_core::P2pOp::Recv { buf: &mut got, count: 4, dtype: DataType::F32, peer: prev },
-                        anyccl_core::P2pOp::Send { buf: &mine, count: 4, dtype: DataType::F32, peer: next },
-                    ];
-                    c.p2p(&mut ops, &st)?;
-                    st.synchronize()?;
-                    let mut ring = vec![0u8; 16];
-                    rt.download(&got, &mut ring, &st)?;
-                    Ok((
-                        sub.rank(),
-                        sub.world_size(),
-                        sel.algorithm,
-                        decode(DataType::F32, &host),
-                        decode(DataType::F32, &ring),
-                    ))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank thread")).collect::<Vec<_>>()
-    });
-    for (rank, o) in outcomes.into_iter().enumerate() {
-        let (sub_rank, sub_world, algorithm, sums, ring) = o.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        assert_eq!((sub_rank, sub_world), (rank / 2, 2), "rank {rank}");
-        assert_eq!(algorithm, Algorithm::OneShotPush, "rank {rank}: the sub-communicator's own kernels");
-        let peers = [rank % 2, rank % 2 + 2];
-        let want: Vec<f32> = (0..1024).map(|i| peers.iter().map(|r| value(*r, 0, i)).sum()).collect();
-        assert!(sums == want, "rank {rank}: the sum over its sub-communicator only");
-        assert_eq!(ring, vec![((rank + world - 1) % world) as f32; 4], "rank {rank}: the previous rank's values");
-    }
-    let subs: Vec<Launch> = s
-        .fake
-        .launches()
-        .into_iter()
-        .filter(|l| l.seq > from && l.push.as_ref().is_some_and(|p| p.world == 2))
-        .collect();
-    assert_eq!(subs.len(), world, "one world-2 push one-shot per rank: {subs:?}");
-
-    // One process: the sub-communicators' kernels are off, with the reason, and NCCL serves them.
-    let mut cs = comms(s, 2);
-    let subs = per_rank(&mut cs, |c| {
-        c.split(Some(0), 0).map(|sub| sub.map(|s| s.backend().custom_kernels_off().map(str::to_owned)))
-    });
-    for sub in subs {
-        let why = sub.expect("split").expect("colored").expect("off");
-        assert!(why.contains("peer access within one process"), "{why}");
-    }
+    gpu_suite::split(s);
 }
 
 #[cfg(feature = "cudarc")]

@@ -575,38 +575,8 @@ fn world_one() -> (Communicator<CudaComm>, anyccl_cuda::CudaRuntime, CudaStream)
 #[test]
 #[ignore = "needs an NVIDIA GPU: run on the GPU machine with --ignored"]
 fn all_reduce_of_a_view_touches_only_its_range() {
-    use anyccl_core::MemoryRuntime;
     let (mut c, rt, st) = world_one();
-    let (n, off, m) = (1024usize, 256usize, 128usize);
-    let mut buf = rt.alloc(n * 4).expect("alloc");
-    let host: Vec<u8> = (0..n).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    rt.upload(&mut buf, &host, &st).expect("upload");
-    let mut src = rt.alloc(m * 4).expect("alloc");
-    rt.upload(&mut src, &[7.0f32.to_le_bytes(); 128].concat(), &st).expect("upload");
-    let base = buf.device_ptr();
-    {
-        let mut view = buf.view_mut(off * 4..(off + m) * 4).expect("view");
-        assert_eq!((view.len(), view.device_ptr()), (m * 4, base + off as u64 * 4));
-        // World 1: the all-reduce copies `src` into the view.
-        c.all_reduce(InOut::Separate { send: &src, recv: &mut view }, m, DataType::F32, ReduceOp::Sum, &st)
-            .expect("all-reduce into the view");
-        // More elements than the view holds: refused, nothing queued.
-        let e = c.all_reduce(InOut::InPlace(&mut view), m + 1, DataType::F32, ReduceOp::Sum, &st).expect_err("short");
-        assert!(matches!(e, anyccl_core::Error::InvalidArgument(_)), "{e}");
-    }
-    assert!(matches!(
-        buf.view(0..n * 4 + 1).err(),
-        Some(anyccl_core::Error::InvalidArgument(anyccl_core::InvalidArgument::RangeOutOfBounds { .. }))
-    ));
-    c.wait(&st, std::time::Duration::from_secs(30)).expect("wait");
-    assert!(c.query(&st).expect("query"), "the stream drained");
-    let mut out = vec![0u8; n * 4];
-    rt.download(&buf, &mut out, &st).expect("download");
-    let got: Vec<f32> = out.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    for (i, v) in got.iter().enumerate() {
-        let want = if (off..off + m).contains(&i) { 7.0 } else { i as f32 };
-        assert_eq!(*v, want, "element {i}");
-    }
+    anyccl_testkit::gpu_suite::all_reduce_into_a_view(&mut c, &st);
     let (free, total) = rt.memory_info().expect("memory info");
     assert!(free > 0 && free <= total, "{free} of {total}");
 }

@@ -4,10 +4,9 @@
 //! its own ranks and all-reduce, independent of its siblings and of its parent.
 //!
 //! The processes run twice: as threads over core's `LocalGroup` (the same `ProcessComm` code, in one process), and
-//! as real processes started the way `torchrun` starts them (tests/support/launcher.rs).
+//! as real processes started the way `torchrun` starts them (`anyccl_testkit::launcher`).
 
-#[path = "../../../tests/support/launcher.rs"]
-mod launcher;
+use anyccl_testkit::launcher;
 
 use std::time::{Duration, Instant};
 

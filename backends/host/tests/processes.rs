@@ -5,8 +5,7 @@
 //! all-reduce hashes and an all-reduce against its own reference. Also: a rank killed with SIGKILL makes the
 //! survivors fail with a clear error within the timeout, and the same API over a bring-your-own bootstrap.
 
-#[path = "../../../tests/support/launcher.rs"]
-mod launcher;
+use anyccl_testkit::launcher;
 
 use std::process::{Child, Output};
 use std::time::{Duration, Instant};

@@ -1,14 +1,12 @@
 //! The ROCm backend against the fake HIP runtime and computing fake RCCL libraries for ROCm 6.2, 7.0 and 7.1
-//! (tests/support): capability reports, communicator creation, all-reduce eager and inside a HIP graph capture,
+//! (anyccl-testkit): capability reports, communicator creation, all-reduce eager and inside a HIP graph capture,
 //! zero capture violations, no symbol lookup after load, and conformance of every collective. No GPU needed.
 //!
 //! The fake runtime keeps one process-wide record of calls and violations, so the tests take a lock and run one
 //! at a time.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_hip;
 
 use std::ffi::{c_void, CStr};
 use std::path::Path;
@@ -596,29 +594,9 @@ fn an_all_reduce_into_a_view_touches_only_its_range() {
     let c = &mut cs[0];
     let rt = c.runtime().clone();
     let st = rt.stream().expect("stream");
-    let (n, off, m) = (1024usize, 256usize, 128usize);
+    anyccl_testkit::gpu_suite::all_reduce_into_a_view(c, &st);
+    let n = 1024usize;
     let mut buf = rt.alloc(n * 4).expect("alloc");
-    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
-    rt.upload(&mut buf, &f32_bytes(&host), &st).expect("upload");
-    let mut src = rt.alloc(m * 4).expect("alloc");
-    rt.upload(&mut src, &f32_bytes(&vec![7.0; m]), &st).expect("upload");
-    let base = buf.device_ptr();
-    {
-        let mut view = buf.view_mut(off * 4..(off + m) * 4).expect("view");
-        assert_eq!((view.len(), view.device_ptr()), (m * 4, base + off as u64 * 4));
-        c.all_reduce(InOut::Separate { send: &src, recv: &mut view }, m, DataType::F32, ReduceOp::Sum, &st)
-            .expect("all-reduce into the view");
-        let e = c.all_reduce(InOut::InPlace(&mut view), m + 1, DataType::F32, ReduceOp::Sum, &st).expect_err("short");
-        assert!(matches!(e, Error::InvalidArgument(InvalidArgument::BufferTooSmall { .. })), "{e}");
-    }
-    let e = buf.view(..n * 4 + 1).expect_err("past the end");
-    assert!(matches!(e, Error::InvalidArgument(InvalidArgument::RangeOutOfBounds { .. })), "{e}");
-    let mut out = vec![0u8; n * 4];
-    rt.download(&buf, &mut out, &st).expect("download");
-    for (i, v) in f32_from(&out).into_iter().enumerate() {
-        let want = if (off..off + m).contains(&i) { 7.0 } else { i as f32 };
-        assert_eq!(v, want, "element {i}");
-    }
     // A view swapped out of its `HipViewMut` keeps the allocation alive: the memory is freed with the last holder.
     let (free_before, _) = rt.memory_info().expect("memory info");
     let mut escaped = rt.alloc(16).expect("alloc");

@@ -1,4 +1,4 @@
-//! The fake HIP runtime's emulation of the custom all-reduce kernels (tests/support/fake_hip.c), driven through
+//! The fake HIP runtime's emulation of the custom all-reduce kernels (testkit/c/fake_hip.c), driven through
 //! its C ABI with no communicator: ranks are threads of this process that each launch their rank's kernel, as the
 //! ROCm communicator will. The emulated kernels must give the exact sums the kernels give (f32 accumulation in
 //! rank order), in every input mode (staged, input table before and after registration, direct), eager and
@@ -8,10 +8,7 @@
 //!
 //! The fake keeps one process-wide record, so the tests take a lock and run one at a time.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_hip;
 
 use std::ffi::{c_void, CString};
 use std::ptr::null_mut;

@@ -1,6 +1,6 @@
 //! Grouped point-to-point calls, sub-communicators (`ncclCommSplit`) and the bootstrap over the communicator
 //! itself (`CclBootstrap`), through anyccl-ccl's shared rank (`CclRank`) on the computing fake RCCL and the fake
-//! HIP runtime (tests/support). No GPU needed.
+//! HIP runtime (anyccl-testkit). No GPU needed.
 //!
 //! The GPU backends' own `CommBackend::p2p`/`split` are wired by their communicators; here a minimal backend over
 //! `CclRank` and the HIP runtime (`Ranked`, below) takes the calls through core's validating `Communicator`, as
@@ -9,10 +9,8 @@
 //! The fake runtime keeps one process-wide record of calls and violations, so the tests take a lock and run one
 //! at a time.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/fake_hip.rs"]
-mod fake_hip;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_hip;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 

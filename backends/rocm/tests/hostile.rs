@@ -6,12 +6,9 @@
 //! run `HipLibrary::load` in a child process (this test binary again, test `child`) with a deadline, so a hang or a
 //! crash fails the case instead of hanging or killing the run; this process's working directory never changes.
 
-#[path = "../../../tests/support/fake_ccl.rs"]
-mod fake_ccl;
-#[path = "../../../tests/support/fake_hip.rs"]
-mod fake_hip;
-#[path = "../../../tests/support/hostile_child.rs"]
-mod hostile_child;
+use anyccl_testkit::fake_ccl;
+use anyccl_testkit::fake_hip;
+use anyccl_testkit::hostile_child;
 
 use std::path::{Path, PathBuf};
 

@@ -11,8 +11,7 @@ use anyccl_gpu::quant::{self, Format};
 use fake_hip::Fused;
 use fused_case::{bytes_of, rng, u16s, Case};
 
-#[path = "../../../../tests/support/fused_case.rs"]
-mod fused_case;
+use anyccl_testkit::fused_case;
 
 const EPS: f32 = 1e-5;
 

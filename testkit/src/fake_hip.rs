@@ -1,14 +1,13 @@
 //! The fake HIP runtime (`fake_hip.c`) and fake RCCL libraries whose collectives compute on its host-backed
 //! "device" memory (`fake_rccl.c`), compiled at test time with the system `cc`. Each RCCL profile of
 //! `fake_ccl.rs` gives the exported symbol set; the fake RCCL links the fake HIP runtime by soname, as the real
-//! one links libamdhip64. Used through `#[path]` together with `fake_ccl.rs`.
-#![allow(dead_code)]
+//! one links libamdhip64.
 
 use std::path::{Path, PathBuf};
 
-use super::fake_ccl::{self, Profile};
+use crate::fake_ccl::{self, Profile};
 
-const HIP_C: &str = include_str!("fake_hip.c");
+const HIP_C: &str = include_str!("../c/fake_hip.c");
 /// The fake HIP runtime's soname.
 pub const HIP_SONAME: &str = "libamdhip64.so.6";
 

@@ -2,16 +2,15 @@
 //! translation unit, so it shares the fake HIP runtime's memory, streams, graphs, capture rules, IPC and kernel
 //! emulation) and a computing fake NCCL (`fake_rccl.c` with an NCCL profile's symbol set, linked against that
 //! driver by soname, as the fake RCCL links the fake HIP runtime), compiled at test time with the system `cc`.
-//! Used through `#[path]` together with `fake_ccl.rs` and `fake_hip.rs` (whose `FakeHip` reads the records: the
+//! Used together with [`crate::fake_hip`] (whose `FakeHip` reads the records: the
 //! driver exports the `fakehip_*` test interface too).
-#![allow(dead_code)]
 
 use std::path::PathBuf;
 
-use super::fake_ccl::{self, Profile};
+use crate::fake_ccl::{self, Profile};
 
-const HIP_C: &str = include_str!("fake_hip.c");
-const CUDA_C: &str = include_str!("fake_cuda.c");
+const HIP_C: &str = include_str!("../c/fake_hip.c");
+const CUDA_C: &str = include_str!("../c/fake_cuda.c");
 /// The fake driver's soname.
 pub const CUDA_SONAME: &str = "libcuda.so.1";
 

@@ -1,7 +1,6 @@
-//! A stand-in for `torchrun`, shared by the tests that start ranks the way it does (used through `#[path]`): it
+//! A stand-in for `torchrun`, shared by the tests that start ranks the way it does: it
 //! holds `MASTER_PORT` as torchrun's agent store does, and starts one process per rank (the calling test binary
 //! again, its `#[ignore]`d test `rank`) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`.
-#![allow(dead_code)]
 
 use std::net::{Ipv4Addr, TcpListener};
 use std::process::{Child, Command, Output, Stdio};

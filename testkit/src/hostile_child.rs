@@ -1,7 +1,7 @@
 //! Shared pieces of the hostile library-search tests (docs/security.md): planted folders and libraries, FIFOs, and a
 //! child run of the including test binary's own `child` test in a planted working directory, with a cleared
 //! environment and a deadline, so a hang or a crash fails the case instead of hanging or killing the test run.
-//! Used through `#[path]` by `backends/ccl/tests/hostile.rs` and `backends/rocm/tests/hostile.rs`.
+//! Used by `backends/ccl/tests/hostile.rs` and `backends/rocm/tests/hostile.rs`.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -21,13 +21,13 @@ pub fn planted_constructor_c() -> String {
     )
 }
 
-/// A fresh folder for one case (absolute; under the target dir, named after the package, removed first).
+/// A fresh folder for one case (absolute; under the target dir, named after the test binary, removed first).
 pub fn case_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "hostile-{}-{}-{name}",
-        env!("CARGO_PKG_NAME"),
-        std::process::id()
-    ));
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let stem = exe.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    // The test binary's name without cargo's `-<hash>` suffix.
+    let binary = stem.rsplit_once('-').map_or(stem.as_str(), |(name, _)| name).to_owned();
+    let d = crate::scratch_dir().join(format!("hostile-{binary}-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).expect("case dir");
     d

@@ -1,5 +1,5 @@
 /* A fake RCCL whose collectives compute on host memory (the fake HIP runtime's "device" memory), for tests. It
- * is built per release by tests/support/fake_ccl.rs (build_computing), which defines FAKE_VERSION and one HAVE_<symbol> per
+ * is built per release by testkit/src/fake_ccl.rs (build_computing), which defines FAKE_VERSION and one HAVE_<symbol> per
  * optional symbol the release exports, and links it against the fake HIP runtime, as the real RCCL links
  * libamdhip64.
  *

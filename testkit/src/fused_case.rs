@@ -1,7 +1,5 @@
 //! Shared by the fake-runtime tests of the fused all-reduce + residual add + RMSNorm (ROCm's and CUDA's): one call's
-//! inputs, residual and weight, and what core's host reference says its output and new residual are. Used through
-//! `#[path]`.
-#![allow(dead_code)]
+//! inputs, residual and weight, and what core's host reference says its output and new residual are.
 
 use anyccl_core::fused::{from_f32, norm_row, to_f32, RmsNormCall, RmsNormSpec};
 use anyccl_core::DataType;

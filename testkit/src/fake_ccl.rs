@@ -1,7 +1,6 @@
 //! Fake NCCL/RCCL libraries, compiled at test time from C with the system `cc`: each exports the symbol set of
-//! one release. Shared by the loader's tests (backends/ccl/tests) and the CLI tests (tests/cli.rs) through
-//! `#[path]`; not every user needs every item.
-#![allow(dead_code)]
+//! one release. Shared by the loader's tests (backends/ccl/tests), the CLI tests and the
+//! backends' tests.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -14,7 +13,7 @@ pub const BASE: &[&str] =
     &["ncclCommInitAll", "ncclCommInitRankConfig", "ncclCommFinalize", "ncclGetLastError", "ncclRedOpCreatePreMulSum"];
 
 /// The computing fake library's C source (fake_rccl.c), over a fake runtime's memory and streams.
-const COMPUTING_C: &str = include_str!("fake_rccl.c");
+const COMPUTING_C: &str = include_str!("../c/fake_rccl.c");
 
 /// Symbols `fake_rccl.c` defines itself; those in [`COMPUTING_GUARDED`] only when the release exports them.
 const COMPUTING_IMPLEMENTED: &[&str] = &[
@@ -233,7 +232,7 @@ pub fn c_source(symbols: &[&str], version: i32, version_status: i32) -> String {
 }
 
 pub fn fake_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fake-ccl")
+    crate::scratch_dir().join("fake-ccl")
 }
 
 /// Compiles a fake library at `fake_dir()/rel`, once per test process (tests run on parallel threads).
