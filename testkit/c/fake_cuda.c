@@ -1,5 +1,5 @@
 /* A fake CUDA driver (libcuda.so.1) for tests: the CUDA driver API entry points anyccl-cuda and cudarc call,
- * each a thin facade over the fake HIP runtime of fake_hip.c, which tests/support/fake_cuda.rs compiles in front
+ * each a thin facade over the fake HIP runtime of fake_hip.c, which testkit/src/fake_cuda.rs compiles in front
  * of this file as one translation unit. So the fake driver shares everything with the fake HIP runtime: "device"
  * memory is host memory, streams run work on worker threads or capture it into graphs, the capture rules and
  * their violations, IPC handles (threads of one process), and the emulation of anyccl's all-reduce kernels,
