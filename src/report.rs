@@ -448,6 +448,11 @@ fn probe(selector: &Selector) -> MachineReport {
     if let Err(e) = caps.apply_env() {
         warnings.push(e.to_string());
     }
+    // NCCL_ALGO means something else from NCCL 2.31 on: a value that leaves collectives without an algorithm.
+    if let Some(w) = ccl.as_deref().and_then(|l| anyccl_ccl::caps::nccl_algo_warning(l, &anyccl_ccl::caps::process_env))
+    {
+        warnings.push(w);
+    }
     let gpu = detect_gpu(Path::new("/dev"));
     if gpu.found && !cfg!(any(feature = "cuda", feature = "rocm")) {
         warnings.push("a GPU is present, but this build has no GPU backend; anyccl runs on the host backend".into());

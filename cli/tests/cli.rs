@@ -25,6 +25,8 @@ fn anyccl(args: &[&str], env: &[(&str, &str)]) -> Output {
         "ANYCCL_DROPIN_PATH",
         "NCCL_CUMEM_ENABLE",
         "NCCL_NVLS_ENABLE",
+        "NCCL_ALGO",
+        "NCCL_PROTO",
     ] {
         c.env_remove(var);
     }
@@ -343,6 +345,49 @@ fn probe_keys_windows_in_capture_on_the_release() {
         );
         assert!(table.contains(&format!("  [off] windows-in-capture   {reason}\n")), "{label}: {table}");
     }
+}
+
+/// RCCL 2.27.7 (production ROCm 7.2.x) registers windows but runs no symmetric kernels, and no RCCL has the per-call
+/// config; NCCL 2.32 has both, and there an `NCCL_ALGO` that names only the all-reduce is a warning naming the
+/// collectives it leaves without an algorithm.
+#[test]
+fn probe_reports_symmetric_kernels_the_per_call_config_and_nccl_algo_by_release() {
+    let rccl = fake_ccl::build_profile(&fake_ccl::RCCL_7_2).to_string_lossy().into_owned();
+    let env = [("ANYCCL_RCCL_PATH", rccl.as_str()), ("NCCL_CUMEM_ENABLE", "1")];
+    let out = anyccl(&["probe", "--json"], &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(capability(&v, "symmetric-windows")["enabled"], true);
+    let kernels = capability(&v, "symmetric-kernels");
+    assert_eq!(kernels["enabled"], false, "{kernels}");
+    let reason = kernels["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("production ROCm 7.2.x ships RCCL 2.27.7"), "{reason}");
+    assert!(reason.ends_with(" is version 2.27.7; 2.30 or newer is required"), "{reason}");
+    let per_call = capability(&v, "per-call-config");
+    assert_eq!(per_call["enabled"], false, "{per_call}");
+    assert!(per_call["reason"].as_str().unwrap_or_default().ends_with("does not export ncclAllReduceConfig"));
+
+    let nccl = fake_ccl::build_profile(&fake_ccl::NCCL_2_32).to_string_lossy().into_owned();
+    let env = [("ANYCCL_NCCL_PATH", nccl.as_str()), ("NCCL_ALGO", "allreduce:tree"), ("NCCL_PROTO", "Simple")];
+    let out = anyccl(&["probe", "--json"], &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(capability(&v, "per-call-config")["enabled"], true);
+    assert_eq!(capability(&v, "symmetric-kernels")["enabled"], true);
+    let warnings = v["warnings"].to_string();
+    assert!(
+        warnings
+            .contains("NCCL_ALGO=allreduce:tree names no algorithm for broadcast, reduce, allgather, reducescatter"),
+        "{warnings}"
+    );
+    let table = text(&anyccl(&["probe"], &env).stdout);
+    assert!(table.contains("\nwarning: NCCL_ALGO=allreduce:tree names no algorithm"), "{table}");
+    // The same setting over NCCL 2.30.7, which kept the collectives NCCL_ALGO does not name: nothing to say.
+    let old = fake_ccl::build_profile(&fake_ccl::NCCL_2_30_7).to_string_lossy().into_owned();
+    let env = [("ANYCCL_NCCL_PATH", old.as_str()), ("NCCL_ALGO", "allreduce:tree"), ("NCCL_PROTO", "Simple")];
+    let out = anyccl(&["probe", "--json"], &env);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(!v["warnings"].to_string().contains("NCCL_ALGO"), "{}", v["warnings"]);
 }
 
 /// The ROCm build on a machine whose HIP runtime and RCCL are the fakes (8 gfx90a devices, RCCL of ROCm 7.0):

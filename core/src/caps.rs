@@ -70,6 +70,15 @@ bitflags::bitflags! {
         ///
         /// [`SYMMETRIC_WINDOWS`]: Capabilities::SYMMETRIC_WINDOWS
         const WINDOWS_IN_CAPTURE = 1 << 21;
+        /// The per-call config of NCCL 2.31 and later (`ncclAllReduceConfig` and the other seven `*Config`
+        /// collectives with an `ncclCollConfig_t`: per-call algorithm, CTA policy, profiler tag).
+        const PER_CALL_CONFIG = 1 << 22;
+        /// The library's own symmetric-memory kernels over registered windows: needs [`SYMMETRIC_WINDOWS`]; NCCL
+        /// has them wherever it registers windows, RCCL only from a release that ships them (RCCL 2.27.7, in
+        /// production ROCm 7.2.x, registers windows but runs no symmetric kernels).
+        ///
+        /// [`SYMMETRIC_WINDOWS`]: Capabilities::SYMMETRIC_WINDOWS
+        const SYMMETRIC_KERNELS = 1 << 23;
     }
 }
 
@@ -84,8 +93,18 @@ const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
     (Capabilities::CCL_MEM_ALLOC, "ccl-mem-alloc", "ncclMemAlloc (NCCL >= 2.19)"),
     (Capabilities::SYMMETRIC_WINDOWS, "symmetric-windows", "ncclCommWindowRegister (NCCL >= 2.27)"),
     (Capabilities::WINDOWS_IN_CAPTURE, "windows-in-capture", "window registration in graph capture (>= 2.30.7)"),
+    (
+        Capabilities::SYMMETRIC_KERNELS,
+        "symmetric-kernels",
+        "the library's symmetric kernels (NCCL >= 2.27, RCCL >= 2.30)",
+    ),
     (Capabilities::COMM_SHRINK, "comm-shrink", "ncclCommShrink (NCCL >= 2.27)"),
     (Capabilities::DEVICE_API, "device-api", "ncclDevCommCreate (NCCL >= 2.28)"),
+    (
+        Capabilities::PER_CALL_CONFIG,
+        "per-call-config",
+        "ncclAllReduceConfig and the other *Config calls (NCCL >= 2.31)",
+    ),
     (Capabilities::BF16, "bf16", "ncclBfloat16 (NCCL >= 2.10)"),
     (Capabilities::AVG, "avg", "ncclAvg (NCCL >= 2.10)"),
     (Capabilities::FP8, "fp8", "ncclFloat8e4m3/e5m2 (NCCL >= 2.24)"),
@@ -519,8 +538,10 @@ mod tests {
 [off] ccl-mem-alloc        not applicable: test
 [off] symmetric-windows    not applicable: test
 [off] windows-in-capture   not applicable: test
+[off] symmetric-kernels    not applicable: test
 [off] comm-shrink          not applicable: test
 [off] device-api           not applicable: test
+[off] per-call-config      not applicable: test
 [on ] bf16
 [on ] avg
 [off] fp8                  not applicable: test

@@ -14,7 +14,8 @@ use crate::units::{format_bytes, parse_bytes};
 pub const PREFIX: &str = "ANYCCL_";
 
 /// Variables read elsewhere that anyccl also reads as text.
-pub const OTHER_TEXT_VARS: &[&str] = &["NCCL_NVLS_ENABLE"];
+pub const OTHER_TEXT_VARS: &[&str] =
+    &["NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE", "NCCL_WIN_ENABLE", "NCCL_ALGO", "NCCL_PROTO"];
 
 /// The largest `ANYCCL_CUSTOM_MAX_BYTES` accepted (1 GiB): each rank allocates staging and scratch buffers of this
 /// size on its GPU and maps every peer's, so a typo such as `64GiB` for `64MiB` must be an error naming the
@@ -44,6 +45,55 @@ pub fn text(name: &str, value: Option<OsString>) -> Result<Option<String>> {
 /// `name` when it is not UTF-8.
 pub fn var(name: &str) -> Result<Option<String>> {
     text(name, std::env::var_os(name))
+}
+
+/// The process environment for code that takes an environment reader (`&dyn Fn(&str) -> Option<String>`, so tests
+/// can inject one): each variable is read through [`var`], and the first one whose value is not UTF-8 is kept, to be
+/// returned by [`CheckedEnv::finish`] (it reads as unset meanwhile). A reader that cannot fail is thus never lossy:
+///
+/// ```
+/// let env = anyccl_core::env::CheckedEnv::new();
+/// let nvls = env.get("NCCL_NVLS_ENABLE");
+/// env.finish()?; // an error naming the variable if one read was not UTF-8
+/// # let _ = nvls;
+/// # Ok::<(), anyccl_core::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct CheckedEnv {
+    first_error: std::sync::Mutex<Option<Error>>,
+}
+
+impl CheckedEnv {
+    /// A reader of the process environment with no error yet.
+    pub fn new() -> Self {
+        CheckedEnv::default()
+    }
+
+    /// The variable `name` as text; `None` when unset, and when not UTF-8 (then kept for [`CheckedEnv::finish`]).
+    pub fn get(&self, name: &str) -> Option<String> {
+        self.check(var(name))
+    }
+
+    /// [`CheckedEnv::get`] over a value already read (by [`var`] or [`text`], whose error names the variable): for
+    /// tests and for readers that take the environment from elsewhere.
+    pub fn check(&self, value: Result<Option<String>>) -> Option<String> {
+        match value {
+            Ok(v) => v,
+            Err(e) => {
+                let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(e);
+                None
+            }
+        }
+    }
+
+    /// `Ok` when every variable read was unset or text, else the error naming the first that was not.
+    pub fn finish(self) -> Result<()> {
+        match self.first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
 }
 
 /// Whether anyccl reads `name` as bytes or as a path (a secret, a file, a directory, a library): such a value may
@@ -104,6 +154,22 @@ pub fn custom_max_bytes(env: &dyn Fn(&str) -> Option<String>, default: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn a_checked_reader_keeps_the_first_variable_that_is_not_text() {
+        let env = CheckedEnv::new();
+        assert_eq!(env.check(Ok(Some("1".into()))), Some("1".into()));
+        assert_eq!(env.check(Ok(None)), None);
+        assert_eq!(env.check(text("NCCL_ALGO", Some(bytes(b"ring\xff")))), None);
+        assert_eq!(env.check(text("NCCL_PROTO", Some(bytes(b"\xfe")))), None);
+        let e = env.finish().expect_err("a value that is not UTF-8");
+        assert!(matches!(&e, Error::Config { source_name, .. } if source_name == "NCCL_ALGO"), "{e:?}");
+        assert!(e.to_string().contains("NCCL_ALGO"), "{e}");
+        let env = CheckedEnv::new();
+        assert_eq!(env.check(Ok(Some("x".into()))), Some("x".into()));
+        assert!(env.finish().is_ok());
+    }
 
     #[cfg(unix)]
     fn bytes(b: &[u8]) -> OsString {

@@ -9,7 +9,7 @@
 
 use std::ffi::{c_int, c_void};
 
-pub use crate::table::{Api, NCCL_H_FUNCTIONS};
+pub use crate::table::{Api, DEVICE_HOST_FUNCTIONS, NCCL_H_FUNCTIONS};
 
 pub use anyccl_ccl::sys::{ncclComm_t as Comm, ncclResult_t as NcclResult, ncclUniqueId as UniqueId, Stream};
 
@@ -23,6 +23,31 @@ pub type SimInfo = *mut c_void;
 pub type CollConfig = *const c_void;
 /// `ncclParamHandle_t`.
 pub type ParamHandle = *mut c_void;
+
+/// `ncclTeam_t` of `nccl_device/core.h`: passed and returned by value, so its layout is spelled out.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Team {
+    /// `nRanks`.
+    pub n_ranks: c_int,
+    /// `rank`.
+    pub rank: c_int,
+    /// `stride`.
+    pub stride: c_int,
+}
+
+impl Team {
+    /// What a team function returns when the drop-in cannot forward it: no ranks (`ncclGetLastError` says why).
+    pub const NONE: Team = Team { n_ranks: 0, rank: 0, stride: 0 };
+}
+
+/// `ncclMultimemHandle_t` of `nccl_device/core.h`: passed by value, so its layout is spelled out.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct MultimemHandle {
+    /// `mcBasePtr`.
+    pub mc_base_ptr: *mut c_void,
+}
 
 /// `ncclSuccess`.
 pub const NCCL_SUCCESS: NcclResult = 0;

@@ -1,6 +1,7 @@
-//! A drop-in `libnccl`: the whole `nccl.h` API of NCCL 2.32.3 (and its `pnccl*` profiling aliases) as a C
-//! library, `libanyccl_nccl.so` (SONAME `libnccl.so.2`), that forwards every call to the real NCCL (or RCCL)
-//! anyccl's library search finds. Every function is listed once, in [`table`], which generates the exports.
+//! A drop-in `libnccl`: the whole `nccl.h` API of NCCL 2.32.3 and the device API's host functions the real library
+//! exports (`nccl_device/host.h`), with their `pnccl*` profiling aliases, as a C library, `libanyccl_nccl.so`
+//! (SONAME `libnccl.so.2`), that forwards every call to the real NCCL (or RCCL) anyccl's library search finds.
+//! Every function is listed once, in [`table`], which generates the exports.
 //!
 //! - **Loading**: lazily, once per process, at the first call (thread-safe, [`std::sync::OnceLock`]); see
 //!   [`load`] for the search and how the drop-in never loads itself. Every entry point is resolved then, with
@@ -140,6 +141,30 @@ pub(crate) fn guarded(name: &'static str, body: impl FnOnce() -> Result<NcclResu
             code: api::NCCL_INTERNAL_ERROR,
             message: format!("{name}: internal error in the anyccl drop-in NCCL (a panic, caught)"),
         }),
+    }
+}
+
+/// As [`guarded`], for a function that returns something other than a result code: `default` when the drop-in
+/// failed the call itself (the reason recorded for `ncclGetLastError`).
+#[inline]
+pub(crate) fn guarded_value<T>(name: &'static str, default: T, body: impl FnOnce() -> Result<T, Failure>) -> T {
+    // AssertUnwindSafe: after a panic nothing `body` touched is used again; the call only reports the failure.
+    match std::panic::catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(value)) => {
+            last_error::forwarded();
+            value
+        }
+        Ok(Err(f)) => {
+            last_error::record(f);
+            default
+        }
+        Err(_) => {
+            last_error::record(Failure {
+                code: api::NCCL_INTERNAL_ERROR,
+                message: format!("{name}: internal error in the anyccl drop-in NCCL (a panic, caught)"),
+            });
+            default
+        }
     }
 }
 

@@ -1,8 +1,10 @@
-//! Every function of `nccl.h` 2.32.3, listed once: this one table generates the underlying library's entry points
-//! ([`Api`]), the list of names ([`NCCL_H_FUNCTIONS`]) and each export with its `pnccl*` alias.
+//! Every function of `nccl.h` 2.32.3 and of the device API's host side (`nccl_device/host.h`, the functions the
+//! real 2.32.3 library exports), listed once: this one table generates the underlying library's entry points
+//! ([`Api`]), the lists of names ([`NCCL_H_FUNCTIONS`], [`DEVICE_HOST_FUNCTIONS`]) and each export with its `pnccl*`
+//! alias.
 //!
-//! **Adding a release** is one line per new function, in header order: its name and alias, its C signature in the
-//! types of [`crate::api`], and what the drop-in does with it:
+//! **Adding a release** is one line per new function, in header order, in the list of its header: its name and
+//! alias, its C signature in the types of [`crate::api`], and what the drop-in does with it:
 //! - `forward`: passed on untouched; `collective`: the same, and counted by [`crate::anyccl_nccl_dropin_calls`];
 //! - `check [comm, …]`: those arguments are communicator handles, checked against the communicators the drop-in
 //!   created ([`crate::handles`]) before anything is forwarded; `take [comm]`: checked and forgotten (destroy,
@@ -10,44 +12,56 @@
 //! - `log { … }`: the fields of the `ANYCCL_LOG=debug` line; `before { … }`: run before forwarding (after the
 //!   checks); `after |rc, u| { … }`: run with the library's answer (a communicator it created is registered there);
 //! - `void`: a function returning nothing, forwarded (a failure of the drop-in's is left for `ncclGetLastError`);
+//! - `value (DEFAULT)`: a function returning something other than `ncclResult_t` (a team, a rank, a count),
+//!   forwarded; when the drop-in cannot forward it returns `DEFAULT` and leaves the reason for `ncclGetLastError`
+//!   (it takes `check [comm]` too);
 //! - `custom`: written by hand in `lib.rs` (the table still resolves its entry point and lists its name).
 //!
-//! Then `tests/nccl-2.32.3-functions.txt` (the header's list, which the tests compare with this table and with the
-//! real header) is renamed and regenerated, and [`crate::api::NCCL_H_VERSION`] follows. A function the loaded
-//! library does not export answers `ncclInvalidUsage` with a text naming it.
+//! Then `tests/nccl-2.32.3-functions.txt` and `tests/nccl-2.32.3-device-host-functions.txt` (the lists, which the
+//! tests compare with this table, with the real header and with the real library's exports) are renamed and
+//! regenerated, and [`crate::api::NCCL_H_VERSION`] follows. A function the loaded library does not export answers
+//! `ncclInvalidUsage` with a text naming it.
 //!
-//! The functions of `nccl_device/host.h` (the device API's host side: `ncclDevCommCreate`, `ncclTeamWorld`, …) are
-//! not part of `nccl.h` and are not exported.
+//! The device API's host functions are forwarded untouched (the structures they fill are the library's; a
+//! communicator handle among their arguments is checked like any other). `ncclCftBarrierCreateRequirement`, which
+//! `nccl_device/host.h` 2.32.3 declares but the library does not export, is not exported either; the Windows-only
+//! declarations `ncclGinOutboxCreateRequirement` and `ncclGinInboxA2ACreateRequirement` are, because the Linux
+//! library exports them.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
 use crate::api::{
-    CollConfig, Comm, Config, DataTypeName, NcclResult, ParamHandle, RedOpName, SimInfo, Stream, UniqueId, Window,
+    CollConfig, Comm, Config, DataTypeName, MultimemHandle, NcclResult, ParamHandle, RedOpName, SimInfo, Stream, Team,
+    UniqueId, Window,
 };
-use crate::{accel, api, count_collective, entry, guarded, handles, register_out};
+use crate::{accel, api, count_collective, entry, guarded, guarded_value, handles, register_out};
 
 macro_rules! nccl_h {
     ($(
-        $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty { $($how:tt)* }
+        $(#[$list_doc:meta])* $list:ident {
+            $( $name:ident / $pname:ident ( $($arg:ident : $ty:ty),* $(,)? ) -> $ret:ty { $($how:tt)* } )*
+        }
     )*) => {
-        /// Every function of `nccl.h`, as the underlying library exports it (`None`: it does not).
+        /// Every exported function, as the underlying library exports it (`None`: it does not).
         #[allow(non_snake_case)]
         #[derive(Debug, Clone, Copy, Default)]
         pub struct Api {
-            $(
+            $($(
                 #[doc = concat!("`", stringify!($name), "`.")]
                 pub $name: Option<unsafe extern "C" fn($($ty),*) -> $ret>,
-            )*
+            )*)*
         }
 
-        /// The names of every function `nccl.h` 2.32.3 declares (without the `pnccl*` aliases), in header order.
-        pub const NCCL_H_FUNCTIONS: &[&str] = &[$(stringify!($name)),*];
+        $(
+            $(#[$list_doc])*
+            pub const $list: &[&str] = &[$(stringify!($name)),*];
+        )*
 
         impl Api {
             /// Resolves every entry point through `lookup` (null: not exported), once.
             pub(crate) fn resolve(lookup: &mut dyn FnMut(&std::ffi::CStr) -> *const c_void) -> Api {
                 Api {
-                    $(
+                    $($(
                         $name: {
                             let p = lookup(
                                 // A literal with one NUL at its end: always a valid C string.
@@ -60,20 +74,20 @@ macro_rules! nccl_h {
                                 None
                             } else {
                                 // SAFETY: `p` is the non-null address the underlying library exports under this
-                                // nccl.h name (the loader checked it is a function in that library's own code); the
-                                // target type is the signature nccl.h declares for it, the same in every NCCL and
+                                // name (the loader checked it is a function in that library's own code); the
+                                // target type is the signature its header declares for it, the same in every NCCL and
                                 // RCCL release that exports it.
                                 Some(unsafe {
                                     std::mem::transmute::<*const c_void, unsafe extern "C" fn($($ty),*) -> $ret>(p)
                                 })
                             }
                         },
-                    )*
+                    )*)*
                 }
             }
         }
 
-        $( export! { $name / $pname ( $($arg : $ty),* ) -> $ret ; $($how)* } )*
+        $($( export! { $name / $pname ( $($arg : $ty),* ) -> $ret ; $($how)* } )*)*
     };
 }
 
@@ -98,6 +112,32 @@ macro_rules! export {
                 unsafe { f($($arg),*) };
                 Ok(api::NCCL_SUCCESS)
             });
+        }
+    };
+    ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty ; value ($default:expr)
+        $(check [$($c:ident),*])?) => {
+        export!(@value $name, $name, concat!("`", stringify!($name), "` of the device API's host side, forwarded (when \
+            the drop-in cannot forward it, it returns a default and leaves the reason for `ncclGetLastError`)."),
+            $ret, $default, ($($arg : $ty),*) $(check [$($c),*])?);
+        export!(@value $name, $pname, concat!("`", stringify!($pname), "`: the profiling alias of [`",
+            stringify!($name), "`]."), $ret, $default, ($($arg : $ty),*) $(check [$($c),*])?);
+    };
+    (@value $name:ident, $export:ident, $doc:expr, $ret:ty, $default:expr, ($($arg:ident : $ty:ty),*)
+        $(check [$($c:ident),*])?) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The arguments must be what the header requires of this function; they are passed on untouched (a
+        /// communicator handle the drop-in does not hold is refused first).
+        #[no_mangle]
+        pub unsafe extern "C" fn $export($($arg: $ty),*) -> $ret {
+            guarded_value(stringify!($export), $default, || {
+                let (f, _u) = entry(stringify!($name), |a| a.$name)?;
+                $( $( handles::check(stringify!($export), stringify!($c), $c)?; )* )?
+                // SAFETY: `f` is the underlying library's own entry point of this name, with its header's
+                // signature; the caller's arguments are passed on as the caller's contract requires.
+                Ok(unsafe { f($($arg),*) })
+            })
         }
     };
     ($name:ident / $pname:ident ( $($arg:ident : $ty:ty),* ) -> $ret:ty ; $kind:ident
@@ -143,6 +183,8 @@ macro_rules! export {
 }
 
 nccl_h! {
+    /// The names of every function `nccl.h` 2.32.3 declares (without the `pnccl*` aliases), in header order.
+    NCCL_H_FUNCTIONS {
     ncclMemAlloc / pncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> NcclResult {
         forward log { size, "forwarded" }
     }
@@ -444,4 +486,91 @@ nccl_h! {
         forward
     }
     ncclParamDumpAll / pncclParamDumpAll() -> () { void }
+    }
+    /// The names of the device API's host functions (`nccl_device/host.h` 2.32.3) that the real library exports
+    /// (without the `pnccl*` aliases), in header order.
+    DEVICE_HOST_FUNCTIONS {
+    ncclCommQueryProperties / pncclCommQueryProperties(comm: Comm, props: *mut c_void) -> NcclResult {
+        forward check [comm]
+    }
+    ncclDevCommCreate / pncclDevCommCreate(comm: Comm, reqs: *const c_void, out_dev_comm: *mut c_void)
+        -> NcclResult {
+        forward check [comm] log { ?comm, "forwarded" }
+    }
+    ncclDevCommDestroy / pncclDevCommDestroy(comm: Comm, dev_comm: *const c_void) -> NcclResult {
+        forward check [comm] log { ?comm, "forwarded" }
+    }
+    ncclGetLsaMultimemDevicePointer / pncclGetLsaMultimemDevicePointer(
+        window: Window, offset: usize, out_ptr: *mut *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetMultimemDevicePointer / pncclGetMultimemDevicePointer(
+        window: Window, offset: usize, multimem: MultimemHandle, out_ptr: *mut *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetLsaDevicePointer / pncclGetLsaDevicePointer(
+        window: Window, offset: usize, lsa_rank: c_int, out_ptr: *mut *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetPeerDevicePointer / pncclGetPeerDevicePointer(
+        window: Window, offset: usize, peer: c_int, out_ptr: *mut *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetMultimemDeviceLeInfo / pncclGetMultimemDeviceLeInfo(
+        window: Window, offset: usize, le_id: *mut u32, le_offset: *mut usize
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetCftDeviceLeInfo / pncclGetCftDeviceLeInfo(
+        window: Window, offset: usize, peer_cft: c_int, cft_team: Team, le_id: *mut u32, le_offset: *mut usize
+    ) -> NcclResult {
+        forward
+    }
+    ncclGetPeerDeviceLeInfo / pncclGetPeerDeviceLeInfo(
+        window: Window, offset: usize, peer_world: c_int, le_id: *mut u32, le_offset: *mut usize
+    ) -> NcclResult {
+        forward
+    }
+    ncclTeamWorld / pncclTeamWorld(comm: Comm) -> Team { value (Team::NONE) check [comm] }
+    ncclTeamLsa / pncclTeamLsa(comm: Comm) -> Team { value (Team::NONE) check [comm] }
+    ncclTeamCft / pncclTeamCft(comm: Comm, mode: c_int) -> Team { value (Team::NONE) check [comm] }
+    ncclTeamCftMultimem / pncclTeamCftMultimem(comm: Comm) -> Team { value (Team::NONE) check [comm] }
+    ncclTeamRankToWorld / pncclTeamRankToWorld(comm: Comm, team: Team, rank: c_int) -> c_int {
+        value (-1) check [comm]
+    }
+    ncclTeamRankToLsa / pncclTeamRankToLsa(comm: Comm, team: Team, rank: c_int) -> c_int {
+        value (-1) check [comm]
+    }
+    ncclTeamRail / pncclTeamRail(comm: Comm) -> Team { value (Team::NONE) check [comm] }
+    ncclLsaBarrierCreateRequirement / pncclLsaBarrierCreateRequirement(
+        team: Team, n_barriers: c_int, out_handle: *mut c_void, out_req: *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGinBarrierCreateRequirement / pncclGinBarrierCreateRequirement(
+        comm: Comm, team: Team, n_barriers: c_int, out_handle: *mut c_void, out_req: *mut c_void
+    ) -> NcclResult {
+        forward check [comm]
+    }
+    ncclLLA2ACalcSlots / pncclLLA2ACalcSlots(max_elts: c_int, max_elt_size: c_int) -> c_int { value (-1) }
+    ncclLLA2ACreateRequirement / pncclLLA2ACreateRequirement(
+        n_blocks: c_int, n_slots: c_int, out_handle: *mut c_void, out_req: *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGinOutboxCreateRequirement / pncclGinOutboxCreateRequirement(
+        n_blocks: c_int, size_log2: c_int, out_handle: *mut c_void, out_req: *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    ncclGinInboxA2ACreateRequirement / pncclGinInboxA2ACreateRequirement(
+        peers: Team, n_blocks: c_int, size_log2: c_int, out_handle: *mut c_void, out_req: *mut c_void
+    ) -> NcclResult {
+        forward
+    }
+    }
 }

@@ -169,10 +169,17 @@ fn line_starting<'a>(out: &'a Output, prefix: &str) -> &'a str {
 }
 
 #[test]
-fn the_exports_are_exactly_nccl_h_2_32_3_and_its_aliases() {
+fn the_exports_are_exactly_nccl_h_2_32_3_and_the_device_host_functions_with_their_aliases() {
     use object::{Object, ObjectSymbol};
-    let snapshot = header::snapshot();
+    let device = header::device_snapshot();
+    assert_eq!(
+        anyccl_nccl::api::DEVICE_HOST_FUNCTIONS,
+        device.as_slice(),
+        "the drop-in's table and the device API's host functions differ"
+    );
+    let mut snapshot = header::snapshot();
     assert_eq!(anyccl_nccl::api::NCCL_H_FUNCTIONS, snapshot.as_slice(), "the drop-in's table and the header differ");
+    snapshot.extend(device);
     let bytes = std::fs::read(dropin_so()).expect("read the drop-in");
     let file = object::File::parse(&*bytes).expect("the drop-in is an object file");
     let mut exported: Vec<String> = file
@@ -262,6 +269,13 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
          NCCL, {} (NCCL 2.32.3), does not export it (the drop-in implements nccl.h 2.32.3); nothing was called",
         lib.display()
     );
+    let lacks = |function: &str| {
+        format!(
+            "{function} is not available: the library under the anyccl drop-in NCCL, {} (NCCL 2.32.3), does not \
+             export it (the drop-in implements nccl.h 2.32.3); nothing was called",
+            lib.display()
+        )
+    };
     let want: Vec<String> = vec![
         refused("garbage ncclCommCount", "ncclCommCount", "0xdead0"),
         refused("garbage ncclAllReduce", "ncclAllReduce", "0xdead1"),
@@ -295,6 +309,13 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
         format!("pncclBroadcastConfig {ok}"),
         "ncclParamGetI32 rc=0 value=32".into(),
         missing,
+        // The device API's host side: a team by value both ways, a handle refused with an empty team, a function
+        // the fake lacks answered with -1 or ncclInvalidUsage and a text (the caller's pointer untouched).
+        "ncclTeamWorld team=8,3,1 last=fake: no error yet".into(),
+        "ncclTeamRankToWorld rank=105 last=fake: no error yet".into(),
+        format!("garbage pncclTeamWorld team=0,0,0 last={}", refusal("pncclTeamWorld", "0xdead6")),
+        format!("ncclLLA2ACalcSlots slots=-1 last={}", lacks("ncclLLA2ACalcSlots")),
+        format!("ncclGetPeerDevicePointer rc=5 out=77 last={}", lacks("ncclGetPeerDevicePointer")),
         refused("destroyed ncclCommSuspend", "ncclCommSuspend", "0xc32"),
     ];
     let got: Vec<&str> = out.stdout.lines().collect();
@@ -320,6 +341,8 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
             "ncclBroadcastConfig send=321 recv=322 count=323 dtype=7 root=1 comm=c32 stream=5f3 config=cc2",
             "ncclBroadcastConfig send=331 recv=332 count=333 dtype=7 root=2 comm=c32 stream=5f4 config=cc3",
             "ncclParamGetI32 h=9a",
+            "ncclTeamWorld comm=c32",
+            "ncclTeamRankToWorld comm=c32 team=8,3,2 rank=5",
             "ncclCommDestroy comm=c32",
             "ncclCommGetAsyncError comm=c32",
         ]

@@ -3,7 +3,9 @@
 //! library's, `ncclGetUniqueId` succeeds as the real one does without a GPU, `ncclCommInitRank` fails cleanly
 //! with the real library's code and text, the 2.32 calls that have an answer without a GPU (suspend, resume,
 //! memory statistics, the per-call config collectives on a null communicator, the parameter registry) answer as
-//! the library does, and a function an older NCCL lacks is answered with `ncclInvalidUsage`. Then how it links: a
+//! the library does, the device API's host functions that have an answer without a GPU answer as the library does,
+//! and a function an older NCCL lacks is answered with `ncclInvalidUsage`. The exports are compared with the real
+//! library's (every `nccl*`/`pnccl*` function) and with its headers. Then how it links: a
 //! program linked against the drop-in starts against the real `libnccl.so.2` and the other way round, and the
 //! drop-in built for glibc 2.28 has the SONAME `libnccl.so.2` and needs no `GLIBC_` version above 2.28.
 //!
@@ -56,6 +58,23 @@ fn functions_c(names: &[String]) -> String {
     s
 }
 
+/// A C file that takes the address of every device API host function (and its alias) of the snapshot, declared
+/// here without their types (nccl_device/host.h needs CUDA's headers): linking it to the drop-in fails if one is
+/// missing.
+fn device_functions_c() -> String {
+    let names: Vec<String> = header::device_snapshot().iter().flat_map(|n| [n.to_string(), format!("p{n}")]).collect();
+    let mut s = String::from("typedef void (*anyccl_fn)(void);\n");
+    for n in &names {
+        s.push_str(&format!("extern void {n}(void);\n"));
+    }
+    s.push_str("const anyccl_fn anyccl_test_device_functions[] = {\n");
+    for n in &names {
+        s.push_str(&format!("    {n},\n"));
+    }
+    s.push_str(&format!("}};\nconst int anyccl_test_device_function_count = {};\n", names.len()));
+    s
+}
+
 fn build(sdk: &Path, dir: &Path) -> PathBuf {
     let header_text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
     let names = header::functions(&header_text);
@@ -67,6 +86,8 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
     assert_eq!(names.len(), 2 * plain.len(), "{names:?}");
     let functions = dir.join("functions.c");
     std::fs::write(&functions, functions_c(&names)).expect("write functions.c");
+    let device_functions = dir.join("device_functions.c");
+    std::fs::write(&device_functions, device_functions_c()).expect("write device_functions.c");
     let program = dir.join("real_nccl");
     // NCCL_OS_LINUX: nccl.h 2.32 declares ncclResetDebugInit only under it (NCCL's own build defines it; the Linux
     // library exports the function either way).
@@ -75,7 +96,7 @@ fn build(sdk: &Path, dir: &Path) -> PathBuf {
     args.push("-I".into());
     args.push(sdk.join("include").into_os_string());
     args.extend(programs::link_to_dropin());
-    cc(&program, &[programs::c_dir().join("real_nccl.c"), functions], &args);
+    cc(&program, &[programs::c_dir().join("real_nccl.c"), functions, device_functions], &args);
     program
 }
 
@@ -104,6 +125,7 @@ fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
         let starts = |p: &str| out.stdout.lines().find(|x| x.starts_with(p)).map(str::to_owned);
         assert!(has("ALL CHECKS PASSED"), "{context}");
         assert!(has(&format!("functions linked: {}", 2 * header::snapshot().len())), "{context}");
+        assert!(has(&format!("device functions linked: {}", 2 * header::device_snapshot().len())), "{context}");
         assert!(has(&format!("underlying: NCCL {version} {}", lib.display())), "{context}");
         let code = version_code(version);
         assert!(has(&format!("ncclGetVersion rc=0 version={code} real={code} header={header_code}")), "{context}");
@@ -129,14 +151,24 @@ fn the_real_nccl_under_the_drop_in_answers_as_it_does_alone() {
         // The 2.32 calls: compared where the library has them (the C program checks code and text), refused with
         // ncclInvalidUsage where it does not.
         assert!(has("2.32 calls compared"), "{context}");
+        assert!(has("device API host calls compared"), "{context}");
         if code >= 23200 {
-            for f in ["ncclCommSuspend", "ncclCommResume", "ncclAllReduceConfig", "ncclParamGetParameter"] {
+            for f in [
+                "ncclCommSuspend",
+                "ncclCommResume",
+                "ncclAllReduceConfig",
+                "ncclParamGetParameter",
+                "ncclCommQueryProperties",
+                "ncclGetPeerDevicePointer",
+            ] {
                 let line = starts(&format!("{f} rc=")).unwrap_or_default();
                 assert!(line.ends_with("exported=1"), "{f}: {context}");
             }
         } else {
             assert!(has("ncclCommSuspend rc=5 exported=0"), "{context}");
             assert!(has("ncclAllReduceConfig rc=5 exported=0"), "{context}");
+            assert!(has("ncclGetPeerDevicePointer rc=5 exported=0"), "{context}");
+            assert!(has("ncclLLA2ACalcSlots value=-1 exported=0"), "{context}");
         }
     }
     assert!(older_seen, "no library without ncclCommWindowRegister was tested (ci/install-nccl.sh installs 2.26.5)");
@@ -244,40 +276,44 @@ fn defined_functions(file: &Path) -> Vec<String> {
     names
 }
 
+/// What the real library exports beyond its headers' declarations, each with why the drop-in leaves it out: a new
+/// function cannot slip by unnamed.
+const NOT_EXPORTED: &[(&str, &str)] = &[(
+    "ncclResetDebugInitInternal",
+    "internal: declared in no header and without a pncclResetDebugInitInternal alias",
+)];
+
 #[test]
 #[ignore = "needs the real NCCL: ANYCCL_TEST_NCCL_SDK (see the file's documentation)"]
-fn the_exports_match_the_real_library_and_its_header() {
+fn the_exports_match_the_real_library_and_its_headers() {
     let sdk = PathBuf::from(required_env("ANYCCL_TEST_NCCL_SDK"));
     let header_text = std::fs::read_to_string(sdk.join("include").join("nccl.h")).expect("nccl.h in the SDK folder");
-    let mut declared = header::functions(&header_text);
-    declared.sort();
+    let host_text = std::fs::read_to_string(sdk.join("include").join("nccl_device").join("host.h"))
+        .expect("nccl_device/host.h in the SDK folder");
     let real = defined_functions(&sdk.join("lib").join("libnccl.so.2"));
     let mine = defined_functions(&programs::dropin_so());
-    // The drop-in exports exactly what nccl.h declares (each with its pnccl alias)...
-    assert_eq!(mine, declared, "the drop-in's exports and nccl.h differ");
-    // ...every one of which the real library exports too...
-    let absent: Vec<&String> = mine.iter().filter(|n| !real.contains(n)).collect();
-    assert!(absent.is_empty(), "exported by the drop-in but not by the real library: {absent:?}");
-    // ...and what the real library exports beyond nccl.h is the device API's host side (nccl_device/host.h, not
-    // nccl.h) and an internal function: each is named here, so a new nccl.h function cannot slip by.
-    let device_dir = sdk.join("include").join("nccl_device");
-    let device_text = std::fs::read_dir(&device_dir)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter_map(|e| std::fs::read_to_string(e.path()).ok())
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .unwrap_or_default();
-    let extra: Vec<&String> = real.iter().filter(|n| !mine.contains(n)).collect();
-    for n in &extra {
-        let base = n.strip_prefix('p').unwrap_or(n);
-        let device_api = device_text.contains(&format!("{base}("));
-        let internal = base == "ncclResetDebugInitInternal";
-        assert!(device_api || internal, "the real library exports {n}, which the drop-in does not and nccl.h lacks");
+    // Every nccl*/pnccl* function the real library exports, the drop-in exports too, but the named exceptions...
+    let missing: Vec<&String> =
+        real.iter().filter(|n| !mine.contains(n) && !NOT_EXPORTED.iter().any(|(x, _)| x == n)).collect();
+    assert!(missing.is_empty(), "exported by the real library but not by the drop-in: {missing:?}");
+    // ...and nothing else.
+    let extra: Vec<&String> = mine.iter().filter(|n| !real.contains(n)).collect();
+    assert!(extra.is_empty(), "exported by the drop-in but not by the real library: {extra:?}");
+    for (n, why) in NOT_EXPORTED {
+        assert!(real.contains(&n.to_string()), "{n} ({why}) is no longer exported by the real library");
     }
+    // Each is declared: by nccl.h (the snapshot, with its alias) or by nccl_device/host.h (the device snapshot).
+    let mut declared = header::functions(&header_text);
+    let host_declared = header::functions(&host_text);
+    for n in header::device_snapshot() {
+        assert!(host_declared.iter().any(|d| d == n), "nccl_device/host.h does not declare {n}");
+        declared.push(n.to_owned());
+        declared.push(format!("p{n}"));
+    }
+    declared.sort();
+    assert_eq!(mine, declared, "the drop-in's exports and the headers' declarations (as the snapshots list) differ");
     println!(
-        "real library: {} functions; drop-in: {}; not exported (device API host side, internal): {extra:?}",
+        "real library: {} nccl*/pnccl* functions; drop-in: {}; not exported: {NOT_EXPORTED:?}",
         real.len(),
         mine.len()
     );

@@ -486,6 +486,43 @@ ncclResult_t ncclRecv(void* r, size_t n, int t, int peer, void* c, void* st) {
     return submit(c, RECV, NULL, r, n, t, 0, 0, peer, st);
 }
 
+/* The per-call config of NCCL 2.31 (HAVE_ncclAllReduceConfig and its siblings, for releases from 2.31 on): the config
+ * (ncclCollConfig_t) asks for an algorithm, CTAs or a profiler tag, none of which changes the result, so each runs
+ * as its plain form. */
+#ifdef HAVE_ncclAllReduceConfig
+ncclResult_t ncclAllReduceConfig(const void* s, void* r, size_t n, int t, int op, void* c, void* st, const void* cfg) {
+    (void)cfg;
+    return submit(c, ALL_REDUCE, s, r, n, t, op, 0, 0, st);
+}
+#endif
+#ifdef HAVE_ncclAllGatherConfig
+ncclResult_t ncclAllGatherConfig(const void* s, void* r, size_t n, int t, void* c, void* st, const void* cfg) {
+    (void)cfg;
+    return submit(c, ALL_GATHER, s, r, n, t, 0, 0, 0, st);
+}
+#endif
+#ifdef HAVE_ncclReduceScatterConfig
+ncclResult_t ncclReduceScatterConfig(const void* s, void* r, size_t n, int t, int op, void* c, void* st,
+                                     const void* cfg) {
+    (void)cfg;
+    return submit(c, REDUCE_SCATTER, s, r, n, t, op, 0, 0, st);
+}
+#endif
+#ifdef HAVE_ncclBroadcastConfig
+ncclResult_t ncclBroadcastConfig(const void* s, void* r, size_t n, int t, int root, void* c, void* st,
+                                 const void* cfg) {
+    (void)cfg;
+    return submit(c, BROADCAST, s, r, n, t, 0, root, 0, st);
+}
+#endif
+#ifdef HAVE_ncclReduceConfig
+ncclResult_t ncclReduceConfig(const void* s, void* r, size_t n, int t, int op, int root, void* c, void* st,
+                              const void* cfg) {
+    (void)cfg;
+    return submit(c, REDUCE, s, r, n, t, op, root, 0, st);
+}
+#endif
+
 #ifdef HAVE_ncclMemAlloc
 /* RCCL without cuMem falls back to hipMalloc, which capture rejects: the fake HIP records that. */
 ncclResult_t ncclMemAlloc(void** p, size_t n) { return hipMalloc(p, n) ? 1 : 0; }

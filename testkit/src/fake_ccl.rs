@@ -48,6 +48,11 @@ const COMPUTING_GUARDED: &[&str] = &[
     "ncclCommWindowRegister",
     "ncclCommWindowDeregister",
     "ncclCommSplit",
+    "ncclAllReduceConfig",
+    "ncclAllGatherConfig",
+    "ncclReduceScatterConfig",
+    "ncclBroadcastConfig",
+    "ncclReduceConfig",
 ];
 
 /// A computing fake collective library (`fake_rccl.c`) with the symbol set of `p`, built once per process at
@@ -185,8 +190,37 @@ pub const NCCL_2_30_EXTRA: &[&str] = &[
 pub const NCCL_2_30_3: Profile = Profile { file: "nccl-2.30.3/libnccl.so.2", version: 23003, extra: NCCL_2_30_EXTRA };
 /// NCCL 2.30.7: the first that registers windows during graph capture.
 pub const NCCL_2_30_7: Profile = Profile { file: "nccl-2.30.7/libnccl.so.2", version: 23007, extra: NCCL_2_30_EXTRA };
-pub const NCCL_2_31: Profile = Profile { file: "nccl-2.31/libnccl.so.2", version: 23102, extra: NCCL_2_30_EXTRA };
-pub const NCCL_2_32: Profile = Profile { file: "nccl-2.32/libnccl.so.2", version: 23203, extra: NCCL_2_30_EXTRA };
+/// What NCCL 2.31 and newer export beyond [`BASE`]: [`NCCL_2_30_EXTRA`] and the per-call config collectives.
+pub const NCCL_2_31_EXTRA: &[&str] = &[
+    "ncclCommSplit",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclGroupSimulateEnd",
+    "ncclCommInitRankScalable",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+    "ncclCommShrink",
+    "ncclDevCommCreate",
+    "ncclAlltoAll",
+    "ncclCommRevoke",
+    "ncclCommGrow",
+    "ncclCommSuspend",
+    "ncclCommResume",
+    "ncclGetMultimemDevicePointer",
+    "ncclAllReduceConfig",
+    "ncclAllGatherConfig",
+    "ncclReduceScatterConfig",
+    "ncclBroadcastConfig",
+    "ncclReduceConfig",
+    "ncclAlltoAllConfig",
+    "ncclGatherConfig",
+    "ncclScatterConfig",
+];
+/// NCCL 2.31.2: the per-call config.
+pub const NCCL_2_31: Profile = Profile { file: "nccl-2.31/libnccl.so.2", version: 23102, extra: NCCL_2_31_EXTRA };
+pub const NCCL_2_32: Profile = Profile { file: "nccl-2.32/libnccl.so.2", version: 23203, extra: NCCL_2_31_EXTRA };
 /// RCCL 2.27.7 of production ROCm 7.2.x: the ROCm 7.1 symbol set.
 pub const RCCL_7_2: Profile = Profile { file: "rocm-7.2/librccl.so.1", version: 22707, extra: RCCL_7_1.extra };
 /// RCCL 2.30.4 (ROCm 7.14, 10.0): fails to register windows inside graph capture.

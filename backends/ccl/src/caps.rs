@@ -12,6 +12,8 @@ pub const CCL_CAPABILITIES: Capabilities = Capabilities::CCL
     .union(Capabilities::CCL_MEM_ALLOC)
     .union(Capabilities::SYMMETRIC_WINDOWS)
     .union(Capabilities::WINDOWS_IN_CAPTURE)
+    .union(Capabilities::SYMMETRIC_KERNELS)
+    .union(Capabilities::PER_CALL_CONFIG)
     .union(Capabilities::COMM_SHRINK)
     .union(Capabilities::DEVICE_API)
     .union(Capabilities::BF16)
@@ -56,6 +58,7 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
     by_symbols(Capabilities::DEVICE_API, &["ncclDevCommCreate"]);
     by_symbols(Capabilities::PRE_MUL_SUM, &["ncclRedOpCreatePreMulSum"]);
     by_symbols(Capabilities::LAST_ERROR, &["ncclGetLastError"]);
+    by_symbols(Capabilities::PER_CALL_CONFIG, PER_CALL_CONFIG_SYMBOLS);
 
     // Enumerations that exist from a version on (no symbol marks them).
     let mut by_version = |cap: Capabilities, major: u32, minor: u32| {
@@ -81,8 +84,112 @@ pub fn derive(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Capabil
         }
     }
     windows_in_capture(&mut r, lib);
+    symmetric_kernels(&mut r, lib);
     r.apply_nvls_env(env);
     r
+}
+
+/// The per-call config collectives of NCCL 2.31 (each with an `ncclCollConfig_t`): [`Capabilities::PER_CALL_CONFIG`]
+/// needs every one.
+pub const PER_CALL_CONFIG_SYMBOLS: &[&str] = &[
+    "ncclAllReduceConfig",
+    "ncclAllGatherConfig",
+    "ncclReduceScatterConfig",
+    "ncclBroadcastConfig",
+    "ncclReduceConfig",
+    "ncclAlltoAllConfig",
+    "ncclGatherConfig",
+    "ncclScatterConfig",
+];
+
+/// The first RCCL release known to run symmetric kernels (ROCm 7.13 added them for gfx942/gfx950; RCCL 2.30.4 of
+/// ROCm 7.14 has them). RCCL 2.27.7, in production ROCm 7.2.x, registers windows but has none.
+pub const RCCL_SYMMETRIC_KERNELS_FIRST: (u32, u32) = (2, 30);
+
+/// Sets [`Capabilities::SYMMETRIC_KERNELS`]: off because of symmetric windows where those are off; on NCCL on with
+/// them; on RCCL on from [`RCCL_SYMMETRIC_KERNELS_FIRST`], off as too old before it (saying that the windows are
+/// registered all the same).
+fn symmetric_kernels(r: &mut CapabilityReport, lib: &CclLibrary) {
+    if let CapabilityState::Disabled(because) = r.state(Capabilities::SYMMETRIC_WINDOWS) {
+        let because = Box::new(because.clone());
+        let capability = Capabilities::SYMMETRIC_WINDOWS.name().unwrap_or("symmetric-windows").to_owned();
+        r.disable(Capabilities::SYMMETRIC_KERNELS, Reason::Requires { capability, because });
+        return;
+    }
+    let (major, minor) = RCCL_SYMMETRIC_KERNELS_FIRST;
+    if lib.vendor() == CclVendor::Nccl || lib.version().at_least(major, minor) {
+        r.enable(Capabilities::SYMMETRIC_KERNELS);
+        return;
+    }
+    let reason = Reason::VersionTooOld {
+        component: format!(
+            "RCCL at {} (it registers windows, but its collectives run no symmetric kernels; production ROCm 7.2.x \
+             ships RCCL 2.27.7, ROCm 7.13 added them for gfx942/gfx950)",
+            lib.path().display()
+        ),
+        found: lib.version().to_string(),
+        required: format!("{major}.{minor}"),
+    };
+    r.disable(Capabilities::SYMMETRIC_KERNELS, reason);
+}
+
+/// The first release in which `NCCL_ALGO` restricts every collective: from NCCL 2.31 on, setting it leaves the
+/// collectives it does not name (by a `collective:` prefix, or by an entry without one) with no algorithm; before,
+/// they kept NCCL's own choice.
+pub const NCCL_ALGO_RESTRICTS_ALL_FIRST: (u32, u32) = (2, 31);
+
+/// The collectives `NCCL_ALGO` may name by prefix (`allreduce:tree`), as NCCL spells them.
+const ALGO_COLLECTIVES: &[&str] = &["broadcast", "reduce", "allgather", "reducescatter", "allreduce"];
+
+/// The collectives `value` (an `NCCL_ALGO` or `NCCL_PROTO` setting: `;`-separated entries, each `list` or
+/// `collective:list`) leaves unnamed: empty when an entry without a prefix covers them all.
+fn unnamed_collectives(value: &str) -> Vec<&'static str> {
+    let mut named: Vec<String> = Vec::new();
+    for entry in value.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        match entry.split_once(':') {
+            Some((colls, _)) => named.extend(colls.split(',').map(|c| c.trim().to_ascii_lowercase())),
+            None => return Vec::new(),
+        }
+    }
+    ALGO_COLLECTIVES.iter().copied().filter(|c| !named.iter().any(|n| n == c)).collect()
+}
+
+/// What `NCCL_ALGO` (read through `env`) means for `lib`, when it matters: from NCCL 2.31 on
+/// ([`NCCL_ALGO_RESTRICTS_ALL_FIRST`]) a value that names only some collectives leaves the others without an
+/// algorithm, so they fail with `ncclInvalidUsage` as soon as something forces them (an `NCCL_PROTO` entry without a
+/// collective prefix does). `None`: unset, covering every collective, or a release that keeps the others as they
+/// were. The text is for the probe's warnings and the log.
+pub fn nccl_algo_warning(lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    nccl_algo_warning_for(lib.version(), &lib.describe(), env)
+}
+
+/// [`nccl_algo_warning`] for a library of `version`, described as `described` (`NCCL 2.31.2`).
+pub fn nccl_algo_warning_for(
+    version: crate::loader::CclVersion,
+    described: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Option<String> {
+    let algo = env("NCCL_ALGO")?;
+    let (major, minor) = NCCL_ALGO_RESTRICTS_ALL_FIRST;
+    if !version.at_least(major, minor) {
+        return None;
+    }
+    let unnamed = unnamed_collectives(&algo);
+    if unnamed.is_empty() {
+        return None;
+    }
+    let forced = env("NCCL_PROTO").is_some_and(|p| !p.trim().is_empty() && unnamed_collectives(&p).is_empty());
+    let consequence = if forced {
+        "NCCL_PROTO, set without a collective prefix, forces them, so they fail with ncclInvalidUsage"
+    } else {
+        "they fail with ncclInvalidUsage once something forces them (an NCCL_PROTO without a collective prefix)"
+    };
+    Some(format!(
+        "NCCL_ALGO={algo} names no algorithm for {}: from NCCL {major}.{minor} on ({described} is loaded) a \
+         collective NCCL_ALGO does not name has none, and {consequence}; name them too (for example \
+         \"ring,tree;{algo}\") or unset NCCL_ALGO",
+        unnamed.join(", ")
+    ))
 }
 
 /// The first release, of NCCL and of RCCL alike, that registers symmetric windows while a graph is captured:
@@ -213,9 +320,18 @@ pub fn fp8_first_version(vendor: CclVendor) -> (u32, u32) {
     }
 }
 
-/// Reads the process environment.
+/// Reads the process environment through [`anyccl_core::env::var`]. A value that is not UTF-8 reads as unset here
+/// (this reader cannot fail) and is logged as a warning naming the variable; the constructors check every variable
+/// anyccl reads as text first ([`anyccl_core::env::check_process_env`], an error naming it), and code that can fail
+/// reads through [`anyccl_core::env::CheckedEnv`] instead.
 pub fn process_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
+    match anyccl_core::env::var(name) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(error = %e, "an environment variable is not UTF-8; read as unset");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

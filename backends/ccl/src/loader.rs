@@ -150,6 +150,22 @@ pub struct Optional {
     pub comm_shrink: Option<sys::Opaque>,
     /// `ncclDevCommCreate` (2.28, the device API).
     pub dev_comm_create: Option<sys::Opaque>,
+    /// `ncclAllReduceConfig` (2.31, the per-call config).
+    pub all_reduce_config: Option<sys::Opaque>,
+    /// `ncclAllGatherConfig` (2.31, the per-call config).
+    pub all_gather_config: Option<sys::Opaque>,
+    /// `ncclReduceScatterConfig` (2.31, the per-call config).
+    pub reduce_scatter_config: Option<sys::Opaque>,
+    /// `ncclBroadcastConfig` (2.31, the per-call config).
+    pub broadcast_config: Option<sys::Opaque>,
+    /// `ncclReduceConfig` (2.31, the per-call config).
+    pub reduce_config: Option<sys::Opaque>,
+    /// `ncclAlltoAllConfig` (2.31, the per-call config).
+    pub all_to_all_config: Option<sys::Opaque>,
+    /// `ncclGatherConfig` (2.31, the per-call config).
+    pub gather_config: Option<sys::Opaque>,
+    /// `ncclScatterConfig` (2.31, the per-call config).
+    pub scatter_config: Option<sys::Opaque>,
     /// `ncclAllToAllv` (RCCL only).
     pub rccl_all_to_allv: Option<sys::Opaque>,
     /// `mscclLoadAlgo` (RCCL only).
@@ -199,6 +215,14 @@ pub const OPTIONAL_SYMBOLS: &[&str] = &[
     "ncclCommWindowDeregister",
     "ncclCommShrink",
     "ncclDevCommCreate",
+    "ncclAllReduceConfig",
+    "ncclAllGatherConfig",
+    "ncclReduceScatterConfig",
+    "ncclBroadcastConfig",
+    "ncclReduceConfig",
+    "ncclAlltoAllConfig",
+    "ncclGatherConfig",
+    "ncclScatterConfig",
     "ncclAllToAllv",
     "mscclLoadAlgo",
     "ncclAllReduceWithBias",
@@ -380,6 +404,14 @@ pub fn resolve(lookup: &mut dyn FnMut(&CStr) -> *const c_void) -> Result<CclTabl
         comm_window_deregister: optional!("ncclCommWindowDeregister", sys::CommWindowDeregister),
         comm_shrink: optional!("ncclCommShrink", sys::Opaque),
         dev_comm_create: optional!("ncclDevCommCreate", sys::Opaque),
+        all_reduce_config: optional!("ncclAllReduceConfig", sys::Opaque),
+        all_gather_config: optional!("ncclAllGatherConfig", sys::Opaque),
+        reduce_scatter_config: optional!("ncclReduceScatterConfig", sys::Opaque),
+        broadcast_config: optional!("ncclBroadcastConfig", sys::Opaque),
+        reduce_config: optional!("ncclReduceConfig", sys::Opaque),
+        all_to_all_config: optional!("ncclAlltoAllConfig", sys::Opaque),
+        gather_config: optional!("ncclGatherConfig", sys::Opaque),
+        scatter_config: optional!("ncclScatterConfig", sys::Opaque),
         rccl_all_to_allv: optional!("ncclAllToAllv", sys::Opaque),
         rccl_msccl_load_algo: optional!("mscclLoadAlgo", sys::Opaque),
         rccl_all_reduce_with_bias: optional!("ncclAllReduceWithBias", sys::Opaque),
@@ -408,6 +440,14 @@ impl CclTable {
             "ncclCommWindowDeregister" => o.comm_window_deregister.is_some(),
             "ncclCommShrink" => o.comm_shrink.is_some(),
             "ncclDevCommCreate" => o.dev_comm_create.is_some(),
+            "ncclAllReduceConfig" => o.all_reduce_config.is_some(),
+            "ncclAllGatherConfig" => o.all_gather_config.is_some(),
+            "ncclReduceScatterConfig" => o.reduce_scatter_config.is_some(),
+            "ncclBroadcastConfig" => o.broadcast_config.is_some(),
+            "ncclReduceConfig" => o.reduce_config.is_some(),
+            "ncclAlltoAllConfig" => o.all_to_all_config.is_some(),
+            "ncclGatherConfig" => o.gather_config.is_some(),
+            "ncclScatterConfig" => o.scatter_config.is_some(),
             "ncclAllToAllv" => o.rccl_all_to_allv.is_some(),
             "mscclLoadAlgo" => o.rccl_msccl_load_algo.is_some(),
             "ncclAllReduceWithBias" => o.rccl_all_reduce_with_bias.is_some(),

@@ -84,6 +84,8 @@ fn nccl_2_17_has_no_split() {
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
             ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("symmetric-kernels", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -110,6 +112,8 @@ fn nccl_2_18_has_split_but_no_mem_alloc() {
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
             ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("symmetric-kernels", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -137,6 +141,8 @@ fn nccl_2_26_has_no_windows() {
             ("ccl-mem-alloc", "on"),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
             ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("symmetric-kernels", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -164,15 +170,18 @@ fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
         "fp8",
         "pre-mul-sum",
         "last-error",
+        "symmetric-kernels",
     ]
     .into_iter()
     .map(|n| (n, "on"))
     .collect();
+    let per_call = missing(&lib, "ncclAllReduceConfig");
     // 2.28.9 registers windows, but not during graph capture (from 2.30.7 on).
     let capture = capture_too_old(&lib);
     assert_eq!(capture, format!("NCCL at {} is version 2.28.9; 2.30.7 or newer is required", lib.path().display()));
     let mut all_on = all_on;
     all_on.push(("windows-in-capture", &capture));
+    all_on.push(("per-call-config", &per_call));
     expect_states(&lib, &no_env, &all_on);
     let env = |k: &str| match k {
         "NCCL_NVLS_ENABLE" => Some("0".to_owned()),
@@ -180,10 +189,11 @@ fn nccl_2_28_has_everything_and_env_switches_show_as_reasons() {
         _ => None,
     };
     let mut with_env = all_on.clone();
-    with_env.retain(|(n, _)| *n != "symmetric-windows" && *n != "windows-in-capture");
+    with_env.retain(|(n, _)| !["symmetric-windows", "windows-in-capture", "symmetric-kernels"].contains(n));
     with_env.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0"));
     let win_off = no_windows("turned off by NCCL_WIN_ENABLE=0");
     with_env.push(("windows-in-capture", &win_off));
+    with_env.push(("symmetric-kernels", &win_off));
     with_env.push(("multicast", "turned off by NCCL_NVLS_ENABLE=0"));
     expect_states(&lib, &env, &with_env);
 
@@ -230,6 +240,8 @@ fn rccl_6_2_is_told_apart_and_has_fp8() {
             ("ccl-mem-alloc", "on"),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
             ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("symmetric-kernels", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", "on"),
@@ -261,6 +273,8 @@ fn rccl_7_0_has_no_window_register_and_says_so() {
                 ("ccl-mem-alloc", "on"),
                 ("symmetric-windows", &reason),
                 ("windows-in-capture", &no_windows(&reason)),
+                ("symmetric-kernels", &no_windows(&reason)),
+                ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
                 ("comm-shrink", &missing(&lib, "ncclCommShrink")),
                 ("device-api", &missing(&lib, "ncclDevCommCreate")),
                 ("bf16", "on"),
@@ -292,23 +306,39 @@ fn rccl_7_1_windows_need_cumem() {
         ]
     };
     let dev = missing(&lib, "ncclDevCommCreate");
+    let per_call = missing(&lib, "ncclAllReduceConfig");
     let cumem_off = "turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)";
     let mut off = base(cumem_off);
     off.push(("device-api", &dev));
+    off.push(("per-call-config", &per_call));
     let capture_off = no_windows(cumem_off);
     off.push(("windows-in-capture", &capture_off));
+    off.push(("symmetric-kernels", &capture_off));
     expect_states(&lib, &no_env, &off);
     let cumem = |k: &str| (k == "NCCL_CUMEM_ENABLE").then(|| "1".to_owned());
     let mut on = base("on");
     on.push(("device-api", &dev));
+    on.push(("per-call-config", &per_call));
     let capture = capture_too_old(&lib);
     on.push(("windows-in-capture", &capture));
+    let kernels = rccl_kernels_too_old(&lib);
+    on.push(("symmetric-kernels", &kernels));
     expect_states(&lib, &cumem, &on);
 }
 
+/// The reason `symmetric-kernels` gives for an RCCL before 2.30 that registers windows.
+fn rccl_kernels_too_old(lib: &CclLibrary) -> String {
+    format!(
+        "RCCL at {} (it registers windows, but its collectives run no symmetric kernels; production ROCm 7.2.x ships \
+         RCCL 2.27.7, ROCm 7.13 added them for gfx942/gfx950) is version {}; 2.30 or newer is required",
+        lib.path().display(),
+        lib.version()
+    )
+}
+
 /// Every library-decided capability of a release that registers windows (NCCL 2.30 on, RCCL 2.27.7 on), with
-/// `windows-in-capture` as given; `device_api` is the device API's state.
-fn windows_release(capture: &str, device_api: &str) -> Vec<(&'static str, String)> {
+/// `windows-in-capture`, `device-api`, `symmetric-kernels` and `per-call-config` as given.
+fn windows_release(capture: &str, device_api: &str, kernels: &str, per_call: &str) -> Vec<(&'static str, String)> {
     let mut v: Vec<(&'static str, String)> = [
         "ccl",
         "comm-split",
@@ -327,6 +357,8 @@ fn windows_release(capture: &str, device_api: &str) -> Vec<(&'static str, String
     .collect();
     v.push(("device-api", device_api.to_owned()));
     v.push(("windows-in-capture", capture.to_owned()));
+    v.push(("symmetric-kernels", kernels.to_owned()));
+    v.push(("per-call-config", per_call.to_owned()));
     v
 }
 
@@ -351,13 +383,61 @@ fn nccl_registers_windows_during_capture_from_2_30_7() {
         } else {
             format!("NCCL at {} is version {version}; 2.30.7 or newer is required", lib.path().display())
         };
-        expect_owned(&lib, &no_env, &windows_release(&capture, "on"));
-        // Windows switched off take registration during capture with them, whatever the release.
+        // The per-call config from 2.31 on.
+        let per_call =
+            if lib.version().at_least(2, 31) { "on".to_owned() } else { missing(&lib, "ncclAllReduceConfig") };
+        expect_owned(&lib, &no_env, &windows_release(&capture, "on", "on", &per_call));
+        // Windows switched off take registration during capture and the symmetric kernels with them, whatever the
+        // release.
         let env = |k: &str| (k == "NCCL_WIN_ENABLE").then(|| "0".to_owned());
-        let mut off = windows_release(&no_windows("turned off by NCCL_WIN_ENABLE=0"), "on");
+        let win_off = no_windows("turned off by NCCL_WIN_ENABLE=0");
+        let mut off = windows_release(&win_off, "on", &win_off, &per_call);
         off.retain(|(n, _)| *n != "symmetric-windows");
         off.push(("symmetric-windows", "turned off by NCCL_WIN_ENABLE=0".to_owned()));
         expect_owned(&lib, &env, &off);
+    }
+}
+
+#[test]
+fn nccl_algo_naming_only_some_collectives_is_a_warning_from_2_31_on() {
+    use anyccl_ccl::caps::nccl_algo_warning;
+    let algo = |value: &'static str, proto: Option<&'static str>| {
+        move |k: &str| match k {
+            "NCCL_ALGO" => Some(value.to_owned()),
+            "NCCL_PROTO" => proto.map(str::to_owned),
+            _ => None,
+        }
+    };
+    let vllm = algo("allreduce:tree", Some("Simple"));
+    for (p, warned) in [(&NCCL_2_30_7, false), (&NCCL_2_31, true), (&NCCL_2_32, true), (&RCCL_2_30_7, false)] {
+        let lib = CclLibrary::open(&build_profile(p)).expect("loads");
+        let got = nccl_algo_warning(&lib, &vllm);
+        if !warned {
+            // Before 2.31 the collectives NCCL_ALGO does not name keep NCCL's own choice.
+            assert_eq!(got, None, "{}", lib.describe());
+            continue;
+        }
+        let want = format!(
+            "NCCL_ALGO=allreduce:tree names no algorithm for broadcast, reduce, allgather, reducescatter: from NCCL \
+             2.31 on ({} is loaded) a collective NCCL_ALGO does not name has none, and NCCL_PROTO, set without a \
+             collective prefix, forces them, so they fail with ncclInvalidUsage; name them too (for example \
+             \"ring,tree;allreduce:tree\") or unset NCCL_ALGO",
+            lib.describe()
+        );
+        assert_eq!(got.as_deref(), Some(want.as_str()));
+        // Without a forcing NCCL_PROTO: still named, as what would make them fail.
+        let got = nccl_algo_warning(&lib, &algo("allreduce:tree", None)).expect("a warning");
+        assert!(got.contains("once something forces them"), "{got}");
+        let got = nccl_algo_warning(&lib, &algo("allreduce:tree", Some("allreduce:simple"))).expect("a warning");
+        assert!(got.contains("once something forces them"), "{got}");
+        // A value that covers every collective, or none set: nothing to say.
+        assert_eq!(nccl_algo_warning(&lib, &algo("ring,tree;allreduce:tree", Some("Simple"))), None);
+        assert_eq!(nccl_algo_warning(&lib, &algo("ring", Some("Simple"))), None);
+        assert_eq!(
+            nccl_algo_warning(&lib, &algo("allreduce,broadcast,reduce,allgather,reducescatter:ring", None)),
+            None
+        );
+        assert_eq!(nccl_algo_warning(&lib, &no_env), None);
     }
 }
 
@@ -379,10 +459,15 @@ fn rccl_registers_windows_during_capture_from_2_30_7_and_says_2_30_4_fails() {
             )
         };
         let dev = missing(&lib, "ncclDevCommCreate");
-        expect_owned(&lib, &cumem, &windows_release(&capture, &dev));
-        // Without cuMem RCCL's windows are off, and with them registration during capture, even on 2.30.7.
+        // RCCL 2.27.7 (production ROCm 7.2.x) registers windows but runs no symmetric kernels; no RCCL has the
+        // per-call config of NCCL 2.31.
+        let kernels = if lib.version().at_least(2, 30) { "on".to_owned() } else { rccl_kernels_too_old(&lib) };
+        let per_call = missing(&lib, "ncclAllReduceConfig");
+        expect_owned(&lib, &cumem, &windows_release(&capture, &dev, &kernels, &per_call));
+        // Without cuMem RCCL's windows are off, and with them registration during capture and the symmetric
+        // kernels, even on 2.30.7.
         let cumem_off = "turned off by NCCL_CUMEM_ENABLE=unset (RCCL's default is 0)";
-        let mut off = windows_release(&no_windows(cumem_off), &dev);
+        let mut off = windows_release(&no_windows(cumem_off), &dev, &no_windows(cumem_off), &per_call);
         off.retain(|(n, _)| *n != "symmetric-windows");
         off.push(("symmetric-windows", cumem_off.to_owned()));
         expect_owned(&lib, &no_env, &off);
@@ -530,6 +615,8 @@ fn nccl_2_8_uses_the_old_version_encoding_and_lacks_bf16_and_avg() {
             ("ccl-mem-alloc", &missing(&lib, "ncclMemAlloc")),
             ("symmetric-windows", &missing(&lib, "ncclCommWindowRegister")),
             ("windows-in-capture", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("symmetric-kernels", &no_windows(&missing(&lib, "ncclCommWindowRegister"))),
+            ("per-call-config", &missing(&lib, "ncclAllReduceConfig")),
             ("comm-shrink", &missing(&lib, "ncclCommShrink")),
             ("device-api", &missing(&lib, "ncclDevCommCreate")),
             ("bf16", &old("2.10")),

@@ -63,6 +63,8 @@ fn real_nccl_versions_symbols_and_unique_ids() {
             (Capabilities::COMM_SHRINK, "ncclCommShrink"),
             (Capabilities::DEVICE_API, "ncclDevCommCreate"),
             (Capabilities::LAST_ERROR, "ncclGetLastError"),
+            (Capabilities::PER_CALL_CONFIG, "ncclAllReduceConfig"),
+            (Capabilities::SYMMETRIC_KERNELS, "ncclCommWindowRegister"),
         ];
         for (cap, sym) in pairs {
             assert_eq!(caps.has(cap), nm.contains(sym), "{cap:?} of {version} vs nm -D {sym}");

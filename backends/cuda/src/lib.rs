@@ -132,7 +132,10 @@ pub fn communicators_single_process(
     ordinals: &[i32],
     selector: Arc<Selector>,
 ) -> Result<Vec<Communicator<CudaComm>>> {
-    let mut caps = capabilities(Some(&lib), &|k| std::env::var(k).ok());
+    anyccl_core::env::check_process_env()?;
+    let env = anyccl_core::env::CheckedEnv::new();
+    let mut caps = capabilities(Some(&lib), &|k| env.get(k));
+    env.finish()?;
     caps.apply_env()?;
     let caps = Arc::new(caps);
     Ok(CudaComm::init_all(lib, ordinals, caps)?.into_iter().map(|c| Communicator::new(c, selector.clone())).collect())

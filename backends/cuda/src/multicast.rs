@@ -211,11 +211,6 @@ pub fn multicast_eligibility<D: MulticastDriver + ?Sized>(
     Ok(())
 }
 
-/// The process environment, as [`multicast_eligibility`] and the constructors read it.
-pub fn process_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
 /// How large the multicast object is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

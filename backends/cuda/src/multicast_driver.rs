@@ -88,7 +88,16 @@ impl MulticastDriver for CudaMulticastDriver {
 
     fn multicast_create(&self, num_devices: usize, size: usize, kind: ShareableKind) -> Result<McHandle, DriverError> {
         fd_kind(kind, "cuMulticastCreate")?;
-        if nvls_disabled(&|k| std::env::var(k).ok()) {
+        let env = anyccl_core::env::CheckedEnv::new();
+        let disabled = nvls_disabled(&|k| env.get(k));
+        if let Err(e) = env.finish() {
+            return Err(DriverError {
+                call: "cuMulticastCreate",
+                code: sys::CUresult::CUDA_ERROR_NOT_PERMITTED as i32,
+                message: format!("refused: {e}"),
+            });
+        }
+        if disabled {
             return Err(DriverError {
                 call: "cuMulticastCreate",
                 code: sys::CUresult::CUDA_ERROR_NOT_PERMITTED as i32,

@@ -97,6 +97,15 @@ fn run_case(case: &str) -> String {
         .env("ANYCCL_NCCL_PATH", &nccl)
         .env("ANYCCL_PUSH_MAX_BYTES", if PUSH_OFF.contains(&case) { "0" } else { "256KiB" })
         .env("FAKECUDA_CC_MAJOR", if case == "push_sm80" { "8" } else { "9" })
+        // Not UTF-8: refused by every constructor with an error naming the variable.
+        .env(
+            "NCCL_WIN_ENABLE",
+            if case == "env_not_utf8" {
+                std::os::unix::ffi::OsStrExt::from_bytes(b"1\xff")
+            } else {
+                std::ffi::OsStr::new("1")
+            },
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -226,6 +235,13 @@ fn the_fake_driver_is_available_with_its_devices() {
 /// kernel the selection names (one-shot or two-shot), once per rank with the grid for the size and 512 threads,
 /// with decoded parameters naming every rank, and the sums equal the host reference; i32 (no custom kernel) and a
 /// size that is not whole 16-byte vectors go to NCCL, whose sums are right too. No capture violation.
+/// A variable anyccl reads as text (`NCCL_WIN_ENABLE`) that is not UTF-8: `communicators_single_process` and
+/// `communicator_with_id` refuse it with an error naming the variable, before any communicator is made.
+#[test]
+fn a_variable_that_is_not_utf8_is_an_error_naming_it() {
+    run_case("env_not_utf8");
+}
+
 #[test]
 fn init_all_runs_the_selected_cuda_kernel_and_sums_right() {
     run_case("init_all");
@@ -376,6 +392,7 @@ fn child() {
     let s = setup();
     match case.as_str() {
         "available" => available(&s),
+        "env_not_utf8" => env_not_utf8(&s),
         "init_all" => init_all(&s),
         "graphs" => graphs(&s),
         "abort" => abort(&s),
@@ -613,6 +630,27 @@ fn fused(s: &Setup) {
 }
 
 /// Runs `f` on one thread per rank.
+fn env_not_utf8(s: &Setup) {
+    let names_it = |e: &anyccl_core::Error| {
+        matches!(e, anyccl_core::Error::Config { source_name, .. } if source_name == "NCCL_WIN_ENABLE")
+            && e.to_string().contains("not valid UTF-8")
+    };
+    let e = anyccl_cuda::communicators_single_process(s.lib.clone(), &[0, 1], Arc::new(Selector::defaults()))
+        .err()
+        .expect("refused");
+    assert!(names_it(&e), "{e:?}");
+    let id = anyccl_ccl::UniqueId::from_bytes(&[0u8; 128]).expect("128 bytes");
+    let group = LocalGroup::new(1, Duration::from_secs(30));
+    let mut boot = group.member(0);
+    let e = anyccl_cuda::bootstrap::communicator_with_id(&id, 0, 1, 0, &mut boot, Arc::new(Selector::defaults()))
+        .err()
+        .expect("refused");
+    assert!(names_it(&e), "{e:?}");
+    // The same check the constructors make, named for a direct caller.
+    let e = anyccl_core::env::check_process_env().expect_err("refused");
+    assert!(names_it(&e), "{e:?}");
+}
+
 fn available(s: &Setup) {
     let info = anyccl_cuda::available().expect("available");
     assert_eq!(info.version, 12080);

@@ -28,6 +28,9 @@ pub fn communicator<P: GpuPlatform>(
     selector: Arc<Selector>,
 ) -> Result<(Communicator<GpuComm<P>>, Rendezvous)> {
     let local_rank = cfg.local_rank;
+    // Every variable anyccl reads as text is checked first: a value that is not UTF-8 is an error naming it, before
+    // any peer waits for this rank (the readers below then see only text).
+    anyccl_core::env::check_process_env()?;
     let mut rdv = Rendezvous::establish(cfg)?;
     let (rank, world) = (rdv.rank(), rdv.world());
     let lib = super::load_ccl::<P>();
@@ -36,8 +39,10 @@ pub fn communicator<P: GpuPlatform>(
     let lib = lib?;
     let id = id?;
     let device = super::device_for_rank::<P>(device, local_rank, rank)?;
-    let comm = join(lib, &id, rank, world, device, &mut rdv, selector, &|k| std::env::var(k).ok())?;
-    Ok((comm, rdv))
+    let env = anyccl_core::env::CheckedEnv::new();
+    let comm = join(lib, &id, rank, world, device, &mut rdv, selector, &|k| env.get(k));
+    env.finish()?;
+    Ok((comm?, rdv))
 }
 
 /// A fresh unique id, made on one rank. Move its bytes ([`UniqueId::as_bytes`]) to the other ranks however the
@@ -99,7 +104,11 @@ pub fn communicator_with_id<P: GpuPlatform>(
 ) -> Result<Communicator<GpuComm<P>>> {
     check_shape(rank, world, P::ordinal(&device))?;
     anyccl_core::comm::check_bootstrap(bootstrap, rank, world)?;
-    join(super::load_ccl::<P>()?, id, rank, world, device, bootstrap, selector, &|k| std::env::var(k).ok())
+    anyccl_core::env::check_process_env()?;
+    let env = anyccl_core::env::CheckedEnv::new();
+    let comm = join(super::load_ccl::<P>()?, id, rank, world, device, bootstrap, selector, &|k| env.get(k));
+    env.finish()?;
+    comm
 }
 
 /// Refuses a shape no communicator has: no ranks, a rank outside the world, a negative device.

@@ -78,7 +78,10 @@ pub fn communicators_single_process(
     ordinals: &[i32],
     selector: Arc<Selector>,
 ) -> Result<Vec<Communicator<RocmComm>>> {
-    let mut caps = capabilities(Ok(&hip), Some(&rccl), &|k| std::env::var(k).ok());
+    anyccl_core::env::check_process_env()?;
+    let env = anyccl_core::env::CheckedEnv::new();
+    let mut caps = capabilities(Ok(&hip), Some(&rccl), &|k| env.get(k));
+    env.finish()?;
     caps.apply_env()?;
     let caps = Arc::new(caps);
     let devices: Vec<Arc<HipDevice>> =

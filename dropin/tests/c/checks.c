@@ -2,7 +2,7 @@
  * communicator handles the drop-in did not create (garbage, freed memory, destroyed, aborted) and checks each is
  * refused with ncclInvalidArgument and a text, without reaching the library; that a pointer ncclGetLastError
  * returned stays readable after later failures and after the thread that got it ended; and calls nccl.h 2.32
- * functions. Prints one line per answer; dropin/tests/forwarding.rs compares them and the fake's records. */
+ * functions and the device API's host functions. Prints one line per answer; dropin/tests/forwarding.rs compares them and the fake's records. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -98,6 +98,18 @@ int main(void) {
     printf("ncclParamGetI32 rc=%d value=%d\n", rc, n);
     ncclUniqueId id;
     show("ncclCommGetUniqueId", ncclCommGetUniqueId(c, &id));
+    /* The device API's host side: forwarded (a team by value, both ways), a handle checked, a function the library
+     * lacks answered with a default and a text. */
+    ncclTeam_t team = ncclTeamWorld(c);
+    printf("ncclTeamWorld team=%d,%d,%d last=%s\n", team.nRanks, team.rank, team.stride, last());
+    team.stride = 2;
+    printf("ncclTeamRankToWorld rank=%d last=%s\n", ncclTeamRankToWorld(c, team, 5), last());
+    team = pncclTeamWorld(P(0xdead6));
+    printf("garbage pncclTeamWorld team=%d,%d,%d last=%s\n", team.nRanks, team.rank, team.stride, last());
+    printf("ncclLLA2ACalcSlots slots=%d last=%s\n", ncclLLA2ACalcSlots(1024, 16), last());
+    void* out = P(0x77);
+    rc = ncclGetPeerDevicePointer(P(0x3c), 0, 1, &out);
+    printf("ncclGetPeerDevicePointer rc=%d out=%lx last=%s\n", rc, (unsigned long)(uintptr_t)out, last());
     show("destroyed ncclCommSuspend", (ncclCommDestroy(c), ncclCommSuspend(c, 1)));
     return 0;
 }

@@ -62,3 +62,10 @@ int ncclCommSuspend(ncclComm_t, int);
 int ncclCommResume(ncclComm_t);
 int ncclParamGetI32(void*, int*);
 int ncclCommGetUniqueId(ncclComm_t, ncclUniqueId*);
+/* The device API's host side (nccl_device/host.h). */
+typedef struct { int nRanks, rank, stride; } ncclTeam_t;
+ncclTeam_t ncclTeamWorld(ncclComm_t);
+ncclTeam_t pncclTeamWorld(ncclComm_t);
+int ncclTeamRankToWorld(ncclComm_t, ncclTeam_t, int);
+int ncclLLA2ACalcSlots(int, int);
+int ncclGetPeerDevicePointer(void*, size_t, int, void**);

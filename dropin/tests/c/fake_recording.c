@@ -6,8 +6,9 @@
  *   -DFAKE_VERSION=<code>   what ncclGetVersion answers
  *   -DNO_WINDOWS            leave out ncclCommWindowRegister/Deregister (as RCCL 7.0 does)
  *   -DRCCL                  export ncclAllToAllv too, an RCCL-only symbol (anyccl's loader then says RCCL)
- *   -DNCCL_2_32             export ncclAllReduceConfig, ncclBroadcastConfig, ncclCommSuspend, ncclCommResume and
- *                           ncclParamGetI32 too
+ *   -DNCCL_2_32             export ncclAllReduceConfig, ncclBroadcastConfig, ncclCommSuspend, ncclCommResume,
+ *                           ncclParamGetI32 and two device API host functions (ncclTeamWorld, ncclTeamRankToWorld)
+ *                           too
  * Results: every call returns ncclSuccess (0) except ncclGroupEnd, which returns ncclInProgress (7), and
  * ncclAllGather with sendcount 13, which returns ncclInvalidArgument (4) and sets the last error. */
 #include <stddef.h>
@@ -192,6 +193,16 @@ int ncclBroadcastConfig(const void* s, void* r, size_t n, int t, int root, comm_
 int ncclCommSuspend(comm_t c, int flags) { rec("ncclCommSuspend comm=%lx flags=%d", P(c), flags); return 0; }
 int ncclCommResume(comm_t c) { rec("ncclCommResume comm=%lx", P(c)); return 0; }
 int ncclParamGetI32(void* h, int* out) { rec("ncclParamGetI32 h=%lx", P(h)); *out = 32; return 0; }
+typedef struct { int nRanks, rank, stride; } team_t;
+team_t ncclTeamWorld(comm_t c) {
+    rec("ncclTeamWorld comm=%lx", P(c));
+    team_t t = {8, 3, 1};
+    return t;
+}
+int ncclTeamRankToWorld(comm_t c, team_t t, int rank) {
+    rec("ncclTeamRankToWorld comm=%lx team=%d,%d,%d rank=%d", P(c), t.nRanks, t.rank, t.stride, rank);
+    return 100 + rank;
+}
 #endif
 /* The profiling aliases forward.c calls (the real library exports every one). */
 int pncclAllReduce(const void*, void*, size_t, int, int, comm_t, stream_t) __attribute__((alias("ncclAllReduce")));

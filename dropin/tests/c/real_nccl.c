@@ -13,6 +13,13 @@
 const char* anyccl_nccl_dropin_underlying(void);
 /* Every nccl.h function by address (generated from the header by the test): linking fails if one is missing. */
 extern const int anyccl_test_function_count;
+/* Every device API host function (nccl_device/host.h, which needs CUDA's headers) by address, likewise. */
+extern const int anyccl_test_device_function_count;
+/* The device API host functions called below, declared here with the types nccl_device/host.h gives them. */
+ncclResult_t ncclCommQueryProperties(ncclComm_t comm, void* props);
+ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void** outPtr);
+ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void** outPtr);
+int ncclLLA2ACalcSlots(int maxElts, int maxEltSize);
 
 static int failed = 0;
 #define CHECK(cond, ...)                                   \
@@ -42,6 +49,7 @@ int main(int argc, char** argv) {
         return 1;
     }
     printf("functions linked: %d\n", anyccl_test_function_count);
+    printf("device functions linked: %d\n", anyccl_test_device_function_count);
     printf("underlying: %s\n", anyccl_nccl_dropin_underlying());
 
     int v = -1, rv = -2;
@@ -140,6 +148,26 @@ int main(int argc, char** argv) {
         SAME(ncclParamBind, (ncclParamHandle_t*, const char*), &param, "NCCL_NTHREADS");
         if (param) SAME(ncclParamGetI32, (ncclParamHandle_t, int32_t*), param, &param_value);
         printf("2.32 calls compared\n");
+        /* The device API's host side: the calls that have an answer without a GPU (a null communicator or window,
+         * a pure computation). */
+        {
+            char props[4096];
+            void* out = NULL;
+            memset(props, 0, sizeof props);
+            SAME(ncclCommQueryProperties, (ncclComm_t, void*), NULL, props);
+            SAME(ncclGetPeerDevicePointer, (ncclWindow_t, size_t, int, void**), NULL, 0, 1, &out);
+            SAME(ncclGetLsaDevicePointer, (ncclWindow_t, size_t, int, void**), NULL, 0, 0, &out);
+            int slots = ncclLLA2ACalcSlots(1024, 16);
+            void* sym = dlsym(real, "ncclLLA2ACalcSlots");
+            printf("ncclLLA2ACalcSlots value=%d exported=%d\n", slots, sym != NULL);
+            if (sym) {
+                int theirs = ((int (*)(int, int))sym)(1024, 16);
+                CHECK(slots == theirs, "ncclLLA2ACalcSlots %d vs %d", slots, theirs);
+            } else {
+                CHECK(slots == -1, "ncclLLA2ACalcSlots %d where the library lacks it", slots);
+            }
+            printf("device API host calls compared\n");
+        }
 #undef SAME
     }
 #endif

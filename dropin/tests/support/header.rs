@@ -92,5 +92,18 @@ pub const SNAPSHOT: &str = include_str!("../nccl-2.32.3-functions.txt");
 
 /// The snapshot's names.
 pub fn snapshot() -> Vec<&'static str> {
-    SNAPSHOT.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect()
+    names(SNAPSHOT)
+}
+
+/// The snapshot of the device API's host functions (`nccl_device/host.h`) that the wheel's `libnccl.so.2` exports,
+/// one per line (the real-NCCL test checks it against the library's exports and the header again).
+pub const DEVICE_SNAPSHOT: &str = include_str!("../nccl-2.32.3-device-host-functions.txt");
+
+/// The device snapshot's names.
+pub fn device_snapshot() -> Vec<&'static str> {
+    names(DEVICE_SNAPSHOT)
+}
+
+fn names(list: &'static str) -> Vec<&'static str> {
+    list.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).collect()
 }
