@@ -37,17 +37,13 @@
 //! region can only produce garbage numbers. A same-uid process that truncates its own segment file could still
 //! make the readers fault (`SIGBUS`); such a process can signal them anyway.
 
-use std::ffi::OsStr;
 use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyccl_core::bootstrap::{checked_all_gather, Bootstrap};
+use anyccl_core::bootstrap::Bootstrap;
 use anyccl_core::{Algorithm, DataType, Error, InvalidArgument, Result};
 
 use crate::reduce::Op;
@@ -72,12 +68,6 @@ const VERSION: u64 = 1;
 const TOKEN_LEN: usize = 32;
 /// The first bytes of this rank's setup message in the bootstrap all-gather.
 const SETUP_TAG: &[u8; 8] = b"anyshm01";
-/// The longest segment path a peer may announce.
-const MAX_PATH: usize = 4096;
-/// The segment's file name inside its private directory.
-const FILE_NAME: &str = "segment";
-/// The private directory's name starts with this.
-const DIR_PREFIX: &str = "anyccl-shm-";
 
 // Header words.
 const W_MAGIC: usize = 0;
@@ -436,114 +426,119 @@ fn check_header(h: &[AtomicU64], want: &HeaderFields) -> std::result::Result<(),
     Ok(())
 }
 
-/// The checks on a peer's segment file before it is mapped: the reason if it is refused.
-fn check_file(meta: &std::fs::Metadata, uid: u32, len: u64) -> std::result::Result<(), String> {
-    if !meta.file_type().is_file() {
-        return Err("it is not a regular file".to_owned());
+/// The seals every segment carries before a peer maps it: its size can never change again (so no reader can fault
+/// on a page that went away), and no seal can be added or removed.
+#[cfg(target_os = "linux")]
+fn required_seals() -> rustix::fs::SealFlags {
+    use rustix::fs::SealFlags;
+    SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL
+}
+
+/// The checks on a peer's segment descriptor before it is mapped (seals first: once sealed, the size read after
+/// them is final): the reason if it is refused.
+#[cfg(target_os = "linux")]
+fn check_descriptor(fd: std::os::fd::BorrowedFd<'_>, uid: u32, len: u64) -> std::result::Result<(), String> {
+    let seals = rustix::fs::fcntl_get_seals(fd)
+        .map_err(|e| format!("it is not a sealable memory file (a memfd) ({e})"))?;
+    if !seals.contains(required_seals()) {
+        return Err(format!(
+            "it is not sealed against shrinking, growing and further sealing (its seals: {seals:?}), so it could be \
+             truncated under its readers"
+        ));
     }
-    if meta.uid() != uid {
-        return Err(format!("it is owned by uid {}, not by this process's uid {uid}", meta.uid()));
+    let st = rustix::fs::fstat(fd).map_err(|e| format!("cannot stat it: {e}"))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err("it is not a regular memory file".to_owned());
     }
-    let mode = meta.mode() & 0o7777;
-    if mode != 0o600 {
-        return Err(format!("its mode is {mode:04o}, expected 0600"));
+    if st.st_uid != uid {
+        return Err(format!("it is owned by uid {}, not by this process's uid {uid}", st.st_uid));
     }
-    if meta.len() != len {
-        return Err(format!("it holds {} bytes, but its rank announced {len}", meta.len()));
+    if u64::try_from(st.st_size).ok() != Some(len) {
+        return Err(format!("it holds {} bytes, but its rank announced {len}", st.st_size));
     }
     Ok(())
-}
-
-/// Where segments go when the caller did not choose: `/dev/shm` where it is a directory, else the temporary
-/// directory (also when creating the private directory in `/dev/shm` fails).
-fn default_bases() -> Vec<PathBuf> {
-    let shm = Path::new("/dev/shm");
-    let mut out = Vec::new();
-    if shm.is_dir() {
-        out.push(shm.to_path_buf());
-    }
-    out.push(std::env::temp_dir());
-    out
-}
-
-/// A fresh private directory (mode 0700, random name) for rank `rank`'s segment under the first of `bases` that
-/// takes one.
-fn segment_dir(bases: &[PathBuf], rank: usize) -> Result<PathBuf> {
-    let mut last = None;
-    for base in bases {
-        match crate::process::private_dir(base, DIR_PREFIX, rank) {
-            Ok(d) => return Ok(d),
-            Err(e) => {
-                tracing::debug!(base = %base.display(), "no segment directory there: {e}");
-                last = Some(e);
-            }
-        }
-    }
-    Err(last.unwrap_or_else(|| internal("no directory to create a shared-memory segment in".to_owned())))
-}
-
-/// Removes this rank's segment file and directory when setup ends, whatever happened (the mappings outlive them).
-struct Unlink {
-    dir: PathBuf,
-    file: PathBuf,
-}
-
-impl Drop for Unlink {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.file) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(path = %self.file.display(), "cannot remove the shared-memory segment: {e}");
-            }
-        }
-        if let Err(e) = std::fs::remove_dir(&self.dir) {
-            tracing::warn!(path = %self.dir.display(), "cannot remove the shared-memory directory: {e}");
-        }
-    }
 }
 
 fn setup_error(what: String) -> Error {
     Error::PeerFailure(what)
 }
 
-/// Creates this rank's segment at `path` (which must not exist) and maps it read-write.
-fn create_segment(path: &Path, fields: &HeaderFields) -> Result<Segment> {
-    let shown = path.display();
-    let flags = OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
-    let fd = rustix::fs::open(path, flags, Mode::from_raw_mode(0o600))
-        .map_err(|e| setup_error(format!("cannot create the shared-memory segment {shown}: {e}")))?;
+/// This rank's new segment, mapped read-write, and the descriptor its peers get.
+struct Created {
+    seg: Segment,
+    /// A read-only descriptor of the same memory where the target maps peers read-only (else a read-write one).
+    share: std::os::fd::OwnedFd,
+}
+
+/// Creates this rank's segment: an anonymous memory file (`memfd_create`, so no name in any directory, nothing left
+/// behind whatever happens to the process), sized, reserved, sealed against any change of size, and mapped
+/// read-write.
+#[cfg(target_os = "linux")]
+fn create_segment(fields: &HeaderFields) -> Result<Created> {
+    use rustix::fs::MemfdFlags;
+    let len = HEADER_BYTES + usize::try_from(fields.capacity).map_err(|_| internal("capacity overflow".to_owned()))?;
+    let fd = rustix::fs::memfd_create("anyccl-host-segment", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+        .map_err(|e| setup_error(format!("cannot create a shared-memory segment (memfd_create): {e}")))?;
+    rustix::fs::ftruncate(&fd, len as u64)
+        .map_err(|e| setup_error(format!("cannot size the shared-memory segment to {len} bytes: {e}")))?;
+    reserve(&fd, len)?;
+    rustix::fs::fcntl_add_seals(&fd, required_seals())
+        .map_err(|e| setup_error(format!("cannot seal the shared-memory segment: {e}")))?;
     let file = File::from(fd);
-    // The umask may have taken bits off 0600; peers insist on exactly 0600.
-    file.set_permissions(std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| setup_error(format!("cannot set the mode of {shown}: {e}")))?;
-    let len = HEADER_BYTES + fields.capacity as usize;
-    file.set_len(len as u64).map_err(|e| setup_error(format!("cannot size {shown} to {len} bytes: {e}")))?;
-    reserve(&file, len, path)?;
     let map = MmapOptions::new()
         .len(len)
         .map_raw(&file)
-        .map_err(|e| setup_error(format!("cannot map the shared-memory segment {shown}: {e}")))?;
+        .map_err(|e| setup_error(format!("cannot map the shared-memory segment: {e}")))?;
     let seg = Segment { mem: Mem::Map(map), words: len / 8 };
     write_header(seg.words(), fields);
-    Ok(seg)
+    let share = if READ_ONLY_PEERS { read_only_view(&file).unwrap_or_else(|| file.into()) } else { file.into() };
+    Ok(Created { seg, share })
 }
 
-/// Reserves the segment's pages, so a full file system is an error now rather than a `SIGBUS` at the first write.
-#[cfg(any(target_os = "linux", target_os = "android"))]
-fn reserve(file: &File, len: usize, path: &Path) -> Result<()> {
-    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len as u64) {
-        Ok(()) => Ok(()),
-        Err(rustix::io::Errno::OPNOTSUPP) => Ok(()),
-        Err(e) => Err(setup_error(format!(
-            "cannot reserve {len} bytes for the shared-memory segment {}: {e} (is its file system full? \
-             HostOptions::shm_dir and shm_capacity choose where and how much)",
-            path.display()
-        ))),
+#[cfg(not(target_os = "linux"))]
+fn create_segment(_fields: &HeaderFields) -> Result<Created> {
+    Err(Error::Unsupported {
+        capability: "host-processes".into(),
+        reason: anyccl_core::Reason::Unavailable {
+            component: "sealed memory files (memfd_create)".into(),
+            detail: "the host backend across processes needs Linux".into(),
+        },
+    })
+}
+
+/// A read-only descriptor of `file`'s memory (reopened through `/proc/self/fd`), so a peer cannot write into it
+/// through the descriptor it receives; `None` where `/proc` is not there (the peers then get the read-write one and
+/// still map it read-only).
+#[cfg(target_os = "linux")]
+fn read_only_view(file: &File) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+    let view = rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty());
+    match view {
+        Ok(v) => {
+            // The same memory (a `/proc` that is not what it seems would give another file).
+            let same = matches!((rustix::fs::fstat(&v), rustix::fs::fstat(file)),
+                (Ok(a), Ok(b)) if a.st_dev == b.st_dev && a.st_ino == b.st_ino);
+            same.then_some(v)
+        }
+        Err(e) => {
+            tracing::debug!("no read-only view of the shared-memory segment: {e}");
+            None
+        }
     }
 }
 
-#[cfg(not(any(target_os = "linux", target_os = "android")))]
-fn reserve(_file: &File, _len: usize, _path: &Path) -> Result<()> {
-    Ok(())
+/// Reserves the segment's pages, so a full memory (or a memory cgroup's limit) is an error now rather than a
+/// `SIGBUS` at the first write.
+#[cfg(target_os = "linux")]
+fn reserve(fd: &std::os::fd::OwnedFd, len: usize) -> Result<()> {
+    match rustix::fs::fallocate(fd, rustix::fs::FallocateFlags::empty(), 0, len as u64) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::OPNOTSUPP) => Ok(()),
+        Err(e) => Err(setup_error(format!(
+            "cannot reserve {len} bytes for a shared-memory segment: {e} (HostOptions::shm_capacity chooses how much)"
+        ))),
+    }
 }
 
 /// Whether this target's `Relaxed` 8-byte atomic loads are documented as sound on read-only memory.
@@ -558,29 +553,15 @@ const READ_ONLY_PEERS: bool = cfg!(any(
     target_arch = "s390x"
 ));
 
-/// Opens, checks and maps rank `q`'s segment at `path`, which rank `q` announced with `fields`.
-fn map_peer(q: usize, path: &Path, fields: &HeaderFields, uid: u32) -> Result<Segment> {
-    let shown = path.display();
-    let refuse = |why: String| setup_error(format!("rank {q}'s shared-memory segment {shown} is refused: {why}"));
-    // A path that is not `.../anyccl-shm-*/segment` is not a segment; do not even open it (a device could
-    // have side effects).
-    let parent_ok =
-        path.parent().and_then(Path::file_name).is_some_and(|n| n.as_bytes().starts_with(DIR_PREFIX.as_bytes()));
-    if !path.is_absolute() || path.file_name() != Some(OsStr::new(FILE_NAME)) || !parent_ok {
-        return Err(refuse(format!("not an absolute path of the form /…/{DIR_PREFIX}*/{FILE_NAME}")));
-    }
-    let access = if READ_ONLY_PEERS { OFlags::RDONLY } else { OFlags::RDWR };
-    // O_NONBLOCK: a FIFO put in its place must not block the open.
-    let flags = access | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::CLOEXEC;
-    let fd = rustix::fs::open(path, flags, Mode::empty()).map_err(|e| match e {
-        rustix::io::Errno::LOOP => refuse("it is a symbolic link".to_owned()),
-        e => refuse(format!("cannot open it: {e}")),
-    })?;
-    let file = File::from(fd);
-    let meta = file.metadata().map_err(|e| refuse(format!("cannot stat it: {e}")))?;
+/// Checks and maps rank `q`'s segment descriptor `fd`, which rank `q` announced with `fields`.
+#[cfg(target_os = "linux")]
+fn map_peer(q: usize, fd: std::os::fd::OwnedFd, fields: &HeaderFields, uid: u32) -> Result<Segment> {
+    use std::os::fd::AsFd;
+    let refuse = |why: String| setup_error(format!("rank {q}'s shared-memory segment is refused: {why}"));
     let len = (HEADER_BYTES as u64).saturating_add(fields.capacity);
-    check_file(&meta, uid, len).map_err(refuse)?;
+    check_descriptor(fd.as_fd(), uid, len).map_err(refuse)?;
     let len = usize::try_from(len).map_err(|_| refuse(format!("{len} bytes do not fit this address space")))?;
+    let file = File::from(fd);
     let mut opts = MmapOptions::new();
     opts.len(len);
     let map = if READ_ONLY_PEERS { opts.map_raw_read_only(&file) } else { opts.map_raw(&file) }
@@ -590,20 +571,21 @@ fn map_peer(q: usize, path: &Path, fields: &HeaderFields, uid: u32) -> Result<Se
     Ok(seg)
 }
 
-/// This rank's setup message: tag, capacity, token, path.
-fn setup_message(capacity: usize, token: &[u8; TOKEN_LEN], path: &Path) -> Vec<u8> {
-    let mut m = Vec::new();
-    m.extend_from_slice(SETUP_TAG);
-    m.extend_from_slice(&(capacity as u64).to_le_bytes());
-    m.extend_from_slice(token);
-    m.extend_from_slice(path.as_os_str().as_bytes());
+/// The message that travels with a segment's descriptor: tag, capacity, token.
+const SETUP_LEN: usize = SETUP_TAG.len() + 8 + TOKEN_LEN;
+
+/// This rank's setup message: tag, capacity, token.
+fn setup_message(capacity: usize, token: &[u8; TOKEN_LEN]) -> [u8; SETUP_LEN] {
+    let mut m = [0u8; SETUP_LEN];
+    m[..SETUP_TAG.len()].copy_from_slice(SETUP_TAG);
+    m[SETUP_TAG.len()..SETUP_TAG.len() + 8].copy_from_slice(&(capacity as u64).to_le_bytes());
+    m[SETUP_TAG.len() + 8..].copy_from_slice(token);
     m
 }
 
-/// Rank `q`'s setup message, checked: its capacity, token and path.
-fn parse_setup(q: usize, m: &[u8]) -> Result<(u64, [u8; TOKEN_LEN], PathBuf)> {
-    let head = SETUP_TAG.len() + 8 + TOKEN_LEN;
-    if m.len() <= head || m.len() > head + MAX_PATH || &m[..SETUP_TAG.len()] != SETUP_TAG {
+/// Rank `q`'s setup message, checked: its capacity and token.
+fn parse_setup(q: usize, m: &[u8]) -> Result<(u64, [u8; TOKEN_LEN])> {
+    if m.len() != SETUP_LEN || &m[..SETUP_TAG.len()] != SETUP_TAG {
         return Err(setup_error(format!("rank {q} sent a malformed shared-memory setup message ({} bytes)", m.len())));
     }
     let mut cap = [0u8; 8];
@@ -613,8 +595,87 @@ fn parse_setup(q: usize, m: &[u8]) -> Result<(u64, [u8; TOKEN_LEN], PathBuf)> {
         return Err(setup_error(format!("rank {q} announced a shared-memory capacity of {cap} bytes")));
     }
     let mut token = [0u8; TOKEN_LEN];
-    token.copy_from_slice(&m[SETUP_TAG.len() + 8..head]);
-    Ok((cap, token, PathBuf::from(OsStr::from_bytes(&m[head..]))))
+    token.copy_from_slice(&m[SETUP_TAG.len() + 8..]);
+    Ok((cap, token))
+}
+
+/// Sends this rank's setup message with the segment's descriptor attached (`SCM_RIGHTS`) on `s`.
+#[cfg(target_os = "linux")]
+fn send_segment(s: &UnixStream, fd: std::os::fd::BorrowedFd<'_>, msg: &[u8; SETUP_LEN]) -> std::io::Result<()> {
+    use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::io::Write;
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(std::io::Error::other("no room for a descriptor in the control message"));
+    }
+    let sent = loop {
+        match sendmsg(s, &[std::io::IoSlice::new(msg)], &mut control, SendFlags::NOSIGNAL) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    };
+    // The descriptor went with the first byte; the rest (never in practice, 48 bytes) as plain bytes.
+    let mut w: &UnixStream = s;
+    w.write_all(msg.get(sent..).unwrap_or(&[]))
+}
+
+/// Receives a peer's setup message and the one descriptor attached to it on `s` (within the stream's receive
+/// timeout): the reason if what came is not that. Every descriptor that arrives is owned, so closed when refused.
+#[cfg(target_os = "linux")]
+fn recv_segment(s: &UnixStream) -> std::result::Result<(std::os::fd::OwnedFd, [u8; SETUP_LEN]), String> {
+    use rustix::net::{recvmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags};
+    use std::io::Read;
+    let mut buf = [0u8; SETUP_LEN];
+    // Room for two: a second one is seen (and refused) rather than silently cut off.
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let msg = loop {
+        match recvmsg(s, &mut [std::io::IoSliceMut::new(&mut buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
+            Ok(m) => break m,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Err("it sent no segment within the timeout".to_owned()),
+            Err(e) => return Err(format!("cannot receive its segment: {e}")),
+        }
+    };
+    let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = m {
+            fds.extend(received);
+        }
+    }
+    if msg.bytes == 0 {
+        return Err("it hung up before sending its segment".to_owned());
+    }
+    if msg.flags.contains(ReturnFlags::CTRUNC) {
+        return Err("its message carried more descriptors than fit (or this process is at its descriptor limit)"
+            .to_owned());
+    }
+    let fd = match (fds.pop(), fds.is_empty()) {
+        (Some(fd), true) => fd,
+        _ => return Err(format!("its setup message carried {} descriptors, not one", fds.len() + 1)),
+    };
+    let mut r: &UnixStream = s;
+    r.read_exact(buf.get_mut(msg.bytes..).unwrap_or(&mut []))
+        .map_err(|e| format!("its setup message stopped after {} bytes: {e}", msg.bytes))?;
+    Ok((fd, buf))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn send_segment(_s: &UnixStream, _fd: std::os::fd::BorrowedFd<'_>, _msg: &[u8; SETUP_LEN]) -> std::io::Result<()> {
+    Err(std::io::Error::from(std::io::ErrorKind::Unsupported))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn recv_segment(_s: &UnixStream) -> std::result::Result<(std::os::fd::OwnedFd, [u8; SETUP_LEN]), String> {
+    Err("descriptor passing needs Linux".to_owned())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn map_peer(_q: usize, _fd: std::os::fd::OwnedFd, _fields: &HeaderFields, _uid: u32) -> Result<Segment> {
+    Err(internal("shared memory across processes needs Linux".to_owned()))
 }
 
 /// How a [`ShmGroup`] is made.
@@ -622,8 +683,6 @@ fn parse_setup(q: usize, m: &[u8]) -> Result<(u64, [u8; TOKEN_LEN], PathBuf)> {
 pub(crate) struct ShmConfig {
     /// Requested data capacity per rank (checked with [`checked_capacity`]).
     pub(crate) capacity: usize,
-    /// Where segments go; `None`: `/dev/shm` when writable, else the temporary directory.
-    pub(crate) dir: Option<PathBuf>,
     /// How long one wait for the peers may take.
     pub(crate) timeout: Duration,
 }
@@ -679,49 +738,34 @@ pub(crate) fn thread_headers(world: usize) -> Result<Vec<ThreadHeader>> {
 }
 
 impl ShmGroup {
-    /// Creates, exchanges, checks and maps every rank's segment (collective over `boot`); `liveness` holds a
-    /// stream to each peer (the point-to-point mesh) whose hang-up means the peer's process is gone.
-    pub(crate) fn new(
-        boot: &mut dyn Bootstrap,
-        cfg: &ShmConfig,
-        liveness: Vec<Option<UnixStream>>,
-    ) -> Result<ShmGroup> {
+    /// Creates, exchanges, checks and maps every rank's segment (collective over `boot`): each segment's
+    /// descriptor goes to each peer over `streams` (the point-to-point mesh, one stream per peer, with a receive
+    /// timeout), whose hang-up later means the peer's process is gone. Each of the two phases (create and send;
+    /// receive, check and map) ends with an agreement over `boot`, so a rank that fails makes every rank fail at
+    /// once with its reason.
+    pub(crate) fn new(boot: &mut dyn Bootstrap, cfg: &ShmConfig, streams: Vec<Option<UnixStream>>) -> Result<ShmGroup> {
         let (rank, world) = (boot.rank(), boot.world());
         let capacity = checked_capacity(cfg.capacity, world)?;
+        if streams.len() != world || streams.iter().enumerate().any(|(q, s)| s.is_some() == (q == rank)) {
+            return Err(internal(format!("rank {rank} of {world} got streams for the wrong peers")));
+        }
         let mut token = [0u8; TOKEN_LEN];
         getrandom::fill(&mut token).map_err(|e| internal(format!("no randomness for the shared-memory token: {e}")))?;
-        let bases = cfg.dir.clone().map_or_else(default_bases, |d| vec![d]);
-        let dir = segment_dir(&bases, rank)?;
-        let unlink = Unlink { file: dir.join(FILE_NAME), dir };
         let fields = HeaderFields { capacity: capacity as u64, rank: rank as u64, world: world as u64, token };
-        let own = create_segment(&unlink.file, &fields)?;
-        let all = checked_all_gather(boot, &setup_message(capacity, &token, &unlink.file))?;
-        let uid = rustix::process::getuid().as_raw();
-        let mut segs = Vec::new();
-        segs.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} segment mappings")))?;
-        let mut own = Some(own);
-        let mut smallest = capacity as u64;
-        for (q, m) in all.iter().enumerate() {
-            let (cap, token, path) = parse_setup(q, m)?;
-            smallest = smallest.min(cap);
-            if q == rank {
-                segs.push(own.take().ok_or_else(|| internal("this rank's segment twice".to_owned()))?);
-            } else {
-                let want = HeaderFields { capacity: cap, rank: q as u64, world: world as u64, token };
-                segs.push(map_peer(q, &path, &want, uid)?);
+        let msg = setup_message(capacity, &token);
+        let sent = create_segment(&fields).and_then(|c| {
+            use std::os::fd::AsFd;
+            for (q, s) in streams.iter().enumerate() {
+                if let Some(s) = s {
+                    send_segment(s, c.share.as_fd(), &msg)
+                        .map_err(|e| setup_error(format!("rank {rank} cannot send its segment to rank {q}: {e}")))?;
+                }
             }
-        }
-        // Every rank has every segment mapped once the barrier passes: the names can go.
-        boot.barrier()?;
-        drop(unlink);
-        // `smallest` is at most this rank's own capacity, a usize.
-        let capacity = usize::try_from(smallest).unwrap_or(capacity);
-        if capacity / world < 64 {
-            return Err(setup_error(format!(
-                "the smallest shared-memory capacity announced, {capacity} bytes, leaves less than 64 bytes for each \
-                 of {world} ranks"
-            )));
-        }
+            Ok(c.seg)
+        });
+        let own = crate::process::agree(boot, "its shared-memory segment", sent)?;
+        let received = Self::receive(rank, world, capacity, own, &streams);
+        let (segs, capacity) = crate::process::agree(boot, "the peers' shared-memory segments", received)?;
         tracing::debug!(rank, world, capacity, "host shared-memory segments are mapped");
         let first = Desc::new(Kind::Barrier, 0, 0);
         Ok(ShmGroup {
@@ -735,11 +779,48 @@ impl ShmGroup {
             timeout: cfg.timeout,
             broken: None,
             blame: None,
-            liveness,
+            liveness: streams,
             private: false,
             spin: SPIN_FOR,
             waits: 0,
         })
+    }
+
+    /// Receives, checks and maps every peer's segment: the segments by rank (`own` at this rank's index) and the
+    /// data capacity every rank can use (the smallest announced).
+    fn receive(
+        rank: usize,
+        world: usize,
+        capacity: usize,
+        own: Segment,
+        streams: &[Option<UnixStream>],
+    ) -> Result<(Vec<Segment>, usize)> {
+        let uid = rustix::process::getuid().as_raw();
+        let mut segs = Vec::new();
+        segs.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} segment mappings")))?;
+        let mut own = Some(own);
+        let mut smallest = capacity as u64;
+        for (q, s) in streams.iter().enumerate() {
+            let Some(s) = s else {
+                segs.push(own.take().ok_or_else(|| internal("this rank's segment twice".to_owned()))?);
+                continue;
+            };
+            let (fd, m) = recv_segment(s)
+                .map_err(|why| setup_error(format!("rank {q}'s shared-memory segment is refused: {why}")))?;
+            let (cap, token) = parse_setup(q, &m)?;
+            smallest = smallest.min(cap);
+            let want = HeaderFields { capacity: cap, rank: q as u64, world: world as u64, token };
+            segs.push(map_peer(q, fd, &want, uid)?);
+        }
+        // `smallest` is at most this rank's own capacity, a usize.
+        let capacity = usize::try_from(smallest).unwrap_or(capacity);
+        if capacity / world < 64 {
+            return Err(setup_error(format!(
+                "the smallest shared-memory capacity announced, {capacity} bytes, leaves less than 64 bytes for each \
+                 of {world} ranks (rank {rank})"
+            )));
+        }
+        Ok((segs, capacity))
     }
 
     /// Rank `rank`'s steps over `headers` (one per rank, from [`thread_headers`]): ranks as threads of this
