@@ -374,7 +374,11 @@ fn check_peer_uid(s: &UnixStream, uid: u32) -> std::result::Result<(), String> {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
     let cred = getsockopt(s, PeerCredentials).map_err(|e| format!("cannot read its credentials: {e}"))?;
     if cred.uid() != uid {
-        return Err(format!("its process (pid {}) runs as uid {}, not as this process's uid {uid}", cred.pid(), cred.uid()));
+        return Err(format!(
+            "its process (pid {}) runs as uid {}, not as this process's uid {uid}",
+            cred.pid(),
+            cred.uid()
+        ));
     }
     Ok(())
 }
@@ -540,7 +544,11 @@ fn accept_higher(
                 }
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
                     if now >= p.by {
-                        tracing::warn!(rank, "closed a mesh connection that sent {} of its hello in {HELLO_LIMIT:?}", p.got);
+                        tracing::warn!(
+                            rank,
+                            "closed a mesh connection that sent {} of its hello in {HELLO_LIMIT:?}",
+                            p.got
+                        );
                         pending.remove(i);
                         continue;
                     }

@@ -438,8 +438,8 @@ fn required_seals() -> rustix::fs::SealFlags {
 /// them is final): the reason if it is refused.
 #[cfg(target_os = "linux")]
 fn check_descriptor(fd: std::os::fd::BorrowedFd<'_>, uid: u32, len: u64) -> std::result::Result<(), String> {
-    let seals = rustix::fs::fcntl_get_seals(fd)
-        .map_err(|e| format!("it is not a sealable memory file (a memfd) ({e})"))?;
+    let seals =
+        rustix::fs::fcntl_get_seals(fd).map_err(|e| format!("it is not a sealable memory file (a memfd) ({e})"))?;
     if !seals.contains(required_seals()) {
         return Err(format!(
             "it is not sealed against shrinking, growing and further sealing (its seals: {seals:?}), so it could be \
@@ -650,12 +650,14 @@ fn recv_segment(s: &UnixStream) -> std::result::Result<(std::os::fd::OwnedFd, [u
         return Err("it hung up before sending its segment".to_owned());
     }
     if msg.flags.contains(ReturnFlags::CTRUNC) {
-        return Err("its message carried more descriptors than fit (or this process is at its descriptor limit)"
-            .to_owned());
+        return Err(
+            "its message carried more descriptors than fit (or this process is at its descriptor limit)".to_owned()
+        );
     }
-    let fd = match (fds.pop(), fds.is_empty()) {
-        (Some(fd), true) => fd,
-        _ => return Err(format!("its setup message carried {} descriptors, not one", fds.len() + 1)),
+    let count = fds.len();
+    let fd = match (fds.pop(), count) {
+        (Some(fd), 1) => fd,
+        _ => return Err(format!("its setup message carried {count} descriptors, not one")),
     };
     let mut r: &UnixStream = s;
     r.read_exact(buf.get_mut(msg.bytes..).unwrap_or(&mut []))
@@ -1242,7 +1244,7 @@ impl Drop for ShmGroup {
 mod tests {
     use std::sync::Arc;
 
-    use anyccl_core::bootstrap::{LocalGroup, LocalRank};
+    use anyccl_core::bootstrap::LocalGroup;
 
     use super::*;
 
@@ -1307,17 +1309,14 @@ mod tests {
     #[test]
     fn setup_messages_round_trip_and_malformed_ones_are_refused() {
         let token = [3u8; TOKEN_LEN];
-        let path = Path::new("/dev/shm/anyccl-shm-0-00/segment");
-        let m = setup_message(8192, &token, path);
-        let (cap, t, p) = parse_setup(0, &m).expect("parses");
-        assert_eq!((cap, t, p.as_path()), (8192, token, path));
-        let mut bad_cap = m.clone();
+        let m = setup_message(8192, &token);
+        assert_eq!(parse_setup(0, &m).expect("parses"), (8192, token));
+        let mut bad_cap = m;
         bad_cap[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
-        let mut bad_tag = m.clone();
+        let mut bad_tag = m;
         bad_tag[0] = b'X';
-        let mut long = m.clone();
-        long.resize(m.len() + MAX_PATH, b'a');
-        for bad in [&m[..40], &m[..48], &bad_cap[..], &bad_tag[..], &long[..]] {
+        let long = [&m[..], b"x"].concat();
+        for bad in [&m[..40], &m[..47], &bad_cap[..], &bad_tag[..], &long[..]] {
             assert!(matches!(parse_setup(2, bad), Err(Error::PeerFailure(w)) if w.contains("rank 2")));
         }
     }
@@ -1339,60 +1338,107 @@ mod tests {
         assert_eq!(words_at(&words, 8, 24).map(<[_]>::len).ok(), Some(3));
     }
 
+    fn uid() -> u32 {
+        rustix::process::getuid().as_raw()
+    }
+
+    fn small() -> HeaderFields {
+        HeaderFields { capacity: MIN_SHM_CAPACITY as u64, rank: 0, world: 2, token: [5; TOKEN_LEN] }
+    }
+
+    /// A memfd of `len` bytes with `seals`.
+    fn memfd(len: u64, seals: rustix::fs::SealFlags) -> std::os::fd::OwnedFd {
+        use rustix::fs::MemfdFlags;
+        let fd = rustix::fs::memfd_create("test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).expect("memfd");
+        rustix::fs::ftruncate(&fd, len).expect("size");
+        rustix::fs::fcntl_add_seals(&fd, seals).expect("seals");
+        fd
+    }
+
+    /// What a peer's descriptor must be before it is mapped: sealed, a memory file of this uid, of the size
+    /// announced; a plain file, a pipe, an unsealed or partly sealed memfd and another size are refused.
     #[test]
-    fn files_that_are_not_private_segments_are_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("f");
-        std::fs::write(&path, vec![0u8; 100]).expect("write");
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-        let meta = std::fs::metadata(&path).expect("stat");
-        let uid = meta.uid();
-        assert_eq!(check_file(&meta, uid, 100), Ok(()));
-        let why = check_file(&meta, uid.wrapping_add(1), 100).expect_err("another owner");
-        assert!(why.contains("owned by uid"), "{why}");
-        let why = check_file(&meta, uid, 101).expect_err("another size");
-        assert!(why.contains("holds 100 bytes"), "{why}");
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        let why = check_file(&std::fs::metadata(&path).expect("stat"), uid, 100).expect_err("mode");
-        assert!(why.contains("0644"), "{why}");
-        let why = check_file(&std::fs::metadata(dir.path()).expect("stat"), uid, 100).expect_err("a directory");
-        assert!(why.contains("regular"), "{why}");
+    fn descriptors_that_are_not_sealed_segments_are_refused() {
+        use rustix::fs::SealFlags;
+        use std::os::fd::AsFd;
+        let len = (HEADER_BYTES + MIN_SHM_CAPACITY) as u64;
+        assert_eq!(check_descriptor(memfd(len, required_seals()).as_fd(), uid(), len), Ok(()));
+        let cases: Vec<(std::os::fd::OwnedFd, u32, &str)> = vec![
+            (memfd(len, SealFlags::empty()), uid(), "not sealed"),
+            (memfd(len, SealFlags::SHRINK | SealFlags::SEAL), uid(), "not sealed"),
+            (memfd(len + 4096, required_seals()), uid(), "holds 12288 bytes"),
+            (memfd(len, required_seals()), uid().wrapping_add(1), "owned by uid"),
+            (tempfile::tempfile().expect("file").into(), uid(), "not a sealable memory file"),
+            (std::io::pipe().expect("pipe").0.into(), uid(), "not a sealable memory file"),
+        ];
+        for (fd, owner, says) in cases {
+            let why = check_descriptor(fd.as_fd(), owner, len).expect_err(says);
+            assert!(why.contains(says), "{says}: {why}");
+        }
     }
 
-    fn no_streams(world: usize) -> Vec<Option<UnixStream>> {
-        (0..world).map(|_| None).collect()
+    /// A segment cannot be truncated, grown or resealed, not even through a read-write descriptor a same-uid
+    /// process reopens from `/proc` (the way an outsider would reach it); the peers' descriptor is read-only.
+    #[test]
+    fn a_segment_cannot_be_truncated_grown_or_unsealed() {
+        use std::os::fd::AsRawFd;
+        let c = create_segment(&small()).expect("segment");
+        let len = (HEADER_BYTES + MIN_SHM_CAPACITY) as u64;
+        let path = format!("/proc/self/fd/{}", c.share.as_raw_fd());
+        let rw = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).expect("reopen");
+        assert_eq!(rustix::fs::ftruncate(&rw, 4096), Err(rustix::io::Errno::PERM), "shrink");
+        assert_eq!(rustix::fs::ftruncate(&rw, len * 2), Err(rustix::io::Errno::PERM), "grow");
+        let grow = rustix::fs::fallocate(&rw, rustix::fs::FallocateFlags::empty(), 0, len * 2);
+        assert_eq!(grow, Err(rustix::io::Errno::PERM), "grow by fallocate");
+        let seal = rustix::fs::fcntl_add_seals(&rw, rustix::fs::SealFlags::WRITE);
+        assert_eq!(seal, Err(rustix::io::Errno::PERM), "no seal can be added");
+        assert_eq!(rustix::fs::fstat(&rw).expect("stat").st_size as u64, len);
+        let mode = rustix::fs::fcntl_getfl(&c.share).expect("flags") & OFlags::RWMODE;
+        assert_eq!(mode, OFlags::RDONLY, "the peers get a read-only descriptor");
+        assert_eq!(rustix::fs::ftruncate(&c.share, 0), Err(rustix::io::Errno::INVAL));
+        assert_eq!(check_header(c.seg.words(), &small()), Ok(()));
+        // Punching a hole keeps the size (the seals allow it, as they allow writing): the pages read as zeros
+        // afterwards, never as a fault, and a zeroed header is refused like any other garbage.
+        let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        rustix::fs::fallocate(&rw, punch, 0, 4096).expect("punch a hole");
+        assert_eq!(rustix::fs::fstat(&rw).expect("stat").st_size as u64, len);
+        let why = check_header(c.seg.words(), &small()).expect_err("a zeroed header");
+        assert!(why.contains("magic"), "{why}");
     }
 
-    fn config(dir: &Path, timeout: Duration) -> ShmConfig {
-        ShmConfig { capacity: MIN_SHM_CAPACITY, dir: Some(dir.to_path_buf()), timeout }
+    /// A connected pair of streams for ranks 0 and 1 (each rank's streams by peer), with receive timeouts.
+    fn streams(timeout: Duration) -> [Vec<Option<UnixStream>>; 2] {
+        let (a, b) = UnixStream::pair().expect("pair");
+        for s in [&a, &b] {
+            s.set_read_timeout(Some(timeout)).expect("timeout");
+        }
+        [vec![None, Some(a)], vec![Some(b), None]]
     }
 
-    fn leftovers(dir: &Path) -> Vec<PathBuf> {
-        std::fs::read_dir(dir).expect("dir").map(|e| e.expect("entry").path()).collect()
+    fn config(timeout: Duration) -> ShmConfig {
+        ShmConfig { capacity: MIN_SHM_CAPACITY, timeout }
     }
 
-    /// Two ranks as threads over a `LocalGroup`, their segments in `dir`.
-    fn pair(dir: &Path, timeout: Duration) -> (ShmGroup, ShmGroup) {
+    /// Two ranks as threads over a `LocalGroup`.
+    fn pair(timeout: Duration) -> (ShmGroup, ShmGroup) {
         let group = LocalGroup::new(2, Duration::from_secs(20));
-        let cfg = config(dir, timeout);
-        let (a, b) = std::thread::scope(|s| {
-            let mk = |r: usize| {
+        let cfg = config(timeout);
+        let [s0, s1] = streams(Duration::from_secs(20));
+        std::thread::scope(|s| {
+            let mk = |r: usize, streams: Vec<Option<UnixStream>>| {
                 let (group, cfg) = (group.clone(), cfg.clone());
-                s.spawn(move || ShmGroup::new(&mut group.member(r), &cfg, no_streams(2)).expect("segments"))
+                s.spawn(move || ShmGroup::new(&mut group.member(r), &cfg, streams).expect("segments"))
             };
-            let (a, b) = (mk(0), mk(1));
+            let (a, b) = (mk(0, s0), mk(1, s1));
             (a.join().expect("rank 0"), b.join().expect("rank 1"))
-        });
-        assert!(leftovers(dir).is_empty(), "left behind after setup: {:?}", leftovers(dir));
-        (a, b)
+        })
     }
 
     /// Data steps carry every round's data, and no rank overwrites its data before its peer has read it (rank 1
     /// reads slowly every few rounds; a write that did not wait would show as a value of the next round).
     #[test]
     fn rounds_of_data_arrive_whole_and_are_not_overwritten_early() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (a, b) = pair(dir.path(), Duration::from_secs(20));
+        let (a, b) = pair(Duration::from_secs(20));
         let len = MIN_SHM_CAPACITY;
         std::thread::scope(|s| {
             for (me, mut g) in [(0u8, a), (1u8, b)] {
@@ -1427,8 +1473,7 @@ mod tests {
             (W_DESC + DESC_WORDS, 99, "tagged 99"),
         ];
         for (word, value, says) in cases {
-            let dir = tempfile::tempdir().expect("tempdir");
-            let (a, mut b) = pair(dir.path(), Duration::from_secs(20));
+            let (a, mut b) = pair(Duration::from_secs(20));
             if word == W_DESC + DESC_WORDS {
                 // A published step whose descriptor slot holds another step's tag.
                 a.own().word(W_SEQ).store(1, Ordering::Release);
@@ -1447,8 +1492,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_stalls_is_a_timeout_naming_it() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (_a, mut b) = pair(dir.path(), Duration::from_millis(300));
+        let (_a, mut b) = pair(Duration::from_millis(300));
         let t = Instant::now();
         let e = b.run(ShmGroup::barrier).expect_err("rank 0 never comes");
         let took = t.elapsed();
@@ -1458,15 +1502,14 @@ mod tests {
 
     #[test]
     fn a_peer_that_closed_or_failed_fails_its_peers_at_once() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (a, mut b) = pair(dir.path(), Duration::from_secs(20));
+        let (a, mut b) = pair(Duration::from_secs(20));
         drop(a);
         let t = Instant::now();
         let e = b.run(ShmGroup::barrier).expect_err("rank 0 is gone");
         assert!(matches!(&e, Error::PeerFailure(w) if w.contains("rank 0 left: it closed its communicator")), "{e}");
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 
-        let (mut a, mut b) = pair(dir.path(), Duration::from_secs(20));
+        let (mut a, mut b) = pair(Duration::from_secs(20));
         b.blame = Some(1);
         let _ = b.run(|_| -> Result<()> { Err(Error::PeerFailure("a test failure".into())) });
         let e = a.run(ShmGroup::barrier).expect_err("rank 1 failed");
@@ -1476,8 +1519,7 @@ mod tests {
     /// Ranks calling different collectives (here: sizes) both get an error describing both calls.
     #[test]
     fn different_collectives_are_refused_on_every_rank() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let (a, b) = pair(dir.path(), Duration::from_secs(20));
+        let (a, b) = pair(Duration::from_secs(20));
         let errs: Vec<Error> = std::thread::scope(|s| {
             let hs: Vec<_> = [(a, 100usize), (b, 200)]
                 .into_iter()
@@ -1496,120 +1538,125 @@ mod tests {
         }
     }
 
-    /// A bootstrap that lets `tamper` change rank 0's shared-memory setup message before this rank sees it.
-    struct Tamper<F> {
-        inner: LocalRank,
-        tamper: F,
-    }
-
-    impl<F: FnMut(&mut Vec<u8>) + Send> Bootstrap for Tamper<F> {
-        fn rank(&self) -> usize {
-            self.inner.rank()
-        }
-        fn world(&self) -> usize {
-            self.inner.world()
-        }
-        fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-            let mut all = self.inner.all_gather(mine)?;
-            if let Some(m) = all.first_mut().filter(|m| m.starts_with(SETUP_TAG)) {
-                (self.tamper)(m);
-            }
-            Ok(all)
-        }
-    }
-
-    /// The path in a setup message.
-    fn path_of(m: &[u8]) -> PathBuf {
-        PathBuf::from(OsStr::from_bytes(&m[SETUP_TAG.len() + 8 + TOKEN_LEN..]))
-    }
-
-    fn with_path(m: &mut Vec<u8>, p: &Path) {
-        m.truncate(SETUP_TAG.len() + 8 + TOKEN_LEN);
-        m.extend_from_slice(p.as_os_str().as_bytes());
-    }
-
-    /// Rank 1 sets up with rank 0's announcement changed by `tamper`: its error, after checking that rank 0 failed
-    /// too (at the barrier) and that no file is left in the segment directory.
-    fn refused(dir: &Path, tamper: impl FnMut(&mut Vec<u8>) + Send) -> String {
-        let group: Arc<LocalGroup> = LocalGroup::new(2, Duration::from_secs(1));
-        let cfg = config(dir, Duration::from_secs(1));
-        let (r0, r1) = std::thread::scope(|s| {
-            let h0 = s.spawn(|| ShmGroup::new(&mut group.member(0), &cfg, no_streams(2)).map(|_| ()));
-            let h1 = s.spawn(|| {
-                let mut boot = Tamper { inner: group.member(1), tamper };
-                ShmGroup::new(&mut boot, &cfg, no_streams(2)).map(|_| ())
+    /// Rank 1 sets up for real while a forged rank 0 agrees to everything and `send`s what it likes on its stream:
+    /// rank 1's error, after checking that the forged rank heard it in the agreement, and within a bound.
+    fn refused(send: impl FnOnce(&UnixStream) + Send) -> String {
+        let group: Arc<LocalGroup> = LocalGroup::new(2, Duration::from_secs(20));
+        let cfg = config(Duration::from_secs(20));
+        let [s0, s1] = streams(Duration::from_secs(1));
+        let t = Instant::now();
+        let (heard, r1) = std::thread::scope(|s| {
+            let forged = s.spawn(|| {
+                let mut me = group.member(0);
+                let stream = s0.into_iter().flatten().next().expect("stream to rank 1");
+                send(&stream);
+                me.all_gather(&[0]).expect("first agreement");
+                let heard = me.all_gather(&[0]).expect("second agreement");
+                drop(stream);
+                heard
             });
-            (h0.join().expect("rank 0"), h1.join().expect("rank 1"))
+            let real = s.spawn(|| ShmGroup::new(&mut group.member(1), &cfg, s1).map(|_| ()));
+            (forged.join().expect("rank 0"), real.join().expect("rank 1"))
         });
-        assert!(r0.is_err(), "rank 0 cannot finish setup without rank 1");
-        let dirs: Vec<_> = leftovers(dir).into_iter().filter(|p| p.to_string_lossy().contains(DIR_PREFIX)).collect();
-        let real: Vec<_> = dirs.iter().filter(|d| !d.to_string_lossy().contains("forged")).collect();
-        assert!(real.is_empty(), "a rank left its segment behind: {real:?}");
+        assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
         let e = r1.expect_err("the forged segment is refused");
-        assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
         let w = e.to_string();
-        assert!(w.contains("rank 0's shared-memory segment"), "{w}");
+        assert!(matches!(e, Error::PeerFailure(_)), "{e:?}");
+        assert!(w.contains("rank 0's shared-memory segment is refused"), "{w}");
+        assert_eq!(heard[1].first(), Some(&1), "rank 1 told the others why");
+        assert!(String::from_utf8_lossy(&heard[1]).contains("refused"), "{:?}", heard[1]);
         w
     }
 
-    /// A directory for forged files, named like a segment directory.
-    fn forged_dir(dir: &Path) -> PathBuf {
-        let d = dir.join(format!("{DIR_PREFIX}forged"));
-        std::fs::create_dir(&d).expect("mkdir");
-        d
+    fn send_fds(s: &UnixStream, fds: &[std::os::fd::BorrowedFd<'_>], msg: &[u8]) {
+        use rustix::net::{sendmsg, SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !fds.is_empty() {
+            assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+        }
+        sendmsg(s, &[std::io::IoSlice::new(msg)], &mut control, SendFlags::empty()).expect("sendmsg");
+    }
+
+    /// A real segment of rank 0 of 2 (header filled), not sealed.
+    fn unsealed_segment(fields: &HeaderFields) -> std::os::fd::OwnedFd {
+        let len = HEADER_BYTES + fields.capacity as usize;
+        let fd = memfd(len as u64, rustix::fs::SealFlags::empty());
+        let file = File::from(fd);
+        let map = MmapOptions::new().len(len).map_raw(&file).expect("map");
+        let seg = Segment { mem: Mem::Map(map), words: len / 8 };
+        write_header(seg.words(), fields);
+        file.into()
+    }
+
+    #[test]
+    fn a_segment_that_is_not_sealed_is_refused() {
+        use std::os::fd::AsFd;
+        let f = small();
+        let fd = unsealed_segment(&f);
+        let w = refused(|s| send_fds(s, &[fd.as_fd()], &setup_message(MIN_SHM_CAPACITY, &f.token)));
+        assert!(w.contains("not sealed"), "{w}");
+    }
+
+    #[test]
+    fn a_segment_of_another_size_than_announced_is_refused() {
+        use std::os::fd::AsFd;
+        let f = small();
+        let c = create_segment(&f).expect("segment");
+        let w = refused(|s| send_fds(s, &[c.share.as_fd()], &setup_message(2 * MIN_SHM_CAPACITY, &f.token)));
+        assert!(w.contains("holds 8192 bytes"), "{w}");
     }
 
     #[test]
     fn a_swapped_segment_with_another_token_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let forged = forged_dir(dir.path()).join(FILE_NAME);
-        // A real segment of "rank 0 of 2" with the same capacity, from another job (another token).
-        let other = HeaderFields { capacity: MIN_SHM_CAPACITY as u64, rank: 0, world: 2, token: [9; TOKEN_LEN] };
-        let _seg = create_segment(&forged, &other).expect("forged segment");
-        let w = refused(dir.path(), |m| with_path(m, &forged));
-        assert!(w.contains("swapped or foreign"), "{w}");
-        // The same with the token changed in the announcement instead.
-        let w = refused(dir.path(), |m| m[SETUP_TAG.len() + 8] ^= 1);
+        use std::os::fd::AsFd;
+        // A real sealed segment of "rank 0 of 2" from another job (another token).
+        let c = create_segment(&HeaderFields { token: [9; TOKEN_LEN], ..small() }).expect("segment");
+        let w = refused(|s| send_fds(s, &[c.share.as_fd()], &setup_message(MIN_SHM_CAPACITY, &small().token)));
         assert!(w.contains("swapped or foreign"), "{w}");
     }
 
     #[test]
-    fn a_segment_with_another_mode_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let w = refused(dir.path(), |m| {
-            std::fs::set_permissions(path_of(m), std::fs::Permissions::from_mode(0o640)).expect("chmod");
+    fn a_plain_file_or_a_pipe_instead_of_a_segment_is_refused() {
+        use std::os::fd::AsFd;
+        let file = tempfile::tempfile().expect("file");
+        file.set_len((HEADER_BYTES + MIN_SHM_CAPACITY) as u64).expect("size");
+        let w = refused(|s| send_fds(s, &[file.as_fd()], &setup_message(MIN_SHM_CAPACITY, &small().token)));
+        assert!(w.contains("not a sealable memory file"), "{w}");
+        let (r, _w) = std::io::pipe().expect("pipe");
+        let w = refused(|s| send_fds(s, &[r.as_fd()], &setup_message(MIN_SHM_CAPACITY, &small().token)));
+        assert!(w.contains("not a sealable memory file"), "{w}");
+    }
+
+    #[test]
+    fn a_setup_message_with_no_or_two_descriptors_is_refused() {
+        use std::os::fd::AsFd;
+        let c = create_segment(&small()).expect("segment");
+        let m = setup_message(MIN_SHM_CAPACITY, &small().token);
+        let w = refused(|s| send_fds(s, &[], &m));
+        assert!(w.contains("carried 0 descriptors"), "{w}");
+        let w = refused(|s| send_fds(s, &[c.share.as_fd(), c.share.as_fd()], &m));
+        assert!(w.contains("carried 2 descriptors"), "{w}");
+    }
+
+    /// A peer that agrees it sent its segment but sends nothing costs one stream timeout (1 s here), not more.
+    #[test]
+    fn a_silent_peer_is_refused_within_the_stream_timeout() {
+        let w = refused(|_| {});
+        assert!(w.contains("sent no segment within the timeout"), "{w}");
+    }
+
+    /// A peer that drips its setup message a byte at a time and then stops is refused within the stream timeout.
+    #[test]
+    fn a_dripping_peer_is_refused() {
+        use std::io::Write;
+        let w = refused(|s| {
+            let mut s = s;
+            let m = setup_message(MIN_SHM_CAPACITY, &small().token);
+            for b in &m[..3] {
+                s.write_all(&[*b]).expect("drip");
+            }
         });
-        assert!(w.contains("mode is 0640"), "{w}");
-    }
-
-    #[test]
-    fn a_symbolic_link_to_the_segment_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let link = forged_dir(dir.path()).join(FILE_NAME);
-        let w = refused(dir.path(), |m| {
-            std::os::unix::fs::symlink(path_of(m), &link).expect("symlink");
-            with_path(m, &link);
-        });
-        assert!(w.contains("symbolic link"), "{w}");
-    }
-
-    /// A FIFO in the segment's place is refused without blocking the open.
-    #[test]
-    fn a_fifo_is_refused_without_blocking() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let fifo = forged_dir(dir.path()).join(FILE_NAME);
-        rustix::fs::mknodat(rustix::fs::CWD, &fifo, rustix::fs::FileType::Fifo, Mode::from_raw_mode(0o600), 0)
-            .expect("mkfifo");
-        let w = refused(dir.path(), |m| with_path(m, &fifo));
-        assert!(w.contains("not a regular file"), "{w}");
-    }
-
-    #[test]
-    fn a_segment_of_another_size_or_path_is_refused() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let w = refused(dir.path(), |m| m[8..16].copy_from_slice(&(2 * MIN_SHM_CAPACITY as u64).to_le_bytes()));
-        assert!(w.contains("holds 8192 bytes"), "{w}");
-        let w = refused(dir.path(), |m| with_path(m, Path::new("/etc/passwd")));
-        assert!(w.contains("not an absolute path of the form"), "{w}");
+        assert!(w.contains("carried 0 descriptors") || w.contains("stopped after"), "{w}");
     }
 }
