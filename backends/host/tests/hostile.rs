@@ -72,7 +72,74 @@ fn rank() {
                 std::process::exit(3);
             }
         },
+        "stall" => {
+            // Rank 1 stops (and says so in a file) at its STAGE-th bootstrap all-gather of the setup, before it
+            // contributes or after it returned, for the launcher to kill it exactly there.
+            let rank: usize = std::env::var("RANK").expect("RANK").parse().expect("a rank");
+            let rdv = anyccl_rendezvous::Rendezvous::establish(
+                anyccl_rendezvous::RendezvousConfig::from_env().expect("the rendezvous configuration"),
+            );
+            let outcome = rdv.and_then(|rdv| {
+                let boot: Box<dyn Bootstrap + Send> = if rank == 1 {
+                    let var = |k: &str| std::env::var(k).expect(k);
+                    Box::new(Stall {
+                        inner: rdv,
+                        n: 0,
+                        stage: var("ANYCCL_HOSTILE_STAGE").parse().expect("a stage"),
+                        after: var("ANYCCL_HOSTILE_AFTER") == "1",
+                        ready: PathBuf::from(var("ANYCCL_HOSTILE_READY")),
+                    })
+                } else {
+                    Box::new(rdv)
+                };
+                communicator_over(boot, opts).and_then(|mut c| all_reduce_sample(&mut c))
+            });
+            match outcome {
+                Ok(s) => println!("RESULT {s}"),
+                Err(e) => {
+                    println!("FAILED {e}");
+                    std::process::exit(3);
+                }
+            }
+        }
         other => panic!("unknown mode {other}"),
+    }
+}
+
+/// A bootstrap that stops for good at its `stage`-th all-gather (see the rank's `stall` mode).
+struct Stall {
+    inner: anyccl_rendezvous::Rendezvous,
+    n: usize,
+    stage: usize,
+    after: bool,
+    ready: PathBuf,
+}
+
+impl Stall {
+    fn stop_here(&self) -> ! {
+        std::fs::write(&self.ready, b"").expect("ready");
+        std::thread::sleep(DEADLINE);
+        std::process::exit(4);
+    }
+}
+
+impl Bootstrap for Stall {
+    fn rank(&self) -> usize {
+        Bootstrap::rank(&self.inner)
+    }
+    fn world(&self) -> usize {
+        Bootstrap::world(&self.inner)
+    }
+    fn all_gather(&mut self, mine: &[u8]) -> anyccl_core::Result<Vec<Vec<u8>>> {
+        self.n += 1;
+        if self.n == self.stage && !self.after {
+            self.stop_here();
+        }
+        let all = self.inner.all_gather(mine)?;
+        if self.n == self.stage && self.after {
+            self.stop_here();
+        }
+        Ok(all)
     }
 }
 
@@ -147,14 +214,17 @@ fn an_outsider_cannot_truncate_grow_or_reseal_a_live_segment() {
 /// directory (segments are memfds, mesh sockets abstract: neither has a name on disk).
 #[test]
 fn a_rank_killed_at_any_moment_of_setup_leaves_nothing_behind() {
-    let delays_ms = [0u64, 30, 60, 100, 150, 250];
+    // A whole job starts and ends in some 10-30 ms on an idle machine and several times that under load: the
+    // delays spread the kill over the rank's start, the rendezvous, the mesh and the segments' exchange.
+    let delays_ms = [0u64, 2, 4, 6, 8, 10, 12, 14, 17, 20, 25, 30, 40, 60];
     let mut outcomes = Vec::new();
     for delay in delays_ms {
         let held = hold_master_port();
         let port = held.local_addr().expect("addr").port();
         let tmp = tempfile::tempdir().expect("tempdir");
         let extra = [
-            ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", TIMEOUT_SECS.to_string()),
+            // Short: a rank killed before it joined the rendezvous costs the others this timeout.
+            ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "2".to_owned()),
             ("TMPDIR", tmp.path().display().to_string()),
         ];
         let t0 = Instant::now();
@@ -172,12 +242,74 @@ fn a_rank_killed_at_any_moment_of_setup_leaves_nothing_behind() {
             assert!(matches!(code, Some(0) | Some(3)), "rank {rank} crashed or panicked ({:?}):\n{all}", out.status);
             let waited = killed.elapsed();
             assert!(waited < Duration::from_secs(3 * TIMEOUT_SECS + 10), "rank {rank} took {waited:?}");
-            outcomes.push(format!("{delay} ms: rank {rank} exit {code:?} after {waited:?}"));
+            let said = all.lines().find(|l| l.starts_with("FAILED ") || l.starts_with("RESULT ")).unwrap_or("");
+            outcomes.push(format!("{delay} ms: rank {rank} exit {code:?} after {waited:?}: {said}"));
         }
         let left: Vec<_> = std::fs::read_dir(tmp.path()).expect("tmp").map(|e| e.expect("entry").path()).collect();
         assert!(left.is_empty(), "killed after {delay} ms, left behind: {left:?}");
     }
     eprintln!("{}", outcomes.join("\n"));
+}
+
+/// Rank 1 killed exactly at each step of the setup: before it contributes to, and after it returned from, each of
+/// the setup's bootstrap all-gathers (the host check, the mesh addresses, the two agreements of the mesh and the
+/// two of the segments' exchange: between them it connects, accepts, creates and sends its segment, receives and
+/// maps its peers'). Every survivor fails with an error naming rank 1 within a few seconds (the host timeout is 5
+/// s, the rendezvous's 2 s: nobody waits it out twice), never crashes or hangs, and nothing is left in the ranks'
+/// temporary directory.
+#[test]
+fn a_rank_killed_at_each_step_of_setup_fails_the_others_promptly_and_leaves_nothing() {
+    let mut outcomes = Vec::new();
+    let mut stalled = 0;
+    for stage in 1..=8usize {
+        for after in [false, true] {
+            let held = hold_master_port();
+            let port = held.local_addr().expect("addr").port();
+            let tmp = tempfile::tempdir().expect("tempdir");
+            let ready = tmp.path().join("stalled");
+            let dir = tempfile::tempdir().expect("tempdir");
+            let ready = dir.path().join(ready.file_name().expect("name"));
+            let extra = [
+                ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", "2".to_owned()),
+                ("TMPDIR", tmp.path().display().to_string()),
+                ("ANYCCL_HOSTILE_STAGE", stage.to_string()),
+                ("ANYCCL_HOSTILE_AFTER", u8::from(after).to_string()),
+                ("ANYCCL_HOSTILE_READY", ready.display().to_string()),
+            ];
+            let t0 = Instant::now();
+            let mut kids = start(3, port, "stall", &extra);
+            let mut victim = kids.remove(1);
+            // Rank 1 either stops at this stage, or the setup has fewer all-gathers and the job finishes.
+            while !ready.exists() && victim.try_wait().expect("wait").is_none() {
+                assert!(t0.elapsed() < DEADLINE, "stage {stage}: rank 1 neither stopped nor finished");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let hit = ready.exists();
+            let _ = victim.kill();
+            let _ = victim.wait();
+            let killed = Instant::now();
+            for (i, k) in kids.into_iter().enumerate() {
+                let rank = if i == 0 { 0 } else { 2 };
+                let out = launcher::finish(rank, k, t0, DEADLINE);
+                let all = text(&out);
+                let waited = killed.elapsed();
+                let said = all.lines().find(|l| l.starts_with("FAILED ") || l.starts_with("RESULT ")).unwrap_or("");
+                if hit {
+                    assert_eq!(out.status.code(), Some(3), "stage {stage}/{after}: rank {rank}:\n{all}");
+                    assert!(said.contains("rank 1"), "stage {stage}/{after}: rank {rank} does not name rank 1: {said}");
+                    assert!(waited < Duration::from_secs(2 * TIMEOUT_SECS + 5), "rank {rank} took {waited:?}");
+                } else {
+                    assert_eq!(out.status.code(), Some(0), "stage {stage}/{after}: rank {rank}:\n{all}");
+                }
+                outcomes.push(format!("stage {stage} after={after}: rank {rank} after {waited:?}: {said}"));
+            }
+            stalled += usize::from(hit);
+            let left: Vec<_> = std::fs::read_dir(tmp.path()).expect("tmp").map(|e| e.expect("entry").path()).collect();
+            assert!(left.is_empty(), "stage {stage}/{after}: left behind: {left:?}");
+        }
+    }
+    eprintln!("{}", outcomes.join("\n"));
+    assert!(stalled >= 12, "only {stalled} kill points were inside the setup");
 }
 
 /// A bootstrap whose all-gather of the mesh addresses (the round whose entries hold `anyccl-host-mesh-` names)
@@ -263,7 +395,9 @@ fn silent_and_dripping_mesh_connections_do_not_stall_setup() {
         std::thread::spawn(move || {
             let mut drip = drip;
             for _ in 0..40 {
-                if stop2.load(std::sync::atomic::Ordering::Relaxed) || std::io::Write::write_all(&mut drip, b"x").is_err() {
+                if stop2.load(std::sync::atomic::Ordering::Relaxed)
+                    || std::io::Write::write_all(&mut drip, b"x").is_err()
+                {
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(250));
