@@ -4,17 +4,24 @@
 //! must be on one host and run as one user.
 //!
 //! **Transport.** The collectives move their data through shared memory set up over the bootstrap: each rank owns
-//! a segment (a file under `/dev/shm`, or [`HostOptions::shm_dir`], mapped by every rank and unlinked as soon as
-//! all have mapped it; see the `shm` module for the checks a peer's file passes). A collective runs in chunks of
+//! a segment (an anonymous memory file, `memfd_create`, sealed so its size can never change; see the `shm` module),
+//! whose descriptor goes to every peer over the point-to-point mesh (`SCM_RIGHTS`), so no segment has a name in
+//! `/dev/shm` or anywhere else. A collective runs in chunks of
 //! at most [`HostOptions::shm_capacity`] bytes (4 MiB by default): each rank copies its chunk into its own segment
 //! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
 //! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
 //! identical results, equal to the threaded host backend's (the same reduction kernels). Message sizes are
 //! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
-//! (paths, tokens, the point-to-point addresses). Point-to-point messages go over a mesh of Unix-domain stream
-//! sockets set up through the bootstrap: each rank listens in a fresh private directory (mode 0700), and a
-//! connecting peer proves itself with a random token exchanged over the bootstrap before its messages are
-//! accepted. The barrier runs on the shared-memory counters.
+//! (socket names, tokens, agreements). Point-to-point messages go over a mesh of Unix-domain stream sockets set up
+//! through the bootstrap: each rank listens on a fresh abstract-namespace name (`anyccl-host-mesh-RANK-` and 128
+//! random bits: no file, so nothing is left behind whatever happens), and connects only to names of exactly that
+//! form, never to a path, whatever the bootstrap says. Both ends check the other's credentials (`SO_PEERCRED`): a
+//! process of another uid is refused before a byte is read from or written to it; a connecting peer then proves
+//! itself with a random token exchanged over the bootstrap. Incoming connections are accepted on a thread of their
+//! own while the rank connects to its lower peers, each with its own deadline (5 s to send its 40-byte hello), so a
+//! silent or dripping connection costs the real ranks nothing. Every setup phase (the mesh's connections, then its
+//! accepts; the segments' creation and sending, then their checks) ends with an agreement over the bootstrap: one
+//! rank's failure fails every rank at once, with that rank's reason.
 //!
 //! **Groups and sub-communicators.** A grouped send/receive ([`anyccl_core::Communicator::p2p`]) writes its sends on
 //! one thread per destination while the calling thread receives in the group's order, so a group completes
@@ -34,12 +41,16 @@
 //! [`Error::PeerFailure`] describing both calls, not each other's bytes. After a failed collective the
 //! communicator refuses every further collective (its peers see it failed too); make a new one.
 //!
-//! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of `/dev/shm` (reserved at
-//! setup, so a full `/dev/shm` is an error then, not a crash later; a container's 64 MiB `/dev/shm` holds 15 ranks
-//! at the default) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). A process killed during
-//! setup, between creating its segment and the barrier after which it unlinks it, leaves its private directory
-//! behind. A peer running as the same user could still crash its readers by truncating its own segment file
-//! (`SIGBUS`).
+//! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of shared memory (reserved at
+//! setup, so exhausted memory is an error then, not a crash later; it counts against the rank's memory cgroup, not
+//! against the size of `/dev/shm`) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). Linux only
+//! (memfd, abstract sockets, peer credentials); the ranks must share a network namespace (abstract socket names
+//! are per network namespace), as `torchrun`'s ranks do.
+//!
+//! **Trust.** A process of the same uid that holds a segment's descriptor or mapping (through `/proc/PID/fd` or
+//! `map_files`, or by tracing a rank) can still write into it: a same-uid process can also signal, trace or rewrite
+//! the ranks themselves. What it writes into the headers is checked (an error naming the rank); what it writes
+//! into a data region becomes results. It can no longer truncate, grow or replace a segment.
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsFd;
@@ -97,7 +108,7 @@ pub struct ProcessComm {
 
 /// A host communicator over `bootstrap`: every rank calls this collectively (the bootstrap then carries the
 /// setup only). `options.timeout` bounds the point-to-point setup, each receive and each wait for the peers in a
-/// collective; `options.shm_capacity` and `options.shm_dir` shape the shared-memory segments.
+/// collective; `options.shm_capacity` sizes the shared-memory segments.
 pub fn communicator_over(
     bootstrap: Box<dyn Bootstrap + Send>,
     options: HostOptions,
@@ -869,7 +880,7 @@ impl CommBackend for ProcessComm {
     }
 
     /// The ranks exchange (color, key) over this communicator's shared memory, then every color's new
-    /// communicator is set up side by side over the parent's collectives ([`Lockstep`]): no new rendezvous.
+    /// communicator is set up side by side over the parent's collectives (`Lockstep`): no new rendezvous.
     fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
         let all = self.exchange_bytes(&split_entry(color, key))?;
         let entries = all.iter().enumerate().map(|(q, e)| parse_split_entry(q, e)).collect::<Result<Vec<_>>>()?;

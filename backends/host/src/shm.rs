@@ -1,14 +1,17 @@
 //! The shared-memory transport of the host backend across processes ([`crate::ProcessComm`]).
 //!
-//! **Segments.** Each rank creates one segment when the communicator forms: a file created with
-//! `O_EXCL | O_NOFOLLOW`, mode 0600, in a fresh private directory (mode 0700, random name) under `/dev/shm` where
-//! that is writable (else the temporary directory, or [`crate::HostOptions::shm_dir`]), sized and reserved up front
-//! (so a full `/dev/shm` is an error at setup, not a fault later) and mapped read-write by its owner. The path, the
-//! capacity and a random 32-byte token go to the peers through the bootstrap. Each peer opens the file with
-//! `O_NOFOLLOW | O_NONBLOCK`, checks (fstat) that it is a regular file owned by this uid, mode 0600, of exactly the
-//! announced size, maps it **read-only**, and checks its header: magic, version, capacity, rank, world, and the
-//! token, so a swapped or foreign file is refused. After a bootstrap barrier (every rank has every segment mapped)
-//! each rank unlinks its file and directory: nothing is left behind, even if a process is killed later.
+//! **Segments.** Each rank creates one segment when the communicator forms: an anonymous memory file
+//! (`memfd_create` with sealing allowed; it has no name in any directory, so nothing is left behind whatever
+//! happens to the process), sized and reserved up front (so exhausted memory is an error at setup, not a fault
+//! later), sealed with `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL` (its size can never change again, and no seal can
+//! be added or removed), and mapped read-write by its owner. Its descriptor — reopened read-only through
+//! `/proc/self/fd` where `/proc` is there — goes to each peer over the point-to-point mesh (`SCM_RIGHTS`, with the
+//! capacity and a random 32-byte token). Each peer checks the descriptor before it maps it: the seals first (a
+//! descriptor that is not a sealed memfd is refused, so a segment can never shrink under its readers and fault
+//! them with `SIGBUS`), then (fstat) that it is a regular file owned by this uid of exactly the announced size; it
+//! maps it **read-only** and checks its header: magic, version, capacity, rank, world, and the token, so a
+//! foreign segment is refused. Each phase — create and send, then receive, check and map — ends with an agreement
+//! over the bootstrap, so a rank that fails fails every rank at once with its reason.
 //!
 //! **Layout** (64-bit words, little-endian on the machine it runs on): a 4 KiB header — magic, version, capacity,
 //! rank, world, token, state (open / closed / failed); the owner's sequence counter on its own cache line; two
@@ -34,8 +37,10 @@
 //! [`AtomicU64`] loads (relaxed, then an acquire fence) — never a Rust reference to plain bytes there — and every
 //! value read is checked before it is used: a counter more than one step ahead, a wrong magic, an unknown state or
 //! a descriptor of another collective is an [`Error::PeerFailure`] naming the rank. Garbage in a peer's data
-//! region can only produce garbage numbers. A same-uid process that truncates its own segment file could still
-//! make the readers fault (`SIGBUS`); such a process can signal them anyway.
+//! region can only produce garbage numbers. The seals keep every segment's size, so no process can make a reader
+//! fault; a same-uid process that reaches a segment (through `/proc`) can still write into it or punch holes in it
+//! (which read as zeros), which a header check catches and a data region turns into wrong numbers: such a process
+//! can signal or trace the ranks anyway.
 
 use std::fs::File;
 use std::os::unix::net::UnixStream;
