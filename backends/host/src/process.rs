@@ -495,7 +495,9 @@ fn accept_higher(
 ) -> Result<Vec<(usize, UnixStream)>> {
     listener.set_nonblocking(true).map_err(|e| io_error("socket mode", e))?;
     let start = Instant::now();
-    let deadline = start.checked_add(timeout).unwrap_or(start);
+    // A timeout too long for the clock is no deadline at all (a day is as good as forever here).
+    let deadline =
+        start.checked_add(timeout).or_else(|| start.checked_add(Duration::from_secs(86_400))).unwrap_or(start);
     let mut came: Vec<(usize, UnixStream)> = Vec::new();
     let mut pending: std::collections::VecDeque<Pending> = std::collections::VecDeque::new();
     let want = world - 1 - rank;

@@ -416,6 +416,7 @@ fn silent_and_dripping_mesh_connections_do_not_stall_setup() {
         std::mem::forget(silent);
     });
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    eprintln!("3 ranks set up in {took:?} with 11 hostile connections on rank 0's mesh socket");
     assert!(took < PROMPT, "setup took {took:?}");
     let want = expected(3);
     let mut comms: Vec<_> = results.into_iter().map(|r| r.expect("the real ranks form the communicator")).collect();
