@@ -482,8 +482,15 @@ struct Created {
 fn create_segment(fields: &HeaderFields) -> Result<Created> {
     use rustix::fs::MemfdFlags;
     let len = HEADER_BYTES + usize::try_from(fields.capacity).map_err(|_| internal("capacity overflow".to_owned()))?;
-    let fd = rustix::fs::memfd_create("anyccl-host-segment", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-        .map_err(|e| setup_error(format!("cannot create a shared-memory segment (memfd_create): {e}")))?;
+    const NAME: &str = "anyccl-host-segment";
+    let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+    // Never executable where the kernel knows the flag (Linux 6.3; required when `vm.memfd_noexec` is 2); older
+    // kernels refuse the unknown flag with EINVAL.
+    let fd = match rustix::fs::memfd_create(NAME, flags | MemfdFlags::NOEXEC_SEAL) {
+        Err(rustix::io::Errno::INVAL) => rustix::fs::memfd_create(NAME, flags),
+        made => made,
+    }
+    .map_err(|e| setup_error(format!("cannot create a shared-memory segment (memfd_create): {e}")))?;
     rustix::fs::ftruncate(&fd, len as u64)
         .map_err(|e| setup_error(format!("cannot size the shared-memory segment to {len} bytes: {e}")))?;
     reserve(&fd, len)?;
