@@ -386,7 +386,7 @@ fn check_peer_uid(s: &UnixStream, uid: u32) -> std::result::Result<(), String> {
     let cred = getsockopt(s, PeerCredentials).map_err(|e| format!("cannot read its credentials: {e}"))?;
     if cred.uid() != uid {
         return Err(format!(
-            "its process (pid {}) runs as uid {}, not as this process's uid {uid}",
+            "its process (pid {}) runs as uid {}, not as this process's effective uid {uid}",
             cred.pid(),
             cred.uid()
         ));
@@ -615,7 +615,7 @@ fn proved(
 /// `i < j` and proves itself with `i`'s token while `i` accepts on a thread of its own. Each phase ends with an
 /// agreement over `boot` ([`agree`]), so one rank's failure fails every rank at once with its reason.
 fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) -> Result<Vec<Option<UnixStream>>> {
-    let uid = rustix::process::getuid().as_raw();
+    let uid = rustix::process::geteuid().as_raw();
     let mut token = [0u8; TOKEN_LEN];
     getrandom::fill(&mut token).map_err(|e| internal(format!("no randomness for the host mesh token: {e}")))?;
     let listening = listen(rank);

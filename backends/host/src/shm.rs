@@ -456,7 +456,7 @@ fn check_descriptor(fd: std::os::fd::BorrowedFd<'_>, uid: u32, len: u64) -> std:
         return Err("it is not a regular memory file".to_owned());
     }
     if st.st_uid != uid {
-        return Err(format!("it is owned by uid {}, not by this process's uid {uid}", st.st_uid));
+        return Err(format!("it is owned by uid {}, not by this process's effective uid {uid}", st.st_uid));
     }
     if u64::try_from(st.st_size).ok() != Some(len) {
         return Err(format!("it holds {} bytes, but its rank announced {len}", st.st_size));
@@ -809,7 +809,7 @@ impl ShmGroup {
         own: Segment,
         streams: &[Option<UnixStream>],
     ) -> Result<(Vec<Segment>, usize)> {
-        let uid = rustix::process::getuid().as_raw();
+        let uid = rustix::process::geteuid().as_raw();
         let mut segs = Vec::new();
         segs.try_reserve_exact(world).map_err(|_| internal(format!("no memory for {world} segment mappings")))?;
         let mut own = Some(own);
@@ -1351,7 +1351,7 @@ mod tests {
     }
 
     fn uid() -> u32 {
-        rustix::process::getuid().as_raw()
+        rustix::process::geteuid().as_raw()
     }
 
     fn small() -> HeaderFields {
