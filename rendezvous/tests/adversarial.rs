@@ -497,3 +497,46 @@ fn the_listener_binds_exactly_the_configured_address() {
     let other: SocketAddr = SocketAddr::new("127.0.0.2".parse().expect("ip"), addr.port());
     assert!(TcpStream::connect_timeout(&other, Duration::from_secs(2)).is_err());
 }
+
+/// Connections that drip a preamble and a hello one byte every 200 ms (a handshake never silent long enough for a
+/// per-read timeout, that would take 18 s to finish): rank 0 closes each at its own deadline, `HANDSHAKE_LIMIT`
+/// after it connected whatever bytes keep coming, and the real ranks then form their group at once.
+#[test]
+fn dripping_handshakes_are_cut_at_their_own_deadline() {
+    let listener = listen(3, Duration::from_secs(60));
+    let addr = listener.local_addr();
+    let group = start_root(listener);
+    let drips: Vec<_> = (0..4)
+        .map(|_| {
+            thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).expect("connect");
+                s.set_read_timeout(Some(Duration::from_millis(200))).expect("timeout");
+                s.set_write_timeout(Some(Duration::from_secs(2))).expect("timeout");
+                let t = Instant::now();
+                let mut sink = [0u8; 64];
+                for b in [preamble(), random_bytes(HELLO_LEN)].concat() {
+                    if s.write_all(&[b]).is_err() {
+                        return Some(t.elapsed());
+                    }
+                    // Reading (the greeting) between bytes also paces the drip and sees the close.
+                    match s.read(&mut sink) {
+                        Ok(0) => return Some(t.elapsed()),
+                        Ok(_) => {}
+                        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                        }
+                        Err(_) => return Some(t.elapsed()),
+                    }
+                }
+                None
+            })
+        })
+        .collect();
+    for d in drips {
+        let cut = d.join().expect("drip").expect("a dripping handshake is cut before it ends");
+        // Closed at its deadline, not a per-byte timeout (which the drip never hits) and not after it finished.
+        assert!(cut >= HANDSHAKE_LIMIT - Duration::from_millis(500), "cut after {cut:?}");
+        assert!(cut < HANDSHAKE_LIMIT + Duration::from_secs(8), "cut after {cut:?}");
+    }
+    let (_g0, took) = join_ranks(group);
+    assert!(took < HANDSHAKE_LIMIT, "the real ranks took {took:?}");
+}

@@ -99,9 +99,9 @@ pub struct HostOptions {
     /// collectives larger than this move in chunks. Ranks may differ; the smallest is used. Default
     /// [`DEFAULT_SHM_CAPACITY`] (4 MiB).
     pub shm_capacity: usize,
-    /// Ranks as processes: the directory the shared-memory segments are created in (each in a private
-    /// subdirectory, removed again once every rank has mapped them). `None`: `/dev/shm` where it is writable, else
-    /// the temporary directory.
+    /// Not used any more, kept so that code setting it still builds: the shared-memory segments of ranks as
+    /// processes are anonymous sealed memory files (`memfd`), passed between the ranks as descriptors, in no
+    /// directory.
     pub shm_dir: Option<PathBuf>,
 }
 

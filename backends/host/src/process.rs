@@ -4,17 +4,24 @@
 //! must be on one host and run as one user.
 //!
 //! **Transport.** The collectives move their data through shared memory set up over the bootstrap: each rank owns
-//! a segment (a file under `/dev/shm`, or [`HostOptions::shm_dir`], mapped by every rank and unlinked as soon as
-//! all have mapped it; see the `shm` module for the checks a peer's file passes). A collective runs in chunks of
+//! a segment (an anonymous memory file, `memfd_create`, sealed so its size can never change; see the `shm` module),
+//! whose descriptor goes to every peer over the point-to-point mesh (`SCM_RIGHTS`), so no segment has a name in
+//! `/dev/shm` or anywhere else. A collective runs in chunks of
 //! at most [`HostOptions::shm_capacity`] bytes (4 MiB by default): each rank copies its chunk into its own segment
 //! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
 //! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
 //! identical results, equal to the threaded host backend's (the same reduction kernels). Message sizes are
 //! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
-//! (paths, tokens, the point-to-point addresses). Point-to-point messages go over a mesh of Unix-domain stream
-//! sockets set up through the bootstrap: each rank listens in a fresh private directory (mode 0700), and a
-//! connecting peer proves itself with a random token exchanged over the bootstrap before its messages are
-//! accepted. The barrier runs on the shared-memory counters.
+//! (socket names, tokens, agreements). Point-to-point messages go over a mesh of Unix-domain stream sockets set up
+//! through the bootstrap: each rank listens on a fresh abstract-namespace name (`anyccl-host-mesh-RANK-` and 128
+//! random bits: no file, so nothing is left behind whatever happens), and connects only to names of exactly that
+//! form, never to a path, whatever the bootstrap says. Both ends check the other's credentials (`SO_PEERCRED`): a
+//! process of another uid is refused before a byte is read from or written to it; a connecting peer then proves
+//! itself with a random token exchanged over the bootstrap. Incoming connections are accepted on a thread of their
+//! own while the rank connects to its lower peers, each with its own deadline (5 s to send its 40-byte hello), so a
+//! silent or dripping connection costs the real ranks nothing. Every setup phase (the mesh's connections, then its
+//! accepts; the segments' creation and sending, then their checks) ends with an agreement over the bootstrap: one
+//! rank's failure fails every rank at once, with that rank's reason.
 //!
 //! **Groups and sub-communicators.** A grouped send/receive ([`anyccl_core::Communicator::p2p`]) writes its sends on
 //! one thread per destination while the calling thread receives in the group's order, so a group completes
@@ -34,17 +41,20 @@
 //! [`Error::PeerFailure`] describing both calls, not each other's bytes. After a failed collective the
 //! communicator refuses every further collective (its peers see it failed too); make a new one.
 //!
-//! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of `/dev/shm` (reserved at
-//! setup, so a full `/dev/shm` is an error then, not a crash later; a container's 64 MiB `/dev/shm` holds 15 ranks
-//! at the default) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). A process killed during
-//! setup, between creating its segment and the barrier after which it unlinks it, leaves its private directory
-//! behind. A peer running as the same user could still crash its readers by truncating its own segment file
-//! (`SIGBUS`).
+//! **Limits.** Each rank uses one segment of `shm_capacity` bytes plus a 4 KiB header of shared memory (reserved at
+//! setup, so exhausted memory is an error then, not a crash later; it counts against the rank's memory cgroup, not
+//! against the size of `/dev/shm`) and at most 1 MiB of scratch memory (32 KiB per rank up to 32 ranks). Linux only
+//! (memfd, abstract sockets, peer credentials); the ranks must share a network namespace (abstract socket names
+//! are per network namespace), as `torchrun`'s ranks do.
+//!
+//! **Trust.** A process of the same uid that holds a segment's descriptor or mapping (through `/proc/PID/fd` or
+//! `map_files`, or by tracing a rank) can still write into it: a same-uid process can also signal, trace or rewrite
+//! the ranks themselves. What it writes into the headers is checked (an error naming the rank); what it writes
+//! into a data region becomes results. It can no longer truncate, grow or replace a segment.
 
 use std::io::{ErrorKind, Read, Write};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyccl_core::bootstrap::{all_gather_padded, checked_all_gather, Bootstrap, MAX_PADDED_PAYLOAD};
@@ -98,7 +108,7 @@ pub struct ProcessComm {
 
 /// A host communicator over `bootstrap`: every rank calls this collectively (the bootstrap then carries the
 /// setup only). `options.timeout` bounds the point-to-point setup, each receive and each wait for the peers in a
-/// collective; `options.shm_capacity` and `options.shm_dir` shape the shared-memory segments.
+/// collective; `options.shm_capacity` sizes the shared-memory segments.
 pub fn communicator_over(
     bootstrap: Box<dyn Bootstrap + Send>,
     options: HostOptions,
@@ -123,27 +133,6 @@ fn peer_failure(what: String) -> Error {
 
 fn io_error(what: &str, e: std::io::Error) -> Error {
     Error::PeerFailure(format!("{what}: {e}"))
-}
-
-/// A fresh private directory (mode 0700, random name starting with `prefix`) under `base`.
-pub(crate) fn private_dir(base: &Path, prefix: &str, rank: usize) -> Result<PathBuf> {
-    let mut name = [0u8; 8];
-    getrandom::fill(&mut name).map_err(|e| internal(format!("no randomness for a host directory name: {e}")))?;
-    let dir = base.join(format!("{prefix}{rank}-{:016x}", u64::from_le_bytes(name)));
-    std::fs::DirBuilder::new()
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| io_error(&format!("cannot create {}", dir.display()), e))?;
-    Ok(dir)
-}
-
-/// Removes the listening directory when setup ends, whatever happened (connections outlive the path).
-struct RemoveDir(PathBuf);
-
-impl Drop for RemoveDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 impl ProcessComm {
@@ -188,7 +177,7 @@ impl ProcessComm {
             .map(|p| p.as_ref().map(UnixStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| io_error("duplicating a point-to-point stream", e))?;
-        let cfg = ShmConfig { capacity: options.shm_capacity, dir: options.shm_dir.clone(), timeout };
+        let cfg = ShmConfig { capacity: options.shm_capacity, timeout };
         let shm = ShmGroup::new(boot, &cfg, liveness)?;
         tracing::debug!(rank, world, "host communicator over a bootstrap is up");
         let pending = vec![None; world];
@@ -351,78 +340,325 @@ fn finish_rounds(parent: &mut ProcessComm, ok: bool) -> Result<()> {
     }
 }
 
-/// Sets up the point-to-point mesh: rank `j` connects to every rank `i < j` and proves itself with `i`'s token.
-fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) -> Result<Vec<Option<UnixStream>>> {
-    let dir = RemoveDir(private_dir(&std::env::temp_dir(), "anyccl-host-", rank)?);
-    let path = dir.0.join("p2p.sock");
-    let listener =
-        UnixListener::bind(&path).map_err(|e| io_error(&format!("cannot listen on {}", path.display()), e))?;
-    let mut token = [0u8; TOKEN_LEN];
-    getrandom::fill(&mut token).map_err(|e| internal(format!("no randomness for the host mesh token: {e}")))?;
-    let path_bytes = path.as_os_str().as_encoded_bytes();
-    let mut mine = Vec::new();
-    mine.extend_from_slice(&token);
-    mine.extend_from_slice(path_bytes);
-    let all = checked_all_gather(boot, &mine)?;
-    let mut peers: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
-    for (i, entry) in all.iter().enumerate().take(rank) {
-        if entry.len() <= TOKEN_LEN || entry.len() > TOKEN_LEN + 4096 {
-            return Err(peer_failure(format!("rank {i} sent a malformed mesh address ({} bytes)", entry.len())));
+/// The abstract-namespace name of every mesh listener starts with this, followed by the rank, a dash and 32 hex
+/// digits; a rank connects to no other name (see [`mesh_name`]).
+const MESH_PREFIX: &str = "anyccl-host-mesh-";
+/// How long one incoming mesh connection may take to prove itself (a real rank sends its hello as soon as it is
+/// connected): a silent or dripping connection is closed then, and costs the others nothing meanwhile.
+const HELLO_LIMIT: Duration = Duration::from_secs(5);
+/// The most incoming mesh connections waiting to prove themselves at once; one more closes the oldest.
+const MAX_PENDING: usize = 64;
+/// How often the accepting thread looks whether setup was given up.
+const ACCEPT_TICK: Duration = Duration::from_millis(50);
+
+/// Every rank's `outcome` of one setup phase, agreed over `boot`: this rank's own error when it failed, else the
+/// first peer's reason (each rank sends at most 1 KiB of it), else this rank's value. Every rank takes part whatever
+/// its outcome, so a rank that fails makes every rank fail at once, with its reason, instead of leaving its peers to
+/// wait out their timeouts.
+pub(crate) fn agree<T>(boot: &mut dyn Bootstrap, what: &str, outcome: Result<T>) -> Result<T> {
+    let mine = match &outcome {
+        Ok(_) => vec![0u8],
+        Err(e) => {
+            let mut m = vec![1u8];
+            m.extend_from_slice(anyccl_core::text::sanitize_with_limit(&e.to_string(), 1024).as_bytes());
+            m
         }
-        let their_path = Path::new(
-            std::str::from_utf8(&entry[TOKEN_LEN..])
-                .map_err(|_| peer_failure(format!("rank {i} sent a mesh address that is not UTF-8")))?,
-        );
-        let mut s = UnixStream::connect(their_path)
-            .map_err(|e| io_error(&format!("rank {rank} cannot reach rank {i} at {}", their_path.display()), e))?;
+    };
+    let all = match (checked_all_gather(boot, &mine), outcome) {
+        (_, Err(e)) => return Err(e),
+        (Err(e), Ok(_)) => return Err(e),
+        (Ok(all), Ok(v)) => (all, v),
+    };
+    for (q, m) in all.0.iter().enumerate() {
+        if m.first() != Some(&0) {
+            let why = anyccl_core::text::sanitize_bytes(m.get(1..).unwrap_or(&[]), 1024);
+            return Err(peer_failure(format!("rank {q} could not set up {what}: {why}")));
+        }
+    }
+    Ok(all.1)
+}
+
+/// Fails unless the process at the other end of `s` runs as `uid` (its credentials as the kernel recorded them
+/// when it connected or listened).
+#[cfg(target_os = "linux")]
+fn check_peer_uid(s: &UnixStream, uid: u32) -> std::result::Result<(), String> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    let cred = getsockopt(s, PeerCredentials).map_err(|e| format!("cannot read its credentials: {e}"))?;
+    if cred.uid() != uid {
+        return Err(format!(
+            "its process (pid {}) runs as uid {}, not as this process's effective uid {uid}",
+            cred.pid(),
+            cred.uid()
+        ));
+    }
+    Ok(())
+}
+
+/// A listener on a fresh abstract-namespace name (`MESH_PREFIX`, the rank, 128 random bits): no file anywhere, so
+/// nothing is left behind whatever happens to the process.
+#[cfg(target_os = "linux")]
+fn listen(rank: usize) -> Result<(UnixListener, String)> {
+    use std::os::linux::net::SocketAddrExt;
+    let mut last = None;
+    for _ in 0..4 {
+        let mut r = [0u8; 16];
+        getrandom::fill(&mut r).map_err(|e| internal(format!("no randomness for a mesh socket name: {e}")))?;
+        let name = format!("{MESH_PREFIX}{rank}-{:032x}", u128::from_le_bytes(r));
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| io_error("a mesh socket name", e))?;
+        match UnixListener::bind_addr(&addr) {
+            Ok(l) => return Ok((l, name)),
+            Err(e) if e.kind() == ErrorKind::AddrInUse => last = Some(e),
+            Err(e) => return Err(io_error("cannot listen for point-to-point connections", e)),
+        }
+    }
+    let e = last.unwrap_or_else(|| std::io::Error::from(ErrorKind::AddrInUse));
+    Err(io_error("cannot listen for point-to-point connections", e))
+}
+
+#[cfg(not(target_os = "linux"))]
+fn listen(_rank: usize) -> Result<(UnixListener, String)> {
+    Err(Error::Unsupported {
+        capability: "host-processes".into(),
+        reason: anyccl_core::Reason::Unavailable {
+            component: "abstract Unix sockets".into(),
+            detail: "the host backend across processes needs Linux".into(),
+        },
+    })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn check_peer_uid(_s: &UnixStream, _uid: u32) -> std::result::Result<(), String> {
+    Err("peer credentials need Linux".to_owned())
+}
+
+/// Rank `i`'s mesh socket name from its setup entry (after the token), refused unless it is exactly
+/// `MESH_PREFIX`, `i`, a dash and 32 lowercase hex digits: a rank is never sent to any other socket.
+fn mesh_name(i: usize, name: &[u8]) -> Result<&str> {
+    let bad = || peer_failure(format!("rank {i} sent a mesh address that is not an anyccl mesh socket of rank {i}"));
+    let name = std::str::from_utf8(name).map_err(|_| bad())?;
+    let rest = name.strip_prefix(MESH_PREFIX).and_then(|r| r.strip_prefix(&format!("{i}-"))).ok_or_else(bad)?;
+    if rest.len() != 32 || !rest.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(bad());
+    }
+    Ok(name)
+}
+
+/// Connects to every rank below this one and proves this rank with that rank's token (the hello: this rank and the
+/// token); a listener that does not run as this uid is refused before anything is written to it.
+fn connect_lower(all: &[Vec<u8>], rank: usize, timeout: Duration, uid: u32) -> Result<Vec<Option<UnixStream>>> {
+    let mut peers: Vec<Option<UnixStream>> = (0..all.len()).map(|_| None).collect();
+    for (i, entry) in all.iter().enumerate().take(rank) {
+        let token = entry.get(1..=TOKEN_LEN).ok_or_else(|| internal(format!("rank {i}'s mesh entry is short")))?;
+        let name = mesh_name(i, entry.get(1 + TOKEN_LEN..).unwrap_or(&[]))?;
+        let s = connect_named(name).map_err(|e| io_error(&format!("rank {rank} cannot reach rank {i}"), e))?;
+        check_peer_uid(&s, uid).map_err(|why| peer_failure(format!("rank {i}'s mesh socket is refused: {why}")))?;
         s.set_write_timeout(Some(timeout)).map_err(|e| io_error("socket timeout", e))?;
         let mut hello = (rank as u64).to_le_bytes().to_vec();
-        hello.extend_from_slice(&entry[..TOKEN_LEN]);
-        s.write_all(&hello).map_err(|e| io_error(&format!("rank {rank} cannot greet rank {i}"), e))?;
+        hello.extend_from_slice(token);
+        (&s).write_all(&hello).map_err(|e| io_error(&format!("rank {rank} cannot greet rank {i}"), e))?;
         peers[i] = Some(s);
     }
-    // Accept the ranks above this one; their connections are already queued once they passed the all-gather, so
-    // the poll below only waits for a peer that died or stalls.
+    Ok(peers)
+}
+
+#[cfg(target_os = "linux")]
+fn connect_named(name: &str) -> std::io::Result<UnixStream> {
+    use std::os::linux::net::SocketAddrExt;
+    UnixStream::connect_addr(&std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn connect_named(_name: &str) -> std::io::Result<UnixStream> {
+    Err(std::io::Error::from(ErrorKind::Unsupported))
+}
+
+/// An incoming mesh connection that has not proved itself yet.
+struct Pending {
+    s: UnixStream,
+    hello: [u8; 8 + TOKEN_LEN],
+    got: usize,
+    /// When it is closed if its hello has not come.
+    by: Instant,
+}
+
+/// Accepts the ranks above this one, each proving itself with `token`, until all came, `timeout` passed, or `stop`
+/// is set. Connections from another uid are closed at once, unread; each other connection has [`HELLO_LIMIT`] of
+/// its own to send its hello, without holding up the others.
+fn accept_higher(
+    listener: &UnixListener,
+    token: &[u8; TOKEN_LEN],
+    (rank, world): (usize, usize),
+    timeout: Duration,
+    uid: u32,
+    stop: &std::sync::atomic::AtomicBool,
+) -> Result<Vec<(usize, UnixStream)>> {
     listener.set_nonblocking(true).map_err(|e| io_error("socket mode", e))?;
-    let deadline = Instant::now() + timeout;
-    let mut left = world - 1 - rank;
-    while left > 0 {
-        match listener.accept() {
-            Ok((mut s, _)) => {
-                s.set_nonblocking(false).map_err(|e| io_error("socket mode", e))?;
-                s.set_read_timeout(Some(timeout)).map_err(|e| io_error("socket timeout", e))?;
-                s.set_write_timeout(Some(timeout)).map_err(|e| io_error("socket timeout", e))?;
-                let mut hello = [0u8; 8 + TOKEN_LEN];
-                if s.read_exact(&mut hello).is_err() || hello[8..] != token {
-                    tracing::warn!(rank, "refused a mesh connection without this rank's token");
+    let start = Instant::now();
+    // A timeout too long for the clock is no deadline at all (a day is as good as forever here).
+    let deadline =
+        start.checked_add(timeout).or_else(|| start.checked_add(Duration::from_secs(86_400))).unwrap_or(start);
+    let mut came: Vec<(usize, UnixStream)> = Vec::new();
+    let mut pending: std::collections::VecDeque<Pending> = std::collections::VecDeque::new();
+    let want = world - 1 - rank;
+    while came.len() < want {
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(peer_failure("the point-to-point setup was given up".to_owned()));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<String> =
+                (rank + 1..world).filter(|j| came.iter().all(|(c, _)| c != j)).map(|j| j.to_string()).collect();
+            return Err(Error::Timeout {
+                what: format!("rank {rank}'s point-to-point connections from rank(s) {}", missing.join(", ")),
+                after: timeout,
+            });
+        }
+        loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    if let Err(why) = check_peer_uid(&s, uid) {
+                        tracing::warn!(rank, "closed a mesh connection at once: {why}");
+                        continue;
+                    }
+                    s.set_nonblocking(true).map_err(|e| io_error("socket mode", e))?;
+                    if pending.len() >= MAX_PENDING {
+                        pending.pop_front();
+                        tracing::warn!(rank, "closed the oldest of {MAX_PENDING} mesh connections still silent");
+                    }
+                    let by = now.checked_add(HELLO_LIMIT.min(timeout)).unwrap_or(now);
+                    pending.push_back(Pending { s, hello: [0; 8 + TOKEN_LEN], got: 0, by });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(io_error("accepting a mesh connection", e)),
+            }
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let read = (&p.s).read(&mut p.hello[p.got..]);
+            match read {
+                Ok(0) => {
+                    pending.remove(i);
                     continue;
                 }
-                let mut who = [0u8; 8];
-                who.copy_from_slice(&hello[..8]);
-                let j = usize::try_from(u64::from_le_bytes(who)).unwrap_or(usize::MAX);
-                if j <= rank || j >= world || peers[j].is_some() {
-                    return Err(peer_failure(format!("a mesh peer with the right token claimed rank {j}")));
+                Ok(k) => {
+                    p.got += k;
+                    if p.got == p.hello.len() {
+                        if let Some(p) = pending.remove(i) {
+                            if let Some(j) = proved(&p.hello, token, rank, world, &came)? {
+                                p.s.set_nonblocking(false).map_err(|e| io_error("socket mode", e))?;
+                                came.push((j, p.s));
+                            }
+                        }
+                        continue;
+                    }
                 }
-                peers[j] = Some(s);
-                left -= 1;
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        what: format!("rank {rank}'s point-to-point connections from {left} higher ranks"),
-                        after: timeout,
-                    });
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                    if now >= p.by {
+                        tracing::warn!(
+                            rank,
+                            "closed a mesh connection that sent {} of its hello in {HELLO_LIMIT:?}",
+                            p.got
+                        );
+                        pending.remove(i);
+                        continue;
+                    }
                 }
-                // std's listener has no accept with a deadline: poll it.
-                std::thread::sleep(Duration::from_millis(2));
+                Err(_) => {
+                    pending.remove(i);
+                    continue;
+                }
             }
-            Err(e) => return Err(io_error("accepting a mesh connection", e)),
+            i += 1;
         }
+        if came.len() == want {
+            break;
+        }
+        let wake = pending.iter().map(|p| p.by).fold(deadline.min(now + ACCEPT_TICK), Instant::min);
+        let left = wake.saturating_duration_since(Instant::now());
+        let t = rustix::event::Timespec { tv_sec: left.as_secs() as _, tv_nsec: left.subsec_nanos() as _ };
+        let mut fds: Vec<rustix::event::PollFd<'_>> = std::iter::once(listener.as_fd())
+            .chain(pending.iter().map(|p| p.s.as_fd()))
+            .map(|fd| rustix::event::PollFd::from_borrowed_fd(fd, rustix::event::PollFlags::IN))
+            .collect();
+        // An error (EINTR) only means looking again.
+        let _ = rustix::event::poll(&mut fds, Some(&t));
+    }
+    Ok(came)
+}
+
+/// The rank a complete hello proves (`None`: not this rank's token, the connection is closed and logged); a rank
+/// holding the token that claims an impossible or taken rank is an error.
+fn proved(
+    hello: &[u8; 8 + TOKEN_LEN],
+    token: &[u8; TOKEN_LEN],
+    rank: usize,
+    world: usize,
+    came: &[(usize, UnixStream)],
+) -> Result<Option<usize>> {
+    if hello[8..] != token[..] {
+        tracing::warn!(rank, "closed a mesh connection without this rank's token");
+        return Ok(None);
+    }
+    let mut who = [0u8; 8];
+    who.copy_from_slice(&hello[..8]);
+    let j = usize::try_from(u64::from_le_bytes(who)).unwrap_or(usize::MAX);
+    if j <= rank || j >= world || came.iter().any(|(c, _)| *c == j) {
+        return Err(peer_failure(format!("a mesh peer with the right token claimed rank {j}")));
+    }
+    Ok(Some(j))
+}
+
+/// Sets up the point-to-point mesh: every rank listens on an abstract socket, rank `j` connects to every rank
+/// `i < j` and proves itself with `i`'s token while `i` accepts on a thread of its own. Each phase ends with an
+/// agreement over `boot` ([`agree`]), so one rank's failure fails every rank at once with its reason.
+fn mesh(boot: &mut dyn Bootstrap, rank: usize, world: usize, timeout: Duration) -> Result<Vec<Option<UnixStream>>> {
+    let uid = rustix::process::geteuid().as_raw();
+    let mut token = [0u8; TOKEN_LEN];
+    getrandom::fill(&mut token).map_err(|e| internal(format!("no randomness for the host mesh token: {e}")))?;
+    let listening = listen(rank);
+    let mine = match &listening {
+        Ok((_, name)) => [&[0u8][..], &token, name.as_bytes()].concat(),
+        Err(e) => [&[1u8][..], anyccl_core::text::sanitize_with_limit(&e.to_string(), 1024).as_bytes()].concat(),
+    };
+    let all = checked_all_gather(boot, &mine);
+    let (listener, _) = listening?;
+    let all = all?;
+    for (q, entry) in all.iter().enumerate() {
+        match entry.split_first() {
+            Some((0, rest)) if rest.len() > TOKEN_LEN && rest.len() <= TOKEN_LEN + 256 => {}
+            Some((1, why)) => {
+                let why = anyccl_core::text::sanitize_bytes(why, 1024);
+                return Err(peer_failure(format!("rank {q} could not set up its point-to-point socket: {why}")));
+            }
+            _ => return Err(peer_failure(format!("rank {q} sent a malformed mesh address ({} bytes)", entry.len()))),
+        }
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (connected, accepted) = std::thread::scope(|sc| {
+        let acceptor = std::thread::Builder::new()
+            .name(format!("anyccl-host-accept-{rank}"))
+            .spawn_scoped(sc, || accept_higher(&listener, &token, (rank, world), timeout, uid, &stop));
+        let connected = connect_lower(&all, rank, timeout, uid);
+        let connected = agree(boot, "its point-to-point connections", connected);
+        if connected.is_err() {
+            stop.store(true, std::sync::atomic::Ordering::Release);
+        }
+        let accepted = acceptor
+            .map_err(|e| internal(format!("cannot start the mesh's accepting thread: {e}")))
+            .and_then(|h| h.join().unwrap_or_else(|_| Err(internal("the mesh's accepting thread panicked".into()))));
+        (connected, accepted)
+    });
+    let mut peers = connected?;
+    for (j, s) in agree(boot, "its point-to-point connections", accepted)? {
+        peers[j] = Some(s);
     }
     for s in peers.iter().flatten() {
         s.set_read_timeout(Some(timeout)).map_err(|e| io_error("socket timeout", e))?;
+        s.set_write_timeout(Some(timeout)).map_err(|e| io_error("socket timeout", e))?;
     }
-    boot.barrier()?;
     Ok(peers)
 }
 
@@ -647,7 +883,7 @@ impl CommBackend for ProcessComm {
     }
 
     /// The ranks exchange (color, key) over this communicator's shared memory, then every color's new
-    /// communicator is set up side by side over the parent's collectives ([`Lockstep`]): no new rendezvous.
+    /// communicator is set up side by side over the parent's collectives (`Lockstep`): no new rendezvous.
     fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
         let all = self.exchange_bytes(&split_entry(color, key))?;
         let entries = all.iter().enumerate().map(|(q, e)| parse_split_entry(q, e)).collect::<Result<Vec<_>>>()?;
