@@ -545,7 +545,7 @@ mod tests {
             }
         }
         let val = |r: usize, i: usize| ((i * 7 + r * 13) % 23) as f32 * 0.37 - 3.1 + r as f32 * 1e-3;
-        check(|r, i| val(r, i));
+        check(val);
         check(|r, i| f64::from(val(r, i)));
         check(|r, i| f16::from_f32(val(r, i)));
         check(|r, i| bf16::from_f32(val(r, i)));
