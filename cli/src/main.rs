@@ -105,7 +105,7 @@ struct BenchArgs {
           value_parser = clap::value_parser!(u64).range(2..=crate::bench::MAX_STEP_FACTOR))]
     stepfactor: Option<u64>,
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
-    /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
+    /// two-shot, ring (--per-rank: one-shot, two-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
     /// nvls-warp-pipeline, nvls-block-pipeline, one-shot-push, two-shot-push; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
     /// cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]

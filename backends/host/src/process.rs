@@ -9,7 +9,10 @@
 //! at most [`HostOptions::shm_capacity`] bytes (4 MiB by default): each rank copies its chunk into its own segment
 //! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
 //! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
-//! identical results, equal to the threaded host backend's (the same reduction kernels). Message sizes are
+//! identical results, equal to the threaded host backend's (the same reduction kernels). That is the one-shot
+//! all-reduce; the two-shot one (the selector's choice from 8 KiB on) has each rank reduce only its own part of
+//! each chunk, in the same order, publish the result in the second half of its segment and copy the peers' parts
+//! from theirs, so each rank reduces 1/N of the data instead of all of it. Message sizes are
 //! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
 //! (paths, tokens, the point-to-point addresses). Point-to-point messages go over a mesh of Unix-domain stream
 //! sockets set up through the bootstrap: each rank listens in a fresh private directory (mode 0700), and a
