@@ -48,6 +48,9 @@ pub(crate) trait Reducible: Pod {
             *d = s.load();
         }
     }
+    /// Whether [`Reducible::load`] is cheap and branch-free, so that the kernels convert inside the fold loop
+    /// (one pass) instead of converting a block first (bf16: a shift).
+    const LOAD_IN_FOLD: bool = false;
     /// `dst[i] = store(src[i])` over the shorter of the two; bitwise that of [`Reducible::store`].
     #[inline(always)]
     fn store_slice(src: &[Self::Acc], dst: &mut [Self]) {
@@ -153,7 +156,8 @@ float_reducible!(f16, f32, f16::to_f32, f16::from_f32, {
 });
 // bf16: `half` converts slices of bf16 one element at a time through a branchy function; these branch-free forms
 // of the same bit operations vectorise (the tests compare them with `half`'s bit for bit).
-float_reducible!(bf16, f32, bf16::to_f32, bf16::from_f32, {
+float_reducible!(bf16, f32, |x: bf16| bf16_bits_to_f32(x.to_bits()), bf16::from_f32, {
+    const LOAD_IN_FOLD: bool = true;
     #[inline(always)]
     fn load_slice(src: &[bf16], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
@@ -331,6 +335,25 @@ fn fold<T: Reducible>(acc: &mut [T::Acc], x: &[T::Acc], op: Op) {
     }
 }
 
+/// `acc[i] = combine(acc[i], load(x[i]))`, converting inside the loop (for types with a cheap
+/// [`Reducible::load`]).
+#[inline(always)]
+fn fold_loading<T: Reducible>(acc: &mut [T::Acc], x: &[T], op: Op) {
+    #[inline(always)]
+    fn each<T: Reducible>(acc: &mut [T::Acc], x: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc) {
+        for (a, b) in acc.iter_mut().zip(x) {
+            *a = f(*a, b.load());
+        }
+    }
+    match op {
+        Op::Sum => each(acc, x, |a, b| T::combine(a, b, Op::Sum)),
+        Op::Prod => each(acc, x, |a, b| T::combine(a, b, Op::Prod)),
+        Op::Min => each(acc, x, |a, b| T::combine(a, b, Op::Min)),
+        Op::Max => each(acc, x, |a, b| T::combine(a, b, Op::Max)),
+        Op::Avg => each(acc, x, |a, b| T::combine(a, b, Op::Avg)),
+    }
+}
+
 /// `x[i] = combine(acc[i], x[i])` (the accumulator on the left, as in [`fold`]).
 #[inline]
 fn fold_into<T: Reducible>(acc: &[T::Acc], x: &mut [T::Acc], op: Op) {
@@ -438,8 +461,12 @@ fn reduce_into_any<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: 
         let (acc, tmp) = (&mut acc[..len], &mut tmp[..len]);
         T::load_slice(&first[start..start + len], acc);
         for inp in rest {
-            T::load_slice(&inp[start..start + len], tmp);
-            fold::<T>(acc, tmp, op);
+            if T::LOAD_IN_FOLD {
+                fold_loading::<T>(acc, &inp[start..start + len], op);
+            } else {
+                T::load_slice(&inp[start..start + len], tmp);
+                fold::<T>(acc, tmp, op);
+            }
         }
         finish_all::<T>(acc, op, world);
         T::store_slice(acc, &mut out[start..start + len]);
