@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Open MPI's MPI_Allreduce and anyccl's host backend (threads, and one process per rank) side by side, measured the
-# same way in one run: f32 sum; each timed call between two barriers (barrier, all-reduce, barrier); the median of
-# ITERS timed calls after WARMUP untimed ones; processes report the average of the ranks' medians, threads rank 0's.
+# same way in one run: sum; each timed call between two barriers (barrier, all-reduce, barrier); the median of the
+# timed calls after untimed warm-up ones; processes report the average of the ranks' medians, threads rank 0's;
+# anyccl's cells are the selector's choice ("auto"), out of place. anyccl runs f32 and bf16; Open MPI has no bf16,
+# so its f32 time is the reference for both (the ratio columns divide by it). `#wrong` adds up the elements that
+# differ from the exact result in every cell of the row (Open MPI's own check included): it must stay 0.
 #
 # Usage: scripts/host_vs_mpi.sh [WORLDS] [SIZES] [ITERS]
-#   WORLDS  space-separated world sizes           (default "2 4 8")
+#   WORLDS  space-separated world sizes           (default "2 4 8"; above the core count the ranks oversubscribe)
 #   SIZES   comma-separated sizes, KiB/MiB suffix (default 4KiB,64KiB,1MiB,16MiB,64MiB)
-#   ITERS   timed calls per cell                  (default 200)
-# Environment: ANYCCL_BIN (an anyccl binary to use instead of building one), WARMUP (default 20),
-#   PORT (the first rendezvous port for the per-rank runs, default 29600).
+#   ITERS   timed calls per cell up to 64 KiB     (default 200); larger sizes get ITERS * 64 KiB / size, at least 5
+# Environment: ANYCCL_BIN (an anyccl binary to use instead of building one), WARMUP (default 20; larger sizes get a
+#   fifth of their timed calls, at least 1), PORT (the first rendezvous port for the per-rank runs, default 29600),
+#   DTYPES (anyccl's element types, default "f32 bf16").
 #
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) with apt-get when mpicc is missing. Running as root needs
 # --allow-run-as-root; worlds larger than the core count need --oversubscribe (both are passed).
@@ -19,6 +23,7 @@ SIZES=${2:-4KiB,64KiB,1MiB,16MiB,64MiB}
 ITERS=${3:-200}
 WARMUP=${WARMUP:-20}
 PORT=${PORT:-29600}
+DTYPES=${DTYPES:-"f32 bf16"}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -111,35 +116,74 @@ cells() {
 import json, sys
 d = json.load(sys.stdin)
 for r in d["rows"]:
-    a = r["auto"]
+    a = r["auto"]  # out of place (the in-place cells are under r["in_place"])
     print(r["bytes"], "%.2f" % a["median_us"], a.get("wrong") or 0)
 '
 }
 
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
-declare -A MPI THREADS PROCS
-for w in $WORLDS; do
-    while read -r b us wrong; do MPI[$w,$b]="$us ($wrong wrong)"; done < <("${MPIRUN[@]}" -np "$w" "$WORK/allreduce" "$ITERS" "$WARMUP" $BYTES)
-    while read -r b us wrong; do THREADS[$w,$b]="$us ($wrong wrong)"; done < <("$ANYCCL" bench --backend host --world "$w" --dtype f32 --sizes "$SIZES" --iters "$ITERS" --warmup "$WARMUP" --json | cells)
-    port=$((PORT + 2 * w))
-    pids=()
-    for ((r = 0; r < w; r++)); do
-        RANK=$r LOCAL_RANK=$r WORLD_SIZE=$w LOCAL_WORLD_SIZE=$w MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-            "$ANYCCL" bench --backend host --per-rank --dtype f32 --sizes "$SIZES" --iters "$ITERS" --warmup "$WARMUP" \
-            --json > "$WORK/rank$r.json" &
-        pids+=($!)
-    done
-    for p in "${pids[@]}"; do wait "$p"; done
-    while read -r b us wrong; do PROCS[$w,$b]="$us ($wrong wrong)"; done < <(cells < "$WORK/rank0.json")
-done
+# Timed calls and warm-up calls for a size.
+iters_for() { local b=$1 n; n=$((ITERS * 65536 / b)); ((n > ITERS)) && n=$ITERS; ((n < 5)) && n=5; echo "$n"; }
+warmup_for() { local n=$1 w; w=$((n / 5)); ((w > WARMUP)) && w=$WARMUP; ((w < 1)) && w=1; echo "$w"; }
 
-echo "f32 sum, median of $ITERS calls after $WARMUP warm-up, each between two barriers; µs (#wrong)"
-echo "machine: $(nproc) cores, $(uname -m), $(mpirun --version 2>/dev/null | head -1)"
-echo
-echo "| world | size | Open MPI | anyccl processes (--per-rank) | anyccl threads |"
-echo "| ---: | ---: | ---: | ---: | ---: |"
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe)
+declare -A CELL WRONG
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+port=$PORT
 for w in $WORLDS; do
     for b in $BYTES; do
-        echo "| $w | $(numfmt --to=iec-i --suffix=B "$b") | ${MPI[$w,$b]:--} | ${PROCS[$w,$b]:--} | ${THREADS[$w,$b]:--} |"
+        n=$(iters_for "$b")
+        wu=$(warmup_for "$n")
+        echo "world $w, $b bytes: $n calls" >&2
+        read -r _ us wrong < <("${MPIRUN[@]}" -np "$w" "$WORK/allreduce" "$n" "$wu" "$b")
+        CELL[$w,$b,mpi]=$us
+        WRONG[$w,$b]=$wrong
+        for dt in $DTYPES; do
+            read -r _ us wrong < <("$ANYCCL" bench --backend host --world "$w" --dtype "$dt" --sizes "$b" \
+                --algos two-shot --iters "$n" --warmup "$wu" --json | cells)
+            CELL[$w,$b,threads,$dt]=$us
+            WRONG[$w,$b]=$((WRONG[$w,$b] + wrong))
+            port=$((port + 1))
+            pids=()
+            for ((r = 0; r < w; r++)); do
+                RANK=$r LOCAL_RANK=$r WORLD_SIZE=$w LOCAL_WORLD_SIZE=$w MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+                    "$ANYCCL" bench --backend host --per-rank --dtype "$dt" --sizes "$b" --algos two-shot \
+                    --iters "$n" --warmup "$wu" --json > "$WORK/rank$r.json" &
+                pids+=($!)
+            done
+            for p in "${pids[@]}"; do wait "$p"; done
+            read -r _ us wrong < <(cells < "$WORK/rank0.json")
+            CELL[$w,$b,procs,$dt]=$us
+            WRONG[$w,$b]=$((WRONG[$w,$b] + wrong))
+        done
+    done
+done
+LOAD_END=$(cut -d' ' -f1-3 /proc/loadavg)
+
+# "µs (ratio×)" against Open MPI's f32 median.
+cell() {
+    python3 -c 'import sys; v, m = float(sys.argv[1]), float(sys.argv[2]); print("%s (%.2fx)" % (sys.argv[1], v / m))' "$1" "$2"
+}
+
+echo "sum; median of the timed calls (ITERS=$ITERS up to 64 KiB, fewer above), each between two barriers; µs, and in"
+echo "brackets the ratio to Open MPI's f32 median (below 1: anyccl faster); anyccl: the selector's choice, out of place"
+echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')), $(uname -m), $(mpirun --version 2>/dev/null | head -1)"
+echo "load average (1, 5, 15 min): $LOAD_START at the start, $LOAD_END at the end"
+echo
+hdr="| world | size | Open MPI f32"
+sep="| ---: | ---: | ---:"
+for dt in $DTYPES; do
+    hdr+=" | processes $dt | threads $dt"
+    sep+=" | ---: | ---:"
+done
+echo "$hdr | #wrong |"
+echo "$sep | ---: |"
+for w in $WORLDS; do
+    for b in $BYTES; do
+        m=${CELL[$w,$b,mpi]}
+        row="| $w | $(numfmt --to=iec-i --suffix=B "$b") | $m"
+        for dt in $DTYPES; do
+            row+=" | $(cell "${CELL[$w,$b,procs,$dt]}" "$m") | $(cell "${CELL[$w,$b,threads,$dt]}" "$m")"
+        done
+        echo "$row | ${WRONG[$w,$b]} |"
     done
 done

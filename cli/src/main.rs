@@ -105,7 +105,7 @@ struct BenchArgs {
           value_parser = clap::value_parser!(u64).range(2..=crate::bench::MAX_STEP_FACTOR))]
     stepfactor: Option<u64>,
     /// Algorithms to measure, comma-separated. Default: every one the backend implements: host: one-shot,
-    /// two-shot, ring (--per-rank: one-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
+    /// two-shot, ring (--per-rank: one-shot, two-shot); cuda: ccl, ccl-symmetric, one-shot, two-shot, nvls-zero-copy,
     /// nvls-warp-pipeline, nvls-block-pipeline, one-shot-push, two-shot-push; rocm: ccl, ccl-symmetric, one-shot, two-shot (those the machine
     /// cannot run are listed with the reason).
     #[arg(long, value_delimiter = ',', value_parser = parse_algo)]
@@ -144,8 +144,8 @@ struct BenchArgs {
     /// One process per rank, started by torchrun or srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     /// MASTER_PORT; ANYCCL_RENDEZVOUS_KEY off loopback): every process measures its rank, rank 0 prints the
     /// report with each cell's spread over the ranks (min/avg/max), and every rank exits non-zero if any result
-    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot); rocm: not yet
-    /// (one process drives every GPU).
+    /// is wrong. cuda: one GPU per process (LOCAL_RANK); host: the ranks share memory (one-shot and two-shot);
+    /// rocm: not yet (one process drives every GPU).
     #[arg(long)]
     per_rank: bool,
     /// Measure a fused call instead of the all-reduce: `rmsnorm` (all-reduce + residual add + RMSNorm, f16 or bf16)

@@ -680,7 +680,7 @@ fn per_rank_bench_aggregates_over_processes() {
         (v["schema"].as_u64(), v["launch"].as_str(), v["world"].as_u64()),
         (Some(2), Some("processes"), Some(3))
     );
-    assert_eq!(v["algorithms"], serde_json::json!(["one-shot"]), "the host backend across processes");
+    assert_eq!(v["algorithms"], serde_json::json!(["one-shot", "two-shot"]), "the host backend across processes");
     assert_eq!(v["wrong"], 0);
     let ranks = v["ranks"].as_array().expect("ranks");
     let pids: std::collections::BTreeSet<u64> = ranks.iter().filter_map(|k| k["pid"].as_u64()).collect();

@@ -231,7 +231,7 @@ def test_one_rank_keeps_its_data_and_reports_itself() -> None:
         caps = comm.capabilities()
         assert caps["backend"] == "host" and caps["world_size"] == 1 and caps["library"] is None
         assert caps["capabilities"][0]["name"] == "host-backend" and caps["capabilities"][0]["enabled"]
-        assert caps["allreduce_algorithms"] == ["one-shot"]
+        assert caps["allreduce_algorithms"] == ["one-shot", "two-shot"]
         sel = comm.select_all_reduce(1024, "bf16")
         assert sel["algorithm"] and sel["why"]
         assert comm.should_all_reduce(np.zeros(4, dtype=np.float32))

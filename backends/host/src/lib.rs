@@ -68,7 +68,6 @@ use anyccl_core::{
     Algorithm, Capabilities, CapabilityReport, CommBackend, Communicator, DataType, Element, Error, InOut,
     InvalidArgument, Location, MemoryRuntime, Reason, Result, Selector, Vendor,
 };
-use bytemuck::Zeroable;
 
 use crate::reduce::{cast, cast_mut, combine_acc, load_acc, reduce_into, resolve, store_acc, with_type, Op, Reducible};
 use crate::shm::{thread_headers, Desc, Kind, ShmGroup, ThreadHeader};
@@ -449,6 +448,9 @@ pub struct HostComm {
     /// This rank's place in the group's steps: every collective is a few steps, each published with a descriptor
     /// of the call that every rank checks against its own.
     steps: ShmGroup,
+    /// The ring's accumulators, kept from call to call: a fresh allocation per call cost a page fault per 4 KiB
+    /// touched, which made the ring several times slower from 1 MiB on.
+    scratch: Vec<u128>,
     runtime: HostRuntime,
     timeout: Duration,
 }
@@ -456,7 +458,7 @@ pub struct HostComm {
 impl HostComm {
     fn new(rank: usize, shared: Arc<Shared>, timeout: Duration) -> Result<HostComm> {
         let steps = ShmGroup::in_process(rank, &shared.headers, timeout)?;
-        Ok(HostComm { rank, shared, steps, runtime: HostRuntime, timeout })
+        Ok(HostComm { rank, shared, steps, scratch: Vec::new(), runtime: HostRuntime, timeout })
     }
 }
 
@@ -522,8 +524,8 @@ impl HostComm {
     /// Runs one collective as `what`: refused once this rank stopped after a failure; a failure inside it stops
     /// this rank (its peers see that at their next step).
     fn run<R>(&mut self, what: &str, f: impl FnOnce(&mut Call<'_>) -> Result<R>) -> Result<R> {
-        let (rank, shared) = (self.rank, &*self.shared);
-        self.steps.run(|steps| f(&mut Call { rank, world: shared.world, shared, steps })).map_err(|e| {
+        let (rank, shared, scratch) = (self.rank, &*self.shared, &mut self.scratch);
+        self.steps.run(|steps| f(&mut Call { rank, world: shared.world, shared, steps, scratch })).map_err(|e| {
             tracing::warn!(rank, "host {what} failed: {e}");
             e
         })
@@ -536,6 +538,8 @@ struct Call<'a> {
     world: usize,
     shared: &'a Shared,
     steps: &'a mut ShmGroup,
+    /// This rank's scratch memory (the ring's accumulators), grown on demand and kept.
+    scratch: &'a mut Vec<u128>,
 }
 
 impl Call<'_> {
@@ -599,6 +603,23 @@ impl Call<'_> {
     /// Ring reduce-scatter then ring all-gather: step `k` publishes into staging buffer `k % 2` and reads the
     /// predecessor's.
     fn ring<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
+        // Taken out of `self` while the steps borrow it, and kept for the next call (lost only with a failed call,
+        // after which the communicator refuses further collectives anyway).
+        let mut scratch = std::mem::take(&mut *self.scratch);
+        let r = self.ring_in::<T>(&mut scratch, desc, input, buf, op);
+        *self.scratch = scratch;
+        r
+    }
+
+    /// [`Call::ring`] with its accumulators in `scratch`.
+    fn ring_in<T: Reducible>(
+        &mut self,
+        scratch: &mut Vec<u128>,
+        desc: Desc,
+        input: Option<&[u8]>,
+        buf: &mut [u8],
+        op: Op,
+    ) -> Result<()> {
         if let Some(src) = input {
             buf.copy_from_slice(src);
         }
@@ -609,8 +630,18 @@ impl Call<'_> {
         let count = buf.len() / esz;
         let pred = (rank + world - 1) % world;
         let max_chunk = count.div_ceil(world);
-        let mut acc = try_filled(max_chunk, T::Acc::zeroed(), "the ring's accumulator")?;
-        let mut next = try_filled(max_chunk, T::Acc::zeroed(), "the ring's accumulator")?;
+        // Two accumulator arrays of `max_chunk` each, out of the kept scratch memory (16-byte words: aligned for
+        // every accumulator type).
+        let acc_bytes = max_chunk * asz;
+        let words = (2 * acc_bytes).div_ceil(16);
+        if scratch.len() < words {
+            let more = words - scratch.len();
+            scratch.try_reserve_exact(more).map_err(|_| out_of_memory::<u128>(words, "the ring's accumulators"))?;
+            scratch.resize(words, 0);
+        }
+        let (acc, next) = bytemuck::cast_slice_mut::<u128, u8>(&mut scratch[..words]).split_at_mut(acc_bytes);
+        let mut acc = cast_mut::<T::Acc>(acc)?;
+        let mut next = cast_mut::<T::Acc>(&mut next[..acc_bytes])?;
 
         let (s0, e0) = chunk(count, world, rank);
         load_acc::<T>(&cast::<T>(buf)?[s0..e0], &mut acc[..e0 - s0]);
@@ -638,8 +669,7 @@ impl Call<'_> {
         for t in 1..world {
             k += 1;
             let (hs, he) = chunk(count, world, held);
-            let out = try_copy(&buf[hs * esz..he * esz], "the ring's outgoing chunk")?;
-            self.exchange(desc.chunk(k), k % 2, &out)?;
+            self.exchange(desc.chunk(k), k % 2, &buf[hs * esz..he * esz])?;
             let c = (rank + world + 1 - t) % world;
             let (cs, ce) = chunk(count, world, c);
             {

@@ -10,7 +10,10 @@
 //! at most [`HostOptions::shm_capacity`] bytes (4 MiB by default): each rank copies its chunk into its own segment
 //! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
 //! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
-//! identical results, equal to the threaded host backend's (the same reduction kernels). Message sizes are
+//! identical results, equal to the threaded host backend's (the same reduction kernels). That is the one-shot
+//! all-reduce; the two-shot one (the selector's choice from 8 KiB on) has each rank reduce only its own part of
+//! each chunk, in the same order, publish the result in the second half of its segment and copy the peers' parts
+//! from theirs, so each rank reduces 1/N of the data instead of all of it. Message sizes are
 //! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
 //! (socket names, tokens, agreements). Point-to-point messages go over a mesh of Unix-domain stream sockets set up
 //! through the bootstrap: each rank listens on a fresh abstract-namespace name (`anyccl-host-mesh-RANK-` and 128
@@ -72,9 +75,12 @@ use crate::{
     host_capabilities, parse_split_entry, split_entry, split_io, split_members, HostBuffer, HostOptions, HostRuntime,
 };
 
-/// The all-reduce algorithm of the process backend: every rank reads every rank's chunk from shared memory and
-/// reduces it locally.
-pub const PROCESS_ALGORITHMS: [Algorithm; 1] = [Algorithm::OneShot];
+/// The all-reduce algorithms of the process backend. One-shot: every rank reads every rank's chunk from shared
+/// memory and reduces all of it. Two-shot: every rank reduces its own part of each chunk (reading the peers'
+/// contributions where they lie in shared memory), publishes the result beside its contribution, and copies the
+/// peers' reduced parts. Both visit the ranks in the same fixed order per element, so their results are bitwise
+/// equal, and equal to the threaded backend's.
+pub const PROCESS_ALGORITHMS: [Algorithm; 2] = [Algorithm::OneShot, Algorithm::TwoShot];
 
 /// The most scratch memory per peer that a reduction copies a peer's data into before reducing it.
 const SCRATCH_BYTES: usize = 32 << 10;
@@ -709,20 +715,32 @@ impl CommBackend for ProcessComm {
         if PROCESS_ALGORITHMS.contains(&algorithm) {
             Ok(())
         } else {
-            Err("the host backend across processes runs one-shot only".to_owned())
+            Err("the host backend across processes runs one-shot and two-shot only".to_owned())
         }
     }
 
     fn all_reduce(&mut self, args: AllReduceArgs<'_, Self>) -> Result<()> {
-        let (dtype, bytes) = (args.dtype(), args.bytes());
+        let (dtype, bytes, args_algorithm) = (args.dtype(), args.bytes(), args.algorithm());
+        if !PROCESS_ALGORITHMS.contains(&args_algorithm) {
+            return Err(Error::AlgorithmNotEligible {
+                algorithm: args_algorithm,
+                why: "not implemented by the host backend across processes".into(),
+            });
+        }
         let op = args.reduction();
         let (input, buf) = split_io(args.into_bufs());
         let input = input.map(|i| &i[..bytes]);
         let buf = &mut buf[..bytes];
-        let desc = Desc::new(Kind::AllReduce, bytes, 0).reduction(dtype, op);
+        let algorithm = args_algorithm;
+        let desc = Desc::new(Kind::AllReduce, bytes, 0).reduction(dtype, op).algorithm(algorithm);
         let (rank, scratch) = (self.rank, &mut self.scratch);
         self.shm
-            .run(|shm| with_type!(dtype, T => reduce_steps::<T>(shm, scratch, desc, input, buf, op, true)))
+            .run(|shm| {
+                with_type!(dtype, T => match algorithm {
+                    Algorithm::TwoShot => two_shot_steps::<T>(shm, scratch, desc, input, buf, op),
+                    _ => reduce_steps::<T>(shm, scratch, desc, input, buf, op, true),
+                })
+            })
             .map_err(|e| at(rank, "all-reduce", e))
     }
 
@@ -979,6 +997,51 @@ fn reduce_steps<T: Reducible>(
         shm.exchange(desc.chunk(k), |w| w.put(0, mine))?;
         if reduce_here {
             reduce_chunk::<T>(shm, scratch, input, buf, Placement { own: o, out: o, peer: 0, len }, op)?;
+        }
+        shm.done()?;
+    }
+    Ok(())
+}
+
+/// Two-shot all-reduce in chunks of half the segment: each rank publishes its chunk in the first half, reduces its
+/// own part of it (every rank's contribution, read in shared memory) into `buf` and into the same place of the
+/// second half, then, one step later, copies every peer's reduced part from the peer's second half. A rank's part
+/// of a chunk is a run of whole 64-byte blocks (so every offset suits every element type and the word copies),
+/// the last rank's possibly shorter and trailing parts of a short chunk empty.
+fn two_shot_steps<T: Reducible>(
+    shm: &mut ShmGroup,
+    scratch: &mut [HostBuffer],
+    desc: Desc,
+    input: Option<&[u8]>,
+    buf: &mut [u8],
+    op: Op,
+) -> Result<()> {
+    let (bytes, world, rank) = (buf.len(), scratch.len(), shm.rank());
+    let half = (shm.capacity() / 2) & !63;
+    if half == 0 {
+        return Err(internal(format!("a {}-byte segment cannot hold a two-shot chunk", shm.capacity())));
+    }
+    let part = |len: usize, q: usize| {
+        let slot = len.div_ceil(world.max(1)).next_multiple_of(64);
+        (q * slot).min(len)..((q + 1) * slot).min(len)
+    };
+    for (k, o) in chunk_starts(bytes, half) {
+        let len = half.min(bytes - o);
+        let src: &[u8] = input.unwrap_or(&*buf);
+        let mine = &src[o..o + len];
+        shm.exchange(desc.chunk(2 * k), |w| w.put(0, mine))?;
+        let own = part(len, rank);
+        if !own.is_empty() {
+            let place = Placement { own: o + own.start, out: o + own.start, peer: own.start, len: own.len() };
+            reduce_chunk::<T>(shm, scratch, input, buf, place, op)?;
+            shm.put_own(half + own.start, &buf[o + own.start..o + own.end])?;
+        }
+        shm.next_step(desc.chunk(2 * k + 1))?;
+        for q in (0..world).filter(|q| *q != rank) {
+            let theirs = part(len, q);
+            if !theirs.is_empty() {
+                shm.read(q, half + theirs.start, &mut buf[o + theirs.start..o + theirs.end])?;
+            }
         }
         shm.done()?;
     }

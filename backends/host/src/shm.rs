@@ -961,6 +961,31 @@ impl ShmGroup {
         Ok(())
     }
 
+    /// Copies `src` into this rank's own data region at byte `offset` (a multiple of 8) while a step is readable.
+    /// The peers may be reading this rank's data of the current step: the caller writes only to a part of its
+    /// region that they do not read in this step, and publishes it with [`ShmGroup::next_step`].
+    pub(crate) fn put_own(&self, offset: usize, src: &[u8]) -> Result<()> {
+        if !self.readable {
+            return Err(internal("a shared-memory write beside a step outside a data step".to_owned()));
+        }
+        Writer { data: self.own().data() }.put(offset, src)
+    }
+
+    /// The next step of one exchange, without a [`ShmGroup::done`] before it: this rank is through reading the
+    /// current step's data, and publishes step `desc` (with what it wrote by [`ShmGroup::put_own`]); returns once
+    /// every peer published the same step. As after [`ShmGroup::exchange`], the peers' data may then be read until
+    /// [`ShmGroup::done`]. A peer that published the next step has stopped reading the current one, so the next
+    /// exchange (which waits for every peer's `done` of this step) still overwrites nothing a peer reads.
+    pub(crate) fn next_step(&mut self, desc: Desc) -> Result<()> {
+        if !self.readable {
+            return Err(internal("a shared-memory next step outside a data step".to_owned()));
+        }
+        self.arrive(desc)?;
+        self.wait_all()?;
+        self.readable = true;
+        Ok(())
+    }
+
     /// Says this rank is done reading the current step's data (the peers may overwrite theirs once every rank
     /// said so). Does not wait.
     pub(crate) fn done(&mut self) -> Result<()> {
