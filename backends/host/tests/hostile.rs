@@ -5,8 +5,7 @@
 //! at a socket of its choice. Every attack must end in a typed error or no effect, within a bound: no panic, no
 //! crash, no hang, nothing left behind, no wrong result.
 
-#[path = "../../../tests/support/launcher.rs"]
-mod launcher;
+use anyccl_testkit::launcher;
 
 use std::io::Read;
 use std::os::unix::net::{UnixListener, UnixStream};

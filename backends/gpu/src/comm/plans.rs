@@ -14,10 +14,10 @@ use anyccl_core::comm::{AllReduceArgs, AllReduceCall};
 use anyccl_core::{Algorithm, Error, ReduceOp, Result};
 
 use super::{custom_blocks, GpuComm};
+use crate::device::GpuRuntime;
 use crate::kernels::{self, Inputs, Kind};
 use crate::push::{self, PushGrid, PushShape};
 use crate::quant::{self, Format};
-use crate::device::GpuRuntime;
 use crate::GpuPlatform;
 
 /// How a GPU communicator runs one all-reduce: the algorithm chosen and what its family decided for the call
