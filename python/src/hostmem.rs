@@ -78,11 +78,12 @@ impl Span {
 
 /// A host buffer held for one call: the export is released (or the DLPack holder let go) when it is dropped, which
 /// happens with the GIL held (the value cannot leave the thread: it holds raw pointers and a `Bound`).
-pub(crate) enum HostMem<'py> {
+pub(crate) struct HostMem<'py> {
     /// A buffer-protocol export; boxed so its address stays fixed until `PyBuffer_Release`.
-    Export(Box<RawBuffer>),
+    export: Option<Box<RawBuffer>>,
     /// A DLPack array held by the Python object `_DlpackHost` (kept alive by this reference).
-    Dlpack(Bound<'py, DlpackHost>, Span),
+    _dlpack: Option<Bound<'py, DlpackHost>>,
+    span: Span,
 }
 
 impl<'py> HostMem<'py> {
@@ -96,7 +97,7 @@ impl<'py> HostMem<'py> {
                     "{which}: the DLPack array is read-only, and this call writes into it"
                 )));
             }
-            return Ok(HostMem::Dlpack(dl.clone(), Span { ptr, len }));
+            return Ok(HostMem { export: None, _dlpack: Some(dl.clone()), span: Span { ptr, len } });
         }
         let mut view = Box::new(RawBuffer {
             buf: std::ptr::null_mut(),
@@ -120,28 +121,25 @@ impl<'py> HostMem<'py> {
             let cause = PyErr::take(obj.py()).map(|e| e.to_string()).unwrap_or_else(|| "no buffer".into());
             return Err(PyBufferError::new_err(format!("{which}: {cause}")));
         }
-        let mem = HostMem::Export(view);
-        if let HostMem::Export(v) = &mem {
-            if v.len < 0 || (v.len > 0 && v.buf.is_null()) {
-                return Err(PyBufferError::new_err(format!("{which}: the exporter gave a malformed buffer")));
-            }
+        let (ptr, len) = (view.buf as usize, view.len);
+        // Held from here on, so the export is released on every path below.
+        let mut mem = HostMem { export: Some(view), _dlpack: None, span: Span { ptr, len: 0 } };
+        if len < 0 || (len > 0 && ptr == 0) {
+            return Err(PyBufferError::new_err(format!("{which}: the exporter gave a malformed buffer")));
         }
+        mem.span.len = len as usize; // not negative: checked above
         Ok(mem)
     }
 
     /// The held bytes.
     pub fn span(&self) -> Span {
-        match self {
-            // `len` was checked non-negative in `take`.
-            HostMem::Export(v) => Span { ptr: v.buf as usize, len: v.len as usize },
-            HostMem::Dlpack(_, s) => *s,
-        }
+        self.span
     }
 }
 
 impl Drop for HostMem<'_> {
     fn drop(&mut self) {
-        if let HostMem::Export(v) = self {
+        if let Some(v) = self.export.as_mut() {
             // SAFETY: `v` was filled by a successful `PyObject_GetBuffer` and is released exactly once, here; the GIL
             // is held (a `HostMem` is made and dropped only in code holding it, and cannot be sent elsewhere).
             unsafe { PyBuffer_Release(&mut **v) };

@@ -375,8 +375,10 @@ unsafe fn staged(st: &mut State, call: Call, send: Span, recv: Option<Span>) -> 
         uploaded(&**comm, unsafe { send.bytes() }, stream)?
     };
     let one_buffer = matches!(coll, Coll::AllReduce | Coll::Broadcast | Coll::Reduce);
+    // A receive buffer shorter than the send buffer goes the two-buffer way, where the communicator refuses it with
+    // its own error.
     let mut b = match recv {
-        Some(r) if !one_buffer => Some(comm.alloc(r.len)?),
+        Some(r) if !one_buffer || r.len < send.len => Some(comm.alloc(r.len)?),
         _ => None,
     };
     match coll {
