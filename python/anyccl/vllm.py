@@ -345,13 +345,17 @@ class AnycclPyNcclCommunicator:
       (a new tensor when ``out_tensor`` is None); ``op`` a ``torch.distributed.ReduceOp`` (or anyccl's name);
     * ``all_gather(output_tensor, input_tensor)`` and ``reduce_scatter(output_tensor, input_tensor, op)`` output first;
       ``all_gatherv`` / ``reduce_scatterv`` with per-rank row counts ``sizes`` along dimension 0;
+    * ``reduce(output_tensor, input_tensor, root, op)``, ``scatter(output_tensor, input_tensor, sizes, root)``;
     * ``send(tensor, dst)``, ``recv(tensor, src)``, ``broadcast(tensor, src)`` in place;
     * ``group_start()`` / ``group_end()``: the calls between them are held and run at ``group_end`` (sends and
       receives among them as one group, which pairs whatever their order on each rank);
     * ``batch_isend_irecv(p2p_ops)`` on ``torch.distributed.P2POp`` lists (``isend`` / ``irecv``; the peer is the
       group rank ``group_peer`` when torch gives one, else ``peer`` mapped through the group's ranks);
     * ``register_comm_window`` / ``register_comm_window_raw`` / ``deregister_comm_window``: None and nothing to do
-      (anyccl registers the memory its kernels need itself); ``destroy()`` closes the communicator.
+      (anyccl registers the memory its kernels need itself); ``suspend()`` / ``resume()`` nothing (anyccl keeps its
+      buffers); ``destroy()`` closes the communicator;
+    * ``from_unique_id_bytes(unique_id_bytes, rank, world_size, device)`` with an anyccl unique id
+      (``anyccl.unique_id()``), not NCCL's.
 
     ``stream=`` is accepted everywhere: CUDA tensors are enqueued on it (default: torch's current stream, as vLLM's
     default); host tensors have no stream. Where vLLM asserts (a tensor on another device), this class asserts with
@@ -361,6 +365,10 @@ class AnycclPyNcclCommunicator:
 
     #: vLLM's class this one replaced, set by whoever swaps it in (None when made directly).
     replaced: ClassVar[Any] = None
+    comm: Optional[Communicator]
+    _pending: List[Any]
+    _registered_windows: List[Any]
+    _ranks: Optional[List[int]]
 
     def __init__(self, group: Any, device: Union[int, str, torch.device], library_path: Optional[str] = None) -> None:
         """``group``: a torch ``ProcessGroup`` that is not NCCL's (gloo), or vLLM's ``StatelessProcessGroup``;
@@ -368,30 +376,15 @@ class AnycclPyNcclCommunicator:
         is vLLM's NCCL path, unused (anyccl finds its libraries itself)."""
         stateless = not isinstance(group, dist.ProcessGroup) and hasattr(group, "all_gather_obj")
         if stateless:
-            self.rank = int(group.rank)
-            self.world_size = int(group.world_size)
+            rank, world_size = int(group.rank), int(group.world_size)
         else:
             assert dist.is_initialized()
             assert dist.get_backend(group) != dist.Backend.NCCL, "PyNcclCommunicator should be attached to a non-NCCL group."
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-        self.group = group
-        self.library_path = library_path
-        self.comm: Optional[Communicator] = None
-        self._pending: List[Any] = []
-        self._group_depth = 0
-        self._registered_windows: List[Any] = []
-        if isinstance(device, int):
-            device = torch.device(f"cuda:{device}")
-        elif isinstance(device, str):
-            device = torch.device(device)
-        self.device = device
-        self.available = False
-        self.disabled = True
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._setup(group, rank, world_size, device, library_path)
         if self.world_size == 1:
             return
-        backend = "cuda" if device.type == "cuda" else "host"
-        index = device.index if device.type == "cuda" else None
+        backend, index = self._backend()
         try:
             if stateless:
                 self.comm = Communicator.from_bootstrap(_GroupBootstrap(group), backend, index)
@@ -404,6 +397,54 @@ class AnycclPyNcclCommunicator:
         self._ranks = None if stateless else dist.get_process_group_ranks(group)
         self.available = True
         self.disabled = False
+
+    @classmethod
+    def from_unique_id_bytes(
+        cls,
+        unique_id_bytes: bytes,
+        rank: int,
+        world_size: int,
+        device: Union[int, str, torch.device],
+        library_path: Optional[str] = None,
+    ) -> "AnycclPyNcclCommunicator":
+        """Joins the group named by ``unique_id_bytes`` as ``rank`` of ``world_size`` with no process group (every
+        rank enters together): the id is an anyccl unique id (``anyccl.unique_id()`` on one process, moved to every
+        rank by the caller), not NCCL's. No warm-up all-reduce follows (vLLM's issues one for NCCL peers)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self = cls.__new__(cls)
+        self._setup(None, rank, world_size, device, library_path)
+        if world_size == 1:
+            return self
+        backend, index = self._backend()
+        # Unlike the process-group path, a failure raises: the caller asked to join this group, and the peers wait.
+        self.comm = Communicator.from_unique_id(bytes(unique_id_bytes), rank, world_size, backend, index)
+        self._ranks = None
+        self.available = True
+        self.disabled = False
+        return self
+
+    def _setup(
+        self, group: Any, rank: int, world_size: int, device: Union[int, str, torch.device], library_path: Optional[str]
+    ) -> None:
+        self.group = group
+        self.rank, self.world_size = rank, world_size
+        self.library_path = library_path
+        self.comm = None
+        self._pending = []
+        self._group_depth = 0
+        self._registered_windows = []
+        self._ranks = None
+        if isinstance(device, int):
+            device = torch.device(f"cuda:{device}")
+        elif isinstance(device, str):
+            device = torch.device(device)
+        self.device = device
+        self.available = False
+        self.disabled = True
+
+    def _backend(self) -> Any:
+        return ("cuda", self.device.index) if self.device.type == "cuda" else ("host", None)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
@@ -511,6 +552,56 @@ class AnycclPyNcclCommunicator:
 
         self._later(run)
 
+    def reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        root: int,
+        op: Any = dist.ReduceOp.SUM,
+        stream: Any = None,
+    ) -> None:
+        """``input_tensor`` reduced over the group into rank ``root``'s ``output_tensor`` (the other ranks'
+        ``output_tensor`` is left as it was)."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        name, comm, rank = _op_name(op), self._live(), self.rank
+
+        def run() -> None:
+            dst = output_tensor if rank == root else torch.empty_like(input_tensor)
+            comm.reduce(input_tensor, root, out=dst, op=name, stream=stream)
+
+        self._later(run)
+
+    def scatter(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: List[int],
+        root: int = 0,
+        stream: Any = None,
+    ) -> None:
+        """Rank ``root``'s ``input_tensor`` (``sum(sizes)`` rows along dimension 0) split by ``sizes``: rank ``r``
+        receives its ``sizes[r]`` rows into ``output_tensor`` (sends and receives as one group)."""
+        if self.disabled:
+            return
+        self._check(output_tensor, "output")
+        ops: List[Any] = []
+        if self.rank == root:
+            offset = 0
+            for dst, rows in enumerate(sizes):
+                if rows:
+                    chunk = input_tensor[offset : offset + rows]
+                    if dst == root:
+                        self._later(lambda chunk=chunk: output_tensor.copy_(chunk))
+                    else:
+                        ops.append(("send", chunk.contiguous(), dst))
+                offset += rows
+        elif sizes[self.rank] > 0:
+            ops.append(("recv", output_tensor, root))
+        if ops:
+            self._p2p(ops, stream)
+
     def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
         """Rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         if self.disabled:
@@ -598,6 +689,12 @@ class AnycclPyNcclCommunicator:
     def deregister_comm_window(self, window: Any) -> None:
         """Nothing to release (``register_comm_window`` made nothing)."""
         return None
+
+    def suspend(self) -> None:
+        """Nothing to release: anyccl keeps its buffers (vLLM's does the same when its NCCL cannot suspend)."""
+
+    def resume(self) -> None:
+        """Nothing to restore (``suspend`` released nothing)."""
 
     def destroy(self) -> None:
         """Closes the communicator (idempotent); later calls find it disabled and return None."""

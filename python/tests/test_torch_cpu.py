@@ -59,6 +59,7 @@ PYNCCL_CODE = textwrap.dedent(
     import sys
     import torch, torch.distributed as dist
     from torch.distributed import ReduceOp
+    import anyccl
     from anyccl.vllm import AnycclPyNcclCommunicator
 
     rank, world = int(sys.argv[2]), 2
@@ -109,6 +110,15 @@ PYNCCL_CODE = textwrap.dedent(
     assert torch.equal(rv, full[:1] if rank == 0 else full[1:]), rv
     assert torch.equal(src, before)  # the input is left as it was
 
+    # reduce to one root (the other rank's output left as it was) and scatter from one root.
+    red_out = torch.full((3,), -1.0)
+    pc.reduce(red_out, torch.full((3,), float(rank + 1)), 1, ReduceOp.SUM)
+    assert red_out.tolist() == ([-1.0] * 3 if rank == 0 else [3.0] * 3), red_out
+    sc_out = torch.zeros(sizes[rank], 2)
+    pc.scatter(sc_out, torch.arange(8, dtype=torch.float32).reshape(4, 2), sizes, root=0)
+    assert torch.equal(sc_out, torch.arange(8, dtype=torch.float32).reshape(4, 2)[:1] if rank == 0
+                       else torch.arange(8, dtype=torch.float32).reshape(4, 2)[1:]), sc_out
+
     # broadcast in place, send / recv.
     b = torch.full((5,), float(rank))
     pc.broadcast(b, 1)
@@ -138,9 +148,18 @@ PYNCCL_CODE = textwrap.dedent(
     assert torch.equal(a_in, torch.full((64,), float(peer)))
 
     assert pc.register_comm_window(x) is None and pc.deregister_comm_window(None) is None
+    pc.suspend()
+    pc.resume()
     pc.destroy()
     pc.destroy()
     assert pc.disabled and pc.all_reduce(x) is None
+
+    # from_unique_id_bytes: an anyccl unique id moved over the gloo group, no process group in the communicator.
+    box = [anyccl.unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    pu = AnycclPyNcclCommunicator.from_unique_id_bytes(box[0], rank, world, "cpu")
+    assert pu.group is None and pu.available and torch.equal(pu.all_reduce(torch.ones(3)), torch.full((3,), 2.0))
+    pu.destroy()
     print(f"RESULT ok {rank}")
     """
 )
