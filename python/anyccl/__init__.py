@@ -206,6 +206,15 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _numpy_view(t: Any) -> Any:
+    """A CPU tensor's memory as a NumPy array (no copy), or None where torch gives none (another device, a type NumPy
+    lacks such as bfloat16, a tensor that needs grad, NumPy missing)."""
+    try:
+        return t.numpy()
+    except Exception:
+        return None
+
+
 def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
     if dtype is None:
         return None
@@ -620,8 +629,20 @@ class Communicator:
         algo = None if algorithm is None else _canon_algorithm(algorithm)
         if op.__class__ is not str:
             op = _op_name(op)
-        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
-            return x if out is None else out
+        if self._cuda:
+            if self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
+                return x if out is None else out
+        elif dtype is None:
+            # Host arrays with the buffer protocol and a type anyccl reads from it (NumPy's, and CPU tensors through
+            # their NumPy view): one call, no checks in Python (anything else, or anything wrong, goes the general
+            # way below, which says why).
+            if _is_torch_tensor(x):
+                xv, ov = _numpy_view(x), None if out is None else _numpy_view(out)
+                if xv is not None and (out is None or ov is not None):
+                    if self._comm.host_all_reduce_fast(xv, ov, op, algo):
+                        return x if out is None else out
+            elif self._comm.host_all_reduce_fast(x, out, op, algo):
+                return x if out is None else out
         return self._run("all_reduce", x, out, op, 0, dtype, stream, algo)
 
     def all_gather(

@@ -13,6 +13,8 @@ use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use anyccl::DataType;
+
 use crate::dlpack::DlpackHost;
 
 /// CPython's `Py_buffer` (`Include/pybuffer.h`, part of the stable ABI since 3.11 with this layout).
@@ -31,6 +33,47 @@ struct RawBuffer {
     internal: *mut c_void,
 }
 
+impl RawBuffer {
+    /// A zeroed `Py_buffer` for an exporter to fill.
+    fn empty() -> Self {
+        RawBuffer {
+            buf: std::ptr::null_mut(),
+            obj: std::ptr::null_mut(),
+            len: 0,
+            itemsize: 0,
+            readonly: 0,
+            ndim: 0,
+            format: std::ptr::null_mut(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            suboffsets: std::ptr::null_mut(),
+            internal: std::ptr::null_mut(),
+        }
+    }
+}
+
+/// anyccl's type of a buffer-protocol element (a `struct` format code in native order, `itemsize` bytes), as the
+/// Python side's table reads it; `None` for anything else.
+fn dtype_of_format(format: &[u8], itemsize: usize) -> Option<DataType> {
+    let code = match format {
+        [c] | [b'@' | b'=', c] => *c,
+        [b'<', c] if cfg!(target_endian = "little") => *c,
+        _ => return None,
+    };
+    Some(match (code, itemsize) {
+        (b'b', 1) => DataType::I8,
+        (b'B' | b'c' | b'?', 1) => DataType::U8,
+        (b'e', 2) => DataType::F16,
+        (b'f', 4) => DataType::F32,
+        (b'd', 8) => DataType::F64,
+        (b'i' | b'l' | b'q', 4) => DataType::I32,
+        (b'i' | b'l' | b'q', 8) => DataType::I64,
+        (b'I' | b'L' | b'Q', 4) => DataType::U32,
+        (b'I' | b'L' | b'Q', 8) => DataType::U64,
+        _ => return None,
+    })
+}
+
 extern "C" {
     fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
     fn PyBuffer_Release(view: *mut RawBuffer);
@@ -38,6 +81,8 @@ extern "C" {
 
 /// `PyBUF_WRITABLE`.
 const PYBUF_WRITABLE: c_int = 0x0001;
+/// `PyBUF_FORMAT`.
+const PYBUF_FORMAT: c_int = 0x0004;
 /// `PyBUF_C_CONTIGUOUS` (`PyBUF_STRIDES | 0x0020`, `PyBUF_STRIDES` being `PyBUF_ND | 0x0010`, `PyBUF_ND` 0x0008).
 const PYBUF_C_CONTIGUOUS: c_int = 0x0038;
 
@@ -99,19 +144,7 @@ impl<'py> HostMem<'py> {
             }
             return Ok(HostMem { export: None, _dlpack: Some(dl.clone()), span: Span { ptr, len } });
         }
-        let mut view = Box::new(RawBuffer {
-            buf: std::ptr::null_mut(),
-            obj: std::ptr::null_mut(),
-            len: 0,
-            itemsize: 0,
-            readonly: 0,
-            ndim: 0,
-            format: std::ptr::null_mut(),
-            shape: std::ptr::null_mut(),
-            strides: std::ptr::null_mut(),
-            suboffsets: std::ptr::null_mut(),
-            internal: std::ptr::null_mut(),
-        });
+        let mut view = Box::new(RawBuffer::empty());
         let flags = PYBUF_C_CONTIGUOUS | if writable { PYBUF_WRITABLE } else { 0 };
         // SAFETY: `obj` is a live object (the GIL is held: `Bound`), and `view` points at a zeroed `Py_buffer` of
         // CPython's layout that stays at this address until `PyBuffer_Release` (in `Drop`), which is called only
@@ -129,6 +162,39 @@ impl<'py> HostMem<'py> {
         }
         mem.span.len = len as usize; // not negative: checked above
         Ok(mem)
+    }
+
+    /// `obj`'s memory and element type when it exports C-contiguous memory (writable when `writable`) whose format
+    /// names a type anyccl has, in native byte order; `None` (and no Python error left set) for anything else, so the
+    /// caller takes its general path, which explains refusals.
+    pub fn take_typed(obj: &Bound<'py, PyAny>, writable: bool) -> Option<(HostMem<'py>, DataType)> {
+        let mut view = Box::new(RawBuffer::empty());
+        let flags = PYBUF_C_CONTIGUOUS | PYBUF_FORMAT | if writable { PYBUF_WRITABLE } else { 0 };
+        // SAFETY: as in `take`: a live object, a zeroed `Py_buffer` at a fixed address, released in `Drop` only after
+        // a successful export.
+        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+        if rc != 0 {
+            drop(PyErr::take(obj.py()));
+            return None;
+        }
+        let (ptr, len, itemsize) = (view.buf as usize, view.len, view.itemsize);
+        let format = if view.format.is_null() {
+            b"B".to_vec()
+        } else {
+            // SAFETY: a non-null `format` of a successful export is a NUL-terminated string that lives as long as
+            // the export, which `view` holds.
+            unsafe { std::ffi::CStr::from_ptr(view.format) }.to_bytes().to_vec()
+        };
+        let mut mem = HostMem { export: Some(view), _dlpack: None, span: Span { ptr, len: 0 } };
+        if len < 0 || (len > 0 && ptr == 0) || itemsize <= 0 {
+            return None;
+        }
+        let dtype = dtype_of_format(&format, itemsize as usize)?;
+        if len as usize % dtype.size_bytes() != 0 {
+            return None;
+        }
+        mem.span.len = len as usize; // not negative: checked above
+        Some((mem, dtype))
     }
 
     /// The held bytes.

@@ -574,6 +574,50 @@ impl Comm {
         Ok(())
     }
 
+    /// The all-reduce fast path for host arrays with the buffer protocol: `x` (and `out`, when given) exporting
+    /// C-contiguous memory of a type anyccl reads from its format (NumPy arrays of its types, typed memoryviews),
+    /// reduced in place (or into `out`) with `op` (one of anyccl's names). Returns False, having done nothing, for
+    /// anything else (a DLPack-only object, another format, a read-only `x` or `out`, sizes that differ, a name it does
+    /// not know), so the caller takes its general path, which explains every refusal.
+    #[pyo3(signature = (x, out, op, algorithm=None))]
+    fn host_all_reduce_fast(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        algorithm: Option<&str>,
+    ) -> PyResult<bool> {
+        let op = match op {
+            "sum" => ReduceOp::Sum,
+            "max" => ReduceOp::Max,
+            "min" => ReduceOp::Min,
+            "prod" => ReduceOp::Prod,
+            "avg" => ReduceOp::Avg,
+            _ => return Ok(false),
+        };
+        let algo = parse_algorithm(py, algorithm)?;
+        let Some((send_mem, dtype)) = HostMem::take_typed(x, out.is_none()) else {
+            return Ok(false);
+        };
+        let recv_mem = match out {
+            None => None,
+            Some(o) => match HostMem::take_typed(o, true) {
+                Some((m, d)) if d == dtype && m.span().len == send_mem.span().len => Some(m),
+                _ => return Ok(false),
+            },
+        };
+        let count = send_mem.span().len / dtype.size_bytes();
+        let call = Call { coll: Coll::AllReduce, count, dtype, op, peer: 0, algo };
+        let (send_span, recv_span) = (send_mem.span(), recv_mem.as_ref().map(HostMem::span));
+        // SAFETY: as in `host_collective`: both memories are held until after the call, taken writable where
+        // written, and not resized or written from another thread while the call runs (the documented contract).
+        self.with_state(py, move |st| unsafe { staged(st, call, send_span, recv_span) })?;
+        drop(recv_mem);
+        drop(send_mem);
+        Ok(true)
+    }
+
     /// A group of sends and receives on host memory that completes as one (NCCL's grouped point-to-point, as
     /// `torch.distributed.batch_isend_irecv` issues it): `ops` are `(is_send, memory, dtype, count, peer)` with
     /// memory as `host_collective` takes it (receives written in place). Every rank's group pairs with its peers'
