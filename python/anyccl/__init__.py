@@ -209,6 +209,8 @@ def _is_torch_tensor(x: Any) -> bool:
 def _numpy_view(t: Any) -> Any:
     """A CPU tensor's memory as a NumPy array (no copy), or None where torch gives none (another device, a type NumPy
     lacks such as bfloat16, a tensor that needs grad, NumPy missing)."""
+    if not _is_torch_tensor(t) or t.is_cuda:
+        return None
     try:
         return t.numpy()
     except Exception:
