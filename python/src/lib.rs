@@ -14,9 +14,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use anyccl::core::P2pOp;
 use anyccl::core::{Bootstrap, InvalidArgument};
 use anyccl::dynamic::{AnyBuffer, AnyCommunicator, AnyStream, BackendChoice, BackendKind};
-use anyccl::core::P2pOp;
 use anyccl::{Algorithm, DataType, InOut, ReduceOp, Selector};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -439,13 +439,15 @@ unsafe fn grouped_p2p(st: &mut State, specs: &[P2pSpec]) -> Result<(), Fail> {
         let mut ops: Vec<P2pOp<'_, AnyBuffer>> = bufs
             .iter_mut()
             .zip(specs)
-            .map(|(b, &(is_send, _, dtype, count, peer))| {
-                if is_send {
-                    P2pOp::send(&*b, count, dtype, peer)
-                } else {
-                    P2pOp::recv(b, count, dtype, peer)
-                }
-            })
+            .map(
+                |(b, &(is_send, _, dtype, count, peer))| {
+                    if is_send {
+                        P2pOp::send(&*b, count, dtype, peer)
+                    } else {
+                        P2pOp::recv(b, count, dtype, peer)
+                    }
+                },
+            )
             .collect();
         comm.p2p(&mut ops, stream)?;
     }
