@@ -190,7 +190,7 @@ impl<'py> HostMem<'py> {
             return None;
         }
         let dtype = dtype_of_format(&format, itemsize as usize)?;
-        if len as usize % dtype.size_bytes() != 0 {
+        if !(len as usize).is_multiple_of(dtype.size_bytes()) {
             return None;
         }
         mem.span.len = len as usize; // not negative: checked above
