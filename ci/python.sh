@@ -7,10 +7,11 @@
 #     under ci/torchrun_stand_in.py, a Python bootstrap object) and as threads of one process (the GIL released),
 #     the error paths, the all-reduce options (named algorithms, deterministic mode) and DLPack input (arrays
 #     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy,
-#     the READMEs' Python snippets (2 processes), the metadata, the vLLM plugin's entry point and its no-vLLM path;
-#     the GPU, vLLM and torch tests (-m gpu, -m vllm, -m torch) stay deselected here,
-#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package, the vLLM plugin module
-#     and two examples.
+#     the READMEs' Python snippets (2 processes), the metadata, the vLLM and SGLang plugins' entry points and their
+#     no-engine paths, grouped host send/receive and plain buffer-protocol objects read and written in place;
+#     the GPU, vLLM, SGLang and torch tests (-m gpu, -m vllm, -m sglang, -m torch) stay deselected here,
+#   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package, the vLLM and SGLang
+#     plugin modules and two examples.
 # Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 9 minutes on 2 loaded cores (6 min 20 s
 # of it the release build; the sdist adds about 15 s, as the wheel is built from it rather than from the tree).
 #
@@ -89,14 +90,14 @@ tr -s ' \n' ' ' < "$work/auditwheel.txt" | grep -q "platform tag: \"manylinux_2_
 echo "== import without NumPy or torch"
 (cd "$work" && "$py" -c 'import sys, anyccl; assert "numpy" not in sys.modules and "torch" not in sys.modules; print("anyccl", anyccl.__version__, "backends:", anyccl.backends())')
 
-echo "== pytest (host backend; -m gpu deselected)"
+echo "== pytest (host backend; -m gpu, vllm, sglang and torch deselected)"
 # Run from python/ so pytest reads python/pyproject.toml (markers, the gpu and vllm deselection); `anyccl` is the
 # installed wheel (python/tests/conftest.py keeps the uncompiled python/anyccl off sys.path, for `python -m pytest`).
 (cd python && "$venv/bin/pytest" -q -p no:cacheprovider tests)
 
 echo "== type stubs"
 (cd "$work" && "$py" -m mypy.stubtest anyccl._anyccl)
-(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl -m anyccl.vllm_plugin)
+(cd "$work" && "$py" -m mypy --strict --no-incremental -m anyccl -m anyccl.vllm_plugin -m anyccl.sglang_plugin)
 (cd "$work" && "$py" -m mypy --strict --no-incremental "$root/examples/python/host_numpy.py" \
     "$root/examples/python/torchrun_allreduce.py")
 echo "python: ok"

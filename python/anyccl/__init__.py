@@ -32,7 +32,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 try:
     from . import _anyccl
@@ -206,6 +206,17 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _numpy_view(t: Any) -> Any:
+    """A CPU tensor's memory as a NumPy array (no copy), or None where torch gives none (another device, a type NumPy
+    lacks such as bfloat16, a tensor that needs grad, NumPy missing)."""
+    if not _is_torch_tensor(t) or t.is_cuda:
+        return None
+    try:
+        return t.numpy()
+    except Exception:
+        return None
+
+
 def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
     if dtype is None:
         return None
@@ -214,6 +225,33 @@ def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
     if name not in DTYPES:
         raise InvalidArgumentError(f"dtype={dtype!r}: expected one of {', '.join(sorted(DTYPES))}")
     return name
+
+
+_TORCH_OP_NAMES = (("SUM", "sum"), ("PRODUCT", "prod"), ("MIN", "min"), ("MAX", "max"), ("AVG", "avg"))
+
+
+def _op_name(op: Any) -> str:
+    """``op`` as anyccl names it: a name ("sum", "prod", "min", "max", "avg") or a ``torch.distributed.ReduceOp``
+    of one of them (``ReduceOp.SUM`` ...); anything else raises ``InvalidArgumentError`` (a ``ValueError``)."""
+    if isinstance(op, str):
+        return op
+    torch = sys.modules.get("torch")
+    reduce_op = getattr(getattr(torch, "distributed", None), "ReduceOp", None) if torch is not None else None
+    if reduce_op is not None:
+        for member, name in _TORCH_OP_NAMES:
+            try:
+                if op == getattr(reduce_op, member):
+                    return name
+            except Exception:  # an object torch's enum cannot compare with
+                break
+    message = f"op={op!r}: expected one of {', '.join(REDUCE_OPS)} or the torch.distributed.ReduceOp of one of them"
+    err = _OpError(message)
+    err.message, err.hint, err.kind = message, None, "invalid-argument"
+    raise err
+
+
+class _OpError(InvalidArgumentError, ValueError):
+    """An ``op`` anyccl has no reduction for (a ``ValueError`` and an ``anyccl.InvalidArgumentError``)."""
 
 
 class _HostBuf:
@@ -306,6 +344,10 @@ class _HostBuf:
         self.dtype = dtype
         self.elems = dl.nbytes // size
         self.nbytes = dl.nbytes
+
+    def mem(self) -> Any:
+        """What the extension reads and writes in place: the buffer-protocol view, or the DLPack array."""
+        return self.view if self.view is not None else self.dl
 
     def tobytes(self) -> bytes:
         if self.view is not None:
@@ -524,12 +566,13 @@ class Communicator:
         coll: str,
         x: Any,
         out: Any,
-        op: str = "sum",
+        op: Any = "sum",
         peer: int = 0,
         dtype: Optional[str] = None,
         stream: Any = None,
         algorithm: Optional[str] = None,
     ) -> Any:
+        op = _op_name(op)
         # The CUDA path first (one call into Rust, which checks the tensors); False: not a CUDA tensor.
         if self._cuda and self._comm.cuda_collective(coll, x, out, op, peer, stream, algorithm):
             return x if out is None else out
@@ -558,25 +601,24 @@ class Communicator:
             count = send.elems // world
         else:
             count = send.elems
-        data = send.tobytes()
-        result = self._comm.host_collective(
-            coll, data, None if recv is None else recv.nbytes, send.dtype, count, op, peer, algorithm
+        # The arrays' memory itself (a buffer export or the DLPack array): read and written in place, no copy.
+        self._comm.host_collective(
+            coll, send.mem(), None if recv is None else recv.mem(), send.dtype, count, op, peer, algorithm
         )
-        if result is not None:
-            (send if recv is None else recv).write(result)
         return x if out is None else out
 
     def all_reduce(
         self,
         x: Any,
         out: Any = None,
-        op: str = "sum",
+        op: Any = "sum",
         *,
         dtype: Optional[str] = None,
         stream: Any = None,
         algorithm: Optional[str] = None,
     ) -> Any:
-        """Reduces ``x`` over every rank with ``op`` ("sum", "prod", "min", "max", "avg"): into ``x`` (returned)
+        """Reduces ``x`` over every rank with ``op`` ("sum", "prod", "min", "max", "avg", or the
+        ``torch.distributed.ReduceOp`` of one of them): into ``x`` (returned)
         when ``out`` is None, else into ``out`` (returned). ``stream``: a ``torch.cuda.Stream`` (default: the
         current stream; a DLPack array that is not a torch tensor is made ready on, and run on, the legacy default
         stream and waited for). ``dtype`` reads a host buffer of bytes as that type (e.g. "bf16").
@@ -587,8 +629,22 @@ class Communicator:
         deterministic in deterministic mode) raises ``UnsupportedError`` with the reason. The quantized algorithms
         are lossy (fp8 / int8 codes with one scale per 32 elements, summed in f32) and run only when named."""
         algo = None if algorithm is None else _canon_algorithm(algorithm)
-        if self._cuda and self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
-            return x if out is None else out
+        if op.__class__ is not str:
+            op = _op_name(op)
+        if self._cuda:
+            if self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
+                return x if out is None else out
+        elif dtype is None:
+            # Host arrays with the buffer protocol and a type anyccl reads from it (NumPy's, and CPU tensors through
+            # their NumPy view): one call, no checks in Python (anything else, or anything wrong, goes the general
+            # way below, which says why).
+            if _is_torch_tensor(x):
+                xv, ov = _numpy_view(x), None if out is None else _numpy_view(out)
+                if xv is not None and (out is None or ov is not None):
+                    if self._comm.host_all_reduce_fast(xv, ov, op, algo):
+                        return x if out is None else out
+            elif self._comm.host_all_reduce_fast(x, out, op, algo):
+                return x if out is None else out
         return self._run("all_reduce", x, out, op, 0, dtype, stream, algo)
 
     def all_gather(
@@ -606,7 +662,7 @@ class Communicator:
         self,
         x: Any,
         out: Any = None,
-        op: str = "sum",
+        op: Any = "sum",
         *,
         in_place: bool = False,
         dtype: Optional[str] = None,
@@ -628,7 +684,7 @@ class Communicator:
         return self._run("broadcast", x, out, "sum", root, dtype, stream)
 
     def reduce(
-        self, x: Any, root: int = 0, out: Any = None, op: str = "sum", *, dtype: Optional[str] = None, stream: Any = None
+        self, x: Any, root: int = 0, out: Any = None, op: Any = "sum", *, dtype: Optional[str] = None, stream: Any = None
     ) -> Any:
         """``x`` reduced over every rank with ``op`` into ``root``'s ``x`` (in place) or ``out``."""
         return self._run("reduce", x, out, op, root, dtype, stream)
@@ -640,6 +696,27 @@ class Communicator:
     def recv(self, x: Any, peer: int, *, dtype: Optional[str] = None, stream: Any = None) -> Any:
         """Receives into ``x`` from rank ``peer``; returns ``x``."""
         return self._run("recv", x, None, "sum", peer, dtype, stream)
+
+    def p2p(self, ops: Sequence[Tuple[str, Any, int]], *, dtype: Optional[str] = None, stream: Any = None) -> None:
+        """A group of sends and receives that completes as one (NCCL's grouped point-to-point): ``ops`` are
+        ``("send" | "recv", x, peer)``, receives written into their ``x``. On host memory it is one grouped call: every
+        rank's group pairs with its peers' whatever the order of the operations in it. CUDA tensors are sent and
+        received one by one in the order given, on ``stream`` (order them so that each send meets its receive)."""
+        kinds = []
+        for kind, x, peer in ops:
+            if kind not in ("send", "recv"):
+                raise InvalidArgumentError(f"p2p: operation {kind!r}: expected 'send' or 'recv'")
+            kinds.append((kind == "send", x, int(peer)))
+        if self._cuda and any(_is_torch_tensor(x) and x.is_cuda for _, x, _ in kinds):
+            for is_send, x, peer in kinds:
+                self._run("send" if is_send else "recv", x, None, "sum", peer, dtype, stream)
+            return
+        canon = _canon_dtype(dtype)
+        batch = []
+        for is_send, x, peer in kinds:
+            buf = _HostBuf(x, "send" if is_send else "recv", canon, not is_send)
+            batch.append((is_send, buf.mem(), buf.dtype, buf.elems, peer))
+        self._comm.host_p2p(batch)
 
     # ---- fused all-reduce + residual add + RMSNorm ---------------------------------------------------------------
 

@@ -63,14 +63,16 @@ class _Comm:
     def host_collective(
         self,
         coll: str,
-        data: bytes,
-        recv_len: Optional[int],
+        send: Any,
+        recv: Optional[Any],
         dtype: str,
         count: int,
         op: str = "sum",
         peer: int = 0,
         algorithm: Optional[str] = None,
-    ) -> Optional[bytes]: ...
+    ) -> None: ...
+    def host_all_reduce_fast(self, x: Any, out: Optional[Any], op: str, algorithm: Optional[str] = None) -> bool: ...
+    def host_p2p(self, ops: List[Tuple[bool, Any, str, int, int]]) -> None: ...
     def needs(self, coll: str, count: int, dtype: str) -> Tuple[int, int]: ...
     def select_all_reduce(
         self, count: int, dtype: str, op: str = "sum", in_place: bool = True, algorithm: Optional[str] = None

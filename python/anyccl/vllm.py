@@ -22,10 +22,10 @@ from typing import Any, ClassVar, Iterator, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import Communicator, Error, _canon_algorithm
+from . import Communicator, Error, _canon_algorithm, _op_name
 from . import torch_ops
 
-__all__ = ["AnycclDeviceCommunicator", "AnycclCustomAllreduce"]
+__all__ = ["AnycclDeviceCommunicator", "AnycclCustomAllreduce", "AnycclPyNcclCommunicator"]
 
 logger = logging.getLogger("anyccl.vllm")
 
@@ -319,3 +319,397 @@ class AnycclCustomAllreduce:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to close with
             pass
+
+
+class _GroupBootstrap:
+    """anyccl's bootstrap over vLLM's ``StatelessProcessGroup`` (``rank``, ``world_size``, ``all_gather_obj``): the
+    group vLLM's PyNcclCommunicator also accepts."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank: int = int(group.rank)
+        self.world: int = int(group.world_size)
+
+    def all_gather(self, mine: bytes) -> List[bytes]:
+        return [bytes(b) for b in self.group.all_gather_obj(bytes(mine))]
+
+
+class AnycclPyNcclCommunicator:
+    """vLLM's ``PyNcclCommunicator`` (``vllm.distributed.device_communicators.pynccl``), method for method, over an
+    anyccl ``Communicator``: the same constructor (``group``: a torch CPU group or vLLM's ``StatelessProcessGroup``;
+    ``device``; ``library_path``, accepted and unused), the same ``available`` / ``disabled`` flags (off for a world
+    of 1, or when anyccl cannot make the communicator: then every call returns None and the caller falls back, as
+    vLLM's does without NCCL), and the same calling conventions:
+
+    * ``all_reduce(in_tensor, out_tensor=None, op=ReduceOp.SUM, stream=None)`` out of place, returning the output
+      (a new tensor when ``out_tensor`` is None); ``op`` a ``torch.distributed.ReduceOp`` (or anyccl's name);
+    * ``all_gather(output_tensor, input_tensor)`` and ``reduce_scatter(output_tensor, input_tensor, op)`` output first;
+      ``all_gatherv`` / ``reduce_scatterv`` with per-rank row counts ``sizes`` along dimension 0;
+    * ``reduce(output_tensor, input_tensor, root, op)``, ``scatter(output_tensor, input_tensor, sizes, root)``;
+    * ``send(tensor, dst)``, ``recv(tensor, src)``, ``broadcast(tensor, src)`` in place;
+    * ``group_start()`` / ``group_end()``: the calls between them are held and run at ``group_end`` (sends and
+      receives among them as one group, which pairs whatever their order on each rank);
+    * ``batch_isend_irecv(p2p_ops)`` on ``torch.distributed.P2POp`` lists (``isend`` / ``irecv``; the peer is the
+      group rank ``group_peer`` when torch gives one, else ``peer`` mapped through the group's ranks);
+    * ``register_comm_window`` / ``register_comm_window_raw`` / ``deregister_comm_window``: None and nothing to do
+      (anyccl registers the memory its kernels need itself); ``suspend()`` / ``resume()`` nothing (anyccl keeps its
+      buffers); ``destroy()`` closes the communicator;
+    * ``from_unique_id_bytes(unique_id_bytes, rank, world_size, device)`` with an anyccl unique id
+      (``anyccl.unique_id()``), not NCCL's.
+
+    ``stream=`` is accepted everywhere: CUDA tensors are enqueued on it (default: torch's current stream, as vLLM's
+    default); host tensors have no stream. Where vLLM asserts (a tensor on another device), this class asserts with
+    the same message; a dtype or op anyccl has no reduction for raises ``ValueError``, as vLLM's NCCL enum mapping
+    does.
+    """
+
+    #: vLLM's class this one replaced, set by whoever swaps it in (None when made directly).
+    replaced: ClassVar[Any] = None
+    comm: Optional[Communicator]
+    _pending: List[Any]
+    _registered_windows: List[Any]
+    _ranks: Optional[List[int]]
+
+    def __init__(self, group: Any, device: Union[int, str, torch.device], library_path: Optional[str] = None) -> None:
+        """``group``: a torch ``ProcessGroup`` that is not NCCL's (gloo), or vLLM's ``StatelessProcessGroup``;
+        ``device``: the CUDA device (an index, ``"cuda:N"``) or ``"cpu"`` for the host backend; ``library_path``
+        is vLLM's NCCL path, unused (anyccl finds its libraries itself)."""
+        stateless = not isinstance(group, dist.ProcessGroup) and hasattr(group, "all_gather_obj")
+        if stateless:
+            rank, world_size = int(group.rank), int(group.world_size)
+        else:
+            assert dist.is_initialized()
+            assert dist.get_backend(group) != dist.Backend.NCCL, "PyNcclCommunicator should be attached to a non-NCCL group."
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._setup(group, rank, world_size, device, library_path)
+        if self.world_size == 1:
+            return
+        backend, index = self._backend()
+        try:
+            if stateless:
+                self.comm = Communicator.from_bootstrap(_GroupBootstrap(group), backend, index)
+            else:
+                self.comm = Communicator.from_process_group(group, backend, index)
+        except Error as e:
+            # Collective: every rank fails alike, and the caller falls back (as vLLM's does without NCCL).
+            logger.warning("anyccl PyNcclCommunicator disabled: %s", e)
+            return
+        self._ranks = None if stateless else dist.get_process_group_ranks(group)
+        self.available = True
+        self.disabled = False
+
+    @classmethod
+    def from_unique_id_bytes(
+        cls,
+        unique_id_bytes: bytes,
+        rank: int,
+        world_size: int,
+        device: Union[int, str, torch.device],
+        library_path: Optional[str] = None,
+    ) -> "AnycclPyNcclCommunicator":
+        """Joins the group named by ``unique_id_bytes`` as ``rank`` of ``world_size`` with no process group (every
+        rank enters together): the id is an anyccl unique id (``anyccl.unique_id()`` on one process, moved to every
+        rank by the caller), not NCCL's. No warm-up all-reduce follows (vLLM's issues one for NCCL peers)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self = cls.__new__(cls)
+        self._setup(None, rank, world_size, device, library_path)
+        if world_size == 1:
+            return self
+        backend, index = self._backend()
+        # Unlike the process-group path, a failure raises: the caller asked to join this group, and the peers wait.
+        self.comm = Communicator.from_unique_id(bytes(unique_id_bytes), rank, world_size, backend, index)
+        self._ranks = None
+        self.available = True
+        self.disabled = False
+        return self
+
+    def _setup(
+        self, group: Any, rank: int, world_size: int, device: Union[int, str, torch.device], library_path: Optional[str]
+    ) -> None:
+        self.group = group
+        self.rank, self.world_size = rank, world_size
+        self.library_path = library_path
+        self.comm = None
+        self._pending = []
+        self._group_depth = 0
+        self._registered_windows = []
+        self._ranks = None
+        if isinstance(device, int):
+            device = torch.device(f"cuda:{device}")
+        elif isinstance(device, str):
+            device = torch.device(device)
+        self.device = device
+        self.available = False
+        self.disabled = True
+
+    def _backend(self) -> Any:
+        return ("cuda", self.device.index) if self.device.type == "cuda" else ("host", None)
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+
+    def _check(self, tensor: torch.Tensor, what: str = "input") -> None:
+        assert tensor.device == self.device, (
+            f"this nccl communicator is created to work on {self.device}, but the {what} tensor is on {tensor.device}"
+        )
+
+    def _later(self, run: Any) -> None:
+        """Runs ``run`` now, or at ``group_end`` inside a group."""
+        if self._group_depth:
+            self._pending.append(run)
+        else:
+            run()
+
+    def _live(self) -> Communicator:
+        if self.comm is None:
+            raise RuntimeError("anyccl PyNcclCommunicator is destroyed")
+        return self.comm
+
+    # ---- collectives --------------------------------------------------------------------------------------------
+
+    def all_reduce(
+        self,
+        in_tensor: torch.Tensor,
+        out_tensor: torch.Tensor = None,  # type: ignore[assignment]
+        op: Any = dist.ReduceOp.SUM,
+        stream: Any = None,
+    ) -> torch.Tensor:
+        """``in_tensor`` reduced over the group with ``op``, out of place into ``out_tensor`` (a new tensor when
+        None), which is returned; None when disabled (the caller falls back)."""
+        if self.disabled:
+            return None  # type: ignore[return-value]
+        self._check(in_tensor)
+        name = _op_name(op)
+        if out_tensor is None:
+            out_tensor = torch.empty_like(in_tensor)
+        comm = self._live()
+        out = out_tensor
+        self._later(lambda: comm.all_reduce(in_tensor, out=out, op=name, stream=stream))
+        return out_tensor
+
+    def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, stream: Any = None) -> None:
+        """Every rank's ``input_tensor`` in rank order into ``output_tensor`` (``world_size`` times its elements)."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        comm = self._live()
+        self._later(lambda: comm.all_gather(input_tensor, out=output_tensor, stream=stream))
+
+    def all_gatherv(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, sizes: List[int], stream: Any = None
+    ) -> None:
+        """Every rank's ``input_tensor`` (``sizes[rank]`` rows along dimension 0) concatenated along dimension 0
+        into ``output_tensor`` (``sum(sizes)`` rows): one broadcast per rank."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        assert output_tensor.shape[0] == sum(sizes)
+        comm, rank = self._live(), self.rank
+
+        def run() -> None:
+            offset = 0
+            for root, rows in enumerate(sizes):
+                dst = output_tensor[offset : offset + rows]
+                comm.broadcast(input_tensor if root == rank else dst, root, out=dst, stream=stream)
+                offset += rows
+
+        self._later(run)
+
+    def reduce_scatter(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, stream: Any = None
+    ) -> None:
+        """``input_tensor`` (``world_size`` equal parts) reduced over the group; this rank's part into
+        ``output_tensor``."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        name, comm = _op_name(op), self._live()
+        self._later(lambda: comm.reduce_scatter(input_tensor, out=output_tensor, op=name, stream=stream))
+
+    def reduce_scatterv(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: List[int],
+        op: Any = dist.ReduceOp.SUM,
+        stream: Any = None,
+    ) -> None:
+        """``input_tensor`` (``sum(sizes)`` rows along dimension 0) reduced over the group; rank ``r`` gets rows
+        ``sizes[:r]`` to ``sizes[:r+1]`` in ``output_tensor``: one reduce per rank."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        name, comm, rank = _op_name(op), self._live(), self.rank
+
+        def run() -> None:
+            offset = 0
+            for root, rows in enumerate(sizes):
+                chunk = input_tensor[offset : offset + rows]
+                # The other ranks' results land in a scratch tensor: the caller's input stays as it was.
+                dst = output_tensor if root == rank else torch.empty_like(chunk)
+                comm.reduce(chunk, root, out=dst, op=name, stream=stream)
+                offset += rows
+
+        self._later(run)
+
+    def reduce(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        root: int,
+        op: Any = dist.ReduceOp.SUM,
+        stream: Any = None,
+    ) -> None:
+        """``input_tensor`` reduced over the group into rank ``root``'s ``output_tensor`` (the other ranks'
+        ``output_tensor`` is left as it was)."""
+        if self.disabled:
+            return
+        self._check(input_tensor)
+        name, comm, rank = _op_name(op), self._live(), self.rank
+
+        def run() -> None:
+            dst = output_tensor if rank == root else torch.empty_like(input_tensor)
+            comm.reduce(input_tensor, root, out=dst, op=name, stream=stream)
+
+        self._later(run)
+
+    def scatter(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        sizes: List[int],
+        root: int = 0,
+        stream: Any = None,
+    ) -> None:
+        """Rank ``root``'s ``input_tensor`` (``sum(sizes)`` rows along dimension 0) split by ``sizes``: rank ``r``
+        receives its ``sizes[r]`` rows into ``output_tensor`` (sends and receives as one group)."""
+        if self.disabled:
+            return
+        self._check(output_tensor, "output")
+        ops: List[Any] = []
+        if self.rank == root:
+            offset = 0
+            for dst, rows in enumerate(sizes):
+                if rows:
+                    chunk = input_tensor[offset : offset + rows]
+                    if dst == root:
+                        self._later(lambda chunk=chunk: output_tensor.copy_(chunk))
+                    else:
+                        ops.append(("send", chunk.contiguous(), dst))
+                offset += rows
+        elif sizes[self.rank] > 0:
+            ops.append(("recv", output_tensor, root))
+        if ops:
+            self._p2p(ops, stream)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        """Rank ``src``'s ``tensor`` into every rank's ``tensor``."""
+        if self.disabled:
+            return
+        self._check(tensor)
+        comm = self._live()
+        self._later(lambda: comm.broadcast(tensor, src, stream=stream))
+
+    # ---- point to point -----------------------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dst: int, stream: Any = None) -> None:
+        """Sends ``tensor`` to group rank ``dst``."""
+        if self.disabled:
+            return
+        self._check(tensor)
+        self._p2p([("send", tensor, dst)], stream)
+
+    def recv(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+        """Receives into ``tensor`` from group rank ``src``."""
+        if self.disabled:
+            return
+        self._check(tensor)
+        self._p2p([("recv", tensor, src)], stream)
+
+    def _p2p(self, ops: List[Any], stream: Any) -> None:
+        comm = self._live()
+        if self._group_depth:
+            # Consecutive sends and receives of a group are one grouped call at group_end.
+            if self._pending and isinstance(self._pending[-1], _P2pBatch):
+                self._pending[-1].ops.extend(ops)
+            else:
+                self._pending.append(_P2pBatch(comm, ops, stream))
+            return
+        _P2pBatch(comm, ops, stream)()
+
+    def batch_isend_irecv(self, p2p_ops: List[Any], stream: Any = None) -> None:
+        """``torch.distributed.P2POp``s (``isend`` / ``irecv``) as one group: they pair with the peers' groups
+        whatever their order. The peer is the op's ``group_peer`` (a rank of this group) when torch sets it, else
+        its ``peer`` (a global rank) mapped through the group's ranks."""
+        if self.disabled:
+            return
+        ops = []
+        for p in p2p_ops:
+            fn = getattr(p.op, "__name__", str(p.op))
+            if fn not in ("isend", "irecv", "send", "recv"):
+                raise ValueError(f"batch_isend_irecv: {fn} is not a send or a receive")
+            self._check(p.tensor)
+            ops.append(("send" if "send" in fn else "recv", p.tensor, self._group_rank(p)))
+        self._p2p(ops, stream)
+
+    def _group_rank(self, p: Any) -> int:
+        peer = getattr(p, "group_peer", None)
+        if peer is not None:
+            return int(peer)
+        peer = int(p.peer)
+        if self._ranks is not None:
+            return self._ranks.index(peer)
+        return peer
+
+    # ---- groups, windows, lifetime ------------------------------------------------------------------------------
+
+    def group_start(self) -> None:
+        """Holds the calls that follow until the matching ``group_end`` (groups nest)."""
+        self._group_depth += 1
+
+    def group_end(self) -> None:
+        """Runs the calls held since the outermost ``group_start``, in order (consecutive sends and receives as one
+        group)."""
+        if self._group_depth == 0:
+            raise RuntimeError("group_end without group_start")
+        self._group_depth -= 1
+        if self._group_depth == 0:
+            pending, self._pending = self._pending, []
+            for run in pending:
+                run()
+
+    def register_comm_window(self, tensor: torch.Tensor) -> None:
+        """None: anyccl has no window for the caller to register (its kernels register the memory they use)."""
+        return None
+
+    def register_comm_window_raw(self, ptr: int, size: int) -> None:
+        """None, as ``register_comm_window``."""
+        return None
+
+    def deregister_comm_window(self, window: Any) -> None:
+        """Nothing to release (``register_comm_window`` made nothing)."""
+        return None
+
+    def suspend(self) -> None:
+        """Nothing to release: anyccl keeps its buffers (vLLM's does the same when its NCCL cannot suspend)."""
+
+    def resume(self) -> None:
+        """Nothing to restore (``suspend`` released nothing)."""
+
+    def destroy(self) -> None:
+        """Closes the communicator (idempotent); later calls find it disabled and return None."""
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self.available = False
+        self.disabled = True
+
+
+class _P2pBatch:
+    """Sends and receives run as one ``Communicator.p2p`` group."""
+
+    def __init__(self, comm: Communicator, ops: List[Any], stream: Any) -> None:
+        self.comm, self.ops, self.stream = comm, list(ops), stream
+
+    def __call__(self) -> None:
+        self.comm.p2p(self.ops, stream=self.stream)

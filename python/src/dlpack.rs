@@ -239,6 +239,14 @@ pub(crate) struct DlpackHost {
     inner: Imported,
 }
 
+impl DlpackHost {
+    /// The array's first byte, its length in bytes and whether the producer marked it read-only: valid while this
+    /// object is alive.
+    pub(crate) fn raw(&self) -> (usize, usize, bool) {
+        (self.inner.ptr, self.inner.bytes, self.inner.read_only)
+    }
+}
+
 #[pymethods]
 impl DlpackHost {
     /// anyccl's name of the element type (`f32`, `bf16`, ...).

@@ -3,9 +3,10 @@
 //! environment, from a unique id the caller moves itself, or over a Python object that exchanges bytes (a torch
 //! `ProcessGroup` through `anyccl.ProcessGroupBootstrap`).
 //!
-//! Host memory (NumPy arrays, any C-contiguous object with the buffer protocol) is copied in and out of the
-//! communicator's own buffers while the GIL is held, so no Rust reference to Python-owned memory lives while other
-//! Python threads run. CUDA tensors (the `cuda` feature) are passed by pointer: the pointer, element count, element
+//! Host memory (NumPy arrays, any C-contiguous object with the buffer protocol, DLPack arrays) is held for the call
+//! (a buffer export, or the DLPack array) and copied straight from the caller's send buffer into the communicator's
+//! own buffer and back into the caller's receive buffer with the GIL released (`hostmem`): no copy through Python
+//! `bytes`; the caller does not resize the arrays or write them from another thread until the call returns. CUDA tensors (the `cuda` feature) are passed by pointer: the pointer, element count, element
 //! size, dtype, device and contiguity are read from a plain `torch.Tensor` here and checked before the call; the
 //! caller keeps the tensor alive and unresized for the call (the same contract as every torch extension that
 //! enqueues work on a stream). The GIL is released while a collective runs. Every failure is a Python exception of
@@ -13,6 +14,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use anyccl::core::P2pOp;
 use anyccl::core::{Bootstrap, InvalidArgument};
 use anyccl::dynamic::{AnyBuffer, AnyCommunicator, AnyStream, BackendChoice, BackendKind};
 use anyccl::{Algorithm, DataType, InOut, ReduceOp, Selector};
@@ -77,7 +79,7 @@ fn exception<T: pyo3::PyTypeInfo>(py: Python<'_>, message: String, hint: Option<
 /// anyccl's error as the matching Python exception.
 fn to_py(py: Python<'_>, e: &anyccl::Error) -> PyErr {
     use anyccl::Error as E;
-    let (message, hint) = (e.to_string(), python_hint(e));
+    let (message, hint) = (python_message(&e.to_string()), python_hint(e));
     match e {
         E::InvalidArgument(_) => exception::<InvalidArgumentError>(py, message, hint, "invalid-argument"),
         E::Parse { .. } | E::Config { .. } => exception::<InvalidArgumentError>(py, message, hint, "config"),
@@ -89,6 +91,22 @@ fn to_py(py: Python<'_>, e: &anyccl::Error) -> PyErr {
         E::Backend { .. } | E::OutOfMemory { .. } => exception::<BackendError>(py, message, hint, "backend"),
         _ => exception::<Error>(py, message, hint, "other"),
     }
+}
+
+/// `message` for a Python caller: deterministic mode named by its keyword (`deterministic=True`, which sets it on the
+/// communicator) rather than by the environment variable anyccl's core names, which is still named when it is set.
+fn python_message(message: &str) -> String {
+    use anyccl::core::selector::ENV_DETERMINISTIC;
+    let core_says = format!("({ENV_DETERMINISTIC})");
+    if !message.contains(&core_says) {
+        return message.to_owned();
+    }
+    let python_says = if std::env::var_os(ENV_DETERMINISTIC).is_some() {
+        format!("(deterministic=True, or {ENV_DETERMINISTIC} as set in the environment)")
+    } else {
+        "(deterministic=True)".to_owned()
+    };
+    message.replace(&core_says, &python_says)
 }
 
 /// The hint of `e` for a Python caller: the keyword and the Python calls rather than the CLI (`anyccl probe`) and the
@@ -339,15 +357,30 @@ fn uploaded(comm: &dyn anyccl::DynComm, bytes: &[u8], stream: &AnyStream) -> Res
     Ok(b)
 }
 
-/// Runs one collective on host bytes through the communicator's own buffers: upload, call, download.
-fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> Result<Vec<u8>, Fail> {
+/// Runs one collective on the caller's host memory through the communicator's own buffers: upload from `send`,
+/// call, download into `recv` (`None`: back into `send`, in place). All-reduce, broadcast and reduce run in place on
+/// one buffer even when the caller's are separate, so the communicator holds one buffer of the payload's size; a
+/// receive allocates its buffer without uploading.
+///
+/// # Safety
+/// `send` and `recv` are the spans of [`HostMem`]s held for the whole call; `send` was taken writable when `recv` is
+/// `None` (unless the call is a send), `recv` writable; no Rust reference to either lives meanwhile.
+unsafe fn staged(st: &mut State, call: Call, send: Span, recv: Option<Span>) -> Result<(), Fail> {
     let State { comm, stream, last, .. } = st;
-    let mut a = uploaded(&**comm, send, stream)?;
-    let mut b = match recv_len {
-        Some(n) => Some(comm.alloc(n)?),
-        None => None,
-    };
     let Call { coll, count, dtype, op, peer, algo } = call;
+    let mut a = if coll == Coll::Recv {
+        comm.alloc(send.len)?
+    } else {
+        // SAFETY: the caller's contract; the shared slice ends with the upload.
+        uploaded(&**comm, unsafe { send.bytes() }, stream)?
+    };
+    let one_buffer = matches!(coll, Coll::AllReduce | Coll::Broadcast | Coll::Reduce);
+    // A receive buffer shorter than the send buffer goes the two-buffer way, where the communicator refuses it with
+    // its own error.
+    let mut b = match recv {
+        Some(r) if !one_buffer || r.len < send.len => Some(comm.alloc(r.len)?),
+        _ => None,
+    };
     match coll {
         Coll::Send => comm.send(&a, count, dtype, peer, stream)?,
         Coll::Recv => comm.recv(&mut a, count, dtype, peer, stream)?,
@@ -369,13 +402,65 @@ fn staged(st: &mut State, call: Call, send: &[u8], recv_len: Option<usize>) -> R
             }
         }
     }
-    let out_buf = b.as_ref().unwrap_or(&a);
-    let mut out = zeroed(out_buf.len(), "the result of a collective")?;
     if coll != Coll::Send {
-        comm.download(out_buf, &mut out, stream)?;
+        let out_buf = b.as_ref().unwrap_or(&a);
+        let mut dst = recv.unwrap_or(send);
+        dst.len = dst.len.min(out_buf.len());
+        // SAFETY: the caller's contract (the destination was taken writable); the upload's slice is gone.
+        comm.download(out_buf, unsafe { dst.bytes_mut() }, stream)?;
     }
     comm.synchronize(stream)?;
-    Ok(out)
+    Ok(())
+}
+
+/// One operation of [`grouped_p2p`]: `(is_send, memory, dtype, count, peer)`.
+type P2pSpec = (bool, Span, DataType, usize, usize);
+
+/// Runs a group of sends and receives on the caller's host memory through the communicator's own buffers.
+///
+/// # Safety
+/// As [`staged`]: every span is held for the call, receives writable, no Rust reference to them lives meanwhile.
+unsafe fn grouped_p2p(st: &mut State, specs: &[P2pSpec]) -> Result<(), Fail> {
+    let State { comm, stream, .. } = st;
+    let mut bufs = Vec::new();
+    bufs.try_reserve_exact(specs.len()).map_err(|_| anyccl::Error::OutOfMemory {
+        what: "the buffers of a grouped send/receive".into(),
+        bytes: specs.len() as u64,
+    })?;
+    for &(is_send, span, ..) in specs {
+        bufs.push(if is_send {
+            // SAFETY: the caller's contract; the shared slice ends with the upload.
+            uploaded(&**comm, unsafe { span.bytes() }, stream)?
+        } else {
+            comm.alloc(span.len)?
+        });
+    }
+    {
+        let mut ops: Vec<P2pOp<'_, AnyBuffer>> = bufs
+            .iter_mut()
+            .zip(specs)
+            .map(
+                |(b, &(is_send, _, dtype, count, peer))| {
+                    if is_send {
+                        P2pOp::send(&*b, count, dtype, peer)
+                    } else {
+                        P2pOp::recv(b, count, dtype, peer)
+                    }
+                },
+            )
+            .collect();
+        comm.p2p(&mut ops, stream)?;
+    }
+    for (b, &(is_send, span, ..)) in bufs.iter().zip(specs) {
+        if !is_send {
+            let mut dst = span;
+            dst.len = dst.len.min(b.len());
+            // SAFETY: the caller's contract (receives were taken writable); no other slice of it lives now.
+            comm.download(b, unsafe { dst.bytes_mut() }, stream)?;
+        }
+    }
+    comm.synchronize(stream)?;
+    Ok(())
 }
 
 fn choice_of(py: Python<'_>, backend: &str) -> PyResult<BackendChoice> {
@@ -454,34 +539,106 @@ fn needs(coll: Coll, count: usize, elem: usize, world: usize) -> Option<(usize, 
 
 #[pymethods]
 impl Comm {
-    /// A collective on host bytes: `data` is the send (or in-place) buffer's bytes, `recv_len` the receive
-    /// buffer's length in bytes (`None`: in place). `count` is anyccl's element count (per rank for all_gather and
-    /// reduce_scatter). Returns the bytes of the buffer written (recv, or the in-place buffer); `None` for send.
-    /// The Python side (`anyccl.Communicator`) checks the arrays and copies the result back into them.
-    /// `algorithm` names the all-reduce algorithm (`None`: the selector picks).
-    #[pyo3(signature = (coll, data, recv_len, dtype, count, op="sum", peer=0, algorithm=None))]
+    /// A collective on host memory, read and written in place: `send` is the send (or in-place) buffer, `recv` the
+    /// receive buffer (`None`: in place), each an object with the buffer protocol (C-contiguous) or a `_DlpackHost`.
+    /// `count` is anyccl's element count (per rank for all_gather and reduce_scatter). The result is written into
+    /// `recv` (or `send`); nothing is copied through Python `bytes`. The Python side (`anyccl.Communicator`) checks
+    /// the arrays' types and sizes first. `algorithm` names the all-reduce algorithm (`None`: the selector picks).
+    #[pyo3(signature = (coll, send, recv, dtype, count, op="sum", peer=0, algorithm=None))]
     #[allow(clippy::too_many_arguments)]
-    fn host_collective<'py>(
+    fn host_collective(
         &self,
-        py: Python<'py>,
+        py: Python<'_>,
         coll: &str,
-        data: &[u8],
-        recv_len: Option<usize>,
+        send: &Bound<'_, PyAny>,
+        recv: Option<&Bound<'_, PyAny>>,
         dtype: &str,
         count: usize,
         op: &str,
         peer: usize,
         algorithm: Option<&str>,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    ) -> PyResult<()> {
         let coll = Coll::from_name(coll).ok_or_else(|| invalid(py, format!("unknown collective {coll:?}")))?;
         let op = parse_op(py, op)?;
         let dtype = parse_dtype(py, dtype)?;
         let algo = parse_algorithm(py, algorithm)?;
         let call = Call { coll, count, dtype, op, peer, algo };
-        // `data` is the content of an immutable `bytes` object the caller holds: it stays valid and unchanged while
-        // the GIL is released.
-        let out = self.with_state(py, move |st| staged(st, call, data, recv_len))?;
-        Ok((coll != Coll::Send).then(|| PyBytes::new(py, &out)))
+        let send_mem = HostMem::take(send, "send", recv.is_none() && coll != Coll::Send)?;
+        let recv_mem = recv.map(|r| HostMem::take(r, "recv", true)).transpose()?;
+        let (send_span, recv_span) = (send_mem.span(), recv_mem.as_ref().map(HostMem::span));
+        // SAFETY: both memories are held (exported, or their DLPack arrays held) until after the call returns, and
+        // were taken writable where written; the caller does not resize them or write them from another thread
+        // while the call runs with the GIL released (the documented contract, as for every buffer handed to a
+        // native call that releases the GIL).
+        self.with_state(py, move |st| unsafe { staged(st, call, send_span, recv_span) })?;
+        drop(recv_mem);
+        drop(send_mem);
+        Ok(())
+    }
+
+    /// The all-reduce fast path for host arrays with the buffer protocol: `x` (and `out`, when given) exporting
+    /// C-contiguous memory of a type anyccl reads from its format (NumPy arrays of its types, typed memoryviews),
+    /// reduced in place (or into `out`) with `op` (one of anyccl's names). Returns False, having done nothing, for
+    /// anything else (a DLPack-only object, another format, a read-only `x` or `out`, sizes that differ, a name it does
+    /// not know), so the caller takes its general path, which explains every refusal.
+    #[pyo3(signature = (x, out, op, algorithm=None))]
+    fn host_all_reduce_fast(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        op: &str,
+        algorithm: Option<&str>,
+    ) -> PyResult<bool> {
+        let op = match op {
+            "sum" => ReduceOp::Sum,
+            "max" => ReduceOp::Max,
+            "min" => ReduceOp::Min,
+            "prod" => ReduceOp::Prod,
+            "avg" => ReduceOp::Avg,
+            _ => return Ok(false),
+        };
+        let algo = parse_algorithm(py, algorithm)?;
+        let Some((send_mem, dtype)) = HostMem::take_typed(x, out.is_none()) else {
+            return Ok(false);
+        };
+        let recv_mem = match out {
+            None => None,
+            Some(o) => match HostMem::take_typed(o, true) {
+                Some((m, d)) if d == dtype && m.span().len == send_mem.span().len => Some(m),
+                _ => return Ok(false),
+            },
+        };
+        let count = send_mem.span().len / dtype.size_bytes();
+        let call = Call { coll: Coll::AllReduce, count, dtype, op, peer: 0, algo };
+        let (send_span, recv_span) = (send_mem.span(), recv_mem.as_ref().map(HostMem::span));
+        // SAFETY: as in `host_collective`: both memories are held until after the call, taken writable where
+        // written, and not resized or written from another thread while the call runs (the documented contract).
+        self.with_state(py, move |st| unsafe { staged(st, call, send_span, recv_span) })?;
+        drop(recv_mem);
+        drop(send_mem);
+        Ok(true)
+    }
+
+    /// A group of sends and receives on host memory that completes as one (NCCL's grouped point-to-point, as
+    /// `torch.distributed.batch_isend_irecv` issues it): `ops` are `(is_send, memory, dtype, count, peer)` with
+    /// memory as `host_collective` takes it (receives written in place). Every rank's group pairs with its peers'
+    /// however the sends and receives are ordered.
+    fn host_p2p(&self, py: Python<'_>, ops: Vec<(bool, Bound<'_, PyAny>, String, usize, usize)>) -> PyResult<()> {
+        let mut mems = Vec::with_capacity(ops.len());
+        let mut specs = Vec::with_capacity(ops.len());
+        for (is_send, obj, dtype, count, peer) in &ops {
+            let mem = HostMem::take(obj, if *is_send { "send" } else { "recv" }, !*is_send)?;
+            specs.push((*is_send, mem.span(), parse_dtype(py, dtype)?, *count, *peer));
+            mems.push(mem);
+        }
+        // SAFETY: every span's memory is held in `mems` until after the call returns; receives were taken writable;
+        // the spans of one group do not overlap in ways the caller did not ask for (a buffer both sent and received
+        // into is read by the upload before any download writes it); the caller does not resize or write them from
+        // another thread meanwhile.
+        self.with_state(py, move |st| unsafe { grouped_p2p(st, &specs) })?;
+        drop(mems);
+        Ok(())
     }
 
     /// The byte lengths (send, recv) a collective needs; for the Python side's allocation of outputs.
@@ -713,6 +870,8 @@ impl Comm {
 mod cuda;
 mod dlpack;
 mod fused;
+mod hostmem;
+use hostmem::{HostMem, Span};
 
 /// Joins the job this process was started into by torchrun or srun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `MASTER_ADDR`, `MASTER_PORT`; anyccl's rendezvous on `MASTER_PORT + 1` or `ANYCCL_MASTER_PORT`) on `backend`

@@ -94,6 +94,14 @@ def test_an_unknown_backend_or_op_is_a_parse_error(comm: anyccl.Communicator) ->
         comm.all_reduce(np.zeros(4, dtype=np.float32), op="median")
 
 
+def test_an_op_that_is_neither_a_name_nor_a_reduce_op_is_a_value_error(comm: anyccl.Communicator) -> None:
+    x = np.ones(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="op=.*sum, prod, min, max, avg or the torch.distributed.ReduceOp") as e:
+        comm.all_reduce(x, op=3)
+    assert isinstance(e.value, anyccl.InvalidArgumentError)
+    np.testing.assert_array_equal(x, np.ones(4, dtype=np.float32))
+
+
 def test_avg_on_integers_is_refused_by_anyccl(comm: anyccl.Communicator) -> None:
     with pytest.raises(anyccl.Error, match="avg"):
         comm.all_reduce(np.zeros(4, dtype=np.int32), op="avg")

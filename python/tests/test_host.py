@@ -54,6 +54,27 @@ def _collectives(comm: anyccl.Communicator) -> Dict[str, Any]:
             comm.recv(got, prv)
             comm.send(np.full(3, r, dtype=np.int32), nxt)
     out["ring"] = got
+    # A grouped exchange: every rank sends 1 MiB to both neighbours before it receives anything; as one group it
+    # pairs (the same peer's messages matched in order, as NCCL matches them).
+    big = 1 << 18
+    from_prev, from_next = np.zeros(big, dtype=np.float32), np.zeros(big, dtype=np.float32)
+    if w > 1:
+        comm.p2p(
+            [
+                ("send", np.full(big, r, dtype=np.float32), nxt),
+                ("send", np.full(big, r + 100, dtype=np.float32), prv),
+                ("recv", from_prev, prv),
+                ("recv", from_next, nxt),
+            ]
+        )
+    out["grouped"] = (from_prev[[0, -1]].copy(), from_next[[0, -1]].copy())
+    # Plain buffer-protocol objects, read and written in place: a bytearray, and read-only bytes as a send buffer.
+    ba = bytearray(np.full(4, r + 1, dtype=np.float32).tobytes())
+    comm.all_reduce(ba, dtype="f32")
+    out["bytearray"] = np.frombuffer(bytes(ba), dtype=np.float32).copy()
+    dst = np.zeros(4, dtype=np.float32)
+    comm.all_reduce(np.full(4, r + 1, dtype=np.float32).tobytes(), out=dst, dtype="f32")
+    out["read_only_send"] = dst
     out["last_selection"] = comm.last_selection
     comm.barrier()
     return out
@@ -77,6 +98,12 @@ def _expect(rank: int, w: int, got: Dict[str, Any]) -> None:
     np.testing.assert_array_equal(got["broadcast_out"], np.arange(4, dtype=np.uint8))
     if rank == 0:
         np.testing.assert_array_equal(got["reduce_root"], np.full(2, total))
+    np.testing.assert_array_equal(got["bytearray"], np.full(4, total, dtype=np.float32))
+    np.testing.assert_array_equal(got["read_only_send"], np.full(4, total, dtype=np.float32))
+    if w > 1:
+        from_prev, from_next = got["grouped"]
+        np.testing.assert_array_equal(from_prev, np.full(2, (rank - 1) % w, dtype=np.float32))
+        np.testing.assert_array_equal(from_next, np.full(2, (rank + 1) % w + 100, dtype=np.float32))
     if w > 1:
         np.testing.assert_array_equal(got["ring"], np.full(3, (rank - 1) % w, dtype=np.int32))
     assert got["last_selection"]["algorithm"] in ("one-shot", "two-shot", "ring")

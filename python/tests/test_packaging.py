@@ -63,6 +63,37 @@ def test_the_plugin_turned_off_does_nothing_and_says_so(monkeypatch: pytest.Monk
     assert "vllm" not in sys.modules
 
 
+def test_the_sglang_plugin_entry_point_is_installed() -> None:
+    from anyccl import sglang_plugin
+
+    eps = md.entry_points(group="sglang.srt.plugins")
+    mine = [ep for ep in eps if ep.name == "anyccl"]
+    assert len(mine) == 1, list(eps)
+    assert mine[0].value == "anyccl.sglang_plugin:register"
+    assert mine[0].load() is sglang_plugin.register
+    assert any(r.replace(" ", "").startswith("sglang;extra==") for r in md.requires("anyccl") or [])
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("sglang") is not None, reason="SGLang is installed: see test_sglang_signatures"
+)
+def test_the_sglang_plugin_without_sglang_does_nothing_and_says_so() -> None:
+    from anyccl import sglang_plugin
+
+    said = sglang_plugin.register()
+    assert said is not None and said.startswith("skipped: SGLang is not importable"), said
+    assert "sglang" not in sys.modules
+
+
+def test_the_sglang_plugin_turned_off_does_nothing_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from anyccl import sglang_plugin
+
+    monkeypatch.setenv("ANYCCL_SGLANG_PLUGIN", "0")
+    said = sglang_plugin.register()
+    assert said is not None and said.startswith("off: ANYCCL_SGLANG_PLUGIN=0"), said
+    assert "sglang" not in sys.modules
+
+
 def test_capabilities_says_whether_the_gpu_kernels_are_built_in() -> None:
     caps = anyccl.capabilities()
     assert caps["version"] == anyccl.__version__
