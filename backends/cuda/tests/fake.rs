@@ -14,6 +14,7 @@ use anyccl_testkit::fake_cuda;
 use anyccl_testkit::fake_hip;
 use anyccl_testkit::fused_case;
 
+use std::ffi::c_void;
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
