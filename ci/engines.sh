@@ -16,6 +16,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
+# Removed on exit (globals: the EXIT trap runs after the functions have returned).
+tmp=""
+work=""
+trap 'rm -rf ${tmp:+"$tmp"} ${work:+"$work"}' EXIT
+trap 'exit 1' INT TERM
 
 # The tests that must run (4 vllm, 3 sglang, 2 torch); fewer, or any skipped, fails.
 EXPECTED_TESTS=9
@@ -117,7 +122,7 @@ for m in ("vllm.distributed.device_communicators.pynccl", "vllm.distributed.devi
 '
 
 prepare() { # dir
-    local link="$1" cache key venv tmp
+    local link="$1" cache key venv
     cache="${ANYCCL_CACHE_DIR:-$HOME/.cache/anyccl}"
     mkdir -p "$cache"
     cache="$(cd "$cache" && pwd)"
@@ -130,7 +135,6 @@ prepare() { # dir
         # works from the new path): an interrupted install leaves nothing that looks finished.
         tmp="$venv.tmp.$$"
         rm -rf "$tmp"
-        trap 'rm -rf "$tmp"' EXIT
         python3 -m venv "$tmp"
         "$tmp/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps \
             -r <(printf '%s\n' "$PINS" | sed '/^$/d')
@@ -139,12 +143,17 @@ prepare() { # dir
         touch "$tmp/.anyccl-complete"
         rm -rf "$venv"
         mv "$tmp" "$venv"
-        trap - EXIT
+        tmp=""
         echo "engines: made $venv ($(du -sh "$venv" | cut -f1))" >&2
     fi
     # One environment kept: those of other pin sets go.
     for old in "$cache"/engines-venv-*; do
-        case "$old" in "$venv" | *.tmp.*) ;; *) rm -rf "$old" ;; esac
+        case "$old" in
+        "$venv") ;;
+        # Another run's unfinished install stays while that run lives.
+        *.tmp.*) kill -0 "${old##*.tmp.}" 2>/dev/null || rm -rf "$old" ;;
+        *) rm -rf "$old" ;;
+        esac
     done
     if [ -L "$link" ]; then
         rm "$link"
@@ -157,13 +166,12 @@ prepare() { # dir
 }
 
 run_tests() { # dir wheel
-    local venv wheel work
+    local venv wheel
     venv="$(cd "$1" && pwd -P)"
     wheel="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
     [ -f "$venv/.anyccl-complete" ] || { echo "engines: $1 was not made by ci/engines.sh --prepare" >&2; exit 1; }
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --force-reinstall "$wheel"
     work="$(mktemp -d)"
-    trap 'rm -rf "$work"' EXIT
     # From python/ so pytest reads python/pyproject.toml (the markers); `anyccl` is the installed wheel.
     (cd "$root/python" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs -m "vllm or sglang or torch" \
         --junitxml="$work/junit.xml" tests)
