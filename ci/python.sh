@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package (python/): builds the sdist (python/tools/sdist.py) and from it the abi3 manylinux_2_28 wheel with
 # maturin and zig from PyPI, checks the tag with auditwheel, installs the wheel into a fresh virtual environment with
-# NumPy, pytest and mypy (not torch: too big for CI; nor vLLM: about 4.9 GB of wheels), then runs
+# NumPy, pytest and mypy (not torch, vLLM or SGLang: ci/engines.sh tests the wheel against those), then runs
 #   - `import anyccl` (without NumPy or torch imported),
 #   - pytest python/tests: the host backend across 2 and 3 processes (NumPy; a unique id, the torchrun environment
 #     under ci/torchrun_stand_in.py, a Python bootstrap object) and as threads of one process (the GIL released),
@@ -9,7 +9,8 @@
 #     reachable through __dlpack__ only, hand-made malformed capsules), the fused all-reduce + RMSNorm against NumPy,
 #     the READMEs' Python snippets (2 processes), the metadata, the vLLM and SGLang plugins' entry points and their
 #     no-engine paths, grouped host send/receive and plain buffer-protocol objects read and written in place;
-#     the GPU, vLLM, SGLang and torch tests (-m gpu, -m vllm, -m sglang, -m torch) stay deselected here,
+#     the GPU, vLLM, SGLang and torch tests (-m gpu, -m vllm, -m sglang, -m torch) stay deselected here (ci/test.sh
+#     runs the last three through ci/engines.sh),
 #   - the type stubs: mypy.stubtest on the extension module, mypy --strict on the package, the vLLM and SGLang
 #     plugin modules and two examples.
 # Needs python3 with venv (or virtualenv) and pip, a Rust toolchain, and PyPI. About 9 minutes on 2 loaded cores (6 min 20 s

@@ -84,12 +84,14 @@ rustc --version
 msrv="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"
 [ -n "$msrv" ] || { echo "error: no rust-version in Cargo.toml"; exit 1; }
 
-step "downloads in the background: HIP compiler and runtime (Debian), NCCL wheels, nightly (docs.rs), Python tools"
+step "downloads in the background: HIP compiler and runtime (Debian), NCCL wheels, nightly (docs.rs), Python tools, torch + vLLM + SGLang (cached)"
 background hip ci/install-hip.sh
 background nccl ci/install-nccl.sh
 background nccl_sdk dropin/ci/install-nccl-sdk.sh
 background nightly bash -c 'cargo +nightly --version >/dev/null 2>&1 || rustup toolchain install nightly --profile minimal'
 background python_venv ci/python.sh --prepare target/ci-python-venv
+# torch 2.15.0, vLLM 0.33.0, SGLang 0.5.23 (about 6.5 GB, cached in ${ANYCCL_CACHE_DIR:-$HOME/.cache/anyccl}).
+background engines_venv ci/engines.sh --prepare target/ci-engines-venv
 rustup toolchain install "$msrv" --profile minimal >/dev/null
 
 step "CUDA compiler for the kernels (PyPI nvcc, cached)"
@@ -193,6 +195,11 @@ cargo run --release --locked --features rocm -- probe
 step "the Python package: wheel, fresh venv, pytest, type stubs (ci/python.sh)"
 wait_for python_venv
 ANYCCL_PY_VENV=target/ci-python-venv ci/python.sh
+
+step "the engines' plugin loaders and signatures: the wheel in torch 2.15.0 + vLLM 0.33.0 + SGLang 0.5.23, CPU (ci/engines.sh)"
+# pytest -m "vllm or sglang or torch" against the installed engines; fails if fewer than all 9 run or any skips.
+wait_for engines_venv
+ci/engines.sh target/ci-engines-venv "${CARGO_TARGET_DIR:-target}"/wheels-python/anyccl-*.whl
 
 step "README commands: probe and bench (release)"
 cargo run --release --locked -- probe
