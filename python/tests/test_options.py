@@ -79,7 +79,7 @@ def test_a_named_algorithm_runs_and_is_reported_as_named(comm: anyccl.Communicat
     assert sel is not None and sel["algorithm"] == "one-shot" and "named by the caller" not in sel["why"]
 
 
-@pytest.mark.parametrize("name", ["two-shot-fp8", "two-shot-int8", "ccl", "two-shot"])
+@pytest.mark.parametrize("name", ["two-shot-fp8", "two-shot-int8", "ccl", "ring"])
 def test_an_ineligible_algorithm_is_unsupported_with_the_reason_and_touches_nothing(
     comm: anyccl.Communicator, name: str
 ) -> None:
