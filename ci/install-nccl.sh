@@ -14,7 +14,7 @@ for v in "${versions[@]}"; do
     if [ ! -s "$lib" ]; then
         echo "installing NCCL $v from the nvidia-nccl-cu12 wheel" >&2
         python3 -m pip download -q --no-deps --only-binary=:all: "nvidia-nccl-cu12==$v" -d "$cache/wheels" >&2
-        whl=$(ls "$cache"/wheels/nvidia_nccl_cu12-"$v"-*.whl | head -n 1)
+        whl=$(set -- "$cache"/wheels/nvidia_nccl_cu12-"$v"-*.whl; echo "$1")
         mkdir -p "$cache/nccl/$v"
         python3 - "$whl" "$lib" <<'PY'
 import shutil, sys, zipfile

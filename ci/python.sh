@@ -58,7 +58,7 @@ trap 'rm -rf "$work"' EXIT
 if [ -n "${ANYCCL_PY_VENV:-}" ]; then
     # Prepared by `ci/python.sh --prepare` with the same pins; the wheel is installed into it below.
     venv="$(cd "$ANYCCL_PY_VENV" && pwd)"
-    "$venv/bin/maturin" --version | grep -qx "maturin $MATURIN" || { echo "error: $venv has no maturin $MATURIN"; exit 1; }
+    [ "$("$venv/bin/maturin" --version)" = "maturin $MATURIN" ] || { echo "error: $venv has no maturin $MATURIN"; exit 1; }
 else
     venv="$work/venv"
     make_venv "$venv"
@@ -84,7 +84,7 @@ ls -l "$wheels"
 
 echo "== the wheel's platform tag (auditwheel $AUDITWHEEL): manylinux_2_28"
 "$venv/bin/auditwheel" show "$wheels"/*.whl | tee "$work/auditwheel.txt"
-tr -s ' \n' ' ' < "$work/auditwheel.txt" | grep -q "platform tag: \"manylinux_2_28_$(uname -m)\"" \
+tr -s ' \n' ' ' < "$work/auditwheel.txt" | grep "platform tag: \"manylinux_2_28_$(uname -m)\"" >/dev/null \
     || { echo "python: the wheel is not manylinux_2_28" >&2; exit 1; }
 "$py" -m pip install --quiet --no-index "$wheels"/anyccl-*.whl
 

@@ -81,7 +81,7 @@ for comp in rustfmt clippy; do
 done
 cargo --version
 rustc --version
-msrv="$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)"
+msrv="$(sed -n '/^rust-version = "\(.*\)"/{s//\1/p;q}' Cargo.toml)"
 [ -n "$msrv" ] || { echo "error: no rust-version in Cargo.toml"; exit 1; }
 
 step "downloads in the background: HIP compiler and runtime (Debian), NCCL wheels, nightly (docs.rs), Python tools, torch + vLLM + SGLang (cached)"
@@ -183,7 +183,9 @@ NCCL_LIB="${ANYCCL_TEST_REAL_NCCL##*=}"
 ANYCCL_NCCL_PATH="$NCCL_LIB" cargo run --release --locked -- probe
 
 step "real HIP runtime from Debian's libamdhip64-5 (loads with no AMD GPU and says why it is off)"
-HIP_LIB="$(ldconfig -p | awk '/libamdhip64\.so\.5 /{print $NF; exit}')"
+# awk reads all of ldconfig's output (no early `exit`): under pipefail, a reader that quits first kills the writer
+# with SIGPIPE and fails the step (exit 141).
+HIP_LIB="$(ldconfig -p | awk '/libamdhip64\.so\.5 / && !found { print $NF; found = 1 }')"
 [ -n "$HIP_LIB" ] || { echo "error: libamdhip64.so.5 not found (ci/install-hip.sh installs it)"; exit 1; }
 # anyccl-rocm's `fake` target as the test step built it (the filter leaves out the other crates' `fake` targets).
 real_hip_test=the_real_hip_runtime_loads_and_says_why_there_is_no_device

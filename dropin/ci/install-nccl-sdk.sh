@@ -12,7 +12,7 @@ if [ ! -s "$sdk/include/nccl.h" ] || [ ! -s "$sdk/lib/libnccl.so.2" ]; then
     echo "installing the NCCL $v headers and library from the nvidia-nccl-cu12 wheel" >&2
     mkdir -p "$cache/wheels"
     python3 -m pip download -q --no-deps --only-binary=:all: "nvidia-nccl-cu12==$v" -d "$cache/wheels" >&2
-    whl=$(ls "$cache"/wheels/nvidia_nccl_cu12-"$v"-*.whl | head -n 1)
+    whl=$(set -- "$cache"/wheels/nvidia_nccl_cu12-"$v"-*.whl; echo "$1")
     rm -rf "$sdk.part"
     mkdir -p "$sdk.part"
     python3 - "$whl" "$sdk.part" <<'PY'
