@@ -635,15 +635,10 @@ class Communicator:
             if self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
                 return x if out is None else out
         elif dtype is None:
-            # Host arrays with the buffer protocol and a type anyccl reads from it (NumPy's, and CPU tensors through
-            # their NumPy view): one call, no checks in Python (anything else, or anything wrong, goes the general
-            # way below, which says why).
-            if _is_torch_tensor(x):
-                xv, ov = _numpy_view(x), None if out is None else _numpy_view(out)
-                if xv is not None and (out is None or ov is not None):
-                    if self._comm.host_all_reduce_fast(xv, ov, op, algo):
-                        return x if out is None else out
-            elif self._comm.host_all_reduce_fast(x, out, op, algo):
+            # Plain contiguous CPU tensors (read through data_ptr()) and host arrays with the buffer protocol and a
+            # type anyccl reads from it (NumPy's): one call, no checks in Python (anything else, or anything wrong,
+            # goes the general way below, which says why).
+            if self._comm.host_all_reduce_fast(x, out, op, algo):
                 return x if out is None else out
         return self._run("all_reduce", x, out, op, 0, dtype, stream, algo)
 
