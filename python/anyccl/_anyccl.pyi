@@ -110,6 +110,7 @@ class _Comm:
         stream: Any = None,
         algorithm: Optional[str] = None,
     ) -> bool: ...
+    def cuda_p2p(self, ops: List[Tuple[bool, Any, int]], stream: Any = None) -> None: ...
     def cuda_rmsnorm(
         self,
         input: Any,

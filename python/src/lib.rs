@@ -837,6 +837,21 @@ impl Comm {
         cuda::collective(self, py, coll, send, recv, op, peer, stream, algo)
     }
 
+    /// A group of sends and receives on CUDA tensors that completes as one NCCL group (`ncclGroupStart`, the
+    /// sends and receives, `ncclGroupEnd`), so each rank's group pairs with its peers' whatever the order of the
+    /// operations: `ops` are `(is_send, tensor, peer)`, each tensor a plain `torch.Tensor` or a CUDA DLPack object on
+    /// this communicator's device, enqueued on `stream` (a `torch.cuda.Stream`, or the current stream).
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (ops, stream=None))]
+    fn cuda_p2p(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, Bound<'_, PyAny>, usize)>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        cuda::p2p(self, py, &ops, stream)
+    }
+
     /// The fused all-reduce + residual add + RMSNorm on CUDA tensors (see `host_rmsnorm`); `False` when `input`
     /// is not a CUDA tensor.
     #[cfg(feature = "cuda")]
