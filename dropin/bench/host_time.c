@@ -25,6 +25,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_lib.h"
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -56,21 +58,8 @@ struct Lib {
         }                                                                                               \
     } while (0)
 
-static void* sym(void* handle, const char* lib, const char* name) {
-    void* p = dlsym(handle, name);
-    if (!p) {
-        fprintf(stderr, "error: %s does not export %s\n", lib, name);
-        exit(1);
-    }
-    return p;
-}
-
 static void open_lib(struct Lib* l, const char* path) {
-    l->handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!l->handle) {
-        fprintf(stderr, "error: dlopen(%s): %s\n", path, dlerror());
-        exit(1);
-    }
+    l->handle = open_local(path);
     l->get_unique_id = (GetUniqueIdFn)sym(l->handle, path, "ncclGetUniqueId");
     l->init_rank = (InitRankFn)sym(l->handle, path, "ncclCommInitRank");
     l->all_reduce = (AllReduceFn)sym(l->handle, path, "ncclAllReduce");

@@ -26,6 +26,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_lib.h"
+
 typedef int (*GetVersionFn)(int*);
 typedef const char* (*ErrorStringFn)(int);
 typedef int (*CommCountFn)(void*, int*);
@@ -43,21 +45,8 @@ struct Lib {
     LastErrorFn last_error;
 };
 
-static void* sym(void* handle, const char* lib, const char* name) {
-    void* p = dlsym(handle, name);
-    if (!p) {
-        fprintf(stderr, "error: %s does not export %s\n", lib, name);
-        exit(1);
-    }
-    return p;
-}
-
 static void open_lib(struct Lib* l, const char* path) {
-    l->handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!l->handle) {
-        fprintf(stderr, "error: dlopen(%s): %s\n", path, dlerror());
-        exit(1);
-    }
+    l->handle = open_local(path);
     l->get_version = (GetVersionFn)sym(l->handle, path, "ncclGetVersion");
     l->error_string = (ErrorStringFn)sym(l->handle, path, "ncclGetErrorString");
     l->comm_count = (CommCountFn)sym(l->handle, path, "ncclCommCount");

@@ -206,15 +206,17 @@ def _is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _numpy_view(t: Any) -> Any:
-    """A CPU tensor's memory as a NumPy array (no copy), or None where torch gives none (another device, a type NumPy
-    lacks such as bfloat16, a tensor that needs grad, NumPy missing)."""
-    if not _is_torch_tensor(t) or t.is_cuda:
-        return None
+def _is_cuda_dlpack(x: Any) -> bool:
+    """Whether ``x`` is a DLPack object other than a torch tensor whose ``__dlpack_device__`` says CUDA (kDLCUDA)."""
+    if _is_torch_tensor(x):
+        return False
+    device = getattr(x, "__dlpack_device__", None)
+    if device is None:
+        return False
     try:
-        return t.numpy()
+        return int(device()[0]) == 2
     except Exception:
-        return None
+        return False
 
 
 def _canon_dtype(dtype: Optional[str]) -> Optional[str]:
@@ -635,15 +637,10 @@ class Communicator:
             if self._comm.cuda_collective("all_reduce", x, out, op, 0, stream, algo):
                 return x if out is None else out
         elif dtype is None:
-            # Host arrays with the buffer protocol and a type anyccl reads from it (NumPy's, and CPU tensors through
-            # their NumPy view): one call, no checks in Python (anything else, or anything wrong, goes the general
-            # way below, which says why).
-            if _is_torch_tensor(x):
-                xv, ov = _numpy_view(x), None if out is None else _numpy_view(out)
-                if xv is not None and (out is None or ov is not None):
-                    if self._comm.host_all_reduce_fast(xv, ov, op, algo):
-                        return x if out is None else out
-            elif self._comm.host_all_reduce_fast(x, out, op, algo):
+            # Plain contiguous CPU tensors (read through data_ptr()) and host arrays with the buffer protocol and a
+            # type anyccl reads from it (NumPy's): one call, no checks in Python (anything else, or anything wrong,
+            # goes the general way below, which says why).
+            if self._comm.host_all_reduce_fast(x, out, op, algo):
                 return x if out is None else out
         return self._run("all_reduce", x, out, op, 0, dtype, stream, algo)
 
@@ -700,16 +697,16 @@ class Communicator:
     def p2p(self, ops: Sequence[Tuple[str, Any, int]], *, dtype: Optional[str] = None, stream: Any = None) -> None:
         """A group of sends and receives that completes as one (NCCL's grouped point-to-point): ``ops`` are
         ``("send" | "recv", x, peer)``, receives written into their ``x``. On host memory it is one grouped call: every
-        rank's group pairs with its peers' whatever the order of the operations in it. CUDA tensors are sent and
-        received one by one in the order given, on ``stream`` (order them so that each send meets its receive)."""
+        rank's group pairs with its peers' whatever the order of the operations in it. CUDA tensors (or CUDA DLPack
+        objects) go to NCCL as one group (``ncclGroupStart``, the sends and receives, ``ncclGroupEnd``) on
+        ``stream``, which pairs with the peers' groups in the same way."""
         kinds = []
         for kind, x, peer in ops:
             if kind not in ("send", "recv"):
                 raise InvalidArgumentError(f"p2p: operation {kind!r}: expected 'send' or 'recv'")
             kinds.append((kind == "send", x, int(peer)))
-        if self._cuda and any(_is_torch_tensor(x) and x.is_cuda for _, x, _ in kinds):
-            for is_send, x, peer in kinds:
-                self._run("send" if is_send else "recv", x, None, "sum", peer, dtype, stream)
+        if self._cuda and any(_is_torch_tensor(x) and x.is_cuda or _is_cuda_dlpack(x) for _, x, _ in kinds):
+            self._comm.cuda_p2p(kinds, stream)
             return
         canon = _canon_dtype(dtype)
         batch = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Optional, Union
 
-import torch
+import torch  # type: ignore[import-not-found, unused-ignore]
 
 from .vllm import AnycclCustomAllreduce
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
-import torch
+import torch  # type: ignore[import-not-found, unused-ignore]
 
 from . import Communicator, InvalidArgumentError
 
@@ -70,7 +70,9 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "register_fake"):
 # an eager call of a `custom_op` goes through its Python wrapper (autograd and dispatch handling) as well as
 # torch's dispatcher, which measured about 13 µs per call on an H200 host (python/bench/host_time.py); a plain
 # kernel registration leaves only the dispatcher. No op has an autograd formula (a collective has none).
-_LIB = torch.library.Library("anyccl", "FRAGMENT")
+# torch.library.Library has no annotations: held as Any, so that `mypy --strict` with torch installed accepts the calls.
+_Library: Any = torch.library.Library
+_LIB = _Library("anyccl", "FRAGMENT")
 _LIB.define("all_reduce(Tensor x, int handle, str op='sum', str? algorithm=None) -> Tensor")
 _LIB.define("all_reduce_(Tensor(a!) x, int handle, str op='sum', str? algorithm=None) -> ()")
 

@@ -19,8 +19,8 @@ import contextlib
 import logging
 from typing import Any, ClassVar, Iterator, List, Optional, Union
 
-import torch
-import torch.distributed as dist
+import torch  # type: ignore[import-not-found, unused-ignore]
+import torch.distributed as dist  # type: ignore[import-not-found, unused-ignore]
 
 from . import Communicator, Error, _canon_algorithm, _op_name
 from . import torch_ops
@@ -79,7 +79,8 @@ class AnycclDeviceCommunicator:
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum over the group, in a new tensor (the custom op: safe under torch.compile and CUDA graphs)."""
-        return torch.ops.anyccl.all_reduce(input_, self._handle, "sum", self.algorithm)
+        out: torch.Tensor = torch.ops.anyccl.all_reduce(input_, self._handle, "sum", self.algorithm)
+        return out
 
     def custom_all_reduce(self, input_: torch.Tensor) -> Optional[torch.Tensor]:
         """vLLM's custom all-reduce shape: the result, or None to make the caller fall back."""
@@ -97,7 +98,10 @@ class AnycclDeviceCommunicator:
     ) -> torch.Tensor:
         """The all-reduce, the residual add (``residual`` updated in place) and the RMSNorm in one call: the
         normalised output (the custom op ``anyccl::all_reduce_rmsnorm``: safe under torch.compile and CUDA graphs)."""
-        return torch.ops.anyccl.all_reduce_rmsnorm(input_, residual, weight, self._handle, eps, None, fp8_scale)
+        out: torch.Tensor = torch.ops.anyccl.all_reduce_rmsnorm(
+            input_, residual, weight, self._handle, eps, None, fp8_scale
+        )
+        return out
 
     # ---- the other collectives, with vLLM's layouts -------------------------------------------------------------
 
@@ -106,7 +110,7 @@ class AnycclDeviceCommunicator:
         if dim < 0:
             dim += input_.dim()
         size = input_.size()
-        gathered = self.comm.all_gather(input_.contiguous())  # 1-D: world × numel, rank order
+        gathered: torch.Tensor = self.comm.all_gather(input_.contiguous())  # 1-D: world × numel, rank order
         out = gathered.reshape((self.world_size,) + tuple(size))
         out = out.movedim(0, dim)
         return out.reshape(size[:dim] + (self.world_size * size[dim],) + size[dim + 1 :])
@@ -269,7 +273,8 @@ class AnycclCustomAllreduce:
         if self.comm is None or self._handle is None:
             raise RuntimeError("anyccl custom all-reduce is disabled")
         if out is None:
-            return torch.ops.anyccl.all_reduce(inp, self._handle, "sum", None)
+            result: torch.Tensor = torch.ops.anyccl.all_reduce(inp, self._handle, "sum", None)
+            return result
         self.comm.all_reduce(inp, out=out)
         return out
 
@@ -470,14 +475,14 @@ class AnycclPyNcclCommunicator:
     def all_reduce(
         self,
         in_tensor: torch.Tensor,
-        out_tensor: torch.Tensor = None,  # type: ignore[assignment]
+        out_tensor: torch.Tensor = None,  # type: ignore[assignment, unused-ignore]
         op: Any = dist.ReduceOp.SUM,
         stream: Any = None,
     ) -> torch.Tensor:
         """``in_tensor`` reduced over the group with ``op``, out of place into ``out_tensor`` (a new tensor when
         None), which is returned; None when disabled (the caller falls back)."""
         if self.disabled:
-            return None  # type: ignore[return-value]
+            return None  # type: ignore[return-value, unused-ignore]
         self._check(in_tensor)
         name = _op_name(op)
         if out_tensor is None:

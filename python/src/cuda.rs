@@ -8,6 +8,7 @@
 use std::ffi::c_void;
 
 use anyccl::core::InvalidArgument;
+use anyccl::core::P2pOp;
 use anyccl::cuda::{CudaComm, CudaStream, DeviceBuffer};
 use anyccl::{Algorithm, Communicator, DataType, InOut, ReduceOp};
 use pyo3::prelude::*;
@@ -315,6 +316,87 @@ pub(crate) fn collective(
             st.last = Some(sel);
         }
         Ok(true)
+    });
+    // The DLPack tensors are released (their deleters called) after the call, with the GIL held.
+    drop(held);
+    done
+}
+
+/// A group of sends and receives on CUDA tensors (plain `torch.Tensor`s or CUDA DLPack objects of this
+/// communicator's device), enqueued as one group on `stream` (`ncclGroupStart`, each `ncclSend` / `ncclRecv`,
+/// `ncclGroupEnd`): each rank's group pairs with its peers' whatever the order of the operations in it. `ops` are
+/// `(is_send, tensor, peer)`; a receive is written into its tensor. Every tensor is checked before anything is
+/// enqueued; streams as in [`collective`] (DLPack objects without a stream: the legacy default stream, waited for).
+pub(crate) fn p2p(
+    comm: &Comm,
+    py: Python<'_>,
+    ops: &[(bool, Bound<'_, PyAny>, usize)],
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let ordinal = comm.device_index;
+    if ordinal < 0 {
+        return Err(invalid(py, "p2p: CUDA tensors need a CUDA communicator".into()));
+    }
+    let mut torch_flags = Vec::with_capacity(ops.len());
+    for (i, (_, x, _)) in ops.iter().enumerate() {
+        let t = is_cuda_tensor(py, x)?;
+        if !t && !is_dlpack_cuda(py, x)? {
+            return Err(invalid(
+                py,
+                format!(
+                    "p2p: operation {i}: expected a CUDA tensor of cuda:{ordinal} (a group is all CUDA or all host)"
+                ),
+            ));
+        }
+        torch_flags.push(t);
+    }
+    let dl = torch_flags.iter().any(|t| !t);
+    let (raw, sync) = match (dl, stream) {
+        (true, None) => (0, true),
+        _ => (raw_stream(py, stream, ordinal)?, false),
+    };
+    let mut held = Vec::new();
+    let mut specs = Vec::with_capacity(ops.len());
+    for ((is_send, x, peer), torch_tensor) in ops.iter().zip(torch_flags) {
+        let which = if *is_send { "send" } else { "recv" };
+        let t = if torch_tensor {
+            tensor(py, x, which, ordinal, true)?
+        } else {
+            from_dlpack(py, x, which, ordinal, raw, !*is_send, &mut held)?
+        };
+        specs.push((*is_send, t, *peer));
+    }
+    let done = comm.with_state(py, move |st| {
+        let typed = typed(&mut st.comm)?;
+        let ctx = typed.runtime().context().clone();
+        let dev = ctx.ordinal().unsigned_abs();
+        // SAFETY: as in `run_on`: torch's stream of this device (checked by `raw_stream`) or the legacy default
+        // stream, alive for the call; the wrapper destroys nothing.
+        let s = unsafe { CudaStream::from_raw(raw as *mut c_void, &ctx) };
+        let mut bufs: Vec<DeviceBuffer> = specs
+            .iter()
+            // SAFETY: as in `run_on`: the memory of checked contiguous CUDA tensors of this device, kept alive and
+            // unresized by the caller (DLPack tensors held in `held`) for the call; the views free nothing.
+            .map(|(_, t, _)| unsafe { DeviceBuffer::from_raw(t.ptr, t.bytes, dev) })
+            .collect();
+        {
+            let mut group: Vec<P2pOp<'_, DeviceBuffer>> = bufs
+                .iter_mut()
+                .zip(&specs)
+                .map(|(b, &(is_send, t, peer))| {
+                    if is_send {
+                        P2pOp::send(&*b, t.elems, t.dtype, peer)
+                    } else {
+                        P2pOp::recv(b, t.elems, t.dtype, peer)
+                    }
+                })
+                .collect();
+            typed.p2p(&mut group, &s)?;
+        }
+        if sync {
+            s.synchronize()?;
+        }
+        Ok(())
     });
     // The DLPack tensors are released (their deleters called) after the call, with the GIL held.
     drop(held);

@@ -3,6 +3,10 @@
 //! Python `bytes`: a collective uploads from the caller's send buffer and downloads into the caller's receive
 //! buffer directly, so a large host all-reduce holds the caller's array and the communicator's one buffer, no more.
 //!
+//! A plain CPU `torch.Tensor` is read as the CUDA path reads a CUDA tensor: its pointer, element count, dtype and
+//! contiguity come from torch's own methods (much cheaper per call than a NumPy view or a DLPack capsule), and the
+//! tensor is held for the call.
+//!
 //! The buffer protocol is reached through `PyObject_GetBuffer` / `PyBuffer_Release`, declared here because the
 //! extension is built for the stable ABI of Python 3.9, whose limited API does not declare them (they are in it from
 //! 3.11, with this same `Py_buffer` layout, unchanged since Python 3.3, and every CPython 3 exports both).
@@ -11,7 +15,10 @@ use std::ffi::{c_char, c_int, c_void};
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
 
 use anyccl::DataType;
 
@@ -121,13 +128,64 @@ impl Span {
     }
 }
 
-/// A host buffer held for one call: the export is released (or the DLPack holder let go) when it is dropped, which
-/// happens with the GIL held (the value cannot leave the thread: it holds raw pointers and a `Bound`).
+/// torch's tensor classes and dtypes, looked up once torch has been imported by the program (never imported here:
+/// a program that has not imported torch passes no tensor).
+struct TorchCpu {
+    tensor: Py<PyType>,
+    parameter: Py<PyType>,
+    /// torch.dtype → index of anyccl's type in `DataType::ALL`.
+    dtypes: Py<PyDict>,
+}
+
+static TORCH_CPU: PyOnceLock<TorchCpu> = PyOnceLock::new();
+
+/// torch's types, when the program has imported torch (`sys.modules["torch"]`); `None` otherwise.
+fn torch_cpu(py: Python<'_>) -> Option<&'static TorchCpu> {
+    if let Some(t) = TORCH_CPU.get(py) {
+        return Some(t);
+    }
+    let modules = py.import(intern!(py, "sys")).ok()?.getattr(intern!(py, "modules")).ok()?;
+    let torch = modules.cast::<PyDict>().ok()?.get_item(intern!(py, "torch")).ok()??;
+    TORCH_CPU
+        .get_or_try_init(py, || -> PyResult<TorchCpu> {
+            let dtypes = PyDict::new(py);
+            for (name, t) in [
+                ("int8", DataType::I8),
+                ("uint8", DataType::U8),
+                ("int32", DataType::I32),
+                ("uint32", DataType::U32),
+                ("int64", DataType::I64),
+                ("uint64", DataType::U64),
+                ("float16", DataType::F16),
+                ("bfloat16", DataType::Bf16),
+                ("float32", DataType::F32),
+                ("float64", DataType::F64),
+                ("float8_e4m3fn", DataType::Fp8E4M3),
+                ("float8_e5m2", DataType::Fp8E5M2),
+            ] {
+                // Older torch releases lack the unsigned and fp8 types: those are simply not mapped.
+                if let (Ok(d), Some(index)) = (torch.getattr(name), DataType::ALL.iter().position(|x| *x == t)) {
+                    dtypes.set_item(d, index)?;
+                }
+            }
+            Ok(TorchCpu {
+                tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
+                parameter: torch.getattr("nn")?.getattr("Parameter")?.cast_into::<PyType>()?.unbind(),
+                dtypes: dtypes.unbind(),
+            })
+        })
+        .ok()
+}
+
+/// A host buffer held for one call: the export is released (or the DLPack holder or the tensor let go) when it is
+/// dropped, which happens with the GIL held (the value cannot leave the thread: it holds raw pointers and a `Bound`).
 pub(crate) struct HostMem<'py> {
     /// A buffer-protocol export; boxed so its address stays fixed until `PyBuffer_Release`.
     export: Option<Box<RawBuffer>>,
     /// A DLPack array held by the Python object `_DlpackHost` (kept alive by this reference).
     _dlpack: Option<Bound<'py, DlpackHost>>,
+    /// A CPU torch tensor whose memory `span` is (kept alive by this reference).
+    _tensor: Option<Bound<'py, PyAny>>,
     span: Span,
 }
 
@@ -142,7 +200,7 @@ impl<'py> HostMem<'py> {
                     "{which}: the DLPack array is read-only, and this call writes into it"
                 )));
             }
-            return Ok(HostMem { export: None, _dlpack: Some(dl.clone()), span: Span { ptr, len } });
+            return Ok(HostMem { export: None, _dlpack: Some(dl.clone()), _tensor: None, span: Span { ptr, len } });
         }
         let mut view = Box::new(RawBuffer::empty());
         let flags = PYBUF_C_CONTIGUOUS | if writable { PYBUF_WRITABLE } else { 0 };
@@ -156,7 +214,7 @@ impl<'py> HostMem<'py> {
         }
         let (ptr, len) = (view.buf as usize, view.len);
         // Held from here on, so the export is released on every path below.
-        let mut mem = HostMem { export: Some(view), _dlpack: None, span: Span { ptr, len: 0 } };
+        let mut mem = HostMem { export: Some(view), _dlpack: None, _tensor: None, span: Span { ptr, len: 0 } };
         if len < 0 || (len > 0 && ptr == 0) {
             return Err(PyBufferError::new_err(format!("{which}: the exporter gave a malformed buffer")));
         }
@@ -185,7 +243,7 @@ impl<'py> HostMem<'py> {
             // the export, which `view` holds.
             unsafe { std::ffi::CStr::from_ptr(view.format) }.to_bytes().to_vec()
         };
-        let mut mem = HostMem { export: Some(view), _dlpack: None, span: Span { ptr, len: 0 } };
+        let mut mem = HostMem { export: Some(view), _dlpack: None, _tensor: None, span: Span { ptr, len: 0 } };
         if len < 0 || (len > 0 && ptr == 0) || itemsize <= 0 {
             return None;
         }
@@ -195,6 +253,64 @@ impl<'py> HostMem<'py> {
         }
         mem.span.len = len as usize; // not negative: checked above
         Some((mem, dtype))
+    }
+
+    /// The fast paths' reading of a host array: a plain CPU torch tensor (see [`HostMem::take_torch`]) or an object
+    /// with the buffer protocol and a typed format ([`HostMem::take_typed`]); `None` (no Python error left set) for
+    /// anything else. A tensor is recognised by its exact class, before any buffer export is tried, once torch's
+    /// classes are known: the first tensor passed after torch was imported costs one failed export.
+    pub fn take_fast(obj: &Bound<'py, PyAny>, writable: bool) -> Option<(HostMem<'py>, DataType)> {
+        let py = obj.py();
+        if let Some(t) = TORCH_CPU.get(py) {
+            if Self::is_plain_tensor(obj, t) {
+                return Self::take_torch(obj, t);
+            }
+        }
+        if let Some(found) = Self::take_typed(obj, writable) {
+            return Some(found);
+        }
+        let t = torch_cpu(py)?;
+        if Self::is_plain_tensor(obj, t) {
+            return Self::take_torch(obj, t);
+        }
+        None
+    }
+
+    fn is_plain_tensor(obj: &Bound<'py, PyAny>, t: &TorchCpu) -> bool {
+        let py = obj.py();
+        let ty = obj.get_type();
+        // Exactly torch's own classes: a subclass could answer data_ptr()/numel() with anything.
+        ty.is(t.tensor.bind(py)) || ty.is(t.parameter.bind(py))
+    }
+
+    /// A plain contiguous CPU tensor's memory and element type, read from torch (`is_cpu`, `is_contiguous()`,
+    /// `is_neg()`, `dtype`, `numel()`, `data_ptr()`); `None` (no Python error left set) for a tensor on another
+    /// device, a non-contiguous or negated view, a sparse tensor, a dtype anyccl lacks, an empty tensor, or any
+    /// error from torch. Tensors have no read-only flag to honour; one that requires grad is written in place, as the
+    /// general path writes it (through `detach()`).
+    fn take_torch(obj: &Bound<'py, PyAny>, t: &TorchCpu) -> Option<(HostMem<'py>, DataType)> {
+        let py = obj.py();
+        let yes = |name: &Bound<'py, pyo3::types::PyString>, call: bool| -> Option<bool> {
+            let v = if call { obj.call_method0(name) } else { obj.getattr(name) };
+            v.ok()?.extract::<bool>().ok()
+        };
+        if !yes(intern!(py, "is_cpu"), false)? || !yes(intern!(py, "is_contiguous"), true)? {
+            return None;
+        }
+        // A negated view (`torch._neg_view`, the imaginary part of a conjugate) holds the values un-negated.
+        if yes(intern!(py, "is_neg"), true)? {
+            return None;
+        }
+        let dt = obj.getattr(intern!(py, "dtype")).ok()?;
+        let index: usize = t.dtypes.bind(py).get_item(&dt).ok()??.extract().ok()?;
+        let dtype = *DataType::ALL.get(index)?;
+        let elems: usize = obj.call_method0(intern!(py, "numel")).ok()?.extract().ok()?;
+        let len = elems.checked_mul(dtype.size_bytes())?;
+        let ptr: usize = obj.call_method0(intern!(py, "data_ptr")).ok()?.extract().ok()?;
+        if ptr == 0 || len == 0 {
+            return None;
+        }
+        Some((HostMem { export: None, _dlpack: None, _tensor: Some(obj.clone()), span: Span { ptr, len } }, dtype))
     }
 
     /// The held bytes.

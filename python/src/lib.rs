@@ -576,11 +576,12 @@ impl Comm {
         Ok(())
     }
 
-    /// The all-reduce fast path for host arrays with the buffer protocol: `x` (and `out`, when given) exporting
-    /// C-contiguous memory of a type anyccl reads from its format (NumPy arrays of its types, typed memoryviews),
-    /// reduced in place (or into `out`) with `op` (one of anyccl's names). Returns False, having done nothing, for
-    /// anything else (a DLPack-only object, another format, a read-only `x` or `out`, sizes that differ, a name it does
-    /// not know), so the caller takes its general path, which explains every refusal.
+    /// The all-reduce fast path for host arrays: `x` (and `out`, when given) a plain contiguous CPU `torch.Tensor` of
+    /// a type anyccl has (read through torch's `data_ptr()`), or an object exporting C-contiguous memory of a type
+    /// anyccl reads from its buffer format (NumPy arrays of its types, typed memoryviews), reduced in place (or into
+    /// `out`) with `op` (one of anyccl's names). Returns False, having done nothing, for anything else (a DLPack-only
+    /// object, another format, a read-only `x` or `out`, types or sizes that differ, a name it does not know), so the
+    /// caller takes its general path, which explains every refusal.
     #[pyo3(signature = (x, out, op, algorithm=None))]
     fn host_all_reduce_fast(
         &self,
@@ -599,12 +600,12 @@ impl Comm {
             _ => return Ok(false),
         };
         let algo = parse_algorithm(py, algorithm)?;
-        let Some((send_mem, dtype)) = HostMem::take_typed(x, out.is_none()) else {
+        let Some((send_mem, dtype)) = HostMem::take_fast(x, out.is_none()) else {
             return Ok(false);
         };
         let recv_mem = match out {
             None => None,
-            Some(o) => match HostMem::take_typed(o, true) {
+            Some(o) => match HostMem::take_fast(o, true) {
                 Some((m, d)) if d == dtype && m.span().len == send_mem.span().len => Some(m),
                 _ => return Ok(false),
             },
@@ -618,6 +619,12 @@ impl Comm {
         drop(recv_mem);
         drop(send_mem);
         Ok(true)
+    }
+
+    /// This communicator's address, for `anyccl_py_host_all_reduce` (the bare C entry point that
+    /// `python/bench/host_overhead.py` calls through ctypes). Valid while this object is alive.
+    fn bare_handle(&self) -> usize {
+        self as *const Comm as usize
     }
 
     /// A group of sends and receives on host memory that completes as one (NCCL's grouped point-to-point, as
@@ -830,6 +837,21 @@ impl Comm {
         cuda::collective(self, py, coll, send, recv, op, peer, stream, algo)
     }
 
+    /// A group of sends and receives on CUDA tensors that completes as one NCCL group (`ncclGroupStart`, the
+    /// sends and receives, `ncclGroupEnd`), so each rank's group pairs with its peers' whatever the order of the
+    /// operations: `ops` are `(is_send, tensor, peer)`, each tensor a plain `torch.Tensor` or a CUDA DLPack object on
+    /// this communicator's device, enqueued on `stream` (a `torch.cuda.Stream`, or the current stream).
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (ops, stream=None))]
+    fn cuda_p2p(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(bool, Bound<'_, PyAny>, usize)>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        cuda::p2p(self, py, &ops, stream)
+    }
+
     /// The fused all-reduce + residual add + RMSNorm on CUDA tensors (see `host_rmsnorm`); `False` when `input`
     /// is not a CUDA tensor.
     #[cfg(feature = "cuda")]
@@ -863,6 +885,50 @@ impl Comm {
     ) -> PyResult<bool> {
         let algo = parse_algorithm(py, algorithm)?;
         cuda::should_all_reduce(self, py, tensor, algo)
+    }
+}
+
+/// The bare C entry point of a host all-reduce, for measuring what the Python layer adds: the same work as
+/// `Communicator.all_reduce(x)` on a host communicator (the same staging through the communicator's buffer, the same
+/// lock) with no Python object read. `python/bench/host_overhead.py` calls it through ctypes, which releases the GIL
+/// around the call as the extension does. In place on `bytes` bytes at `buf`, of the type at index `dtype` of
+/// `anyccl.dtypes()`' order (`DataType::ALL`), with `op` 0 sum, 1 prod, 2 min, 3 max, 4 avg. Returns 0 on success, 1
+/// for an argument it does not take (a null pointer, an unknown type or op, a size that is not whole elements), 2
+/// when the collective failed or the communicator is closed.
+///
+/// # Safety
+/// `comm` is `_Comm.bare_handle()` of a communicator whose Python object outlives the call; `buf` points at `bytes`
+/// writable bytes that nothing else reads or writes until the call returns.
+#[no_mangle]
+pub unsafe extern "C" fn anyccl_py_host_all_reduce(
+    comm: *const std::ffi::c_void,
+    buf: *mut std::ffi::c_void,
+    bytes: usize,
+    dtype: std::ffi::c_int,
+    op: std::ffi::c_int,
+) -> std::ffi::c_int {
+    let op = match op {
+        0 => ReduceOp::Sum,
+        1 => ReduceOp::Prod,
+        2 => ReduceOp::Min,
+        3 => ReduceOp::Max,
+        4 => ReduceOp::Avg,
+        _ => return 1,
+    };
+    let Some(&dtype) = usize::try_from(dtype).ok().and_then(|i| DataType::ALL.get(i)) else { return 1 };
+    if comm.is_null() || (buf.is_null() && bytes > 0) || !bytes.is_multiple_of(dtype.size_bytes()) {
+        return 1;
+    }
+    // SAFETY: the caller's contract: `comm` is the address of a live `Comm` (a frozen pyclass, only read here).
+    let comm = unsafe { &*(comm as *const Comm) };
+    let call = Call { coll: Coll::AllReduce, count: bytes / dtype.size_bytes(), dtype, op, peer: 0, algo: None };
+    let span = Span { ptr: buf as usize, len: bytes };
+    let Ok(mut guard) = comm.state.lock() else { return 2 };
+    let Some(st) = guard.as_mut() else { return 2 };
+    // SAFETY: the caller's contract: `bytes` writable bytes at `buf`, nothing else touching them during the call.
+    match unsafe { staged(st, call, span, None) } {
+        Ok(()) => 0,
+        Err(_) => 2,
     }
 }
 

@@ -8,8 +8,11 @@ so the sdist could not build. This adds them: the files ``cargo package --list -
 examples/, benches/ and build.rs, the files of the test, example and bench targets the root manifest declares (cargo
 checks they exist when it loads the manifest; the package's include list leaves tests out), and
 the two licence files, to the tarball maturin wrote; and points the sdist's pyproject.toml (which maturin puts at the
-top, next to the workspace's README.md) at python/README.md. Needs a maturin that writes this workspace's sdist at
-all (1.16.0 does; 1.9.6 stops at the two README.md files).
+top, next to the workspace's README.md) at python/README.md. It also leaves out the test support crate (testkit/),
+which maturin copies because the workspace's crates name it as a dev-dependency: the wheel's build never compiles a
+dev-dependency, so the sdist's manifests drop those entries and the workspace member (a testkit entry anywhere else
+stops the script). Needs a maturin that writes this workspace's sdist at all (1.16.0 does; 1.9.6 stops at the two
+README.md files).
 
     python python/tools/sdist.py OUT_DIR [MATURIN]    # Python 3.11+, from anywhere; prints the sdist's path
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -57,6 +61,36 @@ def declared_target_files() -> set[str]:
     return found
 
 
+TESTKIT = "anyccl-testkit"
+
+
+def without_testkit(name: str, text: str) -> str:
+    """A manifest of the sdist without the test support crate: its dev-dependency entries, its workspace dependency
+    and its workspace member go; an entry in any other table means the build needs it, and stops the script."""
+    out = []
+    section = ""
+    for line in text.splitlines(keepends=True):
+        head = re.match(r"\s*\[([^\]]+)\]\s*$", line)
+        if head:
+            section = head.group(1).strip()
+        elif re.match(rf"\s*{TESTKIT}\s*=", line):
+            if section not in ("dev-dependencies", "workspace.dependencies"):
+                raise SystemExit(f"{name}: {TESTKIT} is in [{section}], so the build needs it")
+            continue
+        out.append(line)
+    fixed = "".join(out)
+
+    def drop_member(m: "re.Match[str]") -> str:
+        members = [x for x in re.findall(r'"([^"]*)"', m.group(1)) if x != "testkit"]
+        return "members = [" + ", ".join(f'"{x}"' for x in members) + "]"
+
+    fixed = re.sub(r"members\s*=\s*\[(.*?)\]", drop_member, fixed, count=1, flags=re.S)
+    left = [line for line in fixed.splitlines() if TESTKIT in line.split("#")[0] or '"testkit"' in line.split("#")[0]]
+    if left:
+        raise SystemExit(f"{name}: the test support crate is still named: {left}")
+    return fixed
+
+
 def main() -> int:
     if len(sys.argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
@@ -79,6 +113,11 @@ def main() -> int:
     buf = io.BytesIO()
     with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for m, data in members:
+            if m.name.startswith(f"{top}/testkit/") or m.name == f"{top}/testkit":
+                continue
+            if m.name.endswith("/Cargo.toml") and data is not None:
+                data = without_testkit(m.name, data.decode("utf-8")).encode("utf-8")
+                m.size = len(data)
             if m.name == f"{top}/pyproject.toml" and data is not None:
                 # maturin moves pyproject.toml to the sdist's top, where README.md is the workspace's: the package's
                 # own readme is python/README.md there.

@@ -85,9 +85,10 @@ fn world_3_under_a_torchrun_stand_in() {
 fn ranks_on_two_hosts_are_refused_with_the_reason_before_any_shared_memory() {
     let held = hold_master_port();
     let port = held.local_addr().expect("addr").port();
-    let dir = std::env::temp_dir().join(format!("anyccl-two-hosts-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("a segment directory");
-    let env = [("ANYCCL_HOST_CHILD", "hosts".to_owned()), ("ANYCCL_HOST_SHM_DIR", dir.display().to_string())];
+    // The ranks' temporary directory: anything they created on disk would be left in it.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let shm_before = dev_shm_anyccl();
+    let env = [("ANYCCL_HOST_CHILD", "hosts".to_owned()), ("TMPDIR", dir.path().display().to_string())];
     let t0 = Instant::now();
     let kids =
         launcher::start_ranks_each(3, port, &env, &|rank| vec![("ANYCCL_HOST_ID", format!("node-{}", rank / 2))]);
@@ -95,10 +96,11 @@ fn ranks_on_two_hosts_are_refused_with_the_reason_before_any_shared_memory() {
         let l = result_line(rank, &finish(rank, kid, t0));
         assert!(l.contains("ranks span 2 hosts (rank 0 on node-0, rank 2 on node-1)"), "rank {rank}: {l}");
         assert!(l.contains("needs them on one host"), "rank {rank}: {l}");
+        // Counted by the rank after the refusal: no segment is open or mapped.
+        assert!(l.ends_with(" segment-fds=0 dev-shm=0 memfd-maps=0"), "rank {rank} set up a segment: {l}");
     }
-    let left: Vec<_> = std::fs::read_dir(&dir).expect("the directory").collect();
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(left.is_empty(), "set up despite the refusal: {left:?}");
+    assert!(leftovers(dir.path()).is_empty(), "set up despite the refusal: {:?}", leftovers(dir.path()));
+    assert!(new_in_dev_shm(&shm_before).is_empty(), "left in /dev/shm: {:?}", new_in_dev_shm(&shm_before));
 }
 
 /// The shared-memory capacity of the large-message tests: far below their messages, so they move in many chunks.
@@ -191,7 +193,42 @@ fn big_suite<B: CommBackend<Runtime = HostRuntime>>(comm: &mut Communicator<B>) 
 
 /// The files left in `dir` (the tests' segment directory).
 fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir).expect("segment dir").map(|e| e.expect("entry").path().display().to_string()).collect()
+    std::fs::read_dir(dir).expect("the ranks' TMPDIR").map(|e| e.expect("entry").path().display().to_string()).collect()
+}
+
+/// The entries of `/dev/shm` whose name mentions anyccl (none is expected: the segments are memfds, which have no
+/// name in any directory); a test compares the list before and after its ranks ran.
+fn dev_shm_anyccl() -> Vec<String> {
+    match std::fs::read_dir("/dev/shm") {
+        Ok(d) => d
+            .map(|e| e.expect("a /dev/shm entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.to_ascii_lowercase().contains("anyccl"))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The `/dev/shm` entries that appeared since `before` was listed.
+fn new_in_dev_shm(before: &[String]) -> Vec<String> {
+    dev_shm_anyccl().into_iter().filter(|n| !before.contains(n)).collect()
+}
+
+/// In a rank: how many of this process's mappings are files under `/dev/shm`, and how many are anyccl's segment
+/// memfds (as `backends/host/tests/hostile.rs` counts them).
+fn segment_mappings() -> (usize, usize) {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    let named = maps.lines().filter(|l| l.contains("/dev/shm/")).count();
+    let memfds = maps.lines().filter(|l| l.contains("/memfd:anyccl-host-segment")).count();
+    (named, memfds)
+}
+
+/// In a rank: how many of this process's open descriptors are anyccl segment memfds.
+fn segment_descriptors() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.to_string_lossy().contains("memfd:anyccl-host-segment"))
+        .count()
 }
 
 /// Every collective with large messages across `world` processes whose segments hold 64 KiB (so each call moves in
@@ -202,14 +239,16 @@ fn leftovers(dir: &Path) -> Vec<String> {
 fn run_big(world: usize, algorithm: &str) {
     let held = hold_master_port();
     let port = held.local_addr().expect("addr").port();
+    // The ranks' temporary directory: anything they created on disk would be left in it.
     let dir = tempfile::tempdir().expect("tempdir");
-    let extra =
-        [("ANYCCL_HOST_SHM_DIR", dir.path().display().to_string()), ("ANYCCL_ALLREDUCE_ALGO", algorithm.to_owned())];
+    let shm_before = dev_shm_anyccl();
+    let extra = [("TMPDIR", dir.path().display().to_string()), ("ANYCCL_ALLREDUCE_ALGO", algorithm.to_owned())];
     let t0 = Instant::now();
     let kids = start(world, port, "big", &extra);
     let lines: Vec<String> = kids.into_iter().enumerate().map(|(r, c)| result_line(r, &finish(r, c, t0))).collect();
     eprintln!("{world} processes: {:?}", t0.elapsed());
     assert!(leftovers(dir.path()).is_empty(), "left behind: {:?}", leftovers(dir.path()));
+    assert!(new_in_dev_shm(&shm_before).is_empty(), "left in /dev/shm: {:?}", new_in_dev_shm(&shm_before));
     let field = |l: &str, k: &str| l.split(' ').find(|f| f.starts_with(k)).map(str::to_owned);
     for k in ["ar_f32=", "ar_bf16=", "ag=", "bc="] {
         let all: Vec<_> = lines.iter().map(|l| field(l, k)).collect();
@@ -265,12 +304,14 @@ fn kill_one_of_3(mode: &str) {
     let held = hold_master_port();
     let port = held.local_addr().expect("addr").port();
     let dir = tempfile::tempdir().expect("tempdir");
-    let shm = tempfile::tempdir().expect("tempdir");
+    // The ranks' temporary directory: anything they created on disk (the victim cannot clean up) would be left in it.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let shm_before = dev_shm_anyccl();
     let ready = dir.path().join("victim-ready");
     let extra = [
         ("ANYCCL_RENDEZVOUS_TIMEOUT_SECS", KILL_TIMEOUT_SECS.to_string()),
         ("ANYCCL_HOST_READY_FILE", ready.display().to_string()),
-        ("ANYCCL_HOST_SHM_DIR", shm.path().display().to_string()),
+        ("TMPDIR", tmp.path().display().to_string()),
     ];
     let t0 = Instant::now();
     let mut kids = start(3, port, mode, &extra);
@@ -304,7 +345,8 @@ fn kill_one_of_3(mode: &str) {
         assert!(line.contains("rank 1"), "rank {rank}'s error does not name rank 1: {line}");
         eprintln!("rank {rank} failed {waited:?} after the kill: {line}");
     }
-    assert!(leftovers(shm.path()).is_empty(), "left behind: {:?}", leftovers(shm.path()));
+    assert!(leftovers(tmp.path()).is_empty(), "left behind: {:?}", leftovers(tmp.path()));
+    assert!(new_in_dev_shm(&shm_before).is_empty(), "left in /dev/shm: {:?}", new_in_dev_shm(&shm_before));
 }
 
 fn all_reduce_sample(comm: &mut anyccl_core::Communicator<anyccl_host::ProcessComm>) -> anyccl_core::Result<String> {
@@ -374,18 +416,18 @@ fn rank() {
         println!("RESULT {}", bench_rank().expect("the measurement runs"));
         return;
     }
-    let shm_dir = std::env::var_os("ANYCCL_HOST_SHM_DIR").map(std::path::PathBuf::from);
     let mut opts = HostOptions { timeout: Duration::from_secs(KILL_TIMEOUT_SECS), ..HostOptions::default() };
     if mode.starts_with("big") {
         opts.shm_capacity = SMALL_SHM;
         // The all-reduce algorithm the launcher forced, if any (`ANYCCL_ALLREDUCE_ALGO`).
         opts.selector = Arc::new(Selector::from_env().expect("the launcher's selector variables"));
     }
-    opts.shm_dir = shm_dir.clone();
     if mode == "hosts" {
-        // The launcher gave the ranks different host identities: the communicator must refuse, with the reason.
+        // The launcher gave the ranks different host identities: the communicator must refuse, with the reason,
+        // before any segment exists.
         let e = from_env(opts).err().expect("ranks on two hosts are refused");
-        println!("RESULT {e}");
+        let (named, memfds) = segment_mappings();
+        println!("RESULT {e} segment-fds={} dev-shm={named} memfd-maps={memfds}", segment_descriptors());
         return;
     }
     let mut comm = from_env(opts).expect("the host communicator forms");
@@ -393,9 +435,12 @@ fn rank() {
     match mode.as_str() {
         "big" => {
             all_reduce_sample(&mut comm).expect("all-reduce");
-            // Every rank has passed its setup (each published a step of that all-reduce after it): no file left.
-            let dir = shm_dir.expect("the launcher names a segment directory");
-            assert!(leftovers(&dir).is_empty(), "left behind after setup: {:?}", leftovers(&dir));
+            // Every rank has passed its setup (each published a step of that all-reduce after it): nothing on disk
+            // in the rank's TMPDIR, no segment mapped from /dev/shm, and every rank's segment mapped as a memfd.
+            let tmp = std::env::temp_dir();
+            assert!(leftovers(&tmp).is_empty(), "left behind after setup: {:?}", leftovers(&tmp));
+            let (named, memfds) = segment_mappings();
+            assert_eq!((named, memfds), (0, world), "mappings from /dev/shm and segment memfds after setup");
             println!("RESULT {}", big_suite(&mut comm).expect("the large collectives"));
         }
         "big-victim" => {
@@ -494,14 +539,12 @@ fn a_bootstrap_claiming_a_rank_outside_its_world_is_refused() {
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
 
-/// A shared-memory capacity of 0 or an absurd one is an `InvalidArgument` naming the option, before anything is set
-/// up (no segment is created in the directory).
+/// A shared-memory capacity of 0 or an absurd one is an `InvalidArgument` naming the option.
 #[test]
 fn a_zero_or_absurd_segment_capacity_is_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
     for cap in [0, 1, anyccl_host::MAX_SHM_CAPACITY + 1, usize::MAX] {
         let group = LocalGroup::new(1, Duration::from_secs(5));
-        let opts = HostOptions { shm_capacity: cap, shm_dir: Some(dir.path().to_path_buf()), ..HostOptions::default() };
+        let opts = HostOptions { shm_capacity: cap, ..HostOptions::default() };
         let e = communicator_over(Box::new(group.member(0)), opts).err().expect("refused");
         assert!(
             matches!(&e, Error::InvalidArgument(anyccl_core::InvalidArgument::OutOfRange { what, value, .. })
@@ -509,7 +552,6 @@ fn a_zero_or_absurd_segment_capacity_is_refused() {
             "{cap}: {e}"
         );
     }
-    assert!(leftovers(dir.path()).is_empty(), "{:?}", leftovers(dir.path()));
     // The smallest capacity accepted works (every call then moves in 4 KiB chunks).
     let group = LocalGroup::new(1, Duration::from_secs(5));
     let opts = HostOptions { shm_capacity: anyccl_host::MIN_SHM_CAPACITY, ..HostOptions::default() };
