@@ -372,6 +372,39 @@ fn load<P: GpuPlatform>(runtime: &P::Runtime, memory: NvlsMemory) -> Result<Nvls
 mod tests {
     use super::*;
 
+    /// Runs `agree` on `world` ranks as threads, rank r sending `mine(r)`; every rank's answer.
+    fn agree_all(
+        world: usize,
+        mine: impl Fn(usize) -> std::result::Result<Vec<u8>, String> + Sync,
+    ) -> Vec<std::result::Result<Vec<Vec<u8>>, String>> {
+        let group = anyccl_core::bootstrap::LocalGroup::new(world, std::time::Duration::from_secs(20));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let mut me = group.member(r);
+                    let mine = &mine;
+                    s.spawn(move || agree(&mut me, mine(r), "a test step"))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        })
+    }
+
+    #[test]
+    fn the_ranks_agree_on_every_payload_or_on_the_first_failure() {
+        let all = agree_all(3, |r| Ok(vec![r as u8; r]));
+        for got in all {
+            assert_eq!(got.expect("all ok"), vec![vec![], vec![1], vec![2, 2]]);
+        }
+        // Ranks 1 and 2 fail: every rank, rank 0 included, gets rank 1's reason (a peer's text sanitised).
+        let all = agree_all(3, |r| if r == 0 { Ok(vec![7]) } else { Err(format!("no\x1b[31m luck on {r}")) });
+        for (r, got) in all.into_iter().enumerate() {
+            let why = got.expect_err("one rank failed");
+            assert!(why.starts_with("rank 1: no") && why.ends_with("luck on 1"), "rank {r}: {why}");
+            assert_eq!(why.contains('\x1b'), r == 1, "rank {r}: only a peer's text is sanitised: {why:?}");
+        }
+    }
+
     #[test]
     fn kernel_names_follow_the_kernel_source() {
         assert_eq!(
