@@ -1,11 +1,25 @@
 //! anyccl: one API for GPU collectives on NVIDIA and AMD, with runtime capability probing.
 //!
 //! This facade re-exports the vendor-neutral core ([`core`]) and the backends compiled in: the host backend
-//! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels) and ROCm (feature
-//! `rocm`: HIP runtime and RCCL, loaded at run time), and the machine-level capability report
+//! ([`host`], feature `host`, on by default), CUDA (feature `cuda`: NCCL, custom kernels; feature `multicast` adds
+//! NVLS, see below) and ROCm (feature `rocm`: HIP runtime and RCCL, loaded at run time), and the machine-level
+//! capability report
 //! ([`report::MachineReport`]). [`dynamic`] chooses the backend at run time: one type-erased communicator
 //! ([`AnyCommunicator`]) for code written once for every backend. The `anyccl` command (`probe`, `bench`, `tune`)
 //! lives in the `anyccl-cli` crate; this library has no command-line dependencies.
+//!
+//! # Features
+//!
+//! - `host` (default): the host backend.
+//! - `cuda`: the CUDA backend. `cudarc` adds cudarc's slices and streams as the currency; `cudarc-dynamic-loading`
+//!   chooses cudarc's linking and CUDA version for a binary that does not choose them itself.
+//! - `multicast` (implies `cuda`, off by default): NVLS, the NVLink SHARP multicast all-reduce plans
+//!   (nvls-block-pipeline, nvls-warp-pipeline) and the multicast object manager (`cuda::multicast`,
+//!   `cuda::nvls`), for ranks as threads of one process and for one process per GPU. It has been tested against
+//!   fake drivers only. Compiled in, it still runs only where every device reports multicast on a CUDA 12.1 or
+//!   newer driver, `NCCL_NVLS_ENABLE` is not `0` and `ANYCCL_DISABLE` does not name `multicast`; when any of
+//!   these says no, or the feature is off, the capability report says why and no multicast driver call is made.
+//! - `rocm`: the ROCm backend.
 //!
 //! ```
 //! use anyccl::core::{DataType, InOut, ReduceOp};

@@ -118,7 +118,22 @@ const CAPABILITY_INFO: &[(Capabilities, &str, &str)] = &[
     (Capabilities::DEPENDENT_LAUNCH, "dependent-launch", "cuLaunchKernelEx on sm_90+ (CUDA >= 11.8)"),
 ];
 
+/// Which capability needs which: a dependent is usable only while its prerequisite is. Turning a prerequisite off
+/// by name (`ANYCCL_DISABLE`, [`CapabilityReport::apply_disable_list`]) turns its dependents off too, each with a
+/// [`Reason::Requires`] naming the prerequisite and why it is off.
+const DEPENDENCIES: &[(Capabilities, Capabilities)] = &[
+    // Window registration inside capture, and the library's symmetric kernels, both run on registered windows.
+    (Capabilities::WINDOWS_IN_CAPTURE, Capabilities::SYMMETRIC_WINDOWS),
+    (Capabilities::SYMMETRIC_KERNELS, Capabilities::SYMMETRIC_WINDOWS),
+];
+
 impl Capabilities {
+    /// The capabilities this one (a single flag) needs directly: [`Capabilities::WINDOWS_IN_CAPTURE`] and
+    /// [`Capabilities::SYMMETRIC_KERNELS`] need [`Capabilities::SYMMETRIC_WINDOWS`]; empty for the others.
+    pub fn requires(self) -> Capabilities {
+        DEPENDENCIES.iter().filter(|(dep, _)| *dep == self).fold(Capabilities::empty(), |acc, (_, pre)| acc | *pre)
+    }
+
     /// The capability's stable kebab-case name (`"symmetric-windows"`), for `anyccl probe` and `ANYCCL_DISABLE`.
     /// Returns `None` for a value that is not a single flag.
     pub fn name(self) -> Option<&'static str> {
@@ -321,8 +336,12 @@ impl CapabilityReport {
     }
 
     /// Applies `ANYCCL_DISABLE` (a comma-separated list of capability names): each named capability is disabled
-    /// with the variable as its reason. An unknown name is an error naming it.
+    /// with the variable as its reason, and so is every capability that needs one of them
+    /// ([`Capabilities::requires`]; `symmetric-windows` takes `windows-in-capture` and `symmetric-kernels` with
+    /// it), with a [`Reason::Requires`] that names the prerequisite and the variable. An unknown name is an error
+    /// naming it; then nothing is changed.
     pub fn apply_disable_list(&mut self, var: &str, value: &str) -> Result<()> {
+        let mut named = Vec::new();
         for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             let Some(cap) = Capabilities::from_kebab_name(name) else {
                 let known: Vec<_> = Capabilities::each().filter_map(Capabilities::name).collect();
@@ -332,9 +351,32 @@ impl CapabilityReport {
                     message: format!("unknown capability '{name}' (known: {})", known.join(", ")),
                 });
             };
-            self.disable(cap, Reason::EnvVar { var: var.to_owned(), value: value.to_owned() });
+            named.push(cap);
         }
+        let mut off = Capabilities::empty();
+        for cap in named {
+            self.disable(cap, Reason::EnvVar { var: var.to_owned(), value: value.to_owned() });
+            off |= cap;
+        }
+        self.disable_dependents(off);
         Ok(())
+    }
+
+    /// Disables, transitively, every enabled capability that needs one of `off` ([`Capabilities::requires`]),
+    /// with a [`Reason::Requires`] carrying the prerequisite's own reason.
+    fn disable_dependents(&mut self, mut off: Capabilities) {
+        // Each pass disables at least one more flag or stops: at most one pass per flag.
+        loop {
+            let next = DEPENDENCIES.iter().find(|(dep, pre)| off.contains(*pre) && self.has(*dep));
+            let Some(&(dep, pre)) = next else { return };
+            let because = match self.state(pre) {
+                CapabilityState::Disabled(r) => Box::new(r.clone()),
+                CapabilityState::Enabled => return,
+            };
+            let capability = pre.name().unwrap_or("capability").to_owned();
+            self.disable(dep, Reason::Requires { capability, because });
+            off |= dep;
+        }
     }
 
     /// Reads `ANYCCL_DISABLE` from the environment and applies it (see [`Self::apply_disable_list`]); a value that
@@ -506,6 +548,40 @@ mod tests {
         let err = r.apply_disable_list("ANYCCL_DISABLE", "symetric").expect_err("typo");
         assert!(matches!(err, Error::Config { .. }));
         assert!(err.to_string().contains("unknown capability 'symetric'"));
+    }
+
+    #[test]
+    fn disabling_a_capability_by_name_disables_what_needs_it() {
+        let mut r = report();
+        r.enable(Capabilities::all());
+        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-windows").expect("valid list");
+        let env = Reason::EnvVar { var: "ANYCCL_DISABLE".into(), value: "symmetric-windows".into() };
+        assert_eq!(r.state(Capabilities::SYMMETRIC_WINDOWS), &CapabilityState::Disabled(env.clone()));
+        let dep = Reason::Requires { capability: "symmetric-windows".into(), because: Box::new(env) };
+        for c in [Capabilities::WINDOWS_IN_CAPTURE, Capabilities::SYMMETRIC_KERNELS] {
+            assert_eq!(r.state(c), &CapabilityState::Disabled(dep.clone()), "{c:?}");
+            let e = r.require(c).expect_err("off");
+            assert!(e.to_string().contains("requires symmetric-windows, which is off: turned off by ANYCCL_DISABLE"));
+        }
+        // Nothing else is touched, and a dependent named itself keeps its own reason.
+        assert_eq!(
+            r.enabled(),
+            Capabilities::all().difference(
+                Capabilities::SYMMETRIC_WINDOWS | Capabilities::WINDOWS_IN_CAPTURE | Capabilities::SYMMETRIC_KERNELS
+            )
+        );
+        let mut r = report();
+        r.enable(Capabilities::all());
+        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-kernels").expect("valid list");
+        assert!(r.has(Capabilities::SYMMETRIC_WINDOWS) && r.has(Capabilities::WINDOWS_IN_CAPTURE));
+        assert!(!r.has(Capabilities::SYMMETRIC_KERNELS));
+        // An invalid list changes nothing.
+        let mut r = report();
+        r.enable(Capabilities::all());
+        r.apply_disable_list("ANYCCL_DISABLE", "symmetric-windows, nope").expect_err("unknown");
+        assert_eq!(r.enabled(), Capabilities::all());
+        assert_eq!(Capabilities::SYMMETRIC_KERNELS.requires(), Capabilities::SYMMETRIC_WINDOWS);
+        assert_eq!(Capabilities::CCL.requires(), Capabilities::empty());
     }
 
     #[test]

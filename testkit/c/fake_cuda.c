@@ -81,7 +81,8 @@ CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
     return 0;
 }
 /* Compute capability 9.0 (so the sm_90 cubin is chosen), FAKECUDA_SMS multiprocessors (132, an H100/H200),
- * stream memory operations and unified addressing; every other attribute reads 0 (multicast among them). */
+ * stream memory operations, unified addressing and a PCI bus per device; every other attribute reads 0 (multicast
+ * among them, unless FAKECUDA_MULTICAST=1). */
 CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
     count_call("cuDeviceGetAttribute");
     if (!v) return 1;
@@ -93,6 +94,7 @@ CUresult cuDeviceGetAttribute(int* v, int attr, CUdevice d) {
         case 16: *v = sms ? atoi(sms) : 132; break;   /* MULTIPROCESSOR_COUNT */
         case 41: case 92: *v = 1; break;              /* UNIFIED_ADDRESSING, CAN_USE_STREAM_MEM_OPS */
         case 132: *v = mc_enabled(); break;           /* MULTICAST_SUPPORTED (FAKECUDA_MULTICAST=1) */
+        case 33: *v = 0x18 + d; break;                /* PCI_BUS_ID: a bus of its own per device */
         default: *v = 0;
     }
     return 0;
@@ -572,17 +574,24 @@ CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
  *   cuMemAddressReserve reserves real address space (PROT_NONE); cuMemMap of a physical handle maps the memfd
  *   there (so the unicast address aliases the allocation); cuMemMap of a multicast handle must use offset 0 and
  *   leaves the range inaccessible: only the emulated multimem kernels reach it, through the bindings;
- * - cuMulticastCreate makes an object with a memfd of its own; cuMemExportToShareableHandle gives a new
- *   descriptor of it (a real fd; peers in the process use dup), cuMemImportFromShareableHandle finds the object by
- *   the descriptor's inode; an object lives while a handle, a mapping or an exported descriptor refers to it;
- * - cuMulticastBindMem needs every device added first, a physical allocation of an added device, and aligned,
- *   non-overlapping ranges; releasing an allocation still bound or a handle still mapped is a violation;
+ * - cuMulticastCreate makes an object whose state (size, devices added, bindings) lives in a memfd of its own, so
+ *   that processes share it; cuMemExportToShareableHandle gives a new descriptor of it (a real fd: peers in the
+ *   process use dup, other processes receive it over a Unix socket), cuMemImportFromShareableHandle finds the
+ *   object by the descriptor's inode, or, in a process that has not seen it yet, maps the shared state from the
+ *   descriptor; an object lives in a process while a handle, a mapping or a descriptor there refers to it;
+ * - a binding records the binding process and its allocation's memfd; a kernel in another process reaches that
+ *   memory through /proc/<pid>/fd/<fd> (mapped once, MAP_SHARED), so ranks as processes reduce real data;
+ * - cuMulticastBindMem needs every device added first (in every process), a physical allocation of an added
+ *   device, and aligned, non-overlapping ranges; cuMulticastUnbind unbinds this process's memory only; releasing
+ *   an allocation still bound or a handle still mapped is a violation;
  * - the kernels anyccl_nvls_{zero_copy,block_pipeline,warp_pipeline}_mc_{f32,f16,bf16} run emulated on the
  *   stream: multimem.ld_reduce sums the element over every device bound at that offset (in device order, in f32),
  *   multimem.st stores into every one, and multimem.red on the flag arrays' multicast address adds to every
  *   device's arrival counter (the kernels' barrier), with the abort word and FAKEHIP_KERNEL_TIMEOUT_MS honoured.
  * Every call is logged in order ("call kind#id ...") for fakecuda_mc_log; fakecuda_mc_fail makes one call fail. */
 #include <dirent.h>
+#include <sched.h>
+#include <unistd.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -601,16 +610,34 @@ struct vmm_phys {
     unsigned char* backing;
     ino_t ino;
 };
+/* A binding, in the object's shared state: the binding process and its allocation's memfd there. */
 struct mc_binding {
-    int live, device, phys;
+    int live, device, pid, fd;
     size_t offset, size, mem_offset;
+    unsigned gen;
+};
+#define MC_SHARED_MAGIC 0x666b636d63737431ull
+/* The state of a multicast object that every process using it shares (the object's memfd, mapped MAP_SHARED). */
+struct mc_shared {
+    uint64_t magic;
+    int lock, num_devices, added;
+    unsigned devices, gen;
+    size_t size;
+    struct mc_binding b[MC_BIND_MAX];
+};
+/* Another process's allocation as this process mapped it (through /proc/<pid>/fd/<fd>). */
+struct mc_remote {
+    int pid, fd;
+    unsigned gen;
+    unsigned char* base;
+    size_t len;
 };
 struct mc_obj {
-    int live, fd, num_devices, added, handles, maps;
-    unsigned devices;
-    size_t size;
+    int live, fd, handles, maps;
     ino_t ino;
-    struct mc_binding b[MC_BIND_MAX];
+    struct mc_shared* sh;
+    int local_phys[MC_BIND_MAX]; /* this process's allocation of binding k (where the binding's pid is ours) */
+    struct mc_remote remote[MC_BIND_MAX];
 };
 struct vmm_handle {
     int live, kind, obj; /* kind 1: physical, 2: multicast */
@@ -623,6 +650,10 @@ struct vmm_range {
     size_t region_size;
 };
 static struct vmm_phys phys[MC_MAX];
+static void sh_lock(struct mc_shared* sh) {
+    while (__atomic_exchange_n(&sh->lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
+}
+static void sh_unlock(struct mc_shared* sh) { __atomic_store_n(&sh->lock, 0, __ATOMIC_RELEASE); }
 static struct mc_obj mcs[MC_MAX];
 static struct vmm_handle handles[MC_MAX * 4];
 static struct vmm_range ranges[MC_MAX * 4];
@@ -690,8 +721,14 @@ static void mc_collect(void) {
     for (int i = 0; i < MC_MAX; i++) {
         struct mc_obj* o = &mcs[i];
         if (o->live && o->handles == 0 && o->maps == 0 && fds_on(o->ino, o->fd) == 0) {
+            sh_lock(o->sh);
             for (int k = 0; k < MC_BIND_MAX; k++)
-                if (o->b[k].live) fakehip_add_violation("multicast", "an object freed with memory still bound");
+                if (o->sh->b[k].live && o->sh->b[k].pid == getpid())
+                    fakehip_add_violation("multicast", "an object freed with memory still bound");
+            sh_unlock(o->sh);
+            for (int k = 0; k < MC_BIND_MAX; k++)
+                if (o->remote[k].base) munmap(o->remote[k].base, o->remote[k].len);
+            munmap(o->sh, sizeof *o->sh);
             close(o->fd);
             o->live = 0;
             mc_log("free mc#%d", i);
@@ -789,10 +826,15 @@ CUresult cuMulticastCreate(unsigned long long* h, const void* prop) {
     while (i < MC_MAX && mcs[i].live) i++;
     CUresult e = 2;
     ino_t ino;
-    int fd = i < MC_MAX ? mc_memfd("fakecuda-mc", 0, &ino) : -1;
-    if (fd >= 0) {
+    int fd = i < MC_MAX ? mc_memfd("fakecuda-mc", sizeof(struct mc_shared), &ino) : -1;
+    struct mc_shared* sh =
+        fd < 0 ? MAP_FAILED : mmap(NULL, sizeof(struct mc_shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (sh == MAP_FAILED && fd >= 0) close(fd);
+    if (sh != MAP_FAILED) {
         memset(&mcs[i], 0, sizeof mcs[i]);
-        mcs[i].live = 1, mcs[i].fd = fd, mcs[i].num_devices = (int)n, mcs[i].size = size, mcs[i].ino = ino;
+        mcs[i].live = 1, mcs[i].fd = fd, mcs[i].ino = ino, mcs[i].sh = sh;
+        sh->num_devices = (int)n, sh->size = size;
+        __atomic_store_n(&sh->magic, MC_SHARED_MAGIC, __ATOMIC_RELEASE);
         mcs[i].handles = 1;
         *h = new_handle(2, i);
         mc_log("cuMulticastCreate mc#%d devices=%u size=%zu", i, n, size);
@@ -839,6 +881,24 @@ CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* os_handle, 
             e = 0;
         }
     }
+    if (e && S_ISREG(st.st_mode) && (size_t)st.st_size == sizeof(struct mc_shared)) {
+        /* An object another process made: map its shared state from a descriptor of this process's own. */
+        int i = 0;
+        while (i < MC_MAX && mcs[i].live) i++;
+        int own = i < MC_MAX ? fcntl(fd, F_DUPFD_CLOEXEC, 3) : -1;
+        struct mc_shared* sh =
+            own < 0 ? MAP_FAILED : mmap(NULL, sizeof(struct mc_shared), PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
+        if (sh != MAP_FAILED && __atomic_load_n(&sh->magic, __ATOMIC_ACQUIRE) == MC_SHARED_MAGIC) {
+            memset(&mcs[i], 0, sizeof mcs[i]);
+            mcs[i].live = 1, mcs[i].fd = own, mcs[i].ino = st.st_ino, mcs[i].sh = sh, mcs[i].handles = 1;
+            *h = new_handle(2, i);
+            mc_log("cuMemImportFromShareableHandle mc#%d", i);
+            e = 0;
+        } else {
+            if (sh != MAP_FAILED) munmap(sh, sizeof(struct mc_shared));
+            if (own >= 0) close(own);
+        }
+    }
     pthread_mutex_unlock(&vmu);
     return e;
 }
@@ -869,13 +929,15 @@ CUresult cuMulticastAddDevice(unsigned long long h, CUdevice d) {
     if (!x || x->kind != 2) e = 400;
     else if (!cu_device_ok(d)) e = 101;
     else {
-        struct mc_obj* o = &mcs[x->obj];
+        struct mc_shared* o = mcs[x->obj].sh;
+        sh_lock(o);
         if ((o->devices >> d & 1) || o->added >= o->num_devices) e = 1;
         else {
             o->devices |= 1u << d;
             o->added++;
             mc_log("cuMulticastAddDevice mc#%d dev=%d", x->obj, d);
         }
+        sh_unlock(o);
     }
     pthread_mutex_unlock(&vmu);
     return e;
@@ -891,9 +953,11 @@ CUresult cuMulticastBindMem(unsigned long long mc, size_t mc_off, unsigned long 
     CUresult e = 0;
     if (!x || x->kind != 2 || !m || m->kind != 1 || flags) e = 1;
     else {
-        struct mc_obj* o = &mcs[x->obj];
+        struct mc_obj* obj = &mcs[x->obj];
+        struct mc_shared* o = obj->sh;
         struct vmm_phys* p = &phys[m->obj];
         int aligned = mc_off % MC_G == 0 && mem_off % MC_G == 0 && size % MC_G == 0 && size > 0;
+        sh_lock(o);
         if (o->added != o->num_devices) {
             /* The driver would block here until every device is added; the fake calls it a mistake. */
             fakehip_add_violation("cuMulticastBindMem", "memory bound before every device was added");
@@ -912,12 +976,15 @@ CUresult cuMulticastBindMem(unsigned long long mc, size_t mc_off, unsigned long 
             }
             if (!e && free_slot < 0) e = 2;
             if (!e) {
-                o->b[free_slot] = (struct mc_binding){1, p->device, m->obj, mc_off, size, mem_off};
+                o->b[free_slot] =
+                    (struct mc_binding){1, p->device, getpid(), p->fd, mc_off, size, mem_off, ++o->gen};
+                obj->local_phys[free_slot] = m->obj;
                 p->binds++;
                 mc_log("cuMulticastBindMem mc#%d dev=%d off=%zu size=%zu mem#%d", x->obj, p->device, mc_off, size,
                        m->obj);
             }
         }
+        sh_unlock(o);
     }
     pthread_mutex_unlock(&vmu);
     return e;
@@ -930,15 +997,17 @@ CUresult cuMulticastUnbind(unsigned long long mc, CUdevice d, size_t mc_off, siz
     CUresult e = 1;
     if (x && x->kind == 2) {
         struct mc_obj* o = &mcs[x->obj];
+        sh_lock(o->sh);
         for (int k = 0; k < MC_BIND_MAX && e; k++) {
-            struct mc_binding* b = &o->b[k];
-            if (b->live && b->device == d && b->offset == mc_off && b->size == size) {
+            struct mc_binding* b = &o->sh->b[k];
+            if (b->live && b->pid == getpid() && b->device == d && b->offset == mc_off && b->size == size) {
                 b->live = 0;
-                phys[b->phys].binds--;
+                phys[o->local_phys[k]].binds--;
                 mc_log("cuMulticastUnbind mc#%d dev=%d off=%zu", x->obj, d, mc_off);
                 e = 0;
             }
         }
+        sh_unlock(o->sh);
     }
     pthread_mutex_unlock(&vmu);
     return e;
@@ -1013,7 +1082,7 @@ CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, unsigned long long
         e = 1;
     } else if (x->kind == 2) {
         /* A multicast handle is mapped from offset 0 only. */
-        if (offset != 0 || size > mcs[x->obj].size) e = 1;
+        if (offset != 0 || size > mcs[x->obj].sh->size) e = 1;
     } else if (offset % MC_G || offset + size > phys[x->obj].size) {
         e = 1;
     } else if (mmap((void*)(uintptr_t)va, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, phys[x->obj].fd,
@@ -1075,20 +1144,45 @@ CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const void* desc, size_t co
 /* The host addresses a multicast address reaches: for each device bound at `addr` (in device order) the
  * allocation's bytes there, holding `bytes` bytes. The count, or -1 when `addr` is in no multicast mapping or a
  * binding does not hold the bytes. Under vmu. */
+/* The host bytes of binding `k` of `o` (this process's allocation, or another process's mapped here once); NULL
+ * when they cannot be reached. Under vmu and the object's shared lock. */
+static unsigned char* mc_binding_bytes(struct mc_obj* o, int k) {
+    const struct mc_binding* b = &o->sh->b[k];
+    if (b->pid == getpid()) return phys[o->local_phys[k]].backing;
+    struct mc_remote* r = &o->remote[k];
+    if (r->base && r->pid == b->pid && r->fd == b->fd && r->gen == b->gen) return r->base;
+    if (r->base) munmap(r->base, r->len);
+    memset(r, 0, sizeof *r);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", b->pid, b->fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0) return NULL;
+    void* base = fstat(fd, &st) != 0 || st.st_size <= 0
+                     ? MAP_FAILED
+                     : mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) return NULL;
+    *r = (struct mc_remote){b->pid, b->fd, b->gen, base, (size_t)st.st_size};
+    return r->base;
+}
 static int mc_resolve(uint64_t addr, size_t bytes, unsigned char** out) {
     for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
         const struct vmm_range* r = &ranges[i];
         if (!r->live || r->kind != 2 || addr < r->va || addr + bytes > r->va + r->size) continue;
-        const struct mc_obj* o = &mcs[r->obj];
+        struct mc_obj* o = &mcs[r->obj];
         size_t off = (size_t)(addr - r->va);
         int n = 0;
-        for (int d = 0; d < 32; d++)
-            for (int k = 0; k < MC_BIND_MAX; k++) {
-                const struct mc_binding* b = &o->b[k];
+        sh_lock(o->sh);
+        for (int d = 0; d < 32 && n >= 0; d++)
+            for (int k = 0; k < MC_BIND_MAX && n >= 0; k++) {
+                const struct mc_binding* b = &o->sh->b[k];
                 if (!b->live || b->device != d || off < b->offset || off + bytes > b->offset + b->size) continue;
-                if (n == 8) return -1;
-                out[n++] = phys[b->phys].backing + b->mem_offset + (off - b->offset);
+                unsigned char* base = mc_binding_bytes(o, k);
+                if (n == 8 || !base) n = -1;
+                else out[n++] = base + b->mem_offset + (off - b->offset);
             }
+        sh_unlock(o->sh);
         return n;
     }
     return -1;
@@ -1254,7 +1348,8 @@ void fakecuda_mc_live(int* out) {
     for (int i = 0; i < MC_MAX; i++) {
         out[0] += mcs[i].live;
         out[2] += phys[i].live;
-        for (int k = 0; k < MC_BIND_MAX; k++) out[3] += mcs[i].live && mcs[i].b[k].live;
+        for (int k = 0; k < MC_BIND_MAX; k++)
+            out[3] += mcs[i].live && mcs[i].sh->b[k].live && mcs[i].sh->b[k].pid == getpid();
     }
     for (size_t i = 0; i < sizeof handles / sizeof handles[0]; i++) out[1] += handles[i].live;
     for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {

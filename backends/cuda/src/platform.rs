@@ -82,7 +82,7 @@ fn pointer_attribute(rt: &CudaRuntime, attr: sys::CUpointer_attribute, ptr: u64)
 fn nvls_unavailable(caps: &CapabilityReport) -> String {
     match caps.require(Capabilities::MULTICAST) {
         Err(e) => e.to_string(),
-        Ok(()) => "the NVLS plans are set up by CudaComm::init_all only".into(),
+        Ok(()) => "the NVLS plans are set up by CudaComm::init_all or CudaComm::enable_nvls only".into(),
     }
 }
 
@@ -343,6 +343,16 @@ impl GpuPlatform for Cuda {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> std::result::Result<Vec<anyccl_gpu::nvls::NvlsMemory>, String> {
         crate::nvls::setup(runtimes, capacity, env)
+    }
+
+    #[cfg(feature = "multicast")]
+    fn nvls_setup_rank(
+        runtime: &CudaRuntime,
+        bootstrap: &mut dyn anyccl_core::Bootstrap,
+        capacity: usize,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> std::result::Result<anyccl_gpu::nvls::NvlsMemory, String> {
+        crate::nvls::setup_rank(runtime, bootstrap, capacity, env)
     }
 
     fn capabilities(_device: &i32, lib: &CclLibrary, env: &dyn Fn(&str) -> Option<String>) -> Result<CapabilityReport> {

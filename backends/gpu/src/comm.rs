@@ -600,7 +600,8 @@ impl<P: GpuPlatform> GpuComm<P> {
             retired: Vec::new(),
             fused: None,
             nvls: crate::nvls::Nvls::off(format!(
-                "NVLS multicast is set up only for communicators of one process ({}::init_all)",
+                "NVLS multicast is set up by {}::init_all (ranks of one process) or enable_nvls (one process per \
+                 GPU), neither of which ran for this communicator",
                 P::COMM_NAME
             )),
         })
@@ -623,6 +624,38 @@ impl<P: GpuPlatform> GpuComm<P> {
     /// The shared collective-library rank (rank, world, windows).
     pub fn ccl_rank(&self) -> &CclRank {
         &self.ccl
+    }
+
+    /// Sets the NVLS multicast plans up for this rank of a communicator of one process per GPU, over `bootstrap`
+    /// (the TCP rendezvous or the engine's own; its rank and world must be this communicator's): rank 0 creates the
+    /// multicast object and hands it to every other rank as a file descriptor, each adds its device and binds its
+    /// staging and flag buffers ([`GpuPlatform::nvls_setup_rank`]). Settings (`ANYCCL_CUSTOM_MAX_BYTES`, the
+    /// staging size) are read through `env`. Collective: every rank calls it, outside capture; the outcome is
+    /// agreed among the ranks, on everywhere or off everywhere. A refusal (the gate: multicast off in the
+    /// capability report, `NCCL_NVLS_ENABLE=0`, `ANYCCL_DISABLE=multicast`, a device without multicast, ranks
+    /// sharing a GPU or on two hosts) or a failure turns NVLS off for this communicator, with the reason, which is
+    /// returned too ([`Error::AlgorithmNotEligible`]); the communicator stays usable through its other plans.
+    pub fn enable_nvls_with_env(
+        &mut self,
+        bootstrap: &mut dyn Bootstrap,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<()> {
+        anyccl_core::comm::check_bootstrap(bootstrap, self.ccl.rank(), self.ccl.world())?;
+        self.runtime.bind()?;
+        let nvls = crate::nvls::Nvls::setup_rank(&self.runtime, &self.caps, bootstrap, env);
+        let r = match nvls.off_reason() {
+            None => Ok(()),
+            Some(why) => Err(Error::AlgorithmNotEligible { algorithm: Algorithm::NvlsBlockPipeline, why: why.into() }),
+        };
+        self.nvls = nvls;
+        // What the front-end remembered about eligibility is stale now.
+        self.custom_generation = self.custom_generation.wrapping_add(1);
+        r
+    }
+
+    /// [`Self::enable_nvls_with_env`] with the settings read from the process environment.
+    pub fn enable_nvls(&mut self, bootstrap: &mut dyn Bootstrap) -> Result<()> {
+        self.enable_nvls_with_env(bootstrap, &anyccl_ccl::caps::process_env)
     }
 
     /// Why the NVLS multicast plans cannot run on this communicator, or `None` when they are set up.

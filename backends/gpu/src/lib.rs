@@ -197,6 +197,23 @@ pub trait GpuPlatform: Sized + Send + Sync + 'static {
         Err(format!("the {} backend has no multicast", Self::LABEL))
     }
 
+    /// Sets this rank's part of an NVLS multicast object up for a communicator of one process per GPU: the same as
+    /// [`Self::nvls_setup`] for one rank (its staging-in, staging-out and flag buffers bound to one object shared
+    /// by every rank of `bootstrap`, which is this communicator's group), the object's handle moving between the
+    /// processes through `bootstrap` and whatever channel the platform uses. Collective: every rank calls it, and
+    /// every rank reaches every exchange even after a local failure, so that all ranks return `Ok` or all return
+    /// `Err` (the first failing rank's reason, as a sentence). Called only where every rank's capability report has
+    /// multicast on. Default: the platform has no multicast (nothing is called, on every rank alike).
+    fn nvls_setup_rank(
+        runtime: &Self::Runtime,
+        bootstrap: &mut dyn anyccl_core::Bootstrap,
+        capacity: usize,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> std::result::Result<nvls::NvlsMemory, String> {
+        let _ = (runtime, bootstrap, capacity, env);
+        Err(format!("the {} backend has no multicast", Self::LABEL))
+    }
+
     /// The collective library of this vendor (NCCL, RCCL).
     const CCL: CclVendor;
     /// The capability report of a communicator on `device` over `lib` (`env` reads the environment).

@@ -125,7 +125,7 @@ pub fn check_shape(rank: usize, world: usize, device: i32) -> Result<()> {
     Ok(())
 }
 
-/// The library, then the custom kernels over `bootstrap`, with the environment read through `env` (capabilities,
+/// The library, then the custom kernels and NVLS multicast over `bootstrap`, with the environment read through `env` (capabilities,
 /// custom-kernel settings, this rank's host identity): what [`communicator_with_id`] does once `lib` is loaded.
 #[allow(clippy::too_many_arguments)]
 pub fn join<P: GpuPlatform>(
@@ -147,6 +147,10 @@ pub fn join<P: GpuPlatform>(
     if world > 1 {
         if let Err(e) = comm.enable_custom_ipc_with_env(bootstrap, env) {
             tracing::info!(error = %e, "custom all-reduce kernels off for this communicator");
+        }
+        // NVLS multicast, behind its gate (agreed among the ranks; no multicast call where the gate refuses).
+        if let Err(e) = comm.enable_nvls_with_env(bootstrap, env) {
+            tracing::info!(error = %e, "NVLS multicast off for this communicator");
         }
     }
     Ok(Communicator::new(comm, selector))

@@ -5,12 +5,16 @@
 //! - the capability report has [`Capabilities::MULTICAST`] on: every device reports
 //!   `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`, `NCCL_NVLS_ENABLE` is not `0`, and `ANYCCL_DISABLE` does not name
 //!   `multicast`;
-//! - the platform set the multicast object up for this communicator (CUDA with the `multicast` feature, ranks of
-//!   one process); the default platform answer is "no multicast", so ROCm has nothing to implement;
+//! - the platform set the multicast object up for this communicator (CUDA with the `multicast` feature): for the
+//!   ranks of one process in one call ([`GpuPlatform::nvls_setup`]), or, with one process per GPU, one rank at a
+//!   time over the communicator's bootstrap ([`GpuPlatform::nvls_setup_rank`], which the ranks agree on: on
+//!   everywhere or off everywhere); the default platform answer is "no multicast", so ROCm has nothing to
+//!   implement;
 //! - the call: sum of f32, f16 or bf16, whole 16-byte vectors, at most the staging size, 2 to 8 ranks.
 //!
-//! The zero-copy variant needs the caller's input and output bound to the multicast object; anyccl binds only its
-//! own staging buffers, so it is refused with that reason.
+//! The zero-copy variant needs the caller's input and output themselves bound to the multicast object, at the same
+//! offset on every rank, before the call. anyccl binds only its own staging buffers, so it is refused with that
+//! reason (see [`ZERO_COPY_REFUSAL`]).
 //!
 //! The multicast object's resources live in [`NvlsMemory::resources`], which the platform tears down in its own
 //! fixed order when dropped; the engine drops them after its kernels' module.
@@ -60,6 +64,48 @@ impl std::fmt::Debug for NvlsMemory {
             .field("capacity", &self.capacity)
             .finish_non_exhaustive()
     }
+}
+
+/// Why `nvls-zero-copy` is refused. The variant reduces straight from the callers' buffers through the multicast
+/// address, so every rank's input and output must be physical allocations (`cuMemCreate`, multicast granularity:
+/// 2 MiB or more) bound to one multicast object at the same offset on all ranks. What anyccl is handed is neither:
+/// an engine's tensors and graph inputs come from its own allocator (`cuMemAlloc` or a caching pool) and cannot be
+/// bound; binding needs every rank to agree on offsets, which only a collective registration can do, and
+/// `cuMulticastBindMem` may not run during capture, where graph inputs are first seen. A registration call for
+/// buffers anyccl allocates itself (as NCCL's windows are) would make it possible; until then the staged variants
+/// run instead.
+pub const ZERO_COPY_REFUSAL: &str = "nvls-zero-copy needs the caller's input and output bound to the multicast \
+    object (cuMemCreate allocations bound at the same offset on every rank, before any capture); anyccl binds only \
+    its own staging buffers, so nvls-block-pipeline and nvls-warp-pipeline run instead";
+
+/// One agreement round over `bootstrap`: every rank sends its outcome (`Ok` with a payload, or `Err` with why),
+/// and every rank gets every rank's payload (index = rank), or, where any rank failed, the first failing rank's
+/// reason as `"rank R: why"`, alike on every rank (a peer's text is sanitised). `what` names the step for a
+/// failed exchange. Collective.
+pub fn agree(
+    bootstrap: &mut dyn anyccl_core::Bootstrap,
+    mine: std::result::Result<Vec<u8>, String>,
+    what: &str,
+) -> std::result::Result<Vec<Vec<u8>>, String> {
+    let me = bootstrap.rank();
+    let msg = match &mine {
+        Ok(payload) => [&[1u8][..], payload].concat(),
+        Err(why) => [&[0u8][..], why.as_bytes()].concat(),
+    };
+    let all = anyccl_core::bootstrap::checked_all_gather(bootstrap, &msg)
+        .map_err(|e| format!("the ranks could not exchange {what} ({e})"))?;
+    let mut out = Vec::with_capacity(all.len());
+    for (q, m) in all.into_iter().enumerate() {
+        match m.split_first() {
+            Some((1, rest)) => out.push(rest.to_vec()),
+            Some((_, rest)) if q == me => {
+                return Err(format!("rank {q}: {}", mine.err().unwrap_or_else(|| String::from_utf8_lossy(rest).into())))
+            }
+            Some((_, rest)) => return Err(format!("rank {q}: {}", anyccl_core::text::sanitize_bytes(rest, 400))),
+            None => return Err(format!("rank {q} sent nothing for {what}")),
+        }
+    }
+    Ok(out)
 }
 
 /// Whether `algorithm` is one of the NVLS variants.
@@ -151,6 +197,49 @@ impl<P: GpuPlatform> Nvls<P> {
         states.into_iter().map(Nvls).collect()
     }
 
+    /// Sets NVLS up for this rank of a communicator of one process per GPU, over `bootstrap` (this communicator's
+    /// group): the ranks first agree that every one has multicast in its capability report, the kernels and the
+    /// same staging size, then the platform sets the object up ([`GpuPlatform::nvls_setup_rank`], agreed inside),
+    /// then every rank loads its kernels and the ranks agree once more. On everywhere or off everywhere, with the
+    /// first failing rank's reason. Collective.
+    pub(crate) fn setup_rank(
+        runtime: &P::Runtime,
+        caps: &CapabilityReport,
+        bootstrap: &mut dyn anyccl_core::Bootstrap,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Self {
+        let world = bootstrap.world();
+        let local = (|| -> std::result::Result<usize, String> {
+            caps.require(Capabilities::MULTICAST).map_err(|e| e.to_string())?;
+            if let Some(why) = crate::kernels::unavailable::<P>(world) {
+                return Err(why);
+            }
+            crate::comm::custom_capacity(env).map_err(|e| e.to_string())
+        })();
+        let capacity = local.as_ref().ok().copied().unwrap_or(0);
+        match agree(bootstrap, local.map(|c| (c as u64).to_le_bytes().to_vec()), "the NVLS preconditions") {
+            Err(why) => return Nvls::off(format!("off on every rank: {why}")),
+            Ok(all) if all.iter().any(|a| a[..] != (capacity as u64).to_le_bytes()) => {
+                return Nvls::off("off: the ranks disagree on ANYCCL_CUSTOM_MAX_BYTES (the NVLS staging size)".into())
+            }
+            Ok(_) => {}
+        }
+        let memory = match P::nvls_setup_rank(runtime, bootstrap, capacity, env) {
+            Ok(m) => m,
+            Err(why) => return Nvls::off(why),
+        };
+        let state = load::<P>(runtime, memory).map_err(|e| e.to_string());
+        let loaded = state.as_ref().map(|_| Vec::new()).map_err(Clone::clone);
+        match agree(bootstrap, loaded, "the NVLS kernels' loading") {
+            Ok(_) => {
+                tracing::info!(world, capacity, "NVLS multicast set up across processes");
+                Nvls(state)
+            }
+            // This rank's memory (if any) is torn down with its state here.
+            Err(why) => Nvls::off(format!("off: the NVLS kernels could not be loaded ({why})")),
+        }
+    }
+
     /// Whether `algorithm` (an NVLS variant) can run `call` on this communicator of `world` ranks.
     pub(crate) fn eligible(
         &self,
@@ -160,9 +249,7 @@ impl<P: GpuPlatform> Nvls<P> {
     ) -> std::result::Result<(), String> {
         let st = self.0.as_ref().map_err(Clone::clone)?;
         if algorithm == Algorithm::NvlsZeroCopy {
-            return Err("nvls-zero-copy needs the caller's input and output bound to the multicast object; anyccl \
-                        binds only its own staging buffers (nvls-block-pipeline and nvls-warp-pipeline use them)"
-                .into());
+            return Err(ZERO_COPY_REFUSAL.into());
         }
         if call.op != ReduceOp::Sum {
             return Err(format!("the NVLS kernels implement sum, not {}", call.op));
@@ -284,6 +371,39 @@ fn load<P: GpuPlatform>(runtime: &P::Runtime, memory: NvlsMemory) -> Result<Nvls
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs `agree` on `world` ranks as threads, rank r sending `mine(r)`; every rank's answer.
+    fn agree_all(
+        world: usize,
+        mine: impl Fn(usize) -> std::result::Result<Vec<u8>, String> + Sync,
+    ) -> Vec<std::result::Result<Vec<Vec<u8>>, String>> {
+        let group = anyccl_core::bootstrap::LocalGroup::new(world, std::time::Duration::from_secs(20));
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let mut me = group.member(r);
+                    let mine = &mine;
+                    s.spawn(move || agree(&mut me, mine(r), "a test step"))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank")).collect()
+        })
+    }
+
+    #[test]
+    fn the_ranks_agree_on_every_payload_or_on_the_first_failure() {
+        let all = agree_all(3, |r| Ok(vec![r as u8; r]));
+        for got in all {
+            assert_eq!(got.expect("all ok"), vec![vec![], vec![1], vec![2, 2]]);
+        }
+        // Ranks 1 and 2 fail: every rank, rank 0 included, gets rank 1's reason (a peer's text sanitised).
+        let all = agree_all(3, |r| if r == 0 { Ok(vec![7]) } else { Err(format!("no\x1b[31m luck on {r}")) });
+        for (r, got) in all.into_iter().enumerate() {
+            let why = got.expect_err("one rank failed");
+            assert!(why.starts_with("rank 1: no") && why.ends_with("luck on 1"), "rank {r}: {why}");
+            assert_eq!(why.contains('\x1b'), r == 1, "rank {r}: only a peer's text is sanitised: {why:?}");
+        }
+    }
 
     #[test]
     fn kernel_names_follow_the_kernel_source() {
