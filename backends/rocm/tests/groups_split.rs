@@ -347,7 +347,7 @@ fn split_without_nccl_comm_split_says_why() {
     let caps = anyccl_ccl::derive_capabilities(&lib, &|_| None);
     // SAFETY: a live communicator of `lib`; the call is refused before the library is reached (no symbol).
     let raw = unsafe { anyccl_ccl::result::comm_split(&lib, rank.handle().expect("live"), 0, 0) };
-    for e in [rank.split(&caps, Some(0), 0).err().expect("refused"), raw.err().expect("refused")] {
+    for e in [rank.split(&caps, Some(0), 0).err().expect("refused"), raw.expect_err("refused")] {
         let text = e.to_string();
         assert!(matches!(&e, Error::Unsupported { capability, .. } if capability == "comm-split"), "{e:?}");
         assert!(text.contains("ncclCommSplit") && text.contains("NCCL 2.17.1"), "{text}");
