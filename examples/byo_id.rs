@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyccl::core::bootstrap::Bootstrap;
-use anyccl::cuda::bootstrap::{communicator_with_id, new_unique_id};
+use anyccl::cuda::multi_process::{communicator_with_id, new_unique_id};
 use anyccl::{Error, Selector};
 
 /// The largest file a peer may leave for one exchange.

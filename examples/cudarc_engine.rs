@@ -12,7 +12,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The ranks find each other from torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
     // `MASTER_PORT`): `torchrun --nproc-per-node 2 target/debug/examples/cudarc_engine`.
     let (mut comm, _rendezvous) =
-        anyccl::cuda::bootstrap::communicator_from_env(Arc::new(anyccl::Selector::default()))?;
+        anyccl::cuda::multi_process::communicator_from_env(Arc::new(anyccl::Selector::default()))?;
     let stream = CudaContext::new(comm.runtime().context().ordinal().try_into()?)?.default_stream();
     let mut grads = stream.clone_htod(&vec![1.0f32; 1 << 20])?;
     comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &stream)?;

@@ -32,7 +32,7 @@ fn cuda() -> Result<(usize, usize, f32), Box<dyn std::error::Error>> {
     use anyccl::cuda::CudarcAllReduce;
 
     let (mut comm, _rendezvous) =
-        anyccl::cuda::bootstrap::communicator_from_env(std::sync::Arc::new(anyccl::Selector::default()))?;
+        anyccl::cuda::multi_process::communicator_from_env(std::sync::Arc::new(anyccl::Selector::default()))?;
     let stream = CudaContext::new(comm.runtime().context().ordinal().try_into()?)?.default_stream();
     let me = (comm.rank() + 1) as f32;
     let mut buf = stream.clone_htod(&[me; 4])?;

@@ -1109,9 +1109,9 @@ fn cuda_devices() -> std::result::Result<usize, String> {
 /// The HIP runtime, loaded once per process.
 #[cfg(feature = "rocm")]
 pub(crate) fn hip_runtime() -> &'static std::result::Result<Arc<anyccl_rocm::HipLibrary>, anyccl_rocm::HipLoadError> {
-    // The ROCm backend's own, so the communicators of one process per GPU (`anyccl_rocm::bootstrap`) and of one
+    // The ROCm backend's own, so the communicators of one process per GPU (`anyccl_rocm::multi_process`) and of one
     // process (`communicators`) share one runtime and one registry of streams for the capture rules.
-    anyccl_rocm::bootstrap::hip_library()
+    anyccl_rocm::multi_process::hip_library()
 }
 
 #[cfg(feature = "rocm")]
@@ -1178,7 +1178,7 @@ fn make(kind: BackendKind, world: usize, selector: &Arc<Selector>) -> Result<Vec
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
-            let lib = anyccl_cuda::bootstrap::load_nccl()?;
+            let lib = anyccl_cuda::multi_process::load_nccl()?;
             let ordinals: Vec<i32> = (0..world as i32).collect();
             Ok(boxed(anyccl_cuda::communicators_single_process(lib, &ordinals, selector.clone())?))
         }
@@ -1249,12 +1249,12 @@ fn join(kind: BackendKind, selector: &Arc<Selector>) -> Result<(AnyCommunicator,
         }
         #[cfg(feature = "cuda")]
         BackendKind::Cuda => {
-            let (c, rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector.clone())?;
+            let (c, rdv) = anyccl_cuda::multi_process::communicator_from_env(selector.clone())?;
             Ok((Box::new(c), Some(Box::new(rdv))))
         }
         #[cfg(feature = "rocm")]
         BackendKind::Rocm => {
-            let (c, rdv) = anyccl_rocm::bootstrap::communicator_from_env(selector.clone())?;
+            let (c, rdv) = anyccl_rocm::multi_process::communicator_from_env(selector.clone())?;
             Ok((Box::new(c), Some(Box::new(rdv))))
         }
         #[allow(unreachable_patterns)]

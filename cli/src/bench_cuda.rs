@@ -57,21 +57,26 @@ pub(crate) fn host_pair(
     let (dtype, op) = (cfg.dtype, cfg.op);
     let count = n / dtype.size_bytes();
     // The raw call's (type, operator) codes are mapped once, outside the loop: it is NCCL alone.
-    let reduction = anyccl::ccl::CclReduction::new(c.backend().ccl().library(), dtype, op)?;
+    let lib = c.backend().ccl().library().clone();
+    let (d, o) = anyccl::ccl::CclReduction::new(&lib, dtype, op)?.codes(&lib)?;
     let sv = send.view(..n)?;
     let mut rv = recv.view_mut(..n)?;
     let pair = time_host_pair(stream, cfg.iters, &mut |anyccl, s| {
         if anyccl {
             return c.all_reduce(InOut::Separate { send: &*sv, recv: &mut *rv }, count, dtype, op, s).map(|_| ());
         }
-        // SAFETY: views of this rank's live buffers of this device, `n` bytes each (validated above by `view`);
-        // the stream is live.
+        let comm = c.backend().ccl().handle()?;
+        // SAFETY: a live communicator of `lib` (the communicator's own, borrowed for the call); views of this rank's
+        // live buffers of this device, `n` bytes each (validated above by `view`); the stream is live.
         unsafe {
-            c.backend().ccl().all_reduce(
+            anyccl::ccl::result::all_reduce(
+                &lib,
                 sv.device_ptr() as *const std::ffi::c_void,
                 rv.device_ptr() as *mut std::ffi::c_void,
                 count,
-                reduction,
+                d,
+                o,
+                comm,
                 s.raw() as _,
             )
         }

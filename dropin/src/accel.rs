@@ -502,9 +502,8 @@ where
         let _current = crate::agree::KeepCurrent::<P>::new();
         // SAFETY: `comm` was just created by `lib`; the caller destroys it only through the drop-in, which drops
         // every borrowed value first. This one answers two queries and is dropped at once.
-        let probe = unsafe { CclComm::from_raw_borrowed(lib.clone(), comm) };
-        let world = probe.count().map_err(|e| e.to_string())?;
-        let rank = probe.user_rank().map_err(|e| e.to_string())?;
+        let probe = unsafe { CclComm::from_raw_borrowed(lib.clone(), comm) }.map_err(|e| e.to_string())?;
+        let (rank, world) = (probe.rank(), probe.world());
         drop(probe);
         if world < 2 {
             // Every rank sees the same world: no round, nothing to agree on.
@@ -574,8 +573,8 @@ where
         // SAFETY: `comm` is the caller's live communicator of `lib`; the GpuComm made from it lives in this slot,
         // which ncclCommDestroy/Abort/Finalize drop before they forward; calls on it run under the slot's lock,
         // inside the caller's own call on this communicator.
-        let ccl = unsafe { CclComm::from_raw_borrowed(self.lib.clone(), self.comm) };
-        let mut gpu = GpuComm::<P>::from_ccl(ccl, &self.device, self.rank, self.world, self.caps.clone())?;
+        let ccl = unsafe { CclComm::from_raw_borrowed(self.lib.clone(), self.comm) }?;
+        let mut gpu = GpuComm::<P>::from_ccl(ccl, &self.device, self.caps.clone())?;
         let stream = P::stream(&self.runtime)?;
         gpu.enable_custom_ipc_over_ccl(&stream, &env)?;
         Ok(Communicator::new(gpu, self.selector.clone()))

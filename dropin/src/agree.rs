@@ -33,7 +33,7 @@ use std::borrow::{Borrow, BorrowMut};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use anyccl_ccl::{CclComm, CclLibrary, CclStream, DeviceAddress};
+use anyccl_ccl::{CclLibrary, CclStream, DeviceAddress};
 use anyccl_core::{Capabilities, DataType, Error, MemoryRuntime, Selector};
 use anyccl_gpu::GpuRuntime;
 use anyccl_gpu::StreamOf;
@@ -316,18 +316,20 @@ where
     // is one (then this rank, which knows it failed, is off, and its peers find out at the setup's own rounds).
     let uploaded = runtime.upload(send.borrow_mut(), &mine.encode(), &stream);
     let (s, r) = (send.borrow().device_addr(), recv.borrow_mut().device_addr());
-    // SAFETY: `comm` is the caller's live communicator of `lib`, borrowed for this one call. `send` holds
+    // SAFETY: `comm` is the caller's live communicator of `lib`, used for this one call. `send` holds
     // FINGERPRINT_BYTES and `recv` world × FINGERPRINT_BYTES bytes of this rank's device, both alive until the
     // download below has waited for the stream, which lives as long.
-    let gathered = unsafe {
-        CclComm::from_raw_borrowed(lib.clone(), comm).all_gather(
+    let gathered = anyccl_ccl::nccl_dtype(lib, DataType::U8).and_then(|u8_code| unsafe {
+        anyccl_ccl::result::all_gather(
+            lib,
             s as *const c_void,
             r as *mut c_void,
             FINGERPRINT_BYTES,
-            DataType::U8,
+            u8_code,
+            comm,
             stream.ccl_handle(),
         )
-    };
+    });
     let downloaded = runtime.download(recv.borrow(), &mut out, &stream);
     uploaded?;
     gathered?;

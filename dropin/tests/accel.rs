@@ -9,12 +9,10 @@
 //! against the host reference and prints what it saw; the parent asserts on that and on the drop-in's log. The
 //! ranks and both halves' machinery are shared with accel_cuda.rs (the CUDA side) in support/accel_common.rs.
 
-#[path = "support/accel_common.rs"]
-mod accel_common;
+mod support;
 use anyccl_testkit::fake_ccl;
 use anyccl_testkit::fake_hip;
-#[path = "support/programs.rs"]
-mod programs;
+use support::{accel_common, programs};
 
 use std::ffi::{c_int, c_void};
 

@@ -17,10 +17,8 @@ use anyccl_testkit::fake_ccl;
 use anyccl_testkit::fake_cuda;
 use anyccl_testkit::fake_hip;
 
-#[path = "support/accel_common.rs"]
-mod accel_common;
-#[path = "support/programs.rs"]
-mod programs;
+mod support;
+use support::accel_common;
 
 use std::collections::BTreeSet;
 use std::ffi::c_int;

@@ -7,10 +7,8 @@
 //! drop-in loads its library once per process) with an empty environment but the variables it sets.
 
 use anyccl_testkit::fake_ccl;
-#[path = "support/header.rs"]
-mod header;
-#[path = "support/programs.rs"]
-mod programs;
+mod support;
+use support::{header, programs};
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

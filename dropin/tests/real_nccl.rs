@@ -15,10 +15,8 @@
 //! `ANYCCL_TEST_DROPIN_GLIBC_2_28="$(dropin/ci/build-glibc-2.28.sh)"` (the drop-in linked against glibc 2.28), and
 //! fails when one is missing. `ANYCCL_TEST_KEEP=1` keeps the C program's output under cargo's temporary folder.
 
-#[path = "support/header.rs"]
-mod header;
-#[path = "support/programs.rs"]
-mod programs;
+mod support;
+use support::{header, programs};
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

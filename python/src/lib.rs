@@ -952,7 +952,7 @@ fn from_env(py: Python<'_>, backend: &str) -> PyResult<Comm> {
         let (comm, boot): (AnyCommunicator, Option<Box<dyn Bootstrap + Send>>) = match kind {
             #[cfg(feature = "cuda")]
             BackendKind::Cuda => {
-                let (c, rdv) = anyccl::cuda::bootstrap::communicator_from_env(sel)?;
+                let (c, rdv) = anyccl::cuda::multi_process::communicator_from_env(sel)?;
                 (Box::new(c), Some(Box::new(rdv)))
             }
             _ => {
@@ -1009,7 +1009,7 @@ fn over_bootstrap(
         BackendKind::Cuda => {
             let mut boot = boot;
             let (rank, world) = (boot.rank(), boot.world());
-            let id = anyccl::cuda::bootstrap::broadcast_unique_id(&mut *boot)?;
+            let id = anyccl::cuda::multi_process::broadcast_unique_id(&mut *boot)?;
             let device = match device {
                 Some(d) => d,
                 None => {
@@ -1017,7 +1017,7 @@ fn over_bootstrap(
                     i32::try_from(rank % n).unwrap_or(0)
                 }
             };
-            let comm = anyccl::cuda::bootstrap::communicator_with_id(&id, rank, world, device, &mut *boot, sel)?;
+            let comm = anyccl::cuda::multi_process::communicator_with_id(&id, rank, world, device, &mut *boot, sel)?;
             Ok((Box::new(comm), Some(boot)))
         }
         other => Err(anyccl::Error::Unsupported {

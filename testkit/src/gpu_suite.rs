@@ -1,7 +1,7 @@
 //! The GPU-communicator suite, written once for every [`GpuPlatform`]: each case takes a [`Harness`] (the fake
 //! runtime's records, `world` communicators of one process, and the few things only the platform's own types can
 //! do: graph capture, a stream's raw handle) and checks what the generic engine does, whatever the vendor. `backends/cuda/tests/fake.rs` runs it on the fake CUDA driver and
-//! `backends/rocm/tests/custom.rs` on the fake HIP runtime; each adds only what is its platform's own.
+//! `backends/rocm/tests/custom/main.rs` on the fake HIP runtime; each adds only what is its platform's own.
 
 use anyccl_core::comm::AllReduceCall;
 use std::ffi::c_void;

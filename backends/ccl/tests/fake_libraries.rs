@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyccl_ccl::find::Place;
 use anyccl_ccl::loader::{OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
-use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclRank, CclVendor, LoadFailure, SearchPlan, UniqueId};
+use anyccl_ccl::{derive_capabilities, CclComm, CclLibrary, CclVendor, LoadFailure, SearchPlan, UniqueId};
 use anyccl_core::{Capabilities, CapabilityState, DataType, Error, InvalidArgument, ReduceOp};
 use fake_ccl::*;
 
@@ -638,10 +638,10 @@ fn nccl_2_8_uses_the_old_version_encoding_and_lacks_bf16_and_avg() {
 }
 
 /// One rank of a world-1 communicator on the fake library at `path`.
-fn world_1_rank(path: &Path) -> CclRank {
+fn world_1_rank(path: &Path) -> CclComm {
     let lib = Arc::new(CclLibrary::open(path).expect("loads"));
     let id = UniqueId::new(&lib).expect("id");
-    CclRank::new(CclComm::init_rank(lib, 1, &id, 0).expect("communicator"), 0, 1)
+    CclComm::init_rank(lib, 1, &id, 0).expect("communicator")
 }
 
 #[test]
@@ -660,7 +660,7 @@ fn a_wait_that_never_finishes_aborts_the_communicator_and_later_calls_fail() {
     )
     .expect("finishes");
     assert_eq!(polls, 3);
-    assert!(!rank.ccl().is_aborted());
+    assert!(!rank.is_aborted());
     // A stream error is passed through, and the communicator stays usable.
     let e = rank
         .wait_or_abort(
@@ -670,7 +670,7 @@ fn a_wait_that_never_finishes_aborts_the_communicator_and_later_calls_fail() {
         )
         .expect_err("stream error");
     assert_eq!(e.to_string(), Error::PeerFailure("stream broke".into()).to_string());
-    assert_eq!(rank.ccl().count().expect("still live"), 1);
+    assert_eq!(rank.count().expect("still live"), 1);
     assert_eq!(stops, 0, "the backend's kernels are stopped only before an abort");
     // Work that never finishes (a peer died): a timeout within the limit, the backend's kernels stopped once,
     // the communicator aborted.
@@ -682,11 +682,11 @@ fn a_wait_that_never_finishes_aborts_the_communicator_and_later_calls_fail() {
     assert!(start.elapsed() < std::time::Duration::from_secs(10));
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
     assert!(e.to_string().contains("the communicator was aborted"), "{e}");
-    assert!(rank.ccl().is_aborted());
+    assert!(rank.is_aborted());
     // Every later call says so instead of touching the freed communicator; dropping it destroys nothing twice.
-    let later = rank.ccl().count().expect_err("aborted");
+    let later = rank.count().expect_err("aborted");
     assert!(matches!(later, Error::PeerFailure(ref m) if m.contains("aborted")), "{later}");
-    assert!(rank.ccl().async_error().is_err());
+    assert!(rank.async_error().is_err());
     drop(rank);
 }
 
@@ -709,7 +709,7 @@ fn an_asynchronous_library_error_while_waiting_aborts_with_the_library_text() {
     assert!(matches!(e, Error::PeerFailure(_)), "{e}");
     let text = e.to_string();
     assert!(text.contains("unhandled error (fake)") && text.contains("the communicator was aborted"), "{text}");
-    assert!(rank.ccl().is_aborted());
+    assert!(rank.is_aborted());
 }
 
 #[test]
@@ -761,8 +761,8 @@ fn a_wait_returns_within_its_grace_when_the_library_abort_blocks() {
     let text = e.to_string();
     assert!(text.contains("abort had not returned after 2s and goes on in the background"), "{text}");
     // Later calls fail at once, although the abort has not finished.
-    assert!(rank.ccl().is_aborted());
-    let later = rank.ccl().count().expect_err("aborted");
+    assert!(rank.is_aborted());
+    let later = rank.count().expect_err("aborted");
     assert!(matches!(later, Error::PeerFailure(ref m) if m.contains("aborted")), "{later}");
 
     // SAFETY: plain calls into the fake; no arguments.
@@ -789,12 +789,14 @@ fn a_reduction_is_mapped_once_for_its_library_and_refused_by_another() {
     let e = new.check_reduction(DataType::Fp8E4M3, ReduceOp::Avg).expect_err("no avg on fp8");
     assert!(matches!(e, Error::InvalidArgument(InvalidArgument::UnsupportedReduction { .. })), "{e:?}");
     let sum = new.check_reduction(DataType::F32, ReduceOp::Sum).expect("sum");
+    let (d, o) = sum.codes(new.library()).expect("its own library");
     let null = std::ptr::null_mut();
-    // SAFETY: the fake library's ncclAllReduce returns success without reading or writing the buffers or the stream.
-    unsafe { new.ccl().all_reduce(null, null, 4, sum, null) }.expect("its own library");
+    let comm = new.handle().expect("live");
+    // SAFETY: a live communicator of the library; the fake's ncclAllReduce returns success without reading or
+    // writing the buffers or the stream.
+    unsafe { anyccl_ccl::result::all_reduce(new.library(), null, null, 4, d, o, comm, null) }.expect("its codes");
     // The codes of one library version are not handed to another.
-    // SAFETY: as above; the call is refused before the library is reached.
-    let e = unsafe { old.ccl().all_reduce(null, null, 4, sum, null) }.expect_err("another library");
+    let e = sum.codes(old.library()).expect_err("another library");
     assert!(
         matches!(&e, Error::InvalidArgument(InvalidArgument::UnsupportedReduction { why, .. }) if why.contains("another library")),
         "{e:?}"
@@ -806,7 +808,7 @@ fn a_background_close_returns_at_once_and_keeps_the_library_loaded_until_the_des
     let path = build_slow_destroy(&NCCL_2_28);
     let hooks = DestroyHooks::open(&path);
     let rank = world_1_rank(&path);
-    let lib = Arc::downgrade(rank.ccl().library());
+    let lib = Arc::downgrade(rank.library());
     // What a backend drops after the communicator (its buffers): records how many destroys had finished by then.
     struct Kept(Arc<std::sync::atomic::AtomicI32>, unsafe extern "C" fn() -> std::ffi::c_int);
     impl Drop for Kept {
@@ -855,7 +857,7 @@ fn closing_an_aborted_communicator_in_the_background_has_nothing_left_to_do() {
     let mut rank = world_1_rank(&build_profile(&NCCL_2_28));
     let e = rank.wait_or_abort(std::time::Duration::ZERO, &mut || Ok(false), &mut || {}).expect_err("times out");
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
-    assert!(rank.ccl().is_aborted());
+    assert!(rank.is_aborted());
     let t = rank.close_in_background();
     assert!(t.is_done(), "nothing to destroy after an abort");
     assert_eq!(t.wait(), Ok(()));
@@ -871,8 +873,8 @@ fn a_capture_refusal_from_the_stream_query_aborts_nothing() {
         .expect_err("refused");
     assert_eq!(e, refused);
     assert_eq!(stops, 0, "the backend's kernels are not told to stop");
-    assert!(!rank.ccl().is_aborted(), "the communicator stays usable");
-    assert_eq!(rank.ccl().count().expect("still live"), 1);
+    assert!(!rank.is_aborted(), "the communicator stays usable");
+    assert_eq!(rank.count().expect("still live"), 1);
 }
 
 #[test]
@@ -904,15 +906,16 @@ fn a_borrowed_communicator_never_destroys_or_aborts_what_it_borrows() {
     let id = UniqueId::new(&lib).expect("id");
     let owner = CclComm::init_rank(lib.clone(), 1, &id, 0).expect("communicator");
     // SAFETY: `owner` keeps the communicator live for as long as the borrowed values below are used.
-    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) }.expect("borrowed");
     assert!(borrowed.is_borrowed() && !owner.is_borrowed());
+    assert_eq!((borrowed.rank(), borrowed.world()), (0, 1), "the library's answer");
     assert_eq!(borrowed.count().expect("a query through the borrowed handle"), 1);
     drop(borrowed);
     // SAFETY: as above.
-    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    let borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) }.expect("borrowed");
     borrowed.destroy().expect("forgetting is fine");
     // SAFETY: as above.
-    let mut borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) };
+    let mut borrowed = unsafe { CclComm::from_raw_borrowed(lib.clone(), owner.raw()) }.expect("borrowed");
     let e = borrowed.abort_in_place().expect_err("a borrowed communicator is not aborted");
     assert!(e.to_string().contains("borrowed"), "{e}");
     assert!(borrowed.is_aborted(), "the handle is forgotten: later calls fail instead of touching it");

@@ -9,8 +9,9 @@
 //!   windows, the custom kernels;
 //! - `multicast` (feature `multicast`): the NVLS multicast object manager, written over a driver trait and tested
 //!   with a fake driver; `nvls`: the multicast object of the engine's NVLS plans, behind its gate;
-//! - [`custom`], [`graph_inputs`], [`ipc`], [`graph`], [`bootstrap`]: the CUDA names of the engine's custom
-//!   kernels, graph inputs and one-process-per-GPU join, legacy and VMM IPC handles, and CUDA graphs and events.
+//! - [`custom`], [`graph_inputs`], [`ipc`], [`graph`], [`multi_process`]: the CUDA names of the engine's custom
+//!   kernels, graph inputs and one-process-per-GPU join, legacy and VMM IPC handles, and CUDA graphs and events
+//!   ([`bootstrap`] is the deprecated former name of [`multi_process`]).
 //!
 //! N ranks emulated on one GPU and the tool binaries (`anyccl-cuda-*-bench`, `anyccl-cuda-ipc-check`) live in the
 //! unpublished workspace member `anyccl-lab`.
@@ -21,7 +22,6 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub mod bootstrap;
 pub mod comm;
 #[cfg(feature = "cudarc")]
 pub mod cudarc_interop;
@@ -30,6 +30,7 @@ pub mod driver;
 pub mod graph;
 pub mod graph_inputs;
 pub mod ipc;
+pub mod multi_process;
 #[cfg(feature = "multicast")]
 #[cfg_attr(docsrs, doc(cfg(feature = "multicast")))]
 pub mod multicast;
@@ -139,4 +140,90 @@ pub fn communicators_single_process(
     caps.apply_env()?;
     let caps = Arc::new(caps);
     Ok(CudaComm::init_all(lib, ordinals, caps)?.into_iter().map(|c| Communicator::new(c, selector.clone())).collect())
+}
+
+/// The former name of [`multi_process`], kept so that code written against it still builds; every item warns
+/// (`deprecated`) and forwards to its [`multi_process`] namesake.
+#[deprecated(note = "renamed by its role: use anyccl_cuda::multi_process")]
+pub mod bootstrap {
+    use std::sync::Arc;
+
+    use anyccl_core::{Bootstrap, Communicator, Result, Selector};
+    use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
+
+    use crate::ipc::{LegacyMapping, VmmBuffer};
+    use crate::multi_process as m;
+    use crate::runtime::{DeviceBuffer, DeviceContext};
+    use crate::CudaComm;
+
+    /// [`m::UniqueId`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::UniqueId (or anyccl_ccl::UniqueId)")]
+    pub type UniqueId = anyccl_ccl::UniqueId;
+
+    /// [`m::load_nccl`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::load_nccl")]
+    pub fn load_nccl() -> Result<Arc<anyccl_ccl::CclLibrary>> {
+        m::load_nccl()
+    }
+
+    /// [`m::communicator`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::communicator")]
+    pub fn communicator(
+        cfg: RendezvousConfig,
+        device: Option<i32>,
+        selector: Arc<Selector>,
+    ) -> Result<(Communicator<CudaComm>, Rendezvous)> {
+        m::communicator(cfg, device, selector)
+    }
+
+    /// [`m::new_unique_id`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::new_unique_id")]
+    pub fn new_unique_id() -> Result<m::UniqueId> {
+        m::new_unique_id()
+    }
+
+    /// [`m::broadcast_unique_id`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::broadcast_unique_id")]
+    pub fn broadcast_unique_id(bootstrap: &mut dyn Bootstrap) -> Result<m::UniqueId> {
+        m::broadcast_unique_id(bootstrap)
+    }
+
+    /// [`m::communicator_with_id`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::communicator_with_id")]
+    pub fn communicator_with_id(
+        id: &m::UniqueId,
+        rank: usize,
+        world: usize,
+        device: i32,
+        bootstrap: &mut dyn Bootstrap,
+        selector: Arc<Selector>,
+    ) -> Result<Communicator<CudaComm>> {
+        m::communicator_with_id(id, rank, world, device, bootstrap, selector)
+    }
+
+    /// [`m::communicator_from_env`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::communicator_from_env")]
+    pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<CudaComm>, Rendezvous)> {
+        m::communicator_from_env(selector)
+    }
+
+    /// [`m::exchange_legacy`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::exchange_legacy")]
+    pub fn exchange_legacy(
+        rdv: &mut dyn Bootstrap,
+        ctx: &Arc<DeviceContext>,
+        buf: &DeviceBuffer,
+    ) -> Result<Vec<Option<LegacyMapping>>> {
+        m::exchange_legacy(rdv, ctx, buf)
+    }
+
+    /// [`m::exchange_vmm`].
+    #[deprecated(note = "use anyccl_cuda::multi_process::exchange_vmm")]
+    pub fn exchange_vmm(
+        rdv: &mut dyn Bootstrap,
+        ctx: &Arc<DeviceContext>,
+        buf: &VmmBuffer,
+    ) -> Result<Vec<Option<VmmBuffer>>> {
+        m::exchange_vmm(rdv, ctx, buf)
+    }
 }

@@ -263,7 +263,7 @@ fn a_failed_wait_writes_the_abort_word_and_turns_the_kernels_off() {
     run_case("abort");
 }
 
-/// One process per GPU as threads: `bootstrap::broadcast_unique_id` + `communicator_with_id` set the kernels up
+/// One process per GPU as threads: `multi_process::broadcast_unique_id` + `communicator_with_id` set the kernels up
 /// over legacy IPC handles (counted), eager and registered-graph sums are right, and every mapping is closed with
 /// its communicator.
 #[test]
@@ -480,8 +480,8 @@ impl Harness for Setup {
     ) -> Result<Communicator<CudaComm>> {
         let selector = Arc::new(Selector::defaults());
         let Some(env) = env else {
-            let id = anyccl_cuda::bootstrap::broadcast_unique_id(boot)?;
-            return anyccl_cuda::bootstrap::communicator_with_id(&id, rank, world, rank as i32, boot, selector);
+            let id = anyccl_cuda::multi_process::broadcast_unique_id(boot)?;
+            return anyccl_cuda::multi_process::communicator_with_id(&id, rank, world, rank as i32, boot, selector);
         };
         let id = anyccl_gpu::multi_process::share_unique_id::<Cuda>(boot, Some(&self.lib))?;
         anyccl_gpu::multi_process::join::<Cuda>(self.lib.clone(), &id, rank, world, rank as i32, boot, selector, env)
@@ -643,7 +643,7 @@ fn env_not_utf8(s: &Setup) {
     let id = anyccl_ccl::UniqueId::from_bytes(&[0u8; 128]).expect("128 bytes");
     let group = LocalGroup::new(1, Duration::from_secs(30));
     let mut boot = group.member(0);
-    let e = anyccl_cuda::bootstrap::communicator_with_id(&id, 0, 1, 0, &mut boot, Arc::new(Selector::defaults()))
+    let e = anyccl_cuda::multi_process::communicator_with_id(&id, 0, 1, 0, &mut boot, Arc::new(Selector::defaults()))
         .err()
         .expect("refused");
     assert!(names_it(&e), "{e:?}");
@@ -947,7 +947,7 @@ fn abort(s: &Setup) {
     gpu_suite::abort(s);
 }
 
-/// The generic one-process-per-GPU case on the fake CUDA driver, through `bootstrap::broadcast_unique_id` and
+/// The generic one-process-per-GPU case on the fake CUDA driver, through `multi_process::broadcast_unique_id` and
 /// `communicator_with_id`.
 fn ipc_threads(s: &Setup) {
     gpu_suite::ipc_threads(s);
@@ -1405,9 +1405,9 @@ fn push_ipc(s: &Setup) {
             .map(|rank| {
                 let mut boot = group.member(rank);
                 sc.spawn(move || -> Result<(Algorithm, Vec<f32>, Communicator<CudaComm>)> {
-                    let id = anyccl_cuda::bootstrap::broadcast_unique_id(&mut boot)?;
+                    let id = anyccl_cuda::multi_process::broadcast_unique_id(&mut boot)?;
                     let selector = Arc::new(Selector::defaults());
-                    let mut c = anyccl_cuda::bootstrap::communicator_with_id(
+                    let mut c = anyccl_cuda::multi_process::communicator_with_id(
                         &id,
                         rank,
                         world,

@@ -250,7 +250,7 @@ fn bootstrap_with_a_missing_peer_times_out_naming_it() {
     let addr: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
     let cfg = anyccl_rendezvous::RendezvousConfig::new(0, 2, addr).with_timeout(std::time::Duration::from_millis(300));
     let t = std::time::Instant::now();
-    let err = anyccl_cuda::bootstrap::communicator(cfg, Some(0), Arc::new(Selector::defaults()))
+    let err = anyccl_cuda::multi_process::communicator(cfg, Some(0), Arc::new(Selector::defaults()))
         .err()
         .expect("rank 1 never arrives");
     assert!(t.elapsed() < std::time::Duration::from_secs(5), "took {:?}", t.elapsed());
@@ -265,7 +265,7 @@ fn bootstrap_world_1_through_the_rendezvous() {
     let addr: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
     let cfg = anyccl_rendezvous::RendezvousConfig::new(0, 1, addr);
     let (mut comm, mut rdv) =
-        anyccl_cuda::bootstrap::communicator(cfg, Some(0), Arc::new(Selector::defaults())).expect("bootstrap");
+        anyccl_cuda::multi_process::communicator(cfg, Some(0), Arc::new(Selector::defaults())).expect("bootstrap");
     rdv.barrier().expect("rendezvous still usable");
     let stream = comm.runtime().stream().expect("stream");
     let mut b = anyccl_core::MemoryRuntime::alloc(comm.runtime(), 64).expect("alloc");

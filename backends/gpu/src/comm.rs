@@ -21,7 +21,7 @@ use super::push::{self, PushKernels, PushState};
 use super::quant::QuantKernels;
 use super::{BufferOf, GpuPlatform, StreamOf, LEGACY_HANDLE_BYTES};
 use crate::device::GpuRuntime;
-use anyccl_ccl::{CclComm, CclLibrary, CclRank, CclReduction, UniqueId};
+use anyccl_ccl::{CclComm, CclLibrary, CclReduction, UniqueId};
 
 pub mod fused_call;
 mod plans;
@@ -149,7 +149,7 @@ const GRAPH_EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_se
 /// One rank of a GPU communicator of platform `P` (`CudaComm`, `RocmComm`).
 pub struct GpuComm<P: GpuPlatform> {
     /// The NCCL/RCCL communicator with this rank's place in it (rank, world) and its windows.
-    ccl: CclRank,
+    ccl: CclComm,
     runtime: P::Runtime,
     arch: String,
     caps: Arc<CapabilityReport>,
@@ -187,7 +187,7 @@ impl<P: GpuPlatform> GpuComm<P> {
         let runtime = P::runtime(&device)?;
         runtime.bind()?;
         let ccl = CclComm::init_rank(lib, world, id, rank)?;
-        Self::wrap(ccl, runtime, rank, world, caps)
+        Self::wrap(ccl, runtime, caps)
     }
 
     /// One communicator per listed device of this process (`ncclCommInitAll`), index = rank, with the custom
@@ -195,14 +195,9 @@ impl<P: GpuPlatform> GpuComm<P> {
     pub fn init_all(lib: Arc<CclLibrary>, devices: &[P::DeviceSpec], caps: Arc<CapabilityReport>) -> Result<Vec<Self>> {
         let runtimes: Vec<P::Runtime> = devices.iter().map(P::runtime).collect::<Result<_>>()?;
         let ordinals: Vec<i32> = devices.iter().map(P::ordinal).collect();
-        let ccls = anyccl_ccl::init_all(&lib, &ordinals)?;
-        let world = devices.len();
-        let mut comms: Vec<Self> = ccls
-            .into_iter()
-            .zip(runtimes)
-            .enumerate()
-            .map(|(rank, (c, rt))| Self::wrap(c, rt, rank, world, caps.clone()))
-            .collect::<Result<_>>()?;
+        let ccls = CclComm::init_all(&lib, &ordinals)?;
+        let mut comms: Vec<Self> =
+            ccls.into_iter().zip(runtimes).map(|(c, rt)| Self::wrap(c, rt, caps.clone())).collect::<Result<_>>()?;
         // NVLS multicast, behind its gate (the capability report's multicast); a failure only turns it off.
         let nvls = {
             let rts: Vec<&P::Runtime> = comms.iter().map(|c| &c.runtime).collect();
@@ -256,22 +251,13 @@ impl<P: GpuPlatform> GpuComm<P> {
     }
 
     /// Wraps a collective-library communicator made elsewhere (the drop-in `libnccl` wraps its caller's
-    /// `ncclComm_t` through [`CclComm::from_raw_borrowed`]) as rank `rank` of `world` on `device`, with the custom
-    /// kernels off until [`Self::enable_custom_ipc_over_ccl`] (or [`Self::enable_custom_ipc`]) sets them up.
+    /// `ncclComm_t` through [`CclComm::from_raw_borrowed`]) on `device`, as the rank of the world it knows, with the
+    /// custom kernels off until [`Self::enable_custom_ipc_over_ccl`] (or [`Self::enable_custom_ipc`]) sets them up.
     /// Allocates a 4-byte barrier scratch on the device: not during capture.
-    pub fn from_ccl(
-        ccl: CclComm,
-        device: &P::DeviceSpec,
-        rank: usize,
-        world: usize,
-        caps: Arc<CapabilityReport>,
-    ) -> Result<Self> {
-        if world == 0 || rank >= world {
-            return Err(anyccl_core::InvalidArgument::RankOutOfRange { what: "own", rank, world }.into());
-        }
+    pub fn from_ccl(ccl: CclComm, device: &P::DeviceSpec, caps: Arc<CapabilityReport>) -> Result<Self> {
         let runtime = P::runtime(device)?;
         runtime.bind()?;
-        Self::wrap(ccl, runtime, rank, world, caps)
+        Self::wrap(ccl, runtime, caps)
     }
 
     /// [`Self::enable_custom_ipc_with_env`] with the communicator itself as the bootstrap ([`crate::CclBootstrap`]
@@ -577,11 +563,7 @@ impl<P: GpuPlatform> GpuComm<P> {
             .collect()
     }
 
-    fn wrap(ccl: CclComm, runtime: P::Runtime, rank: usize, world: usize, caps: Arc<CapabilityReport>) -> Result<Self> {
-        Self::wrap_rank(CclRank::new(ccl, rank, world), runtime, caps)
-    }
-
-    fn wrap_rank(ccl: CclRank, runtime: P::Runtime, caps: Arc<CapabilityReport>) -> Result<Self> {
+    fn wrap(ccl: CclComm, runtime: P::Runtime, caps: Arc<CapabilityReport>) -> Result<Self> {
         let arch = P::arch(&runtime)?;
         let scratch = runtime.alloc(4)?;
         let custom = Err(format!(
@@ -616,13 +598,14 @@ impl<P: GpuPlatform> GpuComm<P> {
         self.custom_generation = self.custom_generation.wrapping_add(1);
     }
 
-    /// The NCCL/RCCL communicator.
+    /// The NCCL/RCCL communicator (rank, world, windows).
     pub fn ccl(&self) -> &CclComm {
-        self.ccl.ccl()
+        &self.ccl
     }
 
-    /// The shared collective-library rank (rank, world, windows).
-    pub fn ccl_rank(&self) -> &CclRank {
+    /// The NCCL/RCCL communicator: [`Self::ccl`], under its former name.
+    #[deprecated(note = "the rank is folded into the communicator: use GpuComm::ccl")]
+    pub fn ccl_rank(&self) -> &CclComm {
         &self.ccl
     }
 
@@ -695,7 +678,7 @@ impl<P: GpuPlatform> GpuComm<P> {
             return Ok(None);
         }
         self.runtime.bind()?;
-        let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
+        let (src, dst) = anyccl_ccl::io_ptrs(args.bufs());
         Ok(Some((LaunchIo { src: src as u64, dst: dst as u64, rank, bytes }, st, &self.runtime)))
     }
 
@@ -723,7 +706,7 @@ struct LaunchIo {
 
 /// Device memory from `ncclMemAlloc`, registered as a symmetric window on its communicator
 /// ([`GpuComm::symmetric_buffer`]).
-pub type SymmetricBuffer<P> = anyccl_ccl::rank::SymmetricBuffer<BufferOf<P>>;
+pub type SymmetricBuffer<P> = anyccl_ccl::SymmetricBuffer<BufferOf<P>>;
 
 impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     type Reduction = CclReduction;
@@ -879,7 +862,7 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
         // fails, so no call runs here with a selection that differs from the peers'. Any other error (a query
         // that failed) changes nothing: turning them off on this rank alone would make it choose the library where
         // its peers still choose the custom kernels, and both would wait for each other.
-        if self.ccl.ccl().is_aborted() && self.custom.is_ok() {
+        if self.ccl.is_aborted() && self.custom.is_ok() {
             let why = "off: an earlier wait failed (a peer died or timed out)".to_string();
             // Through `set_custom`, so the front-end's remembered decision is dropped too.
             let old = std::mem::replace(&mut self.custom, Err(why.clone()));
@@ -956,8 +939,8 @@ impl<P: GpuPlatform> CommBackend for GpuComm<P> {
     /// kernels off here) they are off on it with the reason, on every rank of it alike.
     fn split(&mut self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
         self.runtime.bind()?;
-        let Some(rank) = self.ccl.split(&self.caps, color, key)? else { return Ok(None) };
-        let mut sub = Self::wrap_rank(rank, self.runtime.clone(), self.caps.clone())?;
+        let Some(ccl) = self.ccl.split(&self.caps, color, key)? else { return Ok(None) };
+        let mut sub = Self::wrap(ccl, self.runtime.clone(), self.caps.clone())?;
         if !self.custom_via_ipc || sub.ccl.world() < 2 {
             sub.set_custom(Err(format!(
                 "off on this sub-communicator: {}",

@@ -7,8 +7,7 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut, RangeBounds};
 use std::sync::Arc;
 
-use anyccl_ccl::rank::SymmetricBuffer;
-use anyccl_ccl::{CclRank, CclStream, DeviceAddress};
+use anyccl_ccl::{CclComm, CclStream, DeviceAddress, SymmetricBuffer};
 use anyccl_core::runtime::{view_range, BufferLike};
 use anyccl_core::{BufferDesc, CapabilityReport, Location, MemoryRuntime, Result};
 
@@ -236,12 +235,12 @@ impl<A> DerefMut for GpuViewMut<'_, A> {
     }
 }
 
-/// A symmetric buffer of `bytes` on `runtime`'s device, as the backend's buffer ([`CclRank::symmetric_memory`],
+/// A symmetric buffer of `bytes` on `runtime`'s device, as the backend's buffer ([`CclComm::symmetric_memory`],
 /// the device bound through the runtime). Collective: every rank calls it with the same size. Refused while a
 /// capture that allocation would break runs ([`MemoryRuntime::refuse_during_capture`]) or `stream` captures,
 /// and where `caps` has the windows off (the error carries the reason). `backend` names it in errors.
 pub fn symmetric_buffer<R>(
-    rank: &CclRank,
+    comm: &CclComm,
     backend: &str,
     caps: &CapabilityReport,
     runtime: &R,
@@ -258,7 +257,7 @@ where
         Box::new(move || runtime.bind())
     };
     let range = |ptr| runtime.address_range(ptr);
-    let mem = rank.symmetric_memory(backend, caps, bytes, stream.is_capturing()?, bind, &range)?;
+    let mem = comm.symmetric_memory(backend, caps, bytes, stream.is_capturing()?, bind, &range)?;
     // SAFETY: `mem` holds `bytes` (rounded up) of this device's memory; the view owns nothing and drops first.
     let view = unsafe { GpuBuffer::from_raw(mem.ptr() as u64, bytes, runtime.ordinal()) };
     Ok(SymmetricBuffer::new(view, mem))

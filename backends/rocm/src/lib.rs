@@ -9,12 +9,13 @@
 //!   kernels of `anyccl-kernels-hip`, HIP IPC handles, peer access, the abort word).
 //! - [`comm`]: the communicator ([`RocmComm`] = `GpuComm<Hip>`, written once with the CUDA one): RCCL, symmetric
 //!   windows only where RCCL exports the window symbols and `NCCL_CUMEM_ENABLE=1`, and the custom one-shot /
-//!   two-shot kernels over peer access (one process) or HIP IPC (one process per GPU, [`bootstrap`]).
+//!   two-shot kernels over peer access (one process) or HIP IPC (one process per GPU, [`multi_process`]; its
+//!   former name [`bootstrap`] is deprecated).
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod bootstrap;
 pub mod comm;
 pub mod loader;
+pub mod multi_process;
 pub mod platform;
 pub mod runtime;
 pub mod sys;
@@ -87,4 +88,74 @@ pub fn communicators_single_process(
     let devices: Vec<Arc<HipDevice>> =
         ordinals.iter().map(|o| HipDevice::new(hip.clone(), *o)).collect::<Result<_>>()?;
     Ok(RocmComm::init_all(rccl, &devices, caps)?.into_iter().map(|c| Communicator::new(c, selector.clone())).collect())
+}
+
+/// The former name of [`multi_process`], kept so that code written against it still builds; every item warns
+/// (`deprecated`) and forwards to its [`multi_process`] namesake.
+#[deprecated(note = "renamed by its role: use anyccl_rocm::multi_process")]
+pub mod bootstrap {
+    use std::sync::Arc;
+
+    use anyccl_core::{Bootstrap, Communicator, Result, Selector};
+    use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
+
+    use crate::multi_process as m;
+    use crate::{HipDevice, HipLibrary, HipLoadError, RocmComm};
+
+    /// [`m::UniqueId`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::UniqueId (or anyccl_ccl::UniqueId)")]
+    pub type UniqueId = anyccl_ccl::UniqueId;
+
+    /// [`m::hip_library`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::hip_library")]
+    pub fn hip_library() -> &'static std::result::Result<Arc<HipLibrary>, HipLoadError> {
+        m::hip_library()
+    }
+
+    /// [`m::load_rccl`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::load_rccl")]
+    pub fn load_rccl() -> Result<Arc<anyccl_ccl::CclLibrary>> {
+        m::load_rccl()
+    }
+
+    /// [`m::communicator`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::communicator")]
+    pub fn communicator(
+        cfg: RendezvousConfig,
+        device: Option<i32>,
+        selector: Arc<Selector>,
+    ) -> Result<(Communicator<RocmComm>, Rendezvous)> {
+        m::communicator(cfg, device, selector)
+    }
+
+    /// [`m::new_unique_id`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::new_unique_id")]
+    pub fn new_unique_id() -> Result<m::UniqueId> {
+        m::new_unique_id()
+    }
+
+    /// [`m::broadcast_unique_id`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::broadcast_unique_id")]
+    pub fn broadcast_unique_id(bootstrap: &mut dyn Bootstrap) -> Result<m::UniqueId> {
+        m::broadcast_unique_id(bootstrap)
+    }
+
+    /// [`m::communicator_with_id`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::communicator_with_id")]
+    pub fn communicator_with_id(
+        id: &m::UniqueId,
+        rank: usize,
+        world: usize,
+        device: Arc<HipDevice>,
+        bootstrap: &mut dyn Bootstrap,
+        selector: Arc<Selector>,
+    ) -> Result<Communicator<RocmComm>> {
+        m::communicator_with_id(id, rank, world, device, bootstrap, selector)
+    }
+
+    /// [`m::communicator_from_env`].
+    #[deprecated(note = "use anyccl_rocm::multi_process::communicator_from_env")]
+    pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<RocmComm>, Rendezvous)> {
+        m::communicator_from_env(selector)
+    }
 }

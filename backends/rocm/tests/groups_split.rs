@@ -1,9 +1,9 @@
 //! Grouped point-to-point calls, sub-communicators (`ncclCommSplit`) and the bootstrap over the communicator
-//! itself (`CclBootstrap`), through anyccl-ccl's shared rank (`CclRank`) on the computing fake RCCL and the fake
+//! itself (`CclBootstrap`), through anyccl-ccl's communicator (`CclComm`) on the computing fake RCCL and the fake
 //! HIP runtime (anyccl-testkit). No GPU needed.
 //!
 //! The GPU backends' own `CommBackend::p2p`/`split` are wired by their communicators; here a minimal backend over
-//! `CclRank` and the HIP runtime (`Ranked`, below) takes the calls through core's validating `Communicator`, as
+//! `CclComm` and the HIP runtime (`Ranked`, below) takes the calls through core's validating `Communicator`, as
 //! they will.
 //!
 //! The fake runtime keeps one process-wide record of calls and violations, so the tests take a lock and run one
@@ -14,7 +14,6 @@ use anyccl_testkit::fake_hip;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use anyccl_ccl::rank::CclRank;
 use anyccl_ccl::{CclComm, CclLibrary, CclReduction, UniqueId};
 use anyccl_core::bootstrap::Bootstrap;
 use anyccl_core::comm::{
@@ -36,9 +35,9 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// One rank: the shared CCL rank over the fake RCCL, on one fake HIP device.
+/// One rank: the shared CCL communicator over the fake RCCL, on one fake HIP device.
 struct Ranked {
-    ccl: CclRank,
+    ccl: CclComm,
     runtime: HipRuntime,
     caps: Arc<CapabilityReport>,
     scratch: HipBuffer,
@@ -143,7 +142,7 @@ fn setup() -> Setup {
 fn ranks(s: &Setup, world: usize) -> Vec<Communicator<Ranked>> {
     let caps = Arc::new(anyccl_rocm::capabilities(Ok(&s.hip), Some(&s.rccl), &|_| None));
     let devices: Vec<i32> = (0..world as i32).collect();
-    let comms = anyccl_ccl::init_all(&s.rccl, &devices).expect("ncclCommInitAll");
+    let comms = CclComm::init_all(&s.rccl, &devices).expect("ncclCommInitAll");
     let selector = Arc::new(Selector::defaults());
     comms
         .into_iter()
@@ -151,7 +150,7 @@ fn ranks(s: &Setup, world: usize) -> Vec<Communicator<Ranked>> {
         .map(|(r, c)| {
             let runtime = HipRuntime::new(HipDevice::new(s.hip.clone(), r as i32).expect("fake device"));
             let scratch = runtime.alloc(4).expect("scratch");
-            let b = Ranked { ccl: CclRank::new(c, r, world), runtime, caps: caps.clone(), scratch };
+            let b = Ranked { ccl: c, runtime, caps: caps.clone(), scratch };
             Communicator::new(b, selector.clone())
         })
         .collect()
@@ -272,7 +271,7 @@ fn an_operation_refused_inside_a_group_names_it_and_closes_the_group() {
         assert!(text.contains("ncclRecv (operation 1 of 2 in a group: receive of 4 × fp8"), "{text}");
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new());
-    let e = anyccl_ccl::group_end(&s.rccl).expect_err("no group is open");
+    let e = anyccl_ccl::result::group_end(&s.rccl).expect_err("no group is open");
     assert!(e.to_string().contains("ncclGroupEnd"), "{e}");
     let v = s.fake.violations();
     assert!(v.len() == 1 && v[0].contains("ncclGroupEnd without ncclGroupStart"), "{v:?}");
@@ -344,11 +343,11 @@ fn split_without_nccl_comm_split_says_why() {
     let path = fake_ccl::build_profile(&NCCL_2_17);
     let lib = Arc::new(CclLibrary::open(&path).expect("fake NCCL 2.17"));
     let id = UniqueId::new(&lib).expect("id");
-    let rank = CclRank::new(CclComm::init_rank(lib.clone(), 1, &id, 0).expect("init"), 0, 1);
+    let rank = CclComm::init_rank(lib.clone(), 1, &id, 0).expect("init");
     let caps = anyccl_ccl::derive_capabilities(&lib, &|_| None);
-    for e in
-        [rank.split(&caps, Some(0), 0).err().expect("refused"), rank.ccl().split(Some(0), 0).err().expect("refused")]
-    {
+    // SAFETY: a live communicator of `lib`; the call is refused before the library is reached (no symbol).
+    let raw = unsafe { anyccl_ccl::result::comm_split(&lib, rank.handle().expect("live"), 0, 0) };
+    for e in [rank.split(&caps, Some(0), 0).err().expect("refused"), raw.expect_err("refused")] {
         let text = e.to_string();
         assert!(matches!(&e, Error::Unsupported { capability, .. } if capability == "comm-split"), "{e:?}");
         assert!(text.contains("ncclCommSplit") && text.contains("NCCL 2.17.1"), "{text}");

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyccl::cuda::{bootstrap::communicator_from_env, CudarcAllReduce};
+use anyccl::cuda::{multi_process::communicator_from_env, CudarcAllReduce};
 use anyccl::{ReduceOp, Selector};
 use cudarc::driver::CudaContext;
 use half::bf16;

@@ -2,7 +2,6 @@
 //! over the fake NCCL and CUDA driver): the parent starts this test binary's ignored `child` test with the fakes'
 //! environment and reads what it printed; the child drives ranks as threads through the drop-in's C ABI and the
 //! application's device calls on the fake runtime.
-#![allow(dead_code)]
 
 use std::ffi::{c_int, c_void, OsString};
 use std::path::Path;
@@ -11,8 +10,8 @@ use std::time::Duration;
 
 use wait_timeout::ChildExt;
 
-use super::fake_hip::{FakeHip, Launch, Shot};
 use super::programs;
+use anyccl_testkit::fake_hip::{FakeHip, Launch, Shot};
 
 /// A child that has not ended by then has hung.
 pub const CHILD_DEADLINE: Duration = Duration::from_secs(60);

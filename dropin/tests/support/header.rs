@@ -1,5 +1,4 @@
 //! The function declarations of an `nccl.h`: how the drop-in's function list is derived from the real header.
-#![allow(dead_code)]
 
 /// The names of the functions `header` declares whose names start with `nccl` or `pnccl`, in order, each once.
 ///

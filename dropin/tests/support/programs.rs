@@ -1,5 +1,4 @@
 //! Building and running the C test programs linked to the drop-in library built by this `cargo test`.
-#![allow(dead_code)]
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -11,8 +11,8 @@
 use std::process::ExitCode;
 
 use anyccl_core::{Algorithm, DataType, InOut, MemoryRuntime, ReduceOp, Result};
-use anyccl_cuda::bootstrap::{exchange_legacy, exchange_vmm};
 use anyccl_cuda::ipc::VmmBuffer;
+use anyccl_cuda::multi_process::{exchange_legacy, exchange_vmm};
 use anyccl_cuda::{CudaRuntime, DeviceBuffer};
 use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
 
@@ -25,7 +25,7 @@ fn pattern(rank: usize) -> Vec<u8> {
 /// One process per GPU through the rendezvous: all-reduce (sum) of rank-dependent integers, checked exactly.
 fn run_nccl() -> Result<String> {
     let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
-    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (mut comm, mut rdv) = anyccl_cuda::multi_process::communicator_from_env(selector)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let rt = comm.runtime().clone();
     let stream = rt.stream()?;
@@ -137,7 +137,7 @@ fn symmetric_windows(
 /// exchanged through the rendezvous and must be bitwise identical on every rank.
 fn run_conformance() -> Result<String> {
     let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
-    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (mut comm, mut rdv) = anyccl_cuda::multi_process::communicator_from_env(selector)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let stream = comm.runtime().stream()?;
     let cfg = anyccl_core::conformance::Config {
@@ -249,7 +249,7 @@ fn bytemuck_bytes(v: &[i32]) -> &[u8] {
 fn run_kill(algo: &str) -> Result<String> {
     let algo: Algorithm = algo.parse()?;
     let selector = std::sync::Arc::new(anyccl_core::Selector::from_env()?);
-    let (mut comm, mut rdv) = anyccl_cuda::bootstrap::communicator_from_env(selector)?;
+    let (mut comm, mut rdv) = anyccl_cuda::multi_process::communicator_from_env(selector)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let rt = comm.runtime().clone();
     let stream = rt.stream()?;

@@ -379,7 +379,7 @@ impl<P: GpuPlatform> AllReducePlans<P> for NvlsPlans {
             return Err(foreign(plan, "NVLS"));
         }
         comm.runtime.bind()?;
-        let (src, dst) = anyccl_ccl::rank::io_ptrs(args.bufs());
+        let (src, dst) = anyccl_ccl::io_ptrs(args.bufs());
         // SAFETY: `args` was validated by this backend's `Communicator` (both buffers hold `bytes` of this device)
         // and the plan's eligibility checked the multicast state, dtype and size; every rank of the multicast
         // object makes the same calls in the same order (a collective), each on its own device.

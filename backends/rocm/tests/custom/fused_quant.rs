@@ -1,8 +1,8 @@
 //! The ROCm communicator's fused all-reduce + residual add + RMSNorm and quantized two-shot on the fake HIP runtime,
 //! which runs them with the kernels' arithmetic (fake_hip.c): every form's outputs and new residuals equal core's
 //! host reference bit for bit, the quantized two-shots equal the host model of `anyccl-kernels-common` value for
-//! value, and the ROCm communicator names what it offers and why it refuses the rest. Part of `custom.rs` (its
-//! setup, its lock).
+//! value, and the ROCm communicator names what it offers and why it refuses the rest. A module of the `custom` test
+//! (`main.rs`: its setup, its lock).
 
 use super::*;
 

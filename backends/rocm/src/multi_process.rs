@@ -54,7 +54,7 @@ pub fn communicator_with_id(
     generic::communicator_with_id::<Hip>(id, rank, world, device, bootstrap, selector)
 }
 
-/// [`communicator`] with the configuration read from the environment (as `anyccl_cuda::bootstrap` reads it).
+/// [`communicator`] with the configuration read from the environment (as `anyccl_cuda::multi_process` reads it).
 pub fn communicator_from_env(selector: Arc<Selector>) -> Result<(Communicator<RocmComm>, Rendezvous)> {
     generic::communicator_from_env::<Hip>(selector)
 }

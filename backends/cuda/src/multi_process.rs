@@ -184,6 +184,18 @@ mod tests {
         }
     }
 
+    /// The deprecated former path (`anyccl_cuda::bootstrap`) forwards here: the same type, the same refusal.
+    #[test]
+    #[allow(deprecated)]
+    fn the_former_bootstrap_path_forwards_here() {
+        let id: crate::bootstrap::UniqueId = UniqueId::from_bytes(&[7u8; 128]).expect("128 bytes");
+        let group = LocalGroup::new(1, Duration::from_secs(1));
+        let mut me = group.member(0);
+        let sel = Arc::new(Selector::defaults());
+        let e = crate::bootstrap::communicator_with_id(&id, 0, 1, -1, &mut me, sel).err().expect("refused");
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("device -1"), "{e}");
+    }
+
     /// The unique id travels through any bootstrap: here an in-process group whose rank 0 has no NCCL, so every
     /// rank fails alike (rank 0 with its own error, the others told by the empty broadcast) instead of waiting.
     #[test]

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyccl_ccl::CclLibrary;
 use anyccl_core::{Algorithm, Communicator, DataType, InOut, MemoryRuntime, ReduceOp, Result, Selector};
-use anyccl_gpu::multi_process as gpu_bootstrap;
+use anyccl_gpu::multi_process as gpu_multi_process;
 use anyccl_rocm::{Hip, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
 use anyccl_testkit::gpu_suite::{self, decode, input, per_rank, reference, Harness};
 use fake_hip::{FakeHip, Launch};
@@ -192,10 +192,10 @@ fn join_rank(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Communicator<RocmComm>> {
     let rank = boot.rank();
-    let id = gpu_bootstrap::share_unique_id::<Hip>(boot, Some(&s.rccl))?;
+    let id = gpu_multi_process::share_unique_id::<Hip>(boot, Some(&s.rccl))?;
     let dev = HipDevice::new(s.hip.clone(), rank as i32)?;
     let selector = Arc::new(Selector::defaults());
-    gpu_bootstrap::join::<Hip>(s.rccl.clone(), &id, rank, world, dev, boot, selector, env)
+    gpu_multi_process::join::<Hip>(s.rccl.clone(), &id, rank, world, dev, boot, selector, env)
 }
 
 /// One process per GPU, simulated as threads over an in-process bootstrap: the generic case (`gpu_suite::ipc_threads`)
@@ -283,5 +283,4 @@ fn split_sub_communicators_set_up_their_own_kernels_and_p2p_groups_complete() {
     assert_eq!(s.fake.violations(), Vec::<String>::new());
 }
 
-#[path = "custom/fused_quant.rs"]
 mod fused_quant;
