@@ -13,20 +13,19 @@ pub const HIP_SONAME: &str = "libamdhip64.so.6";
 
 /// The fake HIP runtime, built once per test process.
 pub fn build_hip() -> PathBuf {
-    fake_ccl::compile_once(
-        &format!("hip/{HIP_SONAME}"),
-        HIP_C,
+    // The host kernels first: the libraries after them resolve their references.
+    let mut args = fake_ccl::host_kernel_args();
+    args.extend([
+        format!("-Wl,-soname,{HIP_SONAME}"),
         // nodelete: the streams' worker threads run code of the library, so a dlclose by the last handle of a
         // test must not unmap it (another test would load a fresh copy under the old threads).
-        &[
-            format!("-Wl,-soname,{HIP_SONAME}"),
-            "-Wl,-z,nodelete".into(),
-            "-lpthread".into(),
-            // The emulated kernels' f32 arithmetic (fmaf, sqrtf, rintf), one rounding per operation, as on a GPU.
-            "-lm".into(),
-            "-ffp-contract=off".into(),
-        ],
-    )
+        "-Wl,-z,nodelete".into(),
+        "-lpthread".into(),
+        // The host kernels' f32 arithmetic (fmaf, sqrtf, rintf), one rounding per operation, as on a GPU.
+        "-lm".into(),
+        "-ffp-contract=off".into(),
+    ]);
+    fake_ccl::compile_once(&format!("hip/{HIP_SONAME}"), HIP_C, &args)
 }
 
 /// A computing fake RCCL with the symbol set of `p`, linked against the fake HIP runtime.
