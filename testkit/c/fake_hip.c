@@ -5,11 +5,11 @@
  * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
  * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
  * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's kernels (the one-shot and
- * two-shot all-reduce, the push one-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm kernel, the
- * fused push one-shot, the quantized two-shots: kernel_kinds below) by emulating them on host memory with their
- * arithmetic, ranks being threads of this process (see "The all-reduce kernels" below), records every launch, and
- * refuses (with a violation) launches the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
- * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
+ * two-shot all-reduce, the push one-shot and two-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm
+ * kernel, the fused push one-shot, the quantized two-shots: kernel_kinds below) from their own source, compiled for
+ * the host (host_kernels.cpp over kernels-common's vendor_host.h), ranks being threads of this process (see
+ * "anyccl's kernels" below), records every launch, and refuses (with a violation) launches the real kernels could
+ * not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -97,11 +97,11 @@ struct node {
     work_fn fn;
     void* arg;
     size_t arg_size;
-    int async; /* may wait for other ranks: runs on the stream's worker thread (the emulated kernels) */
+    int async; /* may wait for other ranks: runs on the stream's worker thread (the kernels) */
     struct node* next;
 };
 /* Work runs on the calling thread at once, as before, except for work that may wait for other ranks (the
- * emulated kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
+ * kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
  * on, and whatever is enqueued on the stream after it waits in the stream's queue behind it. While the queue is
  * not empty, hipStreamQuery answers hipErrorNotReady, hipStreamSynchronize, hipEventSynchronize and
  * hipStreamDestroy wait, and hipFree and hipModuleUnload wait for every stream of the calling thread's current
@@ -824,25 +824,21 @@ hipError_t hipModuleGetFunction(void** f, void* m, const char* name) {
     return 0;
 }
 
-/* ---- The all-reduce kernels of kernels-common/include/anyccl/allreduce.h, emulated ----
+/* ---- anyccl's kernels (kernels-common/include/anyccl), run from their own source ----
  *
- * Every hipModuleLaunchKernel is recorded (the last MAX_LAUNCHES; fakehip_launch_total counts all). A launch of
- * anyccl_{one,two}_shot[_table]_{f32,f16,bf16} is checked (grid, block, rank, world, n_vec, every pointer in a
- * live hipMalloc allocation large enough and 16-byte aligned) and enqueued as stream work (captured into a graph
- * during capture, run again by each replay) that does what the kernel does, with the kernel's own protocol on the
- * flag arrays in "device" memory: each block b of the grid reserves its epochs from its counter, stores each
- * barrier's epoch into slot [b][rank] of every peer's flag array and waits until its own slots [b][peer] reach
- * it. Ranks are threads of this process, each running its own launch, so the barriers meet the peers' launches
- * of the same step exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a
- * GPU would, and time out after FAKEHIP_KERNEL_TIMEOUT_MS, 20 s by default, with a violation instead of
- * hanging). The sums are the kernel's: in f32, in rank order 0..world-1, rounded to the element type
- * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). The other kernels (kernel_kinds)
- * are checked the same way and run with their own protocols and arithmetic, operation for operation as their
- * headers document it (fused.h, fused_push.h, push.h, quant.h), so tests compare their results bit for bit with the
- * host references. A rank whose abort word is set
- * before or while it waits stops waiting (its barrier stores still reach its peers, as on a GPU), writes nothing
- * to `out` and counts as aborted. A one-shot writing `out` over an input its peers read, or a two-shot writing it
- * over a scratch buffer, is a race on a GPU and recorded as a violation. */
+ * Every hipModuleLaunchKernel is recorded (the last MAX_LAUNCHES; fakehip_launch_total counts all). A launch of a
+ * kernel of kernel_kinds is checked (grid, block, rank, world, sizes, every pointer in a live hipMalloc allocation
+ * large enough and 16-byte aligned) and enqueued as stream work (captured into a graph during capture, run again by
+ * each replay) that runs the kernel itself: the kernel source of kernels-common compiled for the host
+ * (host_kernels.cpp), its threads coroutines of the stream's worker thread, its flags in "device" memory. Ranks are
+ * threads of this process, each running its own launch, so the barriers meet the peers' launches of the same step
+ * exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a GPU would). The
+ * arithmetic is the kernels' own, so tests compare their results with the independent host references of
+ * anyccl-core and anyccl-kernels-common. A block that waits FAKEHIP_KERNEL_TIMEOUT_MS (20 s by default) without
+ * progress gives up: its abort word reads as set from then on, and the run is recorded as timed out, with a
+ * violation, instead of hanging. A kernel that reads its abort word set stops waiting and runs to its end as on a
+ * GPU (its results are garbage); the run counts as aborted. A one-shot writing `out` over an input its peers read,
+ * or a two-shot writing it over a scratch buffer, is a race on a GPU and recorded as a violation. */
 #define K_MAX_RANKS 8
 #define K_MAX_BLOCKS 128
 #define K_MAX_THREADS 512
@@ -1476,7 +1472,7 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
 }
 
 /* hipStreamWriteValue32: a stream-ordered 4-byte store (legal during capture, like a memset), which also wakes
- * emulated kernels waiting at a barrier (the abort word). */
+ * kernels waiting for their peers (the abort word). */
 struct write32_args {
     uint32_t* ptr;
     uint32_t value;
