@@ -1298,16 +1298,20 @@ static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, in
 
 static int kernel_sleepers;
 /* The host runner's waits (struct anyccl_host_run): a block with no progress sleeps until a peer's store or a host
- * write wakes it (or 2 ms pass: abort words and flags may be written by host copies that wake nobody). */
-static void kernel_sleep(int ms) {
+ * write wakes it (or 2 ms pass: abort words and flags may be written by host copies that wake nobody). It counts
+ * itself a sleeper before it looks at the store count, and a storer counts before it looks for sleepers, so a
+ * store is never missed for the whole 2 ms. */
+static void kernel_sleep(int ms, const unsigned* stores, unsigned seen) {
     pthread_mutex_lock(&kmu);
-    kernel_sleepers++;
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_nsec += (long)ms * 1000000L;
-    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-    pthread_cond_timedwait(&kcv, &kmu, &until);
-    kernel_sleepers--;
+    __atomic_add_fetch(&kernel_sleepers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(stores, __ATOMIC_SEQ_CST) == seen) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += (long)ms * 1000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&kcv, &kmu, &until);
+    }
+    __atomic_sub_fetch(&kernel_sleepers, 1, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&kmu);
 }
 static void kernel_waiting(int delta) {
@@ -1316,7 +1320,7 @@ static void kernel_waiting(int delta) {
     pthread_mutex_unlock(&kmu);
 }
 static void kernel_stored(void) {
-    if (__atomic_load_n(&kernel_sleepers, __ATOMIC_RELAXED)) wake_kernels();
+    if (__atomic_load_n(&kernel_sleepers, __ATOMIC_SEQ_CST)) wake_kernels();
 }
 /* The address of parameter `p` of a decoded launch (the kernel reads it by value, as from kernelParams). */
 static void* param_at(struct kwork* w, int p) {

@@ -4,7 +4,7 @@
  * over it) calls anyccl_host_launch for every kernel launch it runs, so the tests on the fakes exercise the very
  * arithmetic and flag protocol the GPUs run, and compare it with the independent Rust host references.
  *
- * Execution: the threads of a block are coroutines (ucontext) of the calling OS thread, switched at __syncthreads,
+ * Execution: the threads of a block are coroutines of the calling OS thread, switched at __syncthreads,
  * at the shuffles and at the pause between two polls of a flag. Blocks run one after another on that thread, which
  * matches every kernel whose block b only waits for block b of its peers; a kernel whose blocks wait for other
  * blocks of a peer (the fused push one-shot: rows are read by block, pushed by grid thread) runs its blocks on one
@@ -34,6 +34,7 @@ ANYCCL_FUSED_PUSH_KERNELS(f16, anyccl_f16)
 ANYCCL_FUSED_PUSH_KERNELS(bf16, anyccl_bf16)
 
 #include <pthread.h>
+#include <sched.h>
 #include <utility>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -72,6 +73,84 @@ struct Entry {
 const Entry entries[] = {ALLREDUCE(f32), ALLREDUCE(f16), ALLREDUCE(bf16), FUSED(f16),     FUSED(bf16),
                          PUSH_QUANT(f32), PUSH_QUANT(f16), PUSH_QUANT(bf16)};
 
+/* ---- Switching between the threads of a block ----
+ *
+ * x86-64: a hand-written switch of the callee-saved registers, the stack pointer and the floating-point control
+ * words (no system call, unlike swapcontext, which saves the signal mask each time). Elsewhere: ucontext. */
+
+#if defined(__x86_64__)
+extern "C" void anyccl_host_switch(void** save_sp, void* to_sp);
+extern "C" void anyccl_host_trampoline();
+asm(R"(
+    .text
+    .globl anyccl_host_switch
+    .type anyccl_host_switch, @function
+anyccl_host_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size anyccl_host_switch, .-anyccl_host_switch
+    .hidden anyccl_host_switch
+    .globl anyccl_host_trampoline
+    .type anyccl_host_trampoline, @function
+anyccl_host_trampoline:
+    callq *%r12
+    ud2
+    .size anyccl_host_trampoline, .-anyccl_host_trampoline
+    .hidden anyccl_host_trampoline
+)");
+struct Context {
+    void* sp;
+};
+/* A context that runs `fn` on the stack [base, base + size) when first switched to; `fn` never returns. */
+void make_context(Context* c, char* base, size_t size, void (*fn)()) {
+    uintptr_t top = ((uintptr_t)(base + size)) & ~(uintptr_t)15;
+    uint64_t* sp = reinterpret_cast<uint64_t*>(top - 16 - 64);
+    uint32_t csr[2];
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr[0]), "=m"(csr[1]));
+    memcpy(&sp[0], csr, 8);                                     /* mxcsr, x87 control word */
+    sp[1] = sp[2] = sp[3] = sp[5] = sp[6] = 0;                   /* r15, r14, r13, rbx, rbp */
+    sp[4] = (uint64_t)(uintptr_t)fn;                             /* r12: what the trampoline calls */
+    sp[7] = (uint64_t)(uintptr_t)anyccl_host_trampoline;         /* where the switch returns to */
+    c->sp = sp;
+}
+void switch_context(Context* from, Context* to) { anyccl_host_switch(&from->sp, to->sp); }
+#else
+struct Context {
+    ucontext_t uc;
+    bool made;
+};
+void make_context(Context* c, char* base, size_t size, void (*fn)()) {
+    if (!c->made) {
+        getcontext(&c->uc);
+        c->made = true;
+    }
+    c->uc.uc_stack.ss_sp = base;
+    c->uc.uc_stack.ss_size = size;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, fn, 0);
+}
+void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+#endif
+
 /* ---- Threads of a block as coroutines ---- */
 
 constexpr unsigned MAX_THREADS = 512;
@@ -94,14 +173,13 @@ struct Block {
     unsigned idle;
     int waiting; /* counted in run->waiting */
     timespec stuck_since;
-    ucontext_t sched;
+    Context sched;
 };
 
 /* A thread's stacks and contexts, reused by every block the OS thread runs. */
 struct Lanes {
     char* stacks;
-    ucontext_t ctx[MAX_THREADS];
-    bool made[MAX_THREADS];
+    Context ctx[MAX_THREADS];
 };
 pthread_key_t lanes_key;
 pthread_once_t lanes_once = PTHREAD_ONCE_INIT;
@@ -128,12 +206,15 @@ Lanes* lanes() {
 }
 
 thread_local Block* current;
+/* Counts the stores peers may poll for (every run's): a block about to sleep sleeps only if none came since its
+ * last polls began. */
+unsigned stores;
 thread_local Lanes* current_lanes;
 
 /* Back to the scheduler; returns when this thread is scheduled again. */
 void yield() {
     Block* b = current;
-    swapcontext(&current_lanes->ctx[b->cur], &b->sched);
+    switch_context(&current_lanes->ctx[b->cur], &b->sched);
 }
 
 void progress(Block* b) {
@@ -156,7 +237,8 @@ void lane_main() {
             if (b->state[t] == AT_SYNC) b->state[t] = RUNNING;
         b->synced = 0;
     }
-    /* Returns to the scheduler through uc_link. */
+    /* Back to the scheduler for good (a thread that is done is never scheduled again). */
+    switch_context(&current_lanes->ctx[b->cur], &b->sched);
 }
 
 double seconds_since(const timespec& t) {
@@ -178,28 +260,26 @@ int run_block(anyccl_host_run* run, void (*kernel)(void**), void** params, unsig
     blockDim = {n, 1, 1};
     gridDim = {grid, 1, 1};
     for (unsigned t = 0; t < n; t++) {
-        if (!l->made[t]) {
-            getcontext(&l->ctx[t]);
-            l->made[t] = true;
-        }
-        l->ctx[t].uc_stack.ss_sp = l->stacks + STACK * t;
-        l->ctx[t].uc_stack.ss_size = STACK;
-        l->ctx[t].uc_link = &b->sched;
-        makecontext(&l->ctx[t], lane_main, 0);
+        make_context(&l->ctx[t], l->stacks + STACK * t, STACK, lane_main);
     }
+    unsigned stuck_passes = 0;
     while (b->live > 0) {
+        const unsigned seen = __atomic_load_n(&stores, __ATOMIC_SEQ_CST);
         bool ran = false;
         for (unsigned t = 0; t < n; t++) {
             if (b->state[t] != RUNNING) continue;
             ran = true;
             b->cur = t;
             threadIdx = {t, 0, 0};
-            swapcontext(&b->sched, &l->ctx[t]);
+            switch_context(&b->sched, &l->ctx[t]);
         }
         if (!ran) break; /* every live thread waits at a sync point no other thread will reach */
         unsigned running = 0;
         for (unsigned t = 0; t < n; t++) running += b->state[t] == RUNNING;
-        if (running == 0 || b->idle < running) continue;
+        if (running == 0 || b->idle < running) {
+            stuck_passes = 0;
+            continue;
+        }
         /* Every running thread polled once without progress: the block waits for a peer. */
         if (!b->waiting) {
             b->waiting = 1;
@@ -211,8 +291,12 @@ int run_block(anyccl_host_run* run, void (*kernel)(void**), void** params, unsig
             __atomic_store_n(&run->timed_out, 1, __ATOMIC_RELAXED);
         const bool stopping = __atomic_load_n(&run->timed_out, __ATOMIC_RELAXED) ||
                               (run->abort_word && __atomic_load_n(run->abort_word, __ATOMIC_RELAXED));
-        /* Stopping: the polls run on at full speed until the kernel's own abort check ends them. */
-        if (!stopping) run->sleep(2);
+        /* Stopping: the polls run on at full speed until the kernel's own abort check ends them. Else the CPU goes to
+         * the peers: a yield first (a peer on this machine's few cores is often just behind), then sleeps. */
+        if (!stopping) {
+            if (++stuck_passes < 32) sched_yield();
+            else run->sleep(2, &stores, seen);
+        }
         b->idle = 0;
     }
     progress(b);
@@ -291,7 +375,10 @@ uint32_t anyccl_host_ld_volatile(const uint32_t* addr) {
     return v;
 }
 
-void anyccl_host_stored(void) { current->run->stored(); }
+void anyccl_host_stored(void) {
+    __atomic_add_fetch(&stores, 1, __ATOMIC_SEQ_CST);
+    current->run->stored();
+}
 
 int anyccl_host_launch(const char* name, void** params, unsigned grid, unsigned block, int parallel,
                        struct anyccl_host_run* run) {

@@ -18,11 +18,12 @@ struct anyccl_host_run {
     int timeout_ms;
     /* Set by the runner: the kernel read its abort word set (1); a block gave up waiting (1). */
     int aborted, timed_out;
-    /* Waits up to `ms` milliseconds for a store of another run (or a host write of an abort word). */
-    void (*sleep)(int ms);
+    /* Waits up to `ms` milliseconds for a store of another run (or a host write of an abort word), unless
+     * `*stores` (the runner's count of stores, atomic) differs from `seen` once the caller counts as a sleeper. */
+    void (*sleep)(int ms, const unsigned* stores, unsigned seen);
     /* A block starts (+1) or stops (-1) waiting for its peers. */
     void (*waiting)(int delta);
-    /* A store peers may poll for was made. */
+    /* A store peers may poll for was made (after `*stores` moved on): wakes the sleepers. */
     void (*stored)(void);
 };
 
