@@ -9,7 +9,8 @@
  * kernel, the fused push one-shot, the quantized two-shots: kernel_kinds below) from their own source, compiled for
  * the host (host_kernels.cpp over kernels-common's vendor_host.h), ranks being threads of this process (see
  * "anyccl's kernels" below), records every launch, and refuses (with a violation) launches the real kernels could
- * not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
+ * not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps them). Every call is counted
+ * by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -1358,7 +1359,8 @@ static void kernel_run(void* arg) {
     struct kwork k = *w;
     const int* order = kind_of(k.kind, k.quant)->params;
     void* params[16];
-    for (int i = 0; order[i] >= 0; i++) params[i] = param_at(&k, order[i] == P_IN && k.table_kernel ? P_TABLE : order[i]);
+    for (int i = 0; order[i] >= 0; i++)
+        params[i] = param_at(&k, order[i] == P_IN && k.table_kernel ? P_TABLE : order[i]);
     pthread_mutex_lock(&kmu);
     int timeout = kernel_timeout_ms;
     pthread_mutex_unlock(&kmu);

@@ -63,7 +63,8 @@ struct Entry {
     void (*run)(void**);
 };
 #define E(K) {#K, [](void** p) { call(K, p); }}
-#define ALLREDUCE(N) E(anyccl_one_shot_##N), E(anyccl_one_shot_table_##N), E(anyccl_two_shot_##N), E(anyccl_two_shot_table_##N)
+#define ALLREDUCE(N)                                                                                                 \
+    E(anyccl_one_shot_##N), E(anyccl_one_shot_table_##N), E(anyccl_two_shot_##N), E(anyccl_two_shot_table_##N)
 #define FUSED(N)                                                                                                     \
     E(anyccl_fused_one_shot_##N), E(anyccl_fused_one_shot_table_##N), E(anyccl_fused_two_shot_##N),                  \
         E(anyccl_fused_two_shot_table_##N), E(anyccl_rmsnorm_##N), E(anyccl_fused_push_one_shot_##N)

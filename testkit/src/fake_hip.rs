@@ -397,8 +397,8 @@ impl FakeHip {
         unsafe { f() }
     }
 
-    /// How long an emulated kernel waits for its peers before it records "timed out" (negative: the default,
-    /// `FAKEHIP_KERNEL_TIMEOUT_MS` or 20 s).
+    /// How long a kernel's block waits for its peers without progress before the run records "timed out" (negative: the
+    /// default, `FAKEHIP_KERNEL_TIMEOUT_MS` or 20 s).
     pub fn set_kernel_timeout_ms(&self, ms: i32) {
         let f: unsafe extern "C" fn(i32) = self.sym(b"fakehip_set_kernel_timeout_ms\0");
         // SAFETY: sets a number.

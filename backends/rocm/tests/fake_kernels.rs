@@ -1,9 +1,9 @@
-//! The fake HIP runtime's emulation of the custom all-reduce kernels (testkit/c/fake_hip.c), driven through
-//! its C ABI with no communicator: ranks are threads of this process that each launch their rank's kernel, as the
-//! ROCm communicator will. The emulated kernels must give the exact sums the kernels give (f32 accumulation in
-//! rank order), in every input mode (staged, input table before and after registration, direct), eager and
-//! replayed from a graph; refuse malformed launches with a recorded violation; stop on the abort word; and record
-//! every launch with its grid and decoded parameters. "Device" memory is host memory, so the tests fill and read
+//! The fake HIP runtime's runs of the custom all-reduce kernels (testkit/c/fake_hip.c, which runs their source compiled
+//! for the host), driven through its C ABI with no communicator: ranks are threads of this process that each launch
+//! their rank's kernel, as the ROCm communicator will. The kernels must give the exact sums of the test's own reference
+//! (f32 accumulation in rank order), in every input mode (staged, input table before and after registration, direct),
+//! eager and replayed from a graph; refuse malformed launches with a recorded violation; stop on the abort word; and
+//! record every launch with its grid and decoded parameters. "Device" memory is host memory, so the tests fill and read
 //! buffers directly.
 //!
 //! The fake keeps one process-wide record, so the tests take a lock and run one at a time.

@@ -168,7 +168,9 @@ inline float anyccl_e4m3_decode1(uint32_t c) {
     const float v = e == 0u ? (float)m * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return __uint_as_float(__float_as_uint(v) | sign);
 }
-inline uint32_t anyccl_e4m3x2_encode(float a, float b) { return anyccl_e4m3_encode1(a) | (anyccl_e4m3_encode1(b) << 8); }
+inline uint32_t anyccl_e4m3x2_encode(float a, float b) {
+    return anyccl_e4m3_encode1(a) | (anyccl_e4m3_encode1(b) << 8);
+}
 inline void anyccl_e4m3x2_decode(uint16_t codes, float* v) {
     v[0] = anyccl_e4m3_decode1(codes & 0xffu);
     v[1] = anyccl_e4m3_decode1((uint32_t)codes >> 8);
