@@ -1196,6 +1196,34 @@ static int mc_unicast_ok(uint64_t addr, size_t bytes) {
     return 0;
 }
 
+/* The multicast kernels' element access (they are CUDA-only PTX, emulated here): f32 from and to each element
+ * type (f16 and bf16 round to nearest even). */
+static float k_get(int dtype, const void* p, size_t i) {
+    if (dtype == 0) return ((const float*)p)[i];
+    if (dtype == 1) return (float)((const _Float16*)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static void k_put(int dtype, void* p, size_t i, float f) {
+    if (dtype == 0) {
+        ((float*)p)[i] = f;
+    } else if (dtype == 1) {
+        ((_Float16*)p)[i] = (_Float16)f;
+    } else {
+        /* Nearest even, NaN stays a quiet NaN (vendor_hip.h's anyccl_f32_to_bf16). */
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t*)p)[i] = (uint16_t)((u >> 16) | 0x40);
+            return;
+        }
+        u += 0x7fffu + ((u >> 16) & 1u);
+        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
+    }
+}
+static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 #define MC_ARRIVALS (K_EPOCHS + K_MAX_BLOCKS)
 struct mc_work {
     char name[64];

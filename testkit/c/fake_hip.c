@@ -5,11 +5,12 @@
  * with hipErrorStreamCaptureUnsupported (900), invalidate the capture, and are recorded as violations;
  * synchronising a capturing stream or an event recorded in one is a violation too. Kernel launches and
  * hipStreamWriteValue32 are stream work, legal during capture. It runs anyccl's kernels (the one-shot and
- * two-shot all-reduce, the push one-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm kernel, the
- * fused push one-shot, the quantized two-shots: kernel_kinds below) by emulating them on host memory with their
- * arithmetic, ranks being threads of this process (see "The all-reduce kernels" below), records every launch, and
- * refuses (with a violation) launches the real kernels could not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps
- * them). Every call is counted by name. Nothing here is thread-safe beyond the mutexes around the records. */
+ * two-shot all-reduce, the push one-shot and two-shot, the fused all-reduce + RMSNorm forms and the separate RMSNorm
+ * kernel, the fused push one-shot, the quantized two-shots: kernel_kinds below) from their own source, compiled for
+ * the host (host_kernels.cpp over kernels-common's vendor_host.h), ranks being threads of this process (see
+ * "anyccl's kernels" below), records every launch, and refuses (with a violation) launches the real kernels could
+ * not run. Tests read the records through the fakehip_* functions (fake_hip.rs wraps them). Every call is counted
+ * by name. Nothing here is thread-safe beyond the mutexes around the records. */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -18,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "host_kernels.h"
 
 typedef int hipError_t;
 #define MAX_STREAMS 256
@@ -95,11 +98,11 @@ struct node {
     work_fn fn;
     void* arg;
     size_t arg_size;
-    int async; /* may wait for other ranks: runs on the stream's worker thread (the emulated kernels) */
+    int async; /* may wait for other ranks: runs on the stream's worker thread (the kernels) */
     struct node* next;
 };
 /* Work runs on the calling thread at once, as before, except for work that may wait for other ranks (the
- * emulated kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
+ * kernels): that runs on the stream's own worker thread, as a kernel runs on a GPU while the host goes
  * on, and whatever is enqueued on the stream after it waits in the stream's queue behind it. While the queue is
  * not empty, hipStreamQuery answers hipErrorNotReady, hipStreamSynchronize, hipEventSynchronize and
  * hipStreamDestroy wait, and hipFree and hipModuleUnload wait for every stream of the calling thread's current
@@ -822,25 +825,21 @@ hipError_t hipModuleGetFunction(void** f, void* m, const char* name) {
     return 0;
 }
 
-/* ---- The all-reduce kernels of kernels-common/include/anyccl/allreduce.h, emulated ----
+/* ---- anyccl's kernels (kernels-common/include/anyccl), run from their own source ----
  *
- * Every hipModuleLaunchKernel is recorded (the last MAX_LAUNCHES; fakehip_launch_total counts all). A launch of
- * anyccl_{one,two}_shot[_table]_{f32,f16,bf16} is checked (grid, block, rank, world, n_vec, every pointer in a
- * live hipMalloc allocation large enough and 16-byte aligned) and enqueued as stream work (captured into a graph
- * during capture, run again by each replay) that does what the kernel does, with the kernel's own protocol on the
- * flag arrays in "device" memory: each block b of the grid reserves its epochs from its counter, stores each
- * barrier's epoch into slot [b][rank] of every peer's flag array and waits until its own slots [b][peer] reach
- * it. Ranks are threads of this process, each running its own launch, so the barriers meet the peers' launches
- * of the same step exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a
- * GPU would, and time out after FAKEHIP_KERNEL_TIMEOUT_MS, 20 s by default, with a violation instead of
- * hanging). The sums are the kernel's: in f32, in rank order 0..world-1, rounded to the element type
- * (f16: nearest even; bf16: nearest even by the kernel's own bit arithmetic). The other kernels (kernel_kinds)
- * are checked the same way and run with their own protocols and arithmetic, operation for operation as their
- * headers document it (fused.h, fused_push.h, push.h, quant.h), so tests compare their results bit for bit with the
- * host references. A rank whose abort word is set
- * before or while it waits stops waiting (its barrier stores still reach its peers, as on a GPU), writes nothing
- * to `out` and counts as aborted. A one-shot writing `out` over an input its peers read, or a two-shot writing it
- * over a scratch buffer, is a race on a GPU and recorded as a violation. */
+ * Every hipModuleLaunchKernel is recorded (the last MAX_LAUNCHES; fakehip_launch_total counts all). A launch of a
+ * kernel of kernel_kinds is checked (grid, block, rank, world, sizes, every pointer in a live hipMalloc allocation
+ * large enough and 16-byte aligned) and enqueued as stream work (captured into a graph during capture, run again by
+ * each replay) that runs the kernel itself: the kernel source of kernels-common compiled for the host
+ * (host_kernels.cpp), its threads coroutines of the stream's worker thread, its flags in "device" memory. Ranks are
+ * threads of this process, each running its own launch, so the barriers meet the peers' launches of the same step
+ * exactly as on a GPU (epochs not zeroed, steps or grids that differ between ranks wait as a GPU would). The
+ * arithmetic is the kernels' own, so tests compare their results with the independent host references of
+ * anyccl-core and anyccl-kernels-common. A block that waits FAKEHIP_KERNEL_TIMEOUT_MS (20 s by default) without
+ * progress gives up: its abort word reads as set from then on, and the run is recorded as timed out, with a
+ * violation, instead of hanging. A kernel that reads its abort word set stops waiting and runs to its end as on a
+ * GPU (its results are garbage); the run counts as aborted. A one-shot writing `out` over an input its peers read,
+ * or a two-shot writing it over a scratch buffer, is a race on a GPU and recorded as a violation. */
 #define K_MAX_RANKS 8
 #define K_MAX_BLOCKS 128
 #define K_MAX_THREADS 512
@@ -956,8 +955,6 @@ _Static_assert(sizeof(struct norm_args) == 48, "fused.h's NormArgs is 48 bytes")
 #define K_PUSH_SLOT (256 * 1024)
 #define K_PUSH_CTRL (2 * K_MAX_RANKS * K_PUSH_SLOT)
 #define K_PUSH_RECV (K_PUSH_CTRL + 16)
-#define K_PUSH_SENTINEL 0xFFFFFFFFu
-#define K_PUSH_CANONICAL 0x7FFF7FFFu
 #define K_NORM_THREADS 512
 #define K_MAX_HIDDEN 16384
 #define K_QUANT_BLOCK 32
@@ -967,7 +964,7 @@ struct kwork {
     char name[64];
     int kind, table_kernel, dtype, rank, world;
     int quant; /* K_QUANT: 1 fp8 e4m3, 2 int8 */
-    unsigned blocks;
+    unsigned blocks, threads;
     uint64_t table, self_src, out, round_vecs, n_vec;
     uint64_t in[8], scratch[8], flags[8];
     uint64_t recv[8];
@@ -995,236 +992,8 @@ static uint32_t* f_timed_out(struct fakehip_launch* l) { return &l->timed_out; }
 static uint32_t* f_failed(struct fakehip_launch* l) { return &l->failed; }
 
 static uint32_t* flag_word(uint64_t flags, size_t word) { return (uint32_t*)(uintptr_t)flags + word; }
-static int abort_set(const struct kwork* w) {
-    return __atomic_load_n(flag_word(w->flags[w->rank], K_ABORT_WORD), __ATOMIC_RELAXED) != 0;
-}
-/* Barrier `epoch[b]` for every block: stores, then (unless `signal_only`) waits. 0: met; 1: aborted; 2: timed out. */
-static int barrier(const struct kwork* w, const uint32_t* epoch, uint32_t step, int signal_only) {
-    for (unsigned b = 0; b < w->blocks; b++)
-        for (int peer = 0; peer < w->world; peer++)
-            __atomic_store_n(flag_word(w->flags[peer], (size_t)b * K_MAX_RANKS + (size_t)w->rank), epoch[b] + step,
-                             __ATOMIC_RELEASE);
-    wake_kernels();
-    if (signal_only) return 0;
-    pthread_mutex_lock(&kmu);
-    int timeout = kernel_timeout_ms;
-    if (timeout < 0) {
-        const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
-        timeout = env ? atoi(env) : 20000;
-    }
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += timeout / 1000;
-    deadline.tv_nsec += (long)(timeout % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
-    int result = 0;
-    kernels_waiting++;
-    for (;;) {
-        int missing = 0;
-        for (unsigned b = 0; b < w->blocks && !missing; b++)
-            for (int peer = 0; peer < w->world && !missing; peer++) {
-                uint32_t v = __atomic_load_n(flag_word(w->flags[w->rank], (size_t)b * K_MAX_RANKS + (size_t)peer),
-                                             __ATOMIC_ACQUIRE);
-                missing = (int32_t)(v - (epoch[b] + step)) < 0;
-            }
-        if (!missing) break;
-        if (abort_set(w)) {
-            result = 1;
-            break;
-        }
-        /* Poll every 2 ms too: abort words and flags may be written by host copies that wake nobody. */
-        struct timespec now, until;
-        clock_gettime(CLOCK_REALTIME, &now);
-        if (now.tv_sec > deadline.tv_sec || (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)) {
-            result = 2;
-            break;
-        }
-        until = now;
-        until.tv_nsec += 2000000L;
-        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-        if (until.tv_sec > deadline.tv_sec || (until.tv_sec == deadline.tv_sec && until.tv_nsec > deadline.tv_nsec))
-            until = deadline;
-        pthread_cond_timedwait(&kcv, &kmu, &until);
-    }
-    kernels_waiting--;
-    pthread_mutex_unlock(&kmu);
-    return result;
-}
-
-static float k_get(int dtype, const void* p, size_t i) {
-    if (dtype == 0) return ((const float*)p)[i];
-    if (dtype == 1) return (float)((const _Float16*)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static void k_put(int dtype, void* p, size_t i, float f) {
-    if (dtype == 0) {
-        ((float*)p)[i] = f;
-    } else if (dtype == 1) {
-        ((_Float16*)p)[i] = (_Float16)f;
-    } else {
-        /* allreduce.h's anyccl_f32_to_bf16: nearest even, NaN stays a quiet NaN. */
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        if ((u & 0x7fffffffu) > 0x7f800000u) {
-            ((uint16_t*)p)[i] = (uint16_t)((u >> 16) | 0x40);
-            return;
-        }
-        u += 0x7fffu + ((u >> 16) & 1u);
-        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
-    }
-}
-/* Vectors [s, e) of every rank's input reduced into `dst` (its vector 0 is vector s; reduce_vec: f32, rank
- * order, rounded to the element type). */
-static void reduce_vecs(const struct kwork* w, const uint64_t* in, void* dst, size_t s, size_t e) {
-    size_t per = w->dtype == 0 ? 4 : 8;
-    for (size_t i = s * per; i < e * per; i++) {
-        float acc = k_get(w->dtype, (const void*)(uintptr_t)in[0], i);
-        for (int r = 1; r < w->world; r++) acc += k_get(w->dtype, (const void*)(uintptr_t)in[r], i);
-        k_put(w->dtype, dst, i - s * per, acc);
-    }
-}
 /* Whether [a, a + an) and [b, b + bn) overlap. */
 static int overlaps(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) { return a < b + bn && b < a + an; }
-static size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
-
-/* ---- The arithmetic of fused.h and quant.h, operation for operation (the same bits as the kernels) ---- */
-
-/* f32 to fp8 e4m3 (OCP "fn"): round to nearest even, saturating to ±448, NaN to 0x7f | sign, |v| <= 2^-10 to ±0:
- * fused.h's anyccl_f32_to_e4m3, in the same integer operations. quant.h's vendor conversion (anyccl_e4m3x2_encode)
- * is the same function written differently (both are the correctly rounded saturating conversion; the host
- * tests of anyccl-gpu and anyccl-kernels-common pin each against an independent reference), so it serves both. */
-static uint8_t e4m3_encode(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
-    uint32_t res;
-    if (a <= 0x3a800000u) {
-        res = 0;
-    } else if (a > 0x7f800000u) {
-        res = 0x7f;
-    } else if (a > 0x43e80000u) {
-        res = 0x7e;
-    } else if (a >= 0x3c800000u) {
-        const uint32_t man = (a >> 20) & 7u, rest = a & 0xfffffu;
-        res = (((a >> 23) - 127 + 7) << 3) | man;
-        if (rest > 0x80000u || (rest == 0x80000u && (man & 1u))) res += 1;
-    } else {
-        const uint32_t shift = (uint32_t)(1 - ((int)(a >> 23) - 127 + 7));
-        const uint32_t half = 0x80000u << shift, rest = (a | 0x800000u) & ((0x80000u << (shift + 1)) - 1);
-        res = (((a >> 20) & 7u) | 8u) >> shift;
-        if (rest > half || (rest == half && (res & 1u))) res += 1;
-    }
-    return (uint8_t)(res | sign);
-}
-/* e4m3 code to f32 (exact; vendor_hip.h's anyccl_e4m3_decode1). */
-static float e4m3_decode(uint8_t c) {
-    const uint32_t sign = (uint32_t)(c & 0x80u) << 24, e = (c >> 3) & 0xfu, m = c & 7u;
-    uint32_t bits = sign | 0x7fc00000u;
-    if (!(e == 15u && m == 7u)) {
-        float v;
-        if (e == 0) {
-            v = (float)m * 0.001953125f;
-        } else {
-            const uint32_t b = ((e + 120u) << 23) | (m << 20);
-            memcpy(&v, &b, 4);
-        }
-        memcpy(&bits, &v, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* v[0] after adding v[i + o] into v[i] for o = n/2, n/4, ..., 1: the pairwise order of the kernels' xor shuffles
- * (lane i and lane i ^ o hold the same sum, f32 addition being commutative). */
-static float pairwise_sum(float* v, int n) {
-    for (int o = n / 2; o > 0; o /= 2)
-        for (int i = 0; i < o; i++) v[i] = v[i] + v[i + o];
-    return v[0];
-}
-/* fused.h's norm_row for one row: `sum` holds the row's all-reduced elements (T, already rounded); the new
- * residual T(sum + residual) goes to `res` (read first, element by element) and `res2`; the output to `out` and
- * `out2` (T, or e4m3 bytes). `res2`/`out2` may be NULL; `sum` may be `out` (the separate RMSNorm kernel runs in
- * place: every element of `sum` is read before any output is written). */
-static void norm_row(int dtype, const struct norm_args* a, const void* sum, uint16_t* res, void* out, uint16_t* res2,
-                     void* out2) {
-    const size_t hv = a->hidden_vec, n = hv * 8;
-    float x[K_MAX_HIDDEN];
-    for (size_t i = 0; i < n; i++) {
-        k_put(dtype, res, i, k_get(dtype, sum, i) + k_get(dtype, res, i));
-        if (res2) res2[i] = res[i];
-        x[i] = k_get(dtype, res, i);
-    }
-    /* Thread t: vectors t, t + 512, ... in order, elements 0..7 each, fma from +0; then each warp of 32 and the
-     * 16 warp sums pairwise. */
-    float part[K_NORM_THREADS], warps[K_NORM_THREADS / 32];
-    for (size_t t = 0; t < K_NORM_THREADS; t++) {
-        float acc = 0.0f;
-        for (size_t j = t; j < hv; j += K_NORM_THREADS)
-            for (size_t e = 0; e < 8; e++) acc = fmaf(x[j * 8 + e], x[j * 8 + e], acc);
-        part[t] = acc;
-    }
-    for (int wp = 0; wp < K_NORM_THREADS / 32; wp++) warps[wp] = pairwise_sum(part + 32 * wp, 32);
-    const float total = pairwise_sum(warps, K_NORM_THREADS / 32);
-    const float inv = 1.0f / sqrtf(total / (float)n + a->eps);
-    const void* weight = (const void*)(uintptr_t)a->weight;
-    for (size_t i = 0; i < n; i++) {
-        const float y = (x[i] * inv) * k_get(dtype, weight, i);
-        if (a->out_fp8) {
-            const uint8_t q = e4m3_encode(y / a->scale);
-            ((uint8_t*)out)[i] = q;
-            if (out2) ((uint8_t*)out2)[i] = q;
-        } else {
-            k_put(dtype, out, i, y);
-            if (out2) k_put(dtype, out2, i, y);
-        }
-    }
-}
-/* Rows [r0, r1) of a fused call: each all-reduced from every rank's `in` as reduce_vec does (`in` NULL: read from
- * the separate RMSNorm kernel's input, self_src), then norm_row into the residual and the output, and, with
- * `copy` (two-shot's scratch: residual rows, then output rows), into the copy's rows as well. */
-static void norm_rows(const struct kwork* w, const uint64_t* in, size_t r0, size_t r1, char* copy) {
-    const struct norm_args* a = &w->norm;
-    const size_t hv = a->hidden_vec, orb = hv * (a->out_fp8 ? 8 : 16);
-    uint16_t sum[K_MAX_HIDDEN];
-    for (size_t row = r0; row < r1; row++) {
-        const void* s = sum;
-        if (in) reduce_vecs(w, in, sum, row * hv, row * hv + hv);
-        else s = (const char*)(uintptr_t)w->self_src + row * hv * 16;
-        norm_row(w->dtype, a, s, (uint16_t*)(uintptr_t)a->residual + row * hv * 8,
-                 (char*)(uintptr_t)a->out + row * orb, copy ? (uint16_t*)(copy + row * hv * 16) : NULL,
-                 copy ? copy + a->tokens * hv * 16 + row * orb : NULL);
-    }
-}
-
-/* quant.h's quant_store: block b of 32 values `x` quantized into `base` (nb blocks: codes, then f32 scales). */
-static void quant_store(int format, const float* x, unsigned char* base, size_t nb, size_t b) {
-    float amax = 0.0f;
-    for (int k = 0; k < K_QUANT_BLOCK; k++) amax = fmaxf(amax, fabsf(x[k]));
-    const float qmax = format == 1 ? 448.0f : 127.0f;
-    const float inv = amax > 0.0f ? fminf(qmax / amax, 3.40282347e38f) : 0.0f;
-    const float scale = amax / qmax;
-    for (int k = 0; k < K_QUANT_BLOCK; k++) {
-        const float v = x[k] * inv;
-        base[b * K_QUANT_BLOCK + (size_t)k] =
-            format == 1 ? e4m3_encode(v) : (uint8_t)(int8_t)(int)fminf(fmaxf(rintf(v), -127.0f), 127.0f);
-    }
-    memcpy(base + nb * K_QUANT_BLOCK + b * 4, &scale, 4);
-}
-/* Block b of `base` dequantized into codes' values `v` (before the scale) and its scale. */
-static float quant_load(int format, const unsigned char* base, size_t nb, size_t b, float* v) {
-    for (int k = 0; k < K_QUANT_BLOCK; k++) {
-        const uint8_t c = base[b * K_QUANT_BLOCK + (size_t)k];
-        v[k] = format == 1 ? e4m3_decode(c) : (float)(int8_t)c;
-    }
-    float s;
-    memcpy(&s, base + nb * K_QUANT_BLOCK + b * 4, 4);
-    return s;
-}
 
 /* ---- Decoding and checking a launch ---- */
 
@@ -1526,122 +1295,53 @@ static int run_buffers_ok(const struct kwork* w, uint64_t* in, uint64_t* src, in
     return 1;
 }
 
-/* Reserves `steps` barrier epochs for every block of the grid from this rank's counters. */
-static void reserve_epochs(const struct kwork* w, uint32_t steps, uint32_t* epoch) {
-    for (unsigned b = 0; b < w->blocks; b++) {
-        uint32_t* counter = flag_word(w->flags[w->rank], K_EPOCHS + b);
-        epoch[b] = *counter;
-        *counter = epoch[b] + steps;
+/* ---- Running a launch: the kernel source itself, compiled for the host (host_kernels.cpp) ---- */
+
+static int kernel_sleepers;
+/* The host runner's waits (struct anyccl_host_run): a block with no progress sleeps until a peer's store or a host
+ * write wakes it (or 2 ms pass: abort words and flags may be written by host copies that wake nobody). It counts
+ * itself a sleeper before it looks at the store count, and a storer counts before it looks for sleepers, so a
+ * store is never missed for the whole 2 ms. */
+static void kernel_sleep(int ms, const unsigned* stores, unsigned seen) {
+    pthread_mutex_lock(&kmu);
+    __atomic_add_fetch(&kernel_sleepers, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(stores, __ATOMIC_SEQ_CST) == seen) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += (long)ms * 1000000L;
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&kcv, &kmu, &until);
     }
+    __atomic_sub_fetch(&kernel_sleepers, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&kmu);
 }
-/* Barrier `step`; `*stopped` (0 running, 1 aborted, 2 timed out) records the first stop, after which the
- * remaining barriers are only signalled. */
-static void step(const struct kwork* w, const uint32_t* epoch, uint32_t s, int* stopped) {
-    int r = barrier(w, epoch, s, *stopped);
-    if (!*stopped) *stopped = r;
+static void kernel_waiting(int delta) {
+    pthread_mutex_lock(&kmu);
+    kernels_waiting += delta;
+    pthread_mutex_unlock(&kmu);
+}
+static void kernel_stored(void) {
+    if (__atomic_load_n(&kernel_sleepers, __ATOMIC_SEQ_CST)) wake_kernels();
+}
+/* The address of parameter `p` of a decoded launch (the kernel reads it by value, as from kernelParams). */
+static void* param_at(struct kwork* w, int p) {
+    switch (p) {
+        case P_IN: return w->in;
+        case P_TABLE: return &w->table;
+        case P_SELF: return &w->self_src;
+        case P_SCRATCH: return w->scratch;
+        case P_OUT: return &w->out;
+        case P_ROUND: return &w->round_vecs;
+        case P_FLAGS: return w->flags;
+        case P_RANK: return &w->rank;
+        case P_WORLD: return &w->world;
+        case P_NVEC: return &w->n_vec;
+        case P_RECV: return w->recv;
+        case P_MY_FLAGS: return &w->flags[w->rank];
+        default: return &w->norm;
+    }
 }
 
-/* allreduce.h's one-shot and two-shot (with its rounds). */
-static int all_reduce_run(const struct kwork* w, const uint64_t* in, uint64_t src) {
-    size_t n_vec = w->n_vec, round_vecs = w->round_vecs, rounds = 1;
-    if (w->kind == K_TWO_SHOT) {
-        if (round_vecs == 0 || round_vecs > n_vec) round_vecs = n_vec;
-        rounds = (n_vec + round_vecs - 1) / round_vecs;
-    }
-    uint32_t epoch[K_MAX_BLOCKS];
-    reserve_epochs(w, w->kind == K_ONE_SHOT ? 2 : 2 + (uint32_t)rounds, epoch);
-    int stopped = abort_set(w) ? 1 : 0;
-    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, n_vec * 16);
-    step(w, epoch, 1, &stopped);
-    if (w->kind == K_ONE_SHOT) {
-        if (!stopped) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, n_vec);
-        step(w, epoch, 2, &stopped);
-        return stopped;
-    }
-    char* mine = (char*)(uintptr_t)w->scratch[w->rank];
-    for (size_t k = 0; k < rounds; k++) {
-        size_t r0 = k * round_vecs, r1 = min_size(r0 + round_vecs, n_vec);
-        size_t chunk = (r1 - r0 + (size_t)w->world - 1) / (size_t)w->world;
-        size_t start = r0 + chunk * (size_t)w->rank, end = min_size(start + chunk, r1);
-        if (!stopped && start < end) reduce_vecs(w, in, mine + start * 16, start, end);
-        step(w, epoch, 2 + (uint32_t)k, &stopped);
-        for (int q = 0; q < w->world && !stopped; q++) {
-            size_t qs = r0 + chunk * (size_t)q, qe = min_size(qs + chunk, r1);
-            if (qs < qe)
-                memcpy((char*)(uintptr_t)w->out + qs * 16, (const char*)(uintptr_t)w->scratch[q] + qs * 16,
-                       (qe - qs) * 16);
-        }
-    }
-    step(w, epoch, 2 + (uint32_t)rounds, &stopped);
-    return stopped;
-}
-
-/* fused.h's fused one-shot (every rank normalises every row; 2 barriers) and fused two-shot (rank r normalises
- * its chunk of ceil(tokens / W) rows into its scratch and its own buffers, then gathers the other chunks' new
- * residual and output rows from their owners' scratch; 3 barriers). */
-static int fused_run(const struct kwork* w, const uint64_t* in, uint64_t src) {
-    const int two = w->kind == K_FUSED_TWO;
-    const struct norm_args* a = &w->norm;
-    uint32_t epoch[K_MAX_BLOCKS];
-    reserve_epochs(w, two ? 3 : 2, epoch);
-    int stopped = abort_set(w) ? 1 : 0;
-    if (!stopped && src) memmove((void*)(uintptr_t)in[w->rank], (const void*)(uintptr_t)src, w->bytes);
-    step(w, epoch, 1, &stopped);
-    const size_t tokens = a->tokens, chunk = two ? (tokens + (size_t)w->world - 1) / (size_t)w->world : tokens;
-    const size_t r0 = two ? min_size(tokens, chunk * (size_t)w->rank) : 0, r1 = min_size(tokens, r0 + chunk);
-    if (!stopped) norm_rows(w, in, r0, r1, two ? (char*)(uintptr_t)w->scratch[w->rank] : NULL);
-    step(w, epoch, 2, &stopped);
-    if (!two) return stopped;
-    const size_t row_bytes = (size_t)a->hidden_vec * 16, orb = (size_t)a->hidden_vec * (a->out_fp8 ? 8 : 16);
-    for (int q = 0; q < w->world && !stopped; q++) {
-        const size_t qs = min_size(tokens, chunk * (size_t)q), qe = min_size(tokens, qs + chunk);
-        const char* theirs = (const char*)(uintptr_t)w->scratch[q];
-        if (q == w->rank || qs == qe) continue;
-        memcpy((char*)(uintptr_t)a->residual + qs * row_bytes, theirs + qs * row_bytes, (qe - qs) * row_bytes);
-        memcpy((char*)(uintptr_t)a->out + qs * orb, theirs + tokens * row_bytes + qs * orb, (qe - qs) * orb);
-    }
-    step(w, epoch, 3, &stopped);
-    return stopped;
-}
-
-/* quant.h's quantized two-shot: every rank quantizes its input into its staging; rank r sums its chunk of
- * ceil(nb / W) blocks from every rank's staging (fmaf of value and scale, rank order) and re-quantizes it into its
- * scratch; every rank dequantizes every chunk from its owner's scratch into its output (3 barriers). */
-static int quant_run(const struct kwork* w) {
-    const size_t per = w->dtype == 0 ? 4 : 8, n = w->n_vec * per;
-    const size_t nb = (n + K_QUANT_BLOCK - 1) / K_QUANT_BLOCK, cb = (nb + (size_t)w->world - 1) / (size_t)w->world;
-    const void* src = (const void*)(uintptr_t)w->self_src;
-    uint32_t epoch[K_MAX_BLOCKS];
-    reserve_epochs(w, 3, epoch);
-    int stopped = abort_set(w) ? 1 : 0;
-    float x[K_QUANT_BLOCK], v[K_QUANT_BLOCK];
-    for (size_t b = 0; b < nb && !stopped; b++) {
-        for (size_t k = 0; k < K_QUANT_BLOCK; k++)
-            x[k] = b * K_QUANT_BLOCK + k < n ? k_get(w->dtype, src, b * K_QUANT_BLOCK + k) : 0.0f;
-        quant_store(w->quant, x, (unsigned char*)(uintptr_t)w->in[w->rank], nb, b);
-    }
-    step(w, epoch, 1, &stopped);
-    for (size_t b = min_size(nb, cb * (size_t)w->rank); b < min_size(nb, cb * (size_t)w->rank + cb) && !stopped;
-         b++) {
-        memset(x, 0, sizeof x);
-        for (int r = 0; r < w->world; r++) {
-            const float s = quant_load(w->quant, (const unsigned char*)(uintptr_t)w->in[r], nb, b, v);
-            for (int k = 0; k < K_QUANT_BLOCK; k++) x[k] = fmaf(v[k], s, x[k]);
-        }
-        quant_store(w->quant, x, (unsigned char*)(uintptr_t)w->scratch[w->rank], nb, b);
-    }
-    step(w, epoch, 2, &stopped);
-    for (size_t b = 0; b < nb && !stopped; b++) {
-        const float s = quant_load(w->quant, (const unsigned char*)(uintptr_t)w->scratch[b / cb], nb, b, v);
-        for (size_t k = 0; k < K_QUANT_BLOCK && b * K_QUANT_BLOCK + k < n; k++)
-            k_put(w->dtype, (void*)(uintptr_t)w->out, b * K_QUANT_BLOCK + k, v[k] * s);
-    }
-    step(w, epoch, 3, &stopped);
-    return stopped;
-}
-
-static int push_run(const struct kwork* w);
-static int push_two_run(const struct kwork* w);
 static void kernel_run(void* arg) {
     const struct kwork* w = arg;
     launch_count(w->seq, f_runs);
@@ -1655,153 +1355,39 @@ static void kernel_run(void* arg) {
     struct fakehip_launch* l = launch_rec(w->seq);
     if (l) l->last_registered = registered;
     pthread_mutex_unlock(&mu);
-    int stopped = 0;
-    switch (w->kind) {
-        case K_ONE_SHOT:
-        case K_TWO_SHOT: stopped = all_reduce_run(w, in, src); break;
-        case K_FUSED_ONE:
-        case K_FUSED_TWO: stopped = fused_run(w, in, src); break;
-        case K_RMSNORM: norm_rows(w, NULL, 0, w->norm.tokens, NULL); break;
-        case K_PUSH:
-        case K_FUSED_PUSH: stopped = push_run(w); break;
-        case K_PUSH_TWO: stopped = push_two_run(w); break;
-        case K_QUANT: stopped = quant_run(w); break;
+    /* The kernel's parameters, as decoded (a copy: graph replays run the same work again). */
+    struct kwork k = *w;
+    const int* order = kind_of(k.kind, k.quant)->params;
+    void* params[16];
+    for (int i = 0; order[i] >= 0; i++)
+        params[i] = param_at(&k, order[i] == P_IN && k.table_kernel ? P_TABLE : order[i]);
+    pthread_mutex_lock(&kmu);
+    int timeout = kernel_timeout_ms;
+    pthread_mutex_unlock(&kmu);
+    if (timeout < 0) {
+        const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
+        timeout = env ? atoi(env) : 20000;
     }
+    struct anyccl_host_run run = {
+        .abort_word = k.kind == K_RMSNORM ? NULL : flag_word(k.flags[k.rank], K_ABORT_WORD),
+        .timeout_ms = timeout,
+        .sleep = kernel_sleep,
+        .waiting = kernel_waiting,
+        .stored = kernel_stored,
+    };
+    /* The fused push one-shot's blocks read rows that other blocks of the peers push: its blocks run at once. */
+    if (anyccl_host_launch(k.name, params, k.blocks, k.threads, k.kind == K_FUSED_PUSH, &run) != 0) {
+        launch_note(w, "the host build of the kernel could not run it");
+        launch_count(w->seq, f_failed);
+        return;
+    }
+    const int stopped = run.timed_out ? 2 : run.aborted ? 1 : 0;
     if (stopped == 2)
         launch_note(w, is_push(w->kind) ? "timed out waiting for a peer's push"
                                         : "timed out waiting for the other ranks at a barrier");
     launch_count(w->seq, stopped == 0 ? f_completed : stopped == 1 ? f_aborted : f_timed_out);
 }
 
-/* The push one-shot (kernels-common/include/anyccl/push.h) and the fused push one-shot (fused_push.h, the same
- * protocol): every rank stores its input (each 32-bit word equal to the sentinel 0xFFFFFFFF replaced by
- * 0x7FFF7FFF) into slot [set][rank] of every peer's receive buffer, waits until no word of its own slots
- * [set][peer] is the sentinel (or its abort word is set), sums in rank order (its own slot is its input) as
- * reduce_vecs does (the fused form: then norm_row for every row), writes the sentinel back into the slots it
- * read, and moves its call counter (control word 0, after the sets; set = counter % 2) on. Buffers: K_PUSH_RECV
- * bytes per rank. */
-/* Waits until no word of `slot` (n words) is the sentinel. 0: arrived; 1: aborted; 2: timed out. */
-static int push_wait(const struct kwork* w, const uint32_t* slot, size_t n) {
-    pthread_mutex_lock(&kmu);
-    int timeout = kernel_timeout_ms;
-    if (timeout < 0) {
-        const char* env = getenv("FAKEHIP_KERNEL_TIMEOUT_MS");
-        timeout = env ? atoi(env) : 20000;
-    }
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += timeout / 1000;
-    deadline.tv_nsec += (long)(timeout % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
-    int result = 0;
-    kernels_waiting++;
-    size_t from = 0;
-    for (;;) {
-        while (from < n && __atomic_load_n(&slot[from], __ATOMIC_ACQUIRE) != K_PUSH_SENTINEL) from++;
-        if (from == n) break;
-        if (abort_set(w)) {
-            result = 1;
-            break;
-        }
-        struct timespec now, until;
-        clock_gettime(CLOCK_REALTIME, &now);
-        if (now.tv_sec > deadline.tv_sec || (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)) {
-            result = 2;
-            break;
-        }
-        until = now;
-        until.tv_nsec += 2000000L;
-        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&kcv, &kmu, &until);
-    }
-    kernels_waiting--;
-    pthread_mutex_unlock(&kmu);
-    return result;
-}
-static int push_run(const struct kwork* w) {
-    char* mine = (char*)(uintptr_t)w->recv[w->rank];
-    uint32_t* ctrl = (uint32_t*)(mine + K_PUSH_CTRL);
-    uint32_t epoch = __atomic_load_n(ctrl, __ATOMIC_ACQUIRE);
-    size_t set = (size_t)(epoch % 2) * K_MAX_RANKS * K_PUSH_SLOT;
-    size_t words = w->bytes / 4;
-    const uint32_t* src = (const uint32_t*)(uintptr_t)w->self_src;
-    for (int r = 0; r < w->world; r++) {
-        if (r == w->rank) continue;
-        uint32_t* dst = (uint32_t*)((char*)(uintptr_t)w->recv[r] + set + (size_t)w->rank * K_PUSH_SLOT);
-        for (size_t i = 0; i < words; i++)
-            __atomic_store_n(&dst[i], src[i] == K_PUSH_SENTINEL ? K_PUSH_CANONICAL : src[i], __ATOMIC_RELEASE);
-    }
-    wake_kernels();
-    int stopped = 0;
-    uint64_t in[8] = {0};
-    for (int r = 0; r < w->world; r++) {
-        in[r] = r == w->rank ? w->self_src : (uint64_t)(uintptr_t)(mine + set + (size_t)r * K_PUSH_SLOT);
-        if (r != w->rank && !stopped) stopped = push_wait(w, (const uint32_t*)(uintptr_t)in[r], words);
-    }
-    if (!stopped) {
-        if (w->kind == K_PUSH) reduce_vecs(w, in, (void*)(uintptr_t)w->out, 0, w->n_vec);
-        else norm_rows(w, in, 0, w->norm.tokens, NULL);
-        for (int r = 0; r < w->world; r++)
-            if (r != w->rank) memset((void*)(uintptr_t)in[r], 0xFF, w->bytes);
-    }
-    __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
-    return stopped;
-}
-
-/* The push two-shot (push.h): the same receive buffers, sets and counter, in two hops. Chunks of ceil(n_vec /
- * world) vectors, rank q owning chunk q: every rank stores chunk q of its input (sentinel words replaced) into the
- * first half of slot [set][rank] of rank q's buffer; waits for its own chunk's parts in the first halves of its
- * slots and sums them in rank order (its own part read from its input) into its output; stores that sum into the
- * second half (K_PUSH_SLOT / 2 bytes in) of slot [set][rank] of every peer; waits for the other chunks' sums in the
- * second halves of its slots and copies them into its output; resets every slot part it read to the sentinel. */
-static void push_store(uint64_t buf, size_t at, const uint32_t* src, size_t words) {
-    uint32_t* dst = (uint32_t*)((char*)(uintptr_t)buf + at);
-    for (size_t i = 0; i < words; i++)
-        __atomic_store_n(&dst[i], src[i] == K_PUSH_SENTINEL ? K_PUSH_CANONICAL : src[i], __ATOMIC_RELEASE);
-}
-static int push_two_run(const struct kwork* w) {
-    char* mine = (char*)(uintptr_t)w->recv[w->rank];
-    uint32_t* ctrl = (uint32_t*)(mine + K_PUSH_CTRL);
-    uint32_t epoch = __atomic_load_n(ctrl, __ATOMIC_ACQUIRE);
-    const size_t set = (size_t)(epoch % 2) * K_MAX_RANKS * K_PUSH_SLOT, half = K_PUSH_SLOT / 2;
-    const size_t chunk = (w->n_vec + (size_t)w->world - 1) / (size_t)w->world;
-    size_t start[8], len[8];
-    for (int q = 0; q < w->world; q++) {
-        start[q] = (size_t)q * chunk;
-        len[q] = start[q] < w->n_vec ? min_size(chunk, w->n_vec - start[q]) : 0;
-    }
-    const uint32_t* src = (const uint32_t*)(uintptr_t)w->self_src;
-    char* out = (char*)(uintptr_t)w->out;
-    const size_t mine_at = set + (size_t)w->rank * K_PUSH_SLOT;
-    for (int q = 0; q < w->world; q++)
-        if (q != w->rank) push_store(w->recv[q], mine_at, src + start[q] * 4, len[q] * 4);
-    wake_kernels();
-    const int me = w->rank;
-    uint64_t in[8] = {0};
-    int stopped = 0;
-    for (int r = 0; r < w->world; r++) {
-        in[r] = r == me ? w->self_src + start[me] * 16 : (uint64_t)(uintptr_t)(mine + set + (size_t)r * K_PUSH_SLOT);
-        if (r != me && !stopped) stopped = push_wait(w, (const uint32_t*)(uintptr_t)in[r], len[me] * 4);
-    }
-    if (!stopped) {
-        reduce_vecs(w, in, out + start[me] * 16, 0, len[me]);
-        for (int q = 0; q < w->world; q++)
-            if (q != me) push_store(w->recv[q], mine_at + half, (const uint32_t*)(out + start[me] * 16), len[me] * 4);
-        wake_kernels();
-        for (int r = 0; r < w->world; r++)
-            if (r != me) memset((void*)(uintptr_t)in[r], 0xFF, len[me] * 16);
-    }
-    for (int q = 0; q < w->world && !stopped; q++) {
-        if (q == me) continue;
-        char* slot = mine + set + (size_t)q * K_PUSH_SLOT + half;
-        stopped = push_wait(w, (const uint32_t*)slot, len[q] * 4);
-        if (stopped) break;
-        memcpy(out + start[q] * 16, slot, len[q] * 16);
-        memset(slot, 0xFF, len[q] * 16);
-    }
-    __atomic_store_n(ctrl, epoch + 1, __ATOMIC_RELEASE);
-    return stopped;
-}
 
 /* Set by cuLaunchKernelEx (fake_cuda.c) for the launch it makes on this thread: programmatic dependent launch. */
 static __thread int launch_pdl;
@@ -1880,6 +1466,7 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
         return e;
     }
     w.blocks = gx;
+    w.threads = bx;
     e = enqueue(s, kernel_run, &w, sizeof w, 1);
     if (e) {
         pthread_mutex_lock(&mu);
@@ -1891,7 +1478,7 @@ hipError_t hipModuleLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz,
 }
 
 /* hipStreamWriteValue32: a stream-ordered 4-byte store (legal during capture, like a memset), which also wakes
- * emulated kernels waiting at a barrier (the abort word). */
+ * kernels waiting for their peers (the abort word). */
 struct write32_args {
     uint32_t* ptr;
     uint32_t value;

@@ -269,6 +269,19 @@ pub fn fake_dir() -> PathBuf {
     crate::scratch_dir().join("fake-ccl")
 }
 
+/// The arguments that link the kernel source of anyccl-kernels-common, compiled for the host by the build script
+/// (`c/host_kernels.cpp`), into a fake runtime (fake_hip.c includes `host_kernels.h` and runs every launch through
+/// it). Panics with the build script's reason when that compile failed.
+pub fn host_kernel_args() -> Vec<String> {
+    let object = env!("ANYCCL_TESTKIT_HOST_KERNELS");
+    assert!(
+        !object.is_empty(),
+        "the fakes' host kernels were not built: {}",
+        env!("ANYCCL_TESTKIT_HOST_KERNELS_ERROR")
+    );
+    vec![format!("-I{}", concat!(env!("CARGO_MANIFEST_DIR"), "/c")), object.to_owned()]
+}
+
 /// Compiles a fake library at `fake_dir()/rel`, once per test process (tests run on parallel threads).
 pub fn build(rel: &str, symbols: &[&str], version: i32, version_status: i32) -> PathBuf {
     compile_once(rel, &c_source(symbols, version, version_status), &[])

@@ -24,19 +24,18 @@ pub fn build_cuda() -> PathBuf {
 
 fn build_cuda_uncached() -> PathBuf {
     let source = format!("{HIP_C}\n/* ---- fake_cuda.c ---- */\n{CUDA_C}");
-    let lib = fake_ccl::compile_once(
-        &format!("cuda/{CUDA_SONAME}"),
-        &source,
+    // The host kernels first: the libraries after them resolve their references.
+    let mut args = fake_ccl::host_kernel_args();
+    args.extend([
+        format!("-Wl,-soname,{CUDA_SONAME}"),
         // nodelete: the streams' worker threads run code of the library (see fake_hip.rs).
-        &[
-            format!("-Wl,-soname,{CUDA_SONAME}"),
-            "-Wl,-z,nodelete".into(),
-            "-lpthread".into(),
-            // The emulated kernels' f32 arithmetic (see fake_hip.rs).
-            "-lm".into(),
-            "-ffp-contract=off".into(),
-        ],
-    );
+        "-Wl,-z,nodelete".into(),
+        "-lpthread".into(),
+        // The host kernels' and the multicast emulation's f32 arithmetic (see fake_hip.rs).
+        "-lm".into(),
+        "-ffp-contract=off".into(),
+    ]);
+    let lib = fake_ccl::compile_once(&format!("cuda/{CUDA_SONAME}"), &source, &args);
     let dir = lib.parent().expect("the fake driver's folder");
     let link = dir.join("libcuda.so");
     if std::fs::read_link(&link).ok().as_deref() != Some(std::path::Path::new(CUDA_SONAME)) {

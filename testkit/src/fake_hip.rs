@@ -13,20 +13,19 @@ pub const HIP_SONAME: &str = "libamdhip64.so.6";
 
 /// The fake HIP runtime, built once per test process.
 pub fn build_hip() -> PathBuf {
-    fake_ccl::compile_once(
-        &format!("hip/{HIP_SONAME}"),
-        HIP_C,
+    // The host kernels first: the libraries after them resolve their references.
+    let mut args = fake_ccl::host_kernel_args();
+    args.extend([
+        format!("-Wl,-soname,{HIP_SONAME}"),
         // nodelete: the streams' worker threads run code of the library, so a dlclose by the last handle of a
         // test must not unmap it (another test would load a fresh copy under the old threads).
-        &[
-            format!("-Wl,-soname,{HIP_SONAME}"),
-            "-Wl,-z,nodelete".into(),
-            "-lpthread".into(),
-            // The emulated kernels' f32 arithmetic (fmaf, sqrtf, rintf), one rounding per operation, as on a GPU.
-            "-lm".into(),
-            "-ffp-contract=off".into(),
-        ],
-    )
+        "-Wl,-z,nodelete".into(),
+        "-lpthread".into(),
+        // The host kernels' f32 arithmetic (fmaf, sqrtf, rintf), one rounding per operation, as on a GPU.
+        "-lm".into(),
+        "-ffp-contract=off".into(),
+    ]);
+    fake_ccl::compile_once(&format!("hip/{HIP_SONAME}"), HIP_C, &args)
 }
 
 /// A computing fake RCCL with the symbol set of `p`, linked against the fake HIP runtime.
@@ -398,8 +397,8 @@ impl FakeHip {
         unsafe { f() }
     }
 
-    /// How long an emulated kernel waits for its peers before it records "timed out" (negative: the default,
-    /// `FAKEHIP_KERNEL_TIMEOUT_MS` or 20 s).
+    /// How long a kernel's block waits for its peers without progress before the run records "timed out" (negative: the
+    /// default, `FAKEHIP_KERNEL_TIMEOUT_MS` or 20 s).
     pub fn set_kernel_timeout_ms(&self, ms: i32) {
         let f: unsafe extern "C" fn(i32) = self.sym(b"fakehip_set_kernel_timeout_ms\0");
         // SAFETY: sets a number.

@@ -186,10 +186,10 @@ pub fn check_launches(fake: &FakeHip, from: u64, world: usize, name: &str, bytes
 
 /// `init_all` at worlds 2 and 4: for eligible f32 and bf16 sums (4 KiB and 1 MiB, in place and out of place) the
 /// selector picks one-shot or two-shot (what `table(world, bytes)` says where it says), the communicator launches
-/// exactly that kernel once per rank with the grid for the size and every rank's flags, and the emulated kernels'
-/// results equal the host reference; 1 KiB takes one-shot; 40 bytes (not whole vectors) and i32 (no kernel) are
-/// refused by the custom kernels with the reason, go to the collective library with no kernel launched, and sum
-/// right.
+/// exactly that kernel once per rank with the grid for the size and every rank's flags, and the kernels' results (their
+/// source run by the fakes) equal the host reference; 1 KiB takes one-shot; 40 bytes (not whole vectors) and i32 (no
+/// kernel) are refused by the custom kernels with the reason, go to the collective library with no kernel launched, and
+/// sum right.
 pub fn init_all<H: Harness>(h: &H, table: impl Fn(usize, usize) -> Option<Algorithm>) {
     for world in [2usize, 4] {
         let mut cs = h.comms(world);

@@ -1,7 +1,7 @@
-//! The CUDA communicator (`CudaComm = GpuComm<Cuda>`) end to end with no GPU: on the fake CUDA driver
-//! (`libcuda.so.1` from testkit/c/fake_cuda.c over the fake HIP runtime: host memory as device memory, streams
-//! on worker threads, graphs, the capture rules, IPC handles within one process, and the one-shot / two-shot
-//! kernels emulated from the sm_90 cubin, every launch recorded) and a computing fake NCCL 2.28 linked against it.
+//! The CUDA communicator (`CudaComm = GpuComm<Cuda>`) end to end with no GPU: on the fake CUDA driver (`libcuda.so.1`
+//! from testkit/c/fake_cuda.c over the fake HIP runtime: host memory as device memory, streams on worker threads,
+//! graphs, the capture rules, IPC handles within one process, and the one-shot / two-shot kernels run from their source
+//! compiled for the host, every launch recorded) and a computing fake NCCL 2.28 linked against it.
 //!
 //! cudarc finds `libcuda.so` by name through the dynamic loader, which reads `LD_LIBRARY_PATH` when the process
 //! starts, so every test runs this binary again as a child (`child`, with `FAKECUDA_CASE` naming the case) with

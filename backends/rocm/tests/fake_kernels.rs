@@ -1,9 +1,9 @@
-//! The fake HIP runtime's emulation of the custom all-reduce kernels (testkit/c/fake_hip.c), driven through
-//! its C ABI with no communicator: ranks are threads of this process that each launch their rank's kernel, as the
-//! ROCm communicator will. The emulated kernels must give the exact sums the kernels give (f32 accumulation in
-//! rank order), in every input mode (staged, input table before and after registration, direct), eager and
-//! replayed from a graph; refuse malformed launches with a recorded violation; stop on the abort word; and record
-//! every launch with its grid and decoded parameters. "Device" memory is host memory, so the tests fill and read
+//! The fake HIP runtime's runs of the custom all-reduce kernels (testkit/c/fake_hip.c, which runs their source compiled
+//! for the host), driven through its C ABI with no communicator: ranks are threads of this process that each launch
+//! their rank's kernel, as the ROCm communicator will. The kernels must give the exact sums of the test's own reference
+//! (f32 accumulation in rank order), in every input mode (staged, input table before and after registration, direct),
+//! eager and replayed from a graph; refuse malformed launches with a recorded violation; stop on the abort word; and
+//! record every launch with its grid and decoded parameters. "Device" memory is host memory, so the tests fill and read
 //! buffers directly.
 //!
 //! The fake keeps one process-wide record, so the tests take a lock and run one at a time.
@@ -716,7 +716,7 @@ fn an_aborted_rank_ends_without_its_peers() {
         hip.launch(f, [1, 1, 1], [256, 1, 1], w.streams[rank], &mut p)
     };
     // The abort word set before the launch (from another stream, as the communicator sets it): rank 0's kernel
-    // ends at once, alone, writing nothing.
+    // ends at once, alone (running to its end on what the peer's memory holds, as on a GPU: its output is garbage).
     assert_eq!(hip.write_value32(side, abort_word(&w, 0), 1), 0);
     let started = Instant::now();
     assert_eq!(launch(0), 0);
@@ -724,7 +724,6 @@ fn an_aborted_rank_ends_without_its_peers() {
     assert!(started.elapsed() < Duration::from_secs(2), "the aborted kernel waited for its peer");
     let l = &hip.fake.launches()[0];
     assert_eq!((l.runs, l.completed, l.aborted, l.timed_out), (1, 0, 1, 0), "{l:?}");
-    assert!(w.read(w.outs[0]).iter().all(|b| *b == 0xee), "an aborted kernel wrote its output");
     assert_eq!(hip.fake.violations(), Vec::<String>::new());
     // Its barrier stores reached rank 1 as on a GPU: rank 1's launch of the same step completes without waiting.
     assert_eq!((launch(1), hip.synchronize(w.streams[1])), (0, 0));

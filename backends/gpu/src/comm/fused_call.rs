@@ -4,10 +4,16 @@
 //! staging, scratch, flag arrays and graph input tables. The front door is
 //! [`anyccl_core::Communicator::all_reduce_rmsnorm`], which validates the call ([`anyccl_core::fused::validate`])
 //! and chooses the form before anything here runs.
+//!
+//! The forms are a registered plan family ([`FusedPlans`], found by form in the plan table,
+//! [`super::plans::registered_rmsnorm`]), as the all-reduce's kernel families are: its eligibility decides once
+//! everything a launch needs ([`FusedPlan`]: kernel shape, grid, the unfused path's all-reduce kind, dependent
+//! launch), its launch runs that plan without working the form out again, and a failure names the form.
 
 use anyccl_core::fused::{RmsNormArgs, RmsNormCall, RmsNormForm};
-use anyccl_core::Result;
+use anyccl_core::{Error, Result};
 
+use super::plans::{registered_rmsnorm, RmsNormPlans};
 use super::{custom_blocks, GpuComm};
 use crate::device::GpuRuntime;
 use crate::fused::{self as fused, FusedForm, NormArgs};
@@ -57,153 +63,207 @@ pub fn rmsnorm_ineligible(form: RmsNormForm, call: &RmsNormCall, world: usize, c
     }
 }
 
-impl<P: GpuPlatform> GpuComm<P> {
-    /// [`rmsnorm_ineligible`] for this communicator, after its custom and fused kernels being set up at all.
-    pub(super) fn fused_eligible(&self, form: RmsNormForm, call: &RmsNormCall) -> std::result::Result<(), String> {
-        let st = self.custom.as_ref().map_err(Clone::clone)?;
-        if self.fused.is_none() {
-            return Err("the fused kernels are not set up".into());
+/// What the fused family decided for a call: the form, and everything its launch needs beyond the call's buffers
+/// and stream. Made only by [`FusedPlans`]' eligibility.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FusedPlan {
+    form: RmsNormForm,
+    step: FusedStep,
+}
+
+/// The kernels one fused plan launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FusedStep {
+    /// The fused one-shot or two-shot kernel, with this many blocks per rank.
+    Shot { shape: FusedForm, blocks: u32 },
+    /// The fused push one-shot (with programmatic dependent launch where the kernels have it).
+    Push { dependent: bool },
+    /// The custom all-reduce of this kind into `out` on `blocks` blocks, then the RMSNorm kernel on `norm_blocks`.
+    Unfused { kind: Kind, blocks: u32, norm_blocks: u32 },
+}
+
+/// The fused all-reduce + residual add + RMSNorm of one [`RmsNormForm`] (the unfused baseline included: the custom
+/// all-reduce, then the separate RMSNorm kernel).
+pub(crate) struct FusedPlans(pub(crate) RmsNormForm);
+
+/// `e`, a failure of running `form`, named by that form: a vendor call's failure says which fused call it was part
+/// of, a refusal which form refused.
+fn name_form(form: RmsNormForm, e: Error) -> Error {
+    match e {
+        Error::Backend { backend, call, code, message } => {
+            Error::Backend { backend, call: format!("{form} all-reduce + rmsnorm: {call}"), code, message }
         }
-        if let Some(why) = rmsnorm_ineligible(form, call, self.ccl.world(), st.capacity) {
+        Error::NoEligibleAlgorithm { why } => Error::NoEligibleAlgorithm { why: format!("{form}: {why}") },
+        other => other,
+    }
+}
+
+impl<P: GpuPlatform> RmsNormPlans<P> for FusedPlans {
+    fn eligible(&self, comm: &GpuComm<P>, call: &RmsNormCall) -> std::result::Result<FusedPlan, String> {
+        let form = self.0;
+        let st = comm.custom.as_ref().map_err(Clone::clone)?;
+        let fk = comm.fused.as_ref().ok_or_else(|| "the fused kernels are not set up".to_owned())?;
+        let world = comm.ccl.world();
+        if let Some(why) = rmsnorm_ineligible(form, call, world, st.capacity) {
             return Err(why);
         }
-        if form == RmsNormForm::FusedPush {
-            // The push one-shot's receive buffers, its agreed limit and the kernel itself.
-            let p = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
-            if let Some(why) = fused_push_ineligible(call.dtype, call.tokens, call.hidden, self.ccl.world(), p.capacity)
-            {
-                return Err(why);
+        let max = st.max_blocks;
+        let step = match form {
+            RmsNormForm::FusedPush => {
+                // The push one-shot's receive buffers, its agreed limit and the kernel itself.
+                let p = st.push.as_ref().map_err(|why| format!("the push one-shot is {why}"))?;
+                if let Some(why) = fused_push_ineligible(call.dtype, call.tokens, call.hidden, world, p.capacity) {
+                    return Err(why);
+                }
+                if let Some(why) = p.kernels.fused_missing(call.dtype) {
+                    return Err(why);
+                }
+                FusedStep::Push { dependent: p.kernels.dependent_launch().is_ok() }
             }
-            if let Some(why) = p.kernels.fused_missing(call.dtype) {
-                return Err(why);
+            RmsNormForm::FusedOneShot => {
+                FusedStep::Shot { shape: FusedForm::OneShot, blocks: call.tokens.clamp(1, max) as u32 }
             }
-        }
-        Ok(())
+            RmsNormForm::FusedTwoShot => {
+                let rows = call.tokens.div_ceil(world);
+                FusedStep::Shot { shape: FusedForm::TwoShot, blocks: rows.clamp(1, max) as u32 }
+            }
+            RmsNormForm::Unfused => {
+                let kind = if call.bytes <= anyccl_core::selector::FUSED_ONE_SHOT_MAX_BYTES {
+                    Kind::OneShot
+                } else {
+                    Kind::TwoShot
+                };
+                let norm_blocks = call.tokens.clamp(1, 4 * fk.multiprocessors().max(1)) as u32;
+                FusedStep::Unfused { kind, blocks: custom_blocks(call.bytes, max), norm_blocks }
+            }
+            other => return Err(format!("{other} is not a form the GPU communicators implement")),
+        };
+        Ok(FusedPlan { form, step })
     }
 
-    /// Runs a validated call with the form the front-end chose (eligible: [`GpuComm::fused_eligible`]).
-    /// `residual` is overwritten with `allreduce(input) + residual` (the same on every rank; it must be the same
-    /// on every rank before the call too); capture-safe (nothing is allocated; during capture the input is read
-    /// through an input table, as for the custom all-reduce).
-    pub(super) fn run_rmsnorm(&mut self, args: RmsNormArgs<'_, Self>) -> Result<()> {
-        let (call, form) = (*args.call(), args.form());
-        let stream = args.stream();
-        let bufs = args.into_bufs();
-        let (input, residual, weight, out) = (bufs.input, bufs.residual, bufs.weight, bufs.out);
-        let (world, rank) = (self.ccl.world(), self.ccl.rank());
-        // The front-end asked eligibility a moment ago; ask again on the state this call uses (cheap), so that
-        // nothing below runs on a form these buffers cannot take.
-        self.fused_eligible(form, &call).map_err(|why| anyccl_core::Error::NoEligibleAlgorithm { why })?;
-        let not_set_up = || anyccl_core::Error::NoEligibleAlgorithm { why: "the custom kernels are off".into() };
-        let st = self.custom.as_mut().map_err(|_| not_set_up())?;
-        let fk = self.fused.as_ref().ok_or_else(not_set_up)?;
-        let (bytes, capturing) = (call.bytes, call.capturing);
-        if bytes == 0 {
-            // Nothing to do on any rank alike: no launch keeps the barrier epochs in step.
-            return Ok(());
+    unsafe fn launch(&self, comm: &mut GpuComm<P>, plan: &FusedPlan, args: RmsNormArgs<'_, GpuComm<P>>) -> Result<()> {
+        let form = plan.form;
+        if form != self.0 || form != args.form() {
+            return Err(Error::backend(
+                "anyccl",
+                "all-reduce + rmsnorm plan",
+                None,
+                format!("a {form} plan reached the {} family for a {} call", self.0, args.form()),
+            ));
         }
-        let spec = &call;
-        let choice = form;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { run_plan(comm, plan, args) }.map_err(|e| name_form(form, e))
+    }
+}
 
-        self.runtime.bind()?;
-        let (src, dst) = (input.device_ptr(), out.device_ptr());
-        let args = NormArgs::new(
-            residual.device_ptr(),
-            weight.device_ptr(),
-            dst,
-            spec.tokens,
-            spec.hidden,
-            spec.eps,
-            spec.output,
-        );
-        if choice == RmsNormForm::FusedPush {
-            let no_push = |why: &String| anyccl_core::Error::NoEligibleAlgorithm { why: why.clone() };
-            let p = st.push.as_ref().map_err(no_push)?;
-            let dependent = p.kernels.dependent_launch().is_ok();
-            let my_flags = st.all_flags.get(rank).copied().unwrap_or(0);
-            // SAFETY: validated by the front-end (every buffer this device's, 16-byte aligned, long enough, out and
-            // residual overlapping nothing) and eligible (`fused_eligible` above: the message within the agreed
-            // push limit and the receive slots); every rank's receive buffer is live and initialised (set up with
-            // the custom kernels, shared by this communicator's push calls only, one protocol); every rank makes the
-            // same call; ranks run on different GPUs. A null flag array is refused by the launch.
-            return unsafe {
-                p.kernels.launch_fused(
-                    &self.runtime,
-                    spec.dtype,
-                    src,
-                    &args,
-                    &p.all_recv,
-                    my_flags,
-                    rank,
-                    p.capacity,
-                    dependent,
-                    stream,
-                )
-            };
-        }
-        // The push form reads its own input directly (eager and captured alike); the others read every rank's input
-        // through staging or, during capture, a graph-input table (a slot is made for the input here).
-        let table = if capturing { st.graph.table_for(src) } else { None };
-        let inputs = match table {
-            Some(table) => Inputs::Table { table, own: src },
-            None => Inputs::Staged { staging: &st.all_staging, own: src },
+/// Runs `args` by `plan` ([`FusedPlans::launch`]).
+///
+/// # Safety
+/// As [`RmsNormPlans::launch`]: `plan` was made by [`FusedPlans`]' eligibility for `args`' call on `comm`, and
+/// nothing it read has changed since.
+unsafe fn run_plan<P: GpuPlatform>(
+    comm: &mut GpuComm<P>,
+    plan: &FusedPlan,
+    args: RmsNormArgs<'_, GpuComm<P>>,
+) -> Result<()> {
+    let call = *args.call();
+    let stream = args.stream();
+    let bufs = args.into_bufs();
+    let (input, residual, weight, out) = (bufs.input, bufs.residual, bufs.weight, bufs.out);
+    if call.bytes == 0 {
+        // Nothing to do on any rank alike: no launch keeps the barrier epochs in step.
+        return Ok(());
+    }
+    let rank = comm.ccl.rank();
+    let not_set_up = || Error::NoEligibleAlgorithm { why: "the custom kernels are off".into() };
+    let st = comm.custom.as_mut().map_err(|_| not_set_up())?;
+    let fk = comm.fused.as_ref().ok_or_else(not_set_up)?;
+    comm.runtime.bind()?;
+    let (src, dst) = (input.device_ptr(), out.device_ptr());
+    let norm =
+        NormArgs::new(residual.device_ptr(), weight.device_ptr(), dst, call.tokens, call.hidden, call.eps, call.output);
+    if let FusedStep::Push { dependent } = plan.step {
+        let p = st.push.as_ref().map_err(|why| Error::NoEligibleAlgorithm { why: why.clone() })?;
+        let my_flags = st.all_flags.get(rank).copied().unwrap_or(0);
+        // SAFETY: validated by the front-end (every buffer this device's, 16-byte aligned, long enough, out and
+        // residual overlapping nothing) and eligible (the plan: the message within the agreed push limit and the
+        // receive slots, still so by the caller's contract); every rank's receive buffer is live and initialised
+        // (set up with the custom kernels, shared by this communicator's push calls only, one protocol); every rank
+        // makes the same call; ranks run on different GPUs. A null flag array is refused by the launch.
+        return unsafe {
+            p.kernels.launch_fused(
+                &comm.runtime,
+                call.dtype,
+                src,
+                &norm,
+                &p.all_recv,
+                my_flags,
+                rank,
+                p.capacity,
+                dependent,
+                stream,
+            )
         };
-        let max = st.max_blocks;
-        let fused_form = match choice {
-            RmsNormForm::FusedOneShot => Some(FusedForm::OneShot),
-            RmsNormForm::FusedTwoShot => Some(FusedForm::TwoShot),
-            _ => None,
-        };
-        // SAFETY: validated by the front-end (the `RmsNormArgs` only it makes): every buffer is this device's, 16-byte
-        // aligned, long enough, and out/residual overlap nothing; every rank's staging and scratch hold `capacity`
-        // bytes (≥ the input, ≥ the two-shot scratch, and the unfused path has no fp8 output: `fused_eligible`
-        // above), reachable through peer access or IPC; every rank makes the same call (a collective)
-        // with the same block count (a function of the spec, the world and the communicator's block limit); ranks
-        // run on different GPUs.
-        unsafe {
-            match fused_form {
-                Some(form) => {
-                    let rows = if form == FusedForm::TwoShot { spec.tokens.div_ceil(world) } else { spec.tokens };
-                    let blocks = rows.clamp(1, max) as u32;
-                    fk.launch_fused(
-                        form,
-                        spec.dtype,
-                        inputs,
-                        &st.all_scratch,
-                        &args,
-                        &st.all_flags,
-                        rank,
-                        blocks,
-                        stream,
-                    )
-                }
-                None => {
-                    // The custom all-reduce into `out`, then the RMSNorm of `out` in place (each thread reads its
-                    // row elements before it writes them).
-                    let kind = if bytes <= anyccl_core::selector::FUSED_ONE_SHOT_MAX_BYTES {
-                        Kind::OneShot
-                    } else {
-                        Kind::TwoShot
-                    };
-                    st.kernels.launch(
-                        kind,
-                        spec.dtype,
-                        inputs,
-                        &st.all_scratch,
-                        dst,
-                        &st.all_flags,
-                        rank,
-                        bytes,
-                        custom_blocks(bytes, max),
-                        kernels::TWO_SHOT_ROUND_BYTES,
-                        stream,
-                    )?;
-                    let blocks = spec.tokens.clamp(1, 4 * fk.multiprocessors().max(1)) as u32;
-                    fk.launch_rmsnorm(spec.dtype, dst, &args, blocks, stream)
-                }
+    }
+    // The push form reads its own input directly (eager and captured alike); the others read every rank's input
+    // through staging or, during capture, a graph-input table (a slot is made for the input here).
+    let table = if call.capturing { st.graph.table_for(src) } else { None };
+    let inputs = match table {
+        Some(table) => Inputs::Table { table, own: src },
+        None => Inputs::Staged { staging: &st.all_staging, own: src },
+    };
+    // SAFETY: validated by the front-end (the `RmsNormArgs` only it makes): every buffer is this device's, 16-byte
+    // aligned, long enough, and out/residual overlap nothing; every rank's staging and scratch hold `capacity` bytes
+    // (≥ the input, ≥ the two-shot scratch, and the unfused path has no fp8 output: the plan's eligibility, still so
+    // by the caller's contract), reachable through peer access or IPC; every rank makes the same call (a collective)
+    // with the same block counts (functions of the call, the world and the communicator's block limit, which every
+    // rank agreed on); ranks run on different GPUs.
+    unsafe {
+        match plan.step {
+            FusedStep::Shot { shape, blocks } => {
+                fk.launch_fused(shape, call.dtype, inputs, &st.all_scratch, &norm, &st.all_flags, rank, blocks, stream)
             }
-        }?;
-        Ok(())
+            FusedStep::Unfused { kind, blocks, norm_blocks } => {
+                // The custom all-reduce into `out`, then the RMSNorm of `out` in place (each thread reads its row
+                // elements before it writes them).
+                st.kernels.launch(
+                    kind,
+                    call.dtype,
+                    inputs,
+                    &st.all_scratch,
+                    dst,
+                    &st.all_flags,
+                    rank,
+                    call.bytes,
+                    blocks,
+                    kernels::TWO_SHOT_ROUND_BYTES,
+                    stream,
+                )?;
+                fk.launch_rmsnorm(call.dtype, dst, &norm, norm_blocks, stream)
+            }
+            FusedStep::Push { .. } => Ok(()), // launched above
+        }
+    }
+}
+
+impl<P: GpuPlatform> GpuComm<P> {
+    /// Whether `form` can run `call` on this communicator: its registered family's eligibility
+    /// ([`FusedPlans`]), the plan dropped.
+    pub(super) fn fused_eligible(&self, form: RmsNormForm, call: &RmsNormCall) -> std::result::Result<(), String> {
+        registered_rmsnorm::<P>(form).eligible(self, call).map(|_| ())
+    }
+
+    /// Runs a validated call with the form the front-end chose, by the plan its family makes for the state this
+    /// call uses (the front-end asked the same family a moment ago; [`anyccl_core::CommBackend`] carries no fused
+    /// plan to the run). `residual` is overwritten with `allreduce(input) + residual` (the same on every rank; it
+    /// must be the same on every rank before the call too); capture-safe (nothing is allocated; during capture the
+    /// input is read through an input table, as for the custom all-reduce).
+    pub(super) fn run_rmsnorm(&mut self, args: RmsNormArgs<'_, Self>) -> Result<()> {
+        let form = args.form();
+        let family = registered_rmsnorm::<P>(form);
+        let plan = family.eligible(self, args.call()).map_err(|why| Error::NoEligibleAlgorithm { why })?;
+        // SAFETY: `plan` was made by this family for this call on this communicator just now, with nothing between.
+        unsafe { family.launch(self, &plan, args) }
     }
 }
 

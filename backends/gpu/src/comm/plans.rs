@@ -9,10 +9,16 @@
 //! again, and a failure names the algorithm that ran ([`name_algorithm`]).
 //!
 //! [`NvlsPlans`] (the NVLS multicast kernels, where the communicator's multicast setup succeeded) is the fifth.
+//!
+//! The fused all-reduce + residual add + RMSNorm is chosen by form ([`RmsNormForm`]), not by [`Algorithm`]: its
+//! family ([`FusedPlans`]) implements [`RmsNormPlans`], the same pair of eligibility and launch over a plan, and
+//! [`registered_rmsnorm`] is its entry in this table.
 
 use anyccl_core::comm::{AllReduceArgs, AllReduceCall};
+use anyccl_core::fused::{RmsNormArgs, RmsNormCall, RmsNormForm};
 use anyccl_core::{Algorithm, Error, ReduceOp, Result};
 
+use super::fused_call::{FusedPlan, FusedPlans};
 use super::{custom_blocks, GpuComm};
 use crate::device::GpuRuntime;
 use crate::kernels::{self, Inputs, Kind};
@@ -89,6 +95,50 @@ pub(crate) fn registered<P: GpuPlatform>(algorithm: Algorithm) -> &'static dyn A
         Algorithm::TwoShotInt8 => &QuantPlans(Format::Int8),
         Algorithm::NvlsZeroCopy | Algorithm::NvlsWarpPipeline | Algorithm::NvlsBlockPipeline => &NvlsPlans,
         _ => &Unregistered,
+    }
+}
+
+/// The fused all-reduce + residual add + RMSNorm's family: whether a form can run a call, and how it runs the plan
+/// it made ([`AllReducePlans`]' shape, keyed by form).
+pub(crate) trait RmsNormPlans<P: GpuPlatform>: Sync {
+    /// Whether this family's form can run `call` on `comm`: the plan for it, or why not.
+    fn eligible(&self, comm: &GpuComm<P>, call: &RmsNormCall) -> std::result::Result<FusedPlan, String>;
+
+    /// Runs `args` by `plan`; a failure names the form.
+    ///
+    /// # Safety
+    /// `plan` was returned by this family's [`RmsNormPlans::eligible`] for `args`' call on `comm`, and nothing that
+    /// eligibility reads has changed since, so the sizes and buffers it checked still hold.
+    unsafe fn launch(&self, comm: &mut GpuComm<P>, plan: &FusedPlan, args: RmsNormArgs<'_, GpuComm<P>>) -> Result<()>;
+}
+
+/// The fused forms' entries: every form of [`RmsNormForm::ALL`] is the fused kernels' family with that form fixed
+/// in the entry; a form added to [`RmsNormForm`] later is never eligible.
+pub(crate) fn registered_rmsnorm<P: GpuPlatform>(form: RmsNormForm) -> &'static dyn RmsNormPlans<P> {
+    match form {
+        RmsNormForm::FusedOneShot => &FusedPlans(RmsNormForm::FusedOneShot),
+        RmsNormForm::FusedTwoShot => &FusedPlans(RmsNormForm::FusedTwoShot),
+        RmsNormForm::Unfused => &FusedPlans(RmsNormForm::Unfused),
+        RmsNormForm::FusedPush => &FusedPlans(RmsNormForm::FusedPush),
+        _ => &UnregisteredForm,
+    }
+}
+
+/// A fused form no GPU communicator implements: never eligible.
+struct UnregisteredForm;
+
+impl<P: GpuPlatform> RmsNormPlans<P> for UnregisteredForm {
+    fn eligible(&self, _comm: &GpuComm<P>, _call: &RmsNormCall) -> std::result::Result<FusedPlan, String> {
+        Err("not a form the GPU communicators implement".to_owned())
+    }
+
+    unsafe fn launch(
+        &self,
+        _comm: &mut GpuComm<P>,
+        _plan: &FusedPlan,
+        args: RmsNormArgs<'_, GpuComm<P>>,
+    ) -> Result<()> {
+        Err(Error::NoEligibleAlgorithm { why: format!("{}: not a form the GPU communicators implement", args.form()) })
     }
 }
 

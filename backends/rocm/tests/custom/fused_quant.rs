@@ -1,8 +1,8 @@
 //! The ROCm communicator's fused all-reduce + residual add + RMSNorm and quantized two-shot on the fake HIP runtime,
-//! which runs them with the kernels' arithmetic (fake_hip.c): every form's outputs and new residuals equal core's
-//! host reference bit for bit, the quantized two-shots equal the host model of `anyccl-kernels-common` value for
-//! value, and the ROCm communicator names what it offers and why it refuses the rest. A module of the `custom` test
-//! (`main.rs`: its setup, its lock).
+//! which runs the kernels themselves (their source compiled for the host, testkit/c/host_kernels.cpp): every form's
+//! outputs and new residuals equal core's host reference bit for bit, the quantized two-shots equal the host model
+//! of `anyccl-kernels-common` value for value, and the ROCm communicator names what it offers and why it refuses
+//! the rest. A module of the `custom` test (`main.rs`: its setup, its lock).
 
 use super::*;
 
@@ -130,6 +130,46 @@ fn every_fused_form_equals_the_host_reference_bit_for_bit() {
                 }
             }
             assert_eq!(s.fake.launch_total(), from, "a refused call launched something");
+        }
+    }
+    assert_eq!(s.fake.violations(), Vec::<String>::new());
+}
+
+/// A fused call whose kernel launch fails (the fake fails the next launches of that kernel, as a failing device
+/// would) returns the launch's failure named by the form that ran (`{form} all-reduce + rmsnorm: …`), on every rank;
+/// nothing was left half-run, so the same call then runs and equals the host reference. The unfused form's second
+/// kernel (the RMSNorm, after its all-reduce ran on every rank) fails the same way.
+#[test]
+fn a_failed_fused_launch_names_its_form() {
+    let _g = serial();
+    let s = setup();
+    let world = 2;
+    let mut cs = comms(&s, world);
+    let spec = RmsNormSpec::new(DataType::Bf16, 3, 1032, EPS);
+    let case = Case::new(spec, world, 77);
+    let (want_out, want_res) = case.expected();
+    let cases = [
+        (RmsNormForm::FusedOneShot, "anyccl_fused_one_shot_"),
+        (RmsNormForm::FusedTwoShot, "anyccl_fused_two_shot_"),
+        (RmsNormForm::Unfused, "anyccl_rmsnorm_"),
+    ];
+    for (form, prefix) in cases {
+        s.fake.fail_launches(prefix, world as i32);
+        let got = run_fused(&mut cs, &case, &spec.with_form(form));
+        s.fake.fail_launches("", 0);
+        for (rank, r) in got.into_iter().enumerate() {
+            let e = r.expect_err("the launch failed");
+            match &e {
+                anyccl_core::Error::Backend { call, .. } => {
+                    assert!(call.starts_with(&format!("{form} all-reduce + rmsnorm: ")), "rank {rank}: {e}");
+                }
+                other => panic!("rank {rank}: {form}: not the launch's failure: {other}"),
+            }
+        }
+        for (rank, r) in run_fused(&mut cs, &case, &spec.with_form(form)).into_iter().enumerate() {
+            let (sel, out, res) = r.unwrap_or_else(|e| panic!("{form} rank {rank} after the failure: {e}"));
+            assert_eq!(sel.form, form);
+            assert!(res == want_res && out == want_out, "{form} rank {rank}: differs from the reference");
         }
     }
     assert_eq!(s.fake.violations(), Vec::<String>::new());

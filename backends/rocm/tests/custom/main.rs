@@ -1,6 +1,6 @@
 //! The ROCm communicator's custom kernels on the fake HIP runtime, which records every kernel launch (name, grid,
-//! decoded parameters) and emulates the one-shot / two-shot all-reduce on its host-backed memory: selection, the
-//! kernels launched, their results, graph capture with graph buffers, the abort word, one process per GPU as
+//! decoded parameters) and runs the kernels (their source compiled for the host) on its host-backed memory: selection,
+//! the kernels launched, their results, graph capture with graph buffers, the abort word, one process per GPU as
 //! threads over HIP IPC, and the one-host check before any IPC. No GPU needed.
 //!
 //! The fake runtime keeps one process-wide record, so the tests take a lock and run one at a time.
