@@ -192,12 +192,14 @@ fn rank() {
     let lib = anyccl_cuda::platform::load_nccl().expect("the fake NCCL through ANYCCL_NCCL_PATH");
     let mut caps = anyccl_cuda::capabilities(Some(&lib), &env);
     caps.apply_env().expect("ANYCCL_DISABLE");
-    // A library communicator of this process alone, wrapped as this rank of the world.
+    // This rank of a library communicator of `world` whose peers never join: the fake NCCL's ranks live in one
+    // process and its init does not wait for them. The NVLS plans never call the library, so nothing waits on
+    // the missing peers.
     let rt = <Cuda as GpuPlatform>::runtime(&device).expect("runtime");
     rt.context().bind().expect("bind");
     let id = UniqueId::new(&lib).expect("unique id");
-    let ccl = CclComm::init_rank(lib.clone(), 1, &id, 0).expect("a library communicator of one");
-    let mut comm = GpuComm::<Cuda>::from_ccl(ccl, &device, rank, world, Arc::new(caps)).expect("wrap");
+    let ccl = CclComm::init_rank(lib.clone(), world, &id, rank).expect("this rank of a library communicator");
+    let mut comm = GpuComm::<Cuda>::from_ccl(ccl, &device, Arc::new(caps)).expect("wrap");
     let mut rdv = Rendezvous::establish(RendezvousConfig::from_env().expect("rendezvous config")).expect("rendezvous");
     let mc = fake_cuda::FakeMulticast::open(&PathBuf::from(std::env::var_os("FAKECUDA_LIB").expect("lib")));
     let set_up = comm.enable_nvls_with_env(&mut rdv, &env);
