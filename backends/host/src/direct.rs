@@ -107,7 +107,11 @@ impl<'a> View<'a> {
         let align = std::mem::align_of::<T>();
         for (q, g) in guards.iter().enumerate() {
             match **g {
-                Some(b) if b.len == len && (b.input as usize) % align == 0 && (b.output as usize) % align == 0 => {
+                Some(b)
+                    if b.len == len
+                        && (b.input as usize).is_multiple_of(align)
+                        && (b.output as usize).is_multiple_of(align) =>
+                {
                     bufs.push(b)
                 }
                 Some(b) => {
@@ -144,7 +148,10 @@ pub(crate) fn two_shot<T: Reducible>(
     let world = view.bufs.len();
     let esz = std::mem::size_of::<T>();
     let block = (block / esz).max(1) * esz;
-    if part.end > me.len || !part.start.is_multiple_of(esz) || !part.end.is_multiple_of(esz) || tmp.len() * esz < block
+    if part.end > me.len
+        || !part.start.is_multiple_of(esz)
+        || !part.end.is_multiple_of(esz)
+        || std::mem::size_of_val(tmp) < block
     {
         return Err(internal(format!("a two-shot part {part:?} of {} bytes (block {block})", me.len)));
     }
