@@ -20,7 +20,7 @@
 //! describing both calls, at once; a rank that does not come makes its peers' waits end in [`Error::Timeout`]
 //! naming it; a rank that drops its communicator fails its peers' collectives with [`Error::PeerFailure`] naming
 //! it, while the other pairs' point-to-point messages still flow. After a failed collective a rank refuses every
-//! further collective. A wait spins (yielding the processor now and then) for up to 100 µs, then sleeps on a
+//! further collective. A wait spins (yielding to a peer on the same processor) for up to 100 µs, then sleeps on a
 //! futex that the awaited peer rings when it publishes, so an oversubscribed machine still makes progress.
 //!
 //! ```

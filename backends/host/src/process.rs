@@ -36,7 +36,8 @@
 //! whole parent, every rank taking its own color's part): no new rendezvous or port. The new communicator has its
 //! own segments and mesh, and outlives its parent if need be.
 //!
-//! **Failure.** A wait for peers spins briefly (yielding the processor now and then), then sleeps on the awaited peer's futex word (which
+//! **Failure.** A wait for peers spins briefly (yielding to a peer on the same processor), then sleeps on the
+//! awaited peer's futex word (which
 //! the peer rings when it publishes a step; at most 2 ms at a time), and gives up
 //! after [`HostOptions::timeout`]: a rank whose process died makes its peers fail with [`Error::PeerFailure`]
 //! naming it (its point-to-point connection hangs up) within milliseconds, a rank that stalls with

@@ -25,8 +25,8 @@
 //! compares every peer's descriptor with its own, so ranks that call different collectives (or sizes) get an
 //! error instead of each other's bytes.
 //!
-//! **Waiting.** A wait spins for up to about 100 µs, yielding the processor now and then (less when recent waits
-//! were long: see `SPIN_FOR`), then sleeps on the awaited
+//! **Waiting.** A wait spins for up to about 100 µs, yielding the processor now and then to a peer that runs on
+//! the same one (less when recent waits were long: see `SPIN_FOR`), then sleeps on the awaited
 //! peer's doorbell (a 32-bit futex word in its header) after saying so in its own header; a rank that publishes
 //! bumps its doorbell and wakes it only when a peer says it sleeps on it, so the hot path makes no system call.
 //!
@@ -93,6 +93,10 @@ const W_WAKE: usize = 17;
 /// 1 + the rank whose doorbell the owner sleeps on (0: awake), on its own cache line (byte 192): a publisher reads
 /// its peers' words to learn whether a wake-up call is needed.
 const W_SLEEP: usize = 24;
+/// 1 + the processor the owner last published a step from (0: not yet), beside [`W_SLEEP`]: a hint only, compared
+/// for equality by a peer that spins for the owner (it yields its processor only when the owner may be queued
+/// behind it there).
+const W_CPU: usize = 25;
 /// Two descriptor slots (bytes 256 and 320): step `s` uses slot `s % 2`.
 const W_DESC: usize = 32;
 const DESC_WORDS: usize = 8;
@@ -1080,6 +1084,7 @@ impl ShmGroup {
         for (i, w) in desc.words().into_iter().enumerate() {
             own.word(W_DESC + slot * DESC_WORDS + 1 + i).store(w, Ordering::Relaxed);
         }
+        own.word(W_CPU).store(this_cpu() + 1, Ordering::Relaxed);
         own.word(W_SEQ).store(next, Ordering::Release);
         self.desc[slot] = desc;
         self.seq = next;
@@ -1111,6 +1116,7 @@ impl ShmGroup {
         let budget = if self.waits.is_multiple_of(PROBE_EVERY) { SPIN_FOR } else { self.spin };
         self.waits = self.waits.wrapping_add(1);
         let spins = budget >= SPIN_STEP;
+        let cpu = this_cpu() + 1;
         loop {
             match self.first_behind(target)? {
                 None => break,
@@ -1126,9 +1132,16 @@ impl ShmGroup {
                     let now = Instant::now();
                     let waited = now.duration_since(start);
                     if spin && waited < budget {
-                        // A peer queued behind this rank on the same processor runs now instead of after this
-                        // rank's time slice; with nobody queued the call returns at once.
-                        std::thread::yield_now();
+                        // A peer that last ran on this rank's processor may be queued behind it there: it runs
+                        // now instead of after this rank's time slice. Otherwise no yield: on a loaded processor
+                        // a yield hands the rest of the slice to whatever else is queued (with EEVDF, for up to a
+                        // whole slice of its own), which is what a peer on another processor is waiting for.
+                        let theirs = self.segs.get(q).map_or(0, |s| s.word(W_CPU).load(Ordering::Relaxed));
+                        if theirs == cpu {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
                         continue;
                     }
                     sleeping = true;
@@ -1285,21 +1298,35 @@ impl ShmGroup {
     }
 }
 
-/// The longest a wait only spins (yielding the processor every 32 rounds): a peer that is running arrives within
-/// it, and one queued behind the spinner on its processor gets it at the next yield. After that the wait sleeps on
-/// the awaited peer's doorbell. The budget adapts (see `wait_all_inner`): it halves after each wait whose peer did
-/// not come while it spun, and doubles (from [`SPIN_STEP`]) after each whose peer did; below [`SPIN_STEP`] a wait
-/// sleeps at once, and every [`PROBE_EVERY`]th wait spins the full budget again to learn whether the machine got
-/// quieter. Measured on a loaded 2-core machine (two ranks, Open MPI beside them in the same run): a 10 µs spin
-/// with no yield left most waits asleep, and each futex wake-up tended to put both ranks on one processor (4 KiB:
-/// 11 µs against Open MPI's 2.8 µs); a spin without yields was worse still when the ranks shared a processor
-/// (200 µs); spinning up to 100 µs with yields took 6.7 µs unbound and 2.2 µs with the ranks bound to cores, and
-/// kept oversubscribed worlds (4 and 8 ranks on 2 cores) at Open MPI's latency.
+/// The longest a wait only spins: a peer that is running arrives within it. Every 32 polling rounds the spinner
+/// yields its processor, but only when the awaited peer last published from that same processor (`W_CPU`), so may
+/// be queued behind it. After that the wait sleeps on the awaited peer's doorbell. The budget adapts (see
+/// `wait_all_inner`): it halves after each wait whose peer did not come while it spun, and doubles (from
+/// [`SPIN_STEP`]) after each whose peer did; below [`SPIN_STEP`] a wait sleeps at once, and every
+/// [`PROBE_EVERY`]th wait spins the full budget again to learn whether the machine got quieter. Measured on a
+/// loaded 2-core machine (two ranks, Open MPI beside them in the same run, kernel 6.18): a 10 µs spin left most
+/// waits asleep, and each futex wake-up tended to put both ranks on one processor (4 KiB: 11 µs against Open
+/// MPI's 2.8 µs); a spin that never yields was worse when the ranks shared a processor (200 µs); one that always
+/// yields lost the processor for milliseconds to the other programs queued on it (ranks as threads at 1 MiB:
+/// medians of 2 to 20 ms in half the runs); yielding only to a peer on the same processor took 2.2 µs at 4 KiB
+/// and 50 µs at 1 MiB with the ranks bound to cores.
 const SPIN_FOR: Duration = Duration::from_micros(100);
 /// The smallest spin budget: below it a wait sleeps at once.
 const SPIN_STEP: Duration = Duration::from_micros(1);
 /// How often (in waits that did not find their peers there at once) a wait spins the full [`SPIN_FOR`] again.
 const PROBE_EVERY: u32 = 64;
+
+/// The processor this thread runs on (a hint: it may move at any time).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn this_cpu() -> u64 {
+    rustix::thread::sched_getcpu() as u64
+}
+
+/// Without `getcpu`: every rank looks as if on one processor, so a spinning wait always yields.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn this_cpu() -> u64 {
+    0
+}
 
 /// `FUTEX_WAIT` on `bell` while it holds `seen`, at most `max`; an early or failed return only means the caller
 /// looks again.
