@@ -129,6 +129,32 @@ impl<'a> View<'a> {
     }
 }
 
+/// The out-of-place one-shot all-reduce's work: every rank's whole input reduced in rank order into this rank's
+/// output. Inputs are only read (by every rank), and each rank writes only its own output, which nobody else
+/// touches; the caller's steps keep the peers' buffers alive and exposed from before the first read to after the
+/// last.
+pub(crate) fn one_shot<T: Reducible>(view: &View<'_>, me: &Exposed<'_>, op: Op) -> Result<()> {
+    let world = view.bufs.len();
+    let esz = std::mem::size_of::<T>();
+    if std::ptr::eq(me.input, me.output.cast_const()) || !me.len.is_multiple_of(esz) {
+        return Err(internal(format!("a direct one-shot in place or of {} bytes", me.len)));
+    }
+    let elems = me.len / esz;
+    let mut ins: Vec<&[T]> = Vec::with_capacity(world);
+    for b in &view.bufs {
+        // SAFETY: rank `q`'s input of `me.len` bytes (every rank's length was checked by `View::lock`, whose read
+        // lock keeps the buffer exposed, so alive, while `view` lives), aligned for `T` (checked there too); inputs
+        // are only ever read during the call, and no output overlaps an input (an output is its owner's exclusive
+        // borrow, an input a shared one, both alive for the call).
+        ins.push(unsafe { std::slice::from_raw_parts(b.input.cast::<T>(), elems) });
+    }
+    // SAFETY: this rank's own output of `me.len` bytes, aligned for `T`; out of place nobody else reads or writes
+    // it during the call, and it overlaps no input (above).
+    let out = unsafe { std::slice::from_raw_parts_mut(me.output.cast::<T>(), elems) };
+    reduce_into(&ins, out, op, world);
+    Ok(())
+}
+
 /// The two-shot all-reduce's work on `rank`'s part, `part` (a byte range, a multiple of `T`'s size), done in
 /// blocks of `block` bytes: every rank's input block is reduced in rank order into this rank's output, and the
 /// result copied into every peer's output at the same place. Every rank's part is disjoint from the others', and

@@ -577,8 +577,21 @@ impl Call<'_> {
         read_lock(&self.shared.staging[rank][which])
     }
 
+    /// One-shot: out of place every rank reduces every rank's input where it lies (two steps: everyone exposed,
+    /// everyone finished); in place (where a peer would read what this rank overwrites) through the staging buffers.
     fn one_shot<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let len = buf.len();
+        if input.is_some() {
+            let me = direct::Exposed::new(&self.shared.exposed[self.rank], input, buf)?;
+            self.steps.step(desc)?;
+            {
+                let view = direct::View::lock::<T>(&self.shared.exposed, len)?;
+                direct::one_shot::<T>(&view, &me, op)?;
+            }
+            self.steps.step(desc.chunk(1))?;
+            drop(me);
+            return Ok(());
+        }
         self.exchange(desc, 0, input.unwrap_or(buf))?;
         {
             let guards: Vec<_> = (0..self.world).map(|q| self.staged(q, 0)).collect();
