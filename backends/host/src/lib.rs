@@ -7,9 +7,9 @@
 //!
 //! Ranks exchange data the way the custom GPU kernels do over IPC: each rank copies its input into its own
 //! staging buffer and publishes it with a step counter; peers read it once every rank published the same step.
-//! The two-shot all-reduce copies nothing aside: each rank exposes its own buffers for the call, reduces its part
-//! of every rank's input where it lies and writes the result straight into every rank's output (see the `direct`
-//! module for why that is sound).
+//! The two-shot all-reduce (and the one-shot one out of place) copies nothing aside: each rank exposes its own
+//! buffers for the call and reads every rank's input where it lies; two-shot reduces its part and writes the result
+//! straight into every rank's output (see the `direct` module for why that is sound).
 //! Every reduction visits the ranks' contributions in one fixed order per element, so all ranks get bitwise
 //! identical results. 8- and 16-bit floats accumulate in f32.
 //!
