@@ -2,7 +2,9 @@
 # Open MPI's MPI_Allreduce and anyccl's host backend (threads, and one process per rank) side by side, measured the
 # same way in one run: sum; each timed call between two barriers (barrier, all-reduce, barrier); the median of the
 # timed calls after untimed warm-up ones; processes report the average of the ranks' medians, threads rank 0's;
-# anyccl's cells are the selector's choice ("auto"), out of place. anyccl runs f32 and bf16; Open MPI has no bf16,
+# anyccl's cells are the selector's choice ("auto"), out of place. Placement as mpirun's default: mpirun binds each
+# rank to a core of its own when the ranks fit on the cores, and anyccl's ranks get the same (`bench --bind`); with
+# more ranks than cores neither is bound. anyccl runs f32 and bf16; Open MPI has no bf16,
 # so its f32 time is the reference for both (the ratio columns divide by it). `#wrong` adds up the elements that
 # differ from the exact result in every cell of the row (Open MPI's own check included): it must stay 0.
 #
@@ -138,7 +140,7 @@ for w in $WORLDS; do
         CELL[$w,$b,mpi]=$us
         WRONG[$w,$b]=$wrong
         for dt in $DTYPES; do
-            read -r _ us wrong < <("$ANYCCL" bench --backend host --world "$w" --dtype "$dt" --sizes "$b" \
+            read -r _ us wrong < <("$ANYCCL" bench --backend host --bind --world "$w" --dtype "$dt" --sizes "$b" \
                 --algos two-shot --iters "$n" --warmup "$wu" --json | cells)
             CELL[$w,$b,threads,$dt]=$us
             WRONG[$w,$b]=$((WRONG[$w,$b] + wrong))
@@ -146,7 +148,7 @@ for w in $WORLDS; do
             pids=()
             for ((r = 0; r < w; r++)); do
                 RANK=$r LOCAL_RANK=$r WORLD_SIZE=$w LOCAL_WORLD_SIZE=$w MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-                    "$ANYCCL" bench --backend host --per-rank --dtype "$dt" --sizes "$b" --algos two-shot \
+                    "$ANYCCL" bench --backend host --bind --per-rank --dtype "$dt" --sizes "$b" --algos two-shot \
                     --iters "$n" --warmup "$wu" --json > "$WORK/rank$r.json" &
                 pids+=($!)
             done
@@ -165,7 +167,8 @@ cell() {
 }
 
 echo "sum; median of the timed calls (ITERS=$ITERS up to 64 KiB, fewer above), each between two barriers; µs, and in"
-echo "brackets the ratio to Open MPI's f32 median (below 1: anyccl faster); anyccl: the selector's choice, out of place"
+echo "brackets the ratio to Open MPI's f32 median (below 1: anyccl faster); anyccl: the selector's choice, out of place;"
+echo "ranks bound to cores of their own where they fit (mpirun's default; anyccl bench --bind), unbound when oversubscribed"
 echo "machine: $(nproc) cores ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')), $(uname -m), $(mpirun --version 2>/dev/null | head -1)"
 echo "load average (1, 5, 15 min): $LOAD_START at the start, $LOAD_END at the end"
 echo

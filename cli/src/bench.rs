@@ -45,6 +45,8 @@ pub struct BenchConfig {
     pub in_place: bool,
     /// The selector `auto` uses.
     pub selector: Arc<Selector>,
+    /// Host: bind each rank to a processor of its own (`--bind`; see [`crate::bind::bind_rank`]).
+    pub bind: bool,
 }
 
 /// The most message sizes one sweep takes (`--sizes`, `-b/-e/-f`).
@@ -915,6 +917,7 @@ pub fn smoke_config(selector: Arc<Selector>) -> BenchConfig {
         warmup: 1,
         in_place: true,
         selector,
+        bind: false,
     }
 }
 

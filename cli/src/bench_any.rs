@@ -577,7 +577,16 @@ pub(crate) fn run(
     let ranks =
         chosen.comms.iter().map(|c| RankInfo { rank: c.rank(), host: host.clone(), pid, device: c.device() }).collect();
     let sw = Sweep { cfg, timing, algorithms: &algorithms, reference: &reference, progress, tamper };
-    let sweeps = on_ranks(chosen.comms, |mut c| rank_sweep(&mut *c, &sw, None))?;
+    let bind = cfg.bind && kind == BackendKind::Host;
+    let world = cfg.world;
+    let sweeps = on_ranks(chosen.comms, |mut c| {
+        if bind {
+            if let Err(why) = crate::bind::bind_rank(c.rank(), world) {
+                eprintln!("anyccl bench --bind: rank {}: {why}", c.rank());
+            }
+        }
+        rank_sweep(&mut *c, &sw, None)
+    })?;
     let all: Vec<Vec<RankCell>> = sweeps.iter().map(|s| s.cells.clone()).collect();
     let base = baseline(kind, Launch::Threads);
     // `on_ranks` returns every rank's result or an error, never an empty list: `sweeps[0]` is rank 0's.
@@ -657,6 +666,11 @@ pub(crate) fn run_processes(
         Some(b) => Some(&mut **b),
         None => None,
     };
+    if cfg.bind && kind == BackendKind::Host {
+        if let Err(why) = crate::bind::bind_rank(c.rank(), cfg.world) {
+            eprintln!("anyccl bench --bind: rank {}: {why}", c.rank());
+        }
+    }
     let sweep = rank_sweep(&mut *c, &sw, boot)?;
     let expected = sweep.cells.len();
     let cells = gather(&mut *c, &encode_cells(&sweep.cells), expected.saturating_mul(crate::bench::RANK_CELL_BYTES))?;

@@ -20,6 +20,8 @@ mod bench_any;
 mod bench_cuda;
 #[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
 mod bench_fused;
+#[cfg(any(feature = "host", feature = "cuda", feature = "rocm"))]
+mod bind;
 mod check;
 mod dropin;
 mod output;
@@ -148,6 +150,11 @@ struct BenchArgs {
     /// rocm: not yet (one process drives every GPU).
     #[arg(long)]
     per_rank: bool,
+    /// host: bind each rank to a processor of its own, as mpirun binds its ranks to cores by default: rank r (its
+    /// thread, or with --per-rank its process) to the r-th processor this process may run on. No binding where
+    /// the ranks outnumber those processors (oversubscribed), nor on other backends.
+    #[arg(long)]
+    bind: bool,
     /// Measure a fused call instead of the all-reduce: `rmsnorm` (all-reduce + residual add + RMSNorm, f16 or bf16)
     /// in each form (fused one-shot, fused two-shot, and unfused: the all-reduce then a separate RMSNorm), for
     /// each of --tokens rows of --hidden elements, with the fused/unfused ratio and the #wrong check (bit for bit).
@@ -197,6 +204,7 @@ fn config(
         warmup: args.warmup as usize,
         in_place,
         selector,
+        bind: args.bind,
     })
 }
 

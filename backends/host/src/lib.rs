@@ -7,6 +7,9 @@
 //!
 //! Ranks exchange data the way the custom GPU kernels do over IPC: each rank copies its input into its own
 //! staging buffer and publishes it with a step counter; peers read it once every rank published the same step.
+//! The two-shot all-reduce (and the one-shot one out of place) copies nothing aside: each rank exposes its own
+//! buffers for the call and reads every rank's input where it lies; two-shot reduces its part and writes the result
+//! straight into every rank's output (see the `direct` module for why that is sound).
 //! Every reduction visits the ranks' contributions in one fixed order per element, so all ranks get bitwise
 //! identical results. 8- and 16-bit floats accumulate in f32.
 //!
@@ -17,8 +20,8 @@
 //! describing both calls, at once; a rank that does not come makes its peers' waits end in [`Error::Timeout`]
 //! naming it; a rank that drops its communicator fails its peers' collectives with [`Error::PeerFailure`] naming
 //! it, while the other pairs' point-to-point messages still flow. After a failed collective a rank refuses every
-//! further collective. A wait spins for a few microseconds, then sleeps on a futex that the awaited
-//! peer rings when it publishes, so an oversubscribed machine still makes progress.
+//! further collective. A wait spins (yielding to a peer on the same processor) for up to 100 µs, then sleeps on a
+//! futex that the awaited peer rings when it publishes, so an oversubscribed machine still makes progress.
 //!
 //! ```
 //! use anyccl_core::{InOut, ReduceOp};
@@ -45,6 +48,8 @@
 // Only the shared-memory transport needs `unsafe` (a view of mapped memory as atomic words); it opts in below.
 #![deny(unsafe_code)]
 
+#[allow(unsafe_code)]
+mod direct;
 mod fused;
 mod process;
 mod reduce;
@@ -329,6 +334,8 @@ struct Shared {
     /// of each step, which every rank checks against its own before it reads a peer's data.
     headers: Vec<ThreadHeader>,
     staging: Vec<Staging>,
+    /// Every rank's buffers of the collective in progress, for the zero-copy two-shot all-reduce.
+    exposed: Vec<direct::Exposure>,
     /// Point-to-point mailboxes, index `src * world + dst`.
     mail: Vec<Mutex<VecDeque<Vec<u8>>>>,
     /// The receives' waits, and which ranks left.
@@ -364,6 +371,7 @@ impl Shared {
             world,
             headers: thread_headers(world)?,
             staging,
+            exposed: (0..world).map(|_| direct::Exposure::default()).collect(),
             mail,
             mail_sync: MailSync::new(world),
             caps: host_capabilities(),
@@ -515,6 +523,9 @@ fn publish(slot: &RwLock<Vec<u64>>, src: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The block the zero-copy two-shot reduces and copies at a time (bytes): its inputs and output stay in the cache.
+const DIRECT_BLOCK: usize = 32 << 10;
+
 /// Element range `[start, end)` of chunk `i` when `count` elements are split into `n` near-equal chunks.
 fn chunk(count: usize, n: usize, i: usize) -> (usize, usize) {
     (i * count / n, (i + 1) * count / n)
@@ -566,8 +577,21 @@ impl Call<'_> {
         read_lock(&self.shared.staging[rank][which])
     }
 
+    /// One-shot: out of place every rank reduces every rank's input where it lies (two steps: everyone exposed,
+    /// everyone finished); in place (where a peer would read what this rank overwrites) through the staging buffers.
     fn one_shot<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let len = buf.len();
+        if input.is_some() {
+            let me = direct::Exposed::new(&self.shared.exposed[self.rank], input, buf)?;
+            self.steps.step(desc)?;
+            {
+                let view = direct::View::lock::<T>(&self.shared.exposed, len)?;
+                direct::one_shot::<T>(&view, &me, op)?;
+            }
+            self.steps.step(desc.chunk(1))?;
+            drop(me);
+            return Ok(());
+        }
         self.exchange(desc, 0, input.unwrap_or(buf))?;
         {
             let guards: Vec<_> = (0..self.world).map(|q| self.staged(q, 0)).collect();
@@ -577,27 +601,32 @@ impl Call<'_> {
         self.done()
     }
 
+    /// Two-shot without staging: every rank exposes its buffers, then reduces its own part of every rank's input
+    /// (in rank order) straight into every rank's output, block by block while the block is in the cache; two
+    /// steps in all (everyone exposed, everyone finished), after which no peer touches this rank's buffers.
     fn two_shot<T: Reducible>(&mut self, desc: Desc, input: Option<&[u8]>, buf: &mut [u8], op: Op) -> Result<()> {
         let esz = std::mem::size_of::<T>();
-        let count = buf.len() / esz;
-        let world = self.world;
-        self.exchange(desc, 0, input.unwrap_or(buf))?;
-        let (s, e) = chunk(count, world, self.rank);
+        let len = buf.len();
+        let count = len / esz;
+        let (world, rank) = (self.world, self.rank);
+        // This rank's own input block, copied aside in place (its output aliases it), out of the kept scratch.
+        let words = (DIRECT_BLOCK / 16).max(1);
+        if self.scratch.len() < words {
+            let more = words - self.scratch.len();
+            self.scratch.try_reserve_exact(more).map_err(|_| out_of_memory::<u128>(words, "a two-shot block"))?;
+            self.scratch.resize(words, 0);
+        }
+        let tmp = cast_mut::<T>(bytemuck::cast_slice_mut::<u128, u8>(&mut self.scratch[..words]))?;
+        let me = direct::Exposed::new(&self.shared.exposed[rank], input, buf)?;
+        self.steps.step(desc)?;
+        let (s, e) = chunk(count, world, rank);
         {
-            let guards: Vec<_> = (0..world).map(|q| self.staged(q, 0)).collect();
-            let ins: Vec<&[T]> =
-                guards.iter().map(|g| cast::<T>(&bytes_of(g, buf.len())?[s * esz..e * esz])).collect::<Result<_>>()?;
-            let mine = &mut cast_mut::<T>(buf)?[s..e];
-            reduce_into(&ins, mine, op, world);
+            let view = direct::View::lock::<T>(&self.shared.exposed, len)?;
+            direct::two_shot::<T>(&view, &me, rank, s * esz..e * esz, DIRECT_BLOCK, tmp, op)?;
         }
-        self.done()?;
-        self.exchange(desc.chunk(1), 1, &buf[s * esz..e * esz])?;
-        for q in (0..world).filter(|q| *q != self.rank) {
-            let (qs, qe) = chunk(count, world, q);
-            let g = self.staged(q, 1);
-            buf[qs * esz..qe * esz].copy_from_slice(bytes_of(&g, (qe - qs) * esz)?);
-        }
-        self.done()
+        self.steps.step(desc.chunk(1))?;
+        drop(me);
+        Ok(())
     }
 
     /// Ring reduce-scatter then ring all-gather: step `k` publishes into staging buffer `k % 2` and reads the

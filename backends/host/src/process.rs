@@ -11,8 +11,9 @@
 //! and publishes it with a sequence counter, waits until every peer published the same step, reads the peers'
 //! chunks and reduces them locally, visiting the ranks in one fixed order per element, so every rank gets bitwise
 //! identical results, equal to the threaded host backend's (the same reduction kernels). That is the one-shot
-//! all-reduce; the two-shot one (the selector's choice from 8 KiB on) has each rank reduce only its own part of
-//! each chunk, in the same order, publish the result in the second half of its segment and copy the peers' parts
+//! all-reduce; the two-shot one (the selector's choice from 8 KiB on) has each rank publish only the parts of each
+//! chunk that its peers reduce and reduce only its own part (its own contribution read where it lies), in the same
+//! order, publish the result in the second half of its segment and copy the peers' parts
 //! from theirs, so each rank reduces 1/N of the data instead of all of it. Message sizes are
 //! therefore bounded only by the callers' buffers, not by the bootstrap. The bootstrap carries only the setup
 //! (socket names, tokens, agreements). Point-to-point messages go over a mesh of Unix-domain stream sockets set up
@@ -35,7 +36,8 @@
 //! whole parent, every rank taking its own color's part): no new rendezvous or port. The new communicator has its
 //! own segments and mesh, and outlives its parent if need be.
 //!
-//! **Failure.** A wait for peers spins briefly, then sleeps on the awaited peer's futex word (which
+//! **Failure.** A wait for peers spins briefly (yielding to a peer on the same processor), then sleeps on the
+//! awaited peer's futex word (which
 //! the peer rings when it publishes a step; at most 2 ms at a time), and gives up
 //! after [`HostOptions::timeout`]: a rank whose process died makes its peers fail with [`Error::PeerFailure`]
 //! naming it (its point-to-point connection hangs up) within milliseconds, a rank that stalls with
@@ -1029,8 +1031,16 @@ fn two_shot_steps<T: Reducible>(
         let len = half.min(bytes - o);
         let src: &[u8] = input.unwrap_or(&*buf);
         let mine = &src[o..o + len];
-        shm.exchange(desc.chunk(2 * k), |w| w.put(0, mine))?;
         let own = part(len, rank);
+        // Only the peers' parts: this rank reduces its own part from its input.
+        shm.exchange(desc.chunk(2 * k), |w| {
+            for (at, bytes) in [(0, &mine[..own.start]), (own.end, &mine[own.end..])] {
+                if !bytes.is_empty() {
+                    w.put(at, bytes)?;
+                }
+            }
+            Ok(())
+        })?;
         if !own.is_empty() {
             let place = Placement { own: o + own.start, out: o + own.start, peer: own.start, len: own.len() };
             reduce_chunk::<T>(shm, scratch, input, buf, place, op)?;
@@ -1070,13 +1080,22 @@ fn reduce_chunk<T: Reducible>(
         for (q, s) in scratch.iter_mut().enumerate() {
             let dst = &mut s.as_bytes_mut()[..n];
             if q == rank {
-                let src: &[u8] = input.unwrap_or(&*buf);
-                dst.copy_from_slice(&src[at.own + b..at.own + b + n]);
+                // Out of place, this rank's own contribution is read where it lies (below); in place it is copied
+                // aside, since the result overwrites it.
+                if input.is_none() {
+                    dst.copy_from_slice(&buf[at.own + b..at.own + b + n]);
+                }
             } else {
                 shm.read(q, at.peer + b, dst)?;
             }
         }
-        let ins: Vec<&[T]> = scratch.iter().map(|s| cast::<T>(&s.as_bytes()[..n])).collect::<Result<_>>()?;
+        let mut ins: Vec<&[T]> = Vec::with_capacity(world);
+        for (q, s) in scratch.iter().enumerate() {
+            ins.push(match input {
+                Some(i) if q == rank => cast::<T>(&i[at.own + b..at.own + b + n])?,
+                _ => cast::<T>(&s.as_bytes()[..n])?,
+            });
+        }
         reduce_into(&ins, cast_mut::<T>(&mut buf[at.out + b..at.out + b + n])?, op, world);
         b += n;
     }

@@ -571,8 +571,12 @@ mod tests {
     #[test]
     fn block_kernels_match_the_element_definition() {
         fn check<T: Reducible + PartialEq + std::fmt::Debug>(make: impl Fn(usize, usize) -> T) {
+            for world in [2, 3] {
+                check_world(&make, world);
+            }
+        }
+        fn check_world<T: Reducible + PartialEq + std::fmt::Debug>(make: &impl Fn(usize, usize) -> T, world: usize) {
             let n = BLOCK * 2 + 37;
-            let world = 3;
             let inputs: Vec<Vec<T>> = (0..world).map(|r| (0..n).map(|i| make(r, i)).collect()).collect();
             let views: Vec<&[T]> = inputs.iter().map(|v| &v[..]).collect();
             for op in Op::ALL {

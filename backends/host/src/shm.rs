@@ -25,8 +25,8 @@
 //! compares every peer's descriptor with its own, so ranks that call different collectives (or sizes) get an
 //! error instead of each other's bytes.
 //!
-//! **Waiting.** A wait spins for up to about 10 µs (less when recent waits were long: see `SPIN_FOR`), then
-//! sleeps on the awaited
+//! **Waiting.** A wait spins for up to about 100 µs, yielding the processor now and then to a peer that runs on
+//! the same one (less when recent waits were long: see `SPIN_FOR`), then sleeps on the awaited
 //! peer's doorbell (a 32-bit futex word in its header) after saying so in its own header; a rank that publishes
 //! bumps its doorbell and wakes it only when a peer says it sleeps on it, so the hot path makes no system call.
 //!
@@ -34,8 +34,9 @@
 //! they move their data through their own staging buffers), so they check each other's calls the same way.
 //!
 //! **Untrusted memory.** Everything in a peer's segment can change under us, so it is only ever touched through
-//! [`AtomicU64`] loads (relaxed, then an acquire fence) — never a Rust reference to plain bytes there — and every
-//! value read is checked before it is used: a counter more than one step ahead, a wrong magic, an unknown state or
+//! [`AtomicU64`] loads (relaxed, then an acquire fence) or, for the data region on x86-64, one `rep movsb` copy
+//! (see `copy_shared`) — never a Rust reference to plain bytes there — and every header value read is checked
+//! before it is used: a counter more than one step ahead, a wrong magic, an unknown state or
 //! a descriptor of another collective is an [`Error::PeerFailure`] naming the rank. Garbage in a peer's data
 //! region can only produce garbage numbers. The seals keep every segment's size, so no process can make a reader
 //! fault; a same-uid process that reaches a segment (through `/proc`) can still write into it or punch holes in it
@@ -92,6 +93,10 @@ const W_WAKE: usize = 17;
 /// 1 + the rank whose doorbell the owner sleeps on (0: awake), on its own cache line (byte 192): a publisher reads
 /// its peers' words to learn whether a wake-up call is needed.
 const W_SLEEP: usize = 24;
+/// 1 + the processor the owner last published a step from (0: not yet), beside [`W_SLEEP`]: a hint only, compared
+/// for equality by a peer that spins for the owner (it yields its processor only when the owner may be queued
+/// behind it there).
+const W_CPU: usize = 25;
 /// Two descriptor slots (bytes 256 and 320): step `s` uses slot `s % 2`.
 const W_DESC: usize = 32;
 const DESC_WORDS: usize = 8;
@@ -317,7 +322,59 @@ fn words_at(data: &[AtomicU64], offset: usize, len: usize) -> Result<&[AtomicU64
     data.get(first..end).ok_or_else(bad)
 }
 
+/// `src` into the first `src.len()` bytes of `dst` (which holds at least that many; `words_at` sizes it).
+#[cfg(target_arch = "x86_64")]
+fn store_bytes(dst: &[AtomicU64], src: &[u8]) {
+    let n = src.len().min(dst.len() * 8);
+    let to = dst.first().map_or(std::ptr::null_mut(), |w| w.as_ptr().cast::<u8>());
+    // SAFETY: see `copy_shared`: `to` points to `n <= 8 * dst.len()` bytes of `dst`'s words, which have interior
+    // mutability (so writing through a pointer from a shared borrow is allowed); `src` is a separate, live slice
+    // of `n` bytes (it is plain Rust memory, never a segment's words).
+    unsafe { copy_shared(to, src.as_ptr(), n) };
+}
+
+/// The first `dst.len()` bytes of `src` (which holds at least that many; `words_at` sizes it) into `dst`.
+#[cfg(target_arch = "x86_64")]
+fn load_bytes(src: &[AtomicU64], dst: &mut [u8]) {
+    let n = dst.len().min(src.len() * 8);
+    let from = src.first().map_or(std::ptr::null(), |w| w.as_ptr().cast_const().cast::<u8>());
+    // SAFETY: see `copy_shared`: `from` points to `n <= 8 * src.len()` bytes of `src`'s words; `dst` is an
+    // exclusive borrow of `n` bytes of plain Rust memory, so the two do not overlap.
+    unsafe { copy_shared(dst.as_mut_ptr(), from, n) };
+}
+
+/// Copies `n` bytes from `from` to `to` with one `rep movsb` (as fast as `memcpy` on processors with fast string
+/// moves, where a loop of 8-byte atomic accesses moved a third of that). A segment's data region is only ever
+/// accessed by this copy, never through a Rust reference nor by a plain Rust load or store, so the compiler assumes
+/// nothing about its contents; the copy reads and writes memory as the processor defines it, so bytes that another
+/// process writes meanwhile arrive as some mix of old and new bytes: data, as they were with word-wise atomic
+/// copies (the headers, which the ranks synchronise on, are still only accessed as atomic words).
+///
+/// # Safety
+///
+/// `to` must be valid for writes and `from` for reads of `n` bytes (either may be null when `n` is 0), and the two
+/// ranges must not overlap.
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_shared(to: *mut u8, from: *const u8, n: usize) {
+    if n == 0 {
+        return;
+    }
+    // SAFETY: the caller's contract: both ranges are valid for `n` bytes and disjoint. The direction flag is clear
+    // on entry (the ABI guarantees it), so `rep movsb` copies forwards; it touches only rcx, rdi, rsi (declared) and
+    // no flags or stack.
+    unsafe {
+        std::arch::asm!(
+            "rep movsb",
+            inout("rcx") n => _,
+            inout("rdi") to => _,
+            inout("rsi") from => _,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
 /// `src` into `dst`, 8 bytes per relaxed store (the last word zero-padded).
+#[cfg(not(target_arch = "x86_64"))]
 fn store_bytes(dst: &[AtomicU64], src: &[u8]) {
     let mut words = dst.iter();
     let mut chunks = src.chunks_exact(8);
@@ -336,6 +393,7 @@ fn store_bytes(dst: &[AtomicU64], src: &[u8]) {
 }
 
 /// `src` into `dst`, 8 bytes per relaxed load.
+#[cfg(not(target_arch = "x86_64"))]
 fn load_bytes(src: &[AtomicU64], dst: &mut [u8]) {
     let mut words = src.iter();
     let mut chunks = dst.chunks_exact_mut(8);
@@ -951,6 +1009,18 @@ impl ShmGroup {
         Ok(())
     }
 
+    /// One step that moves no data through shared memory (ranks as threads reading each other's buffers): waits
+    /// until every peer is done with the previous step, publishes `desc`, and waits until every peer published the
+    /// same step (every descriptor checked against `desc`).
+    pub(crate) fn step(&mut self, desc: Desc) -> Result<()> {
+        if self.readable {
+            return Err(internal("a step before the previous data step was done".to_owned()));
+        }
+        self.wait_all()?;
+        self.arrive(desc)?;
+        self.wait_all()
+    }
+
     /// Copies `dst.len()` bytes at byte `offset` of rank `q`'s data region into `dst`.
     pub(crate) fn read(&self, q: usize, offset: usize, dst: &mut [u8]) -> Result<()> {
         if !self.readable {
@@ -1014,6 +1084,7 @@ impl ShmGroup {
         for (i, w) in desc.words().into_iter().enumerate() {
             own.word(W_DESC + slot * DESC_WORDS + 1 + i).store(w, Ordering::Relaxed);
         }
+        own.word(W_CPU).store(this_cpu() + 1, Ordering::Relaxed);
         own.word(W_SEQ).store(next, Ordering::Release);
         self.desc[slot] = desc;
         self.seq = next;
@@ -1045,11 +1116,13 @@ impl ShmGroup {
         let budget = if self.waits.is_multiple_of(PROBE_EVERY) { SPIN_FOR } else { self.spin };
         self.waits = self.waits.wrapping_add(1);
         let spins = budget >= SPIN_STEP;
+        let cpu = this_cpu() + 1;
         loop {
             match self.first_behind(target)? {
                 None => break,
                 Some(q) => {
-                    // Spin for the current budget, looking at the clock every 32 rounds only; then sleep.
+                    // Spin for the current budget, looking at the clock and yielding the processor every 32 rounds
+                    // only; then sleep.
                     round = round.wrapping_add(1);
                     let spin = !sleeping && spins;
                     if spin && !round.is_multiple_of(32) {
@@ -1059,7 +1132,16 @@ impl ShmGroup {
                     let now = Instant::now();
                     let waited = now.duration_since(start);
                     if spin && waited < budget {
-                        std::hint::spin_loop();
+                        // A peer that last ran on this rank's processor may be queued behind it there: it runs
+                        // now instead of after this rank's time slice. Otherwise no yield: on a loaded processor
+                        // a yield hands the rest of the slice to whatever else is queued (with EEVDF, for up to a
+                        // whole slice of its own), which is what a peer on another processor is waiting for.
+                        let theirs = self.segs.get(q).map_or(0, |s| s.word(W_CPU).load(Ordering::Relaxed));
+                        if theirs == cpu {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
                         continue;
                     }
                     sleeping = true;
@@ -1216,19 +1298,35 @@ impl ShmGroup {
     }
 }
 
-/// The longest a wait only spins: a peer that is running arrives within it. After that the wait sleeps on the
-/// awaited peer's doorbell. The budget adapts (see `wait_all_inner`): it halves after each wait whose peer did not
-/// come while it spun, and doubles (from [`SPIN_STEP`]) after each whose peer did; below [`SPIN_STEP`] a wait sleeps
-/// at once, and every [`PROBE_EVERY`]th wait spins the full budget again to learn whether the machine got quieter.
-/// Measured on a loaded 2-core machine, any fixed spin (2 µs or 10 µs) made a threaded 4 KiB all-reduce several
-/// times slower than sleeping at once, since the spinner holds a processor its peer is queued for. (No phase of
-/// `sched_yield` either: on a loaded machine one yield can give a whole time slice away to another program, while a
-/// futex wake-up hands the processor to the woken rank.)
-const SPIN_FOR: Duration = Duration::from_micros(10);
+/// The longest a wait only spins: a peer that is running arrives within it. Every 32 polling rounds the spinner
+/// yields its processor, but only when the awaited peer last published from that same processor (`W_CPU`), so may
+/// be queued behind it. After that the wait sleeps on the awaited peer's doorbell. The budget adapts (see
+/// `wait_all_inner`): it halves after each wait whose peer did not come while it spun, and doubles (from
+/// [`SPIN_STEP`]) after each whose peer did; below [`SPIN_STEP`] a wait sleeps at once, and every
+/// [`PROBE_EVERY`]th wait spins the full budget again to learn whether the machine got quieter. Measured on a
+/// loaded 2-core machine (two ranks, Open MPI beside them in the same run, kernel 6.18): a 10 µs spin left most
+/// waits asleep, and each futex wake-up tended to put both ranks on one processor (4 KiB: 11 µs against Open
+/// MPI's 2.8 µs); a spin that never yields was worse when the ranks shared a processor (200 µs); one that always
+/// yields lost the processor for milliseconds to the other programs queued on it (ranks as threads at 1 MiB:
+/// medians of 2 to 20 ms in half the runs); yielding only to a peer on the same processor took 2.2 µs at 4 KiB
+/// and 50 µs at 1 MiB with the ranks bound to cores.
+const SPIN_FOR: Duration = Duration::from_micros(100);
 /// The smallest spin budget: below it a wait sleeps at once.
 const SPIN_STEP: Duration = Duration::from_micros(1);
 /// How often (in waits that did not find their peers there at once) a wait spins the full [`SPIN_FOR`] again.
 const PROBE_EVERY: u32 = 64;
+
+/// The processor this thread runs on (a hint: it may move at any time).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn this_cpu() -> u64 {
+    rustix::thread::sched_getcpu() as u64
+}
+
+/// Without `getcpu`: every rank looks as if on one processor, so a spinning wait always yields.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn this_cpu() -> u64 {
+    0
+}
 
 /// `FUTEX_WAIT` on `bell` while it holds `seen`, at most `max`; an early or failed return only means the caller
 /// looks again.
