@@ -2,6 +2,7 @@
 //! Needs `cuobjdump` (and `nvdisasm`) from the toolkit that built them: `ci/install-cuda.sh` installs both and sets
 //! `ANYCCL_REQUIRE_KERNELS`, so in CI a missing tool fails instead of skipping.
 
+use anyccl_kernels_common::catalogue::{self, Dtype, Family, Kernel, NvlsVariant};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -35,6 +36,13 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
         let sass = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "cuobjdump failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
         let functions = split_functions(&sass);
+        // The cubin holds exactly the catalogue's kernels (the shared source's and the NVLS ones), so the checks
+        // below, which go family by family, see every kernel.
+        let mut held: Vec<&str> = functions.keys().map(String::as_str).collect();
+        let mut listed: Vec<String> = catalogue::kernels().map(Kernel::name).collect();
+        held.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(held, listed, "{arch}: the kernels held are not the catalogue's");
         // The all-reduce kernels of the source shared with HIP: each one's barriers store their flags with release
         // and load them with acquire at system scope (two barriers, each with its own copy for every world 2..=8).
         for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
@@ -104,20 +112,22 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
                 assert!(body.contains("E4M3"), "{arch}: {k}: no hardware e4m3 conversion");
             }
         }
-        for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
-            for dt in ["f32", "f16", "bf16"] {
-                let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
-                let mc = functions.get(&format!("anyccl_nvls_{v}_mc_{dt}"));
+        for variant in NvlsVariant::ALL {
+            for dt in Dtype::ALL {
+                let name = |multicast| Family::Nvls { variant, multicast }.kernel(dt).map(Kernel::name);
+                let emu = name(false).and_then(|n| functions.get(&n));
+                let mc = name(true).and_then(|n| functions.get(&n));
                 let (emu, mc) = (emu.expect("emulated kernel missing"), mc.expect("multicast kernel missing"));
+                let v = variant.name();
                 // The emulated variant is unicast code; the multicast one is real multimem code on sm_90 and newer
                 // (LDGMC is multimem.ld_reduce), and a trap on sm_80, which has no multimem.
-                assert!(!emu.contains("LDGMC"), "{arch}: {v} {dt}: the emulation must not use multimem");
+                assert!(!emu.contains("LDGMC"), "{arch}: {v} {dt:?}: the emulation must not use multimem");
                 if *arch != "sm_80" {
-                    assert!(mc.contains("LDGMC"), "{arch}: {v} {dt}: no multimem.ld_reduce (LDGMC)");
+                    assert!(mc.contains("LDGMC"), "{arch}: {v} {dt:?}: no multimem.ld_reduce (LDGMC)");
                 } else {
                     assert!(
                         !mc.contains("LDGMC") && mc.contains("BPT.TRAP"),
-                        "{arch}: {v} {dt}: sm_80 has no multimem"
+                        "{arch}: {v} {dt:?}: sm_80 has no multimem"
                     );
                 }
             }
@@ -156,27 +166,20 @@ fn allreduce_kernels_take_the_shared_parameters() {
         std::fs::remove_file(&path).ok();
         assert!(out.status.success(), "cuobjdump -elf failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
         let elf = String::from_utf8_lossy(&out.stdout);
-        for k in anyccl_kernels_common::ALLREDUCE_KERNELS.into_iter().chain(anyccl_kernels_common::FUSED_KERNELS) {
-            let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
-            let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        // Every kernel of the catalogue with a tabulated layout (all but the NVLS ones).
+        let mut checked = 0;
+        for k in catalogue::kernels() {
+            let Some(params) = k.params() else { continue };
+            let want: Vec<(usize, usize)> = params.iter().map(|p| (p.1, p.2)).collect();
+            let name = k.name();
+            assert_eq!(
+                kparams(&elf, &name),
+                want,
+                "{arch}: {name}: parameters (offset, size) differ from the catalogue"
+            );
+            checked += 1;
         }
-        let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::push::PUSH_KERNELS
-            .into_iter()
-            .chain(anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS)
-        {
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
-        }
-        let want: Vec<(usize, usize)> =
-            anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS {
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
-        }
-        let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::QUANT_KERNELS {
-            assert_eq!(kparams(&elf, k), quant, "{arch}: {k}: parameters (offset, size) differ from QUANT_PARAMS");
-        }
+        assert_eq!(checked, catalogue::shared_kernels().count(), "{arch}: every shared kernel's layout is checked");
     }
 }
 

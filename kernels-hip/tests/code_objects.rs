@@ -5,6 +5,7 @@
 //! llvm-objdump-15, while plain `llvm-objdump` there is LLVM 14, which prints gfx90a cache instructions as raw words). CI sets
 //! `ANYCCL_REQUIRE_KERNELS`, so there a missing build or tool fails instead of skipping.
 
+use anyccl_kernels_common::catalogue::{self, Kernel};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -43,29 +44,18 @@ fn code_objects_hold_every_kernel() {
     for (src, arch, bytes) in anyccl_kernels_hip::CODE_OBJECTS {
         let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
         let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
-        for k in anyccl_kernels_hip::KERNELS
-            .iter()
-            .chain(&anyccl_kernels_hip::FUSED_KERNELS)
-            .chain(&anyccl_kernels_hip::PUSH_KERNELS)
-            .chain(&anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS)
-            .chain(&anyccl_kernels_hip::FUSED_PUSH_KERNELS)
-            .chain(&anyccl_kernels_hip::QUANT_KERNELS)
-        {
-            assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
+        for k in catalogue::shared_kernels().map(Kernel::name) {
+            assert!(names.iter().any(|n| *n == k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
-        // And nothing else: every kernel the object holds is listed, so the instruction check below sees them all.
+        // And nothing else: the object holds exactly the catalogue's shared kernels, so the instruction checks
+        // below see them all.
         let mut held: Vec<&str> = names.iter().filter_map(|n| n.strip_suffix(".kd")).collect();
         held.sort_unstable();
         held.dedup();
-        let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
-        listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
-        listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
-        listed.extend(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS);
-        listed.extend(anyccl_kernels_hip::FUSED_PUSH_KERNELS);
-        listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
+        let mut listed: Vec<String> = catalogue::shared_kernels().map(Kernel::name).collect();
         listed.sort_unstable();
-        assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
+        assert_eq!(held, listed, "{arch}: the kernels held are not the catalogue's");
     }
 }
 
@@ -140,27 +130,13 @@ fn kernels_take_the_shared_parameters() {
     assert!(out.status.success(), "llvm-readelf failed: {}", String::from_utf8_lossy(&out.stderr));
     let notes = String::from_utf8_lossy(&out.stdout);
     let kernels = kernel_args(&notes);
-    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(anyccl_kernels_hip::FUSED_KERNELS) {
-        let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
-        let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::PUSH_KERNELS.into_iter().chain(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS) {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let want: Vec<(usize, usize)> =
-        anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::FUSED_PUSH_KERNELS {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::QUANT_KERNELS {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, quant, "{k}: parameters (offset, size) differ from QUANT_PARAMS");
+    // Every kernel of the catalogue the shared source defines, with its family's layout.
+    for k in catalogue::shared_kernels() {
+        let want: Vec<(usize, usize)> =
+            k.params().expect("shared kernels have layouts").iter().map(|p| (p.1, p.2)).collect();
+        let name = k.name();
+        let got = kernels.iter().find(|(n, _)| *n == name).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, want, "{name}: parameters (offset, size) differ from the catalogue");
     }
 }
 
