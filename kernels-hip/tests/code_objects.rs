@@ -45,7 +45,7 @@ fn code_objects_hold_every_kernel() {
         let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
         let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
         for k in catalogue::shared_kernels().map(Kernel::name) {
-            assert!(names.iter().any(|n| *n == k), "{arch}: kernel {k} missing");
+            assert!(names.contains(&k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
         // And nothing else: the object holds exactly the catalogue's shared kernels, so the instruction checks
