@@ -11,11 +11,15 @@
 //! Both vendors' kernels have the same names and parameters ([`ALLREDUCE_KERNELS`]) and the same flag array
 //! ([`FLAG_BYTES`]); the constants here are the header's, which a test checks.
 //!
+//! [`catalogue`] is the one list of every kernel the sources define (name, element types, parameter layout); the
+//! launchers name their kernels through it and the tests of the compiled kernels iterate it.
+//!
 //! `include/anyccl/quant.h` adds the quantized two-shot ([`QUANT_KERNELS`], fp8 e4m3 or int8 exchanged data with
 //! one f32 scale per 32 elements, f32 accumulation); [`quant`] mirrors its arithmetic on the host and states its
 //! error bound.
 #![forbid(unsafe_code)]
 
+pub mod catalogue;
 pub mod fused_push;
 pub mod push;
 
@@ -43,12 +47,14 @@ pub const VECTOR_BYTES: usize = 16;
 // The flag array holds the abort word and stays a whole number of vectors.
 const _: () = assert!(FLAG_BYTES >= ABORT_WORD_OFFSET + 4 && FLAG_BYTES.is_multiple_of(VECTOR_BYTES));
 
-/// The element types every kernel is built for, as they end the kernel names.
+/// The element types every kernel is built for, as they end the kernel names (the suffixes of
+/// [`catalogue::Dtype::ALL`], which a test checks).
 pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
 /// The all-reduce kernels of the shared source, the same on every vendor: `anyccl_{one_shot,two_shot}[_table]_`
 /// followed by a name of [`DTYPES`]. The `_table` kernels read the inputs' pointers from an input table in device
-/// memory (kernels captured in a graph before their inputs were registered).
+/// memory (kernels captured in a graph before their inputs were registered). The names of the catalogue's
+/// [`catalogue::Family::OneShot`] and [`catalogue::Family::TwoShot`] kernels, which a test checks.
 pub const ALLREDUCE_KERNELS: [&str; 12] = [
     "anyccl_one_shot_f32",
     "anyccl_one_shot_f16",
@@ -113,12 +119,10 @@ const TWO_SHOT_TABLE_PARAMS: [Param; 9] = [
 /// pointers and a `u64` "registered" word; `rank`, `world`: `i32`; `round_vecs`, `n_vec`: `u64`). The kernel
 /// tests read each vendor's binaries back and compare; `None` for a name that is not an all-reduce kernel.
 pub fn allreduce_params(kernel: &str) -> Option<&'static [Param]> {
-    if !ALLREDUCE_KERNELS.contains(&kernel) {
-        return None;
-    }
-    let one_shot = kernel.starts_with("anyccl_one_shot_");
-    let table = kernel.starts_with("anyccl_one_shot_table_") || kernel.starts_with("anyccl_two_shot_table_");
-    Some(allreduce_params_of(one_shot, table))
+    use catalogue::Family;
+    let k = catalogue::find(kernel)?;
+    matches!(k.family, Family::OneShot { .. } | Family::TwoShot { .. }).then_some(())?;
+    k.params()
 }
 
 /// The parameters of the one-shot (`one_shot`) or two-shot kernel, reading its inputs through a table or not
@@ -134,7 +138,8 @@ pub fn allreduce_params_of(one_shot: bool, table: bool) -> &'static [Param] {
 
 /// The fused all-reduce + residual add + RMSNorm kernels (`include/anyccl/fused.h`), for f16 and bf16:
 /// `anyccl_fused_{one_shot,two_shot}[_table]_{f16,bf16}`, and the separate RMSNorm kernel of the unfused baseline
-/// `anyccl_rmsnorm_{f16,bf16}` (the same add + RMSNorm math, so fused and unfused results are bitwise equal).
+/// `anyccl_rmsnorm_{f16,bf16}` (the same add + RMSNorm math, so fused and unfused results are bitwise equal). The
+/// names of the catalogue's fused families ([`catalogue`]), which a test checks.
 pub const FUSED_KERNELS: [&str; 10] = [
     "anyccl_fused_one_shot_f16",
     "anyccl_fused_one_shot_bf16",
@@ -187,21 +192,10 @@ const RMSNORM_PARAMS: [Param; 2] = [("in", 0, 8), ("args", 8, 48)];
 /// The parameters of a kernel of [`FUSED_KERNELS`], in order, as every vendor's compiler lays them out; `None`
 /// for another name.
 pub fn fused_params(kernel: &str) -> Option<&'static [Param]> {
-    if !FUSED_KERNELS.contains(&kernel) {
-        return None;
-    }
-    let params: &'static [Param] = if kernel.starts_with("anyccl_fused_one_shot_table_") {
-        &FUSED_ONE_SHOT_TABLE_PARAMS
-    } else if kernel.starts_with("anyccl_fused_one_shot_") {
-        &FUSED_ONE_SHOT_PARAMS
-    } else if kernel.starts_with("anyccl_fused_two_shot_table_") {
-        &FUSED_TWO_SHOT_TABLE_PARAMS
-    } else if kernel.starts_with("anyccl_fused_two_shot_") {
-        &FUSED_TWO_SHOT_PARAMS
-    } else {
-        &RMSNORM_PARAMS
-    };
-    Some(params)
+    use catalogue::Family;
+    let k = catalogue::find(kernel)?;
+    matches!(k.family, Family::FusedOneShot { .. } | Family::FusedTwoShot { .. } | Family::RmsNorm).then_some(())?;
+    k.params()
 }
 
 /// The fused kernels' source (`include/anyccl/fused.h`, included after `allreduce.h`).
@@ -209,7 +203,7 @@ pub const FUSED_HEADER: &str = include_str!("../include/anyccl/fused.h");
 
 /// The quantized two-shot kernels (`include/anyccl/quant.h`): `anyccl_quant_two_shot_{fp8,int8}_` followed by a
 /// name of [`DTYPES`] (the input and output type; the exchanged data is the format's). Parameters:
-/// [`QUANT_PARAMS`].
+/// [`QUANT_PARAMS`]. The names of the catalogue's [`catalogue::Family::QuantTwoShot`] kernels, which a test checks.
 pub const QUANT_KERNELS: [&str; 6] = [
     "anyccl_quant_two_shot_fp8_f32",
     "anyccl_quant_two_shot_fp8_f16",

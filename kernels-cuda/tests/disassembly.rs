@@ -2,6 +2,8 @@
 //! Needs `cuobjdump` (and `nvdisasm`) from the toolkit that built them: `ci/install-cuda.sh` installs both and sets
 //! `ANYCCL_REQUIRE_KERNELS`, so in CI a missing tool fails instead of skipping.
 
+use anyccl_kernels_common::catalogue::{self, Family, Kernel};
+use anyccl_kernels_common::quant::Format;
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -35,90 +37,76 @@ fn cubins_contain_the_kernels_and_sys_scope_flags() {
         let sass = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "cuobjdump failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
         let functions = split_functions(&sass);
-        // The all-reduce kernels of the source shared with HIP: each one's barriers store their flags with release
-        // and load them with acquire at system scope (two barriers, each with its own copy for every world 2..=8).
-        for k in anyccl_kernels_common::ALLREDUCE_KERNELS {
-            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
+        // The cubin holds exactly the catalogue's kernels (the shared source's and the NVLS ones), so the checks
+        // below, which go family by family, see every kernel.
+        let mut held: Vec<&str> = functions.keys().map(String::as_str).collect();
+        let mut listed: Vec<String> = catalogue::kernels().map(Kernel::name).collect();
+        held.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(held, listed, "{arch}: the kernels held are not the catalogue's");
+        // Each kernel of the catalogue, by its family.
+        for kernel in catalogue::kernels() {
+            let k = kernel.name();
+            let body = functions.get(&k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
             let stores = body.matches("STG.E.STRONG.SYS").count();
             let loads = body.matches("LDG.E.STRONG.SYS").count();
-            assert!(stores >= 7 * 2, "{arch}: {k}: {stores} system-scope flag stores, expected at least 14");
-            assert!(loads >= 7 * 2, "{arch}: {k}: {loads} system-scope flag loads, expected at least 14");
-            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
-        }
-        // The fused all-reduce + RMSNorm kernels synchronise the same way (2 or 3 barriers per world), and are
-        // unicast code; the separate RMSNorm kernel synchronises with nobody.
-        for k in anyccl_kernels_common::FUSED_KERNELS {
-            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
-            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in a fused kernel");
-            let stores = body.matches("STG.E.STRONG.SYS").count();
-            let loads = body.matches("LDG.E.STRONG.SYS").count();
-            if k.starts_with("anyccl_rmsnorm_") {
-                assert_eq!(stores + loads, 0, "{arch}: {k}: the RMSNorm kernel touches no flags");
-            } else {
-                assert!(stores >= 7 * 2 && loads >= 7 * 2, "{arch}: {k}: {stores} flag stores, {loads} flag loads");
-            }
-        }
-        // The push one-shot and two-shot: no flags and no multimem; its receive slots are polled with volatile 16-byte loads
-        // (LDG.E.128.STRONG.SYS) and written with volatile 16-byte stores, one copy per world 2..=8; on sm_90 and
-        // newer it waits for its stream predecessor through programmatic dependent launch (griddepcontrol.wait is
-        // ACQBULK in SASS) and lets its dependents launch (PREEXIT).
-        for k in anyccl_kernels_common::push::PUSH_KERNELS
-            .into_iter()
-            .chain(anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS)
-        {
-            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
             let polls = body.lines().filter(|l| l.contains("LDG.E.128.STRONG.SYS")).count();
             let pushes = body.lines().filter(|l| l.contains("STG.E.128.STRONG.SYS")).count();
-            assert!(polls >= 7, "{arch}: {k}: {polls} volatile 16-byte loads, expected at least 7");
-            assert!(pushes >= 7, "{arch}: {k}: {pushes} volatile 16-byte stores, expected at least 7");
-            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in the push one-shot");
-            if *arch != "sm_80" {
-                assert!(body.contains("ACQBULK"), "{arch}: {k}: no griddepcontrol.wait (ACQBULK)");
-                assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
-            }
-        }
-        // The fused push one-shot: the push exchange (volatile 16-byte polls and stores, no flags, no multimem) and
-        // programmatic dependent launch on sm_90 and newer, like the push one-shot.
-        for k in anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS {
-            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
-            let polls = body.lines().filter(|l| l.contains("LDG.E.128.STRONG.SYS")).count();
-            let pushes = body.lines().filter(|l| l.contains("STG.E.128.STRONG.SYS")).count();
-            assert!(polls >= 7, "{arch}: {k}: {polls} volatile 16-byte loads, expected at least 7");
-            assert!(pushes >= 7, "{arch}: {k}: {pushes} volatile 16-byte stores, expected at least 7");
-            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem in the fused push one-shot");
-            if *arch != "sm_80" {
-                assert!(body.contains("ACQBULK"), "{arch}: {k}: no griddepcontrol.wait (ACQBULK)");
-                assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
-            }
-        }
-        // The quantized two-shot: three barriers per world, each a system-scope release store and acquire load; no
-        // multimem; fp8 conversions in hardware from sm_90 on (F2FP ... E4M3 packs two f32 into e4m3).
-        for k in anyccl_kernels_common::QUANT_KERNELS {
-            let body = functions.get(k).unwrap_or_else(|| panic!("{arch}: {k} missing"));
-            let stores = body.matches("STG.E.STRONG.SYS").count();
-            let loads = body.matches("LDG.E.STRONG.SYS").count();
-            assert!(stores >= 7 * 3, "{arch}: {k}: {stores} system-scope flag stores, expected at least 21");
-            assert!(loads >= 7 * 3, "{arch}: {k}: {loads} system-scope flag loads, expected at least 21");
-            assert!(!body.contains("LDGMC"), "{arch}: {k}: multimem outside the multicast kernels");
-            if k.contains("_fp8_") && *arch != "sm_80" {
-                assert!(body.contains("E4M3"), "{arch}: {k}: no hardware e4m3 conversion");
-            }
-        }
-        for v in ["zero_copy", "warp_pipeline", "block_pipeline"] {
-            for dt in ["f32", "f16", "bf16"] {
-                let emu = functions.get(&format!("anyccl_nvls_{v}_emu_{dt}"));
-                let mc = functions.get(&format!("anyccl_nvls_{v}_mc_{dt}"));
-                let (emu, mc) = (emu.expect("emulated kernel missing"), mc.expect("multicast kernel missing"));
-                // The emulated variant is unicast code; the multicast one is real multimem code on sm_90 and newer
-                // (LDGMC is multimem.ld_reduce), and a trap on sm_80, which has no multimem.
-                assert!(!emu.contains("LDGMC"), "{arch}: {v} {dt}: the emulation must not use multimem");
-                if *arch != "sm_80" {
-                    assert!(mc.contains("LDGMC"), "{arch}: {v} {dt}: no multimem.ld_reduce (LDGMC)");
-                } else {
-                    assert!(
-                        !mc.contains("LDGMC") && mc.contains("BPT.TRAP"),
-                        "{arch}: {v} {dt}: sm_80 has no multimem"
-                    );
+            let multimem = body.contains("LDGMC");
+            match kernel.family {
+                // The all-reduce kernels of the source shared with HIP: each one's barriers store their flags with
+                // release and load them with acquire at system scope (two barriers, each with its own copy for
+                // every world 2..=8). The fused all-reduce + RMSNorm kernels synchronise the same way (2 or 3
+                // barriers per world). All are unicast code.
+                Family::OneShot { .. }
+                | Family::TwoShot { .. }
+                | Family::FusedOneShot { .. }
+                | Family::FusedTwoShot { .. } => {
+                    assert!(stores >= 7 * 2, "{arch}: {k}: {stores} system-scope flag stores, expected at least 14");
+                    assert!(loads >= 7 * 2, "{arch}: {k}: {loads} system-scope flag loads, expected at least 14");
+                    assert!(!multimem, "{arch}: {k}: multimem outside the multicast kernels");
+                }
+                // The separate RMSNorm kernel synchronises with nobody.
+                Family::RmsNorm => {
+                    assert_eq!(stores + loads, 0, "{arch}: {k}: the RMSNorm kernel touches no flags");
+                    assert!(!multimem, "{arch}: {k}: multimem in a fused kernel");
+                }
+                // The push one-shot and two-shot and the fused push one-shot: no flags and no multimem; their
+                // receive slots are polled with volatile 16-byte loads (LDG.E.128.STRONG.SYS) and written with
+                // volatile 16-byte stores, one copy per world 2..=8; on sm_90 and newer they wait for their stream
+                // predecessor through programmatic dependent launch (griddepcontrol.wait is ACQBULK in SASS) and
+                // let their dependents launch (PREEXIT).
+                Family::PushOneShot | Family::PushTwoShot | Family::FusedPushOneShot => {
+                    assert!(polls >= 7, "{arch}: {k}: {polls} volatile 16-byte loads, expected at least 7");
+                    assert!(pushes >= 7, "{arch}: {k}: {pushes} volatile 16-byte stores, expected at least 7");
+                    assert!(!multimem, "{arch}: {k}: multimem in a push kernel");
+                    if *arch != "sm_80" {
+                        assert!(body.contains("ACQBULK"), "{arch}: {k}: no griddepcontrol.wait (ACQBULK)");
+                        assert!(body.contains("PREEXIT"), "{arch}: {k}: no griddepcontrol.launch_dependents (PREEXIT)");
+                    }
+                }
+                // The quantized two-shot: three barriers per world, each a system-scope release store and acquire
+                // load; no multimem; fp8 conversions in hardware from sm_90 on (F2FP ... E4M3 packs two f32 into
+                // e4m3).
+                Family::QuantTwoShot(format) => {
+                    assert!(stores >= 7 * 3, "{arch}: {k}: {stores} system-scope flag stores, expected at least 21");
+                    assert!(loads >= 7 * 3, "{arch}: {k}: {loads} system-scope flag loads, expected at least 21");
+                    assert!(!multimem, "{arch}: {k}: multimem outside the multicast kernels");
+                    if format == Format::Fp8E4m3 && *arch != "sm_80" {
+                        assert!(body.contains("E4M3"), "{arch}: {k}: no hardware e4m3 conversion");
+                    }
+                }
+                // The emulated NVLS variants are unicast code; the multicast ones are real multimem code on sm_90
+                // and newer (LDGMC is multimem.ld_reduce), and a trap on sm_80, which has no multimem.
+                Family::Nvls { multicast: false, .. } => {
+                    assert!(!multimem, "{arch}: {k}: the emulation must not use multimem");
+                }
+                Family::Nvls { multicast: true, .. } => {
+                    if *arch != "sm_80" {
+                        assert!(multimem, "{arch}: {k}: no multimem.ld_reduce (LDGMC)");
+                    } else {
+                        assert!(!multimem && body.contains("BPT.TRAP"), "{arch}: {k}: sm_80 has no multimem");
+                    }
                 }
             }
         }
@@ -156,27 +144,20 @@ fn allreduce_kernels_take_the_shared_parameters() {
         std::fs::remove_file(&path).ok();
         assert!(out.status.success(), "cuobjdump -elf failed on {arch}: {}", String::from_utf8_lossy(&out.stderr));
         let elf = String::from_utf8_lossy(&out.stdout);
-        for k in anyccl_kernels_common::ALLREDUCE_KERNELS.into_iter().chain(anyccl_kernels_common::FUSED_KERNELS) {
-            let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
-            let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
+        // Every kernel of the catalogue with a tabulated layout (all but the NVLS ones).
+        let mut checked = 0;
+        for k in catalogue::kernels() {
+            let Some(params) = k.params() else { continue };
+            let want: Vec<(usize, usize)> = params.iter().map(|p| (p.1, p.2)).collect();
+            let name = k.name();
+            assert_eq!(
+                kparams(&elf, &name),
+                want,
+                "{arch}: {name}: parameters (offset, size) differ from the catalogue"
+            );
+            checked += 1;
         }
-        let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::push::PUSH_KERNELS
-            .into_iter()
-            .chain(anyccl_kernels_common::push::PUSH_TWO_SHOT_KERNELS)
-        {
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
-        }
-        let want: Vec<(usize, usize)> =
-            anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::fused_push::FUSED_PUSH_KERNELS {
-            assert_eq!(kparams(&elf, k), want, "{arch}: {k}: parameters (offset, size) differ from the shared table");
-        }
-        let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-        for k in anyccl_kernels_common::QUANT_KERNELS {
-            assert_eq!(kparams(&elf, k), quant, "{arch}: {k}: parameters (offset, size) differ from QUANT_PARAMS");
-        }
+        assert_eq!(checked, catalogue::shared_kernels().count(), "{arch}: every shared kernel's layout is checked");
     }
 }
 

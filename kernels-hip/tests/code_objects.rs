@@ -5,6 +5,7 @@
 //! llvm-objdump-15, while plain `llvm-objdump` there is LLVM 14, which prints gfx90a cache instructions as raw words). CI sets
 //! `ANYCCL_REQUIRE_KERNELS`, so there a missing build or tool fails instead of skipping.
 
+use anyccl_kernels_common::catalogue::{self, Family, Kernel};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -43,29 +44,18 @@ fn code_objects_hold_every_kernel() {
     for (src, arch, bytes) in anyccl_kernels_hip::CODE_OBJECTS {
         let file = object::File::parse(*bytes).unwrap_or_else(|e| panic!("{src} {arch}: not an ELF: {e}"));
         let names: Vec<String> = file.symbols().filter_map(|s| s.name().ok().map(str::to_owned)).collect();
-        for k in anyccl_kernels_hip::KERNELS
-            .iter()
-            .chain(&anyccl_kernels_hip::FUSED_KERNELS)
-            .chain(&anyccl_kernels_hip::PUSH_KERNELS)
-            .chain(&anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS)
-            .chain(&anyccl_kernels_hip::FUSED_PUSH_KERNELS)
-            .chain(&anyccl_kernels_hip::QUANT_KERNELS)
-        {
-            assert!(names.iter().any(|n| n == k), "{arch}: kernel {k} missing");
+        for k in catalogue::shared_kernels().map(Kernel::name) {
+            assert!(names.contains(&k), "{arch}: kernel {k} missing");
             assert!(names.iter().any(|n| *n == format!("{k}.kd")), "{arch}: kernel descriptor {k}.kd missing");
         }
-        // And nothing else: every kernel the object holds is listed, so the instruction check below sees them all.
+        // And nothing else: the object holds exactly the catalogue's shared kernels, so the instruction checks
+        // below see them all.
         let mut held: Vec<&str> = names.iter().filter_map(|n| n.strip_suffix(".kd")).collect();
         held.sort_unstable();
         held.dedup();
-        let mut listed = anyccl_kernels_hip::KERNELS.to_vec();
-        listed.extend(anyccl_kernels_hip::FUSED_KERNELS);
-        listed.extend(anyccl_kernels_hip::PUSH_KERNELS);
-        listed.extend(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS);
-        listed.extend(anyccl_kernels_hip::FUSED_PUSH_KERNELS);
-        listed.extend(anyccl_kernels_hip::QUANT_KERNELS);
+        let mut listed: Vec<String> = catalogue::shared_kernels().map(Kernel::name).collect();
         listed.sort_unstable();
-        assert_eq!(held, listed, "{arch}: the kernels held are not the kernels listed");
+        assert_eq!(held, listed, "{arch}: the kernels held are not the catalogue's");
     }
 }
 
@@ -96,30 +86,34 @@ fn flag_accesses_are_system_scope_release_acquire() {
     // On gfx90a a system-scope release writes back L2 before the store; a system-scope acquire invalidates L2
     // after the load. A relaxed or agent-scope flag would have neither.
     // The fused kernels synchronise across GPUs the same way; the separate RMSNorm kernel does not synchronise.
-    let fused = anyccl_kernels_hip::FUSED_KERNELS.into_iter().filter(|k| !k.starts_with("anyccl_rmsnorm_"));
-    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(fused).chain(anyccl_kernels_hip::QUANT_KERNELS) {
-        let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
+    for kernel in catalogue::shared_kernels() {
+        let k = kernel.name();
+        let sym = file.symbols().find(|s| s.name() == Ok(k.as_str())).unwrap_or_else(|| panic!("{k}: no symbol"));
         let range = sym.address()..sym.address() + sym.size();
         let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
-        assert!(body.len() > 20, "{k}: only {} instructions found in its range", body.len());
-        // One release and one acquire per barrier, and every world size (2..=8) has its own copy of each.
-        let wbl2 = body.iter().filter(|c| c.starts_with("buffer_wbl2")).count();
-        let invl2 = body.iter().filter(|c| c.starts_with("buffer_invl2")).count();
-        assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
-        assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
-    }
-    // The push one-shot and two-shot have no flags: their receive slots are polled with loads that bypass L1 (`glc`, relaxed at
-    // system scope), four 32-bit words per vector, for every world 2..=8.
-    for k in anyccl_kernels_hip::PUSH_KERNELS
-        .into_iter()
-        .chain(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS)
-        .chain(anyccl_kernels_hip::FUSED_PUSH_KERNELS)
-    {
-        let sym = file.symbols().find(|s| s.name() == Ok(k)).unwrap_or_else(|| panic!("{k}: no symbol"));
-        let range = sym.address()..sym.address() + sym.size();
-        let body: Vec<&str> = instrs.iter().filter(|(a, _)| range.contains(a)).map(|(_, c)| *c).collect();
-        let polls = body.iter().filter(|c| c.starts_with("global_load_dword ") && c.contains(" glc")).count();
-        assert!(polls >= 7 * 4, "{k}: {polls} uncached (glc) 32-bit loads, expected at least 28");
+        match kernel.family {
+            Family::OneShot { .. }
+            | Family::TwoShot { .. }
+            | Family::FusedOneShot { .. }
+            | Family::FusedTwoShot { .. }
+            | Family::QuantTwoShot(_) => {
+                assert!(body.len() > 20, "{k}: only {} instructions found in its range", body.len());
+                // One release and one acquire per barrier, and every world size (2..=8) has its own copy of each.
+                let wbl2 = body.iter().filter(|c| c.starts_with("buffer_wbl2")).count();
+                let invl2 = body.iter().filter(|c| c.starts_with("buffer_invl2")).count();
+                assert!(wbl2 >= 7 * 2, "{k}: {wbl2} system-scope releases (buffer_wbl2), expected at least 14");
+                assert!(invl2 >= 7 * 2, "{k}: {invl2} system-scope acquires (buffer_invl2), expected at least 14");
+            }
+            // The push one-shot and two-shot and the fused push one-shot have no flags: their receive slots are
+            // polled with loads that bypass L1 (`glc`, relaxed at system scope), four 32-bit words per vector, for
+            // every world 2..=8.
+            Family::PushOneShot | Family::PushTwoShot | Family::FusedPushOneShot => {
+                let polls = body.iter().filter(|c| c.starts_with("global_load_dword ") && c.contains(" glc")).count();
+                assert!(polls >= 7 * 4, "{k}: {polls} uncached (glc) 32-bit loads, expected at least 28");
+            }
+            // The separate RMSNorm kernel does not synchronise; the NVLS kernels are not in the shared source.
+            Family::RmsNorm | Family::Nvls { .. } => {}
+        }
     }
 }
 
@@ -140,27 +134,13 @@ fn kernels_take_the_shared_parameters() {
     assert!(out.status.success(), "llvm-readelf failed: {}", String::from_utf8_lossy(&out.stderr));
     let notes = String::from_utf8_lossy(&out.stdout);
     let kernels = kernel_args(&notes);
-    for k in anyccl_kernels_hip::KERNELS.into_iter().chain(anyccl_kernels_hip::FUSED_KERNELS) {
-        let params = anyccl_kernels_common::allreduce_params(k).or_else(|| anyccl_kernels_common::fused_params(k));
-        let want: Vec<(usize, usize)> = params.expect("listed").iter().map(|p| (p.1, p.2)).collect();
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let want: Vec<(usize, usize)> = anyccl_kernels_common::push::PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::PUSH_KERNELS.into_iter().chain(anyccl_kernels_hip::PUSH_TWO_SHOT_KERNELS) {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let want: Vec<(usize, usize)> =
-        anyccl_kernels_common::fused_push::FUSED_PUSH_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::FUSED_PUSH_KERNELS {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, want, "{k}: parameters (offset, size) differ from the shared table");
-    }
-    let quant: Vec<(usize, usize)> = anyccl_kernels_common::QUANT_PARAMS.iter().map(|p| (p.1, p.2)).collect();
-    for k in anyccl_kernels_hip::QUANT_KERNELS {
-        let got = kernels.iter().find(|(n, _)| n == k).map(|(_, a)| a.clone()).unwrap_or_default();
-        assert_eq!(got, quant, "{k}: parameters (offset, size) differ from QUANT_PARAMS");
+    // Every kernel of the catalogue the shared source defines, with its family's layout.
+    for k in catalogue::shared_kernels() {
+        let want: Vec<(usize, usize)> =
+            k.params().expect("shared kernels have layouts").iter().map(|p| (p.1, p.2)).collect();
+        let name = k.name();
+        let got = kernels.iter().find(|(n, _)| *n == name).map(|(_, a)| a.clone()).unwrap_or_default();
+        assert_eq!(got, want, "{name}: parameters (offset, size) differ from the catalogue");
     }
 }
 

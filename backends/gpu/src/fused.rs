@@ -126,22 +126,17 @@ pub fn two_shot_scratch_bytes(dtype: DataType, tokens: usize, hidden: usize, out
 
 /// The symbol of a fused kernel (`None`: no fused kernel for `dtype`).
 pub fn fused_kernel_name(form: FusedForm, dtype: DataType, table: bool) -> Option<String> {
-    let dt = fused_suffix(dtype)?;
-    let t = if table { "table_" } else { "" };
-    Some(match form {
-        FusedForm::OneShot => format!("anyccl_fused_one_shot_{t}{dt}"),
-        FusedForm::TwoShot => format!("anyccl_fused_two_shot_{t}{dt}"),
-    })
+    use common::catalogue::Family;
+    let family = match form {
+        FusedForm::OneShot => Family::FusedOneShot { table },
+        FusedForm::TwoShot => Family::FusedTwoShot { table },
+    };
+    common::catalogue::kernel_name(family, super::kernels::catalogue_dtype(dtype)?)
 }
 
 /// The symbol of the separate RMSNorm kernel (`None`: none for `dtype`).
 pub fn rmsnorm_kernel_name(dtype: DataType) -> Option<String> {
-    Some(format!("anyccl_rmsnorm_{}", fused_suffix(dtype)?))
-}
-
-/// The suffix of `dtype`'s fused kernels: one of the shared source's [`common::FUSED_DTYPES`].
-fn fused_suffix(dtype: DataType) -> Option<&'static str> {
-    super::kernels::dtype_suffix(dtype).filter(|s| common::FUSED_DTYPES.contains(s))
+    common::catalogue::kernel_name(common::catalogue::Family::RmsNorm, super::kernels::catalogue_dtype(dtype)?)
 }
 
 /// The fused kernels and the separate RMSNorm kernel: handles into the module of a [`CustomKernels`] (one module

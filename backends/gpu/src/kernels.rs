@@ -124,22 +124,28 @@ pub(crate) fn function_slot(kind: Kind, dtype: DataType, table: bool) -> Option<
 /// The kernel's symbol in the module; `None` where there is none (another element type, or an NVLS variant with
 /// an input table).
 pub fn kernel_name(kind: Kind, dtype: DataType, table: bool) -> Option<String> {
-    let suffix = dtype_suffix(dtype)?;
-    let t = if table { "table_" } else { "" };
-    Some(match (kind, table) {
-        (Kind::OneShot, _) => format!("anyccl_one_shot_{t}{suffix}"),
-        (Kind::TwoShot, _) => format!("anyccl_two_shot_{t}{suffix}"),
+    use common::catalogue::{Family, NvlsVariant};
+    let emulated = |variant| Family::Nvls { variant, multicast: false };
+    let family = match (kind, table) {
+        (Kind::OneShot, table) => Family::OneShot { table },
+        (Kind::TwoShot, table) => Family::TwoShot { table },
         (_, true) => return None,
-        (Kind::NvlsZeroCopyEmulated, false) => format!("anyccl_nvls_zero_copy_emu_{suffix}"),
-        (Kind::NvlsBlockPipelineEmulated, false) => format!("anyccl_nvls_block_pipeline_emu_{suffix}"),
-        (Kind::NvlsWarpPipelineEmulated, false) => format!("anyccl_nvls_warp_pipeline_emu_{suffix}"),
-    })
+        (Kind::NvlsZeroCopyEmulated, false) => emulated(NvlsVariant::ZeroCopy),
+        (Kind::NvlsBlockPipelineEmulated, false) => emulated(NvlsVariant::BlockPipeline),
+        (Kind::NvlsWarpPipelineEmulated, false) => emulated(NvlsVariant::WarpPipeline),
+    };
+    common::catalogue::kernel_name(family, catalogue_dtype(dtype)?)
 }
 
-/// The suffix of `dtype`'s kernels: its name in the shared source's list ([`common::DTYPES`], in the order of
-/// [`KERNEL_DTYPES`]); `None` for a type without kernels. Every launcher's symbol ends with it.
-pub(crate) fn dtype_suffix(dtype: DataType) -> Option<&'static str> {
-    KERNEL_DTYPES.iter().position(|t| *t == dtype).and_then(|i| common::DTYPES.get(i).copied())
+/// `dtype` as the kernel catalogue's element type; `None` for a type without kernels.
+pub(crate) fn catalogue_dtype(dtype: DataType) -> Option<common::catalogue::Dtype> {
+    use common::catalogue::Dtype;
+    match dtype {
+        DataType::F32 => Some(Dtype::F32),
+        DataType::F16 => Some(Dtype::F16),
+        DataType::Bf16 => Some(Dtype::Bf16),
+        _ => None,
+    }
 }
 
 /// Why platform `P`'s custom kernels cannot run `dtype` × `bytes` for `world` ranks, if they cannot.
@@ -147,7 +153,7 @@ pub fn ineligible<P: GpuPlatform>(dtype: DataType, bytes: usize, world: usize) -
     if let Some(why) = unavailable::<P>(world) {
         return Some(why);
     }
-    if dtype_suffix(dtype).is_none() {
+    if catalogue_dtype(dtype).is_none() {
         return Some(format!("the custom kernels handle f32, f16 and bf16, not {dtype}"));
     }
     if !bytes.is_multiple_of(common::VECTOR_BYTES) {
@@ -497,6 +503,51 @@ mod tests {
         for n in &names {
             assert!(common::allreduce_params(n).is_some(), "{n}");
         }
+    }
+
+    /// The element types' order here is the catalogue's, which indexes the function tables.
+    #[test]
+    fn kernel_dtypes_are_the_catalogues_in_its_order() {
+        for (i, dtype) in KERNEL_DTYPES.into_iter().enumerate() {
+            assert_eq!(catalogue_dtype(dtype).map(common::catalogue::Dtype::index), Some(i), "{dtype}");
+        }
+        assert_eq!(catalogue_dtype(DataType::F64), None);
+    }
+
+    /// Every kernel a launcher of this crate names is one of the catalogue's, no two launchers name the same one,
+    /// and together they name every kernel of the catalogue.
+    #[test]
+    fn the_launchers_name_every_kernel_of_the_catalogue() {
+        use crate::fused::{fused_kernel_name, rmsnorm_kernel_name, FusedForm};
+        use anyccl_core::Algorithm;
+        let mut named: Vec<String> = Vec::new();
+        for dtype in [DataType::F32, DataType::F16, DataType::Bf16, DataType::F64, DataType::I32, DataType::U8] {
+            for table in [false, true] {
+                for kind in Kind::ALL {
+                    named.extend(kernel_name(kind, dtype, table));
+                }
+                for form in [FusedForm::OneShot, FusedForm::TwoShot] {
+                    named.extend(fused_kernel_name(form, dtype, table));
+                }
+            }
+            named.extend(rmsnorm_kernel_name(dtype));
+            for format in crate::quant::Format::ALL {
+                named.extend(crate::quant::kernel_name(format, dtype));
+            }
+            for algorithm in [Algorithm::NvlsZeroCopy, Algorithm::NvlsWarpPipeline, Algorithm::NvlsBlockPipeline] {
+                named.extend(crate::nvls::kernel_name(algorithm, dtype));
+            }
+        }
+        // The push launchers load their kernels by the lists, which the catalogue's own tests check.
+        let push = common::push::PUSH_KERNELS.iter().chain(&common::push::PUSH_TWO_SHOT_KERNELS);
+        named.extend(push.chain(&common::fused_push::FUSED_PUSH_KERNELS).map(|k| String::from(*k)));
+        let n = named.len();
+        named.sort_unstable();
+        named.dedup();
+        assert_eq!(named.len(), n, "two launchers name the same kernel");
+        let mut catalogue: Vec<String> = common::catalogue::kernels().map(common::catalogue::Kernel::name).collect();
+        catalogue.sort_unstable();
+        assert_eq!(named, catalogue);
     }
 
     /// The parameters `launch` builds are, in order, the shared source's (sizes as the kernels lay them out).

@@ -115,19 +115,14 @@ pub fn is_nvls(algorithm: Algorithm) -> bool {
 
 /// The multicast kernel of `algorithm` for `dtype` (`anyccl_nvls_block_pipeline_mc_bf16`).
 pub fn kernel_name(algorithm: Algorithm, dtype: DataType) -> Option<String> {
+    use anyccl_kernels_common::catalogue::{self, Family, NvlsVariant};
     let variant = match algorithm {
-        Algorithm::NvlsZeroCopy => "zero_copy",
-        Algorithm::NvlsWarpPipeline => "warp_pipeline",
-        Algorithm::NvlsBlockPipeline => "block_pipeline",
+        Algorithm::NvlsZeroCopy => NvlsVariant::ZeroCopy,
+        Algorithm::NvlsWarpPipeline => NvlsVariant::WarpPipeline,
+        Algorithm::NvlsBlockPipeline => NvlsVariant::BlockPipeline,
         _ => return None,
     };
-    let suffix = match dtype {
-        DataType::F32 => "f32",
-        DataType::F16 => "f16",
-        DataType::Bf16 => "bf16",
-        _ => return None,
-    };
-    Some(format!("anyccl_nvls_{variant}_mc_{suffix}"))
+    catalogue::kernel_name(Family::Nvls { variant, multicast: true }, crate::kernels::catalogue_dtype(dtype)?)
 }
 
 /// The element types of the NVLS kernels, in [`NvlsState`]'s function order.

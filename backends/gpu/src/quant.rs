@@ -31,8 +31,8 @@ pub fn staging_bytes(dtype: DataType, bytes: usize) -> Option<usize> {
 
 /// The kernel's symbol.
 pub fn kernel_name(format: Format, dtype: DataType) -> Option<String> {
-    let d = super::kernels::dtype_suffix(dtype)?;
-    Some(format!("anyccl_quant_two_shot_{}_{d}", format.name()))
+    let family = common::catalogue::Family::QuantTwoShot(format);
+    common::catalogue::kernel_name(family, super::kernels::catalogue_dtype(dtype)?)
 }
 
 const SLOTS: usize = 2 * 3;
