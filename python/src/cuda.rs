@@ -35,27 +35,7 @@ static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 fn torch(py: Python<'_>) -> PyResult<&Torch> {
     TORCH.get_or_try_init(py, || {
         let torch = py.import("torch")?;
-        let dtypes = PyDict::new(py);
-        for (name, t) in [
-            ("int8", DataType::I8),
-            ("uint8", DataType::U8),
-            ("int32", DataType::I32),
-            ("uint32", DataType::U32),
-            ("int64", DataType::I64),
-            ("uint64", DataType::U64),
-            ("float16", DataType::F16),
-            ("bfloat16", DataType::Bf16),
-            ("float32", DataType::F32),
-            ("float64", DataType::F64),
-            ("float8_e4m3fn", DataType::Fp8E4M3),
-            ("float8_e5m2", DataType::Fp8E5M2),
-        ] {
-            // Older torch releases lack the unsigned and fp8 types: those are simply not mapped.
-            if let Ok(d) = torch.getattr(name) {
-                let index = DataType::ALL.iter().position(|x| *x == t).unwrap_or(0);
-                dtypes.set_item(d, index)?;
-            }
-        }
+        let dtypes = crate::hostmem::torch_dtypes(torch.as_any())?;
         let c = torch.getattr("_C")?;
         let cuda = torch.getattr("cuda")?;
         Ok(Torch {

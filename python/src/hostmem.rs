@@ -137,6 +137,31 @@ struct TorchCpu {
     dtypes: Py<PyDict>,
 }
 
+/// torch's dtype objects mapped to their index in `DataType::ALL`: the one table the host fast path and the CUDA
+/// path read. Older torch releases lack the unsigned and fp8 types: those are simply not mapped.
+pub(crate) fn torch_dtypes<'py>(torch: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let dtypes = PyDict::new(torch.py());
+    for (name, t) in [
+        ("int8", DataType::I8),
+        ("uint8", DataType::U8),
+        ("int32", DataType::I32),
+        ("uint32", DataType::U32),
+        ("int64", DataType::I64),
+        ("uint64", DataType::U64),
+        ("float16", DataType::F16),
+        ("bfloat16", DataType::Bf16),
+        ("float32", DataType::F32),
+        ("float64", DataType::F64),
+        ("float8_e4m3fn", DataType::Fp8E4M3),
+        ("float8_e5m2", DataType::Fp8E5M2),
+    ] {
+        if let (Ok(d), Some(index)) = (torch.getattr(name), DataType::ALL.iter().position(|x| *x == t)) {
+            dtypes.set_item(d, index)?;
+        }
+    }
+    Ok(dtypes)
+}
+
 static TORCH_CPU: PyOnceLock<TorchCpu> = PyOnceLock::new();
 
 /// torch's types, when the program has imported torch (`sys.modules["torch"]`); `None` otherwise.
@@ -148,26 +173,7 @@ fn torch_cpu(py: Python<'_>) -> Option<&'static TorchCpu> {
     let torch = modules.cast::<PyDict>().ok()?.get_item(intern!(py, "torch")).ok()??;
     TORCH_CPU
         .get_or_try_init(py, || -> PyResult<TorchCpu> {
-            let dtypes = PyDict::new(py);
-            for (name, t) in [
-                ("int8", DataType::I8),
-                ("uint8", DataType::U8),
-                ("int32", DataType::I32),
-                ("uint32", DataType::U32),
-                ("int64", DataType::I64),
-                ("uint64", DataType::U64),
-                ("float16", DataType::F16),
-                ("bfloat16", DataType::Bf16),
-                ("float32", DataType::F32),
-                ("float64", DataType::F64),
-                ("float8_e4m3fn", DataType::Fp8E4M3),
-                ("float8_e5m2", DataType::Fp8E5M2),
-            ] {
-                // Older torch releases lack the unsigned and fp8 types: those are simply not mapped.
-                if let (Ok(d), Some(index)) = (torch.getattr(name), DataType::ALL.iter().position(|x| *x == t)) {
-                    dtypes.set_item(d, index)?;
-                }
-            }
+            let dtypes = torch_dtypes(&torch)?;
             Ok(TorchCpu {
                 tensor: torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(),
                 parameter: torch.getattr("nn")?.getattr("Parameter")?.cast_into::<PyType>()?.unbind(),
