@@ -363,6 +363,11 @@ const ACCEPT_TICK: Duration = Duration::from_millis(50);
 /// first peer's reason (each rank sends at most 1 KiB of it), else this rank's value. Every rank takes part whatever
 /// its outcome, so a rank that fails makes every rank fail at once, with its reason, instead of leaving its peers to
 /// wait out their timeouts.
+///
+/// When this rank's own failure is a peer's ([`Error::PeerFailure`]: a peer hung up on it, say), it may only be the
+/// echo of another rank's: a peer that gave up because a third rank died closes its connections, and this rank
+/// then fails to write to that peer first. The group's account (the bootstrap's abort, or another rank's reason)
+/// is appended, so the error still names the rank that started it.
 pub(crate) fn agree<T>(boot: &mut dyn Bootstrap, what: &str, outcome: Result<T>) -> Result<T> {
     let mine = match &outcome {
         Ok(_) => vec![0u8],
@@ -372,18 +377,29 @@ pub(crate) fn agree<T>(boot: &mut dyn Bootstrap, what: &str, outcome: Result<T>)
             m
         }
     };
-    let all = match (checked_all_gather(boot, &mine), outcome) {
-        (_, Err(e)) => return Err(e),
-        (Err(e), Ok(_)) => return Err(e),
-        (Ok(all), Ok(v)) => (all, v),
+    let gathered = checked_all_gather(boot, &mine);
+    let rank = boot.rank();
+    let peers_reason = |all: &[Vec<u8>]| {
+        all.iter().enumerate().filter(|&(q, _)| q != rank).find_map(|(q, m)| {
+            (m.first() != Some(&0)).then(|| {
+                let why = anyccl_core::text::sanitize_bytes(m.get(1..).unwrap_or(&[]), 1024);
+                format!("rank {q} could not set up {what}: {why}")
+            })
+        })
     };
-    for (q, m) in all.0.iter().enumerate() {
-        if m.first() != Some(&0) {
-            let why = anyccl_core::text::sanitize_bytes(m.get(1..).unwrap_or(&[]), 1024);
-            return Err(peer_failure(format!("rank {q} could not set up {what}: {why}")));
-        }
+    match (gathered, outcome) {
+        (Err(group), Err(Error::PeerFailure(own))) => Err(peer_failure(format!("{own}; the group: {group}"))),
+        (Ok(all), Err(Error::PeerFailure(own))) => match peers_reason(&all) {
+            Some(theirs) => Err(peer_failure(format!("{own}; {theirs}"))),
+            None => Err(peer_failure(own)),
+        },
+        (_, Err(e)) => Err(e),
+        (Err(e), Ok(_)) => Err(e),
+        (Ok(all), Ok(v)) => match peers_reason(&all) {
+            Some(theirs) => Err(peer_failure(theirs)),
+            None => Ok(v),
+        },
     }
-    Ok(all.1)
 }
 
 /// Fails unless the process at the other end of `s` runs as `uid` (its credentials as the kernel recorded them
@@ -1100,4 +1116,64 @@ fn reduce_chunk<T: Reducible>(
         b += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod agreement_tests {
+    use super::*;
+    use anyccl_core::bootstrap::LocalGroup;
+
+    /// Runs one agreement on three ranks as threads, each with its own outcome, and returns each rank's result.
+    fn agree_three(outcomes: [Result<u8>; 3]) -> Vec<Result<u8>> {
+        let group = LocalGroup::new(3, Duration::from_secs(30));
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = outcomes
+                .into_iter()
+                .enumerate()
+                .map(|(r, outcome)| {
+                    let mut me = group.member(r);
+                    sc.spawn(move || agree(&mut me, "a test phase", outcome))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        })
+    }
+
+    #[test]
+    fn every_rank_hears_the_first_failing_rank() {
+        let got = agree_three([Ok(0), Err(peer_failure("rank 1 broke".into())), Ok(2)]);
+        for r in [0, 2] {
+            let e = got[r].as_ref().expect_err("a peer failed");
+            assert!(e.to_string().contains("rank 1 could not set up a test phase: peer failure: rank 1 broke"), "{e}");
+        }
+        assert!(got[1].as_ref().expect_err("own failure").to_string().contains("rank 1 broke"));
+    }
+
+    #[test]
+    fn an_echoed_peer_failure_still_names_the_rank_that_started_it() {
+        // Rank 1 died; rank 0 failed to write to it, gave up and closed, so rank 2 failed to write to rank 0: rank
+        // 2's own error names only rank 0, and the agreement adds rank 0's account, which names rank 1.
+        let got = agree_three([
+            Err(peer_failure("rank 0 cannot send to rank 1: Broken pipe".into())),
+            Err(peer_failure("rank 1 broke".into())),
+            Err(peer_failure("rank 2 cannot send to rank 0: Broken pipe".into())),
+        ]);
+        let e = got[2].as_ref().expect_err("failed").to_string();
+        assert!(e.contains("rank 2 cannot send to rank 0") && e.contains("rank 0 cannot send to rank 1"), "{e}");
+    }
+
+    #[test]
+    fn an_error_of_this_ranks_own_making_is_kept_as_it_is() {
+        let own = Error::Timeout { what: "rank 0's own step".into(), after: Duration::from_secs(1) };
+        let got = agree_three([Err(own), Ok(1), Err(peer_failure("rank 2 broke".into()))]);
+        assert!(matches!(&got[0], Err(Error::Timeout { what, .. }) if what == "rank 0's own step"), "{:?}", got[0]);
+    }
+
+    #[test]
+    fn all_succeeding_gives_each_rank_its_value() {
+        let got = agree_three([Ok(0), Ok(1), Ok(2)]);
+        for (r, g) in got.into_iter().enumerate() {
+            assert_eq!(g.expect("all succeeded"), r as u8);
+        }
+    }
 }
