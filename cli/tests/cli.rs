@@ -575,6 +575,85 @@ fn tune_and_plot_replace_a_planted_link_instead_of_following_it() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Another user's link in a shared sticky directory (mode 1777, like `/tmp`): run as uid 65533, `tune --out` at a
+/// symbolic link that uid 65534 owns fails at once, before the sweep (which would take far longer than the bound),
+/// with one error line naming the path and the owner, since `rename` could not replace the link there; the link
+/// and its target are untouched and nothing is left in the directory. Starting a process of another user needs
+/// root, as CI has: without it this test fails, it is not skipped.
+#[cfg(target_os = "linux")]
+#[test]
+fn another_users_link_in_a_sticky_directory_is_refused_at_once() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let root = unsafe { libc::geteuid() } == 0;
+    assert!(
+        root,
+        "this test needs root (to start a process of another user through setpriv); CI runs the tests as root"
+    );
+    let shared = tempfile::Builder::new().prefix("anyccl-sticky").tempdir().expect("tempdir");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o1777)).expect("chmod 1777");
+    let victim = shared.path().join("victim");
+    std::fs::write(&victim, "precious").expect("write");
+    let link = shared.path().join("t.toml");
+    std::os::unix::fs::symlink(&victim, &link).expect("symlink");
+    std::os::unix::fs::lchown(&link, Some(65534), Some(65534)).expect("lchown the link to uid 65534");
+    // this build's binary, copied where uid 65533 may run it
+    let bin_dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let bin = bin_dir.path().join("anyccl");
+    std::fs::copy(env!("CARGO_BIN_EXE_anyccl"), &bin).expect("copy the binary");
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let out_path = link.to_string_lossy().into_owned();
+    let logs = tempfile::tempdir().expect("tempdir");
+    let (stdout_path, stderr_path) = (logs.path().join("stdout"), logs.path().join("stderr"));
+    let started = Instant::now();
+    let mut child = Command::new("setpriv")
+        .args(["--reuid", "65533", "--regid", "65533", "--clear-groups", "--"])
+        .arg(&bin)
+        .args(["tune", "--world", "2", "--sizes", "64MiB", "--iters", "2000", "--warmup", "0", "--algos", "ring"])
+        .args(["--out", &out_path])
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&stdout_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&stderr_path).expect("stderr file"))
+        .spawn()
+        .expect("setpriv runs");
+    // the sweep would run for minutes: a run still going after this bound did not refuse at once
+    let status = match wait_timeout::ChildExt::wait_timeout(&mut child, Duration::from_secs(30)).expect("wait") {
+        Some(status) => status,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "tune --out at another user's link was still running after 30 s: it did not refuse before the sweep"
+            );
+        }
+    };
+    let r = Output {
+        status,
+        stdout: std::fs::read(&stdout_path).expect("stdout"),
+        stderr: std::fs::read(&stderr_path).expect("stderr"),
+    };
+    let took = started.elapsed();
+    let err = text(&r.stderr);
+    assert_eq!(r.status.code(), Some(1), "stdout: {}\nstderr: {err}", text(&r.stdout));
+    let first = err.lines().next().unwrap_or("");
+    assert!(first.starts_with("error: ") && first.contains(&out_path), "{err}");
+    assert!(first.contains("belongs to another user (uid 65534)") && first.contains("sticky"), "{err}");
+    assert!(err.lines().count() <= 2, "one error line and at most a hint: {err}");
+    assert!(text(&r.stdout).is_empty(), "nothing was measured: {}", text(&r.stdout));
+    // the sweep of 2 × 2000 all-reduces of 64 MiB would take far longer; generous for a loaded machine
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    let meta = std::fs::symlink_metadata(&link).expect("lstat");
+    assert!(meta.file_type().is_symlink() && meta.uid() == 65534, "the link is still uid 65534's link");
+    assert_eq!(std::fs::read_link(&link).expect("readlink"), victim);
+    assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious", "the link's target is untouched");
+    let left: Vec<_> =
+        std::fs::read_dir(shared.path()).expect("list").filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    assert_eq!(left.len(), 2, "only the victim and the link are left: {left:?}");
+}
+
 #[test]
 fn tune_writes_a_table_that_bench_then_uses() {
     let out = std::env::temp_dir().join(format!("anyccl-tune-{}.toml", std::process::id()));

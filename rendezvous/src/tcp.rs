@@ -17,6 +17,10 @@
 //! holds the job key contradicts the job (another world size, rank 0, or a rank that already joined), the job cannot
 //! form: rank 0 admits that rank only to send it `Reject` with the reason, sends `Reject` to every rank that joined,
 //! and gives up at once instead of waiting out the timeout. A peer that did not prove the key still learns nothing.
+//! Ranks that had not connected yet are told too: for a short grace period ([`LATE_GRACE`], or the timeout if that
+//! is shorter) rank 0 keeps listening, and answers each connection that proves the key with the same `Reject` and
+//! reason (every other connection gets the one "rejected" byte, as before), until every rank of the job has been
+//! told, the grace period ends, or [`MAX_LATE_ANSWERS`] late ranks were answered.
 //! In a collective each client sends one `Data` frame tagged with the operation and its sequence number; rank 0
 //! checks the tags (a rank calling another collective than the others is an error, not a silent mix-up), and
 //! replies with the result frames, or with `Abort` to everyone when a rank failed.
@@ -57,6 +61,13 @@ pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
 
 /// The most connections rank 0 keeps in their handshake at once; see the module documentation.
 pub const MAX_PENDING: usize = 512;
+
+/// How long rank 0 keeps listening after it found that the job cannot form, to tell ranks that connect late why
+/// (the rendezvous timeout where that is shorter); see the module documentation.
+pub const LATE_GRACE: Duration = Duration::from_secs(5);
+
+/// The most late connections rank 0 answers with the reason the job cannot form before it stops listening.
+pub const MAX_LATE_ANSWERS: usize = 1024;
 
 /// Magic and version.
 const PREAMBLE_LEN: usize = 8 + 4;
@@ -438,8 +449,10 @@ impl Listener {
 
     /// Waits (up to the configured timeout) until every other rank has connected and proved it holds the job key,
     /// then tells them the group is ready. A rank that proves the key but contradicts the job (another world size,
-    /// rank 0, a rank that already joined) ends the wait at once: it and every rank that joined get a `Reject`
-    /// frame with the reason, and this returns [`InvalidArgument::BadWorld`] with it.
+    /// rank 0, a rank that already joined) ends the wait: it and every rank that joined get a `Reject` frame with
+    /// the reason at once, ranks that connect within the grace period ([`LATE_GRACE`], or the timeout if that is
+    /// shorter) get it as they prove the key, and this returns [`InvalidArgument::BadWorld`] with it once every rank
+    /// was told or the grace period ended.
     ///
     /// All handshakes run at once, each with its own deadline (see the module documentation). A connection that
     /// fails its handshake (bad magic, another protocol version, no proof of the key) is told only that it was
@@ -473,6 +486,7 @@ impl Listener {
             if let Some(reason) = gate.fatal.take() {
                 warn!(target: "anyccl::rendezvous", "rendezvous at {addr}: {reason}");
                 reject_all(gate.peers.iter_mut().flatten(), &reason);
+                gate.tell_late_ranks(&reason, cfg.timeout.min(LATE_GRACE));
                 return Err(Error::InvalidArgument(InvalidArgument::BadWorld(reason)));
             }
         }
@@ -619,6 +633,12 @@ struct Gate<'a> {
     rejections: Rejections,
     /// Why the job cannot form, once a rank holding the key contradicted it.
     fatal: Option<String>,
+    /// The same reason, while rank 0 tells ranks that connect late ([`Gate::tell_late_ranks`]).
+    closing: Option<String>,
+    /// While closing: which ranks (index rank - 1) were told why the job cannot form.
+    told: Vec<bool>,
+    /// While closing: how many late connections were told.
+    late_answers: usize,
 }
 
 impl<'a> Gate<'a> {
@@ -657,7 +677,43 @@ impl<'a> Gate<'a> {
             joined: 0,
             rejections: Rejections::default(),
             fatal: None,
+            closing: None,
+            told: Vec::new(),
+            late_answers: 0,
         })
+    }
+
+    /// After the job was found unable to form (and the joined ranks were told): keeps listening for `grace`, and
+    /// tells every connection that proves the key why ([`Gate::finish`]), until every rank was told, the grace
+    /// period ends, or [`MAX_LATE_ANSWERS`] were answered. Each pending connection keeps its own deadline (never
+    /// past the end of the grace period). Best effort: a failure here ends the grace period early.
+    fn tell_late_ranks(&mut self, reason: &str, grace: Duration) {
+        let Some(until) = Instant::now().checked_add(grace) else { return };
+        self.deadline = until;
+        for p in self.pending.values_mut() {
+            p.deadline = p.deadline.min(until);
+        }
+        self.told = self.peers.iter().map(Option::is_some).collect();
+        self.closing = Some(reason.to_owned());
+        while remaining(self.deadline).is_some()
+            && self.late_answers < MAX_LATE_ANSWERS
+            && self.told.iter().any(|told| !told)
+        {
+            if let Err(e) = self.turn() {
+                debug!(target: "anyccl::rendezvous", "stopped telling late ranks why the job cannot form: {e}");
+                break;
+            }
+        }
+        debug!(
+            target: "anyccl::rendezvous",
+            "told {} late connection(s) why the job cannot form; {} rank(s) never came",
+            self.late_answers,
+            self.told.iter().filter(|told| !**told).count()
+        );
+        let registry = self.poll.registry();
+        for (_, p) in std::mem::take(&mut self.pending) {
+            p.close(registry);
+        }
     }
 
     /// One wait for events (until the earliest deadline), and the work they bring.
@@ -789,8 +845,9 @@ impl<'a> Gate<'a> {
     }
 
     /// Checks a complete hello; admits the rank (answering with rank 0's proof) or rejects the connection.
-    fn finish(&mut self, mut p: Pending) -> Result<()> {
+    fn finish(&mut self, p: Pending) -> Result<()> {
         let hello = p.hello;
+        let from = p.from;
         let transcript = Transcript {
             version: PROTOCOL_VERSION,
             world: u64_at(&hello, PREAMBLE_LEN),
@@ -800,6 +857,28 @@ impl<'a> Gate<'a> {
         };
         let proof = array_at(&hello, PREAMBLE_LEN + 16 + auth::LEN);
         let authentic = transcript.check_client_proof(&self.key, &proof)?;
+        if let Some(reason) = self.closing.clone() {
+            // The job already cannot form: a late rank that proves the key is told why; anyone else learns nothing.
+            if !authentic {
+                self.rejections
+                    .record(Some(p.from), "did not prove it holds the job key (after the job could not form)");
+                p.reject(self.poll.registry());
+                return Ok(());
+            }
+            if transcript.world == self.cfg.world as u64 {
+                if let Some(told) = usize::try_from(transcript.rank)
+                    .ok()
+                    .and_then(|r| r.checked_sub(1))
+                    .and_then(|i| self.told.get_mut(i))
+                {
+                    *told = true;
+                }
+            }
+            self.late_answers += 1;
+            self.rejections.record(Some(p.from), &format!("rank {} came late and was told: {reason}", transcript.rank));
+            self.admit_to_reject(p, &transcript, &reason)?;
+            return Ok(());
+        }
         let verdict = if !authentic {
             Err(format!(
                 "did not prove it holds the job key (a rank with another {KEY_VAR}, MASTER_ADDR or MASTER_PORT, a \
@@ -820,17 +899,39 @@ impl<'a> Gate<'a> {
                 _ => Err(format!("rank {} is out of range for a world of {}", transcript.rank, self.cfg.world)),
             }
         };
-        let (rank, contradiction) = match verdict {
-            Ok(rank) => (rank, None),
+        let rank = match verdict {
+            Ok(rank) => rank,
             // A rank holding the key that contradicts the job: it is told why (after rank 0 proved itself to it, so
             // only key holders read the reason), and so is everyone else, at once.
-            Err(reason) if authentic => (0, Some(reason)),
+            Err(reason) if authentic => {
+                let reason = format!("the job cannot form: {reason}");
+                self.rejections.record(Some(p.from), &reason);
+                self.admit_to_reject(p, &transcript, &reason)?;
+                self.fatal = Some(reason);
+                return Ok(());
+            }
             Err(reason) => {
                 self.rejections.record(Some(p.from), &reason);
                 p.reject(self.poll.registry());
                 return Ok(());
             }
         };
+        let (stream, session, sent) = self.admit(p, &transcript)?;
+        if let Err(e) = sent {
+            self.rejections.record(Some(from), &format!("rank {rank} passed the handshake but the reply failed: {e}"));
+            return Ok(());
+        }
+        debug!(target: "anyccl::rendezvous", "rank {rank} joined from {from}");
+        if let Some(slot) = self.peers.get_mut(rank - 1) {
+            *slot = Some(Conn { stream, session });
+            self.joined += 1;
+        }
+        Ok(())
+    }
+
+    /// Answers a hello that proved the key with "accepted" and rank 0's proof (blocking, by the deadline or
+    /// [`ABORT_LIMIT`] from now): the stream in blocking mode, its session, and whether the answer went out.
+    fn admit(&mut self, mut p: Pending, transcript: &Transcript) -> Result<(TcpStream, Session, io::Result<()>)> {
         let mut reply = [0u8; 1 + auth::LEN];
         reply[0] = ACCEPT;
         reply[1..].copy_from_slice(&transcript.server_proof(&self.key)?);
@@ -840,25 +941,15 @@ impl<'a> Gate<'a> {
         let sent = stream
             .set_nonblocking(false)
             .and_then(|()| write_all_by(&mut stream, &reply, at_least(self.deadline, ABORT_LIMIT)));
-        if let Some(reason) = contradiction {
-            let reason = format!("the job cannot form: {reason}");
-            self.rejections.record(Some(p.from), &reason);
-            if sent.is_ok() {
-                let mut conn = Conn { stream, session };
-                reject_all(std::iter::once(&mut conn), &reason);
-            }
-            self.fatal = Some(reason);
-            return Ok(());
-        }
-        if let Err(e) = sent {
-            self.rejections
-                .record(Some(p.from), &format!("rank {rank} passed the handshake but the reply failed: {e}"));
-            return Ok(());
-        }
-        debug!(target: "anyccl::rendezvous", "rank {rank} joined from {}", p.from);
-        if let Some(slot) = self.peers.get_mut(rank - 1) {
-            *slot = Some(Conn { stream, session });
-            self.joined += 1;
+        Ok((stream, session, sent))
+    }
+
+    /// Admits a rank that proved the key only to send it `Reject` with `reason`, then closes the connection.
+    fn admit_to_reject(&mut self, p: Pending, transcript: &Transcript, reason: &str) -> Result<()> {
+        let (stream, session, sent) = self.admit(p, transcript)?;
+        if sent.is_ok() {
+            let mut conn = Conn { stream, session };
+            reject_all(std::iter::once(&mut conn), reason);
         }
         Ok(())
     }
@@ -1478,6 +1569,44 @@ mod tests {
     #[test]
     fn a_duplicate_rank_fails_every_rank_at_once() {
         cannot_form(3, 1, "rank 1 already joined");
+    }
+
+    /// After the job cannot form, rank 0 keeps listening for the grace period: a stranger gets the one "rejected"
+    /// byte and nothing else, a silent connection holds nobody up, and a late rank holding the key is admitted only
+    /// to be told why (a `Reject` frame with the reason); rank 0 then returns, since every rank was told.
+    #[test]
+    fn late_ranks_are_told_why_and_strangers_nothing() {
+        let listener = Rendezvous::listen(root_cfg(3, 120_000)).expect("listen");
+        let addr = listener.local_addr();
+        let (c1, c2) = (listener.client_config(1), listener.client_config(2));
+        let started = Instant::now();
+        let root = thread::spawn(move || listener.accept_all());
+        let by = Instant::now() + Duration::from_secs(30);
+        let ctx = Ctx { peer: "rank 0", what: "test", after: Duration::from_secs(120), max: 1 << 20 };
+        let expected = "the job cannot form: rank 3 is out of range for a world of 3";
+        let liar_cfg = RendezvousConfig { rank: 3, ..c1.clone() };
+        let mut s = TcpStream::connect(addr).expect("connect");
+        let Ok(session) = client_handshake(&mut s, &liar_cfg, &key(), by) else { panic!("the liar's handshake") };
+        let (h, _) = Conn { stream: s, session }.recv(by, &ctx).expect("a frame");
+        assert_eq!(h.kind, Kind::Reject);
+        let _silent = TcpStream::connect(addr).expect("a silent connection");
+        let mut stranger = TcpStream::connect(addr).expect("connect");
+        let greeting = read_greeting(&mut stranger);
+        stranger
+            .write_all(&hello_for(&greeting, &JobKey::from_secret(b"another job's secret!!"), 3, 1))
+            .expect("hello");
+        assert_eq!(rest(&mut stranger), [REJECT], "a stranger learns nothing after the job failed either");
+        for cfg in [c1, c2] {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            let Ok(session) = client_handshake(&mut s, &cfg, &key(), by) else { panic!("a late rank's handshake") };
+            let (h, reason) = Conn { stream: s, session }.recv(by, &ctx).expect("a frame");
+            let reason = String::from_utf8_lossy(&reason).into_owned();
+            assert_eq!(h.kind, Kind::Reject, "{reason}");
+            assert!(reason.contains(expected), "{reason}");
+        }
+        assert!(matches!(root.join().expect("root"), Err(Error::InvalidArgument(_))));
+        // generous for a loaded machine, and far below the 120 s timeout
+        assert!(started.elapsed() < Duration::from_secs(60), "{:?}", started.elapsed());
     }
 
     /// Through the public API: a rank with the wrong world size gets a typed error with the reason at once, and

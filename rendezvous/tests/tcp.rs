@@ -222,6 +222,61 @@ fn a_key_holder_with_another_world_size_ends_the_job_at_once_with_the_reason() {
     assert!(started.elapsed() < timeout / 2, "{:?}", started.elapsed());
 }
 
+/// Ranks that connect only after rank 0 found that the job cannot form are told why as they prove the key, instead
+/// of finding nobody listening and waiting out their timeout; a connection without the key learns nothing.
+#[test]
+fn ranks_that_connect_after_the_job_cannot_form_are_told_why_at_once() {
+    let key = JobKey::from_secret(b"the job's secret, 0123456789abcdef");
+    let timeout = Duration::from_secs(20);
+    let listener =
+        Rendezvous::listen(RendezvousConfig::new(0, 3, any_port()).with_timeout(timeout).with_key(key.clone()))
+            .expect("listen");
+    let (c1, c2) = (listener.client_config(1), listener.client_config(2));
+    let wrong_world = RendezvousConfig { world: 4, ..listener.client_config(2) };
+    let stranger = listener.client_config(2).with_key(JobKey::from_secret(b"not the job's secret at all"));
+    let started = Instant::now();
+    let root = thread::spawn(move || listener.accept_all());
+    // the contradiction comes first: when this returns, rank 0 has found that the job cannot form
+    match Rendezvous::connect(wrong_world) {
+        Err(Error::InvalidArgument(InvalidArgument::BadWorld(m))) => {
+            assert!(m.contains("has world size 4, rank 0 has 3"), "{m}")
+        }
+        other => panic!("expected the reason, got {other:?}"),
+    }
+    // a connection without the key, after the contradiction: only "rejected", not the reason
+    let e = Rendezvous::connect(stranger).expect_err("no key");
+    let text = e.to_string();
+    assert!(matches!(e, Error::PeerFailure(_)) && text.contains("rejected rank 2"), "{e:?}");
+    assert!(!text.contains("cannot form") && !text.contains("world size 4"), "{text}");
+    // the real ranks 1 and 2 connect late: each hears the reason as it proves the key
+    let late: Vec<_> = [c1, c2]
+        .into_iter()
+        .map(|cfg| {
+            thread::spawn(move || {
+                let t = Instant::now();
+                (Rendezvous::connect(cfg).map(|_| ()), t.elapsed())
+            })
+        })
+        .collect();
+    for (rank, h) in (1..).zip(late) {
+        let (result, took) = h.join().expect("late rank");
+        match result {
+            Err(Error::InvalidArgument(InvalidArgument::BadWorld(m))) => {
+                assert!(m.contains("the job cannot form") && m.contains("has world size 4, rank 0 has 3"), "{m}")
+            }
+            other => panic!("rank {rank} must be told why the job cannot form, got {other:?}"),
+        }
+        // generous for a loaded machine, and far below the 20 s it would otherwise wait
+        assert!(took < timeout / 2, "rank {rank} took {took:?}");
+    }
+    match root.join().expect("root") {
+        Err(Error::InvalidArgument(InvalidArgument::BadWorld(m))) => assert!(m.contains("has world size 4"), "{m}"),
+        other => panic!("rank 0 must give up with the reason, got {other:?}"),
+    }
+    // rank 0 gives up well before its timeout too (it stops listening once every rank of the job was told)
+    assert!(started.elapsed() < timeout / 2, "{:?}", started.elapsed());
+}
+
 #[test]
 fn a_peer_that_dies_mid_collective_fails_the_others_fast() {
     let timeout = Duration::from_secs(10);
