@@ -318,7 +318,8 @@ pub unsafe fn dispatch_all_reduce(
         }
         accel::Outcome::Failed(failure) => {
             log("none", &failure.message, "failed");
-            Err(failure)
+            // Named after the function the caller called (ncclAllReduce, ncclAllReduceConfig or an alias).
+            Err(Failure { code: failure.code, message: format!("{function}: {}", failure.message) })
         }
     }
 }

@@ -78,11 +78,19 @@ fn all_reduce_config_asking_nothing_runs_the_custom_kernels_and_a_config_that_as
     ];
     let c = accel_common::checked_child("accel", "config", &base, &[]);
     // Per rank: the initializer's config and a null one on the one-shot; a named algorithm, a profiler tag and a
-    // bad magic forwarded to the library's ncclAllReduceConfig. Every result was checked in the child.
+    // bad magic forwarded to the library's ncclAllReduceConfig. Every result was checked in the child. Then a call
+    // anyccl refuses, answered in ncclAllReduceConfig's name.
     assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
     assert_eq!(field(&c, "custom_calls"), "4");
-    assert_eq!(field(&c, "calls"), "10");
+    // Six calls per rank, the refused one included (it reached anyccl's kernels' path).
+    assert_eq!(field(&c, "calls"), "12");
     assert_eq!(field(&c, "violations"), "0");
+    let bad: Vec<&str> = c.stdout.lines().filter_map(|l| l.strip_prefix("bad_config_call=")).collect();
+    assert_eq!(bad.len(), 2, "{}", c.stdout);
+    for b in bad {
+        let want = "rc=4 text=ncclAllReduceConfig: the anyccl drop-in's custom all-reduce failed: ";
+        assert!(b.starts_with(want) && b.contains("overlap"), "{b}");
+    }
     let config = "ncclAllReduceConfig";
     assert_eq!(log_lines_of(&c, config, &["choice=\"one-shot\""]).len(), 4, "{}", c.stderr);
     for why in ["algorithm selection (algSelection)", "userProfilerTag 0x7", "magic 0x1234"] {
@@ -473,6 +481,16 @@ fn child() {
                 r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 2, ptr(&named));
                 r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 3, ptr(&tagged));
                 r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 4, ptr(&bad));
+                // An output that overlaps its input: refused by anyccl (set up by now), in the config call's name.
+                let f = api.all_reduce_config.expect("the drop-in exports ncclAllReduceConfig");
+                let buf = r.alloc(8192);
+                // SAFETY: both ranges lie in the 8 KiB buffer; the rank's communicator and stream; a live config.
+                let rc = unsafe {
+                    f(buf, buf.cast::<u8>().add(16).cast(), 1024, NCCL_FLOAT32, 0, r.comm, r.stream, ptr(&plain))
+                };
+                // SAFETY: the drop-in's text for this thread's last call.
+                let text = unsafe { std::ffi::CStr::from_ptr((api.last_error)(r.comm)) }.to_string_lossy().into_owned();
+                println!("bad_config_call=rc={rc} text={text}");
             });
         }
         "host_time" => host_time(&api),
