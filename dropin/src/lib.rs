@@ -201,8 +201,9 @@ pub extern "C" fn anyccl_nccl_dropin_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-/// How many `ncclAllReduce` calls (and `pncclAllReduce`, `ncclAllReduceConfig`, `pncclAllReduceConfig`) this process has run on anyccl's own custom kernels
-/// instead of the library underneath (those are counted by [`anyccl_nccl_dropin_calls`] too).
+/// How many `ncclAllReduce` calls (and `pncclAllReduce`, `ncclAllReduceConfig`, `pncclAllReduceConfig`) this
+/// process has run on anyccl's own custom kernels instead of the library underneath (those are counted by
+/// [`anyccl_nccl_dropin_calls`] too).
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_custom_calls() -> u64 {
     accel::CUSTOM_CALLS.load(Ordering::Relaxed)
@@ -364,10 +365,9 @@ fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollCo
         let why = match asks {
             // SAFETY: the caller's arguments, as nccl.h requires them; `forward` makes the caller's own call.
             coll_config::Asks::Nothing => return unsafe { dispatch_all_reduce(function, call, forward) },
-            coll_config::Asks::Library(what) => format!(
-                "the per-call config asks for {what}, which only the library \
-                underneath honours"
-            ),
+            coll_config::Asks::Library(what) => {
+                format!("the per-call config asks for {what}, which only the library underneath honours")
+            }
             coll_config::Asks::Malformed(what) => {
                 format!("the per-call config is not one the library accepts ({what}): the library answers it")
             }
