@@ -581,14 +581,15 @@ where
     }
 }
 
-/// An anyccl error inside `ncclAllReduce` as an NCCL code and a text.
+/// An anyccl error inside `ncclAllReduce` as an NCCL code and a text ([`crate::dispatch_all_reduce`] puts the name
+/// of the function called in front).
 fn failure(e: &Error) -> Failure {
     let code = match e {
         Error::InvalidArgument(_) => api::NCCL_INVALID_ARGUMENT,
         Error::Backend { .. } => api::NCCL_UNHANDLED_CUDA_ERROR,
         _ => api::NCCL_INTERNAL_ERROR,
     };
-    Failure { code, message: format!("ncclAllReduce: the anyccl drop-in's custom all-reduce failed: {e}") }
+    Failure { code, message: format!("the anyccl drop-in's custom all-reduce failed: {e}") }
 }
 
 impl<P: DropinPlatform> Accel for Slot<P>

@@ -4,8 +4,9 @@
 //!
 //! C enums (`ncclResult_t`, `ncclDataType_t`, `ncclRedOp_t`, `ncclScalarResidence_t`, `ncclCommMemStat_t`) are
 //! `int` here: a caller may pass any value and it is forwarded untouched (a Rust enum could not hold an unknown
-//! value soundly). Structures the drop-in never looks into (`ncclConfig_t`, `ncclCollConfig_t`, `ncclSimInfo_t`,
-//! windows, communicators, streams, parameter handles) are opaque pointers.
+//! value soundly). Structures the drop-in never looks into (`ncclConfig_t`, `ncclSimInfo_t`, windows, communicators,
+//! streams, parameter handles) are opaque pointers, and so is `ncclCollConfig_t`, which only `ncclAllReduceConfig`
+//! reads, within its declared size ([`crate::coll_config`]).
 
 use std::ffi::{c_int, c_void};
 
@@ -19,7 +20,8 @@ pub type Window = *mut c_void;
 pub type Config = *mut c_void;
 /// `ncclSimInfo_t*`.
 pub type SimInfo = *mut c_void;
-/// `const ncclCollConfig_t*` (the per-call configuration of NCCL 2.31 and later; null: as the plain call).
+/// `const ncclCollConfig_t*` (the per-call configuration of NCCL 2.31 and later; null: as the plain call; read by
+/// [`crate::coll_config`]).
 pub type CollConfig = *const c_void;
 /// `ncclParamHandle_t`.
 pub type ParamHandle = *mut c_void;

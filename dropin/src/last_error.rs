@@ -125,8 +125,16 @@ pub fn to_c_string(message: &str) -> CString {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// Held by every unit test that records a failure: the pool hands a buffer of a thread that ended to the next
+    /// thread that fails, so a test reading an ended thread's buffer must not run beside another that records.
+    pub(crate) static SERIAL: Mutex<()> = Mutex::new(());
+
+    pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+        SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+    }
 
     fn read(p: *const c_char) -> String {
         // SAFETY: every pointer this module hands out points into a buffer that is never freed and always holds a
@@ -146,6 +154,7 @@ mod tests {
 
     #[test]
     fn the_mark_follows_the_last_call() {
+        let _serial = serial();
         assert!(own().is_none());
         assert_eq!(record(Failure { code: 5, message: "nope".into() }), 5);
         let text = own().map(read);
@@ -156,6 +165,7 @@ mod tests {
 
     #[test]
     fn an_earlier_pointer_stays_readable_after_later_failures_and_after_its_thread_ended() {
+        let _serial = serial();
         let long = "x".repeat(MAX_MESSAGE_BYTES * 2);
         let first = std::thread::spawn(move || {
             record(Failure { code: 4, message: "the first failure".into() });

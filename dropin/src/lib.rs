@@ -8,8 +8,11 @@
 //!   `dlsym` on the library's own handle; no symbol is looked up afterwards (so never during graph capture).
 //! - **Forwarding**: arguments, results and error codes pass through untouched; `ncclGetVersion` reports the
 //!   underlying version and `ncclGetErrorString` forwards. The per-call config forms of NCCL 2.31 and later
-//!   (`ncclAllReduceConfig`, …) are forwarded like their plain forms; `ncclAllReduceConfig` with a null config is the
-//!   plain call (as `nccl.h` defines it) and goes through anyccl's all-reduce below, with a config it is forwarded.
+//!   (`ncclAllReduceConfig`, …) are handled like their plain forms: `ncclAllReduceConfig` with a null config (the
+//!   plain call, as `nccl.h` defines it) or with one that asks for nothing beyond the plain call goes through
+//!   anyccl's all-reduce below; a config that names an algorithm or sets anything else only the library honours
+//!   (or one the library refuses) is forwarded untouched ([`coll_config`]). The other `*Config` calls forward, as
+//!   their plain forms do.
 //! - **Handles checked** ([`handles`]): a communicator handle the drop-in did not create, or one already destroyed
 //!   or aborted, is answered with `ncclInvalidArgument` (4) and a text naming the function and the handle; nothing
 //!   is forwarded, so a garbage, freed or destroyed handle never crashes the process.
@@ -44,6 +47,7 @@ use std::sync::OnceLock;
 pub mod accel;
 pub mod agree;
 pub mod api;
+pub mod coll_config;
 pub mod handles;
 pub mod last_error;
 pub mod load;
@@ -197,8 +201,9 @@ pub extern "C" fn anyccl_nccl_dropin_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-/// How many `ncclAllReduce` calls (and `pncclAllReduce`) this process has run on anyccl's own custom kernels
-/// instead of the library underneath (those are counted by [`anyccl_nccl_dropin_calls`] too).
+/// How many `ncclAllReduce` calls (and `pncclAllReduce`, `ncclAllReduceConfig`, `pncclAllReduceConfig`) this
+/// process has run on anyccl's own custom kernels instead of the library underneath (those are counted by
+/// [`anyccl_nccl_dropin_calls`] too).
 #[no_mangle]
 pub extern "C" fn anyccl_nccl_dropin_custom_calls() -> u64 {
     accel::CUSTOM_CALLS.load(Ordering::Relaxed)
@@ -264,15 +269,16 @@ pub struct AllReduceCall {
 
 /// The one place `ncclAllReduce` is decided: anyccl's selector ([`accel`]) runs eligible calls of communicators
 /// created through the drop-in on the custom one-shot / two-shot kernels; everything else goes to the underlying
-/// library untouched (its result code is returned as it is). `Err`: anyccl failed the call itself.
+/// library untouched through `forward` (its result code is returned as it is). `Err`: anyccl failed the call itself.
 ///
 /// # Safety
-/// `call` holds what `nccl.h` requires of `ncclAllReduce`'s arguments; `f` is the underlying `ncclAllReduce`.
+/// `call` holds what `nccl.h` requires of `ncclAllReduce`'s arguments; `forward` makes the caller's call (with
+/// `call`'s arguments, untouched) to the underlying library.
 #[inline]
 pub unsafe fn dispatch_all_reduce(
     function: &'static str,
-    f: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Stream) -> NcclResult,
     call: AllReduceCall,
+    forward: impl FnOnce(&AllReduceCall) -> NcclResult,
 ) -> Result<NcclResult, Failure> {
     if !accel::any_registered() {
         // The path of every call before any communicator was created through the drop-in: as cheap as forwarding.
@@ -287,10 +293,7 @@ pub unsafe fn dispatch_all_reduce(
             why = "no communicator was created through the drop-in",
             "forwarded"
         );
-        // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's.
-        return Ok(unsafe {
-            f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream)
-        });
+        return Ok(forward(&call));
     }
     let log = |choice: &str, why: &dyn std::fmt::Display, what: &str| {
         tracing::debug!(
@@ -308,8 +311,7 @@ pub unsafe fn dispatch_all_reduce(
     match accel::all_reduce(&call) {
         accel::Outcome::Forward(why) => {
             log("ccl", &why, "forwarded");
-            // SAFETY: the caller's contract: `f` is the library's ncclAllReduce and the arguments are the caller's.
-            Ok(unsafe { f(call.sendbuff, call.recvbuff, call.count, call.datatype, call.op, call.comm, call.stream) })
+            Ok(forward(&call))
         }
         accel::Outcome::Ran(algorithm, why) => {
             log(&algorithm.to_string(), &why, "anyccl");
@@ -317,7 +319,8 @@ pub unsafe fn dispatch_all_reduce(
         }
         accel::Outcome::Failed(failure) => {
             log("none", &failure.message, "failed");
-            Err(failure)
+            // Named after the function the caller called (ncclAllReduce, ncclAllReduceConfig or an alias).
+            Err(Failure { code: failure.code, message: format!("{function}: {}", failure.message) })
         }
     }
 }
@@ -327,25 +330,48 @@ fn all_reduce(function: &'static str, call: AllReduceCall) -> NcclResult {
         let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
         handles::check(function, "comm", call.comm)?;
         count_collective();
-        // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's.
-        unsafe { dispatch_all_reduce(function, f, call) }
+        let forward = |c: &AllReduceCall| {
+            // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's.
+            unsafe { f(c.sendbuff, c.recvbuff, c.count, c.datatype, c.op, c.comm, c.stream) }
+        };
+        // SAFETY: the caller's arguments, as nccl.h requires them; `forward` is the underlying ncclAllReduce with
+        // those arguments.
+        unsafe { dispatch_all_reduce(function, call, forward) }
     })
 }
 
-/// `ncclAllReduceConfig` (NCCL 2.31 and later): with a null config it is the plain call (as `nccl.h` says), decided
-/// in [`dispatch_all_reduce`] like `ncclAllReduce`; with a config it is forwarded untouched, since the config asks for
-/// things only the library can honour (its own algorithms by name, CTA counts, a launch event, a profiler tag).
+/// `ncclAllReduceConfig` (NCCL 2.31 and later), handled like its plain form: a null config (the plain call, as
+/// `nccl.h` defines it) or one that asks for nothing beyond it ([`coll_config::Asks::Nothing`]: every field at its
+/// `NCCL_COLLCONFIG_INITIALIZER` value) is decided in [`dispatch_all_reduce`] like `ncclAllReduce`; a config that
+/// asks for something only the library honours (an algorithm by name, CTA counts, a launch event, a profiler tag),
+/// or one the library refuses itself (bad magic, too small), is forwarded. Whatever is forwarded is the caller's
+/// `ncclAllReduceConfig` call, config included, untouched.
 fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollConfig) -> NcclResult {
     guarded("ncclAllReduceConfig", || {
         let (with_config, _u) = entry("ncclAllReduceConfig", |a| a.ncclAllReduceConfig)?;
         handles::check(function, "comm", call.comm)?;
         count_collective();
-        if config.is_null() {
-            let (f, _u) = entry("ncclAllReduce", |a| a.ncclAllReduce)?;
-            // SAFETY: `f` is the underlying ncclAllReduce; the arguments are the caller's, and nccl.h defines a
-            // null config as the plain call.
-            return unsafe { dispatch_all_reduce(function, f, call) };
-        }
+        let forward = |c: &AllReduceCall| {
+            // SAFETY: the library's own ncclAllReduceConfig with the caller's arguments and config, untouched.
+            unsafe { with_config(c.sendbuff, c.recvbuff, c.count, c.datatype, c.op, c.comm, c.stream, config) }
+        };
+        let asks = if config.is_null() {
+            coll_config::Asks::Nothing
+        } else {
+            // SAFETY: nccl.h's contract for a non-null config: an ncclCollConfig_t made with
+            // NCCL_COLLCONFIG_INITIALIZER, readable within its declared size.
+            unsafe { coll_config::read(config) }
+        };
+        let why = match asks {
+            // SAFETY: the caller's arguments, as nccl.h requires them; `forward` makes the caller's own call.
+            coll_config::Asks::Nothing => return unsafe { dispatch_all_reduce(function, call, forward) },
+            coll_config::Asks::Library(what) => {
+                format!("the per-call config asks for {what}, which only the library underneath honours")
+            }
+            coll_config::Asks::Malformed(what) => {
+                format!("the per-call config is not one the library accepts ({what}): the library answers it")
+            }
+        };
         tracing::debug!(
             function,
             count = call.count,
@@ -355,27 +381,16 @@ fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollCo
             stream = ?call.stream,
             ?config,
             choice = "ccl",
-            why = "a per-call config (only the library underneath honours it)",
+            why,
             "forwarded"
         );
-        // SAFETY: the library's own ncclAllReduceConfig with the caller's arguments, untouched.
-        Ok(unsafe {
-            with_config(
-                call.sendbuff,
-                call.recvbuff,
-                call.count,
-                call.datatype,
-                call.op,
-                call.comm,
-                call.stream,
-                config,
-            )
-        })
+        Ok(forward(&call))
     })
 }
 
-/// `ncclAllReduceConfig` of `nccl.h`: with a null config the plain call, decided in [`dispatch_all_reduce`] like
-/// [`ncclAllReduce`]; with a config forwarded untouched (only the library honours what a config asks for).
+/// `ncclAllReduceConfig` of `nccl.h`: with a null config, or one that asks for nothing beyond the plain call,
+/// decided in [`dispatch_all_reduce`] like [`ncclAllReduce`]; with a config that asks for more (or one the library
+/// refuses), forwarded untouched (see [`coll_config`]).
 ///
 /// # Safety
 /// The arguments must be what `nccl.h` requires of `ncclAllReduceConfig`.
@@ -517,6 +532,7 @@ mod tests {
 
     #[test]
     fn a_panic_becomes_an_internal_error_with_a_text_and_a_forwarded_call_clears_it() {
+        let _serial = last_error::tests::serial();
         let code = guarded("ncclTestPanic", || panic!("a test panic"));
         assert_eq!(code, api::NCCL_INTERNAL_ERROR);
         // SAFETY: `own` returns this thread's live message.

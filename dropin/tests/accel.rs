@@ -49,6 +49,55 @@ fn small_sums_run_the_custom_kernels_and_the_rest_forwards() {
     assert_eq!(log_lines(&c, &["choice=\"ccl\"", "inside ncclGroupStart"]).len(), 2, "{}", c.stderr);
 }
 
+/// The fake RCCL 7.1 symbol set and `ncclAllReduceConfig` (a release with NCCL 2.31's per-call config).
+const RCCL_CONFIG_EXTRA: &[&str] = &[
+    "ncclCommSplit",
+    "ncclCommRegister",
+    "ncclCommDeregister",
+    "ncclMemAlloc",
+    "ncclMemFree",
+    "ncclGroupSimulateEnd",
+    "ncclCommInitRankScalable",
+    "ncclCommWindowRegister",
+    "ncclCommWindowDeregister",
+    "ncclCommShrink",
+    "ncclAllToAllv",
+    "mscclLoadAlgo",
+    "ncclAllReduceWithBias",
+    "ncclAllReduceConfig",
+];
+const RCCL_CONFIG: fake_ccl::Profile =
+    fake_ccl::Profile { file: "rccl-config/librccl.so.1", version: 22707, extra: RCCL_CONFIG_EXTRA };
+
+#[test]
+fn all_reduce_config_asking_nothing_runs_the_custom_kernels_and_a_config_that_asks_forwards() {
+    assert_eq!(&RCCL_CONFIG_EXTRA[..RCCL_CONFIG_EXTRA.len() - 1], fake_ccl::RCCL_7_1.extra);
+    let base = vec![
+        ("ANYCCL_RCCL_PATH", fake_hip::build_rccl(&RCCL_CONFIG).into()),
+        ("ANYCCL_HIP_PATH", fake_hip::build_hip().into()),
+    ];
+    let c = accel_common::checked_child("accel", "config", &base, &[]);
+    // Per rank: the initializer's config and a null one on the one-shot; a named algorithm, a profiler tag and a
+    // bad magic forwarded to the library's ncclAllReduceConfig. Every result was checked in the child. Then a call
+    // anyccl refuses, answered in ncclAllReduceConfig's name.
+    assert_eq!(field(&c, "launches"), "one_shot_f32=4 one_shot_bf16=0 two_shot=0 other=0");
+    assert_eq!(field(&c, "custom_calls"), "4");
+    // Six calls per rank, the refused one included (it reached anyccl's kernels' path).
+    assert_eq!(field(&c, "calls"), "12");
+    assert_eq!(field(&c, "violations"), "0");
+    let bad: Vec<&str> = c.stdout.lines().filter_map(|l| l.strip_prefix("bad_config_call=")).collect();
+    assert_eq!(bad.len(), 2, "{}", c.stdout);
+    for b in bad {
+        let want = "rc=4 text=ncclAllReduceConfig: the anyccl drop-in's custom all-reduce failed: ";
+        assert!(b.starts_with(want) && b.contains("overlap"), "{b}");
+    }
+    let config = "ncclAllReduceConfig";
+    assert_eq!(log_lines_of(&c, config, &["choice=\"one-shot\""]).len(), 4, "{}", c.stderr);
+    for why in ["algorithm selection (algSelection)", "userProfilerTag 0x7", "magic 0x1234"] {
+        assert_eq!(log_lines_of(&c, config, &["choice=\"ccl\"", why]).len(), 2, "{why}\n{}", c.stderr);
+    }
+}
+
 #[test]
 fn a_failed_setup_turns_the_kernels_off_on_every_rank_and_everything_forwards() {
     // Every rank's setup refuses the setting (3 blocks is below the minimum); the agreement rounds still run, so
@@ -415,6 +464,32 @@ fn child() {
                 assert_eq!(unsafe { (api.count)(r.comm, &mut n) }, 0);
                 assert_eq!(n, 2);
                 r.destroy();
+            });
+        }
+        "config" => {
+            use anyccl_nccl::coll_config::CollConfigV23200 as Config;
+            ranks(&api, 2, |r| {
+                // Each rank's own configs, the same on every rank (as nccl.h requires).
+                let plain = Config::INITIALIZER;
+                let named = Config { algSelection: c"RING_LL".as_ptr(), ..Config::INITIALIZER };
+                let tagged = Config { userProfilerTag: 7, ..Config::INITIALIZER };
+                let bad = Config { magic: 0x1234, ..Config::INITIALIZER };
+                let ptr = |c: &Config| std::ptr::from_ref(c).cast::<c_void>();
+                r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 0, ptr(&plain));
+                r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 1, std::ptr::null());
+                r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 2, ptr(&named));
+                r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 3, ptr(&tagged));
+                r.checked_all_reduce_config(NCCL_FLOAT32, 1024, 4, ptr(&bad));
+                // An output that overlaps its input: refused by anyccl (set up by now), in the config call's name.
+                let f = api.all_reduce_config.expect("the drop-in exports ncclAllReduceConfig");
+                let buf = r.alloc(8192);
+                // SAFETY: both ranges lie in the 8 KiB buffer; the rank's communicator and stream; a live config.
+                let rc = unsafe {
+                    f(buf, buf.cast::<u8>().add(16).cast(), 1024, NCCL_FLOAT32, 0, r.comm, r.stream, ptr(&plain))
+                };
+                // SAFETY: the drop-in's text for this thread's last call.
+                let text = unsafe { std::ffi::CStr::from_ptr((api.last_error)(r.comm)) }.to_string_lossy().into_owned();
+                println!("bad_config_call=rc={rc} text={text}");
             });
         }
         "host_time" => host_time(&api),

@@ -258,7 +258,8 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
     let lib = fake("dropin-2.32/libnccl.so.2", &["FAKE_VERSION=23203", "NCCL_2_32"]);
     let dir = case_dir("checks");
     let record = dir.join("calls.txt");
-    let out = run(checks_program(), &dir, &[], &[("ANYCCL_NCCL_PATH", os(&lib)), ("FAKE_RECORD", os(&record))]);
+    let env = [("ANYCCL_NCCL_PATH", os(&lib)), ("FAKE_RECORD", os(&record)), ("ANYCCL_LOG", os("debug"))];
+    let out = run(checks_program(), &dir, &[], &env);
     assert_eq!(out.code, Some(0), "{out:?}");
     let ok = "rc=0 last=fake: no error yet";
     let refused = |what: &str, function: &str, handle: &str| format!("{what} rc=4 last={}", refusal(function, handle));
@@ -301,12 +302,40 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
         format!("ended thread's pointer: {}", refusal("ncclCommCount", "0xbad2")),
         format!("ncclCommSuspend {ok}"),
         format!("ncclCommResume {ok}"),
-        format!("ncclAllReduceConfig {ok}"),
+        format!("ncclAllReduceConfig initializer {ok}"),
         format!("ncclAllReduceConfig null {ok}"),
+        format!("ncclAllReduceConfig named {ok}"),
+        format!("ncclAllReduceConfig tagged {ok}"),
+        format!("ncclAllReduceConfig bad magic {ok}"),
+        format!("ncclAllReduceConfig too small {ok}"),
         format!("ncclBroadcastConfig {ok}"),
         format!("pncclBroadcastConfig {ok}"),
         "ncclParamGetI32 rc=0 value=32".into(),
         missing,
+        format!("ncclReduceConfig {ok}"),
+        format!("ncclAllGatherConfig {ok}"),
+        format!("ncclReduceScatterConfig {ok}"),
+        format!("ncclAlltoAllConfig {ok}"),
+        format!("ncclGatherConfig {ok}"),
+        format!("ncclScatterConfig {ok}"),
+        // The grown communicator is the drop-in's: a call on it is forwarded, not refused.
+        "ncclCommGrow rc=0 new=e2 last=fake: no error yet".into(),
+        format!("grown ncclCommCount {ok}"),
+        format!("ncclSetEncryption {ok}"),
+        "ncclWinGetUserPtr rc=0 user=5e4".into(),
+        format!("ncclPutSignal {ok}"),
+        format!("ncclSignal {ok}"),
+        format!("ncclWaitSignal {ok}"),
+        "ncclCommMemStats rc=0 value=1002".into(),
+        "ncclParamBind rc=0 handle=9b".into(),
+        // Each width and signedness written through untouched (the fake's extremes).
+        "ncclParamGet ints rc=0,0,0,0,0,0,0 values=-8,-16,-1099511627776,200,60000,4000000000,9223372036854775808"
+            .into(),
+        "ncclParamGetStr rc=0 value=fake-str".into(),
+        "ncclParamGet rc=0 value=raw len=3".into(),
+        "ncclParamGetParameter rc=0 value=fake-value len=10".into(),
+        "ncclParamGetAllParameterKeys rc=0 len=2 keys=NCCL_FAKE_A,NCCL_FAKE_B".into(),
+        "ncclParamDumpAll last=fake: no error yet".into(),
         // The device API's host side: a team by value both ways, a handle refused with an empty team, a function
         // the fake lacks answered with -1 or ncclInvalidUsage and a text (the caller's pointer untouched).
         "ncclTeamWorld team=8,3,1 last=fake: no error yet".into(),
@@ -315,6 +344,9 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
         format!("ncclLLA2ACalcSlots slots=-1 last={}", lacks("ncclLLA2ACalcSlots")),
         format!("ncclGetPeerDevicePointer rc=5 out=77 last={}", lacks("ncclGetPeerDevicePointer")),
         refused("destroyed ncclCommSuspend", "ncclCommSuspend", "0xc32"),
+        // Counted as collectives: the six ncclAllReduceConfig, the two broadcast and six other *Config calls,
+        // ncclPutSignal, ncclSignal and ncclWaitSignal (the refused calls above reached nothing and are not).
+        "calls=17".into(),
     ];
     let got: Vec<&str> = out.stdout.lines().collect();
     assert_eq!(got, want, "stderr:\n{}", out.stderr);
@@ -333,18 +365,80 @@ fn handles_the_drop_in_did_not_create_are_refused_and_its_texts_stay_readable() 
             "ncclCommCount comm=c00",
             "ncclCommSuspend comm=c32 flags=1",
             "ncclCommResume comm=c32",
-            "ncclAllReduceConfig send=301 recv=302 count=303 dtype=7 op=0 comm=c32 stream=5f1 config=cc1",
-            // A null per-call config is the plain call (nccl.h), decided like ncclAllReduce.
-            "ncclAllReduce send=311 recv=312 count=313 dtype=7 op=0 comm=c32 stream=5f2",
+            // Whichever way the drop-in decided each ncclAllReduceConfig (the log, below), what the library got is
+            // the caller's call with the caller's config, untouched (a null one stays null).
+            "ncclAllReduceConfig send=301 recv=302 count=303 dtype=7 op=0 comm=c32 stream=5f1 \
+             config=size:72,magic:cafebeef,version:23203,alg:(null),force:1,tag:0",
+            "ncclAllReduceConfig send=311 recv=312 count=313 dtype=7 op=0 comm=c32 stream=5f2 config=null",
+            "ncclAllReduceConfig send=341 recv=342 count=343 dtype=7 op=0 comm=c32 stream=5f5 \
+             config=size:72,magic:cafebeef,version:23203,alg:RING_SIMPLE,force:1,tag:0",
+            "ncclAllReduceConfig send=351 recv=352 count=353 dtype=7 op=0 comm=c32 stream=5f6 \
+             config=size:72,magic:cafebeef,version:23203,alg:(null),force:1,tag:42",
+            "ncclAllReduceConfig send=361 recv=362 count=363 dtype=7 op=0 comm=c32 stream=5f7 \
+             config=size:72,magic:0,version:23203,alg:(null),force:1,tag:0",
+            "ncclAllReduceConfig send=371 recv=372 count=373 dtype=7 op=0 comm=c32 stream=5f8 \
+             config=size:16,magic:cafebeef,version:23203,alg:(null),force:1,tag:0",
             "ncclBroadcastConfig send=321 recv=322 count=323 dtype=7 root=1 comm=c32 stream=5f3 config=cc2",
             "ncclBroadcastConfig send=331 recv=332 count=333 dtype=7 root=2 comm=c32 stream=5f4 config=cc3",
             "ncclParamGetI32 h=9a",
+            "ncclReduceConfig send=401 recv=402 count=403 dtype=2 op=2 root=1 comm=c32 stream=5a1 config=cc4",
+            "ncclAllGatherConfig send=411 recv=412 count=413 dtype=8 comm=c32 stream=5a2 config=cc5",
+            "ncclReduceScatterConfig send=421 recv=422 count=423 dtype=6 op=3 comm=c32 stream=5a3 config=cc6",
+            "ncclAlltoAllConfig send=431 recv=432 count=433 dtype=10 comm=c32 stream=5a4 config=cc7",
+            "ncclGatherConfig send=441 recv=442 count=443 dtype=11 root=1 comm=c32 stream=5a5 config=cc8",
+            "ncclScatterConfig send=451 recv=452 count=453 dtype=0 root=2 comm=c32 stream=5a6 config=cc9",
+            "ncclCommGrow comm=c32 nranks=12 id0=33 rank=9 config=cfa",
+            "ncclCommCount comm=e2",
+            "ncclSetEncryption config=e4c",
+            "ncclWinGetUserPtr comm=c32 win=3d",
+            "ncclPutSignal send=501 count=503 dtype=9 peer=4 win=3e offset=4096 sig=2 ctx=1 flags=5 comm=c32 stream=5b1",
+            "ncclSignal peer=5 sig=3 ctx=2 flags=6 comm=c32 stream=5b2",
+            "ncclWaitSignal n=2 desc1=6,7,8,9 comm=c32 stream=5b3",
+            "ncclCommMemStats comm=c32 stat=2",
+            "ncclParamBind key=NCCL_FAKE_KEY",
+            "ncclParamGetI8 h=9b",
+            "ncclParamGetI16 h=9c",
+            "ncclParamGetI64 h=9d",
+            "ncclParamGetU8 h=9e",
+            "ncclParamGetU16 h=9f",
+            "ncclParamGetU32 h=a0",
+            "ncclParamGetU64 h=a1",
+            "ncclParamGetStr h=a2",
+            "ncclParamGet h=a3 max=7",
+            "ncclParamGetParameter key=NCCL_FAKE_PARAM",
+            "ncclParamGetAllParameterKeys",
+            "ncclParamDumpAll",
             "ncclTeamWorld comm=c32",
             "ncclTeamRankToWorld comm=c32 team=8,3,2 rank=5",
             "ncclCommDestroy comm=c32",
             "ncclCommGetAsyncError comm=c32",
         ]
     );
+    // How each ncclAllReduceConfig was decided (ANYCCL_LOG=debug): a null config and one at the initializer's values
+    // went the way of ncclAllReduce (anyccl's selector, which forwards here: the fake has no device runtime), the
+    // others were forwarded for what they ask, each with its reason.
+    let decided = |count: &str| -> String {
+        let lines: Vec<&str> = out
+            .stderr
+            .lines()
+            .filter(|l| l.contains("function=\"ncclAllReduceConfig\"") && l.split(' ').any(|w| w == count))
+            .collect();
+        assert_eq!(lines.len(), 1, "{count}: {lines:?}\n{}", out.stderr);
+        lines[0].to_owned()
+    };
+    for count in ["count=303", "count=313"] {
+        let line = decided(count);
+        assert!(line.contains("choice=\"ccl\"") && !line.contains("per-call config"), "{line}");
+    }
+    for (count, why) in [
+        ("count=343", "the per-call config asks for an algorithm selection (algSelection), which only the library"),
+        ("count=353", "the per-call config asks for a profiler tag (userProfilerTag 0x2a)"),
+        ("count=363", "the per-call config is not one the library accepts (magic 0x0 is not NCCL_API_MAGIC"),
+        ("count=373", "the per-call config is not one the library accepts (size 16 is smaller than"),
+    ] {
+        let line = decided(count);
+        assert!(line.contains(why) && line.contains("choice=\"ccl\""), "{why:?} not in {line}");
+    }
 }
 
 #[test]

@@ -62,6 +62,49 @@ int ncclCommSuspend(ncclComm_t, int);
 int ncclCommResume(ncclComm_t);
 int ncclParamGetI32(void*, int*);
 int ncclCommGetUniqueId(ncclComm_t, ncclUniqueId*);
+int ncclReduceConfig(const void*, void*, size_t, int, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclAllGatherConfig(const void*, void*, size_t, int, ncclComm_t, cudaStream_t, const void*);
+int ncclReduceScatterConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclAlltoAllConfig(const void*, void*, size_t, int, ncclComm_t, cudaStream_t, const void*);
+int ncclGatherConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclScatterConfig(const void*, void*, size_t, int, int, ncclComm_t, cudaStream_t, const void*);
+int ncclCommGrow(ncclComm_t, int, const ncclUniqueId*, int, ncclComm_t*, void*);
+int ncclSetEncryption(const void*);
+int ncclWinGetUserPtr(ncclComm_t, void*, void**);
+int ncclPutSignal(const void*, size_t, int, int, void*, size_t, int, int, unsigned int, ncclComm_t, cudaStream_t);
+int ncclSignal(int, int, int, unsigned int, ncclComm_t, cudaStream_t);
+typedef struct { int opCnt, peer, sigIdx, ctx; } ncclWaitSignalDesc_t;
+int ncclWaitSignal(int, ncclWaitSignalDesc_t*, ncclComm_t, cudaStream_t);
+int ncclCommMemStats(ncclComm_t, int, unsigned long long*);
+int ncclParamBind(void**, const char*);
+int ncclParamGetI8(void*, signed char*);
+int ncclParamGetI16(void*, short*);
+int ncclParamGetI64(void*, long long*);
+int ncclParamGetU8(void*, unsigned char*);
+int ncclParamGetU16(void*, unsigned short*);
+int ncclParamGetU32(void*, unsigned int*);
+int ncclParamGetU64(void*, unsigned long long*);
+int ncclParamGetStr(void*, const char**);
+int ncclParamGet(void*, void*, int, int*);
+int ncclParamGetParameter(const char*, const char**, int*);
+int ncclParamGetAllParameterKeys(const char***, int*);
+void ncclParamDumpAll(void);
+/* ncclCollConfig_t of nccl.h 2.32.3 (ncclCollConfig_v23200), field for field, and its initializer. */
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    void* ext;
+    int minCTAs, maxCTAs, nvlsCTAs, cgaClusterSize;
+    const char* algSelection;
+    int forceAlgSelection;
+    int CTAPolicy;
+    unsigned long long userProfilerTag;
+    void* launchCompletionEvent;
+} ncclCollConfig_t;
+#define NCCL_COLLCONFIG_INITIALIZER_2_32_3 \
+    {sizeof(ncclCollConfig_t), 0xcafebeef, 23203, NULL, -2147483647 - 1, -2147483647 - 1, -2147483647 - 1, \
+     -2147483647 - 1, NULL, 1, -2147483647 - 1, 0, NULL}
 /* The device API's host side (nccl_device/host.h). */
 typedef struct { int nRanks, rank, stride; } ncclTeam_t;
 ncclTeam_t ncclTeamWorld(ncclComm_t);

@@ -6,9 +6,12 @@
  *   -DFAKE_VERSION=<code>   what ncclGetVersion answers
  *   -DNO_WINDOWS            leave out ncclCommWindowRegister/Deregister (as RCCL 7.0 does)
  *   -DRCCL                  export ncclAllToAllv too, an RCCL-only symbol (anyccl's loader then says RCCL)
- *   -DNCCL_2_32             export ncclAllReduceConfig, ncclBroadcastConfig, ncclCommSuspend, ncclCommResume,
- *                           ncclParamGetI32 and two device API host functions (ncclTeamWorld, ncclTeamRankToWorld)
- *                           too
+ *   -DNCCL_2_32             export the nccl.h 2.32 functions the checks program calls too (the eight *Config
+ *                           collectives, ncclCommSuspend/Resume, ncclCommGrow, ncclCommMemStats, ncclWinGetUserPtr,
+ *                           ncclSetEncryption, ncclPutSignal, ncclSignal, ncclWaitSignal, the ncclParam* family)
+ *                           and two device API host functions (ncclTeamWorld, ncclTeamRankToWorld), but not
+ *                           ncclCommGetUniqueId; ncclAllReduceConfig records the config's fields, the other *Config
+ *                           calls its address
  * Results: every call returns ncclSuccess (0) except ncclGroupEnd, which returns ncclInProgress (7), and
  * ncclAllGather with sendcount 13, which returns ncclInvalidArgument (4) and sets the last error. */
 #include <stddef.h>
@@ -180,9 +183,28 @@ int ncclGroupSimulateEnd(void* info) { rec("ncclGroupSimulateEnd info=%lx", P(in
 int ncclAllToAllv(void) { return 0; }
 #endif
 #ifdef NCCL_2_32
+/* ncclCollConfig_t of nccl.h 2.32.3, as the checks program fills it. */
+typedef struct {
+    size_t size;
+    unsigned int magic, version;
+    void* ext;
+    int minCTAs, maxCTAs, nvlsCTAs, cgaClusterSize;
+    const char* algSelection;
+    int forceAlgSelection, CTAPolicy;
+    unsigned long long userProfilerTag;
+    void* launchCompletionEvent;
+} collconfig_t;
 int ncclAllReduceConfig(const void* s, void* r, size_t n, int t, int op, comm_t c, stream_t st, const void* cfg) {
-    rec("ncclAllReduceConfig send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n,
-        t, op, P(c), P(st), P(cfg));
+    const collconfig_t* k = cfg;
+    if (!k) {
+        rec("ncclAllReduceConfig send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx config=null", P(s), P(r),
+            n, t, op, P(c), P(st));
+        return 0;
+    }
+    rec("ncclAllReduceConfig send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx config=size:%zu,magic:%x,"
+        "version:%u,alg:%s,force:%d,tag:%llu",
+        P(s), P(r), n, t, op, P(c), P(st), k->size, k->magic, k->version, k->algSelection ? k->algSelection : "(null)",
+        k->forceAlgSelection, k->userProfilerTag);
     return 0;
 }
 int ncclBroadcastConfig(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st, const void* cfg) {
@@ -190,6 +212,98 @@ int ncclBroadcastConfig(const void* s, void* r, size_t n, int t, int root, comm_
         n, t, root, P(c), P(st), P(cfg));
     return 0;
 }
+int ncclReduceConfig(const void* s, void* r, size_t n, int t, int op, int root, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclReduceConfig send=%lx recv=%lx count=%zu dtype=%d op=%d root=%d comm=%lx stream=%lx config=%lx", P(s),
+        P(r), n, t, op, root, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclAllGatherConfig(const void* s, void* r, size_t n, int t, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclAllGatherConfig send=%lx recv=%lx count=%zu dtype=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n, t,
+        P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclReduceScatterConfig(const void* s, void* r, size_t n, int t, int op, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclReduceScatterConfig send=%lx recv=%lx count=%zu dtype=%d op=%d comm=%lx stream=%lx config=%lx", P(s), P(r),
+        n, t, op, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclAlltoAllConfig(const void* s, void* r, size_t n, int t, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclAlltoAllConfig send=%lx recv=%lx count=%zu dtype=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n, t,
+        P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclGatherConfig(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclGatherConfig send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n,
+        t, root, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclScatterConfig(const void* s, void* r, size_t n, int t, int root, comm_t c, stream_t st, const void* cfg) {
+    rec("ncclScatterConfig send=%lx recv=%lx count=%zu dtype=%d root=%d comm=%lx stream=%lx config=%lx", P(s), P(r), n,
+        t, root, P(c), P(st), P(cfg));
+    return 0;
+}
+int ncclCommGrow(comm_t c, int n, const ncclUniqueId* id, int r, comm_t* out, void* cfg) {
+    rec("ncclCommGrow comm=%lx nranks=%d id0=%d rank=%d config=%lx", P(c), n, id ? id->internal[0] : -1, r, P(cfg));
+    *out = (void*)0xe2;
+    return 0;
+}
+int ncclCommMemStats(comm_t c, int stat, uint64_t* v) {
+    rec("ncclCommMemStats comm=%lx stat=%d", P(c), stat);
+    *v = 1000 + (uint64_t)stat;
+    return 0;
+}
+int ncclWinGetUserPtr(comm_t c, void* w, void** out) {
+    rec("ncclWinGetUserPtr comm=%lx win=%lx", P(c), P(w));
+    *out = (void*)0x05e4;
+    return 0;
+}
+int ncclSetEncryption(const void* cfg) { rec("ncclSetEncryption config=%lx", P(cfg)); return 0; }
+int ncclPutSignal(const void* s, size_t n, int t, int peer, void* w, size_t off, int sig, int ctx, unsigned flags,
+                  comm_t c, stream_t st) {
+    rec("ncclPutSignal send=%lx count=%zu dtype=%d peer=%d win=%lx offset=%zu sig=%d ctx=%d flags=%u comm=%lx "
+        "stream=%lx",
+        P(s), n, t, peer, P(w), off, sig, ctx, flags, P(c), P(st));
+    return 0;
+}
+int ncclSignal(int peer, int sig, int ctx, unsigned flags, comm_t c, stream_t st) {
+    rec("ncclSignal peer=%d sig=%d ctx=%d flags=%u comm=%lx stream=%lx", peer, sig, ctx, flags, P(c), P(st));
+    return 0;
+}
+typedef struct { int opCnt, peer, sigIdx, ctx; } wait_desc_t;
+int ncclWaitSignal(int nd, wait_desc_t* d, comm_t c, stream_t st) {
+    rec("ncclWaitSignal n=%d desc1=%d,%d,%d,%d comm=%lx stream=%lx", nd, d[1].opCnt, d[1].peer, d[1].sigIdx, d[1].ctx,
+        P(c), P(st));
+    return 0;
+}
+int ncclParamBind(void** out, const char* key) { rec("ncclParamBind key=%s", key); *out = (void*)0x9b; return 0; }
+int ncclParamGetI8(void* h, int8_t* out) { rec("ncclParamGetI8 h=%lx", P(h)); *out = -8; return 0; }
+int ncclParamGetI16(void* h, int16_t* out) { rec("ncclParamGetI16 h=%lx", P(h)); *out = -16; return 0; }
+int ncclParamGetI64(void* h, int64_t* out) { rec("ncclParamGetI64 h=%lx", P(h)); *out = -(1LL << 40); return 0; }
+int ncclParamGetU8(void* h, uint8_t* out) { rec("ncclParamGetU8 h=%lx", P(h)); *out = 200; return 0; }
+int ncclParamGetU16(void* h, uint16_t* out) { rec("ncclParamGetU16 h=%lx", P(h)); *out = 60000; return 0; }
+int ncclParamGetU32(void* h, uint32_t* out) { rec("ncclParamGetU32 h=%lx", P(h)); *out = 4000000000u; return 0; }
+int ncclParamGetU64(void* h, uint64_t* out) { rec("ncclParamGetU64 h=%lx", P(h)); *out = 1ULL << 63; return 0; }
+int ncclParamGetStr(void* h, const char** out) { rec("ncclParamGetStr h=%lx", P(h)); *out = "fake-str"; return 0; }
+int ncclParamGet(void* h, void* out, int max, int* len) {
+    rec("ncclParamGet h=%lx max=%d", P(h), max);
+    memcpy(out, "raw", max < 3 ? (size_t)max : 3);
+    *len = 3;
+    return 0;
+}
+int ncclParamGetParameter(const char* key, const char** value, int* len) {
+    rec("ncclParamGetParameter key=%s", key);
+    *value = "fake-value";
+    *len = 10;
+    return 0;
+}
+int ncclParamGetAllParameterKeys(const char*** table, int* len) {
+    static const char* keys[] = {"NCCL_FAKE_A", "NCCL_FAKE_B"};
+    rec("ncclParamGetAllParameterKeys");
+    *table = keys;
+    *len = 2;
+    return 0;
+}
+void ncclParamDumpAll(void) { rec("ncclParamDumpAll"); }
 int ncclCommSuspend(comm_t c, int flags) { rec("ncclCommSuspend comm=%lx flags=%d", P(c), flags); return 0; }
 int ncclCommResume(comm_t c) { rec("ncclCommResume comm=%lx", P(c)); return 0; }
 int ncclParamGetI32(void* h, int* out) { rec("ncclParamGetI32 h=%lx", P(h)); *out = 32; return 0; }

@@ -138,6 +138,23 @@ int main(int argc, char** argv) {
              (const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t,
               const ncclCollConfig_t*),
              NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL, &cfg);
+        /* The drop-in reads an ncclAllReduceConfig config: a null one, one naming an algorithm and a malformed one
+         * (which it leaves to the library to refuse) get the library's own answers too. */
+        ncclCollConfig_t named = NCCL_COLLCONFIG_INITIALIZER, bad = NCCL_COLLCONFIG_INITIALIZER;
+        named.algSelection = "RING_SIMPLE";
+        bad.magic = 0;
+        SAME(ncclAllReduceConfig,
+             (const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t,
+              const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL, NULL);
+        SAME(ncclAllReduceConfig,
+             (const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t,
+              const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL, &named);
+        SAME(ncclAllReduceConfig,
+             (const void*, void*, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t,
+              const ncclCollConfig_t*),
+             NULL, NULL, 1, ncclFloat32, ncclSum, NULL, NULL, &bad);
         SAME(ncclBroadcastConfig,
              (const void*, void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t, const ncclCollConfig_t*),
              NULL, NULL, 1, ncclFloat32, 0, NULL, NULL, &cfg);

@@ -86,10 +86,13 @@ pub fn field(c: &Child, key: &str) -> String {
 
 /// Log lines of the drop-in's `ncclAllReduce` decisions with all of `words`.
 pub fn log_lines<'a>(c: &'a Child, words: &[&str]) -> Vec<&'a str> {
-    c.stderr
-        .lines()
-        .filter(|l| l.contains("function=\"ncclAllReduce\"") && words.iter().all(|w| l.contains(w)))
-        .collect()
+    log_lines_of(c, "ncclAllReduce", words)
+}
+
+/// The drop-in's log lines for `function` with all of `words`.
+pub fn log_lines_of<'a>(c: &'a Child, function: &str, words: &[&str]) -> Vec<&'a str> {
+    let f = format!("function=\"{function}\"");
+    c.stderr.lines().filter(|l| l.contains(&f) && words.iter().all(|w| l.contains(w))).collect()
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -107,6 +110,8 @@ pub struct Api {
     pub get_unique_id: unsafe extern "C" fn(*mut Id) -> c_int,
     pub init_rank: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> c_int,
     pub all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
+    /// `ncclAllReduceConfig` (`None` in a drop-in built before nccl.h 2.31).
+    pub all_reduce_config: Option<AllReduceConfig>,
     pub destroy: unsafe extern "C" fn(Comm) -> c_int,
     pub split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> c_int,
     pub group_start: unsafe extern "C" fn() -> c_int,
@@ -126,6 +131,10 @@ pub struct Api {
     pub instantiate: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *mut c_void, *mut c_void, usize) -> c_int,
     pub graph_launch: unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int,
 }
+
+/// `ncclAllReduceConfig`'s C signature (the config as an untyped pointer).
+pub type AllReduceConfig =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void, *const c_void) -> c_int;
 
 pub fn sym<T: Copy>(lib: &'static libloading::Library, name: &str) -> T {
     // SAFETY: every caller names a C function of the drop-in or the fake runtime with the signature `T`.
@@ -172,6 +181,8 @@ pub fn load_api(rt: Runtime) -> (Api, FakeHip) {
         get_unique_id: sym(d, "ncclGetUniqueId"),
         init_rank: sym(d, "ncclCommInitRank"),
         all_reduce: sym(d, "ncclAllReduce"),
+        // SAFETY: the drop-in's ncclAllReduceConfig, with nccl.h's signature.
+        all_reduce_config: unsafe { d.get::<AllReduceConfig>(b"ncclAllReduceConfig") }.ok().map(|f| *f),
         destroy: sym(d, "ncclCommDestroy"),
         split: sym(d, "ncclCommSplit"),
         group_start: sym(d, "ncclGroupStart"),
@@ -387,6 +398,22 @@ impl Rank<'_> {
         let mine: Vec<f32> = (0..count).map(|i| value(self.rank, round, i)).collect();
         self.upload(send, &encode(dtype, &mine));
         self.all_reduce(send, recv, count, dtype);
+        self.sync();
+        self.check(recv, dtype, count, round);
+    }
+
+    /// As [`Rank::checked_all_reduce`] out of place, through `ncclAllReduceConfig` with `config` (null, or an
+    /// `ncclCollConfig_t` that lives through the call).
+    pub fn checked_all_reduce_config(&self, dtype: c_int, count: usize, round: usize, config: *const c_void) {
+        let f = self.api.all_reduce_config.expect("the drop-in exports ncclAllReduceConfig");
+        let bytes = count * elem(dtype);
+        let (send, recv) = (self.alloc(bytes), self.alloc(bytes));
+        let mine: Vec<f32> = (0..count).map(|i| value(self.rank, round, i)).collect();
+        self.upload(send, &encode(dtype, &mine));
+        // SAFETY: buffers of `count` elements of this device; the rank's communicator and stream; the caller's
+        // config.
+        let rc = unsafe { f(send, recv, count, dtype, 0, self.comm, self.stream, config) };
+        assert_eq!(rc, 0, "ncclAllReduceConfig rank {}", self.rank);
         self.sync();
         self.check(recv, dtype, count, round);
     }
