@@ -5,6 +5,9 @@ use bytemuck::{Pod, Zeroable};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
+#[cfg(target_arch = "x86_64")]
+mod bf16_avx2;
+
 /// The reduction operators the host backend implements.
 ///
 /// [`ReduceOp`] is `#[non_exhaustive]`; `resolve` turns it into this exhaustive set once per call, before any data
@@ -48,6 +51,8 @@ pub(crate) trait Reducible: Pod {
             *d = s.load();
         }
     }
+    /// Whether the type is `bf16`, which has its own AVX2 kernel (`reduce_bf16_avx2`).
+    const IS_BF16: bool = false;
     /// Whether [`Reducible::load`] is cheap and branch-free, so that the kernels convert inside the fold loop
     /// (one pass) instead of converting a block first (bf16: a shift).
     const LOAD_IN_FOLD: bool = false;
@@ -156,8 +161,9 @@ float_reducible!(f16, f32, f16::to_f32, f16::from_f32, {
 });
 // bf16: `half` converts slices of bf16 one element at a time through a branchy function; these branch-free forms
 // of the same bit operations vectorise (the tests compare them with `half`'s bit for bit).
-float_reducible!(bf16, f32, |x: bf16| bf16_bits_to_f32(x.to_bits()), bf16::from_f32, {
+float_reducible!(bf16, f32, |x: bf16| bf16_bits_to_f32(x.to_bits()), |a| bf16::from_bits(f32_to_bf16_bits(a)), {
     const LOAD_IN_FOLD: bool = true;
+    const IS_BF16: bool = true;
     #[inline(always)]
     fn load_slice(src: &[bf16], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
@@ -172,11 +178,12 @@ float_reducible!(bf16, f32, |x: bf16| bf16_bits_to_f32(x.to_bits()), bf16::from_
     }
 });
 
-/// `bf16::to_f32` without branches: a NaN keeps its payload with the quiet bit set.
+/// `bf16::to_f32` without branches: a NaN keeps its payload with the quiet bit set. The quiet bit is set in the
+/// 16-bit value before it is widened, so that vectorised the test and the bit cover sixteen lanes at a time.
 #[inline(always)]
 fn bf16_bits_to_f32(i: u16) -> f32 {
-    let nan = u32::from(i & 0x7FFF > 0x7F80);
-    f32::from_bits((u32::from(i) | (nan << 6)) << 16)
+    let nan = u16::from(i & 0x7FFF > 0x7F80);
+    f32::from_bits(u32::from(i | (nan << 6)) << 16)
 }
 
 /// `bf16::from_f32` without branches: round to nearest even; a NaN keeps the high part of its payload with the
@@ -185,9 +192,10 @@ fn bf16_bits_to_f32(i: u16) -> f32 {
 fn f32_to_bf16_bits(v: f32) -> u16 {
     let x = v.to_bits();
     let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
-    let up = u32::from((x & 0x8000) != 0 && (x & 0x1_7FFF) != 0);
-    // Not a NaN: `x >> 16` is at most 0xFF80, so adding one cannot carry out of 16 bits.
-    let rounded = (x >> 16).wrapping_add(up);
+    // Round to nearest even: adding 0x7FFF and the kept part's lowest bit carries into the kept part exactly when
+    // the dropped half is above one half, or exactly one half with the kept part odd. Not a NaN, `x` is at most
+    // 0xFF80_0000 (negative infinity), so the sum cannot overflow.
+    let rounded = x.wrapping_add(0x7FFF + ((x >> 16) & 1)) >> 16;
     let quiet = (x >> 16) | 0x40;
     (if nan { quiet } else { rounded }) as u16
 }
@@ -398,6 +406,9 @@ fn as_acc<T: Reducible>(x: &[T]) -> Option<&[T::Acc]> {
 pub(crate) fn reduce_into<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: usize) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
+        if T::IS_BF16 && reduce_bf16_avx2(inputs, out, op, world) {
+            return;
+        }
         #[allow(unsafe_code)]
         // SAFETY: the processor has AVX2 (checked just above), the only requirement of `reduce_into_avx2`.
         unsafe {
@@ -406,6 +417,36 @@ pub(crate) fn reduce_into<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, 
         return;
     }
     reduce_into_any(inputs, out, op, world);
+}
+
+/// [`reduce_into`] for bf16 with its AVX2 kernel, on a processor with AVX2; false, having done nothing, if `T` is
+/// not `bf16` (the casts fail).
+#[cfg(target_arch = "x86_64")]
+fn reduce_bf16_avx2<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: usize) -> bool {
+    /// Inputs viewed on the stack (a call has one per rank); more go through the heap.
+    const ON_STACK: usize = 16;
+    let Ok(out) = bytemuck::try_cast_slice_mut::<T, bf16>(out) else { return false };
+    let mut stack: [&[bf16]; ON_STACK] = [&[]; ON_STACK];
+    let mut heap: Vec<&[bf16]> = Vec::new();
+    let ins: &mut [&[bf16]] = match stack.get_mut(..inputs.len()) {
+        Some(s) => s,
+        None => {
+            heap.resize(inputs.len(), &[]);
+            &mut heap
+        }
+    };
+    for (d, x) in ins.iter_mut().zip(inputs) {
+        match bytemuck::try_cast_slice::<T, bf16>(x) {
+            Ok(x) => *d = x,
+            Err(_) => return false,
+        }
+    }
+    #[allow(unsafe_code)]
+    // SAFETY: the caller checked that the processor has AVX2, the only requirement of the kernel.
+    unsafe {
+        bf16_avx2::reduce(ins, out, op, world)
+    };
+    true
 }
 
 /// [`reduce_into`] compiled for AVX2: the same operations in the same order (element-wise, no fused
@@ -615,6 +656,94 @@ mod tests {
         check(|r, i| F8E4M3::from_f32(val(r, i)));
         check(|r, i| (i as i32).wrapping_mul(2_654_435) ^ r as i32);
         check(|r, i| (i * 31 + r) as u8);
+    }
+
+    /// Whether `got` and `want` are both NaNs that IEEE 754 and Rust let an operation choose between: where two
+    /// NaNs meet in one operation (or a NaN meets one the operation made, such as infinity minus infinity), the
+    /// result carries either's payload, and compilers reorder the operands of `+` and `*` freely, the element-wise
+    /// definition included. Every NaN the inputs quieted, and the processor's own default NaNs, are candidates;
+    /// with a single candidate there is no choice and the bits must match.
+    fn same_nan_choice(got: u16, want: u16, inputs: &[u16], op: Op) -> bool {
+        let is_nan = |b: u16| b & 0x7FFF > 0x7F80;
+        let mut candidates: Vec<u16> = inputs.iter().filter(|b| is_nan(**b)).map(|b| b | 0x40).collect();
+        // The NaNs the operations made from numbers (infinity minus infinity, zero times infinity): the
+        // processor's default NaN, negative on x86, positive on Arm.
+        let mut made = 0;
+        let mut a = bf16::from_bits(inputs[0]).load();
+        for x in &inputs[1..] {
+            let b = bf16::from_bits(*x).load();
+            let c = bf16::combine(a, b, op);
+            made += usize::from(!a.is_nan() && !b.is_nan() && c.is_nan());
+            a = c;
+        }
+        if made > 0 {
+            candidates.extend([0xFFC0, 0x7FC0]);
+        }
+        let choices = inputs.iter().filter(|b| is_nan(**b)).count() + made;
+        is_nan(got) && is_nan(want) && choices >= 2 && candidates.contains(&got)
+    }
+
+    /// bf16's kernels (the AVX2 one where the processor has it, and the portable one) give the element-wise
+    /// definition's bits for every operator: every bf16 value against NaNs of both kinds and payloads, infinities,
+    /// zeros of both signs, subnormals, the largest finite values and rounding ties, in every position of a vector,
+    /// with lengths that are not a multiple of the vector width, and one to five inputs.
+    #[test]
+    fn bf16_kernels_match_the_element_definition() {
+        let special: [u16; 26] = [
+            0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7F81, 0xFF81, 0x7FBF,
+            0x7FC0, 0xFFC0, 0x7FC1, 0x7FFF, 0xFFFF, 0x3F80, 0xBF80, 0x3B80, 0x3C00, 0x3F81, 0x4000, 0x0100, 0x7F00,
+        ];
+        // Every value, then pseudo-random patterns; the other inputs are the specials, shifted so that each meets
+        // every lane, and pseudo-random patterns of their own.
+        let mut lcg = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            lcg = lcg.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (lcg >> 48) as u16
+        };
+        let n = (1 << 16) + (1 << 14) + 21;
+        let all: Vec<bf16> = (0..n).map(|i| bf16::from_bits(if i < 1 << 16 { i as u16 } else { next() })).collect();
+        let mut inputs = vec![all];
+        for r in 1..5 {
+            inputs.push(
+                (0..n)
+                    .map(|i| {
+                        let k = i / special.len() + r;
+                        bf16::from_bits(if (i / 7 + r) % 3 == 0 { next() } else { special[(i + k) % special.len()] })
+                    })
+                    .collect(),
+            );
+        }
+        // The same rank order reversed, so that the specials stand on the left of each operator too.
+        let mut reversed = inputs.clone();
+        reversed.reverse();
+        for set in [&inputs, &reversed] {
+            for world in 1..=set.len() {
+                for len in [0, 1, 15, 16, 17, 31, 32, 33, 63, 100, n] {
+                    let views: Vec<&[bf16]> = set[..world].iter().map(|v| &v[..len]).collect();
+                    for op in Op::ALL {
+                        let mut out = vec![bf16::ZERO; len];
+                        reduce_into(&views, &mut out, op, world);
+                        let mut plain = vec![bf16::ZERO; len];
+                        reduce_into_any(&views, &mut plain, op, world);
+                        for i in 0..len {
+                            let mut a = views[0][i].load();
+                            for x in &views[1..] {
+                                a = bf16::combine(a, x[i].load(), op);
+                            }
+                            let want = bf16::store(bf16::finish(a, op, world)).to_bits();
+                            let inputs: Vec<u16> = views.iter().map(|x| x[i].to_bits()).collect();
+                            for (form, got) in [("portable", plain[i].to_bits()), ("picked", out[i].to_bits())] {
+                                assert!(
+                                    got == want || same_nan_choice(got, want, &inputs, op),
+                                    "{op:?} ({form}) world {world} len {len} at {i}: {inputs:04x?} gave {got:04x}, \
+                                     the definition {want:04x}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
