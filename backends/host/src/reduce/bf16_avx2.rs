@@ -17,9 +17,9 @@
 use std::arch::x86_64::{
     __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castps_si256,
     _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cmpgt_epi16, _mm256_div_ps, _mm256_loadu_si256, _mm256_max_ps,
-    _mm256_min_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packs_epi32, _mm256_packus_epi32, _mm256_set1_epi16,
-    _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_si256, _mm256_srli_epi32, _mm256_storeu_si256,
-    _mm256_testz_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16, _CMP_UNORD_Q,
+    _mm256_min_ps, _mm256_movemask_ps, _mm256_mul_ps, _mm256_or_ps, _mm256_or_si256, _mm256_packs_epi32,
+    _mm256_packus_epi32, _mm256_set1_epi16, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_si256, _mm256_srli_epi32,
+    _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16, _CMP_UNORD_Q,
 };
 
 use half::bf16;
@@ -72,14 +72,16 @@ fn run<const OP: u8>(inputs: &[&[bf16]], out: &mut [bf16], world: usize) {
     let always_quiet = OP == MIN || OP == MAX;
     for (t, o) in tiles.chunks_exact_mut(TILE).enumerate() {
         let at = t * TILE;
-        let Some(acc) = fold::<OP>(first, rest, at, always_quiet, divisor) else { return };
-        let (mut lo, lo_nan) = narrow(acc[0], acc[1]);
-        let (mut hi, hi_nan) = narrow(acc[2], acc[3]);
-        if !always_quiet && _mm256_testz_si256(_mm256_or_si256(lo_nan, hi_nan), _mm256_set1_epi16(-1)) == 0 {
-            let Some(acc) = fold::<OP>(first, rest, at, true, divisor) else { return };
-            (lo, _) = narrow(acc[0], acc[1]);
-            (hi, _) = narrow(acc[2], acc[3]);
-        }
+        let Some(mut acc) = fold::<OP>(first, rest, at, always_quiet, divisor) else { return };
+        let (lo, hi) = if any_nan(&acc) {
+            if !always_quiet {
+                let Some(again) = fold::<OP>(first, rest, at, true, divisor) else { return };
+                acc = again;
+            }
+            (narrow(acc[0], acc[1]), narrow(acc[2], acc[3]))
+        } else {
+            (narrow_numbers(acc[0], acc[1]), narrow_numbers(acc[2], acc[3]))
+        };
         let Ok(o) = <&mut [bf16; TILE]>::try_from(o) else { return };
         // SAFETY: `o` is 32 bf16 values, 64 writable bytes, borrowed exclusively; the unaligned stores have no
         // alignment requirement.
@@ -174,32 +176,52 @@ fn load(x: &[bf16], at: usize, quiet: bool) -> Option<(__m256, __m256)> {
     Some((_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v))))
 }
 
-/// The bits [`Reducible::store`] gives for every lane of `x`, as 32-bit lanes: `(round to nearest even, upper
-/// half, NaN mask)`.
+/// Whether any lane of `acc` is a NaN.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn round(x: __m256) -> (__m256i, __m256i, __m256i) {
+fn any_nan(acc: &[__m256; 4]) -> bool {
+    let nan = |x: __m256| _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let all = _mm256_or_ps(_mm256_or_ps(nan(acc[0]), nan(acc[1])), _mm256_or_ps(nan(acc[2]), nan(acc[3])));
+    _mm256_movemask_ps(all) != 0
+}
+
+/// Every lane of `x` rounded to nearest even to bf16 as [`Reducible::store`] rounds a number (not a NaN), as
+/// 32-bit lanes, and the upper halves of `x`'s lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn round(x: __m256) -> (__m256i, __m256i) {
     let bits = _mm256_castps_si256(x);
     let upper = _mm256_srli_epi32::<16>(bits);
     let odd = _mm256_and_si256(upper, _mm256_set1_epi32(1));
     // As `f32_to_bf16_bits`: adding 0x7FFF and the kept part's lowest bit carries into the kept part exactly when
-    // it must round up (the wrapping of a NaN's sum does not matter: a NaN takes the other branch).
+    // it must round up (the wrapping of a NaN's sum does not matter: a NaN's lane is replaced).
     let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd));
-    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
-    (rounded, upper, nan)
+    (rounded, upper)
 }
 
-/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`] does, in element order, and the mask
-/// of the NaN lanes (all ones), in element order too.
+/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`] does, in element order, for lanes that
+/// hold no NaN.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn narrow(lo: __m256, hi: __m256) -> (__m256i, __m256i) {
-    let (r_lo, u_lo, n_lo) = round(lo);
-    let (r_hi, u_hi, n_hi) = round(hi);
+fn narrow_numbers(lo: __m256, hi: __m256) -> __m256i {
     // Every value packed is at most 0xFFFF (a 32-bit value shifted right by 16), so the unsigned saturation never
-    // acts; the masks are 0 or -1 and stay so through the signed pack.
+    // acts.
+    _mm256_packus_epi32(round(lo).0, round(hi).0)
+}
+
+/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`] does, in element order, NaNs included
+/// (quieted, the upper half of their payload kept).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn narrow(lo: __m256, hi: __m256) -> __m256i {
+    let (r_lo, u_lo) = round(lo);
+    let (r_hi, u_hi) = round(hi);
+    // As in `narrow_numbers`, no saturation; the masks are 0 or -1 and stay so through the signed pack.
     let rounded = _mm256_packus_epi32(r_lo, r_hi);
     let quiet = _mm256_or_si256(_mm256_packus_epi32(u_lo, u_hi), _mm256_set1_epi16(0x40));
-    let nan = _mm256_packs_epi32(n_lo, n_hi);
-    (_mm256_blendv_epi8(rounded, quiet, nan), nan)
+    let nan = _mm256_packs_epi32(
+        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(lo, lo)),
+        _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(hi, hi)),
+    );
+    _mm256_blendv_epi8(rounded, quiet, nan)
 }
