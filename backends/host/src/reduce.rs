@@ -7,6 +7,8 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 #[cfg(target_arch = "x86_64")]
 mod bf16_avx2;
+#[cfg(target_arch = "x86_64")]
+mod f16_f16c;
 
 /// The reduction operators the host backend implements.
 ///
@@ -31,6 +33,15 @@ impl Op {
     pub const ALL: [Op; 5] = [Op::Sum, Op::Prod, Op::Min, Op::Max, Op::Avg];
 }
 
+/// The 16-bit floats, which have reduction kernels of their own on x86-64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Half {
+    /// `bf16`.
+    Bf16,
+    /// `f16`.
+    F16,
+}
+
 /// An element type the host backend reduces, with the accumulator it reduces in.
 pub(crate) trait Reducible: Pod {
     /// The accumulator: the type itself for integers and f32/f64, f32 for the 8- and 16-bit floats.
@@ -51,8 +62,8 @@ pub(crate) trait Reducible: Pod {
             *d = s.load();
         }
     }
-    /// Whether the type is `bf16`, which has its own AVX2 kernel (`reduce_bf16_avx2`).
-    const IS_BF16: bool = false;
+    /// Which 16-bit float the type is, if it is one: they have kernels of their own (`reduce_half_simd`).
+    const HALF: Option<Half> = None;
     /// Whether [`Reducible::load`] is cheap and branch-free, so that the kernels convert inside the fold loop
     /// (one pass) instead of converting a block first (bf16: a shift).
     const LOAD_IN_FOLD: bool = false;
@@ -148,6 +159,7 @@ float_reducible!(f64, f64, |x| x, |a| a, {
 // f16: `half`'s slice conversions use the processor's conversion instructions (F16C) where it has them; they
 // round to nearest even like the scalar conversion.
 float_reducible!(f16, f32, f16::to_f32, f16::from_f32, {
+    const HALF: Option<Half> = Some(Half::F16);
     #[inline]
     fn load_slice(src: &[f16], dst: &mut [f32]) {
         let n = src.len().min(dst.len());
@@ -163,7 +175,7 @@ float_reducible!(f16, f32, f16::to_f32, f16::from_f32, {
 // of the same bit operations vectorise (the tests compare them with `half`'s bit for bit).
 float_reducible!(bf16, f32, |x: bf16| bf16_bits_to_f32(x.to_bits()), |a| bf16::from_bits(f32_to_bf16_bits(a)), {
     const LOAD_IN_FOLD: bool = true;
-    const IS_BF16: bool = true;
+    const HALF: Option<Half> = Some(Half::Bf16);
     #[inline(always)]
     fn load_slice(src: &[bf16], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
@@ -406,7 +418,7 @@ fn as_acc<T: Reducible>(x: &[T]) -> Option<&[T::Acc]> {
 pub(crate) fn reduce_into<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: usize) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
-        if T::IS_BF16 && reduce_bf16_avx2(inputs, out, op, world) {
+        if T::HALF.is_some() && reduce_half_simd(inputs, out, op, world) {
             return;
         }
         #[allow(unsafe_code)]
@@ -419,16 +431,42 @@ pub(crate) fn reduce_into<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, 
     reduce_into_any(inputs, out, op, world);
 }
 
-/// [`reduce_into`] for bf16 with its AVX2 kernel, on a processor with AVX2; false, having done nothing, if `T` is
-/// not `bf16` (the casts fail).
+/// [`reduce_into`] for the 16-bit floats with their kernels, on a processor with AVX2 (and F16C for f16); false,
+/// having done nothing, if `T` is not one of them or the processor lacks F16C for f16.
 #[cfg(target_arch = "x86_64")]
-fn reduce_bf16_avx2<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: usize) -> bool {
+fn reduce_half_simd<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: usize) -> bool {
+    match T::HALF {
+        Some(Half::Bf16) => with_views::<T, bf16>(inputs, out, |ins, out| {
+            #[allow(unsafe_code)]
+            // SAFETY: the caller checked that the processor has AVX2, the only requirement of the kernel.
+            unsafe {
+                bf16_avx2::reduce(ins, out, op, world)
+            }
+        }),
+        Some(Half::F16) if std::arch::is_x86_feature_detected!("f16c") => {
+            with_views::<T, f16>(inputs, out, |ins, out| {
+                #[allow(unsafe_code)]
+                // SAFETY: the caller checked that the processor has AVX2, and F16C is checked just above: the
+                // kernel's requirements.
+                unsafe {
+                    f16_f16c::reduce(ins, out, op, world)
+                }
+            })
+        }
+        _ => false,
+    }
+}
+
+/// Runs `f` on `inputs` and `out` viewed as `H`, the type `T` says it is ([`Reducible::HALF`]); false, having
+/// done nothing, if a view fails (`T` is not `H`).
+#[cfg(target_arch = "x86_64")]
+fn with_views<T: Reducible, H: Pod>(inputs: &[&[T]], out: &mut [T], f: impl FnOnce(&[&[H]], &mut [H])) -> bool {
     /// Inputs viewed on the stack (a call has one per rank); more go through the heap.
     const ON_STACK: usize = 16;
-    let Ok(out) = bytemuck::try_cast_slice_mut::<T, bf16>(out) else { return false };
-    let mut stack: [&[bf16]; ON_STACK] = [&[]; ON_STACK];
-    let mut heap: Vec<&[bf16]> = Vec::new();
-    let ins: &mut [&[bf16]] = match stack.get_mut(..inputs.len()) {
+    let Ok(out) = bytemuck::try_cast_slice_mut::<T, H>(out) else { return false };
+    let mut stack: [&[H]; ON_STACK] = [&[]; ON_STACK];
+    let mut heap: Vec<&[H]> = Vec::new();
+    let ins: &mut [&[H]] = match stack.get_mut(..inputs.len()) {
         Some(s) => s,
         None => {
             heap.resize(inputs.len(), &[]);
@@ -436,16 +474,12 @@ fn reduce_bf16_avx2<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world:
         }
     };
     for (d, x) in ins.iter_mut().zip(inputs) {
-        match bytemuck::try_cast_slice::<T, bf16>(x) {
+        match bytemuck::try_cast_slice::<T, H>(x) {
             Ok(x) => *d = x,
             Err(_) => return false,
         }
     }
-    #[allow(unsafe_code)]
-    // SAFETY: the caller checked that the processor has AVX2, the only requirement of the kernel.
-    unsafe {
-        bf16_avx2::reduce(ins, out, op, world)
-    };
+    f(ins, out);
     true
 }
 
@@ -658,41 +692,78 @@ mod tests {
         check(|r, i| (i * 31 + r) as u8);
     }
 
+    /// A 16-bit float's bit layout, for the kernel tests.
+    trait HalfBits: Reducible + PartialEq + std::fmt::Debug {
+        /// Infinity's bits (a magnitude above it is a NaN).
+        const INF: u16;
+        /// The quiet bit of a NaN.
+        const QUIET: u16;
+        /// Values worth meeting every other: zeros, subnormals, the largest finite, infinities, NaNs of both kinds
+        /// and payloads, rounding ties.
+        const SPECIAL: [u16; 26];
+        fn of(bits: u16) -> Self;
+        fn bits(self) -> u16;
+    }
+    impl HalfBits for bf16 {
+        const INF: u16 = 0x7F80;
+        const QUIET: u16 = 0x40;
+        const SPECIAL: [u16; 26] = [
+            0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7F81, 0xFF81, 0x7FBF,
+            0x7FC0, 0xFFC0, 0x7FC1, 0x7FFF, 0xFFFF, 0x3F80, 0xBF80, 0x3B80, 0x3C00, 0x3F81, 0x4000, 0x0100, 0x7F00,
+        ];
+        fn of(bits: u16) -> Self {
+            bf16::from_bits(bits)
+        }
+        fn bits(self) -> u16 {
+            self.to_bits()
+        }
+    }
+    impl HalfBits for f16 {
+        const INF: u16 = 0x7C00;
+        const QUIET: u16 = 0x200;
+        const SPECIAL: [u16; 26] = [
+            0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01, 0xFC01, 0x7DFF,
+            0x7E00, 0xFE00, 0x7E01, 0x7FFF, 0xFFFF, 0x3C00, 0xBC00, 0x1000, 0x1400, 0x3C01, 0x4000, 0x0800, 0x7800,
+        ];
+        fn of(bits: u16) -> Self {
+            f16::from_bits(bits)
+        }
+        fn bits(self) -> u16 {
+            self.to_bits()
+        }
+    }
+
     /// Whether `got` and `want` are both NaNs that IEEE 754 and Rust let an operation choose between: where two
     /// NaNs meet in one operation (or a NaN meets one the operation made, such as infinity minus infinity), the
     /// result carries either's payload, and compilers reorder the operands of `+` and `*` freely, the element-wise
     /// definition included. Every NaN the inputs quieted, and the processor's own default NaNs, are candidates;
     /// with a single candidate there is no choice and the bits must match.
-    fn same_nan_choice(got: u16, want: u16, inputs: &[u16], op: Op) -> bool {
-        let is_nan = |b: u16| b & 0x7FFF > 0x7F80;
-        let mut candidates: Vec<u16> = inputs.iter().filter(|b| is_nan(**b)).map(|b| b | 0x40).collect();
+    fn same_nan_choice<T: HalfBits>(got: u16, want: u16, inputs: &[u16], op: Op) -> bool {
+        let is_nan = |b: u16| b & 0x7FFF > T::INF;
+        let mut candidates: Vec<u16> = inputs.iter().filter(|b| is_nan(**b)).map(|b| b | T::QUIET).collect();
         // The NaNs the operations made from numbers (infinity minus infinity, zero times infinity): the
         // processor's default NaN, negative on x86, positive on Arm.
         let mut made = 0;
-        let mut a = bf16::from_bits(inputs[0]).load();
+        let mut a = T::of(inputs[0]).load();
         for x in &inputs[1..] {
-            let b = bf16::from_bits(*x).load();
-            let c = bf16::combine(a, b, op);
-            made += usize::from(!a.is_nan() && !b.is_nan() && c.is_nan());
+            let b = T::of(*x).load();
+            let c = T::combine(a, b, op);
+            let nan = |v: T::Acc| T::store(v).bits() & 0x7FFF > T::INF;
+            made += usize::from(!nan(a) && !nan(b) && nan(c));
             a = c;
         }
         if made > 0 {
-            candidates.extend([0xFFC0, 0x7FC0]);
+            candidates.extend([0x8000 | T::INF | T::QUIET, T::INF | T::QUIET]);
         }
         let choices = inputs.iter().filter(|b| is_nan(**b)).count() + made;
         is_nan(got) && is_nan(want) && choices >= 2 && candidates.contains(&got)
     }
 
-    /// bf16's kernels (the AVX2 one where the processor has it, and the portable one) give the element-wise
-    /// definition's bits for every operator: every bf16 value against NaNs of both kinds and payloads, infinities,
-    /// zeros of both signs, subnormals, the largest finite values and rounding ties, in every position of a vector,
-    /// with lengths that are not a multiple of the vector width, and one to five inputs.
-    #[test]
-    fn bf16_kernels_match_the_element_definition() {
-        let special: [u16; 26] = [
-            0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7F81, 0xFF81, 0x7FBF,
-            0x7FC0, 0xFFC0, 0x7FC1, 0x7FFF, 0xFFFF, 0x3F80, 0xBF80, 0x3B80, 0x3C00, 0x3F81, 0x4000, 0x0100, 0x7F00,
-        ];
+    /// The 16-bit floats' kernels (the AVX2 ones where the processor has them, and the portable one) give the
+    /// element-wise definition's bits for every operator: every value against NaNs of both kinds and payloads,
+    /// infinities, zeros of both signs, subnormals, the largest finite values and rounding ties, in every position
+    /// of a vector, with lengths that are not a multiple of the vector width, and one to five inputs.
+    fn check_half_kernels<T: HalfBits>() {
         // Every value, then pseudo-random patterns; the other inputs are the specials, shifted so that each meets
         // every lane, and pseudo-random patterns of their own.
         let mut lcg = 0x2545_F491_4F6C_DD1Du64;
@@ -700,15 +771,16 @@ mod tests {
             lcg = lcg.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
             (lcg >> 48) as u16
         };
+        let special = T::SPECIAL;
         let n = (1 << 16) + (1 << 14) + 21;
-        let all: Vec<bf16> = (0..n).map(|i| bf16::from_bits(if i < 1 << 16 { i as u16 } else { next() })).collect();
+        let all: Vec<T> = (0..n).map(|i| T::of(if i < 1 << 16 { i as u16 } else { next() })).collect();
         let mut inputs = vec![all];
         for r in 1..5 {
             inputs.push(
                 (0..n)
                     .map(|i| {
                         let k = i / special.len() + r;
-                        bf16::from_bits(if (i / 7 + r) % 3 == 0 { next() } else { special[(i + k) % special.len()] })
+                        T::of(if (i / 7 + r) % 3 == 0 { next() } else { special[(i + k) % special.len()] })
                     })
                     .collect(),
             );
@@ -718,23 +790,23 @@ mod tests {
         reversed.reverse();
         for set in [&inputs, &reversed] {
             for world in 1..=set.len() {
-                for len in [0, 1, 15, 16, 17, 31, 32, 33, 63, 100, n] {
-                    let views: Vec<&[bf16]> = set[..world].iter().map(|v| &v[..len]).collect();
+                for len in [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 100, n] {
+                    let views: Vec<&[T]> = set[..world].iter().map(|v| &v[..len]).collect();
                     for op in Op::ALL {
-                        let mut out = vec![bf16::ZERO; len];
+                        let mut out = vec![T::of(0); len];
                         reduce_into(&views, &mut out, op, world);
-                        let mut plain = vec![bf16::ZERO; len];
+                        let mut plain = vec![T::of(0); len];
                         reduce_into_any(&views, &mut plain, op, world);
                         for i in 0..len {
                             let mut a = views[0][i].load();
                             for x in &views[1..] {
-                                a = bf16::combine(a, x[i].load(), op);
+                                a = T::combine(a, x[i].load(), op);
                             }
-                            let want = bf16::store(bf16::finish(a, op, world)).to_bits();
-                            let inputs: Vec<u16> = views.iter().map(|x| x[i].to_bits()).collect();
-                            for (form, got) in [("portable", plain[i].to_bits()), ("picked", out[i].to_bits())] {
+                            let want = T::store(T::finish(a, op, world)).bits();
+                            let inputs: Vec<u16> = views.iter().map(|x| x[i].bits()).collect();
+                            for (form, got) in [("portable", plain[i].bits()), ("picked", out[i].bits())] {
                                 assert!(
-                                    got == want || same_nan_choice(got, want, &inputs, op),
+                                    got == want || same_nan_choice::<T>(got, want, &inputs, op),
                                     "{op:?} ({form}) world {world} len {len} at {i}: {inputs:04x?} gave {got:04x}, \
                                      the definition {want:04x}"
                                 );
@@ -744,6 +816,16 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn bf16_kernels_match_the_element_definition() {
+        check_half_kernels::<bf16>();
+    }
+
+    #[test]
+    fn f16_kernels_match_the_element_definition() {
+        check_half_kernels::<f16>();
     }
 
     #[test]

@@ -32,11 +32,22 @@ const LANES: usize = 16;
 const TILE: usize = 2 * LANES;
 
 /// The operators as const parameters, so that each gets its own loop with the operation fixed inside.
-const SUM: u8 = 0;
-const PROD: u8 = 1;
-const MIN: u8 = 2;
-const MAX: u8 = 3;
-const AVG: u8 = 4;
+pub(super) const SUM: u8 = 0;
+pub(super) const PROD: u8 = 1;
+pub(super) const MIN: u8 = 2;
+pub(super) const MAX: u8 = 3;
+pub(super) const AVG: u8 = 4;
+
+/// The operator `OP` stands for.
+pub(super) const fn op_of<const OP: u8>() -> Op {
+    match OP {
+        SUM => Op::Sum,
+        PROD => Op::Prod,
+        MIN => Op::Min,
+        MAX => Op::Max,
+        _ => Op::Avg,
+    }
+}
 
 /// [`super::reduce_into`] for bf16 on a processor with AVX2: `out[i] = store(finish(load(x_0[i]) ∘ load(x_1[i])
 /// ∘ …))` over `inputs` in order, over the shortest of `out` and the inputs.
@@ -91,13 +102,7 @@ fn run<const OP: u8>(inputs: &[&[bf16]], out: &mut [bf16], world: usize) {
         }
     }
     // The last elements one at a time, by the definition itself.
-    let op = match OP {
-        SUM => Op::Sum,
-        PROD => Op::Prod,
-        MIN => Op::Min,
-        MAX => Op::Max,
-        _ => Op::Avg,
-    };
+    let op = op_of::<OP>();
     for (i, o) in tail.iter_mut().enumerate() {
         let at = whole + i;
         let Some(x0) = first.get(at) else { return };
@@ -143,7 +148,7 @@ fn fold<const OP: u8>(
 /// `combine(a, b)` lane by lane, the accumulator `a` on the left.
 #[target_feature(enable = "avx2")]
 #[inline]
-fn combine<const OP: u8>(a: __m256, b: __m256) -> __m256 {
+pub(super) fn combine<const OP: u8>(a: __m256, b: __m256) -> __m256 {
     match OP {
         SUM | AVG => _mm256_add_ps(a, b),
         PROD => _mm256_mul_ps(a, b),
