@@ -7,6 +7,9 @@
 //! the same order (`min`/`max` as the select `b < a ? b : a`, which is what `minps b, a` computes, NaNs and signed
 //! zeros included); the rounding is `store`'s, round to nearest even with a NaN quieted. The tests compare it with
 //! the definition bit for bit over every bf16 value, NaN payloads, and lengths that are not a multiple of sixteen.
+//! One freedom remains, the same in the definition: where two NaNs meet in one `+` or `*` (or a NaN meets one the
+//! operation made), which payload the result carries is the compiler's choice of operand order (IEEE 754 and
+//! Rust leave it open), so the tests accept either NaN there.
 //!
 //! Lane order: the widening unpacks each 128-bit half of a 16-element vector into a "low" vector (elements 0–3
 //! and 8–11) and a "high" one (4–7 and 12–15); every input is widened the same way, the operators work lane by

@@ -5,7 +5,8 @@
 //! `f16::from_f32` ([`Reducible::load`] and [`Reducible::store`] of `f16`) are these same instructions
 //! (`vcvtph2ps`, and `vcvtps2ph` rounding to nearest even), and the operators are those of the bf16 kernel
 //! ([`super::bf16_avx2`]), the same IEEE operations on the same operands in the same order. The tests compare it
-//! with the definition bit for bit over every f16 value and lengths that are not a multiple of the vector width.
+//! with the definition bit for bit over every f16 value and lengths that are not a multiple of the vector width
+//! (with the bf16 kernel's one freedom: which of two NaNs meeting in one operation the result carries).
 
 #![allow(unsafe_code)]
 
