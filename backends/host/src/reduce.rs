@@ -35,6 +35,8 @@ impl Op {
 
 /// The 16-bit floats, which have reduction kernels of their own on x86-64.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// Read only by the x86-64 kernels' dispatch.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Half {
     /// `bf16`.
     Bf16,
@@ -63,6 +65,7 @@ pub(crate) trait Reducible: Pod {
         }
     }
     /// Which 16-bit float the type is, if it is one: they have kernels of their own (`reduce_half_simd`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const HALF: Option<Half> = None;
     /// Whether [`Reducible::load`] is cheap and branch-free, so that the kernels convert inside the fold loop
     /// (one pass) instead of converting a block first (bf16: a shift).
