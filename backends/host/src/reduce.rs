@@ -405,16 +405,6 @@ fn finish_all<T: Reducible>(acc: &mut [T::Acc], op: Op, world: usize) {
     }
 }
 
-/// The elements of `x` as accumulators, when the accumulator is the element type itself.
-#[inline(always)]
-fn as_acc<T: Reducible>(x: &[T]) -> Option<&[T::Acc]> {
-    if T::ACC_IS_SELF {
-        bytemuck::try_cast_slice(x).ok()
-    } else {
-        None
-    }
-}
-
 /// `out[i] = finish(x_0[i] ∘ x_1[i] ∘ … )` over `inputs` in order, so every rank computing the same reduction
 /// gets bitwise the same result. Inputs shorter than `out` are a caller's bug; the reduction then covers the
 /// shortest.
@@ -506,26 +496,22 @@ fn reduce_into_any<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: 
     let out = &mut out[..n];
     let Some((first, rest)) = inputs.split_first() else { return };
     if T::ACC_IS_SELF {
-        // The accumulators are the output itself, folded block by block so that each block stays in the cache.
-        if let Ok(acc) = bytemuck::try_cast_slice_mut::<T, T::Acc>(out) {
-            let block = (BLOCK_BYTES / std::mem::size_of::<T>().max(1)).max(1);
-            let mut start = 0;
-            while start < n {
-                let end = n.min(start + block);
-                let a = &mut acc[start..end];
-                T::load_slice(&first[start..end], a);
-                for inp in rest {
-                    match as_acc::<T>(&inp[start..end]) {
-                        Some(x) => fold::<T>(a, x, op),
-                        None => {
-                            for (a, x) in a.iter_mut().zip(&inp[start..end]) {
-                                *a = T::combine(*a, x.load(), op);
-                            }
-                        }
-                    }
-                }
-                finish_all::<T>(a, op, world);
-                start = end;
+        // The accumulators are the elements themselves, kept in registers a tile at a time. (The views cannot fail
+        // for such types; were one to, the converting form below would run instead, before anything is written.)
+        let views_ok = inputs.iter().all(|x| bytemuck::try_cast_slice::<T, T::Acc>(x).is_ok());
+        if let (true, Ok(out)) = (views_ok, bytemuck::try_cast_slice_mut::<T, T::Acc>(&mut *out)) {
+            match op {
+                Op::Sum => self_tiles::<T>(first, rest, out, |a, b| T::combine(a, b, Op::Sum), |a| a),
+                Op::Prod => self_tiles::<T>(first, rest, out, |a, b| T::combine(a, b, Op::Prod), |a| a),
+                Op::Min => self_tiles::<T>(first, rest, out, |a, b| T::combine(a, b, Op::Min), |a| a),
+                Op::Max => self_tiles::<T>(first, rest, out, |a, b| T::combine(a, b, Op::Max), |a| a),
+                Op::Avg => self_tiles::<T>(
+                    first,
+                    rest,
+                    out,
+                    |a, b| T::combine(a, b, Op::Avg),
+                    |a| T::finish(a, Op::Avg, world),
+                ),
             }
             return;
         }
@@ -550,6 +536,59 @@ fn reduce_into_any<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: 
         T::store_slice(acc, &mut out[start..start + len]);
         start += len;
     }
+}
+
+/// Elements per tile of [`self_tiles`]: 64 f32 accumulators are eight AVX2 registers.
+const TILE: usize = 64;
+
+/// `out[i] = finish(x_0[i] ∘ x_1[i] ∘ …)` over `first` then `rest` in order, for elements that are their own
+/// accumulators ([`Reducible::ACC_IS_SELF`]), a tile at a time: the tile's accumulators are copied from the first
+/// input, every other input's part of it folded in, and the tile finished and written once, so the accumulators
+/// stay in registers and the output is written once instead of once per input. The same operations in the same
+/// order as the element-wise definition. `out` is at most as long as every input (the caller cut it to the
+/// shortest) and every input views as accumulators (the caller checked), so the early returns never happen.
+#[inline(always)]
+fn self_tiles<T: Reducible>(
+    first: &[T],
+    rest: &[&[T]],
+    out: &mut [T::Acc],
+    f: impl Fn(T::Acc, T::Acc) -> T::Acc,
+    finish: impl Fn(T::Acc) -> T::Acc,
+) {
+    let view = tile_view::<T>;
+    let n = out.len();
+    let whole = n - n % TILE;
+    for (t, o) in out[..whole].chunks_exact_mut(TILE).enumerate() {
+        let at = t * TILE;
+        let Some(x0) = view(first, at..at + TILE) else { return };
+        let mut acc = [T::Acc::zeroed(); TILE];
+        acc.copy_from_slice(x0);
+        for x in rest {
+            let Some(x) = view(x, at..at + TILE) else { return };
+            for (a, b) in acc.iter_mut().zip(x) {
+                *a = f(*a, *b);
+            }
+        }
+        for (o, a) in o.iter_mut().zip(acc) {
+            *o = finish(a);
+        }
+    }
+    for (i, o) in out[whole..].iter_mut().enumerate() {
+        let at = whole + i;
+        let Some(x0) = first.get(at) else { return };
+        let mut a = x0.load();
+        for x in rest {
+            let Some(x) = x.get(at) else { return };
+            a = f(a, x.load());
+        }
+        *o = finish(a);
+    }
+}
+
+/// `x[r]` viewed as accumulators, if `r` lies within `x` and the view is possible.
+#[inline(always)]
+fn tile_view<T: Reducible>(x: &[T], r: std::ops::Range<usize>) -> Option<&[T::Acc]> {
+    x.get(r).and_then(|x| bytemuck::try_cast_slice::<T, T::Acc>(x).ok())
 }
 
 /// Loads elements into accumulators.
@@ -688,6 +727,9 @@ mod tests {
         let val = |r: usize, i: usize| ((i * 7 + r * 13) % 23) as f32 * 0.37 - 3.1 + r as f32 * 1e-3;
         check(val);
         check(|r, i| f64::from(val(r, i)));
+        // Signed zeros and one NaN against numbers, in every order: `min`/`max` must select as the definition does.
+        // (One NaN pattern and no infinities, so that no operation chooses between two different NaNs.)
+        check(|r, i| [0.0f32, -0.0, f32::NAN, 1.5, -2.25, 3.0][(i * 5 + r * 3 + i / 6) % 6]);
         check(|r, i| f16::from_f32(val(r, i)));
         check(|r, i| bf16::from_f32(val(r, i)));
         check(|r, i| F8E4M3::from_f32(val(r, i)));
