@@ -20,6 +20,8 @@ use anyccl_gpu::{GpuComm, GpuPlatform, StreamOf};
 
 use crate::fake_hip::{FakeHip, Launch, Shot};
 
+pub use anyccl_kernels_common::catalogue::{self, Family};
+
 /// An environment to read settings from (`ANYCCL_HOST_ID`, ...), in place of the process's.
 pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// A platform's stream.
@@ -172,11 +174,21 @@ pub fn reduce_once_with<P: GpuPlatform>(
     Ok((ran, decode(dtype, &host)))
 }
 
-/// The kernel's name: `anyccl_{one,two}_shot[_table]_{f32,bf16}`.
+/// The kernel catalogue's name of `family`'s kernel for `dtype` (`anyccl_push_one_shot_bf16`); panics where the
+/// catalogue has none.
+pub fn catalogue_kernel(family: Family, dtype: DataType) -> String {
+    catalogue::Dtype::from_suffix(dtype.name())
+        .and_then(|d| catalogue::kernel_name(family, d))
+        .unwrap_or_else(|| panic!("the kernel catalogue has no {family:?} kernel for {dtype}"))
+}
+
+/// The catalogue's name of the `shot` kernel, with an input table or not: `anyccl_{one,two}_shot[_table]_<type>`.
 pub fn kernel(shot: Shot, table: bool, dtype: DataType) -> String {
-    let s = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let t = if table { "table_" } else { "" };
-    format!("anyccl_{s}_{t}{}", if dtype == DataType::F32 { "f32" } else { "bf16" })
+    let family = match shot {
+        Shot::One => Family::OneShot { table },
+        Shot::Two => Family::TwoShot { table },
+    };
+    catalogue_kernel(family, dtype)
 }
 
 /// The kernel family of a custom algorithm.

@@ -32,7 +32,8 @@ use anyccl_core::{
 use anyccl_cuda::graph::Graph;
 use anyccl_cuda::{Cuda, CudaComm, CudaStream};
 use anyccl_testkit::gpu_suite::{
-    self, call, decode, input, per_rank, reduce_once, reduce_once_with, reference, value, Harness,
+    self, call, catalogue_kernel, decode, input, per_rank, reduce_once, reduce_once_with, reference, value, Family,
+    Harness,
 };
 use cudarc::driver::sys;
 use fake_hip::{FakeHip, Launch, Shot};
@@ -1145,7 +1146,7 @@ fn check_push_launches(
     let blocks = anyccl_gpu::push::push_blocks(bytes, world);
     let mut ranks = Vec::new();
     for l in &new {
-        assert_eq!(l.name, format!("anyccl_push_one_shot_{}", dtype_name(dtype)), "{l:?}");
+        assert_eq!(l.name, catalogue_kernel(Family::PushOneShot, dtype), "{l:?}");
         assert_eq!((l.grid, l.block, l.status, l.pdl), ([blocks, 1, 1], [512, 1, 1], 0, pdl), "{l:?}");
         let p = l.push.as_ref().expect("push parameters");
         assert_eq!((p.world as usize, p.n_vec as usize, p.dtype), (world, bytes / 16, dtype_name(dtype)), "{l:?}");
@@ -1284,12 +1285,15 @@ fn push_two_shot(s: &Setup) {
                 calls += 1;
                 let new: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
                 assert_eq!(new.len(), world, "one launch per rank: {new:?}");
-                let (kernel, blocks) = match algorithm {
-                    Algorithm::TwoShotPush => ("two", anyccl_gpu::push::push_two_shot_blocks(bytes, world)),
-                    _ => ("one", anyccl_gpu::push::push_blocks(bytes, world)),
+                let (family, blocks) = match algorithm {
+                    Algorithm::TwoShotPush => {
+                        (Family::PushTwoShot, anyccl_gpu::push::push_two_shot_blocks(bytes, world))
+                    }
+                    _ => (Family::PushOneShot, anyccl_gpu::push::push_blocks(bytes, world)),
                 };
+                let kernel = catalogue_kernel(family, dtype);
                 for l in &new {
-                    assert_eq!(l.name, format!("anyccl_push_{kernel}_shot_{}", dtype_name(dtype)), "{l:?}");
+                    assert_eq!(l.name, kernel, "{l:?}");
                     assert_eq!((l.grid, l.status, l.pdl, l.completed), ([blocks, 1, 1], 0, true, 1), "{l:?}");
                     let p = l.push.as_ref().expect("push parameters");
                     assert_eq!((p.world as usize, p.n_vec as usize), (world, bytes / 16), "{l:?}");
