@@ -70,6 +70,31 @@ pub struct McLive {
     pub mappings: i32,
 }
 
+/// A line of [`FakeMulticast::log`] reduced to its call and the kind of handle it names (`"cuMemRelease mc"` of
+/// `"cuMemRelease mc#0 ..."`; the call alone where it names none).
+pub fn call_kind(line: &str) -> String {
+    let mut words = line.split_whitespace();
+    let call = words.next().unwrap_or_default();
+    match words.next().and_then(|w| w.split_once('#')) {
+        Some((kind, _)) => format!("{call} {kind}"),
+        None => call.to_owned(),
+    }
+}
+
+/// The [`call_kind`]s that set up one NVLS buffer of a rank, in the order the multicast log holds them: the
+/// physical memory created, mapped and made accessible, bound to the multicast object, then mapped through the
+/// multicast handle.
+pub const BUFFER_SETUP_CALLS: [&str; 8] = [
+    "cuMemCreate mem",
+    "cuMemAddressReserve",
+    "cuMemMap mem",
+    "cuMemSetAccess mem",
+    "cuMulticastBindMem mc",
+    "cuMemAddressReserve",
+    "cuMemMap mc",
+    "cuMemSetAccess mc",
+];
+
 /// The fake driver's multicast records, read through its test interface (`fakecuda_mc_*`).
 pub struct FakeMulticast {
     lib: libloading::Library,

@@ -20,6 +20,8 @@ use anyccl_gpu::{GpuComm, GpuPlatform, StreamOf};
 
 use crate::fake_hip::{FakeHip, Launch, Shot};
 
+pub use anyccl_kernels_common::catalogue::{self, Family};
+
 /// An environment to read settings from (`ANYCCL_HOST_ID`, ...), in place of the process's.
 pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// A platform's stream.
@@ -134,11 +136,59 @@ pub fn reference(world: usize, round: usize, count: usize) -> Vec<f32> {
     (0..count).map(|i| (0..world).map(|r| value(r, round, i)).sum()).collect()
 }
 
-/// The kernel's name: `anyccl_{one,two}_shot[_table]_{f32,bf16}`.
+/// Rank `c`'s all-reduce of `count` `dtype` values (round `round`'s inputs, [`input`]), in place or not, on a new
+/// stream of its runtime; returns the algorithm that ran and the sums read back.
+pub fn reduce_once<P: GpuPlatform>(
+    c: &mut Communicator<GpuComm<P>>,
+    dtype: DataType,
+    count: usize,
+    round: usize,
+    in_place: bool,
+) -> Result<(Algorithm, Vec<f32>)> {
+    reduce_once_with(c, None, dtype, count, round, in_place)
+}
+
+/// [`reduce_once`] with `algorithm` named (`all_reduce_with`), or selected where `None`.
+pub fn reduce_once_with<P: GpuPlatform>(
+    c: &mut Communicator<GpuComm<P>>,
+    algorithm: Option<Algorithm>,
+    dtype: DataType,
+    count: usize,
+    round: usize,
+    in_place: bool,
+) -> Result<(Algorithm, Vec<f32>)> {
+    let bytes = count * dtype.size_bytes();
+    let rt = c.runtime().clone();
+    let st = P::stream(&rt)?;
+    let mut a = rt.alloc(bytes)?;
+    rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
+    let mut b = rt.alloc(bytes)?;
+    let io = if in_place { InOut::InPlace(&mut a) } else { InOut::Separate { send: &a, recv: &mut b } };
+    let ran = match algorithm {
+        Some(named) => c.all_reduce_with(named, io, count, dtype, ReduceOp::Sum, &st).map(|()| named)?,
+        None => c.all_reduce(io, count, dtype, ReduceOp::Sum, &st)?.algorithm,
+    };
+    rt.synchronize(&st)?;
+    let mut host = vec![0u8; bytes];
+    rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
+    Ok((ran, decode(dtype, &host)))
+}
+
+/// The kernel catalogue's name of `family`'s kernel for `dtype` (`anyccl_push_one_shot_bf16`); panics where the
+/// catalogue has none.
+pub fn catalogue_kernel(family: Family, dtype: DataType) -> String {
+    catalogue::Dtype::from_suffix(dtype.name())
+        .and_then(|d| catalogue::kernel_name(family, d))
+        .unwrap_or_else(|| panic!("the kernel catalogue has no {family:?} kernel for {dtype}"))
+}
+
+/// The catalogue's name of the `shot` kernel, with an input table or not: `anyccl_{one,two}_shot[_table]_<type>`.
 pub fn kernel(shot: Shot, table: bool, dtype: DataType) -> String {
-    let s = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let t = if table { "table_" } else { "" };
-    format!("anyccl_{s}_{t}{}", if dtype == DataType::F32 { "f32" } else { "bf16" })
+    let family = match shot {
+        Shot::One => Family::OneShot { table },
+        Shot::Two => Family::TwoShot { table },
+    };
+    catalogue_kernel(family, dtype)
 }
 
 /// The kernel family of a custom algorithm.
@@ -208,22 +258,7 @@ pub fn init_all<H: Harness>(h: &H, table: impl Fn(usize, usize) -> Option<Algori
                 assert_eq!(want, expected, "the default table at world {world}, {bytes} bytes");
             }
             let from = h.fake().launch_total();
-            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
-                let rt = c.runtime().clone();
-                let st = H::P::stream(&rt)?;
-                let mut a = rt.alloc(bytes)?;
-                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
-                let mut b = rt.alloc(bytes)?;
-                let sel = if in_place {
-                    c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
-                } else {
-                    c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
-                };
-                rt.synchronize(&st)?;
-                let mut host = vec![0u8; bytes];
-                rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-                Ok((sel.algorithm, decode(dtype, &host)))
-            });
+            let out = per_rank(&mut cs, |c| reduce_once(c, dtype, count, round, in_place));
             let launches = check_launches(h.fake(), from, world, &kernel(shot_of(want), false, dtype), bytes);
             assert!(launches.iter().all(|l| !l.capturing && l.completed == 1), "{launches:?}");
             for (rank, r) in out.into_iter().enumerate() {

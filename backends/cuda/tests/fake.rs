@@ -10,7 +10,7 @@
 //! fakes cannot be built (no `cc`), the parent fails with the compiler's reason: nothing here is skipped.
 
 use anyccl_testkit::fake_ccl;
-use anyccl_testkit::fake_cuda;
+use anyccl_testkit::fake_cuda::{self, call_kind};
 use anyccl_testkit::fake_hip;
 use anyccl_testkit::fused_case;
 
@@ -31,7 +31,10 @@ use anyccl_core::{
 };
 use anyccl_cuda::graph::Graph;
 use anyccl_cuda::{Cuda, CudaComm, CudaStream};
-use anyccl_testkit::gpu_suite::{self, call, decode, input, per_rank, reference, value, Harness};
+use anyccl_testkit::gpu_suite::{
+    self, call, catalogue_kernel, decode, input, per_rank, reduce_once, reduce_once_with, reference, value, Family,
+    Harness,
+};
 use cudarc::driver::sys;
 use fake_hip::{FakeHip, Launch, Shot};
 use wait_timeout::ChildExt;
@@ -688,16 +691,6 @@ fn multicast_records() -> fake_cuda::FakeMulticast {
     fake_cuda::FakeMulticast::open(&PathBuf::from(std::env::var_os("FAKECUDA_LIB").expect("FAKECUDA_LIB")))
 }
 
-/// A log line reduced to its call and the kind of handle it names (`"cuMemRelease mc"`).
-fn call_kind(line: &str) -> String {
-    let mut words = line.split_whitespace();
-    let call = words.next().unwrap_or_default();
-    match words.next().and_then(|w| w.split_once('#')) {
-        Some((kind, _)) => format!("{call} {kind}"),
-        None => call.to_owned(),
-    }
-}
-
 fn nvls(s: &Setup) {
     let mc = multicast_records();
     let caps = anyccl_cuda::capabilities(Some(&s.lib), &|k| std::env::var(k).ok());
@@ -741,16 +734,7 @@ fn nvls(s: &Setup) {
             expected.extend(["cuMemImportFromShareableHandle mc", "cuMulticastAddDevice mc"]);
         }
         for _ in 0..world * 3 {
-            expected.extend([
-                "cuMemCreate mem",
-                "cuMemAddressReserve",
-                "cuMemMap mem",
-                "cuMemSetAccess mem",
-                "cuMulticastBindMem mc",
-                "cuMemAddressReserve",
-                "cuMemMap mc",
-                "cuMemSetAccess mc",
-            ]);
+            expected.extend(fake_cuda::BUFFER_SETUP_CALLS);
         }
         assert_eq!(setup, expected, "world {world}: the setup's calls");
         assert!(mc.log().iter().any(|l| l.starts_with("cuMemMap mc") && l.ends_with("offset=0")));
@@ -760,22 +744,7 @@ fn nvls(s: &Setup) {
             c.in_place = in_place;
             assert_eq!(cs[0].select_all_reduce(&c).expect("selection").algorithm, want, "world {world} {dtype}");
             mc.reset();
-            let out = per_rank(&mut cs, |c| -> Result<(Algorithm, Vec<f32>)> {
-                let rt = c.runtime().clone();
-                let st = rt.stream()?;
-                let mut a = rt.alloc(bytes)?;
-                rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
-                let mut b = rt.alloc(bytes)?;
-                let sel = if in_place {
-                    c.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
-                } else {
-                    c.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
-                };
-                st.synchronize()?;
-                let mut host = vec![0u8; bytes];
-                rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-                Ok((sel.algorithm, decode(dtype, &host)))
-            });
+            let out = per_rank(&mut cs, |c| reduce_once(c, dtype, count, round, in_place));
             for (rank, r) in out.into_iter().enumerate() {
                 let (algorithm, got) = r.unwrap_or_else(|e| panic!("world {world} {dtype} {bytes}: {e}"));
                 assert_eq!(algorithm, want, "world {world} rank {rank}");
@@ -1177,7 +1146,7 @@ fn check_push_launches(
     let blocks = anyccl_gpu::push::push_blocks(bytes, world);
     let mut ranks = Vec::new();
     for l in &new {
-        assert_eq!(l.name, format!("anyccl_push_one_shot_{}", dtype_name(dtype)), "{l:?}");
+        assert_eq!(l.name, catalogue_kernel(Family::PushOneShot, dtype), "{l:?}");
         assert_eq!((l.grid, l.block, l.status, l.pdl), ([blocks, 1, 1], [512, 1, 1], 0, pdl), "{l:?}");
         let p = l.push.as_ref().expect("push parameters");
         assert_eq!((p.world as usize, p.n_vec as usize, p.dtype), (world, bytes / 16, dtype_name(dtype)), "{l:?}");
@@ -1196,44 +1165,6 @@ fn check_push_launches(
     ranks.sort();
     assert_eq!(ranks, (0..world as i32).collect::<Vec<_>>());
     new
-}
-
-/// Rank `rank`'s all-reduce of `count` `dtype` values (round `round`'s inputs), in place or not; returns the
-/// selection and the sums.
-fn reduce_once(
-    c: &mut Communicator<CudaComm>,
-    dtype: DataType,
-    count: usize,
-    round: usize,
-    in_place: bool,
-) -> Result<(Algorithm, Vec<f32>)> {
-    reduce_once_with(c, None, dtype, count, round, in_place)
-}
-
-/// [`reduce_once`] with `algorithm` named (`all_reduce_with`), or selected where `None`.
-fn reduce_once_with(
-    c: &mut Communicator<CudaComm>,
-    algorithm: Option<Algorithm>,
-    dtype: DataType,
-    count: usize,
-    round: usize,
-    in_place: bool,
-) -> Result<(Algorithm, Vec<f32>)> {
-    let bytes = count * dtype.size_bytes();
-    let rt = c.runtime().clone();
-    let st = rt.stream()?;
-    let mut a = rt.alloc(bytes)?;
-    rt.upload(&mut a, &input(dtype, c.rank(), round, count), &st)?;
-    let mut b = rt.alloc(bytes)?;
-    let io = if in_place { InOut::InPlace(&mut a) } else { InOut::Separate { send: &a, recv: &mut b } };
-    let ran = match algorithm {
-        Some(named) => c.all_reduce_with(named, io, count, dtype, ReduceOp::Sum, &st).map(|()| named)?,
-        None => c.all_reduce(io, count, dtype, ReduceOp::Sum, &st)?.algorithm,
-    };
-    st.synchronize()?;
-    let mut host = vec![0u8; bytes];
-    rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-    Ok((ran, decode(dtype, &host)))
 }
 
 /// The call counter of the receive buffer at `recv` and whether every slot holds the sentinel (the fake's device
@@ -1354,12 +1285,15 @@ fn push_two_shot(s: &Setup) {
                 calls += 1;
                 let new: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
                 assert_eq!(new.len(), world, "one launch per rank: {new:?}");
-                let (kernel, blocks) = match algorithm {
-                    Algorithm::TwoShotPush => ("two", anyccl_gpu::push::push_two_shot_blocks(bytes, world)),
-                    _ => ("one", anyccl_gpu::push::push_blocks(bytes, world)),
+                let (family, blocks) = match algorithm {
+                    Algorithm::TwoShotPush => {
+                        (Family::PushTwoShot, anyccl_gpu::push::push_two_shot_blocks(bytes, world))
+                    }
+                    _ => (Family::PushOneShot, anyccl_gpu::push::push_blocks(bytes, world)),
                 };
+                let kernel = catalogue_kernel(family, dtype);
                 for l in &new {
-                    assert_eq!(l.name, format!("anyccl_push_{kernel}_shot_{}", dtype_name(dtype)), "{l:?}");
+                    assert_eq!(l.name, kernel, "{l:?}");
                     assert_eq!((l.grid, l.status, l.pdl, l.completed), ([blocks, 1, 1], 0, true, 1), "{l:?}");
                     let p = l.push.as_ref().expect("push parameters");
                     assert_eq!((p.world as usize, p.n_vec as usize), (world, bytes / 16), "{l:?}");

@@ -20,14 +20,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyccl_ccl::{CclComm, UniqueId};
-use anyccl_core::{Algorithm, Communicator, DataType, InOut, MemoryRuntime, ReduceOp, Result, Selector};
-use anyccl_cuda::{Cuda, CudaComm};
+use anyccl_core::{Algorithm, Communicator, DataType, Selector};
+use anyccl_cuda::Cuda;
 use anyccl_gpu::{GpuComm, GpuPlatform};
 use anyccl_rendezvous::{Rendezvous, RendezvousConfig};
 use anyccl_testkit::fake_ccl;
-use anyccl_testkit::fake_cuda;
+use anyccl_testkit::fake_cuda::{self, call_kind};
 use anyccl_testkit::fake_hip::FakeHip;
-use anyccl_testkit::gpu_suite::{call, decode, input, reference};
+use anyccl_testkit::gpu_suite::{call, reduce_once, reference};
 use anyccl_testkit::launcher;
 
 /// A rank still running then is taken as hung (and killed).
@@ -237,7 +237,9 @@ fn rank() {
     {
         mc.reset();
         let count = bytes / dtype.size_bytes();
-        let got = reduce(&mut comm, dtype, bytes, round, in_place).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        let (algorithm, got) =
+            reduce_once(&mut comm, dtype, count, round, in_place).unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_eq!(algorithm, Algorithm::NvlsBlockPipeline, "rank {rank} {dtype} {bytes}");
         assert!(got == reference(world, round, count), "rank {rank} {dtype} {bytes}: wrong sums");
         let name = anyccl_gpu::nvls::kernel_name(Algorithm::NvlsBlockPipeline, dtype).expect("kernel");
         let ran = format!("run {name} rank={rank} completed");
@@ -269,42 +271,6 @@ fn rank() {
     println!("RESULT nvls on rank {rank}: sums right, teardown clean");
 }
 
-/// One all-reduce of `bytes` of `dtype` (round `round`'s inputs) through the communicator; the result.
-fn reduce(
-    comm: &mut Communicator<CudaComm>,
-    dtype: DataType,
-    bytes: usize,
-    round: usize,
-    in_place: bool,
-) -> Result<Vec<f32>> {
-    let count = bytes / dtype.size_bytes();
-    let rt = comm.runtime().clone();
-    let st = rt.stream()?;
-    let mut a = rt.alloc(bytes)?;
-    rt.upload(&mut a, &input(dtype, comm.rank(), round, count), &st)?;
-    let mut b = rt.alloc(bytes)?;
-    let sel = if in_place {
-        comm.all_reduce(InOut::InPlace(&mut a), count, dtype, ReduceOp::Sum, &st)?
-    } else {
-        comm.all_reduce(InOut::Separate { send: &a, recv: &mut b }, count, dtype, ReduceOp::Sum, &st)?
-    };
-    assert_eq!(sel.algorithm, Algorithm::NvlsBlockPipeline);
-    st.synchronize()?;
-    let mut host = vec![0u8; bytes];
-    rt.download(if in_place { &a } else { &b }, &mut host, &st)?;
-    Ok(decode(dtype, &host))
-}
-
-/// A log line reduced to its call and the kind of handle it names (`"cuMemRelease mc"`).
-fn call_kind(line: &str) -> String {
-    let mut words = line.split_whitespace();
-    let call = words.next().unwrap_or_default();
-    match words.next().and_then(|w| w.split_once('#')) {
-        Some((kind, _)) => format!("{call} {kind}"),
-        None => call.to_owned(),
-    }
-}
-
 /// This process's multicast calls of the setup: rank 0 creates the object, exports it, releases its local handle
 /// right after the export and imports its own export before adding its device; the others only import (the
 /// descriptor from rank 0) and add theirs; then every rank binds and maps its three buffers, each multicast
@@ -323,16 +289,7 @@ fn check_setup_calls(rank: usize, log: &[String]) {
         vec!["cuMemImportFromShareableHandle mc", "cuMulticastAddDevice mc"]
     };
     for _ in 0..3 {
-        expected.extend([
-            "cuMemCreate mem",
-            "cuMemAddressReserve",
-            "cuMemMap mem",
-            "cuMemSetAccess mem",
-            "cuMulticastBindMem mc",
-            "cuMemAddressReserve",
-            "cuMemMap mc",
-            "cuMemSetAccess mc",
-        ]);
+        expected.extend(fake_cuda::BUFFER_SETUP_CALLS);
     }
     assert_eq!(got, expected, "rank {rank}: the setup's calls");
     assert!(log.iter().filter(|l| l.starts_with("cuMemMap mc")).all(|l| l.ends_with("offset=0")), "{log:?}");

@@ -9,6 +9,7 @@
 //! The fake keeps one process-wide record, so the tests take a lock and run one at a time.
 
 use anyccl_testkit::fake_hip;
+use anyccl_testkit::gpu_suite;
 
 use std::ffi::{c_void, CString};
 use std::ptr::null_mut;
@@ -353,15 +354,9 @@ impl World {
     }
 }
 
+/// The catalogue's name of the `shot` kernel that `mode` launches for `dtype`.
 fn kernel_name(shot: Shot, mode: Mode, dtype: DataType) -> String {
-    let table = matches!(mode, Mode::TableStaged | Mode::TableRegistered);
-    let shot = if shot == Shot::One { "one_shot" } else { "two_shot" };
-    let dt = match dtype {
-        DataType::F32 => "f32",
-        DataType::F16 => "f16",
-        _ => "bf16",
-    };
-    format!("anyccl_{shot}_{}{dt}", if table { "table_" } else { "" })
+    gpu_suite::kernel(shot, matches!(mode, Mode::TableStaged | Mode::TableRegistered), dtype)
 }
 
 /// A minimal 64-bit AMDGPU ELF whose symbol table defines a FUNC symbol for each name (the fake reads nothing

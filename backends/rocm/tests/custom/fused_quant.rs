@@ -41,14 +41,18 @@ fn run_fused(cs: &mut [Communicator<RocmComm>], case: &Case, spec: &RmsNormSpec)
 
 /// The kernels a fused form launches on every rank, in order: (name, its kind in the fake's record).
 fn kernels_of(form: RmsNormForm, dtype: DataType, bytes: usize) -> Vec<(String, Option<Fused>)> {
-    let d = if dtype == DataType::F16 { "f16" } else { "bf16" };
+    let name = |family| catalogue_kernel(family, dtype);
     match form {
-        RmsNormForm::FusedOneShot => vec![(format!("anyccl_fused_one_shot_{d}"), Some(Fused::OneShot))],
-        RmsNormForm::FusedTwoShot => vec![(format!("anyccl_fused_two_shot_{d}"), Some(Fused::TwoShot))],
+        RmsNormForm::FusedOneShot => vec![(name(Family::FusedOneShot { table: false }), Some(Fused::OneShot))],
+        RmsNormForm::FusedTwoShot => vec![(name(Family::FusedTwoShot { table: false }), Some(Fused::TwoShot))],
         RmsNormForm::Unfused => {
             // The custom all-reduce: one-shot up to the fused one-shot's limit, two-shot above.
-            let shot = if bytes <= anyccl_core::selector::FUSED_ONE_SHOT_MAX_BYTES { "one" } else { "two" };
-            vec![(format!("anyccl_{shot}_shot_{d}"), None), (format!("anyccl_rmsnorm_{d}"), Some(Fused::RmsNorm))]
+            let all_reduce = if bytes <= anyccl_core::selector::FUSED_ONE_SHOT_MAX_BYTES {
+                Family::OneShot { table: false }
+            } else {
+                Family::TwoShot { table: false }
+            };
+            vec![(name(all_reduce), None), (name(Family::RmsNorm), Some(Fused::RmsNorm))]
         }
         other => panic!("{other} does not run on ROCm"),
     }
@@ -311,14 +315,10 @@ fn quantized_two_shots_equal_the_host_model_value_for_value() {
                     assert_eq!(wrong, 0, "{what} rank {rank}: elements that differ from the host model");
                 }
                 let launches: Vec<Launch> = s.fake.launches().into_iter().filter(|l| l.seq > from).collect();
-                let d = match dtype {
-                    DataType::F32 => "f32",
-                    DataType::F16 => "f16",
-                    _ => "bf16",
-                };
+                let kernel = catalogue_kernel(Family::QuantTwoShot(format), dtype);
                 assert_eq!(launches.len(), world, "{what}: {launches:?}");
                 for l in &launches {
-                    assert_eq!(l.name, format!("anyccl_quant_two_shot_{}_{d}", format.name()), "{what}");
+                    assert_eq!(l.name, kernel, "{what}");
                     assert_eq!((l.status, l.runs, l.completed), (0, 1, 1), "{what}: {l:?}");
                     let q = l.quant.as_ref().expect("decoded quantized parameters");
                     assert_eq!((q.format, q.world as usize, q.n_vec as usize), (format.name(), world, bytes / 16));

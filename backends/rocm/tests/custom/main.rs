@@ -16,7 +16,7 @@ use anyccl_ccl::CclLibrary;
 use anyccl_core::{Algorithm, Communicator, DataType, InOut, MemoryRuntime, ReduceOp, Result, Selector};
 use anyccl_gpu::multi_process as gpu_multi_process;
 use anyccl_rocm::{Hip, HipDevice, HipGraph, HipLibrary, HipStream, RocmComm};
-use anyccl_testkit::gpu_suite::{self, decode, input, per_rank, reference, Harness};
+use anyccl_testkit::gpu_suite::{self, catalogue_kernel, decode, input, per_rank, reference, Family, Harness};
 use fake_hip::{FakeHip, Launch};
 
 static SERIAL: Mutex<()> = Mutex::new(());
