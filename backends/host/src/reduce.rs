@@ -538,6 +538,22 @@ fn reduce_into_any<T: Reducible>(inputs: &[&[T]], out: &mut [T], op: Op, world: 
     }
 }
 
+/// The element-wise definition for the elements from `from` on: `out[i] = store(finish(load(x_0[from + i]) ∘
+/// load(x_1[from + i]) ∘ …))` over `first` then `rest` in order (the tails the vector kernels leave). Stops at the
+/// end of the shortest input.
+fn reduce_elements<T: Reducible>(first: &[T], rest: &[&[T]], out: &mut [T], from: usize, op: Op, world: usize) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let at = from + i;
+        let Some(x0) = first.get(at) else { return };
+        let mut a = x0.load();
+        for x in rest {
+            let Some(x) = x.get(at) else { return };
+            a = T::combine(a, x.load(), op);
+        }
+        *o = T::store(T::finish(a, op, world));
+    }
+}
+
 /// Elements per tile of [`self_tiles`]: 64 f32 accumulators are eight AVX2 registers.
 const TILE: usize = 64;
 

@@ -1,8 +1,8 @@
 //! The bf16 reduction written with AVX2 instructions: sixteen elements at a time, widened to f32 in registers,
 //! folded in rank order and rounded back, with no accumulator in memory.
 //!
-//! It computes the element-wise definition exactly ([`Reducible::load`], [`Reducible::combine`],
-//! [`Reducible::finish`], [`Reducible::store`] of `bf16`, in that order, input after input): the widening keeps
+//! It computes the element-wise definition exactly ([`Reducible::load`](super::Reducible::load), [`Reducible::combine`](super::Reducible::combine),
+//! [`Reducible::finish`](super::Reducible::finish), [`Reducible::store`](super::Reducible::store) of `bf16`, in that order, input after input): the widening keeps
 //! the bits and quiets a NaN as `load` does; the operators are the same IEEE operations on the same operands in
 //! the same order (`min`/`max` as the select `b < a ? b : a`, which is what `minps b, a` computes, NaNs and signed
 //! zeros included); the rounding is `store`'s, round to nearest even with a NaN quieted. The tests compare it with
@@ -27,7 +27,7 @@ use std::arch::x86_64::{
 
 use half::bf16;
 
-use super::{Op, Reducible};
+use super::Op;
 
 /// Elements per vector of bf16.
 const LANES: usize = 16;
@@ -105,17 +105,7 @@ fn run<const OP: u8>(inputs: &[&[bf16]], out: &mut [bf16], world: usize) {
         }
     }
     // The last elements one at a time, by the definition itself.
-    let op = op_of::<OP>();
-    for (i, o) in tail.iter_mut().enumerate() {
-        let at = whole + i;
-        let Some(x0) = first.get(at) else { return };
-        let mut a = x0.load();
-        for x in rest {
-            let Some(x) = x.get(at) else { return };
-            a = bf16::combine(a, x.load(), op);
-        }
-        *o = bf16::store(bf16::finish(a, op, world));
-    }
+    super::reduce_elements(first, rest, tail, whole, op_of::<OP>(), world);
 }
 
 /// The tile at `at`: every input's 32 elements widened (NaNs quieted if `quiet`) and folded in order into four f32
@@ -162,7 +152,7 @@ pub(super) fn combine<const OP: u8>(a: __m256, b: __m256) -> __m256 {
     }
 }
 
-/// Sixteen elements of `x` from `at`, widened to f32 as [`Reducible::load`] does (a NaN quieted if `quiet`; the
+/// Sixteen elements of `x` from `at`, widened to f32 as [`Reducible::load`](super::Reducible::load) does (a NaN quieted if `quiet`; the
 /// bits kept as they are otherwise): the "low" and
 /// "high" vectors of the module's lane order. `None` if `x` is shorter than `at + 16`.
 #[target_feature(enable = "avx2")]
@@ -193,7 +183,7 @@ fn any_nan(acc: &[__m256; 4]) -> bool {
     _mm256_movemask_ps(all) != 0
 }
 
-/// Every lane of `x` rounded to nearest even to bf16 as [`Reducible::store`] rounds a number (not a NaN), as
+/// Every lane of `x` rounded to nearest even to bf16 as [`Reducible::store`](super::Reducible::store) rounds a number (not a NaN), as
 /// 32-bit lanes, and the upper halves of `x`'s lanes.
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -207,7 +197,7 @@ fn round(x: __m256) -> (__m256i, __m256i) {
     (rounded, upper)
 }
 
-/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`] does, in element order, for lanes that
+/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`](super::Reducible::store) does, in element order, for lanes that
 /// hold no NaN.
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -217,7 +207,7 @@ fn narrow_numbers(lo: __m256, hi: __m256) -> __m256i {
     _mm256_packus_epi32(round(lo).0, round(hi).0)
 }
 
-/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`] does, in element order, NaNs included
+/// The "low" and "high" vectors rounded to bf16 as [`Reducible::store`](super::Reducible::store) does, in element order, NaNs included
 /// (quieted, the upper half of their payload kept).
 #[target_feature(enable = "avx2")]
 #[inline]

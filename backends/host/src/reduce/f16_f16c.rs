@@ -2,7 +2,7 @@
 //! narrowed back by the processor's conversion instructions, folded in rank order, with no accumulator in memory.
 //!
 //! It computes the element-wise definition exactly: on a processor with F16C, `half`'s `f16::to_f32` and
-//! `f16::from_f32` ([`Reducible::load`] and [`Reducible::store`] of `f16`) are these same instructions
+//! `f16::from_f32` ([`Reducible::load`](super::Reducible::load) and [`Reducible::store`](super::Reducible::store) of `f16`) are these same instructions
 //! (`vcvtph2ps`, and `vcvtps2ph` rounding to nearest even), and the operators are those of the bf16 kernel
 //! ([`super::bf16_avx2`]), the same IEEE operations on the same operands in the same order. The tests compare it
 //! with the definition bit for bit over every f16 value and lengths that are not a multiple of the vector width
@@ -18,7 +18,7 @@ use std::arch::x86_64::{
 use half::f16;
 
 use super::bf16_avx2::{combine, op_of, AVG, MAX, MIN, PROD, SUM};
-use super::{Op, Reducible};
+use super::Op;
 
 /// Elements per vector.
 const LANES: usize = 8;
@@ -73,17 +73,7 @@ fn run<const OP: u8>(inputs: &[&[f16]], out: &mut [f16], world: usize) {
         }
     }
     // The last elements one at a time, by the definition itself.
-    let op = op_of::<OP>();
-    for (i, o) in tail.iter_mut().enumerate() {
-        let at = whole + i;
-        let Some(x0) = first.get(at) else { return };
-        let mut a = x0.load();
-        for x in rest {
-            let Some(x) = x.get(at) else { return };
-            a = f16::combine(a, x.load(), op);
-        }
-        *o = f16::store(f16::finish(a, op, world));
-    }
+    super::reduce_elements(first, rest, tail, whole, op_of::<OP>(), world);
 }
 
 /// The 32 elements of `x` from `at`, widened to f32 by `vcvtph2ps` as `f16::to_f32` does; `None` if `x` is
