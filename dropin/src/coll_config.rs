@@ -91,15 +91,82 @@ impl CollConfigV23200 {
     };
 }
 
-/// What a non-null per-call config asks of the call (see the module's documentation).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a non-null per-call config asks of the call (see the module's documentation). Its `Display` is the reason
+/// the drop-in logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Asks {
     /// Nothing beyond the plain call: anyccl decides it as `ncclAllReduce`.
     Nothing,
-    /// Something only the library honours (what, for the log): forwarded untouched.
-    Library(String),
-    /// A config the library refuses itself (why, for the log): forwarded untouched for the library's own answer.
-    Malformed(String),
+    /// Something only the library honours (what): forwarded untouched.
+    Library(Field),
+    /// A config the library refuses itself (why): forwarded untouched for the library's own answer.
+    Malformed(Field),
+}
+
+/// The field that decided [`Asks`], with its value: kept as data and put into words only when logged, since the
+/// decision is made on every call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// `size` smaller than the 2.31 layout.
+    TooSmall(usize),
+    /// `magic` other than `NCCL_API_MAGIC`.
+    Magic(c_uint),
+    /// `version` older than the first release with per-call configs.
+    Version(c_uint),
+    /// `forceAlgSelection` neither 0 nor 1.
+    Force(c_int),
+    /// `size` larger than the 2.32 layout: fields the drop-in cannot read.
+    Newer(usize),
+    /// An integer field (named) set to something other than `NCCL_CONFIG_UNDEF_INT`.
+    Int(&'static str, c_int),
+    /// A non-empty `algSelection`.
+    AlgSelection,
+    /// A non-zero `userProfilerTag`.
+    ProfilerTag(u64),
+    /// A `launchCompletionEvent`.
+    LaunchEvent,
+    /// An `ext` list.
+    Ext,
+}
+
+impl std::fmt::Display for Field {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Field::TooSmall(size) => {
+                write!(f, "size {size} is smaller than the smallest ncclCollConfig_t ({V23100_SIZE} bytes, NCCL 2.31)")
+            }
+            Field::Magic(m) => write!(f, "magic {m:#x} is not NCCL_API_MAGIC ({NCCL_API_MAGIC:#x})"),
+            Field::Version(v) => {
+                write!(f, "version {v} is older than the first release with per-call configs ({FIRST_VERSION})")
+            }
+            Field::Force(v) => write!(f, "forceAlgSelection {v} is neither 0 nor 1"),
+            Field::Newer(size) => write!(
+                f,
+                "size {size}: fields newer than nccl.h 2.32's ncclCollConfig_t ({} bytes), which the drop-in cannot \
+                 read",
+                size_of::<CollConfigV23200>()
+            ),
+            Field::Int(name, v) => write!(f, "{name} {v}"),
+            Field::AlgSelection => f.write_str("an algorithm selection (algSelection)"),
+            Field::ProfilerTag(t) => write!(f, "a profiler tag (userProfilerTag {t:#x})"),
+            Field::LaunchEvent => f.write_str("a launch completion event (launchCompletionEvent)"),
+            Field::Ext => f.write_str("vendor extension options (ext)"),
+        }
+    }
+}
+
+impl std::fmt::Display for Asks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Asks::Nothing => f.write_str("the per-call config asks for nothing beyond the plain call"),
+            Asks::Library(what) => {
+                write!(f, "the per-call config asks for {what}, which only the library underneath honours")
+            }
+            Asks::Malformed(what) => {
+                write!(f, "the per-call config is not one the library accepts ({what}): the library answers it")
+            }
+        }
+    }
 }
 
 /// Reads the non-null `config` within its declared size and says what it asks.
@@ -113,9 +180,7 @@ pub unsafe fn read(config: CollConfig) -> Asks {
     // the caller's alignment.
     let size = unsafe { config.cast::<usize>().read_unaligned() };
     if size < V23100_SIZE {
-        return Asks::Malformed(format!(
-            "size {size} is smaller than the smallest ncclCollConfig_t ({V23100_SIZE} bytes, NCCL 2.31)"
-        ));
+        return Asks::Malformed(Field::TooSmall(size));
     }
     let mut c = CollConfigV23200::INITIALIZER;
     let known = size_of::<CollConfigV23200>();
@@ -125,22 +190,16 @@ pub unsafe fn read(config: CollConfig) -> Asks {
         std::ptr::copy_nonoverlapping(config.cast::<u8>(), std::ptr::addr_of_mut!(c).cast::<u8>(), size.min(known));
     }
     if c.magic != NCCL_API_MAGIC {
-        return Asks::Malformed(format!("magic {:#x} is not NCCL_API_MAGIC ({NCCL_API_MAGIC:#x})", c.magic));
+        return Asks::Malformed(Field::Magic(c.magic));
     }
     if c.version < FIRST_VERSION {
-        return Asks::Malformed(format!(
-            "version {} is older than the first release with per-call configs ({FIRST_VERSION})",
-            c.version
-        ));
+        return Asks::Malformed(Field::Version(c.version));
     }
     if c.forceAlgSelection != 0 && c.forceAlgSelection != 1 {
-        return Asks::Malformed(format!("forceAlgSelection {} is neither 0 nor 1", c.forceAlgSelection));
+        return Asks::Malformed(Field::Force(c.forceAlgSelection));
     }
     if size > known {
-        return Asks::Library(format!(
-            "size {size}: fields newer than nccl.h 2.32's ncclCollConfig_t ({known} bytes), which the drop-in cannot \
-             read"
-        ));
+        return Asks::Library(Field::Newer(size));
     }
     let ints = [
         ("minCTAs", c.minCTAs),
@@ -150,22 +209,22 @@ pub unsafe fn read(config: CollConfig) -> Asks {
         ("CTAPolicy", c.CTAPolicy),
     ];
     if let Some((name, v)) = ints.iter().find(|(_, v)| *v != NCCL_CONFIG_UNDEF_INT) {
-        return Asks::Library(format!("{name} {v}"));
+        return Asks::Library(Field::Int(name, *v));
     }
     if !c.algSelection.is_null() {
         // SAFETY: the caller's contract: a non-null algSelection is a readable C string (its first byte at least).
         if unsafe { c.algSelection.read() } != 0 {
-            return Asks::Library("an algorithm selection (algSelection)".into());
+            return Asks::Library(Field::AlgSelection);
         }
     }
     if c.userProfilerTag != 0 {
-        return Asks::Library(format!("a profiler tag (userProfilerTag {:#x})", c.userProfilerTag));
+        return Asks::Library(Field::ProfilerTag(c.userProfilerTag));
     }
     if !c.launchCompletionEvent.is_null() {
-        return Asks::Library("a launch completion event (launchCompletionEvent)".into());
+        return Asks::Library(Field::LaunchEvent);
     }
     if !c.ext.is_null() {
-        return Asks::Library("vendor extension options (ext)".into());
+        return Asks::Library(Field::Ext);
     }
     Asks::Nothing
 }
@@ -208,7 +267,7 @@ mod tests {
     fn any_field_anyccl_does_not_honour_is_for_the_library() {
         let c = CollConfigV23200::INITIALIZER;
         let library = |x: CollConfigV23200, what: &str| match asks(&x) {
-            Asks::Library(w) => assert!(w.contains(what), "{w}"),
+            Asks::Library(w) => assert!(w.to_string().contains(what), "{w}"),
             other => panic!("{what}: {other:?}"),
         };
         library(CollConfigV23200 { algSelection: c"RING_SIMPLE".as_ptr(), ..c }, "algSelection");
@@ -236,14 +295,14 @@ mod tests {
         let n = Newer { c: CollConfigV23200 { size: size_of::<Newer>(), ..CollConfigV23200::INITIALIZER }, later: 7 };
         // SAFETY: the whole `Newer` is readable, as its `size` says.
         let got = unsafe { read(std::ptr::from_ref(&n).cast()) };
-        assert!(matches!(&got, Asks::Library(w) if w.contains("size 80")), "{got:?}");
+        assert!(matches!(&got, Asks::Library(w) if w.to_string().contains("size 80")), "{got:?}");
     }
 
     #[test]
     fn a_malformed_config_is_left_for_the_library_to_refuse() {
         let c = CollConfigV23200::INITIALIZER;
         let malformed = |x: CollConfigV23200, what: &str| match asks(&x) {
-            Asks::Malformed(w) => assert!(w.contains(what), "{w}"),
+            Asks::Malformed(w) => assert!(w.to_string().contains(what), "{w}"),
             other => panic!("{what}: {other:?}"),
         };
         malformed(CollConfigV23200 { magic: 0, ..c }, "magic 0x0");

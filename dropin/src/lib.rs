@@ -362,16 +362,10 @@ fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollCo
             // NCCL_COLLCONFIG_INITIALIZER, readable within its declared size.
             unsafe { coll_config::read(config) }
         };
-        let why = match asks {
+        if asks == coll_config::Asks::Nothing {
             // SAFETY: the caller's arguments, as nccl.h requires them; `forward` makes the caller's own call.
-            coll_config::Asks::Nothing => return unsafe { dispatch_all_reduce(function, call, forward) },
-            coll_config::Asks::Library(what) => {
-                format!("the per-call config asks for {what}, which only the library underneath honours")
-            }
-            coll_config::Asks::Malformed(what) => {
-                format!("the per-call config is not one the library accepts ({what}): the library answers it")
-            }
-        };
+            return unsafe { dispatch_all_reduce(function, call, forward) };
+        }
         tracing::debug!(
             function,
             count = call.count,
@@ -381,7 +375,7 @@ fn all_reduce_config(function: &'static str, call: AllReduceCall, config: CollCo
             stream = ?call.stream,
             ?config,
             choice = "ccl",
-            why,
+            why = %asks,
             "forwarded"
         );
         Ok(forward(&call))
